@@ -1,0 +1,215 @@
+//! Errors. Every variant is typed and keeps its source; nothing is stringly.
+
+use std::time::Duration;
+
+use crate::key::KeyError;
+use crate::record::LeaseToken;
+use crate::state::{InvalidTransition, KeyState};
+
+/// A boxed error source from a backend driver.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Errors from a [`Store`](crate::Store).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The write carried a fencing token that is no longer the key's: another worker or the
+    /// sweeper took the key over, or an operator decided it. Nothing was changed.
+    #[error(
+        "lease lost on {key}: the write carried token {presented}, the key now has token {current} in state {state}; nothing was changed"
+    )]
+    LeaseLost {
+        /// `scope/key`.
+        key: String,
+        /// The token the caller presented.
+        presented: LeaseToken,
+        /// The key's token now.
+        current: LeaseToken,
+        /// The key's state now.
+        state: KeyState,
+    },
+    /// No row for this key.
+    #[error("no idempotency key {key}")]
+    NotFound {
+        /// `scope/key`.
+        key: String,
+    },
+    /// The state machine refuses the transition.
+    #[error(transparent)]
+    InvalidTransition(#[from] InvalidTransition),
+    /// The database failed or could not be reached.
+    #[error("{backend} store error: {source}")]
+    Database {
+        /// Which backend.
+        backend: &'static str,
+        /// The driver's error.
+        #[source]
+        source: BoxError,
+    },
+    /// Applying idemflow's migrations failed.
+    #[error("{backend} migration failed: {source}")]
+    Migrate {
+        /// Which backend.
+        backend: &'static str,
+        /// The migrator's error.
+        #[source]
+        source: BoxError,
+    },
+    /// A stored row could not be read back (a value outside what idemflow writes).
+    #[error("{backend} store holds a row idemflow cannot read: {detail}")]
+    Corrupt {
+        /// Which backend.
+        backend: &'static str,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The store was configured wrongly (bad URL, bad option).
+    #[error("store configuration: {0}")]
+    Config(String),
+}
+
+impl StoreError {
+    /// Wraps a driver error.
+    pub fn database(backend: &'static str, source: impl Into<BoxError>) -> Self {
+        StoreError::Database {
+            backend,
+            source: source.into(),
+        }
+    }
+}
+
+/// Errors from [`Idempotency::execute`](crate::Idempotency::execute) and request building.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The idempotency key broke a rule (HTTP 400).
+    #[error("invalid idempotency key: {0}")]
+    InvalidKey(#[source] KeyError),
+    /// The scope broke a rule (HTTP 400).
+    #[error("invalid scope: {0}")]
+    InvalidScope(#[source] KeyError),
+    /// The operation name broke a rule.
+    #[error("invalid operation name: {0}")]
+    InvalidOperation(#[source] KeyError),
+    /// The request body is not valid JSON (HTTP 400).
+    #[error("request body is not valid JSON: {0}")]
+    InvalidJson(#[source] serde_json::Error),
+    /// The canonical request is larger than the configured cap (HTTP 413).
+    #[error("request of {size} bytes exceeds the cap of {limit} bytes")]
+    RequestTooLarge {
+        /// Canonical size in bytes.
+        size: usize,
+        /// The configured cap.
+        limit: usize,
+    },
+    /// The same key was used with a different request (HTTP 422). Nothing was run.
+    #[error(
+        "idempotency key {key} was first used with a different request (stored fingerprint {stored}, this request {presented}); it is refused, not replayed"
+    )]
+    FingerprintMismatch {
+        /// `scope/key`.
+        key: String,
+        /// The fingerprint stored at first use.
+        stored: String,
+        /// This request's fingerprint.
+        presented: String,
+    },
+    /// The first request with this key is still running (HTTP 409 + `Retry-After`).
+    #[error("idempotency key {key} is in flight; retry after {retry_after:?}")]
+    InFlight {
+        /// `scope/key`.
+        key: String,
+        /// How long to wait before retrying.
+        retry_after: Duration,
+    },
+    /// The outcome of the operation is not known (a provider timed out after the request was
+    /// sent, or a worker died). The key stays `processing` for the sweeper; retry later with the
+    /// same key (HTTP 503 + `Retry-After`).
+    #[error(
+        "outcome for {key} is unknown ({reason}); the sweeper will settle it, retry after {retry_after:?}"
+    )]
+    OutcomeUnknown {
+        /// `scope/key`.
+        key: String,
+        /// What happened.
+        reason: String,
+        /// How long to wait before retrying.
+        retry_after: Duration,
+    },
+    /// The operation failed in a way that surely did nothing; the key is `failed{retryable}` and
+    /// a retry with the same key and request runs it again (HTTP 503).
+    #[error("operation for {key} failed and may be retried with the same key: {reason}")]
+    Retryable {
+        /// `scope/key`.
+        key: String,
+        /// What happened.
+        reason: String,
+    },
+    /// The response is larger than the configured cap. The operation did run, so the key is
+    /// recorded as `failed{permanent}` with this reason (never deleted: deleting would let a
+    /// retry run the operation a second time).
+    #[error("response of {size} bytes exceeds the cap of {limit} bytes")]
+    ResponseTooLarge {
+        /// Stored size in bytes.
+        size: usize,
+        /// The configured cap.
+        limit: usize,
+    },
+    /// The key was finished without a response to replay (for example an operator decision
+    /// without one, or an oversized response); its recorded reason is returned.
+    #[error("idempotency key {key} is {state} without a stored response: {reason}")]
+    NoStoredResponse {
+        /// `scope/key`.
+        key: String,
+        /// Its state.
+        state: KeyState,
+        /// The recorded error or reason.
+        reason: String,
+    },
+    /// This worker's lease was taken over before it stored its result; its result was not
+    /// written (the provider key made both attempts the same operation).
+    #[error("lease lost: {0}")]
+    LeaseLost(#[source] StoreError),
+    /// The store failed.
+    #[error("store: {0}")]
+    Store(#[source] StoreError),
+}
+
+impl From<StoreError> for Error {
+    fn from(e: StoreError) -> Self {
+        match e {
+            e @ StoreError::LeaseLost { .. } => Error::LeaseLost(e),
+            e => Error::Store(e),
+        }
+    }
+}
+
+impl Error {
+    /// The HTTP status code the IETF draft (and common practice) gives this error.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            Error::InvalidKey(_)
+            | Error::InvalidScope(_)
+            | Error::InvalidOperation(_)
+            | Error::InvalidJson(_) => 400,
+            Error::RequestTooLarge { .. } => 413,
+            Error::FingerprintMismatch { .. } => 422,
+            Error::InFlight { .. } => 409,
+            Error::OutcomeUnknown { .. } | Error::Retryable { .. } => 503,
+            Error::ResponseTooLarge { .. }
+            | Error::NoStoredResponse { .. }
+            | Error::LeaseLost(_)
+            | Error::Store(_) => 500,
+        }
+    }
+
+    /// The `Retry-After` a client should honour, if any.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Error::InFlight { retry_after, .. } | Error::OutcomeUnknown { retry_after, .. } => {
+                Some(*retry_after)
+            }
+            _ => None,
+        }
+    }
+}

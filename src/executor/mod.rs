@@ -1,0 +1,387 @@
+//! The public entry point: [`Idempotency::execute`].
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::{Instrument, info_span};
+
+use crate::error::{Error, StoreError};
+use crate::provider_key;
+use crate::record::{Actor, KeyRecord};
+use crate::state::KeyState;
+use crate::store::{ClaimOutcome, Finish, NewClaim, Release, Store};
+
+mod outcome;
+mod request;
+
+pub use outcome::{Context, Execution, Outcome};
+pub use request::Request;
+
+/// Settings of an [`Idempotency`] executor.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// How long a claim holds the key before a sweeper may take it over. Default 30 s.
+    pub lease: Duration,
+    /// How long a finished key is kept and replayed. Default 24 h.
+    pub retention: Duration,
+    /// Name recorded as the lease owner. Default `worker-<pid>`.
+    pub owner: String,
+    /// Whether the canonical request is stored (the sweeper needs it to re-drive). Default on.
+    pub store_request: bool,
+    /// Largest canonical request accepted, in bytes. Default 64 KiB.
+    pub max_request_bytes: usize,
+    /// Largest stored response (body + headers), in bytes. Default 1 MiB.
+    pub max_response_bytes: usize,
+    /// Response headers kept for replay (case-insensitive); `None` keeps all. Default
+    /// `content-type` and `location`.
+    pub stored_headers: Option<Vec<String>>,
+    /// Lets a retry take over a processing key whose lease expired, within this window after
+    /// the first claim. Only safe when the operation dedupes by the provider key inside that
+    /// window. Default `None`: the sweeper settles expired keys.
+    pub retry_takeover_window: Option<Duration>,
+    /// `Retry-After` given to a duplicate whose first request is still running. Default 1 s.
+    pub in_flight_retry_after: Duration,
+    /// `Retry-After` given when the outcome is unknown. Default 5 s.
+    pub unknown_retry_after: Duration,
+    /// Length limit for the derived provider key. Default 44.
+    pub provider_key_len: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(24 * 3600),
+            owner: format!("worker-{}", std::process::id()),
+            store_request: true,
+            max_request_bytes: 64 * 1024,
+            max_response_bytes: 1024 * 1024,
+            stored_headers: Some(vec!["content-type".to_owned(), "location".to_owned()]),
+            retry_takeover_window: None,
+            in_flight_retry_after: Duration::from_secs(1),
+            unknown_retry_after: Duration::from_secs(5),
+            provider_key_len: 44,
+        }
+    }
+}
+
+/// Makes operations safe to retry: claims the key, runs the operation at most once at a time,
+/// stores its outcome and replays it.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use idemflow::{Idempotency, Outcome, Request, Response, Store, store::sqlite::SqliteStore};
+///
+/// let store = SqliteStore::connect("sqlite::memory:").await?;
+/// store.migrate().await?;
+/// let idem = Idempotency::new(Arc::new(store));
+///
+/// let body = serde_json::json!({"amount": 500, "currency": "usd"});
+/// let charge = |ctx: idemflow::Context| async move {
+///     // Forward ctx.provider_key() to the provider here.
+///     Outcome::Succeeded(Response::json(201, &serde_json::json!({"charged": 500})).unwrap())
+/// };
+/// let first = idem.execute(Request::new("acct_1", "k1", "charge", &body)?, charge).await?;
+/// let again = idem.execute(Request::new("acct_1", "k1", "charge", &body)?, charge).await?;
+/// assert!(!first.is_replay() && again.is_replay());
+/// assert_eq!(first.response(), again.response());
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Idempotency {
+    store: Arc<dyn Store>,
+    config: Arc<Config>,
+}
+
+impl Idempotency {
+    /// An executor over `store` with default settings.
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self::with_config(store, Config::default())
+    }
+
+    /// An executor with explicit settings.
+    pub fn with_config(store: Arc<dyn Store>, config: Config) -> Self {
+        Self {
+            store,
+            config: Arc::new(config),
+        }
+    }
+
+    fn config_mut(&mut self) -> &mut Config {
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// Sets the lease length.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config_mut().lease = lease;
+        self
+    }
+
+    /// Sets the retention of finished keys.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.config_mut().retention = retention;
+        self
+    }
+
+    /// Sets the stored response cap in bytes.
+    pub fn max_response_bytes(mut self, limit: usize) -> Self {
+        self.config_mut().max_response_bytes = limit;
+        self
+    }
+
+    /// Sets the request cap in bytes.
+    pub fn max_request_bytes(mut self, limit: usize) -> Self {
+        self.config_mut().max_request_bytes = limit;
+        self
+    }
+
+    /// Sets the headers kept for replay (`None`: all).
+    pub fn stored_headers(mut self, headers: Option<Vec<String>>) -> Self {
+        self.config_mut().stored_headers = headers;
+        self
+    }
+
+    /// Lets a retry take over an expired lease within `window` of the first claim.
+    pub fn retry_takeover_window(mut self, window: Option<Duration>) -> Self {
+        self.config_mut().retry_takeover_window = window;
+        self
+    }
+
+    /// Sets the lease owner name.
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.config_mut().owner = owner.into();
+        self
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// Runs `op` at most once for the request's (scope, key) and returns its response, or
+    /// replays the stored one.
+    ///
+    /// Cancel-safe: if this future is dropped while `op` runs, the key stays `processing` under
+    /// its lease, and the sweeper (or, within the takeover window, a retry) settles it.
+    pub async fn execute<F, Fut>(&self, request: Request, op: F) -> Result<Execution, Error>
+    where
+        F: FnOnce(Context) -> Fut,
+        Fut: Future<Output = Outcome>,
+    {
+        let span = info_span!(
+            "idemflow.execute",
+            scope = %request.id.scope,
+            key = %request.id.key,
+            operation = %request.operation,
+            outcome = tracing::field::Empty,
+        );
+        self.execute_inner(request, op).instrument(span).await
+    }
+
+    async fn execute_inner<F, Fut>(&self, request: Request, op: F) -> Result<Execution, Error>
+    where
+        F: FnOnce(Context) -> Fut,
+        Fut: Future<Output = Outcome>,
+    {
+        let cfg = &*self.config;
+        if request.canonical.len() > cfg.max_request_bytes {
+            return Err(Error::RequestTooLarge {
+                size: request.canonical.len(),
+                limit: cfg.max_request_bytes,
+            });
+        }
+        let provider_key = request.provider_key.clone().unwrap_or_else(|| {
+            provider_key::derive(
+                &request.id.scope,
+                &request.id.key,
+                &request.operation,
+                cfg.provider_key_len,
+            )
+        });
+        let claim = NewClaim {
+            id: request.id.clone(),
+            operation: request.operation.clone(),
+            provider: request.provider.clone(),
+            provider_key,
+            fingerprint: request.fingerprint.clone(),
+            request: cfg.store_request.then(|| request.canonical.clone()),
+            owner: cfg.owner.clone(),
+            lease: cfg.lease,
+            retention: cfg.retention,
+            takeover_window: cfg.retry_takeover_window,
+        };
+        let lease = match self.store.claim(&claim).await? {
+            ClaimOutcome::Existing { record, now } => {
+                return self.existing(&request, *record, now);
+            }
+            ClaimOutcome::Claimed(lease) => lease,
+        };
+        let id = request.id.clone();
+        let ctx = Context {
+            id: id.clone(),
+            provider_key: lease.provider_key.clone(),
+            token: lease.token,
+            attempt: lease.attempts,
+            lease_expires_at: lease.expires_at,
+            request: request.canonical,
+        };
+        let outcome = op(ctx).await;
+        let (to, mut resp) = match outcome {
+            Outcome::Succeeded(resp) => (KeyState::Done, resp),
+            Outcome::Rejected(resp) => (KeyState::Failed { retryable: false }, resp),
+            Outcome::Retryable { reason } => {
+                tracing::Span::current().record("outcome", "retryable");
+                let finish = Finish {
+                    to: KeyState::Failed { retryable: true },
+                    response: None,
+                    error: Some(reason.clone()),
+                    actor: Actor::Worker,
+                    reason: "the provider surely did nothing; a retry runs it again".to_owned(),
+                };
+                self.store.finish(&id, Some(lease.token), &finish).await?;
+                return Err(Error::Retryable {
+                    key: id.to_string(),
+                    reason,
+                });
+            }
+            Outcome::Unknown { reason } => {
+                tracing::Span::current().record("outcome", "unknown");
+                let release = Release {
+                    actor: Actor::Worker,
+                    reason: "outcome unknown; left for the sweeper".to_owned(),
+                    error: Some(reason.clone()),
+                    recheck_after: None,
+                };
+                self.store.release(&id, lease.token, &release).await?;
+                return Err(Error::OutcomeUnknown {
+                    key: id.to_string(),
+                    reason,
+                    retry_after: cfg.unknown_retry_after,
+                });
+            }
+        };
+        if let Some(allow) = &cfg.stored_headers {
+            resp.retain_headers(allow);
+        }
+        let size = resp.stored_size();
+        if size > cfg.max_response_bytes {
+            // The operation ran, so the key must not vanish (a retry would run it again): it is
+            // finished as a permanent failure that names the problem.
+            tracing::Span::current().record("outcome", "response_too_large");
+            let detail = format!(
+                "response of {size} bytes exceeds the cap of {} bytes",
+                cfg.max_response_bytes
+            );
+            let finish = Finish {
+                to: KeyState::Failed { retryable: false },
+                response: None,
+                error: Some(detail.clone()),
+                actor: Actor::Worker,
+                reason: detail,
+            };
+            self.store.finish(&id, Some(lease.token), &finish).await?;
+            return Err(Error::ResponseTooLarge {
+                size,
+                limit: cfg.max_response_bytes,
+            });
+        }
+        tracing::Span::current().record(
+            "outcome",
+            if to == KeyState::Done {
+                "done"
+            } else {
+                "rejected"
+            },
+        );
+        let finish = Finish {
+            to,
+            response: Some(resp),
+            error: None,
+            actor: Actor::Worker,
+            reason: if to == KeyState::Done {
+                "operation succeeded".to_owned()
+            } else {
+                "operation refused permanently".to_owned()
+            },
+        };
+        let record = self.store.finish(&id, Some(lease.token), &finish).await?;
+        let stored = record.response.or(finish.response).ok_or_else(|| {
+            Error::Store(StoreError::Corrupt {
+                backend: self.store.backend(),
+                detail: "finished key returned without its response".to_owned(),
+            })
+        })?;
+        Ok(Execution::Executed(stored))
+    }
+
+    fn existing(
+        &self,
+        request: &Request,
+        record: KeyRecord,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Execution, Error> {
+        let key = request.id.to_string();
+        if record.fingerprint != request.fingerprint {
+            tracing::Span::current().record("outcome", "fingerprint_mismatch");
+            return Err(Error::FingerprintMismatch {
+                key,
+                stored: record.fingerprint.to_string(),
+                presented: request.fingerprint.to_string(),
+            });
+        }
+        match record.state {
+            KeyState::Done | KeyState::Failed { retryable: false } => {
+                tracing::Span::current().record("outcome", "replayed");
+                match record.response {
+                    Some(resp) => Ok(Execution::Replayed(resp)),
+                    None => Err(Error::NoStoredResponse {
+                        key,
+                        state: record.state,
+                        reason: record
+                            .error
+                            .unwrap_or_else(|| "no reason recorded".to_owned()),
+                    }),
+                }
+            }
+            KeyState::Processing => {
+                let live = record.lease_expires_at.is_some_and(|exp| exp > now);
+                if live {
+                    tracing::Span::current().record("outcome", "in_flight");
+                    let left = record
+                        .lease_expires_at
+                        .and_then(|exp| (exp - now).to_std().ok())
+                        .unwrap_or_default();
+                    Err(Error::InFlight {
+                        key,
+                        retry_after: left
+                            .min(self.config.in_flight_retry_after)
+                            .max(Duration::from_millis(100)),
+                    })
+                } else {
+                    tracing::Span::current().record("outcome", "unknown");
+                    Err(Error::OutcomeUnknown {
+                        key,
+                        reason: record
+                            .error
+                            .unwrap_or_else(|| "the first attempt's lease expired".to_owned()),
+                        retry_after: self.config.unknown_retry_after,
+                    })
+                }
+            }
+            // A retryable failure that the claim did not take: another retry just reclaimed it.
+            KeyState::Failed { retryable: true } => Err(Error::InFlight {
+                key,
+                retry_after: self.config.in_flight_retry_after,
+            }),
+        }
+    }
+}

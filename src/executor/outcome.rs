@@ -1,0 +1,119 @@
+//! What an operation returns ([`Outcome`]), what it is given ([`Context`]) and what `execute`
+//! returns ([`Execution`]).
+
+use chrono::{DateTime, Utc};
+
+use crate::record::LeaseToken;
+use crate::{KeyId, Response};
+
+/// How the caller classifies one run of the operation (DESIGN section 2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// It worked: the key becomes `done` and this response is replayed.
+    Succeeded(Response),
+    /// A permanent refusal (card declined, invalid recipient): the key becomes
+    /// `failed{permanent}` and this response is replayed.
+    Rejected(Response),
+    /// The provider surely did nothing (connection refused before sending, 429, an explicit
+    /// "should retry"): the key becomes `failed{retryable}` and a retry runs it again.
+    Retryable {
+        /// Why.
+        reason: String,
+    },
+    /// It may or may not have happened (timeout after sending, reset, a 5xx that may have
+    /// executed): the key stays `processing` with its lease released for the sweeper.
+    Unknown {
+        /// Why.
+        reason: String,
+    },
+}
+
+impl Outcome {
+    /// Shorthand for [`Outcome::Retryable`].
+    pub fn retryable(reason: impl Into<String>) -> Self {
+        Outcome::Retryable {
+            reason: reason.into(),
+        }
+    }
+
+    /// Shorthand for [`Outcome::Unknown`].
+    pub fn unknown(reason: impl Into<String>) -> Self {
+        Outcome::Unknown {
+            reason: reason.into(),
+        }
+    }
+}
+
+/// What the operation is given: the key to forward to the provider and its lease.
+#[derive(Debug, Clone)]
+pub struct Context {
+    pub(crate) id: KeyId,
+    pub(crate) provider_key: String,
+    pub(crate) token: LeaseToken,
+    pub(crate) attempt: i32,
+    pub(crate) lease_expires_at: DateTime<Utc>,
+    pub(crate) request: String,
+}
+
+impl Context {
+    /// The key to forward to the provider (`Idempotency-Key` header, metadata, ...). The same on
+    /// every attempt, by every process, and for the sweeper.
+    pub fn provider_key(&self) -> &str {
+        &self.provider_key
+    }
+
+    /// Scope and key.
+    pub fn id(&self) -> &KeyId {
+        &self.id
+    }
+
+    /// The fencing token of this attempt.
+    pub fn lease_token(&self) -> LeaseToken {
+        self.token
+    }
+
+    /// 1 for the first attempt, more after a retryable failure or a takeover.
+    pub fn attempt(&self) -> i32 {
+        self.attempt
+    }
+
+    /// When the lease ends (database clock). Past it, a sweeper may take the key over.
+    pub fn lease_expires_at(&self) -> DateTime<Utc> {
+        self.lease_expires_at
+    }
+
+    /// The canonical JSON request.
+    pub fn request(&self) -> &str {
+        &self.request
+    }
+}
+
+/// The result of [`Idempotency::execute`](crate::Idempotency::execute).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Execution {
+    /// The operation ran now; this is its response (success or permanent refusal).
+    Executed(Response),
+    /// The operation had already run; this is the stored response, byte for byte.
+    Replayed(Response),
+}
+
+impl Execution {
+    /// The response, executed or replayed.
+    pub fn response(&self) -> &Response {
+        match self {
+            Execution::Executed(r) | Execution::Replayed(r) => r,
+        }
+    }
+
+    /// Takes the response.
+    pub fn into_response(self) -> Response {
+        match self {
+            Execution::Executed(r) | Execution::Replayed(r) => r,
+        }
+    }
+
+    /// Whether this is a replay.
+    pub fn is_replay(&self) -> bool {
+        matches!(self, Execution::Replayed(_))
+    }
+}

@@ -1,0 +1,126 @@
+//! [`Request`]: one call to make idempotent, validated before anything touches the store.
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::error::Error;
+use crate::fingerprint::{Fingerprint, canonical_json};
+use crate::key::{IdempotencyKey, KeyError, KeyId, Scope};
+
+/// A validated request: scope, key, operation, canonical body and its fingerprint.
+///
+/// ```
+/// use idemflow::Request;
+/// let r = Request::new("acct_1", "order-7", "payments.create",
+///                      &serde_json::json!({"amount": 500, "currency": "usd"})).unwrap();
+/// assert_eq!(r.canonical_body(), r#"{"amount":500,"currency":"usd"}"#);
+/// assert!(Request::new("acct_1", "", "payments.create", &1).is_err());
+/// ```
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub(crate) id: KeyId,
+    pub(crate) operation: String,
+    pub(crate) canonical: String,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) provider: Option<String>,
+    pub(crate) provider_key: Option<String>,
+}
+
+fn validate_operation(operation: &str) -> Result<(), Error> {
+    // Same rules as keys: visible ASCII, 1..=255 bytes.
+    IdempotencyKey::new(operation).map(|_| ()).map_err(|e| {
+        Error::InvalidOperation(match e {
+            KeyError::Empty { .. } => KeyError::Empty { what: "operation" },
+            KeyError::TooLong { len, .. } => KeyError::TooLong {
+                what: "operation",
+                len,
+            },
+            KeyError::ForbiddenByte { byte, offset, .. } => KeyError::ForbiddenByte {
+                what: "operation",
+                byte,
+                offset,
+            },
+        })
+    })
+}
+
+impl Request {
+    /// Builds a request from any serialisable body.
+    pub fn new<B: Serialize + ?Sized>(
+        scope: &str,
+        key: &str,
+        operation: &str,
+        body: &B,
+    ) -> Result<Self, Error> {
+        let value = serde_json::to_value(body).map_err(Error::InvalidJson)?;
+        Self::from_value(scope, key, operation, &value)
+    }
+
+    /// Builds a request from raw JSON bytes (an HTTP body); invalid JSON is
+    /// [`Error::InvalidJson`].
+    pub fn from_json_bytes(
+        scope: &str,
+        key: &str,
+        operation: &str,
+        body: &[u8],
+    ) -> Result<Self, Error> {
+        let value: Value = serde_json::from_slice(body).map_err(Error::InvalidJson)?;
+        Self::from_value(scope, key, operation, &value)
+    }
+
+    /// Builds a request from a JSON value.
+    pub fn from_value(
+        scope: &str,
+        key: &str,
+        operation: &str,
+        body: &Value,
+    ) -> Result<Self, Error> {
+        let scope = Scope::new(scope).map_err(Error::InvalidScope)?;
+        let key = IdempotencyKey::new(key).map_err(Error::InvalidKey)?;
+        validate_operation(operation)?;
+        let canonical = canonical_json(body);
+        let fingerprint = Fingerprint::compute(operation, &canonical);
+        Ok(Self {
+            id: KeyId::new(scope, key),
+            operation: operation.to_owned(),
+            canonical,
+            fingerprint,
+            provider: None,
+            provider_key: None,
+        })
+    }
+
+    /// Names the provider this operation calls, so the sweeper knows whom to ask.
+    pub fn with_provider(mut self, provider: impl Into<String>) -> Self {
+        self.provider = Some(provider.into());
+        self
+    }
+
+    /// Sets the provider key explicitly instead of the default derivation
+    /// ([`provider_key::derive`](crate::provider_key::derive)). It is stored at claim and reused
+    /// on every attempt.
+    pub fn with_provider_key(mut self, provider_key: impl Into<String>) -> Self {
+        self.provider_key = Some(provider_key.into());
+        self
+    }
+
+    /// Scope and key.
+    pub fn id(&self) -> &KeyId {
+        &self.id
+    }
+
+    /// The operation name.
+    pub fn operation(&self) -> &str {
+        &self.operation
+    }
+
+    /// The canonical JSON of the body.
+    pub fn canonical_body(&self) -> &str {
+        &self.canonical
+    }
+
+    /// The request fingerprint.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+}

@@ -1,0 +1,83 @@
+//! # idemflow
+//!
+//! Idempotency keys done properly: make calls to external providers (card processors, email
+//! services) safe to retry. A customer presses "Pay", the server charges the card, the response
+//! is lost, the app retries: with idemflow the retry gets the first answer back instead of a
+//! second charge.
+//!
+//! * Each (scope, key) is one row moving `processing -> done | failed`, claimed atomically
+//!   through the primary key, guarded by a lease with a fencing token, and every transition is
+//!   appended to a history table in the same statement.
+//! * Requests are fingerprinted (canonical JSON, SHA-256, versioned): the same key with another
+//!   request is refused ([`Error::FingerprintMismatch`], HTTP 422), never replayed.
+//! * Responses are stored (status, chosen headers, body) and replayed byte for byte.
+//! * The operation gets a stable provider key ([`Context::provider_key`]) to forward, so a
+//!   provider that dedupes by key never acts twice.
+//! * The database's clock decides leases and expiry.
+//!
+//! ## Quick start
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use idemflow::{Error, Idempotency, Outcome, Request, Response, Store, store::sqlite::SqliteStore};
+//!
+//! let store = SqliteStore::connect("sqlite::memory:").await?;
+//! store.migrate().await?; // idemflow's tables, in idemflow's own migrations table
+//! let idem = Idempotency::new(Arc::new(store));
+//!
+//! let pay = |amount: u32| {
+//!     Request::new("acct_42", "8e03978e-40d5", "payments.create", &serde_json::json!({"amount": amount}))
+//! };
+//! let charge = |ctx: idemflow::Context| async move {
+//!     // Call the provider with ctx.provider_key() as its idempotency key, then classify.
+//!     Outcome::Succeeded(Response::json(201, &serde_json::json!({"payment_id": 1})).unwrap())
+//! };
+//!
+//! let first = idem.execute(pay(500)?, charge).await?;
+//! let retry = idem.execute(pay(500)?, charge).await?;
+//! assert!(retry.is_replay());
+//! assert_eq!(first.response(), retry.response()); // byte for byte
+//!
+//! let misuse = idem.execute(pay(900)?, charge).await;
+//! assert!(matches!(misuse, Err(Error::FingerprintMismatch { .. })));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! ## Outcomes
+//!
+//! The operation returns an [`Outcome`]: `Succeeded` (stored, replayed), `Rejected` (a permanent
+//! refusal such as a declined card; stored, replayed), `Retryable` (the provider surely did
+//! nothing; the next retry runs it again) or `Unknown` (it may have happened; the key stays
+//! `processing` and the sweeper asks the provider). See `docs/design.md` for the guarantees and
+//! their limits.
+//!
+//! ## Features
+//!
+//! `sqlite` (default) gives [`store::sqlite::SqliteStore`]. Other backends and integrations live
+//! behind their own features.
+
+#![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod error;
+pub mod executor;
+pub mod fingerprint;
+pub mod key;
+pub mod provider_key;
+pub mod record;
+pub mod response;
+pub mod state;
+pub mod store;
+
+pub use async_trait::async_trait;
+pub use error::{Error, StoreError};
+pub use executor::{Config, Context, Execution, Idempotency, Outcome, Request};
+pub use fingerprint::Fingerprint;
+pub use key::{IdempotencyKey, KeyError, KeyId, Scope};
+pub use record::{Actor, KeyEvent, KeyRecord, LeaseToken};
+pub use response::Response;
+pub use state::KeyState;
+pub use store::Store;

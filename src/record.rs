@@ -1,0 +1,121 @@
+//! What a store returns: the key row ([`KeyRecord`]) and its history ([`KeyEvent`]).
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use crate::{Fingerprint, IdempotencyKey, KeyState, Response, Scope};
+
+/// A fencing token: every claim and takeover gets a new, larger one. Writes with an older token
+/// fail with `LeaseLost`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct LeaseToken(pub i64);
+
+impl std::fmt::Display for LeaseToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Who made a transition, as recorded in history.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Actor {
+    /// The application's executor.
+    Worker,
+    /// The recovery sweeper.
+    Sweeper,
+    /// A person, through the CLI's `resolve`.
+    Operator,
+    /// Retention housekeeping.
+    Purge,
+}
+
+impl Actor {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Actor::Worker => "worker",
+            Actor::Sweeper => "sweeper",
+            Actor::Operator => "operator",
+            Actor::Purge => "purge",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "worker" => Actor::Worker,
+            "sweeper" => Actor::Sweeper,
+            "operator" => Actor::Operator,
+            "purge" => Actor::Purge,
+            _ => return None,
+        })
+    }
+}
+
+/// One key row.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KeyRecord {
+    /// The scope.
+    pub scope: Scope,
+    /// The client's key.
+    pub key: IdempotencyKey,
+    /// The operation name given at claim.
+    pub operation: String,
+    /// The provider the operation calls, if any (used by the sweeper).
+    pub provider: Option<String>,
+    /// The key forwarded to the provider: the same on every attempt, by every process.
+    pub provider_key: String,
+    /// The current state.
+    pub state: KeyState,
+    /// The request fingerprint.
+    #[serde(serialize_with = "ser_fp")]
+    pub fingerprint: Fingerprint,
+    /// The canonical request JSON, when stored.
+    pub request: Option<String>,
+    /// The stored response, when finished with one.
+    pub response: Option<Response>,
+    /// An error description (why it failed, or why the outcome is unknown).
+    pub error: Option<String>,
+    /// The current fencing token.
+    pub lease_token: LeaseToken,
+    /// Who holds the lease.
+    pub lease_owner: Option<String>,
+    /// When the lease ends (database clock); `None` once finished.
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// How many claims and takeovers the key has seen.
+    pub attempts: i32,
+    /// First claim (database clock).
+    pub created_at: DateTime<Utc>,
+    /// Last write (database clock).
+    pub updated_at: DateTime<Utc>,
+    /// When a finished key may be purged (database clock).
+    pub expires_at: Option<DateTime<Utc>>,
+    /// When the sweeper should look at the key again.
+    pub next_check_at: Option<DateTime<Utc>>,
+    /// How long a finished key is kept, in milliseconds.
+    pub retention_ms: i64,
+}
+
+fn ser_fp<S: serde::Serializer>(fp: &Fingerprint, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(fp.as_str())
+}
+
+/// One history row: a transition of one key.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KeyEvent {
+    /// Order of the events of one key.
+    pub seq: i64,
+    /// The state before (`None`: the key was created).
+    pub from: Option<KeyState>,
+    /// The state after (`None`: the row was purged).
+    pub to: Option<KeyState>,
+    /// The fencing token after the transition.
+    pub lease_token: Option<LeaseToken>,
+    /// Who did it.
+    pub actor: Actor,
+    /// Why.
+    pub reason: Option<String>,
+    /// When (database clock).
+    pub at: DateTime<Utc>,
+}

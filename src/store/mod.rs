@@ -1,0 +1,225 @@
+//! The [`Store`] trait and the types its methods exchange. One implementation per backend, each
+//! behind a cargo feature.
+//!
+//! Every method that changes a key is one atomic transition: the key row and its history row
+//! commit together or not at all. Writes on a processing key carry its fencing token; a stale
+//! token gets [`StoreError::LeaseLost`] and changes nothing. Every time (lease expiry, retention,
+//! "stale") is judged by the database's clock.
+
+use std::fmt::Debug;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use crate::error::StoreError;
+use crate::record::{Actor, KeyEvent, KeyRecord, LeaseToken};
+use crate::state::{KeyState, Transition};
+use crate::{Fingerprint, KeyId, Response};
+
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+mod rows;
+pub use rows::{RawEvent, RawRecord};
+
+/// A claim request: everything the key row holds from its first write.
+#[derive(Debug, Clone)]
+pub struct NewClaim {
+    /// Scope and key.
+    pub id: KeyId,
+    /// The operation name.
+    pub operation: String,
+    /// The provider the operation calls, if any.
+    pub provider: Option<String>,
+    /// The key to forward to the provider. Kept as first stored on reclaim and takeover.
+    pub provider_key: String,
+    /// The request fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The canonical request, when it is to be stored.
+    pub request: Option<String>,
+    /// Who takes the lease (for operators reading history).
+    pub owner: String,
+    /// How long the lease lasts.
+    pub lease: Duration,
+    /// How long the finished key is kept.
+    pub retention: Duration,
+    /// When `Some(w)`, a retry with the same fingerprint may take over a processing key whose
+    /// lease has expired, provided the key was created less than `w` ago (the provider's dedup
+    /// window). `None`: only the sweeper takes expired keys over.
+    pub takeover_window: Option<Duration>,
+}
+
+/// A lease granted by a claim or takeover.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The fencing token to present on every later write.
+    pub token: LeaseToken,
+    /// When the lease ends (database clock).
+    pub expires_at: DateTime<Utc>,
+    /// Claims and takeovers so far, this one included.
+    pub attempts: i32,
+    /// The key forwarded to the provider (the stored one).
+    pub provider_key: String,
+    /// Which transition granted it: [`Transition::Claim`], [`Transition::Reclaim`] or
+    /// [`Transition::Takeover`].
+    pub transition: Transition,
+}
+
+/// What a claim found.
+#[derive(Debug, Clone)]
+pub enum ClaimOutcome {
+    /// The caller holds the key now.
+    Claimed(Lease),
+    /// The key exists and was not claimable (in flight, finished, or another request).
+    Existing {
+        /// The row as read.
+        record: Box<KeyRecord>,
+        /// The database clock at the read, to judge the lease.
+        now: DateTime<Utc>,
+    },
+}
+
+/// A final write by the lease holder (or an operator).
+#[derive(Debug, Clone)]
+pub struct Finish {
+    /// `Done` or `Failed { .. }`.
+    pub to: KeyState,
+    /// The response to store and replay.
+    pub response: Option<Response>,
+    /// An error description.
+    pub error: Option<String>,
+    /// Who decides.
+    pub actor: Actor,
+    /// Why, for history.
+    pub reason: String,
+}
+
+/// Giving a lease back while the key stays processing (outcome unknown, or a deferred check).
+#[derive(Debug, Clone)]
+pub struct Release {
+    /// Who releases.
+    pub actor: Actor,
+    /// Why, for history.
+    pub reason: String,
+    /// An error description kept on the row.
+    pub error: Option<String>,
+    /// The sweeper should not look again before this much time has passed (`None`: at once).
+    pub recheck_after: Option<Duration>,
+}
+
+/// A batch takeover of stale keys by a sweeper.
+#[derive(Debug, Clone)]
+pub struct TakeStale {
+    /// The sweeper's name.
+    pub owner: String,
+    /// The lease each taken key gets.
+    pub lease: Duration,
+    /// At most this many keys.
+    pub limit: u32,
+}
+
+/// Counts for `idemflow stats`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Stats {
+    /// Keys in `processing`.
+    pub processing: i64,
+    /// Processing keys whose lease has expired (waiting for the sweeper).
+    pub stale: i64,
+    /// Keys in `done`.
+    pub done: i64,
+    /// Keys in `failed{retryable}`.
+    pub failed_retryable: i64,
+    /// Keys in `failed{permanent}`.
+    pub failed_permanent: i64,
+    /// Creation time of the oldest processing key.
+    pub oldest_processing_created_at: Option<DateTime<Utc>>,
+    /// The database clock when counted.
+    pub now: DateTime<Utc>,
+}
+
+/// Persistence for idempotency keys. Implementations: [`sqlite::SqliteStore`] (feature `sqlite`,
+/// default), and others behind their features. Used as `Arc<dyn Store>`.
+#[async_trait]
+pub trait Store: Debug + Send + Sync + 'static {
+    /// A short backend name (`"sqlite"`, `"postgres"`, ...).
+    fn backend(&self) -> &'static str;
+
+    /// Applies idemflow's migrations, tracked in idemflow's own migrations table.
+    async fn migrate(&self) -> Result<(), StoreError>;
+
+    /// The database clock.
+    async fn now(&self) -> Result<DateTime<Utc>, StoreError>;
+
+    /// Claims a key atomically: inserts it as processing with a new lease, or reclaims a
+    /// `failed{retryable}` key with the same fingerprint, or (when allowed) takes over an
+    /// expired processing key with the same fingerprint; otherwise returns the row as it is.
+    async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError>;
+
+    /// Finishes a key. With `Some(token)`: only if the key is processing under that token
+    /// (else [`StoreError::LeaseLost`]). With `None`: an operator override from any state, which
+    /// also moves the token on so that any worker still running is fenced out.
+    async fn finish(
+        &self,
+        id: &KeyId,
+        token: Option<LeaseToken>,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError>;
+
+    /// Gives the lease back early; the key stays processing for the sweeper.
+    async fn release(
+        &self,
+        id: &KeyId,
+        token: LeaseToken,
+        release: &Release,
+    ) -> Result<(), StoreError>;
+
+    /// Extends the lease of a processing key held under `token`; returns the new expiry.
+    async fn extend(
+        &self,
+        id: &KeyId,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<DateTime<Utc>, StoreError>;
+
+    /// Reads one key.
+    async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError>;
+
+    /// The key's history, oldest first (kept after the key is purged).
+    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError>;
+
+    /// Takes over up to `limit` processing keys whose lease has expired and whose next check is
+    /// due, oldest lease first, each with a new fencing token. Concurrent callers never get the
+    /// same key.
+    async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError>;
+
+    /// Deletes up to `batch` finished keys whose retention has expired; returns how many. Each
+    /// deletion is recorded in history.
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError>;
+
+    /// Counts per state.
+    async fn stats(&self) -> Result<Stats, StoreError>;
+}
+
+/// Milliseconds of a duration, saturating (for SQL parameters).
+pub fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Checks `finish.to` against the state machine for a fenced (`Some`) or override (`None`) write.
+pub fn check_finish(token: Option<LeaseToken>, to: KeyState) -> Result<Transition, StoreError> {
+    let t = match (token, to) {
+        (Some(_), KeyState::Done) => Transition::Complete,
+        (Some(_), KeyState::Failed { retryable: false }) => Transition::Reject,
+        (Some(_), KeyState::Failed { retryable: true }) => Transition::FailRetryable,
+        // Finishing into processing is never legal; the state machine refuses it below.
+        (None, to) | (Some(_), to @ KeyState::Processing) => Transition::Override(to),
+    };
+    let from = match t {
+        Transition::Override(_) => Some(KeyState::Done),
+        _ => Some(KeyState::Processing),
+    };
+    crate::state::transition(from, t)?;
+    Ok(t)
+}

@@ -1,0 +1,140 @@
+//! The SQLite statements. Times are integer milliseconds from SQLite's own clock; within one
+//! statement `now` is a single instant.
+
+macro_rules! now {
+    () => {
+        "CAST(unixepoch('subsec') * 1000 AS INTEGER)"
+    };
+}
+
+macro_rules! cols {
+    () => {
+        "scope, key, operation, provider, provider_key, state, retryable, fingerprint, request, \
+         response_status, response_headers, response_body, error, lease_token, lease_owner, \
+         lease_expires_at, attempts, created_at, updated_at, expires_at, next_check_at, retention_ms"
+    };
+}
+
+pub(super) const NOW: &str = concat!("SELECT ", now!());
+
+pub(super) const GET: &str = concat!(
+    "SELECT ",
+    cols!(),
+    ", ",
+    now!(),
+    " AS db_now FROM idempotency_keys WHERE scope = ?1 AND key = ?2"
+);
+
+/// The reasons double as the transition marker returned by `CLAIM`.
+pub(super) const REASON_CLAIM: &str = "claimed";
+pub(super) const REASON_RECLAIM: &str = "reclaimed after a retryable failure";
+pub(super) const REASON_TAKEOVER: &str = "retry took over an expired lease";
+
+pub(super) const CLAIM: &str = concat!(
+    "INSERT INTO idempotency_keys (scope, key, operation, provider, provider_key, state, retryable, \
+       fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, created_at, \
+       updated_at, retention_ms, version, last_actor, last_reason) \
+     VALUES (?1, ?2, ?3, ?4, ?5, 'processing', 0, ?6, ?7, 1, ?8, ",
+    now!(),
+    " + ?9, 1, ",
+    now!(),
+    ", ",
+    now!(),
+    ", ?10, 1, 'worker', 'claimed') \
+     ON CONFLICT (scope, key) DO UPDATE SET \
+       state = 'processing', retryable = 0, \
+       request = COALESCE(excluded.request, idempotency_keys.request), \
+       lease_token = idempotency_keys.lease_token + 1, lease_owner = excluded.lease_owner, \
+       lease_expires_at = excluded.lease_expires_at, attempts = idempotency_keys.attempts + 1, \
+       updated_at = excluded.updated_at, expires_at = NULL, next_check_at = NULL, error = NULL, \
+       response_status = NULL, response_headers = NULL, response_body = NULL, \
+       retention_ms = excluded.retention_ms, version = idempotency_keys.version + 1, \
+       last_actor = 'worker', \
+       last_reason = CASE WHEN idempotency_keys.state = 'failed' \
+         THEN 'reclaimed after a retryable failure' ELSE 'retry took over an expired lease' END \
+     WHERE idempotency_keys.fingerprint = excluded.fingerprint AND ( \
+       (idempotency_keys.state = 'failed' AND idempotency_keys.retryable = 1) \
+       OR (?11 IS NOT NULL AND idempotency_keys.state = 'processing' \
+           AND idempotency_keys.lease_expires_at <= excluded.updated_at \
+           AND idempotency_keys.created_at > excluded.updated_at - ?11)) \
+     RETURNING lease_token, lease_expires_at, attempts, provider_key, last_reason"
+);
+
+pub(super) const FINISH: &str = concat!(
+    "UPDATE idempotency_keys SET state = ?3, retryable = ?4, response_status = ?5, \
+       response_headers = ?6, response_body = ?7, error = ?8, \
+       lease_token = CASE WHEN ?9 IS NULL THEN lease_token + 1 ELSE lease_token END, \
+       lease_owner = NULL, lease_expires_at = NULL, updated_at = ",
+    now!(),
+    ", expires_at = ",
+    now!(),
+    " + retention_ms, next_check_at = NULL, version = version + 1, \
+       last_actor = ?10, last_reason = ?11 \
+     WHERE scope = ?1 AND key = ?2 AND (?9 IS NULL OR (state = 'processing' AND lease_token = ?9)) \
+     RETURNING ",
+    cols!()
+);
+
+pub(super) const RELEASE: &str = concat!(
+    "UPDATE idempotency_keys SET lease_owner = NULL, \
+       lease_expires_at = MIN(lease_expires_at, ",
+    now!(),
+    "), next_check_at = CASE WHEN ?4 IS NULL THEN NULL ELSE ",
+    now!(),
+    " + ?4 END, error = COALESCE(?5, error), updated_at = ",
+    now!(),
+    ", version = version + 1, last_actor = ?6, last_reason = ?7 \
+     WHERE scope = ?1 AND key = ?2 AND state = 'processing' AND lease_token = ?3"
+);
+
+pub(super) const EXTEND: &str = concat!(
+    "UPDATE idempotency_keys SET lease_expires_at = ",
+    now!(),
+    " + ?4 WHERE scope = ?1 AND key = ?2 AND state = 'processing' AND lease_token = ?3 \
+     RETURNING lease_expires_at"
+);
+
+pub(super) const TAKE_STALE: &str = concat!(
+    "UPDATE idempotency_keys SET lease_token = lease_token + 1, lease_owner = ?1, \
+       lease_expires_at = ",
+    now!(),
+    " + ?2, attempts = attempts + 1, updated_at = ",
+    now!(),
+    ", version = version + 1, last_actor = 'sweeper', \
+       last_reason = 'sweeper took over an expired lease' \
+     WHERE state = 'processing' AND (scope, key) IN ( \
+       SELECT scope, key FROM idempotency_keys \
+       WHERE state = 'processing' AND lease_expires_at <= ",
+    now!(),
+    " AND (next_check_at IS NULL OR next_check_at <= ",
+    now!(),
+    ") ORDER BY lease_expires_at LIMIT ?3) \
+     RETURNING ",
+    cols!()
+);
+
+pub(super) const PURGE: &str = concat!(
+    "DELETE FROM idempotency_keys WHERE (scope, key) IN ( \
+       SELECT scope, key FROM idempotency_keys \
+       WHERE state <> 'processing' AND expires_at <= ",
+    now!(),
+    " ORDER BY expires_at LIMIT ?1)"
+);
+
+pub(super) const HISTORY: &str = "SELECT id, from_state, from_retryable, to_state, to_retryable, \
+     lease_token, actor, reason, at FROM idempotency_key_events \
+     WHERE scope = ?1 AND key = ?2 ORDER BY id";
+
+pub(super) const STATS: &str = concat!(
+    "SELECT \
+       COALESCE(SUM(state = 'processing'), 0), \
+       COALESCE(SUM(state = 'processing' AND lease_expires_at <= ",
+    now!(),
+    "), 0), \
+       COALESCE(SUM(state = 'done'), 0), \
+       COALESCE(SUM(state = 'failed' AND retryable = 1), 0), \
+       COALESCE(SUM(state = 'failed' AND retryable = 0), 0), \
+       MIN(CASE WHEN state = 'processing' THEN created_at END), ",
+    now!(),
+    " FROM idempotency_keys"
+);

@@ -1,0 +1,779 @@
+//! The store conformance suite: every store-level promise, written once against
+//! `Arc<dyn Store>` and run unchanged on every backend through [`conformance_tests!`].
+//!
+//! A backend test file provides an async factory `fn() -> Option<Arc<dyn Store>>` that returns a
+//! migrated, **isolated** store (its own database, schema or key prefix: `take_stale` and `purge`
+//! are table-wide) or `None` to skip (printing why; with `CI=true` it must panic instead).
+
+#![allow(dead_code)]
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use idemflow::state::Transition;
+use idemflow::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, TakeStale};
+use idemflow::{
+    Actor, Fingerprint, IdempotencyKey, KeyId, KeyState, LeaseToken, Response, Scope, Store,
+    StoreError,
+};
+
+/// Generates one `#[tokio::test]` per conformance test, each calling `$factory` for its store.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($factory:path) => {
+        $crate::conformance_tests!(@each $factory;
+            claim_new_key_grants_first_token_and_history,
+            second_claim_sees_the_key_in_flight,
+            finish_stores_the_response_and_get_returns_it_exactly,
+            stale_token_is_lease_lost_and_changes_nothing,
+            scopes_are_isolated,
+            other_fingerprint_never_reclaims,
+            retryable_failure_is_reclaimed_by_the_same_request,
+            permanent_failure_is_never_reclaimed,
+            release_leaves_processing_for_the_sweeper,
+            take_stale_respects_next_check_at,
+            take_stale_fences_the_old_holder,
+            take_stale_skips_live_leases_and_finished_keys,
+            extend_moves_the_lease_and_is_fenced,
+            purge_deletes_only_expired_finished_keys_and_records_it,
+            operator_override_fences_running_workers,
+            finishing_into_processing_is_refused,
+            concurrent_claims_have_one_winner,
+            limits_round_trip_exactly,
+            retry_takeover_only_inside_the_window,
+            leases_use_the_database_clock,
+            stats_count_every_state,
+            history_survives_purge_and_is_ordered
+        );
+    };
+    (@each $factory:path; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let Some(store) = $factory().await else { return };
+                conformance::$name(store).await;
+            }
+        )*
+    };
+}
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A scope no other test (or earlier run) uses.
+pub fn unique(prefix: &str) -> String {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{prefix}-{}-{t}-{n}", std::process::id())
+}
+
+/// Reads an env var holding a backend URL; `None` (skip, with a printed reason) when unset,
+/// a panic when unset under `CI=true`.
+pub fn backend_url(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            if std::env::var("CI").as_deref() == Ok("true") {
+                panic!("{var} is not set and CI=true: this backend must be tested in CI");
+            }
+            eprintln!("skipping: {var} is not set");
+            None
+        }
+    }
+}
+
+pub fn id(scope: &str, key: &str) -> KeyId {
+    KeyId::new(
+        Scope::new(scope).unwrap(),
+        IdempotencyKey::new(key).unwrap(),
+    )
+}
+
+pub fn claim_for(id: &KeyId, body: &str, lease: Duration) -> NewClaim {
+    NewClaim {
+        id: id.clone(),
+        operation: "payments.create".into(),
+        provider: Some("fake".into()),
+        provider_key: format!("pk-{}", id.key),
+        fingerprint: Fingerprint::compute("payments.create", body),
+        request: Some(body.to_owned()),
+        owner: "test-worker".into(),
+        lease,
+        retention: Duration::from_secs(3600),
+        takeover_window: None,
+    }
+}
+
+pub async fn claimed(store: &Arc<dyn Store>, c: &NewClaim) -> Lease {
+    match store.claim(c).await.unwrap() {
+        ClaimOutcome::Claimed(l) => l,
+        ClaimOutcome::Existing { record, .. } => panic!("expected a claim, found {record:?}"),
+    }
+}
+
+pub fn done(response: Response) -> Finish {
+    Finish {
+        to: KeyState::Done,
+        response: Some(response),
+        error: None,
+        actor: Actor::Worker,
+        reason: "ok".into(),
+    }
+}
+
+fn fail(retryable: bool) -> Finish {
+    Finish {
+        to: KeyState::Failed { retryable },
+        response: (!retryable).then(|| Response::new(402).with_body(&b"declined"[..])),
+        error: Some("card declined".into()),
+        actor: Actor::Worker,
+        reason: "failed".into(),
+    }
+}
+
+const LEASE: Duration = Duration::from_secs(30);
+
+pub async fn claim_new_key_grants_first_token_and_history(store: Arc<dyn Store>) {
+    let id = id(&unique("claim"), "k1");
+    let lease = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    assert_eq!(lease.token, LeaseToken(1));
+    assert_eq!(lease.attempts, 1);
+    assert_eq!(lease.transition, Transition::Claim);
+    assert_eq!(lease.provider_key, "pk-k1");
+    let r = store.get(&id).await.unwrap().expect("row");
+    assert_eq!(r.state, KeyState::Processing);
+    assert_eq!(r.request.as_deref(), Some("{}"));
+    assert_eq!(r.provider.as_deref(), Some("fake"));
+    let h = store.history(&id).await.unwrap();
+    assert_eq!(h.len(), 1);
+    assert_eq!((h[0].from, h[0].to), (None, Some(KeyState::Processing)));
+    assert_eq!(h[0].actor, Actor::Worker);
+}
+
+pub async fn second_claim_sees_the_key_in_flight(store: Arc<dyn Store>) {
+    let id = id(&unique("inflight"), "k1");
+    claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    match store.claim(&claim_for(&id, "{}", LEASE)).await.unwrap() {
+        ClaimOutcome::Existing { record, now } => {
+            assert_eq!(record.state, KeyState::Processing);
+            assert!(record.lease_expires_at.unwrap() > now);
+            assert_eq!(record.lease_token, LeaseToken(1));
+        }
+        other => panic!("second claim must not win: {other:?}"),
+    }
+    assert_eq!(store.history(&id).await.unwrap().len(), 1);
+}
+
+pub async fn finish_stores_the_response_and_get_returns_it_exactly(store: Arc<dyn Store>) {
+    let id = id(&unique("finish"), "k1");
+    let lease = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let body: Vec<u8> = (0..=255u8)
+        .chain(b"\r\n{\"a\":1}".iter().copied())
+        .collect();
+    let resp = Response::new(201)
+        .with_header("content-type", "application/json")
+        .with_header("X-Weird", "v\"al;ue=1, 2")
+        .with_body(body.clone());
+    let rec = store
+        .finish(&id, Some(lease.token), &done(resp.clone()))
+        .await
+        .unwrap();
+    assert_eq!(rec.state, KeyState::Done);
+    assert_eq!(rec.response.as_ref(), Some(&resp));
+    assert!(rec.expires_at.unwrap() > rec.updated_at);
+    assert!(rec.lease_expires_at.is_none());
+    let again = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(again.response.unwrap().body(), &body[..]);
+    let h = store.history(&id).await.unwrap();
+    assert_eq!(h.len(), 2);
+    assert_eq!(
+        (h[1].from, h[1].to),
+        (Some(KeyState::Processing), Some(KeyState::Done))
+    );
+    // A second finish with the same token is refused: the key is no longer processing.
+    let err = store
+        .finish(&id, Some(lease.token), &done(Response::new(200)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::LeaseLost {
+                state: KeyState::Done,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        store
+            .get(&id)
+            .await
+            .unwrap()
+            .unwrap()
+            .response
+            .unwrap()
+            .status(),
+        201
+    );
+}
+
+pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>) {
+    let id = id(&unique("fence"), "k1");
+    let first = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "sweeper-1".into(),
+            lease: LEASE,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1);
+    assert_eq!(taken[0].lease_token, LeaseToken(2));
+    let before = store.get(&id).await.unwrap().unwrap();
+    let err = store
+        .finish(&id, Some(first.token), &done(Response::new(201)))
+        .await
+        .unwrap_err();
+    match err {
+        StoreError::LeaseLost {
+            presented,
+            current,
+            state,
+            ..
+        } => {
+            assert_eq!(
+                (presented, current, state),
+                (LeaseToken(1), LeaseToken(2), KeyState::Processing)
+            );
+        }
+        other => panic!("expected LeaseLost, got {other}"),
+    }
+    let after = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(before, after, "a fenced write must change nothing");
+    assert_eq!(store.history(&id).await.unwrap().len(), 2);
+    // The new holder can finish.
+    store
+        .finish(&id, Some(LeaseToken(2)), &done(Response::new(201)))
+        .await
+        .unwrap();
+}
+
+pub async fn scopes_are_isolated(store: Arc<dyn Store>) {
+    let (a, b) = (unique("tenant-a"), unique("tenant-b"));
+    let ia = id(&a, "same-key");
+    let ib = id(&b, "same-key");
+    let la = claimed(&store, &claim_for(&ia, "{\"x\":1}", LEASE)).await;
+    // Another scope with the same key and even another body is an independent key.
+    let lb = claimed(&store, &claim_for(&ib, "{\"x\":2}", LEASE)).await;
+    assert_eq!((la.token, lb.token), (LeaseToken(1), LeaseToken(1)));
+    store
+        .finish(
+            &ia,
+            Some(la.token),
+            &done(Response::new(201).with_body(&b"A"[..])),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get(&ib).await.unwrap().unwrap().state,
+        KeyState::Processing
+    );
+    assert!(store.get(&ib).await.unwrap().unwrap().response.is_none());
+    assert_eq!(store.history(&ib).await.unwrap().len(), 1);
+}
+
+pub async fn other_fingerprint_never_reclaims(store: Arc<dyn Store>) {
+    let id = id(&unique("fp"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{\"a\":1}", LEASE)).await;
+    store.finish(&id, Some(l.token), &fail(true)).await.unwrap();
+    match store
+        .claim(&claim_for(&id, "{\"a\":2}", LEASE))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Existing { record, .. } => {
+            assert_eq!(record.state, KeyState::Failed { retryable: true });
+            assert_eq!(
+                record.fingerprint,
+                Fingerprint::compute("payments.create", "{\"a\":1}")
+            );
+        }
+        other => panic!("another request must not reclaim: {other:?}"),
+    }
+}
+
+pub async fn retryable_failure_is_reclaimed_by_the_same_request(store: Arc<dyn Store>) {
+    let id = id(&unique("reclaim"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    store.finish(&id, Some(l.token), &fail(true)).await.unwrap();
+    let mut again = claim_for(&id, "{}", LEASE);
+    again.provider_key = "something-else".into();
+    let l2 = claimed(&store, &again).await;
+    assert_eq!(l2.transition, Transition::Reclaim);
+    assert_eq!(l2.token, LeaseToken(2));
+    assert_eq!(l2.attempts, 2);
+    assert_eq!(l2.provider_key, "pk-k1", "the stored provider key is kept");
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(r.state, KeyState::Processing);
+    assert!(r.error.is_none() && r.response.is_none() && r.expires_at.is_none());
+    let h = store.history(&id).await.unwrap();
+    assert_eq!(h.len(), 3);
+    assert_eq!(h[2].from, Some(KeyState::Failed { retryable: true }));
+}
+
+pub async fn permanent_failure_is_never_reclaimed(store: Arc<dyn Store>) {
+    let id = id(&unique("perm"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    store
+        .finish(&id, Some(l.token), &fail(false))
+        .await
+        .unwrap();
+    match store.claim(&claim_for(&id, "{}", LEASE)).await.unwrap() {
+        ClaimOutcome::Existing { record, .. } => {
+            assert_eq!(record.state, KeyState::Failed { retryable: false });
+            assert_eq!(record.response.unwrap().status(), 402);
+        }
+        other => panic!("a permanent failure is replayed, not re-run: {other:?}"),
+    }
+}
+
+pub async fn release_leaves_processing_for_the_sweeper(store: Arc<dyn Store>) {
+    let id = id(&unique("release"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let rel = Release {
+        actor: Actor::Worker,
+        reason: "timeout after send".into(),
+        error: Some("read timed out".into()),
+        recheck_after: None,
+    };
+    store.release(&id, l.token, &rel).await.unwrap();
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(r.state, KeyState::Processing);
+    assert_eq!(r.error.as_deref(), Some("read timed out"));
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "sweeper".into(),
+            lease: LEASE,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1);
+    assert_eq!(taken[0].key.as_str(), "k1");
+    assert_eq!(taken[0].lease_owner.as_deref(), Some("sweeper"));
+    // A release with a stale token is refused.
+    assert!(matches!(
+        store.release(&id, l.token, &rel).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    let h = store.history(&id).await.unwrap();
+    assert_eq!(h.len(), 3);
+    assert_eq!(h[2].actor, Actor::Sweeper);
+}
+
+pub async fn take_stale_respects_next_check_at(store: Arc<dyn Store>) {
+    let id = id(&unique("defer"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "s".into(),
+            lease: Duration::ZERO,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1);
+    let token = taken[0].lease_token;
+    assert!(token > l.token);
+    store
+        .release(
+            &id,
+            token,
+            &Release {
+                actor: Actor::Sweeper,
+                reason: "provider answer unknown; backing off".into(),
+                error: None,
+                recheck_after: Some(Duration::from_secs(3600)),
+            },
+        )
+        .await
+        .unwrap();
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert!(r.next_check_at.unwrap() > r.updated_at);
+    let again = store
+        .take_stale(&TakeStale {
+            owner: "s".into(),
+            lease: LEASE,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert!(again.is_empty(), "a deferred key is not due: {again:?}");
+}
+
+pub async fn take_stale_fences_the_old_holder(store: Arc<dyn Store>) {
+    let id = id(&unique("zombie"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "s".into(),
+            lease: LEASE,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1);
+    assert!(matches!(
+        store.extend(&id, l.token, LEASE).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    assert!(matches!(
+        store.finish(&id, Some(l.token), &fail(true)).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(
+        (r.state, r.lease_token),
+        (KeyState::Processing, taken[0].lease_token)
+    );
+}
+
+pub async fn take_stale_skips_live_leases_and_finished_keys(store: Arc<dyn Store>) {
+    let scope = unique("skip");
+    let live = id(&scope, "live");
+    claimed(&store, &claim_for(&live, "{}", LEASE)).await;
+    let fin = id(&scope, "finished");
+    let l = claimed(&store, &claim_for(&fin, "{}", Duration::ZERO)).await;
+    store
+        .finish(&fin, Some(l.token), &done(Response::new(200)))
+        .await
+        .unwrap();
+    let mut all = Vec::new();
+    for i in 0..5 {
+        let s = id(&scope, &format!("stale-{i}"));
+        claimed(&store, &claim_for(&s, "{}", Duration::ZERO)).await;
+        all.push(s);
+    }
+    let first = store
+        .take_stale(&TakeStale {
+            owner: "s".into(),
+            lease: LEASE,
+            limit: 3,
+        })
+        .await
+        .unwrap();
+    let second = store
+        .take_stale(&TakeStale {
+            owner: "s".into(),
+            lease: LEASE,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 3, "the batch limit holds");
+    assert_eq!(second.len(), 2);
+    let keys: HashSet<String> = first
+        .iter()
+        .chain(&second)
+        .map(|r| r.key.to_string())
+        .collect();
+    assert_eq!(keys.len(), 5);
+    assert!(keys.iter().all(|k| k.starts_with("stale-")));
+}
+
+pub async fn extend_moves_the_lease_and_is_fenced(store: Arc<dyn Store>) {
+    let id = id(&unique("extend"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", Duration::from_secs(1))).await;
+    let new_exp = store
+        .extend(&id, l.token, Duration::from_secs(600))
+        .await
+        .unwrap();
+    assert!(new_exp > l.expires_at + chrono::Duration::seconds(500));
+    assert_eq!(
+        store.get(&id).await.unwrap().unwrap().lease_expires_at,
+        Some(new_exp)
+    );
+    assert!(matches!(
+        store.extend(&id, LeaseToken(99), LEASE).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    assert_eq!(
+        store.history(&id).await.unwrap().len(),
+        1,
+        "extending is not a transition"
+    );
+    let missing = crate::conformance::id(&unique("extend"), "none");
+    assert!(matches!(
+        store.extend(&missing, LeaseToken(1), LEASE).await,
+        Err(StoreError::NotFound { .. })
+    ));
+}
+
+pub async fn purge_deletes_only_expired_finished_keys_and_records_it(store: Arc<dyn Store>) {
+    let scope = unique("purge");
+    let mut expired = Vec::new();
+    for i in 0..5 {
+        let id = id(&scope, &format!("old-{i}"));
+        let mut c = claim_for(&id, "{}", LEASE);
+        c.retention = Duration::ZERO;
+        let l = claimed(&store, &c).await;
+        store
+            .finish(&id, Some(l.token), &done(Response::new(201)))
+            .await
+            .unwrap();
+        expired.push(id);
+    }
+    let kept = id(&scope, "fresh");
+    let l = claimed(&store, &claim_for(&kept, "{}", LEASE)).await;
+    store
+        .finish(&kept, Some(l.token), &done(Response::new(201)))
+        .await
+        .unwrap();
+    let running = id(&scope, "running");
+    let mut c = claim_for(&running, "{}", Duration::ZERO);
+    c.retention = Duration::ZERO;
+    claimed(&store, &c).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(store.purge_expired(2).await.unwrap(), 2, "bounded batches");
+    let mut total = 2;
+    loop {
+        let n = store.purge_expired(2).await.unwrap();
+        if n == 0 {
+            break;
+        }
+        total += n;
+    }
+    assert_eq!(total, 5);
+    for id in &expired {
+        assert!(store.get(id).await.unwrap().is_none());
+        let h = store.history(id).await.unwrap();
+        let last = h.last().unwrap();
+        assert_eq!(
+            (last.from, last.to, last.actor),
+            (Some(KeyState::Done), None, Actor::Purge)
+        );
+    }
+    assert!(store.get(&kept).await.unwrap().is_some());
+    assert!(
+        store.get(&running).await.unwrap().is_some(),
+        "processing keys are never purged"
+    );
+}
+
+pub async fn operator_override_fences_running_workers(store: Arc<dyn Store>) {
+    let id = id(&unique("override"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let decision = Finish {
+        to: KeyState::Failed { retryable: true },
+        response: None,
+        error: Some("operator: provider shows no charge".into()),
+        actor: Actor::Operator,
+        reason: "checked the dashboard".into(),
+    };
+    let r = store.finish(&id, None, &decision).await.unwrap();
+    assert_eq!(r.state, KeyState::Failed { retryable: true });
+    assert!(r.lease_token > l.token);
+    assert!(matches!(
+        store
+            .finish(&id, Some(l.token), &done(Response::new(201)))
+            .await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    let h = store.history(&id).await.unwrap();
+    assert_eq!(h.last().unwrap().actor, Actor::Operator);
+    assert_eq!(
+        h.last().unwrap().reason.as_deref(),
+        Some("checked the dashboard")
+    );
+    let missing = crate::conformance::id(&unique("override"), "none");
+    assert!(matches!(
+        store.finish(&missing, None, &decision).await,
+        Err(StoreError::NotFound { .. })
+    ));
+}
+
+pub async fn finishing_into_processing_is_refused(store: Arc<dyn Store>) {
+    let id = id(&unique("invalid"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let bad = Finish {
+        to: KeyState::Processing,
+        response: None,
+        error: None,
+        actor: Actor::Worker,
+        reason: "x".into(),
+    };
+    assert!(matches!(
+        store.finish(&id, Some(l.token), &bad).await,
+        Err(StoreError::InvalidTransition(_))
+    ));
+    assert_eq!(store.history(&id).await.unwrap().len(), 1);
+}
+
+pub async fn concurrent_claims_have_one_winner(store: Arc<dyn Store>) {
+    let id = id(&unique("race"), "k1");
+    let mut tasks = Vec::new();
+    for _ in 0..100 {
+        let store = store.clone();
+        let c = claim_for(&id, "{}", LEASE);
+        tasks.push(tokio::spawn(async move { store.claim(&c).await }));
+    }
+    let mut winners = 0;
+    for t in tasks {
+        if let ClaimOutcome::Claimed(_) = t.await.unwrap().unwrap() {
+            winners += 1;
+        }
+    }
+    assert_eq!(winners, 1);
+    assert_eq!(store.history(&id).await.unwrap().len(), 1);
+}
+
+pub async fn limits_round_trip_exactly(store: Arc<dyn Store>) {
+    let punct: String = (0x21u8..=0x7E)
+        .map(char::from)
+        .filter(|c| !c.is_ascii_alphanumeric())
+        .collect();
+    let mut scope = format!("{}{}", unique("lim"), punct);
+    scope.push_str(&"s".repeat(255 - scope.len()));
+    let mut key = punct.clone();
+    key.push_str(&"k".repeat(255 - key.len()));
+    let id = id(&scope, &key);
+    let big_request: String = format!("{{\"blob\":\"{}\"}}", "x".repeat(64 * 1024 - 12));
+    let l = claimed(&store, &claim_for(&id, &big_request, LEASE)).await;
+    let body: Vec<u8> = (0..1024 * 1024).map(|i| (i % 251) as u8).collect();
+    store
+        .finish(
+            &id,
+            Some(l.token),
+            &done(Response::new(200).with_body(body.clone())),
+        )
+        .await
+        .unwrap();
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(r.scope.as_str(), scope);
+    assert_eq!(r.key.as_str(), key);
+    assert_eq!(r.request.as_deref(), Some(big_request.as_str()));
+    assert_eq!(r.response.unwrap().body(), &body[..]);
+}
+
+pub async fn retry_takeover_only_inside_the_window(store: Arc<dyn Store>) {
+    let id = id(&unique("takeover"), "k1");
+    claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    // Without a window: the retry sees the key, it does not take it.
+    assert!(matches!(
+        store.claim(&claim_for(&id, "{}", LEASE)).await.unwrap(),
+        ClaimOutcome::Existing { .. }
+    ));
+    // With a window but another request: refused.
+    let mut other = claim_for(&id, "{\"other\":1}", LEASE);
+    other.takeover_window = Some(Duration::from_secs(3600));
+    assert!(matches!(
+        store.claim(&other).await.unwrap(),
+        ClaimOutcome::Existing { .. }
+    ));
+    // With a window that already passed: refused.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut late = claim_for(&id, "{}", LEASE);
+    late.takeover_window = Some(Duration::from_millis(1));
+    assert!(matches!(
+        store.claim(&late).await.unwrap(),
+        ClaimOutcome::Existing { .. }
+    ));
+    // Inside the window, same request: a fenced takeover.
+    let mut ok = claim_for(&id, "{}", LEASE);
+    ok.takeover_window = Some(Duration::from_secs(3600));
+    let l = claimed(&store, &ok).await;
+    assert_eq!(
+        (l.transition, l.token, l.attempts),
+        (Transition::Takeover, LeaseToken(2), 2)
+    );
+    // A live lease is never taken over.
+    assert!(matches!(
+        store.claim(&ok).await.unwrap(),
+        ClaimOutcome::Existing { .. }
+    ));
+}
+
+pub async fn leases_use_the_database_clock(store: Arc<dyn Store>) {
+    let id = id(&unique("clock"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", Duration::from_secs(30))).await;
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(l.expires_at - r.created_at, chrono::Duration::seconds(30));
+    let now = store.now().await.unwrap();
+    assert!(now >= r.created_at && now < l.expires_at);
+}
+
+pub async fn stats_count_every_state(store: Arc<dyn Store>) {
+    let scope = unique("stats");
+    let before = store.stats().await.unwrap();
+    let a = id(&scope, "a");
+    claimed(&store, &claim_for(&a, "{}", LEASE)).await;
+    let b = id(&scope, "b");
+    claimed(&store, &claim_for(&b, "{}", Duration::ZERO)).await;
+    let c = id(&scope, "c");
+    let l = claimed(&store, &claim_for(&c, "{}", LEASE)).await;
+    store
+        .finish(&c, Some(l.token), &done(Response::new(200)))
+        .await
+        .unwrap();
+    let d = id(&scope, "d");
+    let l = claimed(&store, &claim_for(&d, "{}", LEASE)).await;
+    store.finish(&d, Some(l.token), &fail(true)).await.unwrap();
+    let e = id(&scope, "e");
+    let l = claimed(&store, &claim_for(&e, "{}", LEASE)).await;
+    store.finish(&e, Some(l.token), &fail(false)).await.unwrap();
+    let s = store.stats().await.unwrap();
+    assert_eq!(s.processing - before.processing, 2);
+    assert_eq!(s.stale - before.stale, 1);
+    assert_eq!(s.done - before.done, 1);
+    assert_eq!(s.failed_retryable - before.failed_retryable, 1);
+    assert_eq!(s.failed_permanent - before.failed_permanent, 1);
+    assert!(s.oldest_processing_created_at.unwrap() <= s.now);
+}
+
+pub async fn history_survives_purge_and_is_ordered(store: Arc<dyn Store>) {
+    let id = id(&unique("hist"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    store
+        .release(
+            &id,
+            l.token,
+            &Release {
+                actor: Actor::Worker,
+                reason: "unknown".into(),
+                error: None,
+                recheck_after: None,
+            },
+        )
+        .await
+        .unwrap();
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "s".into(),
+            lease: LEASE,
+            limit: 100,
+        })
+        .await
+        .unwrap();
+    let t = taken.iter().find(|r| r.key == id.key).unwrap().lease_token;
+    let mut f = done(Response::new(201));
+    f.actor = Actor::Sweeper;
+    store.finish(&id, Some(t), &f).await.unwrap();
+    let h = store.history(&id).await.unwrap();
+    let seqs: Vec<i64> = h.iter().map(|e| e.seq).collect();
+    let mut sorted = seqs.clone();
+    sorted.sort();
+    assert_eq!(seqs, sorted);
+    let actors: Vec<Actor> = h.iter().map(|e| e.actor).collect();
+    assert_eq!(
+        actors,
+        [Actor::Worker, Actor::Worker, Actor::Sweeper, Actor::Sweeper]
+    );
+    assert_eq!(h[3].to, Some(KeyState::Done));
+    assert_eq!(h[3].lease_token, Some(t));
+}
