@@ -223,3 +223,22 @@ pub fn check_finish(token: Option<LeaseToken>, to: KeyState) -> Result<Transitio
     crate::state::transition(from, t)?;
     Ok(t)
 }
+
+/// Whether a claim could change the existing row `r` (so a write is worth trying): a
+/// `failed{retryable}` row with the same fingerprint, or an expired processing row inside the
+/// claim's takeover window.
+pub fn claimable(claim: &NewClaim, r: &KeyRecord, now: DateTime<Utc>) -> bool {
+    if r.fingerprint != claim.fingerprint {
+        return false;
+    }
+    match r.state {
+        KeyState::Failed { retryable: true } => true,
+        KeyState::Processing => match (claim.takeover_window, r.lease_expires_at) {
+            (Some(window), Some(exp)) => {
+                exp <= now && r.created_at + chrono::Duration::milliseconds(millis(window)) > now
+            }
+            _ => false,
+        },
+        _ => false,
+    }
+}

@@ -23,7 +23,7 @@ use tracing::instrument;
 use super::rows::ms_to_time;
 use super::{
     ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, TakeStale,
-    check_finish, millis,
+    check_finish, claimable, millis,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -238,23 +238,6 @@ fn record(row: &SqliteRow) -> Result<KeyRecord, StoreError> {
         retention_ms: row.try_get("retention_ms").map_err(db)?,
     }
     .into_record(BACKEND)
-}
-
-/// Whether a claim statement could change the row `r` (so the write is worth trying).
-pub(crate) fn claimable(claim: &NewClaim, r: &KeyRecord, now: DateTime<Utc>) -> bool {
-    if r.fingerprint != claim.fingerprint {
-        return false;
-    }
-    match r.state {
-        KeyState::Failed { retryable: true } => true,
-        KeyState::Processing => match (claim.takeover_window, r.lease_expires_at) {
-            (Some(window), Some(exp)) => {
-                exp <= now && r.created_at + chrono::Duration::milliseconds(millis(window)) > now
-            }
-            _ => false,
-        },
-        _ => false,
-    }
 }
 
 #[async_trait]
