@@ -28,7 +28,7 @@ use super::{
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
-use crate::state::{KeyState, Transition};
+use crate::state::Transition;
 
 mod sql;
 
