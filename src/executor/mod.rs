@@ -13,6 +13,7 @@ use crate::state::KeyState;
 use crate::store::{ClaimOutcome, Finish, NewClaim, Release, Store};
 
 mod outcome;
+mod provider_call;
 mod request;
 
 pub use outcome::{Context, Execution, Outcome};

@@ -1,0 +1,38 @@
+//! [`Idempotency::call`]: the executor wired to a [`Provider`].
+
+use crate::error::Error;
+use crate::provider::Provider;
+
+use super::{Execution, Idempotency, Request};
+
+impl Idempotency {
+    /// Runs `request` through `provider` at most once: records the provider's name in the key row
+    /// (so the sweeper knows whom to ask), derives the provider key within the provider's limits
+    /// unless the request sets one, sends the canonical request with it, and stores the
+    /// classified answer. The stored response is the provider's answer.
+    pub async fn call(
+        &self,
+        request: Request,
+        provider: &dyn Provider,
+    ) -> Result<Execution, Error> {
+        let spec = provider.key_spec();
+        let mut request = request.with_provider(provider.name());
+        if request.provider_key.is_none() {
+            let derived = spec.derive(&request.id.scope, &request.id.key, &request.operation);
+            request = request.with_provider_key(derived);
+        }
+        self.execute(request, |ctx| async move {
+            let body: serde_json::Value = match serde_json::from_str(ctx.request()) {
+                Ok(v) => v,
+                // The canonical request was produced from JSON by Request; this cannot fail
+                // unless memory is corrupt, and then nothing was sent.
+                Err(e) => return crate::Outcome::retryable(format!("request is not JSON: {e}")),
+            };
+            provider
+                .call(ctx.provider_key(), &body)
+                .await
+                .into_outcome()
+        })
+        .await
+    }
+}

@@ -1,0 +1,210 @@
+//! Providers: the external services idemflow makes safe to retry (card processors, email
+//! services), described as data ([`KeySpec`]) plus two calls: [`Provider::call`] and
+//! [`Provider::lookup`].
+//!
+//! The request a provider receives is the canonical JSON stored in the key row, so the sweeper can
+//! send exactly what was sent the first time, with exactly the same provider key.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+
+use crate::{IdempotencyKey, Outcome, Response, Scope, provider_key};
+
+pub mod config;
+
+/// Where the provider key travels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyTransport {
+    /// An HTTP header, e.g. `Idempotency-Key`.
+    Header(String),
+    /// A field of the request body.
+    BodyField(String),
+    /// The provider has no idempotency key: ours goes into searchable metadata only.
+    None,
+}
+
+/// How a provider handles idempotency keys, as data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeySpec {
+    /// Where the key goes.
+    pub transport: KeyTransport,
+    /// The longest key the provider accepts.
+    pub max_len: usize,
+    /// How long the provider remembers a key (its dedup window); `None` when it has no keys.
+    pub retention: Option<Duration>,
+    /// Whether a re-send with the same key inside `retention` returns the first result instead
+    /// of acting again. Only then may the sweeper re-drive a request.
+    pub replays_same_key: bool,
+}
+
+impl KeySpec {
+    /// A spec for a provider without idempotency keys (never re-driven).
+    pub fn no_keys() -> Self {
+        Self {
+            transport: KeyTransport::None,
+            max_len: 255,
+            retention: None,
+            replays_same_key: false,
+        }
+    }
+
+    /// Derives the provider key for (scope, key, operation) within this provider's limits.
+    pub fn derive(&self, scope: &Scope, key: &IdempotencyKey, operation: &str) -> String {
+        provider_key::derive(scope, key, operation, self.max_len)
+    }
+
+    /// Whether re-sending the stored request is safe for a key first sent at `first_sent_at`,
+    /// judged at `now` (both from the database clock), keeping `margin` in hand.
+    pub fn may_redrive(
+        &self,
+        first_sent_at: DateTime<Utc>,
+        now: DateTime<Utc>,
+        margin: Duration,
+    ) -> bool {
+        match (self.replays_same_key, self.retention) {
+            (true, Some(window)) => {
+                let age = (now - first_sent_at).to_std().unwrap_or_default();
+                age + margin < window
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The classified result of one call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// It worked; `replayed` when the provider says it answered from its own key cache.
+    Succeeded {
+        /// The provider's answer, as stored and replayed.
+        response: Response,
+        /// The provider marked it a replay (e.g. `Idempotent-Replayed: true`).
+        replayed: bool,
+    },
+    /// A permanent refusal (card declined, invalid recipient).
+    Rejected {
+        /// The provider's answer.
+        response: Response,
+    },
+    /// The provider surely did nothing (refused connection, 429, should-retry before executing).
+    Retryable {
+        /// Why.
+        reason: String,
+        /// The provider's `Retry-After`, if any.
+        retry_after: Option<Duration>,
+    },
+    /// The provider says a request with this key is still running (its own 409).
+    InFlight {
+        /// The provider's `Retry-After`, if any.
+        retry_after: Option<Duration>,
+    },
+    /// The provider holds this key for a different request: never retried automatically.
+    KeyConflict {
+        /// The provider's message.
+        detail: String,
+    },
+    /// It may or may not have happened (timeout after send, reset, a 5xx that may have run).
+    Unknown {
+        /// Why.
+        reason: String,
+    },
+}
+
+impl CallOutcome {
+    /// The executor's classification: success and refusal are stored; a provider-side in-flight
+    /// answer, a key conflict and anything unknown leave the key processing for the sweeper.
+    pub fn into_outcome(self) -> Outcome {
+        match self {
+            CallOutcome::Succeeded { response, .. } => Outcome::Succeeded(response),
+            CallOutcome::Rejected { response } => Outcome::Rejected(response),
+            CallOutcome::Retryable { reason, .. } => Outcome::Retryable { reason },
+            CallOutcome::InFlight { .. } => Outcome::Unknown {
+                reason: "the provider reports a request with this key still in flight".to_owned(),
+            },
+            CallOutcome::KeyConflict { detail } => Outcome::Unknown {
+                reason: format!("the provider holds this key for another request: {detail}"),
+            },
+            CallOutcome::Unknown { reason } => Outcome::Unknown { reason },
+        }
+    }
+}
+
+/// What the provider's own records say about a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// The provider acted: [`Outcome::Succeeded`] or [`Outcome::Rejected`] with its answer.
+    Found(Outcome),
+    /// No trace. Only an `authoritative` answer (a consistent read past any lag) may turn a key
+    /// retryable.
+    NotFound {
+        /// Whether the absence is certain.
+        authoritative: bool,
+    },
+    /// The provider could not say now.
+    Unknown {
+        /// When to ask again, if the provider said.
+        retry_after: Option<Duration>,
+    },
+}
+
+/// An external service, used as `Arc<dyn Provider>`.
+#[async_trait]
+pub trait Provider: Debug + Send + Sync + 'static {
+    /// The name stored in key rows (`"stripe"`, `"resend"`, ...). The sweeper finds the provider
+    /// of a key by it.
+    fn name(&self) -> &str;
+
+    /// How the provider handles idempotency keys.
+    fn key_spec(&self) -> KeySpec;
+
+    /// Sends `request` (the canonical JSON stored in the key row) with `provider_key`.
+    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallOutcome;
+
+    /// Asks the provider what happened to the request sent with `provider_key`, first sent at
+    /// `first_sent_at` (database clock).
+    async fn lookup(
+        &self,
+        provider_key: &str,
+        request: &serde_json::Value,
+        first_sent_at: DateTime<Utc>,
+    ) -> Lookup;
+}
+
+/// Providers by name, for the executor and the sweeper.
+#[derive(Debug, Clone, Default)]
+pub struct Providers {
+    by_name: BTreeMap<String, Arc<dyn Provider>>,
+}
+
+impl Providers {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a provider under its [`Provider::name`] (replacing one of the same name).
+    pub fn with(mut self, provider: Arc<dyn Provider>) -> Self {
+        self.insert(provider);
+        self
+    }
+
+    /// Registers a provider under its [`Provider::name`].
+    pub fn insert(&mut self, provider: Arc<dyn Provider>) {
+        self.by_name.insert(provider.name().to_owned(), provider);
+    }
+
+    /// The provider with this name.
+    pub fn get(&self, name: &str) -> Option<&Arc<dyn Provider>> {
+        self.by_name.get(name)
+    }
+
+    /// The registered names.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.by_name.keys().map(String::as_str)
+    }
+}
