@@ -122,6 +122,12 @@ impl SqliteStore {
 
     /// Opens the database with explicit options.
     pub async fn connect_with(config: SqliteConfig) -> Result<Self, StoreError> {
+        if !config.url.starts_with("sqlite:") {
+            return Err(StoreError::Config(format!(
+                "{:?} is not a SQLite URL (expected sqlite://path, sqlite:path or sqlite::memory:)",
+                config.url
+            )));
+        }
         let base = SqliteConnectOptions::from_str(&config.url)
             .map_err(|e| StoreError::Config(format!("bad SQLite URL {:?}: {e}", config.url)))?
             .busy_timeout(config.busy_timeout)
@@ -269,13 +275,13 @@ impl Store for SqliteStore {
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         // Read first, on a reader connection: replays and in-flight duplicates never queue
         // behind the single writer.
-        if let Some((record, now)) = self.read_with_now(&claim.id).await? {
-            if !claimable(claim, &record, now) {
-                return Ok(ClaimOutcome::Existing {
-                    record: Box::new(record),
-                    now,
-                });
-            }
+        if let Some((record, now)) = self.read_with_now(&claim.id).await?
+            && !claimable(claim, &record, now)
+        {
+            return Ok(ClaimOutcome::Existing {
+                record: Box::new(record),
+                now,
+            });
         }
         for _ in 0..3 {
             let row = sqlx::query(sql::CLAIM)

@@ -1,0 +1,133 @@
+//! Bad input gets a typed error that names the problem, and leaves no row behind.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::memory;
+use idemflow::store::sqlite::SqliteStore;
+use idemflow::{Error, Idempotency, KeyError, KeyState, Outcome, Request, Response, Store};
+
+async fn rows(store: &SqliteStore) -> (i64, i64) {
+    let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+        .fetch_one(store.writer_pool())
+        .await
+        .unwrap();
+    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_key_events")
+        .fetch_one(store.writer_pool())
+        .await
+        .unwrap();
+    (keys, events)
+}
+
+#[tokio::test]
+async fn malformed_keys_and_scopes_are_refused_by_name() {
+    let long = "k".repeat(256);
+    let cases: [(&str, &str, &str); 6] = [
+        ("acct", "", "idempotency key is empty"),
+        ("acct", &long, "256 bytes long"),
+        ("acct", "has space", "0x20"),
+        ("acct", "new\nline", "0x0A"),
+        ("acct", "caf\u{e9}", "0xC3"),
+        ("", "k1", "scope is empty"),
+    ];
+    for (scope, key, needle) in cases {
+        let err = Request::new(scope, key, "payments.create", &serde_json::json!({})).unwrap_err();
+        assert_eq!(err.http_status(), 400, "{err}");
+        assert!(
+            err.to_string().contains(needle),
+            "{err:?} should mention {needle}"
+        );
+        match (&err, scope.is_empty()) {
+            (Error::InvalidScope(KeyError::Empty { what: "scope" }), true) => {}
+            (Error::InvalidKey(_), false) => {}
+            other => panic!("wrong variant: {other:?}"),
+        }
+    }
+    assert!(matches!(
+        Request::new("acct", "k", "", &1),
+        Err(Error::InvalidOperation(KeyError::Empty { .. }))
+    ));
+}
+
+#[tokio::test]
+async fn invalid_json_body_is_refused() {
+    let err =
+        Request::from_json_bytes("acct", "k1", "payments.create", b"{\"amount\": 5,}").unwrap_err();
+    assert!(matches!(err, Error::InvalidJson(_)), "{err:?}");
+    assert!(err.to_string().contains("not valid JSON"));
+    assert_eq!(err.http_status(), 400);
+    let ok =
+        Request::from_json_bytes("acct", "k1", "payments.create", b" {\"b\":1, \"a\":2} ").unwrap();
+    assert_eq!(ok.canonical_body(), r#"{"a":2,"b":1}"#);
+}
+
+#[tokio::test]
+async fn oversized_request_leaves_no_row() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone()).max_request_bytes(100);
+    let body = serde_json::json!({"blob": "x".repeat(200)});
+    let err = idem
+        .execute(
+            Request::new("acct", "big", "op", &body).unwrap(),
+            |_ctx| async { panic!("must not run") },
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::RequestTooLarge { limit: 100, .. }),
+        "{err}"
+    );
+    assert_eq!(rows(&store).await, (0, 0));
+}
+
+#[tokio::test]
+async fn oversized_response_names_the_problem_and_is_never_rerun() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone()).max_response_bytes(1024);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let request = || Request::new("acct", "huge", "op", &serde_json::json!({"a": 1})).unwrap();
+    let r = runs.clone();
+    let err = idem
+        .execute(request(), |_ctx| async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Outcome::Succeeded(Response::new(200).with_body(vec![b'x'; 4096]))
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::ResponseTooLarge { limit: 1024, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("exceeds the cap of 1024 bytes"));
+    // The operation ran, so the key is not deleted (a retry would run it again): it is a whole
+    // row in failed(permanent) with no truncated body, and the retry is told why.
+    let row = store.get(request().id()).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Failed { retryable: false });
+    assert!(row.response.is_none());
+    assert!(row.error.unwrap().contains("4096 bytes"));
+    let r = runs.clone();
+    let again = idem
+        .execute(request(), |_ctx| async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Outcome::Succeeded(Response::new(200))
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(again, Error::NoStoredResponse { .. }), "{again}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn bad_store_urls_are_config_errors() {
+    let err = SqliteStore::connect("postgres://nope").await.unwrap_err();
+    assert!(matches!(err, idemflow::StoreError::Config(_)), "{err}");
+    let err = SqliteStore::connect("sqlite:///definitely/not/a/dir/x.db")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, idemflow::StoreError::Database { .. }),
+        "{err}"
+    );
+}

@@ -1,0 +1,55 @@
+//! Helpers shared by the executor-level tests.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use idemflow::store::sqlite::SqliteStore;
+use idemflow::{Context, Outcome, Response, Store};
+
+pub async fn memory() -> Arc<SqliteStore> {
+    let s = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    s.migrate().await.unwrap();
+    Arc::new(s)
+}
+
+pub async fn file() -> Arc<SqliteStore> {
+    let dir = tempfile::tempdir().unwrap().keep();
+    let s = SqliteStore::connect(&format!("sqlite://{}", dir.join("t.db").display()))
+        .await
+        .unwrap();
+    s.migrate().await.unwrap();
+    Arc::new(s)
+}
+
+/// A fake card processor: counts charges and answers with the charge number.
+#[derive(Debug, Default)]
+pub struct Charger {
+    pub charges: AtomicUsize,
+    pub keys: std::sync::Mutex<Vec<String>>,
+}
+
+impl Charger {
+    pub fn count(&self) -> usize {
+        self.charges.load(Ordering::SeqCst)
+    }
+
+    pub async fn charge(self: Arc<Self>, ctx: Context, amount: u64) -> Outcome {
+        let n = self.charges.fetch_add(1, Ordering::SeqCst) + 1;
+        self.keys
+            .lock()
+            .unwrap()
+            .push(ctx.provider_key().to_owned());
+        Outcome::Succeeded(
+            Response::json(201, &serde_json::json!({"payment_id": n, "amount": amount}))
+                .unwrap()
+                .with_header("Location", format!("/payments/{n}"))
+                .with_header("X-Request-Id", format!("req-{n}")),
+        )
+    }
+}
+
+pub fn body(amount: u64) -> serde_json::Value {
+    serde_json::json!({"user": "alice", "amount": amount})
+}

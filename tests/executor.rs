@@ -1,0 +1,399 @@
+//! The executor's promises, end to end on SQLite.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{Charger, body, file, memory};
+use idemflow::store::TakeStale;
+use idemflow::{Actor, Error, Execution, Idempotency, KeyState, Outcome, Request, Response, Store};
+
+fn req(scope: &str, key: &str, amount: u64) -> Request {
+    Request::new(scope, key, "payments.create", &body(amount)).unwrap()
+}
+
+#[tokio::test]
+async fn same_key_same_body_runs_once_and_replays_byte_identical() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone());
+    let charger = Arc::new(Charger::default());
+    let c = charger.clone();
+    let first = idem
+        .execute(req("acct", "k1", 500), |ctx| c.charge(ctx, 500))
+        .await
+        .unwrap();
+    let mut replays = Vec::new();
+    for _ in 0..3 {
+        let c = charger.clone();
+        replays.push(
+            idem.execute(req("acct", "k1", 500), |ctx| c.charge(ctx, 500))
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(charger.count(), 1);
+    assert!(matches!(first, Execution::Executed(_)));
+    for r in &replays {
+        assert!(r.is_replay());
+        assert_eq!(r.response(), first.response());
+        assert_eq!(r.response().body(), first.response().body());
+    }
+    // Only the chosen headers are stored, and the first answer is the stored one.
+    let names: Vec<&str> = first
+        .response()
+        .headers()
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .collect();
+    assert_eq!(names, ["content-type", "Location"]);
+}
+
+#[tokio::test]
+async fn same_key_other_body_is_refused_without_running() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone());
+    let charger = Arc::new(Charger::default());
+    let c = charger.clone();
+    idem.execute(req("acct", "k1", 500), |ctx| c.charge(ctx, 500))
+        .await
+        .unwrap();
+    let c = charger.clone();
+    let err = idem
+        .execute(req("acct", "k1", 900), |ctx| c.charge(ctx, 900))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::FingerprintMismatch { .. }), "{err}");
+    assert_eq!(err.http_status(), 422);
+    // Another operation name with the same key and body is also another request.
+    let other_op = Request::new("acct", "k1", "refunds.create", &body(500)).unwrap();
+    let c = charger.clone();
+    assert!(matches!(
+        idem.execute(other_op, |ctx| c.charge(ctx, 500)).await,
+        Err(Error::FingerprintMismatch { .. })
+    ));
+    assert_eq!(charger.count(), 1);
+}
+
+#[tokio::test]
+async fn scopes_with_the_same_key_are_independent() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone());
+    let charger = Arc::new(Charger::default());
+    let c = charger.clone();
+    let a = idem
+        .execute(req("acct_a", "k1", 500), |ctx| c.charge(ctx, 500))
+        .await
+        .unwrap();
+    let c = charger.clone();
+    let b = idem
+        .execute(req("acct_b", "k1", 500), |ctx| c.charge(ctx, 500))
+        .await
+        .unwrap();
+    assert!(!a.is_replay() && !b.is_replay());
+    assert_ne!(a.response().body(), b.response().body());
+    assert_eq!(charger.count(), 2);
+    // The provider keys differ too, so the provider never conflates the two.
+    let keys = charger.keys.lock().unwrap().clone();
+    assert_ne!(keys[0], keys[1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_hundred_concurrent_duplicates_run_the_closure_once() {
+    let store = file().await;
+    let idem = Idempotency::new(store.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..200 {
+        let idem = idem.clone();
+        let runs = runs.clone();
+        tasks.push(tokio::spawn(async move {
+            idem.execute(req("acct", "hot", 500), |_ctx| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Outcome::Succeeded(Response::new(201).with_body(&b"charged once"[..]))
+            })
+            .await
+        }));
+    }
+    let (mut executed, mut replayed, mut in_flight) = (0, 0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(Execution::Executed(_)) => executed += 1,
+            Ok(Execution::Replayed(r)) => {
+                assert_eq!(r.body(), b"charged once");
+                replayed += 1;
+            }
+            Err(Error::InFlight { retry_after, .. }) => {
+                assert!(retry_after > Duration::ZERO);
+                in_flight += 1;
+            }
+            Err(e) => panic!("unexpected: {e}"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(executed, 1);
+    assert_eq!(executed + replayed + in_flight, 200);
+    let id = req("acct", "hot", 500).id().clone();
+    assert_eq!(store.history(&id).await.unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn completion_after_takeover_is_lease_lost_and_changes_nothing() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone()).lease(Duration::ZERO);
+    let id = req("acct", "zombie", 500).id().clone();
+    let s = store.clone();
+    let err = idem
+        .execute(req("acct", "zombie", 500), |_ctx| async move {
+            // While this worker is "stuck", a sweeper takes the expired lease over.
+            let taken = s
+                .take_stale(&TakeStale {
+                    owner: "sweeper".into(),
+                    lease: Duration::from_secs(60),
+                    limit: 10,
+                })
+                .await
+                .unwrap();
+            assert_eq!(taken.len(), 1);
+            Outcome::Succeeded(Response::new(201).with_body(&b"late"[..]))
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::LeaseLost(_)), "{err}");
+    let row = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Processing);
+    assert_eq!(row.lease_owner.as_deref(), Some("sweeper"));
+    assert!(
+        row.response.is_none(),
+        "the zombie's late result is not written"
+    );
+}
+
+#[tokio::test]
+async fn failure_between_row_update_and_history_insert_keeps_the_old_state() {
+    let store = memory().await;
+    // Inject a failure into the history write of the completion.
+    sqlx::query(
+        "CREATE TRIGGER inject_failure BEFORE INSERT ON idempotency_key_events \
+         WHEN NEW.to_state = 'done' BEGIN SELECT RAISE(ABORT, 'injected history failure'); END",
+    )
+    .execute(store.writer_pool())
+    .await
+    .unwrap();
+    let idem = Idempotency::new(store.clone());
+    let id = req("acct", "atomic", 500).id().clone();
+    let err = idem
+        .execute(req("acct", "atomic", 500), |_ctx| async {
+            Outcome::Succeeded(Response::new(201).with_body(&b"ok"[..]))
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Store(_)), "{err}");
+    assert!(
+        err.to_string().contains("injected history failure"),
+        "{err}"
+    );
+    let row = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(
+        row.state,
+        KeyState::Processing,
+        "the row update was rolled back"
+    );
+    assert!(row.response.is_none());
+    assert_eq!(store.history(&id).await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn retryable_failure_runs_again_permanent_failure_is_replayed() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let err = idem
+        .execute(req("acct", "flaky", 500), |_ctx| async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Outcome::retryable("connection refused before sending")
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Retryable { .. }));
+    let r = runs.clone();
+    let ok = idem
+        .execute(req("acct", "flaky", 500), |ctx| async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            assert_eq!(ctx.attempt(), 2);
+            Outcome::Succeeded(Response::new(201))
+        })
+        .await
+        .unwrap();
+    assert!(!ok.is_replay());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    let r = runs.clone();
+    let declined = idem
+        .execute(req("acct", "declined", 500), |_ctx| async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Outcome::Rejected(
+                Response::json(402, &serde_json::json!({"error": "card_declined"})).unwrap(),
+            )
+        })
+        .await
+        .unwrap();
+    let r = runs.clone();
+    let again = idem
+        .execute(req("acct", "declined", 500), |_ctx| async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Outcome::Succeeded(Response::new(201))
+        })
+        .await
+        .unwrap();
+    assert!(again.is_replay());
+    assert_eq!(again.response().status(), 402);
+    assert_eq!(again.response(), declined.response());
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+    let id = req("acct", "declined", 500).id().clone();
+    assert_eq!(
+        store.get(&id).await.unwrap().unwrap().state,
+        KeyState::Failed { retryable: false }
+    );
+}
+
+#[tokio::test]
+async fn unknown_outcome_is_never_rerun_by_a_retry() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    for _ in 0..2 {
+        let r = runs.clone();
+        let err = idem
+            .execute(req("acct", "unknown", 500), |_ctx| async move {
+                r.fetch_add(1, Ordering::SeqCst);
+                Outcome::unknown("read timed out after sending")
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+        assert_eq!(err.http_status(), 503);
+        assert!(err.retry_after().is_some());
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let id = req("acct", "unknown", 500).id().clone();
+    let row = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Processing);
+    assert_eq!(row.error.as_deref(), Some("read timed out after sending"));
+    // Released early: the sweeper can take it at once.
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "sweeper".into(),
+            lease: Duration::from_secs(60),
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1);
+}
+
+#[tokio::test]
+async fn dropping_execute_mid_call_leaves_the_key_processing_under_its_lease() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(300));
+    let fut = idem.execute(req("acct", "cancel", 500), |_ctx| async {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        Outcome::Succeeded(Response::new(201))
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), fut)
+            .await
+            .is_err()
+    );
+    let id = req("acct", "cancel", 500).id().clone();
+    let row = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Processing);
+    assert_eq!(
+        store.history(&id).await.unwrap().len(),
+        1,
+        "nothing half-written"
+    );
+    // A retry while the lease holds is told to wait, and nothing runs.
+    let err = idem
+        .execute(req("acct", "cancel", 500), |_ctx| async {
+            panic!("must not run")
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InFlight { .. }), "{err}");
+    // After the lease expires the sweeper can take the key.
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "sweeper".into(),
+            lease: Duration::from_secs(60),
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1);
+}
+
+#[tokio::test]
+async fn retry_takes_over_an_expired_lease_only_when_allowed() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone())
+        .lease(Duration::ZERO)
+        .retry_takeover_window(Some(Duration::from_secs(3600)));
+    let keys = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let k = keys.clone();
+    let fut = idem.execute(req("acct", "redrive", 500), |ctx| async move {
+        k.lock().unwrap().push(ctx.provider_key().to_owned());
+        std::future::pending::<Outcome>().await
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(20), fut)
+            .await
+            .is_err()
+    );
+    let k = keys.clone();
+    let done = idem
+        .execute(req("acct", "redrive", 500), |ctx| async move {
+            assert_eq!(ctx.attempt(), 2);
+            k.lock().unwrap().push(ctx.provider_key().to_owned());
+            Outcome::Succeeded(Response::new(201))
+        })
+        .await
+        .unwrap();
+    assert!(!done.is_replay());
+    let keys = keys.lock().unwrap().clone();
+    assert_eq!(keys.len(), 2);
+    assert_eq!(keys[0], keys[1], "the same provider key on every attempt");
+}
+
+#[tokio::test]
+async fn expired_keys_are_purged_and_history_says_so() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone()).retention(Duration::ZERO);
+    idem.execute(req("acct", "old", 500), |_ctx| async {
+        Outcome::Succeeded(Response::new(201))
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(store.purge_expired(100).await.unwrap(), 1);
+    let id = req("acct", "old", 500).id().clone();
+    assert!(store.get(&id).await.unwrap().is_none());
+    let h = store.history(&id).await.unwrap();
+    let states: Vec<_> = h.iter().map(|e| (e.from, e.to, e.actor)).collect();
+    assert_eq!(
+        states,
+        [
+            (None, Some(KeyState::Processing), Actor::Worker),
+            (
+                Some(KeyState::Processing),
+                Some(KeyState::Done),
+                Actor::Worker
+            ),
+            (Some(KeyState::Done), None, Actor::Purge),
+        ]
+    );
+}
