@@ -1,0 +1,1 @@
+//! The MariaDB/MySQL store (feature `mysql`).
