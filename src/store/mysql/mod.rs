@@ -328,13 +328,13 @@ impl Store for MySqlStore {
     #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         // Read first, without a lock: replays and in-flight duplicates are one round trip.
-        if let Some((record, now)) = self.read_with_now(&claim.id).await? {
-            if !claimable(claim, &record, now) {
-                return Ok(ClaimOutcome::Existing {
-                    record: Box::new(record),
-                    now,
-                });
-            }
+        if let Some((record, now)) = self.read_with_now(&claim.id).await?
+            && !claimable(claim, &record, now)
+        {
+            return Ok(ClaimOutcome::Existing {
+                record: Box::new(record),
+                now,
+            });
         }
         for _ in 0..3 {
             let nonce = nonce();
