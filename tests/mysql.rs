@@ -221,3 +221,101 @@ async fn concurrent_sweepers_never_take_the_same_key() {
     assert_eq!((n, all.len()), (200, 200), "each key taken exactly once");
     drop_database(&options, &name).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_connection_mid_transaction_leaves_old_state_and_retry_succeeds() {
+    let Some((options, name)) = fresh_database().await else {
+        return;
+    };
+    // One connection, so the connection we kill is the one the worker's write uses.
+    let store = MySqlStore::from_pool(pool_for(&options, 1).await);
+    store.migrate().await.unwrap();
+    let id = id(&conformance::unique("kill"), "k1");
+    let lease = claimed(
+        &(Arc::new(store.clone()) as Arc<dyn Store>),
+        &claim_for(&id, "{}", Duration::from_secs(60)),
+    )
+    .await;
+    let conn_id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+
+    // Another session holds the row lock, so the worker's finish stops inside its transaction.
+    let mut locker: MySqlConnection = options.connect().await.unwrap();
+    locker.execute("BEGIN").await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_keys WHERE scope = ? AND `key` = ? FOR UPDATE")
+        .bind(id.scope.as_str())
+        .bind(id.key.as_str())
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    let worker = {
+        let store = store.clone();
+        let id = id.clone();
+        tokio::spawn(async move {
+            store
+                .finish(
+                    &id,
+                    Some(lease.token),
+                    &conformance::done(idemflow::Response::new(201)),
+                )
+                .await
+        })
+    };
+    let mut admin: MySqlConnection = options.connect().await.unwrap();
+    let mut waiting = false;
+    for _ in 0..200 {
+        let info: Option<String> =
+            sqlx::query_scalar("SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?")
+                .bind(conn_id)
+                .fetch_optional(&mut admin)
+                .await
+                .unwrap()
+                .flatten();
+        if info.is_some_and(|q| q.starts_with("UPDATE")) {
+            waiting = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        waiting,
+        "the worker's write should be waiting on the row lock"
+    );
+    admin
+        .execute(AssertSqlSafe(format!("KILL CONNECTION {conn_id}")))
+        .await
+        .unwrap();
+    let err = worker.await.unwrap().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            idemflow::StoreError::Database {
+                backend: "mysql",
+                ..
+            }
+        ),
+        "a clear store error, got {err}"
+    );
+    eprintln!("killed worker got: {err}");
+    locker.execute("ROLLBACK").await.unwrap();
+
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(
+        (r.state, r.lease_token),
+        (idemflow::KeyState::Processing, lease.token)
+    );
+    assert_eq!(store.history(&id).await.unwrap().len(), 1);
+    let r = store
+        .finish(
+            &id,
+            Some(lease.token),
+            &conformance::done(idemflow::Response::new(201)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.state, idemflow::KeyState::Done);
+    assert_eq!(store.history(&id).await.unwrap().len(), 2);
+    drop_database(&options, &name).await;
+}
