@@ -18,6 +18,10 @@ use crate::record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 use crate::state::{KeyState, Transition};
 use crate::{Fingerprint, KeyId, Response};
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 

@@ -1,0 +1,571 @@
+//! The MariaDB / MySQL store (feature `mysql`): many app instances, workers and sweepers on one
+//! database, coordinated by InnoDB row locks, `ON DUPLICATE KEY UPDATE` and
+//! `FOR UPDATE SKIP LOCKED` (MariaDB >= 10.6, MySQL >= 8.0.1).
+//!
+//! - A replay is one round trip (a primary-key read, no lock). A new claim is three: the read,
+//!   one `INSERT .. ON DUPLICATE KEY UPDATE` that decides atomically, and a read-back (there is
+//!   no `RETURNING` on MySQL; a random `claim_nonce` written by the winning claim tells the
+//!   claimer it won).
+//! - Every time is the server's `UTC_TIMESTAMP(6)` (independent of the session time zone); the
+//!   application hosts' clocks are never used.
+//! - History rows are written by triggers keyed on the row's `version`, inside the statement
+//!   that makes the transition.
+//! - idemflow's migrations are recorded in [`MIGRATIONS_TABLE`], never in the host app's
+//!   `_sqlx_migrations`.
+
+use std::hash::BuildHasher;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, NaiveDateTime, Utc};
+use sqlx::migrate::Migrator;
+use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::{AssertSqlSafe, Executor, Row};
+use tracing::instrument;
+
+use super::{
+    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, TakeStale,
+    check_finish, claimable, millis,
+};
+use crate::KeyId;
+use crate::error::StoreError;
+use crate::record::{KeyEvent, KeyRecord, LeaseToken};
+use crate::state::Transition;
+
+mod sql;
+
+const BACKEND: &str = "mysql";
+
+/// The table that records which of idemflow's migrations ran; the host app's own sqlx migrations
+/// table is never touched.
+pub const MIGRATIONS_TABLE: &str = "_idemflow_migrations";
+
+/// Durations are capped at 1,000 years so that `now + duration` stays a valid `DATETIME`.
+const MAX_MS: i64 = 1000 * 366 * 24 * 3600 * 1000;
+
+/// The most keys one sweep or purge batch takes (two placeholders each, well under MySQL's
+/// 65,535).
+const MAX_BATCH: u32 = 10_000;
+
+/// How often a claim is retried after InnoDB chose it as a deadlock victim.
+const CLAIM_ATTEMPTS: usize = 5;
+
+fn micros(d: Duration) -> i64 {
+    millis(d).min(MAX_MS) * 1000
+}
+
+/// idemflow's MariaDB / MySQL migrations, recorded in [`MIGRATIONS_TABLE`].
+pub fn migrator() -> Migrator {
+    let mut m = sqlx::migrate!("./migrations/mysql");
+    m.dangerous_set_table_name(MIGRATIONS_TABLE);
+    m
+}
+
+fn db(e: sqlx::Error) -> StoreError {
+    StoreError::database(BACKEND, e)
+}
+
+fn corrupt(detail: String) -> StoreError {
+    StoreError::Corrupt {
+        backend: BACKEND,
+        detail,
+    }
+}
+
+/// Deadlock (1213) or lock wait timeout (1205): the statement was rolled back and may be retried.
+fn is_retryable_lock_error(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(d) => d
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|m| matches!(m.number(), 1213 | 1205)),
+        _ => false,
+    }
+}
+
+/// A fresh random value for `claim_nonce`.
+fn nonce() -> i64 {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let state = std::collections::hash_map::RandomState::new();
+    let h = state.hash_one((
+        N.fetch_add(1, Ordering::Relaxed),
+        std::time::SystemTime::now(),
+        std::process::id(),
+    ));
+    i64::from_ne_bytes(h.to_ne_bytes())
+}
+
+/// A [`Store`] on MariaDB or MySQL (InnoDB).
+///
+/// ```no_run
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idemflow::StoreError> {
+/// use idemflow::{Store, store::mysql::MySqlStore};
+/// let store = MySqlStore::connect("mysql://app@db.internal/app").await?;
+/// store.migrate().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct MySqlStore {
+    pool: MySqlPool,
+}
+
+impl MySqlStore {
+    /// Connects a pool (10 connections at most) to `url`.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let options = MySqlConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Config(format!("bad MySQL URL: {e}")))?;
+        let pool = MySqlPoolOptions::new()
+            .max_connections(10)
+            .connect_with(options)
+            .await
+            .map_err(db)?;
+        Ok(Self::from_pool(pool))
+    }
+
+    /// Uses a pool you manage.
+    pub fn from_pool(pool: MySqlPool) -> Self {
+        Self { pool }
+    }
+
+    /// The pool (for tests and tools that need raw access).
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    async fn read(&self, id: &KeyId) -> Result<Option<MySqlRow>, StoreError> {
+        sqlx::query(sql::GET)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db)
+    }
+
+    async fn read_with_now(
+        &self,
+        id: &KeyId,
+    ) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
+        match self.read(id).await? {
+            None => Ok(None),
+            Some(row) => Ok(Some((record(&row)?, time(&row, "db_now")?))),
+        }
+    }
+
+    async fn lease_lost_or_missing(&self, id: &KeyId, presented: LeaseToken) -> StoreError {
+        match self.read_with_now(id).await {
+            Ok(Some((r, _))) => StoreError::LeaseLost {
+                key: id.to_string(),
+                presented,
+                current: r.lease_token,
+                state: r.state,
+            },
+            Ok(None) => StoreError::NotFound {
+                key: id.to_string(),
+            },
+            Err(e) => e,
+        }
+    }
+
+    /// Runs the ON DUPLICATE KEY claim, retrying deadlock victims.
+    async fn claim_write(&self, claim: &NewClaim, nonce: i64) -> Result<(), StoreError> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let res = sqlx::query(sql::CLAIM)
+                .bind(claim.id.scope.as_str())
+                .bind(claim.id.key.as_str())
+                .bind(&claim.operation)
+                .bind(claim.provider.as_deref())
+                .bind(&claim.provider_key)
+                .bind(claim.fingerprint.as_str())
+                .bind(claim.request.as_deref())
+                .bind(&claim.owner)
+                .bind(micros(claim.lease))
+                .bind(millis(claim.retention).min(MAX_MS))
+                .bind(nonce)
+                .bind(claim.takeover_window.map(micros))
+                .execute(&self.pool)
+                .await;
+            match res {
+                Ok(_) => return Ok(()),
+                Err(e) if attempt < CLAIM_ATTEMPTS && is_retryable_lock_error(&e) => {
+                    tracing::debug!(error = %e, "claim retried after a lock conflict");
+                }
+                Err(e) => return Err(db(e)),
+            }
+        }
+    }
+
+    /// Locks up to `limit` rows picked by `pick` (skipping rows other transactions hold) in a
+    /// READ COMMITTED transaction, and hands them to `then` inside it.
+    async fn with_picked<T>(
+        &self,
+        pick: &'static str,
+        limit: u32,
+        then: impl AsyncFnOnce(
+            &mut sqlx::MySqlConnection,
+            &[(Vec<u8>, Vec<u8>)],
+        ) -> Result<T, StoreError>,
+    ) -> Result<Option<T>, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        conn.execute(sql::READ_COMMITTED).await.map_err(db)?;
+        let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(db)?;
+        let picked: Vec<(Vec<u8>, Vec<u8>)> = sqlx::query_as(pick)
+            .bind(i64::from(limit.min(MAX_BATCH)))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        if picked.is_empty() {
+            tx.commit().await.map_err(db)?;
+            return Ok(None);
+        }
+        let out = then(&mut tx, &picked).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(Some(out))
+    }
+}
+
+/// `prefix` followed by `((?, ?), (?, ?), ..)` for `n` keys. Only placeholders are added, never
+/// values.
+fn with_in_list(prefix: &str, n: usize) -> AssertSqlSafe<String> {
+    let mut sql = String::with_capacity(prefix.len() + 2 + n * 8);
+    sql.push_str(prefix);
+    sql.push('(');
+    for i in 0..n {
+        if i > 0 {
+            sql.push_str(", ");
+        }
+        sql.push_str("(?, ?)");
+    }
+    sql.push(')');
+    AssertSqlSafe(sql)
+}
+
+fn text(bytes: Vec<u8>, col: &str) -> Result<String, StoreError> {
+    String::from_utf8(bytes).map_err(|e| corrupt(format!("{col} is not UTF-8: {e}")))
+}
+
+fn time(row: &MySqlRow, col: &str) -> Result<DateTime<Utc>, StoreError> {
+    let t: NaiveDateTime = row.try_get(col).map_err(db)?;
+    Ok(t.and_utc())
+}
+
+fn opt_time(row: &MySqlRow, col: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
+    let t: Option<NaiveDateTime> = row.try_get(col).map_err(db)?;
+    Ok(t.map(|t| t.and_utc()))
+}
+
+fn record(row: &MySqlRow) -> Result<KeyRecord, StoreError> {
+    fn get<'r, T: sqlx::Decode<'r, MySql> + sqlx::Type<MySql>>(
+        row: &'r MySqlRow,
+        col: &str,
+    ) -> Result<T, StoreError> {
+        row.try_get(col).map_err(db)
+    }
+    RawRecord {
+        scope: text(get(row, "scope")?, "scope")?,
+        key: text(get(row, "key")?, "key")?,
+        operation: get(row, "operation")?,
+        provider: get(row, "provider")?,
+        provider_key: get(row, "provider_key")?,
+        state: get(row, "state")?,
+        retryable: get(row, "retryable")?,
+        fingerprint: get(row, "fingerprint")?,
+        request: get(row, "request")?,
+        response_status: get(row, "response_status")?,
+        response_headers: get(row, "response_headers")?,
+        response_body: get(row, "response_body")?,
+        error: get(row, "error")?,
+        lease_token: get(row, "lease_token")?,
+        lease_owner: get(row, "lease_owner")?,
+        lease_expires_at: opt_time(row, "lease_expires_at")?,
+        attempts: get(row, "attempts")?,
+        created_at: time(row, "created_at")?,
+        updated_at: time(row, "updated_at")?,
+        expires_at: opt_time(row, "expires_at")?,
+        next_check_at: opt_time(row, "next_check_at")?,
+        retention_ms: get(row, "retention_ms")?,
+    }
+    .into_record(BACKEND)
+}
+
+fn transition_of(reason: Option<&str>) -> Result<Transition, StoreError> {
+    match reason {
+        Some(sql::REASON_CLAIM) => Ok(Transition::Claim),
+        Some(sql::REASON_RECLAIM) => Ok(Transition::Reclaim),
+        Some(sql::REASON_TAKEOVER) => Ok(Transition::Takeover),
+        other => Err(corrupt(format!("claimed row has reason {other:?}"))),
+    }
+}
+
+#[async_trait]
+impl Store for MySqlStore {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    #[instrument(skip(self), err)]
+    async fn migrate(&self) -> Result<(), StoreError> {
+        migrator()
+            .run(&self.pool)
+            .await
+            .map_err(|e| StoreError::Migrate {
+                backend: BACKEND,
+                source: Box::new(e),
+            })
+    }
+
+    async fn now(&self) -> Result<DateTime<Utc>, StoreError> {
+        let t: NaiveDateTime = sqlx::query_scalar(sql::NOW)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        Ok(t.and_utc())
+    }
+
+    #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
+    async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
+        // Read first, without a lock: replays and in-flight duplicates are one round trip.
+        if let Some((record, now)) = self.read_with_now(&claim.id).await?
+            && !claimable(claim, &record, now)
+        {
+            return Ok(ClaimOutcome::Existing {
+                record: Box::new(record),
+                now,
+            });
+        }
+        for _ in 0..3 {
+            let nonce = nonce();
+            self.claim_write(claim, nonce).await?;
+            let Some(row) = self.read(&claim.id).await? else {
+                // Purged between the write and the read: try again.
+                continue;
+            };
+            let won: Option<i64> = row.try_get("claim_nonce").map_err(db)?;
+            if won != Some(nonce) {
+                return Ok(ClaimOutcome::Existing {
+                    record: Box::new(record(&row)?),
+                    now: time(&row, "db_now")?,
+                });
+            }
+            let reason: Option<String> = row.try_get("last_reason").map_err(db)?;
+            let transition = transition_of(reason.as_deref())?;
+            let r = record(&row)?;
+            let expires_at = r
+                .lease_expires_at
+                .ok_or_else(|| corrupt(format!("claimed key {} has no lease", claim.id)))?;
+            tracing::debug!(?transition, "key claimed");
+            return Ok(ClaimOutcome::Claimed(Lease {
+                token: r.lease_token,
+                expires_at,
+                attempts: r.attempts,
+                provider_key: r.provider_key,
+                transition,
+            }));
+        }
+        Err(corrupt(format!(
+            "claim of {} neither inserted nor found a row",
+            claim.id
+        )))
+    }
+
+    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
+    async fn finish(
+        &self,
+        id: &KeyId,
+        token: Option<LeaseToken>,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        check_finish(token, finish.to)?;
+        let (status, headers, body) = match &finish.response {
+            Some(r) => (
+                Some(i32::from(r.status())),
+                Some(r.headers_json()),
+                Some(r.body()),
+            ),
+            None => (None, None, None),
+        };
+        let token_value = token.map(|t| t.0);
+        // The update and the read-back share a transaction, so the row returned is the one
+        // written (the update's row lock is held until commit).
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        let done = sqlx::query(sql::FINISH)
+            .bind(finish.to.as_str())
+            .bind(finish.to.is_retryable())
+            .bind(status)
+            .bind(headers)
+            .bind(body)
+            .bind(finish.error.as_deref())
+            .bind(token_value)
+            .bind(finish.actor.as_str())
+            .bind(&finish.reason)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .bind(token_value)
+            .bind(token_value)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        if done.rows_affected() != 1 {
+            tx.rollback().await.map_err(db)?;
+            return Err(match token {
+                Some(t) => self.lease_lost_or_missing(id, t).await,
+                None => StoreError::NotFound {
+                    key: id.to_string(),
+                },
+            });
+        }
+        let row = sqlx::query(sql::GET)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        record(&row)
+    }
+
+    #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]
+    async fn release(
+        &self,
+        id: &KeyId,
+        token: LeaseToken,
+        release: &Release,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(sql::RELEASE)
+            .bind(release.recheck_after.map(micros))
+            .bind(release.error.as_deref())
+            .bind(release.actor.as_str())
+            .bind(&release.reason)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .bind(token.0)
+            .execute(&self.pool)
+            .await
+            .map_err(db)?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(self.lease_lost_or_missing(id, token).await)
+        }
+    }
+
+    #[instrument(name = "idemflow.extend", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
+    async fn extend(
+        &self,
+        id: &KeyId,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<DateTime<Utc>, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        let done = sqlx::query(sql::EXTEND)
+            .bind(micros(lease))
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .bind(token.0)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        if done.rows_affected() != 1 {
+            tx.rollback().await.map_err(db)?;
+            return Err(self.lease_lost_or_missing(id, token).await);
+        }
+        let exp: Option<NaiveDateTime> = sqlx::query_scalar(sql::LEASE_OF)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        exp.map(|t| t.and_utc())
+            .ok_or_else(|| corrupt(format!("extended key {id} has no lease")))
+    }
+
+    async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
+        Ok(self.read_with_now(id).await?.map(|(r, _)| r))
+    }
+
+    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
+        let rows = sqlx::query(sql::HISTORY)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db)?;
+        rows.iter()
+            .map(|row| {
+                RawEvent {
+                    seq: row.try_get("id").map_err(db)?,
+                    from_state: row.try_get("from_state").map_err(db)?,
+                    from_retryable: row.try_get("from_retryable").map_err(db)?,
+                    to_state: row.try_get("to_state").map_err(db)?,
+                    to_retryable: row.try_get("to_retryable").map_err(db)?,
+                    lease_token: row.try_get("lease_token").map_err(db)?,
+                    actor: row.try_get("actor").map_err(db)?,
+                    reason: row.try_get("reason").map_err(db)?,
+                    at: time(row, "at")?,
+                }
+                .into_event(BACKEND)
+            })
+            .collect()
+    }
+
+    #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
+    async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
+        let lease = micros(take.lease);
+        let taken = self
+            .with_picked(sql::PICK_STALE, take.limit, async |tx, picked| {
+                let update = with_in_list(sql::TAKE_PICKED, picked.len());
+                let mut update = sqlx::query(update).bind(&take.owner).bind(lease);
+                for (scope, key) in picked {
+                    update = update.bind(scope).bind(key);
+                }
+                update.execute(&mut *tx).await.map_err(db)?;
+                let read = with_in_list(sql::READ_PICKED, picked.len());
+                let mut read = sqlx::query(read);
+                for (scope, key) in picked {
+                    read = read.bind(scope).bind(key);
+                }
+                let rows = read.fetch_all(&mut *tx).await.map_err(db)?;
+                rows.iter().map(record).collect::<Result<Vec<_>, _>>()
+            })
+            .await?;
+        Ok(taken.unwrap_or_default())
+    }
+
+    #[instrument(name = "idemflow.purge", skip(self), fields(backend = BACKEND), err)]
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let deleted = self
+            .with_picked(sql::PICK_EXPIRED, batch, async |tx, picked| {
+                let delete = with_in_list(sql::DELETE_PICKED, picked.len());
+                let mut delete = sqlx::query(delete);
+                for (scope, key) in picked {
+                    delete = delete.bind(scope).bind(key);
+                }
+                let done = delete.execute(&mut *tx).await.map_err(db)?;
+                Ok(done.rows_affected())
+            })
+            .await?;
+        Ok(deleted.unwrap_or(0))
+    }
+
+    async fn stats(&self) -> Result<Stats, StoreError> {
+        let row = sqlx::query(sql::STATS)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        let oldest: Option<NaiveDateTime> = row.try_get(5).map_err(db)?;
+        let now: NaiveDateTime = row.try_get(6).map_err(db)?;
+        Ok(Stats {
+            processing: row.try_get(0).map_err(db)?,
+            stale: row.try_get(1).map_err(db)?,
+            done: row.try_get(2).map_err(db)?,
+            failed_retryable: row.try_get(3).map_err(db)?,
+            failed_permanent: row.try_get(4).map_err(db)?,
+            oldest_processing_created_at: oldest.map(|t| t.and_utc()),
+            now: now.and_utc(),
+        })
+    }
+}

@@ -1,0 +1,244 @@
+//! The PostgreSQL statements. Every time comes from the server's `statement_timestamp()`, which
+//! is one instant for the whole statement (triggers included) and moves on between statements
+//! of one transaction. Durations are bound as integer milliseconds.
+
+macro_rules! now {
+    () => {
+        "statement_timestamp()"
+    };
+}
+
+macro_rules! cols {
+    ($t:literal) => {
+        concat!(
+            $t,
+            "scope, ",
+            $t,
+            "key, ",
+            $t,
+            "operation, ",
+            $t,
+            "provider, ",
+            $t,
+            "provider_key, ",
+            $t,
+            "state, ",
+            $t,
+            "retryable, ",
+            $t,
+            "fingerprint, ",
+            $t,
+            "request, ",
+            $t,
+            "response_status, ",
+            $t,
+            "response_headers, ",
+            $t,
+            "response_body, ",
+            $t,
+            "error, ",
+            $t,
+            "lease_token, ",
+            $t,
+            "lease_owner, ",
+            $t,
+            "lease_expires_at, ",
+            $t,
+            "attempts, ",
+            $t,
+            "created_at, ",
+            $t,
+            "updated_at, ",
+            $t,
+            "expires_at, ",
+            $t,
+            "next_check_at, ",
+            $t,
+            "retention_ms"
+        )
+    };
+}
+
+/// Whether a claim ($6 fingerprint, $11 takeover window in ms or NULL) may take row `$t`:
+/// a `failed{retryable}` row with the same fingerprint, or an expired processing row created
+/// inside the window. Never NULL.
+macro_rules! claimable {
+    ($t:literal) => {
+        concat!(
+            "COALESCE(",
+            $t,
+            ".fingerprint = $6::text AND ((",
+            $t,
+            ".state = 'failed' AND ",
+            $t,
+            ".retryable) OR ($11::bigint IS NOT NULL AND ",
+            $t,
+            ".state = 'processing' AND ",
+            $t,
+            ".lease_expires_at <= ",
+            now!(),
+            " AND ",
+            $t,
+            ".created_at > ",
+            now!(),
+            " - $11::bigint * interval '1 millisecond')), false)"
+        )
+    };
+}
+
+pub(super) const NOW: &str = concat!("SELECT ", now!());
+
+pub(super) const GET: &str = concat!(
+    "SELECT ",
+    cols!(""),
+    ", ",
+    now!(),
+    " AS db_now FROM idempotency_keys WHERE scope = $1 AND key = $2"
+);
+
+/// The reasons double as the transition marker returned by `CLAIM`.
+pub(super) const REASON_CLAIM: &str = "claimed";
+pub(super) const REASON_RECLAIM: &str = "reclaimed after a retryable failure";
+pub(super) const REASON_TAKEOVER: &str = "retry took over an expired lease";
+
+/// Claim or read in one statement. `existing` reads the row in the statement's snapshot; when
+/// it is absent or claimable, the insert runs (and its `ON CONFLICT .. WHERE` judges the latest
+/// committed row version again, under its row lock). A plain replay is a read: no row lock, no
+/// write. The result is one row: `claimed = true` with the new lease, or `claimed = false` with
+/// the existing row. No row at all means a concurrent writer got there between the snapshot and
+/// the insert: the caller reads again.
+pub(super) const CLAIM: &str = concat!(
+    "WITH existing AS (SELECT ",
+    cols!(""),
+    " FROM idempotency_keys WHERE scope = $1::text AND key = $2::text), \
+     ins AS ( \
+       INSERT INTO idempotency_keys AS k (scope, key, operation, provider, provider_key, state, \
+         retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
+         created_at, updated_at, retention_ms, version, last_actor, last_reason) \
+       SELECT $1::text, $2::text, $3::text, $4::text, $5::text, 'processing', false, $6::text, \
+         $7::text, 1, $8::text, ",
+    now!(),
+    " + $9::bigint * interval '1 millisecond', 1, ",
+    now!(),
+    ", ",
+    now!(),
+    ", $10::bigint, 1, 'worker', 'claimed' \
+       WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE NOT ",
+    claimable!("e"),
+    ") \
+       ON CONFLICT (scope, key) DO UPDATE SET \
+         state = 'processing', retryable = false, \
+         request = COALESCE(excluded.request, k.request), \
+         lease_token = k.lease_token + 1, lease_owner = excluded.lease_owner, \
+         lease_expires_at = excluded.lease_expires_at, attempts = k.attempts + 1, \
+         updated_at = excluded.updated_at, expires_at = NULL, next_check_at = NULL, error = NULL, \
+         response_status = NULL, response_headers = NULL, response_body = NULL, \
+         retention_ms = excluded.retention_ms, version = k.version + 1, last_actor = 'worker', \
+         last_reason = CASE WHEN k.state = 'failed' \
+           THEN 'reclaimed after a retryable failure' ELSE 'retry took over an expired lease' END \
+       WHERE ",
+    claimable!("k"),
+    " RETURNING ",
+    cols!("k."),
+    ", k.last_reason) \
+     SELECT true AS claimed, last_reason, ",
+    cols!(""),
+    ", ",
+    now!(),
+    " AS db_now FROM ins \
+     UNION ALL \
+     SELECT false, NULL, ",
+    cols!("e."),
+    ", ",
+    now!(),
+    " FROM existing e WHERE NOT ",
+    claimable!("e")
+);
+
+pub(super) const FINISH: &str = concat!(
+    "UPDATE idempotency_keys SET state = $3::text, retryable = $4::boolean, \
+       response_status = $5::integer, response_headers = $6::text, response_body = $7::bytea, \
+       error = $8::text, \
+       lease_token = CASE WHEN $9::bigint IS NULL THEN lease_token + 1 ELSE lease_token END, \
+       lease_owner = NULL, lease_expires_at = NULL, updated_at = ",
+    now!(),
+    ", expires_at = ",
+    now!(),
+    " + retention_ms * interval '1 millisecond', next_check_at = NULL, version = version + 1, \
+       last_actor = $10::text, last_reason = $11::text \
+     WHERE scope = $1::text AND key = $2::text \
+       AND ($9::bigint IS NULL OR (state = 'processing' AND lease_token = $9::bigint)) \
+     RETURNING ",
+    cols!("")
+);
+
+pub(super) const RELEASE: &str = concat!(
+    "UPDATE idempotency_keys SET lease_owner = NULL, \
+       lease_expires_at = LEAST(lease_expires_at, ",
+    now!(),
+    "), next_check_at = CASE WHEN $4::bigint IS NULL THEN NULL ELSE ",
+    now!(),
+    " + $4::bigint * interval '1 millisecond' END, error = COALESCE($5::text, error), \
+       updated_at = ",
+    now!(),
+    ", version = version + 1, last_actor = $6::text, last_reason = $7::text \
+     WHERE scope = $1::text AND key = $2::text AND state = 'processing' \
+       AND lease_token = $3::bigint"
+);
+
+pub(super) const EXTEND: &str = concat!(
+    "UPDATE idempotency_keys SET lease_expires_at = ",
+    now!(),
+    " + $4::bigint * interval '1 millisecond' \
+     WHERE scope = $1::text AND key = $2::text AND state = 'processing' \
+       AND lease_token = $3::bigint \
+     RETURNING lease_expires_at"
+);
+
+/// The stale keys are picked through the partial index with `FOR UPDATE SKIP LOCKED`, so
+/// concurrent sweepers never pick the same key, then each gets a new fencing token.
+pub(super) const TAKE_STALE: &str = concat!(
+    "WITH picked AS MATERIALIZED (SELECT scope, key FROM idempotency_keys \
+       WHERE state = 'processing' AND lease_expires_at <= ",
+    now!(),
+    " AND (next_check_at IS NULL OR next_check_at <= ",
+    now!(),
+    ") ORDER BY lease_expires_at LIMIT $3::bigint FOR UPDATE SKIP LOCKED) \
+     UPDATE idempotency_keys k SET lease_token = k.lease_token + 1, lease_owner = $1::text, \
+       lease_expires_at = ",
+    now!(),
+    " + $2::bigint * interval '1 millisecond', attempts = k.attempts + 1, updated_at = ",
+    now!(),
+    ", version = k.version + 1, last_actor = 'sweeper', \
+       last_reason = 'sweeper took over an expired lease' \
+     FROM picked WHERE k.scope = picked.scope AND k.key = picked.key AND k.state = 'processing' \
+     RETURNING ",
+    cols!("k.")
+);
+
+pub(super) const PURGE: &str = concat!(
+    "WITH picked AS MATERIALIZED (SELECT scope, key FROM idempotency_keys \
+       WHERE state <> 'processing' AND expires_at <= ",
+    now!(),
+    " ORDER BY expires_at LIMIT $1::bigint FOR UPDATE SKIP LOCKED) \
+     DELETE FROM idempotency_keys k USING picked \
+     WHERE k.scope = picked.scope AND k.key = picked.key AND k.state <> 'processing'"
+);
+
+pub(super) const HISTORY: &str = "SELECT id, from_state, from_retryable, to_state, to_retryable, \
+     lease_token, actor, reason, at FROM idempotency_key_events \
+     WHERE scope = $1 AND key = $2 ORDER BY id";
+
+pub(super) const STATS: &str = concat!(
+    "SELECT \
+       count(*) FILTER (WHERE state = 'processing'), \
+       count(*) FILTER (WHERE state = 'processing' AND lease_expires_at <= ",
+    now!(),
+    "), \
+       count(*) FILTER (WHERE state = 'done'), \
+       count(*) FILTER (WHERE state = 'failed' AND retryable), \
+       count(*) FILTER (WHERE state = 'failed' AND NOT retryable), \
+       min(created_at) FILTER (WHERE state = 'processing'), ",
+    now!(),
+    " FROM idempotency_keys"
+);

@@ -1,0 +1,389 @@
+//! The conformance suite on PostgreSQL (a fresh schema per test, found through `search_path`),
+//! and PostgreSQL's own faults: two app instances racing, a backend killed mid-transaction,
+//! sharing a database with the host app's migrations, and the sweeper's plan on a big table.
+//!
+//! Needs `IDEMFLOW_TEST_POSTGRES_URL`; skipped when unset, and a failure when unset or
+//! unreachable under `CI=true`.
+
+#![cfg(feature = "postgres")]
+
+#[macro_use]
+mod conformance;
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use conformance::{backend_url, claim_for, claimed, done, id};
+use idemflow::store::postgres::{PostgresStore, TAKE_STALE_SQL};
+use idemflow::store::{ClaimOutcome, TakeStale};
+use idemflow::{KeyState, LeaseToken, Response, Store, StoreError};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, Executor, Row};
+
+const URL_VAR: &str = "IDEMFLOW_TEST_POSTGRES_URL";
+const PREFIX: &str = "idemflow_t_";
+static SCHEMAS: AtomicU64 = AtomicU64::new(0);
+
+fn unreachable<T>(e: impl std::fmt::Display) -> Option<T> {
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("PostgreSQL at {URL_VAR} is unreachable and CI=true: {e}");
+    }
+    eprintln!("skipping: PostgreSQL at {URL_VAR} is unreachable: {e}");
+    None
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// Creates a fresh schema (dropping this suite's schemas older than an hour) and returns the URL
+/// and its name.
+async fn fresh_schema() -> Option<(String, String)> {
+    let url = backend_url(URL_VAR)?;
+    let mut admin = match PgConnection::connect(&url).await {
+        Ok(c) => c,
+        Err(e) => return unreachable(e),
+    };
+    let old: Vec<String> = sqlx::query_scalar(
+        "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, 'idemflow_t_')",
+    )
+    .fetch_all(&mut admin)
+    .await
+    .unwrap();
+    for name in old {
+        let born: Option<u64> = name[PREFIX.len()..]
+            .split('_')
+            .next()
+            .and_then(|s| s.parse().ok());
+        if born.is_some_and(|b| b + 3600 < now_secs()) {
+            let _ = admin
+                .execute(AssertSqlSafe(format!(
+                    "DROP SCHEMA IF EXISTS \"{name}\" CASCADE"
+                )))
+                .await;
+        }
+    }
+    let schema = format!(
+        "{PREFIX}{}_{}_{}",
+        now_secs(),
+        std::process::id(),
+        SCHEMAS.fetch_add(1, Ordering::Relaxed)
+    );
+    admin
+        .execute(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .await
+        .unwrap();
+    admin.close().await.unwrap();
+    Some((url, schema))
+}
+
+async fn pool_in(url: &str, schema: &str, max: u32) -> PgPool {
+    let options = PgConnectOptions::from_str(url)
+        .unwrap()
+        .options([("search_path", schema)]);
+    PgPoolOptions::new()
+        .max_connections(max)
+        .connect_with(options)
+        .await
+        .unwrap()
+}
+
+async fn store() -> Option<Arc<dyn Store>> {
+    let (url, schema) = fresh_schema().await?;
+    let store = PostgresStore::from_pool(pool_in(&url, &schema, 5).await);
+    store.migrate().await.unwrap();
+    Some(Arc::new(store))
+}
+
+mod suite {
+    use super::*;
+    conformance_tests!(store);
+}
+
+async fn drop_schema(url: &str, schema: &str) {
+    let mut admin = PgConnection::connect(url).await.unwrap();
+    admin
+        .execute(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pools_race_500_claims_of_one_key() {
+    let Some((url, schema)) = fresh_schema().await else {
+        return;
+    };
+    let a = PostgresStore::from_pool(pool_in(&url, &schema, 5).await);
+    a.migrate().await.unwrap();
+    let b = PostgresStore::from_pool(pool_in(&url, &schema, 5).await);
+    let stores: [Arc<dyn Store>; 2] = [Arc::new(a), Arc::new(b)];
+    let id = id(&conformance::unique("race500"), "one-key");
+    let mut tasks = Vec::new();
+    for i in 0..500 {
+        let store = stores[i % 2].clone();
+        let c = claim_for(&id, "{}", Duration::from_secs(30));
+        tasks.push(tokio::spawn(async move { store.claim(&c).await }));
+    }
+    let mut winners = 0;
+    for t in tasks {
+        if let ClaimOutcome::Claimed(_) = t.await.unwrap().unwrap() {
+            winners += 1;
+        }
+    }
+    assert_eq!(winners, 1, "exactly one of 500 claims wins");
+    assert_eq!(stores[0].history(&id).await.unwrap().len(), 1);
+    drop_schema(&url, &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_backend_mid_transaction_leaves_old_state_and_retry_succeeds() {
+    let Some((url, schema)) = fresh_schema().await else {
+        return;
+    };
+    // One connection, so the backend we terminate is the one the worker's write uses.
+    let store = PostgresStore::from_pool(pool_in(&url, &schema, 1).await);
+    store.migrate().await.unwrap();
+    let id = id(&conformance::unique("kill"), "k1");
+    let lease = claimed(
+        &(Arc::new(store.clone()) as Arc<dyn Store>),
+        &claim_for(&id, "{}", Duration::from_secs(60)),
+    )
+    .await;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+
+    // Another session holds the row lock, so the worker's finish stops inside its transaction.
+    let mut locker = pool_in(&url, &schema, 1).await.acquire().await.unwrap();
+    locker.execute("BEGIN").await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_keys WHERE scope = $1 AND key = $2 FOR UPDATE")
+        .bind(id.scope.as_str())
+        .bind(id.key.as_str())
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let worker = {
+        let store = store.clone();
+        let id = id.clone();
+        tokio::spawn(async move {
+            store
+                .finish(&id, Some(lease.token), &done(Response::new(201)))
+                .await
+        })
+    };
+    let mut admin = PgConnection::connect(&url).await.unwrap();
+    let mut waiting = false;
+    for _ in 0..200 {
+        let w: Option<String> =
+            sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
+                .bind(pid)
+                .fetch_optional(&mut admin)
+                .await
+                .unwrap()
+                .flatten();
+        if w.as_deref() == Some("Lock") {
+            waiting = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        waiting,
+        "the worker's write should be waiting on the row lock"
+    );
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+    assert!(killed);
+    let err = worker.await.unwrap().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::Database {
+                backend: "postgres",
+                ..
+            }
+        ),
+        "a clear store error, got {err}"
+    );
+    eprintln!("terminated worker got: {err}");
+    locker.execute("ROLLBACK").await.unwrap();
+
+    // The old state, whole: still processing under the first token, one history row.
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(
+        (r.state, r.lease_token),
+        (KeyState::Processing, lease.token)
+    );
+    assert!(r.response.is_none());
+    assert_eq!(store.history(&id).await.unwrap().len(), 1);
+    // The pool reconnects and the retry succeeds.
+    let r = store
+        .finish(&id, Some(lease.token), &done(Response::new(201)))
+        .await
+        .unwrap();
+    assert_eq!(r.state, KeyState::Done);
+    assert_eq!(store.history(&id).await.unwrap().len(), 2);
+    drop_schema(&url, &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn app_migrations_and_idemflow_migrations_share_a_database() {
+    let Some((url, schema)) = fresh_schema().await else {
+        return;
+    };
+    let pool = pool_in(&url, &schema, 2).await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("20240101000000_app_users.sql"),
+        "CREATE TABLE app_users (id bigint PRIMARY KEY, name text NOT NULL);",
+    )
+    .unwrap();
+    let app = sqlx::migrate::Migrator::new(dir.path()).await.unwrap();
+    app.run(&pool).await.unwrap();
+    let store = PostgresStore::from_pool(pool.clone());
+    store.migrate().await.unwrap();
+    // Each migrator sees only its own table: running both again is a no-op, not an error about
+    // unknown applied migrations.
+    app.run(&pool).await.unwrap();
+    store.migrate().await.unwrap();
+    let app_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let ours: Vec<String> = sqlx::query_scalar("SELECT description FROM _idemflow_migrations")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(app_rows, 1);
+    assert_eq!(ours, ["idempotency keys"]);
+    sqlx::query("INSERT INTO app_users VALUES (1, 'a')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let s: Arc<dyn Store> = Arc::new(store);
+    claimed(
+        &s,
+        &claim_for(&id("app", "k"), "{}", Duration::from_secs(5)),
+    )
+    .await;
+    drop_schema(&url, &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_key_query_uses_the_partial_index_on_a_big_table() {
+    let Some((url, schema)) = fresh_schema().await else {
+        return;
+    };
+    let pool = pool_in(&url, &schema, 2).await;
+    let store = PostgresStore::from_pool(pool.clone());
+    store.migrate().await.unwrap();
+    // 100,000 done keys and 100 stale processing ones.
+    sqlx::query(
+        "INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, fingerprint, \
+           lease_token, attempts, created_at, updated_at, expires_at, retention_ms, version, \
+           last_actor) \
+         SELECT 'big', 'done-' || g, 'op', 'pk-' || g, 'done', 'v1:x', 1, 1, now(), now(), \
+           now() + interval '1 day', 86400000, 1, 'worker' \
+         FROM generate_series(1, 100000) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, fingerprint, \
+           lease_token, lease_expires_at, attempts, created_at, updated_at, retention_ms, \
+           version, last_actor) \
+         SELECT 'big', 'stale-' || g, 'op', 'pk-' || g, 'processing', 'v1:x', 1, \
+           now() - interval '1 minute', 1, now(), now(), 86400000, 1, 'worker' \
+         FROM generate_series(1, 100) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE idempotency_keys")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let rows = sqlx::query(AssertSqlSafe(format!("EXPLAIN {TAKE_STALE_SQL}")))
+        .bind("sweeper")
+        .bind(30_000i64)
+        .bind(100i64)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let plan: Vec<String> = rows.iter().map(|r| r.get::<String, _>(0)).collect();
+    let plan = plan.join("\n");
+    println!("{plan}");
+    assert!(
+        plan.contains("idempotency_keys_stale"),
+        "the sweeper must use the partial index:\n{plan}"
+    );
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "sweeper".into(),
+            lease: Duration::from_secs(30),
+            limit: 1000,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 100);
+    assert!(taken.iter().all(|r| r.lease_token == LeaseToken(2)));
+    drop_schema(&url, &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sweepers_never_take_the_same_key() {
+    let Some((url, schema)) = fresh_schema().await else {
+        return;
+    };
+    let store = PostgresStore::from_pool(pool_in(&url, &schema, 5).await);
+    store.migrate().await.unwrap();
+    let store: Arc<dyn Store> = Arc::new(store);
+    let scope = conformance::unique("sweepers");
+    for i in 0..200 {
+        claimed(
+            &store,
+            &claim_for(&id(&scope, &format!("k{i}")), "{}", Duration::ZERO),
+        )
+        .await;
+    }
+    let mut tasks = Vec::new();
+    for s in 0..4 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let batch = store
+                    .take_stale(&TakeStale {
+                        owner: format!("sweeper-{s}"),
+                        lease: Duration::from_secs(60),
+                        limit: 7,
+                    })
+                    .await
+                    .unwrap();
+                if batch.is_empty() {
+                    return mine;
+                }
+                mine.extend(batch.into_iter().map(|r| r.key.to_string()));
+            }
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    let n = all.len();
+    all.sort();
+    all.dedup();
+    assert_eq!((n, all.len()), (200, 200), "each key taken exactly once");
+    drop_schema(&url, &schema).await;
+}
