@@ -354,7 +354,7 @@ async fn email_long_keys_are_derived_to_fit_and_stay_stable() {
     let fake = FakePostmark::start().await.unwrap();
     let p = postmark(fake.base_url(), 1);
     let scope = Scope::new("tenant-9").unwrap();
-    let long = IdempotencyKey::new(&"x".repeat(255)).unwrap();
+    let long = IdempotencyKey::new("x".repeat(255)).unwrap();
     let spec: KeySpec = p.key_spec();
     let k = spec.derive(&scope, &long, "email.send");
     assert!(

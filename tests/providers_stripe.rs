@@ -447,7 +447,7 @@ async fn stripe_long_keys_are_derived_to_fit_and_stay_stable() {
     let s = stripe(fake.base_url(), 1);
     let spec = s.key_spec();
     let scope = Scope::new("acct_1").unwrap();
-    let long = IdempotencyKey::new(&"k".repeat(255)).unwrap();
+    let long = IdempotencyKey::new("k".repeat(255)).unwrap();
     let a = spec.derive(&scope, &long, "payments.create");
     let b = spec.derive(&scope, &long, "payments.create");
     assert_eq!(a, b);
@@ -456,7 +456,7 @@ async fn stripe_long_keys_are_derived_to_fit_and_stay_stable() {
         a,
         spec.derive(
             &scope,
-            &IdempotencyKey::new(&"k".repeat(254)).unwrap(),
+            &IdempotencyKey::new("k".repeat(254)).unwrap(),
             "payments.create"
         )
     );
