@@ -57,7 +57,8 @@
 //! ## Features
 //!
 //! `sqlite` (default) gives [`store::sqlite::SqliteStore`]. Other backends and integrations live
-//! behind their own features.
+//! behind their own features. `http` brings the provider adapters (Stripe, Resend, Postmark;
+//! reqwest with rustls), `testkit` fake provider servers with fault injection for tests.
 
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -72,6 +73,9 @@ pub mod record;
 pub mod response;
 pub mod state;
 pub mod store;
+#[cfg(feature = "testkit")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
+pub mod testkit;
 
 pub use async_trait::async_trait;
 pub use error::{Error, StoreError};

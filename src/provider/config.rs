@@ -64,17 +64,195 @@ pub enum ProviderConfigError {
         /// What is wrong.
         detail: String,
     },
+    /// The HTTP client could not be built (an invalid base URL or API key, TLS set-up).
+    #[cfg(feature = "http")]
+    #[error("provider {provider:?}: {source}")]
+    Http {
+        /// The provider name.
+        provider: String,
+        /// What failed.
+        #[source]
+        source: super::http::HttpError,
+    },
 }
 
-/// The provider kinds this build can construct.
+/// The provider kinds this build can construct (the `http` feature brings `stripe`, `resend`
+/// and `postmark`).
 pub fn known_kinds() -> &'static [&'static str] {
-    &[]
+    #[cfg(feature = "http")]
+    {
+        &["postmark", "resend", "stripe"]
+    }
+    #[cfg(not(feature = "http"))]
+    {
+        &[]
+    }
 }
 
-/// Builds the provider an entry describes.
+/// Builds the provider an entry describes, reading the API key from the environment variable
+/// `api_key_env`.
 pub fn build(config: &ProviderConfig) -> Result<Arc<dyn Provider>, ProviderConfigError> {
+    build_with_env(config, |var| std::env::var(var).ok())
+}
+
+/// Like [`build`], with the environment given as a function (for tests and embedding).
+pub fn build_with_env(
+    config: &ProviderConfig,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Arc<dyn Provider>, ProviderConfigError> {
+    let name = config.name.clone().unwrap_or_else(|| config.kind.clone());
+    if name.is_empty() {
+        return Err(ProviderConfigError::Invalid {
+            provider: name,
+            detail: "the name must not be empty".to_owned(),
+        });
+    }
+    if !known_kinds().contains(&config.kind.as_str()) {
+        return Err(ProviderConfigError::UnknownKind {
+            kind: config.kind.clone(),
+            known: if known_kinds().is_empty() {
+                "none; build with the `http` feature for stripe, resend and postmark".to_owned()
+            } else {
+                known_kinds().join(", ")
+            },
+        });
+    }
+    let api_key = env(&config.api_key_env)
+        .filter(|v| !v.trim().is_empty())
+        .ok_or_else(|| ProviderConfigError::MissingApiKey {
+            var: config.api_key_env.clone(),
+            provider: name.clone(),
+        })?;
+    build_http(config, name, api_key)
+}
+
+#[cfg(not(feature = "http"))]
+fn build_http(
+    config: &ProviderConfig,
+    _name: String,
+    _api_key: String,
+) -> Result<Arc<dyn Provider>, ProviderConfigError> {
     Err(ProviderConfigError::UnknownKind {
         kind: config.kind.clone(),
         known: known_kinds().join(", "),
     })
+}
+
+#[cfg(feature = "http")]
+fn build_http(
+    config: &ProviderConfig,
+    name: String,
+    api_key: String,
+) -> Result<Arc<dyn Provider>, ProviderConfigError> {
+    use super::{Postmark, Resend, Stripe, postmark, resend, stripe};
+
+    let http = |source| ProviderConfigError::Http {
+        provider: name.clone(),
+        source,
+    };
+    let base = |default: &'static str| {
+        config
+            .base_url
+            .clone()
+            .unwrap_or_else(|| default.to_owned())
+    };
+    match config.kind.as_str() {
+        "stripe" => {
+            let mut p = Stripe::with_base_url(&base(stripe::DEFAULT_BASE_URL), api_key)
+                .map_err(http)?
+                .with_name(name.clone());
+            if let Some(lag) = config.search_lag {
+                p = p.search_lag(lag);
+            }
+            Ok(Arc::new(p))
+        }
+        "postmark" => {
+            let mut p = Postmark::with_base_url(&base(postmark::DEFAULT_BASE_URL), api_key)
+                .map_err(http)?
+                .with_name(name.clone());
+            if let Some(lag) = config.search_lag {
+                p = p.search_lag(lag);
+            }
+            Ok(Arc::new(p))
+        }
+        "resend" => {
+            if config.search_lag.is_some() {
+                return Err(ProviderConfigError::Invalid {
+                    provider: name,
+                    detail: "search_lag does not apply to resend (its lookup is a same-key re-send, not a search)".to_owned(),
+                });
+            }
+            let p = Resend::with_base_url(&base(resend::DEFAULT_BASE_URL), api_key)
+                .map_err(http)?
+                .with_name(name.clone());
+            Ok(Arc::new(p))
+        }
+        other => Err(ProviderConfigError::UnknownKind {
+            kind: other.to_owned(),
+            known: known_kinds().join(", "),
+        }),
+    }
+}
+
+#[cfg(all(test, feature = "http"))]
+mod tests {
+    use super::*;
+
+    fn cfg(kind: &str) -> ProviderConfig {
+        ProviderConfig {
+            name: None,
+            kind: kind.to_owned(),
+            base_url: None,
+            api_key_env: "IDEMFLOW_TEST_KEY".to_owned(),
+            search_lag: None,
+        }
+    }
+
+    fn env(var: &str) -> Option<String> {
+        (var == "IDEMFLOW_TEST_KEY").then(|| "sk_test_1".to_owned())
+    }
+
+    #[test]
+    fn builds_each_kind_with_its_name() {
+        for kind in known_kinds() {
+            let p = build_with_env(&cfg(kind), env).unwrap();
+            assert_eq!(p.name(), *kind);
+        }
+        let mut c = cfg("stripe");
+        c.name = Some("stripe-eu".to_owned());
+        c.base_url = Some("http://127.0.0.1:1".to_owned());
+        c.search_lag = Some(std::time::Duration::from_secs(5));
+        assert_eq!(build_with_env(&c, env).unwrap().name(), "stripe-eu");
+    }
+
+    #[test]
+    fn clear_errors() {
+        let e = build_with_env(&cfg("paypal"), env).unwrap_err();
+        assert!(e.to_string().contains("postmark, resend, stripe"), "{e}");
+        let e = build_with_env(&cfg("stripe"), |_| None).unwrap_err();
+        assert!(
+            matches!(e, ProviderConfigError::MissingApiKey { .. }),
+            "{e}"
+        );
+        let mut c = cfg("resend");
+        c.base_url = Some("ftp://x".to_owned());
+        let e = build_with_env(&c, env).unwrap_err();
+        assert!(matches!(e, ProviderConfigError::Http { .. }), "{e}");
+        assert!(std::error::Error::source(&e).is_some());
+        let mut c = cfg("resend");
+        c.search_lag = Some(std::time::Duration::from_secs(1));
+        assert!(matches!(
+            build_with_env(&c, env).unwrap_err(),
+            ProviderConfigError::Invalid { .. }
+        ));
+    }
+
+    #[test]
+    fn parses_toml_shape() {
+        let c: ProviderConfig = serde_json::from_value(serde_json::json!({
+            "kind": "stripe", "api_key_env": "K", "search_lag": 90
+        }))
+        .unwrap();
+        assert_eq!(c.search_lag, Some(std::time::Duration::from_secs(90)));
+    }
 }

@@ -16,6 +16,25 @@ use chrono::{DateTime, Utc};
 use crate::{IdempotencyKey, Outcome, Response, Scope, provider_key};
 
 pub mod config;
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod http;
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod postmark;
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod resend;
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod stripe;
+
+#[cfg(feature = "http")]
+pub use postmark::Postmark;
+#[cfg(feature = "http")]
+pub use resend::Resend;
+#[cfg(feature = "http")]
+pub use stripe::Stripe;
 
 /// Where the provider key travels.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,0 +1,207 @@
+//! The fake Postmark (`POST /email`, `GET /messages/outbound`).
+
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Extension, State};
+use axum::http::{HeaderMap, Method, Uri};
+use axum::response::Response;
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use super::server::{KillSwitch, Server, serve};
+use super::{
+    Common, Effect, Fault, Faults, Ledger, RecordedRequest, deliver, header_value, json_response,
+    lock, raw_response, retry_after_secs,
+};
+
+/// An in-process Postmark look-alike (see the [module docs](super)). It has no idempotency:
+/// every accepted request is one more email in the ledger.
+#[derive(Debug)]
+pub struct FakePostmark {
+    server: Server,
+    state: Arc<PostmarkState>,
+}
+
+#[derive(Debug, Default)]
+struct PostmarkState {
+    common: Common,
+    messages: Mutex<Vec<(Instant, Value)>>,
+}
+
+impl FakePostmark {
+    /// The server token the fake accepts (`X-Postmark-Server-Token`).
+    pub const API_KEY: &'static str = "pm_test_idemflow_fake";
+
+    /// Starts the fake on `127.0.0.1`, port 0. It stops when dropped.
+    pub async fn start() -> std::io::Result<Self> {
+        let state = Arc::new(PostmarkState::default());
+        let router = Router::new()
+            .route("/email", post(send))
+            .route("/messages/outbound", get(search))
+            .with_state(state.clone());
+        Ok(Self {
+            server: serve(router).await?,
+            state,
+        })
+    }
+
+    /// `http://127.0.0.1:<port>`, to give an adapter as its base URL.
+    pub fn base_url(&self) -> &str {
+        self.server.base_url()
+    }
+
+    /// The emails sent.
+    pub fn ledger(&self) -> Ledger {
+        self.state.common.ledger.clone()
+    }
+
+    /// Fault injection and latency / search-lag settings.
+    pub fn faults(&self) -> Faults {
+        self.state.common.faults.clone()
+    }
+
+    /// Every request received, oldest first (faulted ones included).
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        self.state.common.requests()
+    }
+}
+
+fn pm_error(status: u16, code: i64, message: &str) -> Response {
+    json_response(status, &json!({"ErrorCode": code, "Message": message}), &[])
+}
+
+fn authorized(headers: &HeaderMap) -> bool {
+    header_value(headers, "x-postmark-server-token").as_deref() == Some(FakePostmark::API_KEY)
+}
+
+async fn send(
+    State(s): State<Arc<PostmarkState>>,
+    Extension(kill): Extension<KillSwitch>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    s.common.record(&method, &uri, &headers, &body);
+    if !authorized(&headers) {
+        return pm_error(401, 10, "Request does not contain a valid Server token.");
+    }
+    let after = match s.common.faults.next() {
+        Some(Fault::ServerError { status }) => {
+            return pm_error(status, 0, "injected server error (nothing sent)");
+        }
+        Some(Fault::RateLimited { retry_after }) => {
+            return json_response(
+                429,
+                &json!({"ErrorCode": 429, "Message": "Rate limit exceeded."}),
+                &[("retry-after", retry_after_secs(retry_after))],
+            );
+        }
+        other => other,
+    };
+    let email: Value = match serde_json::from_slice(&body) {
+        Ok(v @ Value::Object(_)) => v,
+        _ => return pm_error(422, 402, "Received invalid JSON input."),
+    };
+    let to = email
+        .get("To")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_owned();
+    if email.get("From").and_then(Value::as_str).is_none() || to.is_empty() {
+        return pm_error(422, 300, "Invalid email request");
+    }
+    if to.contains("inactive") {
+        return pm_error(
+            422,
+            406,
+            "You tried to send to recipient(s) that have been marked as inactive.",
+        );
+    }
+    let task_state = s.clone();
+    let exec = tokio::spawn(async move {
+        let s = task_state;
+        tokio::time::sleep(s.common.faults.latency()).await;
+        let n = s.common.next_id();
+        let id = format!("b7bc2f4a-e38e-4336-af7d-{n:012}");
+        let now = chrono::Utc::now().to_rfc3339();
+        let metadata = email.get("Metadata").cloned().unwrap_or_else(|| json!({}));
+        s.common.ledger.push(Effect {
+            id: id.clone(),
+            kind: "email",
+            idempotency_key: None,
+            metadata_key: metadata
+                .get(crate::provider::postmark::METADATA_KEY)
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            status: "sent".to_owned(),
+            request: email.clone(),
+        });
+        let record = json!({
+            "MessageID": id,
+            "To": to.split(',').map(|e| json!({"Email": e.trim(), "Name": null})).collect::<Vec<_>>(),
+            "From": email.get("From"),
+            "Subject": email.get("Subject"),
+            "Status": "Sent",
+            "ReceivedAt": now,
+            "Metadata": metadata,
+        });
+        lock(&s.messages).push((Instant::now() + s.common.faults.search_lag(), record));
+        json!({"To": to, "SubmittedAt": now, "MessageID": id, "ErrorCode": 0, "Message": "OK"})
+    });
+    let Ok(answer) = exec.await else {
+        return pm_error(500, 0, "fake failed");
+    };
+    let bytes = serde_json::to_vec(&answer).unwrap_or_default();
+    deliver(after, &kill, raw_response(200, bytes, &[])).await
+}
+
+async fn search(
+    State(s): State<Arc<PostmarkState>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    s.common.record(&method, &uri, &headers, &[]);
+    if !authorized(&headers) {
+        return pm_error(401, 10, "Request does not contain a valid Server token.");
+    }
+    let params: Vec<(String, String)> =
+        serde_urlencoded::from_str(uri.query().unwrap_or("")).unwrap_or_default();
+    let count = params
+        .iter()
+        .find(|(k, _)| k == "count")
+        .and_then(|(_, v)| v.parse::<usize>().ok());
+    let Some(count) = count.filter(|c| (1..=500).contains(c)) else {
+        return pm_error(422, 300, "count is required (1-500)");
+    };
+    let offset = params
+        .iter()
+        .find(|(k, _)| k == "offset")
+        .and_then(|(_, v)| v.parse::<usize>().ok())
+        .unwrap_or(0);
+    let filters: Vec<(String, String)> = params
+        .iter()
+        .filter_map(|(k, v)| {
+            k.strip_prefix("metadata_")
+                .map(|m| (m.to_owned(), v.clone()))
+        })
+        .collect();
+    let now = Instant::now();
+    let matching: Vec<Value> = lock(&s.messages)
+        .iter()
+        .filter(|(visible, m)| {
+            *visible <= now
+                && filters
+                    .iter()
+                    .all(|(k, v)| m["Metadata"][k].as_str() == Some(v.as_str()))
+        })
+        .map(|(_, m)| m.clone())
+        .collect();
+    let total = matching.len();
+    let page: Vec<Value> = matching.into_iter().skip(offset).take(count).collect();
+    json_response(200, &json!({"TotalCount": total, "Messages": page}), &[])
+}

@@ -1,0 +1,326 @@
+//! The fake Stripe (PaymentIntents + search).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Extension, State};
+use axum::http::{HeaderMap, Method, Uri};
+use axum::response::Response;
+use axum::routing::{get, post};
+use serde_json::{Map, Value, json};
+use tokio::time::Instant;
+
+use super::server::{KillSwitch, Server, serve};
+use super::{
+    Common, Effect, Fault, Faults, KeyEntry, Ledger, RecordedRequest, deliver, header_value,
+    json_response, lock, raw_response, retry_after_secs,
+};
+
+/// An in-process Stripe look-alike (see the [module docs](super)).
+#[derive(Debug)]
+pub struct FakeStripe {
+    server: Server,
+    state: Arc<StripeState>,
+}
+
+#[derive(Debug, Default)]
+struct StripeState {
+    common: Common,
+    keys: Mutex<HashMap<String, KeyEntry>>,
+    intents: Mutex<Vec<(Instant, Value)>>,
+}
+
+impl FakeStripe {
+    /// The secret key the fake accepts (`Authorization: Bearer ...`).
+    pub const API_KEY: &'static str = "sk_test_idemflow_fake";
+    /// A `payment_method` that is declined with 402 `card_error` / `card_declined`.
+    pub const DECLINED_CARD: &'static str = "pm_card_chargeDeclined";
+
+    /// Starts the fake on `127.0.0.1`, port 0. It stops when dropped.
+    pub async fn start() -> std::io::Result<Self> {
+        let state = Arc::new(StripeState::default());
+        let router = Router::new()
+            .route("/v1/payment_intents", post(create))
+            .route("/v1/payment_intents/search", get(search))
+            .with_state(state.clone());
+        Ok(Self {
+            server: serve(router).await?,
+            state,
+        })
+    }
+
+    /// `http://127.0.0.1:<port>`, to give an adapter as its base URL.
+    pub fn base_url(&self) -> &str {
+        self.server.base_url()
+    }
+
+    /// The PaymentIntents created (declined ones included, with their status).
+    pub fn ledger(&self) -> Ledger {
+        self.state.common.ledger.clone()
+    }
+
+    /// Fault injection and latency / search-lag settings.
+    pub fn faults(&self) -> Faults {
+        self.state.common.faults.clone()
+    }
+
+    /// Every request received, oldest first (faulted ones included).
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        self.state.common.requests()
+    }
+}
+
+fn stripe_error(status: u16, error: Value) -> Response {
+    json_response(status, &json!({ "error": error }), &[])
+}
+
+fn authorized(headers: &HeaderMap) -> bool {
+    header_value(headers, "authorization").as_deref()
+        == Some(&format!("Bearer {}", FakeStripe::API_KEY))
+}
+
+async fn create(
+    State(s): State<Arc<StripeState>>,
+    Extension(kill): Extension<KillSwitch>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    s.common.record(&method, &uri, &headers, &body);
+    if !authorized(&headers) {
+        return stripe_error(
+            401,
+            json!({"type": "invalid_request_error", "message": "Invalid API Key provided"}),
+        );
+    }
+    let after = match s.common.faults.next() {
+        Some(Fault::ServerError { status }) => {
+            return stripe_error(
+                status,
+                json!({"type": "api_error", "message": "injected server error (nothing executed)"}),
+            );
+        }
+        Some(Fault::RateLimited { retry_after }) => {
+            return json_response(
+                429,
+                &json!({"error": {"type": "invalid_request_error", "code": "rate_limit",
+                        "message": "Too many requests"}}),
+                &[("retry-after", retry_after_secs(retry_after))],
+            );
+        }
+        other => other,
+    };
+    let mut fields: Vec<(String, String)> = match serde_urlencoded::from_bytes(&body) {
+        Ok(f) => f,
+        Err(e) => {
+            return stripe_error(
+                400,
+                json!({"type": "invalid_request_error", "message": format!("invalid form body: {e}")}),
+            );
+        }
+    };
+    fields.sort();
+    let params = serde_json::to_string(&fields).unwrap_or_default();
+    let key = header_value(&headers, "idempotency-key");
+
+    if let Some(key) = &key {
+        if key.len() > 255 {
+            return stripe_error(
+                400,
+                json!({"type": "invalid_request_error",
+                       "message": "Idempotency-Key must be at most 255 characters"}),
+            );
+        }
+        let replay = {
+            let mut keys = lock(&s.keys);
+            match keys.get(key) {
+                Some(KeyEntry::Running) => {
+                    return stripe_error(
+                        409,
+                        json!({"type": "invalid_request_error", "code": "idempotency_key_in_use",
+                           "message": "There is currently another in-progress request using this Idempotent Key (that probably means you submitted twice, and the other request is still going through): ..."}),
+                    );
+                }
+                Some(KeyEntry::Done { params: p, .. }) if *p != params => {
+                    return stripe_error(
+                        400,
+                        json!({"type": "idempotency_error",
+                           "message": "Keys for idempotent requests can only be used with the same parameters they were first used with."}),
+                    );
+                }
+                Some(KeyEntry::Done { status, body, .. }) => Some(raw_response(
+                    *status,
+                    body.clone(),
+                    &[("idempotent-replayed", "true".to_owned())],
+                )),
+                None => {
+                    keys.insert(key.clone(), KeyEntry::Running);
+                    None
+                }
+            }
+        };
+        if let Some(r) = replay {
+            return deliver(after, &kill, r).await;
+        }
+    }
+
+    // Validation: not saved, as at Stripe.
+    let missing = match (field(&fields, "amount"), field(&fields, "currency")) {
+        (None, _) => Some("amount"),
+        (_, None) => Some("currency"),
+        (Some(a), _) if a.parse::<u64>().map_or(true, |a| a == 0) => Some("amount"),
+        _ => None,
+    };
+    if let Some(param) = missing {
+        if let Some(key) = &key {
+            lock(&s.keys).remove(key);
+        }
+        return stripe_error(
+            400,
+            json!({"type": "invalid_request_error", "code": "parameter_missing", "param": param,
+                   "message": format!("Missing or invalid required param: {param}.")}),
+        );
+    }
+
+    // Execute in a task of its own: like the real thing, it completes even if the client
+    // disconnects (a timeout after sending).
+    let task_state = s.clone();
+    let task_key = key.clone();
+    let exec = tokio::spawn(async move {
+        let s = task_state;
+        let get = |name: &str| field(&fields, name);
+        tokio::time::sleep(s.common.faults.latency()).await;
+        let n = s.common.next_id();
+        let mut metadata = Map::new();
+        let mut request = Map::new();
+        for (k, v) in &fields {
+            if let Some(m) = k
+                .strip_prefix("metadata[")
+                .and_then(|r| r.strip_suffix(']'))
+            {
+                metadata.insert(m.to_owned(), Value::String(v.clone()));
+            }
+            request.insert(k.clone(), Value::String(v.clone()));
+        }
+        let declined = get("payment_method").as_deref() == Some(FakeStripe::DECLINED_CARD);
+        let confirm = get("confirm").as_deref() == Some("true");
+        let status = if declined {
+            "requires_payment_method"
+        } else if confirm {
+            "succeeded"
+        } else {
+            "requires_confirmation"
+        };
+        let id = format!("pi_fake_{n:06}");
+        let decline = json!({"type": "card_error", "code": "card_declined",
+                             "decline_code": "generic_decline", "message": "Your card was declined."});
+        let pi = json!({
+            "id": id,
+            "object": "payment_intent",
+            "amount": get("amount").and_then(|a| a.parse::<u64>().ok()),
+            "currency": get("currency"),
+            "customer": get("customer"),
+            "payment_method": get("payment_method"),
+            "status": status,
+            "metadata": metadata,
+            "last_payment_error": if declined { decline.clone() } else { Value::Null },
+            "created": chrono::Utc::now().timestamp(),
+        });
+        s.common.ledger.push(Effect {
+            id: id.clone(),
+            kind: "payment_intent",
+            idempotency_key: task_key.clone(),
+            metadata_key: metadata
+                .get(crate::provider::stripe::METADATA_KEY)
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            status: status.to_owned(),
+            request: Value::Object(request),
+        });
+        lock(&s.intents).push((Instant::now() + s.common.faults.search_lag(), pi.clone()));
+        let (code, body) = if declined {
+            let mut err = decline;
+            if let Value::Object(m) = &mut err {
+                m.insert("payment_intent".to_owned(), pi);
+            }
+            (402, json!({ "error": err }))
+        } else {
+            (200, pi)
+        };
+        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        if let Some(key) = task_key {
+            lock(&s.keys).insert(
+                key,
+                KeyEntry::Done {
+                    params,
+                    status: code,
+                    body: bytes.clone(),
+                },
+            );
+        }
+        (code, bytes, n)
+    });
+    let Ok((code, bytes, n)) = exec.await else {
+        return stripe_error(500, json!({"type": "api_error", "message": "fake failed"}));
+    };
+    let r = raw_response(code, bytes, &[("request-id", format!("req_fake_{n:06}"))]);
+    deliver(after, &kill, r).await
+}
+
+fn field(fields: &[(String, String)], name: &str) -> Option<String> {
+    fields
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.clone())
+}
+
+/// Parses `metadata['k']:'v'` (the only query form the fake understands).
+fn parse_query(q: &str) -> Option<(String, String)> {
+    let rest = q.trim().strip_prefix("metadata['")?;
+    let (k, rest) = rest.split_once("']:'")?;
+    let v = rest.strip_suffix('\'')?;
+    Some((k.to_owned(), v.replace("\\'", "'").replace("\\\\", "\\")))
+}
+
+async fn search(
+    State(s): State<Arc<StripeState>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    s.common.record(&method, &uri, &headers, &[]);
+    if !authorized(&headers) {
+        return stripe_error(
+            401,
+            json!({"type": "invalid_request_error", "message": "Invalid API Key provided"}),
+        );
+    }
+    let params: Vec<(String, String)> =
+        serde_urlencoded::from_str(uri.query().unwrap_or("")).unwrap_or_default();
+    let Some((k, v)) = params
+        .iter()
+        .find(|(n, _)| n == "query")
+        .and_then(|(_, q)| parse_query(q))
+    else {
+        return stripe_error(
+            400,
+            json!({"type": "invalid_request_error", "param": "query",
+                   "message": "the fake understands only metadata['k']:'v'"}),
+        );
+    };
+    let now = Instant::now();
+    let data: Vec<Value> = lock(&s.intents)
+        .iter()
+        .filter(|(visible, pi)| *visible <= now && pi["metadata"][&k].as_str() == Some(v.as_str()))
+        .map(|(_, pi)| pi.clone())
+        .collect();
+    json_response(
+        200,
+        &json!({"object": "search_result", "url": "/v1/payment_intents/search",
+                "has_more": false, "next_page": null, "data": data}),
+        &[],
+    )
+}

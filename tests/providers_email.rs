@@ -1,0 +1,374 @@
+//! The Resend and Postmark adapters against their fakes (and wiremock for exact requests).
+#![cfg(feature = "testkit")]
+
+use std::time::Duration;
+
+use chrono::Utc;
+use idemflow::provider::http::HttpConfig;
+use idemflow::provider::{Postmark, Provider, Resend};
+use idemflow::testkit::{FakePostmark, FakeResend};
+use idemflow::{CallOutcome, IdempotencyKey, KeySpec, Lookup, Outcome, Scope};
+use serde_json::{Value, json};
+use wiremock::matchers::{header, method, path, query_param};
+use wiremock::{Mock, MockServer, ResponseTemplate};
+
+fn fast(max_attempts: u32) -> HttpConfig {
+    HttpConfig {
+        request_timeout: Duration::from_secs(2),
+        max_attempts,
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(50),
+        max_retry_after: Duration::from_secs(2),
+        ..HttpConfig::default()
+    }
+}
+
+fn resend(base: &str, attempts: u32) -> Resend {
+    Resend::with_base_url(base, FakeResend::API_KEY)
+        .unwrap()
+        .http_config(fast(attempts))
+        .unwrap()
+}
+
+fn postmark(base: &str, attempts: u32) -> Postmark {
+    Postmark::with_base_url(base, FakePostmark::API_KEY)
+        .unwrap()
+        .http_config(fast(attempts))
+        .unwrap()
+}
+
+fn email() -> Value {
+    json!({"from": "shop@example.test", "to": ["ada@example.test"], "subject": "Receipt", "text": "Thanks"})
+}
+
+fn pm_email() -> Value {
+    json!({"From": "shop@example.test", "To": "ada@example.test", "Subject": "Receipt", "TextBody": "Thanks"})
+}
+
+// ---- Resend ---------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn resend_sends_json_body_with_key_header() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/emails"))
+        .and(header("idempotency-key", "idf_r1"))
+        .and(header("authorization", "Bearer re_test_idemflow_fake"))
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!({"id": "e1"})))
+        .expect(1)
+        .mount(&server)
+        .await;
+    let out = resend(&server.uri(), 1).call("idf_r1", &email()).await;
+    assert!(
+        matches!(
+            out,
+            CallOutcome::Succeeded {
+                replayed: false,
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+    let reqs = server.received_requests().await.unwrap();
+    let sent: Value = serde_json::from_slice(&reqs[0].body).unwrap();
+    assert_eq!(sent, email());
+}
+
+#[tokio::test]
+async fn resend_lost_response_then_retry_sends_once_with_the_same_key() {
+    let fake = FakeResend::start().await.unwrap();
+    fake.faults().lose_next_response();
+    let out = resend(fake.base_url(), 3).call("idf_lost", &email()).await;
+    let CallOutcome::Succeeded { response, .. } = out else {
+        panic!("{out:?}")
+    };
+    assert_eq!(fake.ledger().len(), 1);
+    let id = response.body_json::<Value>().unwrap()["id"].clone();
+    assert_eq!(id, fake.ledger().entries()[0].id.as_str());
+    let reqs = fake.requests();
+    assert_eq!(reqs.len(), 2);
+    assert!(
+        reqs.iter()
+            .all(|r| r.header("idempotency-key") == Some("idf_lost"))
+    );
+}
+
+#[tokio::test]
+async fn resend_errors_map_to_outcomes() {
+    let fake = FakeResend::start().await.unwrap();
+    let r = resend(fake.base_url(), 1);
+    assert!(matches!(
+        r.call("idf_a", &email()).await,
+        CallOutcome::Succeeded { .. }
+    ));
+    // Same key, other payload: 409 invalid_idempotent_request.
+    let other = json!({"from": "shop@example.test", "to": ["bob@example.test"], "subject": "Hi", "text": "x"});
+    assert!(matches!(
+        r.call("idf_a", &other).await,
+        CallOutcome::KeyConflict { .. }
+    ));
+    // Malformed key: 400 invalid_idempotency_key -> Rejected (nothing sent).
+    let long = "k".repeat(300);
+    let out = r.call(&long, &email()).await;
+    assert!(
+        matches!(out, CallOutcome::Rejected { ref response } if response.status() == 400),
+        "{out:?}"
+    );
+    // Validation: 422 -> Rejected.
+    let out = r.call("idf_v", &json!({"from": "a@x.test"})).await;
+    assert!(
+        matches!(out, CallOutcome::Rejected { ref response } if response.status() == 422),
+        "{out:?}"
+    );
+    // 429 -> Retryable with Retry-After.
+    fake.faults().rate_limit_next(Duration::from_secs(1));
+    let out = r.call("idf_429", &email()).await;
+    assert!(
+        matches!(out, CallOutcome::Retryable { retry_after: Some(d), .. } if d == Duration::from_secs(1)),
+        "{out:?}"
+    );
+    // 5xx -> Unknown.
+    fake.faults().server_error_next(500);
+    assert!(matches!(
+        r.call("idf_500", &email()).await,
+        CallOutcome::Unknown { .. }
+    ));
+    // Wrong API key -> Retryable.
+    let wrong = Resend::with_base_url(fake.base_url(), "re_wrong")
+        .unwrap()
+        .http_config(fast(1))
+        .unwrap();
+    assert!(matches!(
+        wrong.call("idf_auth", &email()).await,
+        CallOutcome::Retryable { .. }
+    ));
+    assert_eq!(fake.ledger().len(), 1, "only the first email was sent");
+}
+
+#[tokio::test]
+async fn resend_concurrent_same_key_is_in_flight() {
+    let fake = FakeResend::start().await.unwrap();
+    fake.faults().set_latency(Duration::from_millis(400));
+    let r = resend(fake.base_url(), 1);
+    let r2 = r.clone();
+    let first = tokio::spawn(async move { r2.call("idf_c", &email()).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(matches!(
+        r.call("idf_c", &email()).await,
+        CallOutcome::InFlight { .. }
+    ));
+    assert!(matches!(
+        first.await.unwrap(),
+        CallOutcome::Succeeded { .. }
+    ));
+    assert_eq!(fake.ledger().len(), 1);
+}
+
+#[tokio::test]
+async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
+    let fake = FakeResend::start().await.unwrap();
+    fake.faults().lose_next_response();
+    let r = resend(fake.base_url(), 1);
+    assert!(matches!(
+        r.call("idf_l", &email()).await,
+        CallOutcome::Unknown { .. }
+    ));
+    let Lookup::Found(Outcome::Succeeded(resp)) = r.lookup("idf_l", &email(), Utc::now()).await
+    else {
+        panic!("not found")
+    };
+    assert_eq!(
+        resp.body_json::<Value>().unwrap()["id"],
+        fake.ledger().entries()[0].id.as_str()
+    );
+    assert_eq!(fake.ledger().len(), 1);
+    // Past Resend's 24 h window a re-send could send twice: Unknown, nothing sent.
+    let old = Utc::now() - chrono::Duration::hours(24);
+    assert_eq!(
+        r.lookup("idf_l", &email(), old).await,
+        Lookup::Unknown { retry_after: None }
+    );
+    assert_eq!(fake.requests().len(), 2);
+}
+
+// ---- Postmark -------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn postmark_puts_our_key_in_metadata_and_searches_by_it() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/email"))
+        .and(header("x-postmark-server-token", "pm_test_idemflow_fake"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_json(json!({"MessageID": "m1", "ErrorCode": 0, "Message": "OK"})),
+        )
+        .expect(1)
+        .mount(&server)
+        .await;
+    Mock::given(method("GET"))
+        .and(path("/messages/outbound"))
+        .and(query_param("metadata_idemflow_key", "idf_p1"))
+        .and(query_param("offset", "0"))
+        .respond_with(
+            ResponseTemplate::new(200).set_body_json(json!({"TotalCount": 0, "Messages": []})),
+        )
+        .expect(1)
+        .mount(&server)
+        .await;
+    let p = postmark(&server.uri(), 1);
+    assert!(matches!(
+        p.call("idf_p1", &pm_email()).await,
+        CallOutcome::Succeeded { .. }
+    ));
+    let reqs = server.received_requests().await.unwrap();
+    let sent: Value = serde_json::from_slice(&reqs[0].body).unwrap();
+    assert_eq!(sent["Metadata"]["idemflow_key"], "idf_p1");
+    assert_eq!(sent["Subject"], "Receipt");
+    assert!(reqs[0].headers.get("idempotency-key").is_none());
+    let recent = p.lookup("idf_p1", &pm_email(), Utc::now()).await;
+    assert_eq!(
+        recent,
+        Lookup::NotFound {
+            authoritative: false
+        }
+    );
+}
+
+#[tokio::test]
+async fn postmark_lost_response_is_never_resent_and_lookup_finds_it() {
+    let fake = FakePostmark::start().await.unwrap();
+    fake.faults().lose_next_response();
+    let p = postmark(fake.base_url(), 3);
+    let sent_at = Utc::now();
+    let out = p.call("idf_pl", &pm_email()).await;
+    assert!(matches!(out, CallOutcome::Unknown { .. }), "{out:?}");
+    assert_eq!(
+        fake.requests().len(),
+        1,
+        "no key: an unknown outcome is never re-sent"
+    );
+    let Lookup::Found(Outcome::Succeeded(resp)) = p.lookup("idf_pl", &pm_email(), sent_at).await
+    else {
+        panic!("not found")
+    };
+    let body: Value = resp.body_json().unwrap();
+    assert_eq!(body["MessageID"], fake.ledger().entries()[0].id.as_str());
+    assert_eq!(fake.ledger().count_for_key("idf_pl"), 1);
+    // The spec forbids re-driving.
+    let spec = p.key_spec();
+    assert!(!spec.may_redrive(sent_at, Utc::now(), Duration::ZERO));
+}
+
+#[tokio::test]
+async fn postmark_errors_map_to_outcomes() {
+    let fake = FakePostmark::start().await.unwrap();
+    let p = postmark(fake.base_url(), 1);
+    let out = p.call("idf_300", &json!({"To": "ada@example.test"})).await;
+    let CallOutcome::Rejected { response } = out else {
+        panic!("{out:?}")
+    };
+    assert_eq!(response.body_json::<Value>().unwrap()["ErrorCode"], 300);
+    let inactive = json!({"From": "shop@example.test", "To": "inactive@example.test", "Subject": "x", "TextBody": "x"});
+    let CallOutcome::Rejected { response } = p.call("idf_406", &inactive).await else {
+        panic!()
+    };
+    assert_eq!(response.body_json::<Value>().unwrap()["ErrorCode"], 406);
+    fake.faults().rate_limit_next(Duration::from_secs(1));
+    assert!(matches!(
+        p.call("idf_429", &pm_email()).await,
+        CallOutcome::Retryable {
+            retry_after: Some(_),
+            ..
+        }
+    ));
+    fake.faults().server_error_next(500);
+    assert!(matches!(
+        p.call("idf_500", &pm_email()).await,
+        CallOutcome::Unknown { .. }
+    ));
+    let wrong = Postmark::with_base_url(fake.base_url(), "nope")
+        .unwrap()
+        .http_config(fast(1))
+        .unwrap();
+    assert!(matches!(
+        wrong.call("idf_401", &pm_email()).await,
+        CallOutcome::Retryable { .. }
+    ));
+    assert!(fake.ledger().is_empty());
+}
+
+#[tokio::test]
+async fn postmark_retries_only_what_surely_did_nothing() {
+    let fake = FakePostmark::start().await.unwrap();
+    fake.faults().rate_limit_next(Duration::from_millis(10));
+    let p = postmark(fake.base_url(), 3);
+    assert!(matches!(
+        p.call("idf_rl", &pm_email()).await,
+        CallOutcome::Succeeded { .. }
+    ));
+    assert_eq!(fake.requests().len(), 2);
+    assert_eq!(fake.ledger().count_for_key("idf_rl"), 1);
+}
+
+#[tokio::test]
+async fn postmark_search_lag_and_authority() {
+    let fake = FakePostmark::start().await.unwrap();
+    fake.faults().set_search_lag(Duration::from_millis(300));
+    let p = postmark(fake.base_url(), 1).search_lag(Duration::from_secs(60));
+    let now = Utc::now();
+    assert!(matches!(
+        p.call("idf_s", &pm_email()).await,
+        CallOutcome::Succeeded { .. }
+    ));
+    assert_eq!(
+        p.lookup("idf_s", &pm_email(), now).await,
+        Lookup::NotFound {
+            authoritative: false
+        }
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(matches!(
+        p.lookup("idf_s", &pm_email(), now).await,
+        Lookup::Found(_)
+    ));
+    let old = Utc::now() - chrono::Duration::minutes(10);
+    assert_eq!(
+        p.lookup("idf_none", &pm_email(), old).await,
+        Lookup::NotFound {
+            authoritative: true
+        }
+    );
+    // Beyond Postmark's 45-day retention an absence proves nothing.
+    let ancient = Utc::now() - chrono::Duration::days(46);
+    assert_eq!(
+        p.lookup("idf_none", &pm_email(), ancient).await,
+        Lookup::NotFound {
+            authoritative: false
+        }
+    );
+}
+
+#[tokio::test]
+async fn email_long_keys_are_derived_to_fit_and_stay_stable() {
+    let fake = FakePostmark::start().await.unwrap();
+    let p = postmark(fake.base_url(), 1);
+    let scope = Scope::new("tenant-9").unwrap();
+    let long = IdempotencyKey::new("x".repeat(255)).unwrap();
+    let spec: KeySpec = p.key_spec();
+    let k = spec.derive(&scope, &long, "email.send");
+    assert!(
+        k.len() <= 80,
+        "Postmark metadata values are at most 80 characters"
+    );
+    assert_eq!(k, spec.derive(&scope, &long, "email.send"));
+    p.call(&k, &pm_email()).await;
+    assert_eq!(
+        fake.ledger().entries()[0].metadata_key.as_deref(),
+        Some(k.as_str())
+    );
+    let rs = resend("http://127.0.0.1:9", 1).key_spec();
+    let rk = rs.derive(&scope, &long, "email.send");
+    assert!(rk.len() <= 256);
+    assert_eq!(rk, rs.derive(&scope, &long, "email.send"));
+}

@@ -1,0 +1,480 @@
+//! The Stripe adapter against the fake Stripe and, where the exact request matters, wiremock.
+#![cfg(feature = "testkit")]
+
+use std::time::Duration;
+
+use chrono::Utc;
+use idemflow::provider::http::HttpConfig;
+use idemflow::provider::{Provider, Stripe};
+use idemflow::testkit::FakeStripe;
+use idemflow::{CallOutcome, IdempotencyKey, Lookup, Outcome, Scope};
+use serde_json::{Value, json};
+use wiremock::matchers::{header, method, path};
+use wiremock::{Mock, MockServer, ResponseTemplate};
+
+fn fast(max_attempts: u32) -> HttpConfig {
+    HttpConfig {
+        request_timeout: Duration::from_secs(2),
+        max_attempts,
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(50),
+        max_retry_after: Duration::from_secs(2),
+        ..HttpConfig::default()
+    }
+}
+
+fn stripe(base: &str, attempts: u32) -> Stripe {
+    Stripe::with_base_url(base, FakeStripe::API_KEY)
+        .unwrap()
+        .http_config(fast(attempts))
+        .unwrap()
+}
+
+fn charge() -> Value {
+    json!({"amount": 500, "currency": "usd", "customer": "cus_1",
+           "payment_method": "pm_card_visa", "metadata": {"order": "7"}})
+}
+
+fn form(body: &[u8]) -> Vec<(String, String)> {
+    let text = String::from_utf8_lossy(body).into_owned();
+    let mut out = Vec::new();
+    for pair in text.split('&') {
+        let (k, v) = pair.split_once('=').unwrap();
+        let dec = |s: &str| {
+            let s = s.replace('+', " ");
+            let mut bytes = Vec::new();
+            let mut it = s.bytes();
+            while let Some(b) = it.next() {
+                if b == b'%' {
+                    let h = [it.next().unwrap(), it.next().unwrap()];
+                    bytes.push(u8::from_str_radix(std::str::from_utf8(&h).unwrap(), 16).unwrap());
+                } else {
+                    bytes.push(b);
+                }
+            }
+            String::from_utf8(bytes).unwrap()
+        };
+        out.push((dec(k), dec(v)));
+    }
+    out
+}
+
+#[tokio::test]
+async fn stripe_sends_exact_form_fields_and_key_header() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/v1/payment_intents"))
+        .and(header("idempotency-key", "idf_k1"))
+        .and(header("authorization", "Bearer sk_test_idemflow_fake"))
+        .and(header("content-type", "application/x-www-form-urlencoded"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_json(json!({"id": "pi_1", "status": "succeeded"}))
+                .insert_header("request-id", "req_1"),
+        )
+        .expect(1)
+        .mount(&server)
+        .await;
+    let out = stripe(&server.uri(), 1).call("idf_k1", &charge()).await;
+    let CallOutcome::Succeeded { response, replayed } = out else {
+        panic!("{out:?}")
+    };
+    assert!(!replayed);
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.header("request-id"), Some("req_1"));
+    let reqs = server.received_requests().await.unwrap();
+    assert_eq!(
+        form(&reqs[0].body),
+        vec![
+            ("amount".into(), "500".into()),
+            ("currency".into(), "usd".into()),
+            ("customer".into(), "cus_1".into()),
+            ("metadata[order]".into(), "7".into()),
+            ("payment_method".into(), "pm_card_visa".into()),
+            ("confirm".into(), "true".into()),
+            ("metadata[idemflow_key]".into(), "idf_k1".into()),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn stripe_retries_keep_the_same_key_and_params() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(500).set_body_json(json!({"error": {"type": "api_error"}})),
+        )
+        .up_to_n_times(2)
+        .mount(&server)
+        .await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_json(json!({"id": "pi_1"}))
+                .insert_header("idempotent-replayed", "true"),
+        )
+        .mount(&server)
+        .await;
+    let out = stripe(&server.uri(), 3).call("idf_same", &charge()).await;
+    assert!(
+        matches!(out, CallOutcome::Succeeded { replayed: true, .. }),
+        "{out:?}"
+    );
+    let reqs = server.received_requests().await.unwrap();
+    assert_eq!(reqs.len(), 3);
+    for r in &reqs {
+        assert_eq!(r.headers.get("idempotency-key").unwrap(), "idf_same");
+        assert_eq!(r.body, reqs[0].body);
+    }
+}
+
+#[tokio::test]
+async fn stripe_should_retry_header_is_honoured() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(503)
+                .insert_header("stripe-should-retry", "true")
+                .set_body_json(json!({"error": {"type": "api_error"}})),
+        )
+        .mount(&server)
+        .await;
+    let out = stripe(&server.uri(), 1).call("idf_sr", &charge()).await;
+    assert!(matches!(out, CallOutcome::Retryable { .. }), "{out:?}");
+
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(500)
+                .insert_header("stripe-should-retry", "false")
+                .set_body_json(json!({"error": {"type": "api_error"}})),
+        )
+        .mount(&server)
+        .await;
+    let out = stripe(&server.uri(), 3).call("idf_sr", &charge()).await;
+    assert!(matches!(out, CallOutcome::Unknown { .. }), "{out:?}");
+    assert_eq!(
+        server.received_requests().await.unwrap().len(),
+        1,
+        "no retry after should-retry: false"
+    );
+}
+
+#[tokio::test]
+async fn stripe_status_mapping_from_wiremock() {
+    let cases: Vec<(u16, Value, &str)> = vec![
+        (
+            401,
+            json!({"error": {"type": "invalid_request_error"}}),
+            "retryable",
+        ),
+        (
+            400,
+            json!({"error": {"type": "invalid_request_error", "code": "parameter_missing"}}),
+            "rejected",
+        ),
+        (
+            404,
+            json!({"error": {"type": "invalid_request_error", "code": "resource_missing"}}),
+            "rejected",
+        ),
+        (
+            400,
+            json!({"error": {"type": "idempotency_error", "message": "other params"}}),
+            "conflict",
+        ),
+        (
+            409,
+            json!({"error": {"type": "invalid_request_error", "code": "idempotency_key_in_use"}}),
+            "in_flight",
+        ),
+        (
+            429,
+            json!({"error": {"type": "invalid_request_error", "code": "lock_timeout"}}),
+            "retryable",
+        ),
+        (502, json!({}), "unknown"),
+    ];
+    for (status, body, want) in cases {
+        let server = MockServer::start().await;
+        Mock::given(method("POST"))
+            .respond_with(
+                ResponseTemplate::new(status)
+                    .set_body_json(body)
+                    .insert_header("retry-after", "1"),
+            )
+            .mount(&server)
+            .await;
+        let out = stripe(&server.uri(), 1).call("idf_map", &charge()).await;
+        let got = match &out {
+            CallOutcome::Retryable { .. } => "retryable",
+            CallOutcome::Rejected { response } => {
+                assert_eq!(response.status(), status);
+                "rejected"
+            }
+            CallOutcome::KeyConflict { detail } => {
+                assert_eq!(detail, "other params");
+                "conflict"
+            }
+            CallOutcome::InFlight { retry_after } => {
+                assert_eq!(*retry_after, Some(Duration::from_secs(1)));
+                "in_flight"
+            }
+            CallOutcome::Unknown { .. } => "unknown",
+            CallOutcome::Succeeded { .. } => "succeeded",
+        };
+        assert_eq!(got, want, "status {status}: {out:?}");
+    }
+}
+
+#[tokio::test]
+async fn stripe_lost_response_then_retry_charges_once() {
+    let fake = FakeStripe::start().await.unwrap();
+    fake.faults().lose_next_response();
+    let out = stripe(fake.base_url(), 3).call("idf_lost", &charge()).await;
+    assert!(
+        matches!(out, CallOutcome::Succeeded { replayed: true, .. }),
+        "{out:?}"
+    );
+    assert_eq!(fake.ledger().len(), 1);
+    assert_eq!(fake.ledger().count_for_key("idf_lost"), 1);
+    let reqs = fake.requests();
+    assert_eq!(reqs.len(), 2);
+    assert!(
+        reqs.iter()
+            .all(|r| r.header("idempotency-key") == Some("idf_lost"))
+    );
+    assert!(reqs.iter().all(|r| r.body == reqs[0].body));
+    // The metadata carries the same key, so search finds the charge.
+    assert_eq!(
+        fake.ledger().entries()[0].metadata_key.as_deref(),
+        Some("idf_lost")
+    );
+}
+
+#[tokio::test]
+async fn stripe_lost_response_without_retry_is_unknown_then_retry_replays() {
+    let fake = FakeStripe::start().await.unwrap();
+    fake.faults().lose_next_response();
+    let s = stripe(fake.base_url(), 1);
+    let first = s.call("idf_u", &charge()).await;
+    assert!(matches!(first, CallOutcome::Unknown { .. }), "{first:?}");
+    let again = s.call("idf_u", &charge()).await;
+    assert!(
+        matches!(again, CallOutcome::Succeeded { replayed: true, .. }),
+        "{again:?}"
+    );
+    assert_eq!(fake.ledger().count_for_key("idf_u"), 1);
+}
+
+#[tokio::test]
+async fn stripe_fake_errors_map_to_outcomes() {
+    let fake = FakeStripe::start().await.unwrap();
+    let s = stripe(fake.base_url(), 1);
+
+    // Declined card: 402 card_error -> Rejected, and a same-key retry replays the decline.
+    let declined =
+        json!({"amount": 500, "currency": "usd", "payment_method": FakeStripe::DECLINED_CARD});
+    let out = s.call("idf_decline", &declined).await;
+    let CallOutcome::Rejected { response } = out else {
+        panic!("{out:?}")
+    };
+    assert_eq!(response.status(), 402);
+    let body: Value = response.body_json().unwrap();
+    assert_eq!(body["error"]["type"], "card_error");
+    assert!(matches!(
+        s.call("idf_decline", &declined).await,
+        CallOutcome::Rejected { .. }
+    ));
+    assert_eq!(fake.ledger().count_for_key("idf_decline"), 1);
+
+    // Same key, other parameters -> KeyConflict.
+    assert!(matches!(
+        s.call("idf_decline", &charge()).await,
+        CallOutcome::KeyConflict { .. }
+    ));
+
+    // 429 before anything -> Retryable with Retry-After.
+    fake.faults().rate_limit_next(Duration::from_secs(2));
+    let out = s.call("idf_429", &charge()).await;
+    assert_eq!(
+        out,
+        CallOutcome::Retryable {
+            reason: out_reason(&out),
+            retry_after: Some(Duration::from_secs(2))
+        }
+    );
+    // 5xx before executing -> Unknown (Stripe may have run it); nothing in the ledger.
+    fake.faults().server_error_next(500);
+    assert!(matches!(
+        s.call("idf_500", &charge()).await,
+        CallOutcome::Unknown { .. }
+    ));
+    assert_eq!(fake.ledger().count_for_key("idf_500"), 0);
+
+    // Missing amount -> Rejected (validation; not saved, so a fixed retry could pass).
+    let out = s.call("idf_bad", &json!({"currency": "usd"})).await;
+    assert!(
+        matches!(out, CallOutcome::Rejected { ref response } if response.status() == 400),
+        "{out:?}"
+    );
+
+    // A wrong API key -> Retryable (nothing was done).
+    let wrong = Stripe::with_base_url(fake.base_url(), "sk_wrong")
+        .unwrap()
+        .http_config(fast(1))
+        .unwrap();
+    assert!(matches!(
+        wrong.call("idf_auth", &charge()).await,
+        CallOutcome::Retryable { .. }
+    ));
+}
+
+fn out_reason(o: &CallOutcome) -> String {
+    match o {
+        CallOutcome::Retryable { reason, .. } | CallOutcome::Unknown { reason } => reason.clone(),
+        _ => String::new(),
+    }
+}
+
+#[tokio::test]
+async fn stripe_concurrent_same_key_is_in_flight() {
+    let fake = FakeStripe::start().await.unwrap();
+    fake.faults().set_latency(Duration::from_millis(400));
+    let s = stripe(fake.base_url(), 1);
+    let s2 = s.clone();
+    let first = tokio::spawn(async move { s2.call("idf_conc", &charge()).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = s.call("idf_conc", &charge()).await;
+    assert!(matches!(second, CallOutcome::InFlight { .. }), "{second:?}");
+    assert!(matches!(
+        first.await.unwrap(),
+        CallOutcome::Succeeded {
+            replayed: false,
+            ..
+        }
+    ));
+    assert_eq!(fake.ledger().len(), 1);
+}
+
+#[tokio::test]
+async fn stripe_timeout_after_send_is_unknown_and_connection_refused_is_retryable() {
+    let fake = FakeStripe::start().await.unwrap();
+    fake.faults().hang_next_response();
+    let s = Stripe::with_base_url(fake.base_url(), FakeStripe::API_KEY)
+        .unwrap()
+        .http_config(HttpConfig {
+            request_timeout: Duration::from_millis(300),
+            ..fast(1)
+        })
+        .unwrap();
+    assert!(matches!(
+        s.call("idf_hang", &charge()).await,
+        CallOutcome::Unknown { .. }
+    ));
+    assert_eq!(
+        fake.ledger().count_for_key("idf_hang"),
+        1,
+        "executed although unanswered"
+    );
+
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let closed = stripe(&format!("http://127.0.0.1:{port}"), 2);
+    let out = closed.call("idf_refused", &charge()).await;
+    assert!(matches!(out, CallOutcome::Retryable { .. }), "{out:?}");
+}
+
+#[tokio::test]
+async fn stripe_lookup_respects_search_lag() {
+    let fake = FakeStripe::start().await.unwrap();
+    fake.faults().set_search_lag(Duration::from_millis(300));
+    let s = stripe(fake.base_url(), 1).search_lag(Duration::from_secs(60));
+    let sent_at = Utc::now();
+    assert!(matches!(
+        s.call("idf_look", &charge()).await,
+        CallOutcome::Succeeded { .. }
+    ));
+    // Not yet visible, and too early to trust an empty result.
+    assert_eq!(
+        s.lookup("idf_look", &charge(), sent_at).await,
+        Lookup::NotFound {
+            authoritative: false
+        }
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let Lookup::Found(Outcome::Succeeded(resp)) = s.lookup("idf_look", &charge(), sent_at).await
+    else {
+        panic!("not found")
+    };
+    let pi: Value = resp.body_json().unwrap();
+    assert_eq!(pi["metadata"]["idemflow_key"], "idf_look");
+    // Never sent, long ago: an authoritative absence.
+    let long_ago = Utc::now() - chrono::Duration::minutes(5);
+    assert_eq!(
+        s.lookup("idf_never", &charge(), long_ago).await,
+        Lookup::NotFound {
+            authoritative: true
+        }
+    );
+    // A decline is found as Rejected.
+    let declined =
+        json!({"amount": 500, "currency": "usd", "payment_method": FakeStripe::DECLINED_CARD});
+    s.call("idf_look_d", &declined).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let found = s.lookup("idf_look_d", &declined, sent_at).await;
+    assert!(
+        matches!(found, Lookup::Found(Outcome::Rejected(ref r)) if r.status() == 402),
+        "{found:?}"
+    );
+    // Search unreachable (the fake has no search faults; a closed port stands in).
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let down = stripe(&format!("http://127.0.0.1:{port}"), 1);
+    assert!(matches!(
+        down.lookup("idf_look", &charge(), long_ago).await,
+        Lookup::Unknown { .. }
+    ));
+}
+
+#[tokio::test]
+async fn stripe_long_keys_are_derived_to_fit_and_stay_stable() {
+    let fake = FakeStripe::start().await.unwrap();
+    let s = stripe(fake.base_url(), 1);
+    let spec = s.key_spec();
+    let scope = Scope::new("acct_1").unwrap();
+    let long = IdempotencyKey::new("k".repeat(255)).unwrap();
+    let a = spec.derive(&scope, &long, "payments.create");
+    let b = spec.derive(&scope, &long, "payments.create");
+    assert_eq!(a, b);
+    assert!(a.len() <= spec.max_len);
+    assert_ne!(
+        a,
+        spec.derive(
+            &scope,
+            &IdempotencyKey::new("k".repeat(254)).unwrap(),
+            "payments.create"
+        )
+    );
+    assert!(matches!(
+        s.call(&a, &charge()).await,
+        CallOutcome::Succeeded { .. }
+    ));
+    assert_eq!(
+        fake.requests()[0].header("idempotency-key"),
+        Some(a.as_str())
+    );
+    // Tighter limits still fit, deterministically.
+    for max in [32, 36, 45, 64] {
+        let k = idemflow::provider_key::derive(&scope, &long, "payments.create", max);
+        assert!(k.len() <= max, "{max}: {k}");
+        assert_eq!(
+            k,
+            idemflow::provider_key::derive(&scope, &long, "payments.create", max)
+        );
+    }
+}
