@@ -72,6 +72,7 @@ pub mod record;
 pub mod response;
 pub mod state;
 pub mod store;
+pub mod sweeper;
 
 pub use async_trait::async_trait;
 pub use error::{Error, StoreError};
@@ -83,3 +84,4 @@ pub use record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 pub use response::Response;
 pub use state::KeyState;
 pub use store::Store;
+pub use sweeper::{SweepError, SweepReport, Sweeper, SweeperConfig};
