@@ -48,6 +48,7 @@ macro_rules! sweeper_tests {
             unregistered_or_missing_provider_needs_an_operator,
             missing_request_is_only_looked_up,
             run_loop_sweeps_until_shutdown,
+            stuck_keys_and_expired_counts_for_operators,
             two_sweepers_handle_each_of_1000_keys_once
         );
     };
@@ -752,4 +753,35 @@ pub async fn two_sweepers_handle_each_of_1000_keys_once(store: Arc<dyn Store>) {
     }
     let stats = store.stats().await.unwrap();
     assert_eq!(stats.processing, 0);
+}
+
+/// The operator queries behind `idemflow stats --alert-age` and `idemflow purge --dry-run`.
+pub async fn stuck_keys_and_expired_counts_for_operators(store: Arc<dyn Store>) {
+    let scope = unique("stuck");
+    let idem = worker(&store).retention(Duration::from_millis(50));
+    for k in ["old1", "old2"] {
+        let _ = idem
+            .execute(pay(&scope, k, 1), |_ctx| async {
+                Outcome::unknown("timeout")
+            })
+            .await;
+    }
+    idem.execute(pay(&scope, "fin", 1), |_ctx| async {
+        Outcome::Succeeded(idemflow::Response::new(200))
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    let _ = idem
+        .execute(pay(&scope, "young", 1), |_ctx| async {
+            Outcome::unknown("timeout")
+        })
+        .await;
+    let stuck = store.stuck(Duration::from_millis(100), 1).await.unwrap();
+    assert_eq!(stuck.count, 2);
+    assert_eq!(stuck.oldest.len(), 1);
+    assert_eq!(stuck.oldest[0].key.as_str(), "old1");
+    assert_eq!(store.count_expired().await.unwrap(), 1);
+    assert_eq!(store.purge_expired(10).await.unwrap(), 1);
+    assert_eq!(store.count_expired().await.unwrap(), 0);
 }
