@@ -62,6 +62,8 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod error;
 pub mod executor;
 pub mod fingerprint;
