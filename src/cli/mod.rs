@@ -125,7 +125,7 @@ pub struct ResolveArgs {
     #[arg(long)]
     pub failed: bool,
     /// With --failed: the provider surely did nothing, so the client's next retry runs it.
-    #[arg(long, requires = "failed")]
+    #[arg(long, conflicts_with = "done")]
     pub retryable: bool,
     /// Why (recorded in the key's history).
     #[arg(long)]
@@ -279,17 +279,28 @@ async fn reconcile(cli: &Cli, url: &str, args: &ReconcileArgs) -> anyhow::Result
             finish_sweep(cli, &store, result).await
         }
         Some(every) => {
-            let mut last_exit = Ok(Exit::Ok);
+            let mut last_failed = None;
             let summary = sweeper
                 .run_with(every, shutdown_signal(), |result| {
-                    last_exit = print_sweep(cli, result.as_ref(), None);
+                    last_failed = print_sweep(cli, result.as_ref(), None).err();
                 })
                 .await;
             eprintln!(
                 "idemflow: reconcile stopped after {} sweeps ({} failed)",
                 summary.runs, summary.errors
             );
-            last_exit
+            if let Some(e) = last_failed {
+                return Err(e);
+            }
+            // The exit code tells whether stale keys remain, as for --once.
+            let clean = summary.last.as_ref().is_none_or(SweepReport::is_clean);
+            let waiting = store.stats().await.map_err(store_err)?.stale;
+            Ok(if clean && waiting == 0 {
+                Exit::Ok
+            } else {
+                eprintln!("idemflow: {waiting} stale keys remain unresolved");
+                Exit::Unresolved
+            })
         }
     }
 }
