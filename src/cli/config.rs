@@ -138,12 +138,11 @@ pub fn providers(config: &FileConfig, path: Option<&PathBuf>) -> anyhow::Result<
 
 /// Hides the password of a URL for messages.
 pub fn redact(url: &str) -> String {
-    if let Some((scheme, rest)) = url.split_once("://") {
-        if let Some((auth, host)) = rest.split_once('@') {
-            if let Some((user, _)) = auth.split_once(':') {
-                return format!("{scheme}://{user}:***@{host}");
-            }
-        }
+    if let Some((scheme, rest)) = url.split_once("://")
+        && let Some((auth, host)) = rest.split_once('@')
+        && let Some((user, _)) = auth.split_once(':')
+    {
+        return format!("{scheme}://{user}:***@{host}");
     }
     url.to_owned()
 }
@@ -170,15 +169,14 @@ pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn St
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {
         "sqlite" => {
-            if !create {
-                if let Some(path) = sqlite_path(url) {
-                    if !path.exists() {
-                        bail!(
-                            "database file {} does not exist (check DATABASE_URL, or run `idemflow migrate` to create it)",
-                            path.display()
-                        );
-                    }
-                }
+            if !create
+                && let Some(path) = sqlite_path(url)
+                && !path.exists()
+            {
+                bail!(
+                    "database file {} does not exist (check DATABASE_URL, or run `idemflow migrate` to create it)",
+                    path.display()
+                );
             }
             connect_sqlite(url, &shown).await
         }

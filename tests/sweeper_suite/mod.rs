@@ -73,11 +73,8 @@ pub fn worker(store: &Arc<dyn Store>) -> Idempotency {
         .owner("test-worker")
 }
 
-pub fn sweeper(store: &Arc<dyn Store>, providers: &[Arc<FakeProvider>]) -> Sweeper {
-    let mut reg = Providers::new();
-    for p in providers {
-        reg.insert(p.clone());
-    }
+pub fn sweeper(store: &Arc<dyn Store>, provider: &Arc<FakeProvider>) -> Sweeper {
+    let reg = Providers::new().with(provider.clone());
     Sweeper::new(store.clone(), reg)
         .owner("test-sweeper")
         .backoff(Duration::from_secs(30), Duration::from_secs(3600))
@@ -141,7 +138,7 @@ pub async fn crash_after_claim_before_call_is_redriven_once(store: Arc<dyn Store
     assert!(cards.effects().is_empty());
     wait_stale().await;
 
-    let report = sweeper(&store, &[cards.clone()]).run_once().await.unwrap();
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
     assert_eq!((report.taken, report.done, report.redrives), (1, 1, 1));
     assert!(report.is_clean(), "{report:?}");
     let effects = cards.effects();
@@ -179,7 +176,7 @@ pub async fn crash_after_claim_before_call_without_keys_turns_retryable(store: A
     .await;
     wait_stale().await;
 
-    let report = sweeper(&store, &[mail.clone()]).run_once().await.unwrap();
+    let report = sweeper(&store, &mail).run_once().await.unwrap();
     assert_eq!(
         (report.retryable, report.redrives, report.lookups),
         (1, 0, 1)
@@ -220,7 +217,7 @@ pub async fn lost_response_is_redriven_to_the_same_charge(store: Arc<dyn Store>)
     assert!(matches!(early, Error::OutcomeUnknown { .. }), "{early}");
     assert_eq!(cards.calls(), 1);
 
-    let report = sweeper(&store, &[cards.clone()]).run_once().await.unwrap();
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
     assert_eq!((report.taken, report.done), (1, 1), "{report:?}");
     let effects = cards.effects();
     assert_eq!(effects.len(), 1, "exactly one charge");
@@ -242,7 +239,7 @@ pub async fn lost_response_without_keys_is_found_by_lookup(store: Arc<dyn Store>
     let idem = worker(&store);
     assert!(idem.call(pay(&scope, "k1", 300), &*mail).await.is_err());
 
-    let report = sweeper(&store, &[mail.clone()]).run_once().await.unwrap();
+    let report = sweeper(&store, &mail).run_once().await.unwrap();
     assert_eq!((report.done, report.lookups, report.redrives), (1, 1, 0));
     assert_eq!(mail.calls(), 1, "only the worker's call");
     let id = pay(&scope, "k1", 300).id().clone();
@@ -276,7 +273,7 @@ pub async fn died_before_storing_is_redriven_to_the_same_charge(store: Arc<dyn S
     assert_eq!(cards.effects().len(), 1);
     wait_stale().await;
 
-    let report = sweeper(&store, &[cards.clone()]).run_once().await.unwrap();
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
     assert_eq!((report.done, report.redrives), (1, 1));
     let effects = cards.effects();
     assert_eq!(effects.len(), 1, "the re-drive was deduped by key");
@@ -373,7 +370,7 @@ pub async fn failed_completion_is_settled_by_the_sweeper(store: Arc<dyn Store>) 
     assert_eq!(row(&store, &id).await.state, KeyState::Processing);
     wait_stale().await;
 
-    let report = sweeper(&store, &[cards.clone()]).run_once().await.unwrap();
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
     assert_eq!(report.done, 1, "{report:?}");
     let effects = cards.effects();
     assert_eq!(effects.len(), 1);
@@ -416,7 +413,7 @@ pub async fn zombie_worker_gets_lease_lost_and_changes_nothing(store: Arc<dyn St
     };
     called_rx.await.unwrap();
     wait_stale().await;
-    let report = sweeper(&store, &[cards.clone()]).run_once().await.unwrap();
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
     assert_eq!(report.done, 1, "{report:?}");
     let settled = row(&store, req.id()).await;
     let history = store.history(req.id()).await.unwrap();
@@ -444,7 +441,7 @@ pub async fn never_redrives_past_the_retention_window(store: Arc<dyn Store>) {
     assert_eq!(cards.calls(), 1);
     tokio::time::sleep(Duration::from_millis(400)).await;
 
-    let report = sweeper(&store, &[cards.clone()])
+    let report = sweeper(&store, &cards)
         .redrive_margin(Duration::ZERO)
         .run_once()
         .await
@@ -467,7 +464,7 @@ pub async fn never_redrives_past_the_retention_window(store: Arc<dyn Store>) {
     let wide = FakeProvider::keyed("wide", Duration::from_secs(3600));
     wide.lose_next(1);
     assert!(idem.call(pay(&scope, "k2", 500), &*wide).await.is_err());
-    let report = sweeper(&store, &[wide.clone()])
+    let report = sweeper(&store, &wide)
         .redrive_margin(Duration::from_secs(7200))
         .run_once()
         .await
@@ -483,7 +480,7 @@ pub async fn declined_charge_settles_as_permanent_failure(store: Arc<dyn Store>)
     let scope = unique("declined");
     let idem = worker(&store);
     assert!(idem.call(pay(&scope, "k1", 0), &*cards).await.is_err());
-    let report = sweeper(&store, &[cards.clone()]).run_once().await.unwrap();
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
     assert_eq!(report.failed_permanent, 1, "{report:?}");
     let id = pay(&scope, "k1", 0).id().clone();
     let r = row(&store, &id).await;
@@ -508,8 +505,7 @@ pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
     )
     .await;
     wait_stale().await;
-    let sw = sweeper(&store, &[mail.clone()])
-        .backoff(Duration::from_millis(10), Duration::from_millis(10));
+    let sw = sweeper(&store, &mail).backoff(Duration::from_millis(10), Duration::from_millis(10));
     let first = sw.run_once().await.unwrap();
     assert_eq!(first.deferred, 1, "{first:?}");
     assert!(!first.is_clean());
@@ -541,7 +537,7 @@ pub async fn unknown_lookup_backs_off_honouring_retry_after(store: Arc<dyn Store
     let scope = unique("unknown");
     let idem = worker(&store);
     assert!(idem.call(pay(&scope, "k1", 100), &*mail).await.is_err());
-    let report = sweeper(&store, &[mail.clone()]).run_once().await.unwrap();
+    let report = sweeper(&store, &mail).run_once().await.unwrap();
     assert_eq!(report.deferred, 1);
     assert_eq!(report.unresolved[0].recheck_after_ms, Some(7_200_000));
     let id = pay(&scope, "k1", 100).id().clone();
@@ -550,7 +546,7 @@ pub async fn unknown_lookup_backs_off_honouring_retry_after(store: Arc<dyn Store
     let wait = r.next_check_at.unwrap() - now;
     assert!(wait > chrono::Duration::seconds(7000), "{wait}");
     // Not due: the next run does not take it.
-    let again = sweeper(&store, &[mail.clone()]).run_once().await.unwrap();
+    let again = sweeper(&store, &mail).run_once().await.unwrap();
     assert_eq!(again.taken, 0);
     assert_eq!(mail.lookups(), 1);
 }
@@ -569,7 +565,7 @@ pub async fn unregistered_or_missing_provider_needs_an_operator(store: Arc<dyn S
         assert!(matches!(err, Error::OutcomeUnknown { .. }));
     }
     let cards = FakeProvider::keyed("cards", DAY);
-    let report = sweeper(&store, &[cards.clone()]).run_once().await.unwrap();
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
     assert_eq!((report.taken, report.needs_operator), (2, 2), "{report:?}");
     assert!(!report.is_clean());
     assert_eq!(cards.calls() + cards.lookups(), 0);
@@ -586,7 +582,7 @@ pub async fn unregistered_or_missing_provider_needs_an_operator(store: Arc<dyn S
     assert_eq!(u.kind, Unresolved::NeedsOperator);
     assert!(u.reason.contains("ghost-pay"));
     // The long recheck keeps the next run from asking again at once.
-    let again = sweeper(&store, &[cards]).run_once().await.unwrap();
+    let again = sweeper(&store, &cards).run_once().await.unwrap();
     assert_eq!(again.taken, 0);
 
     // An operator decides by hand; the decision is recorded.
@@ -633,7 +629,7 @@ pub async fn missing_request_is_only_looked_up(store: Arc<dyn Store>) {
         store.claim(&claim).await.unwrap(),
         ClaimOutcome::Claimed(_)
     ));
-    let report = sweeper(&store, &[cards.clone()]).run_once().await.unwrap();
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
     assert_eq!((report.redrives, report.lookups), (0, 1));
     assert_eq!(cards.calls(), 0);
     // Nothing at the provider, and the lag (zero) has passed: authoritative, so retryable.
@@ -650,7 +646,7 @@ pub async fn run_loop_sweeps_until_shutdown(store: Arc<dyn Store>) {
     let scope = unique("loop");
     let idem = worker(&store);
     assert!(idem.call(pay(&scope, "k1", 100), &*cards).await.is_err());
-    let sw = sweeper(&store, &[cards.clone()]);
+    let sw = sweeper(&store, &cards);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let looping = {
         let sw = sw.clone();
@@ -719,12 +715,8 @@ pub async fn two_sweepers_handle_each_of_1000_keys_once(store: Arc<dyn Store>) {
         assert_eq!(lease.attempts, 1);
         ids.push(id);
     }
-    let a = sweeper(&store, &[cards.clone()])
-        .owner("sweeper-a")
-        .batch_size(50);
-    let b = sweeper(&store, &[cards.clone()])
-        .owner("sweeper-b")
-        .batch_size(50);
+    let a = sweeper(&store, &cards).owner("sweeper-a").batch_size(50);
+    let b = sweeper(&store, &cards).owner("sweeper-b").batch_size(50);
     let (ra, rb) = tokio::join!(a.run_once(), b.run_once());
     let (ra, rb) = (ra.unwrap(), rb.unwrap());
     assert_eq!(ra.taken + rb.taken, N as u64, "a {ra:?}\nb {rb:?}");
