@@ -63,6 +63,9 @@ pub struct SweeperSection {
     pub redrive_margin: Option<Duration>,
     /// Most keys per run.
     pub max_keys_per_run: Option<u64>,
+    /// Longest wait for one provider call or lookup.
+    #[serde(default, deserialize_with = "human")]
+    pub call_timeout: Option<Duration>,
 }
 
 fn human<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
@@ -101,6 +104,9 @@ impl SweeperSection {
         }
         if let Some(v) = self.max_keys_per_run {
             c.max_keys_per_run = v.max(1);
+        }
+        if let Some(v) = self.call_timeout {
+            c.call_timeout = v;
         }
         c
     }

@@ -42,7 +42,7 @@ use tokio::sync::watch;
 use tracing::{Instrument, info_span};
 
 use crate::error::StoreError;
-use crate::provider::Providers;
+use crate::provider::{CallOutcome, Lookup, Providers};
 use crate::record::{Actor, KeyRecord};
 use crate::store::{Finish, Release, Store, TakeStale};
 use crate::{KeyId, KeyState};
@@ -76,6 +76,9 @@ pub struct SweeperConfig {
     pub redrive_margin: Duration,
     /// At most this many keys per run (the rest wait for the next run). Default 10,000.
     pub max_keys_per_run: u64,
+    /// Longest wait for one provider `call` or `lookup`; past it the key is deferred (a
+    /// re-drive's outcome is then unknown). Default 2 min.
+    pub call_timeout: Duration,
 }
 
 impl Default for SweeperConfig {
@@ -89,6 +92,7 @@ impl Default for SweeperConfig {
             operator_recheck: Duration::from_secs(6 * 3600),
             redrive_margin: Duration::from_secs(3600),
             max_keys_per_run: 10_000,
+            call_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -188,6 +192,12 @@ impl Sweeper {
     /// Sets the most keys one run handles (at least 1).
     pub fn max_keys_per_run(mut self, n: u64) -> Self {
         self.config.max_keys_per_run = n.max(1);
+        self
+    }
+
+    /// Sets the longest wait for one provider call or lookup.
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.config.call_timeout = timeout;
         self
     }
 
@@ -411,15 +421,24 @@ impl Sweeper {
             (Plan::Redrive { request }, Some(p)) => {
                 report.redrives += 1;
                 tracing::Span::current().record("decision", "redrive");
-                let outcome = p.call(&record.provider_key, &request).await;
+                let call = p.call(&record.provider_key, &request);
+                let outcome = tokio::time::timeout(self.config.call_timeout, call)
+                    .await
+                    .unwrap_or_else(|_| CallOutcome::Unknown {
+                        reason: format!(
+                            "no answer within {:?} (sweeper call timeout)",
+                            self.config.call_timeout
+                        ),
+                    });
                 decide::after_call(&name, outcome)
             }
             (Plan::Lookup { request, why }, Some(p)) => {
                 report.lookups += 1;
                 tracing::Span::current().record("decision", "lookup");
-                let found = p
-                    .lookup(&record.provider_key, &request, record.created_at)
-                    .await;
+                let lookup = p.lookup(&record.provider_key, &request, record.created_at);
+                let found = tokio::time::timeout(self.config.call_timeout, lookup)
+                    .await
+                    .unwrap_or(Lookup::Unknown { retry_after: None });
                 decide::after_lookup(&name, &why, found)
             }
             // plan() only re-drives or looks up with a registered provider.

@@ -27,6 +27,7 @@ pub struct Ledger {
     lose_responses: u32,
     lookup_lag: Duration,
     lookup_unknown: Option<Duration>,
+    hang: bool,
 }
 
 #[derive(Debug)]
@@ -78,6 +79,15 @@ impl FakeProvider {
     /// Lookups answer `Unknown { retry_after }`.
     pub fn lookup_unknown(&self, retry_after: Option<Duration>) {
         self.lock().lookup_unknown = retry_after;
+    }
+
+    /// Calls and lookups never answer (a provider that hangs).
+    pub fn hang(&self, hang: bool) {
+        self.lock().hang = hang;
+    }
+
+    fn hangs(&self) -> bool {
+        self.lock().hang
     }
 
     pub fn effects(&self) -> Vec<Effect> {
@@ -134,6 +144,9 @@ impl Provider for FakeProvider {
     }
 
     async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallOutcome {
+        if self.hangs() {
+            std::future::pending::<()>().await;
+        }
         let mut l = self.lock();
         *l.calls.entry(provider_key.to_owned()).or_default() += 1;
         let answer = match (self.spec.replays_same_key, self.spec.retention) {
@@ -190,6 +203,9 @@ impl Provider for FakeProvider {
         _request: &serde_json::Value,
         first_sent_at: DateTime<Utc>,
     ) -> Lookup {
+        if self.hangs() {
+            std::future::pending::<()>().await;
+        }
         let mut l = self.lock();
         *l.lookups.entry(provider_key.to_owned()).or_default() += 1;
         if let Some(retry_after) = l.lookup_unknown {

@@ -48,6 +48,7 @@ macro_rules! sweeper_tests {
             unregistered_or_missing_provider_needs_an_operator,
             missing_request_is_only_looked_up,
             run_loop_sweeps_until_shutdown,
+            hanging_provider_is_deferred_after_the_call_timeout,
             stuck_keys_and_expired_counts_for_operators,
             two_sweepers_handle_each_of_1000_keys_once
         );
@@ -776,4 +777,30 @@ pub async fn stuck_keys_and_expired_counts_for_operators(store: Arc<dyn Store>) 
     assert_eq!(store.count_expired().await.unwrap(), 1);
     assert_eq!(store.purge_expired(10).await.unwrap(), 1);
     assert_eq!(store.count_expired().await.unwrap(), 0);
+}
+
+/// A provider that never answers does not hold the sweeper: the key is deferred.
+pub async fn hanging_provider_is_deferred_after_the_call_timeout(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    cards.lose_next(1);
+    let scope = unique("hang");
+    let idem = worker(&store);
+    assert!(idem.call(pay(&scope, "k1", 100), &*cards).await.is_err());
+    cards.hang(true);
+    let report = tokio::time::timeout(
+        Duration::from_secs(5),
+        sweeper(&store, &cards)
+            .call_timeout(Duration::from_millis(100))
+            .run_once(),
+    )
+    .await
+    .expect("the sweep does not wait for a hanging provider")
+    .unwrap();
+    assert_eq!((report.redrives, report.deferred), (1, 1), "{report:?}");
+    assert!(
+        report.unresolved[0].reason.contains("timeout"),
+        "{report:?}"
+    );
+    let id = pay(&scope, "k1", 100).id().clone();
+    assert_eq!(row(&store, &id).await.state, KeyState::Processing);
 }
