@@ -18,6 +18,8 @@ use crate::record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 use crate::state::{KeyState, Transition};
 use crate::{Fingerprint, KeyId, Response};
 
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
