@@ -269,13 +269,13 @@ impl Store for SqliteStore {
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         // Read first, on a reader connection: replays and in-flight duplicates never queue
         // behind the single writer.
-        if let Some((record, now)) = self.read_with_now(&claim.id).await? {
-            if !claimable(claim, &record, now) {
-                return Ok(ClaimOutcome::Existing {
-                    record: Box::new(record),
-                    now,
-                });
-            }
+        if let Some((record, now)) = self.read_with_now(&claim.id).await?
+            && !claimable(claim, &record, now)
+        {
+            return Ok(ClaimOutcome::Existing {
+                record: Box::new(record),
+                now,
+            });
         }
         for _ in 0..3 {
             let row = sqlx::query(sql::CLAIM)
