@@ -215,13 +215,14 @@ async fn connect_sqlite(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Stor
     bail!("this build has no sqlite support; rebuild with --features sqlite")
 }
 
-// The arms below are wired by the branches that add these stores; until then a build with the
-// feature says so plainly.
+// Each backend is compiled in by its feature; a build without it says which feature to add.
 
 #[cfg(feature = "postgres")]
-async fn connect_postgres(_url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    // TODO(after merge): `Ok(Arc::new(crate::store::postgres::PgStore::connect(url).await?))`
-    bail!("{shown}: this build has the postgres feature but the CLI is not wired to its store yet")
+async fn connect_postgres(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    let store = crate::store::postgres::PostgresStore::connect(url)
+        .await
+        .with_context(|| format!("cannot open database {shown}"))?;
+    Ok(Arc::new(store))
 }
 
 #[cfg(not(feature = "postgres"))]
@@ -230,9 +231,11 @@ async fn connect_postgres(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn St
 }
 
 #[cfg(feature = "mysql")]
-async fn connect_mysql(_url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    // TODO(after merge): `Ok(Arc::new(crate::store::mysql::MySqlStore::connect(url).await?))`
-    bail!("{shown}: this build has the mysql feature but the CLI is not wired to its store yet")
+async fn connect_mysql(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    let store = crate::store::mysql::MySqlStore::connect(url)
+        .await
+        .with_context(|| format!("cannot open database {shown}"))?;
+    Ok(Arc::new(store))
 }
 
 #[cfg(not(feature = "mysql"))]
@@ -241,9 +244,11 @@ async fn connect_mysql(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Store
 }
 
 #[cfg(feature = "redis")]
-async fn connect_redis(_url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    // TODO(after merge): `Ok(Arc::new(crate::store::redis::RedisStore::connect(url).await?))`
-    bail!("{shown}: this build has the redis feature but the CLI is not wired to its store yet")
+async fn connect_redis(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    let store = crate::store::redis::RedisStore::connect(url)
+        .await
+        .with_context(|| format!("cannot open database {shown}"))?;
+    Ok(Arc::new(store))
 }
 
 #[cfg(not(feature = "redis"))]
