@@ -1,0 +1,251 @@
+//! Crash points settled by the sweeper against the testkit's fake providers, through the real
+//! HTTP adapters, and the `idemflow reconcile --once` CLI doing the same from a config file.
+//! Every story ends with exactly one effect in the fake's ledger and the key `done` with it, or
+//! no effect and the key retryable; the client's retry then gets the right final answer.
+
+#![cfg(all(feature = "testkit", feature = "sqlite"))]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemflow::provider::http::HttpConfig;
+use idemflow::provider::{Postmark, Provider, Stripe};
+use idemflow::store::sqlite::SqliteStore;
+use idemflow::testkit::{FakePostmark, FakeStripe};
+use idemflow::{
+    Error, Execution, Idempotency, KeyState, Outcome, Providers, Request, Store, Sweeper,
+};
+use serde_json::{Value, json};
+
+fn once() -> HttpConfig {
+    HttpConfig {
+        request_timeout: Duration::from_secs(2),
+        max_attempts: 1,
+        ..HttpConfig::default()
+    }
+}
+
+async fn file_store() -> (Arc<SqliteStore>, String) {
+    let dir = tempfile::tempdir().unwrap().keep();
+    let url = format!("sqlite://{}", dir.join("recovery.db").display());
+    let store = SqliteStore::connect(&url).await.unwrap();
+    store.migrate().await.unwrap();
+    (Arc::new(store), url)
+}
+
+fn stripe(fake: &FakeStripe) -> Arc<Stripe> {
+    Arc::new(
+        Stripe::with_base_url(fake.base_url(), FakeStripe::API_KEY)
+            .unwrap()
+            .http_config(once())
+            .unwrap(),
+    )
+}
+
+fn charge(key: &str) -> Request {
+    Request::new(
+        "shop-1",
+        key,
+        "payments.create",
+        &json!({"amount": 1500, "currency": "usd", "payment_method": "pm_card_visa"}),
+    )
+    .unwrap()
+}
+
+fn sweeper(store: Arc<SqliteStore>, provider: Arc<dyn Provider>) -> Sweeper {
+    Sweeper::new(store, Providers::new().with(provider))
+}
+
+#[tokio::test]
+async fn lost_response_is_settled_by_the_sweeper_with_one_charge() {
+    let fake = FakeStripe::start().await.unwrap();
+    let stripe = stripe(&fake);
+    let (store, _) = file_store().await;
+    let idem = Idempotency::new(store.clone());
+
+    fake.faults().lose_next_response();
+    let err = idem
+        .call(charge("lost-1"), stripe.as_ref())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+    assert_eq!(
+        fake.ledger().len(),
+        1,
+        "the charge happened, its answer was lost"
+    );
+
+    // The client's retry before the sweeper ran is told to come back, and charges nothing.
+    let early = idem
+        .call(charge("lost-1"), stripe.as_ref())
+        .await
+        .unwrap_err();
+    assert!(matches!(early, Error::OutcomeUnknown { .. }), "{early}");
+
+    let report = sweeper(store.clone(), stripe.clone())
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.taken, report.done, report.redrives),
+        (1, 1, 1),
+        "{report:?}"
+    );
+    assert!(report.is_clean());
+    assert_eq!(
+        fake.ledger().len(),
+        1,
+        "the re-drive was replayed by the provider"
+    );
+
+    let row = store.get(charge("lost-1").id()).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Done);
+    let stored: Value = row.response.as_ref().unwrap().body_json().unwrap();
+    assert_eq!(stored["id"], fake.ledger().entries()[0].id.as_str());
+
+    let retry = idem.call(charge("lost-1"), stripe.as_ref()).await.unwrap();
+    assert!(retry.is_replay());
+    assert_eq!(retry.response(), row.response.as_ref().unwrap());
+    assert_eq!(fake.ledger().len(), 1);
+    let history = store.history(charge("lost-1").id()).await.unwrap();
+    assert_eq!(history.last().unwrap().actor, idemflow::Actor::Sweeper);
+}
+
+#[tokio::test]
+async fn process_died_after_the_provider_answered_is_settled_with_one_charge() {
+    let fake = FakeStripe::start().await.unwrap();
+    let stripe = stripe(&fake);
+    let (store, _) = file_store().await;
+    let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(200));
+
+    // The worker sends the charge, gets the answer, and dies before storing it.
+    let s = stripe.clone();
+    let died = idem.execute(charge("died-1").with_provider("stripe"), |ctx| async move {
+        let body: Value = serde_json::from_str(ctx.request()).unwrap();
+        let answer = s.call(ctx.provider_key(), &body).await;
+        assert!(matches!(answer, idemflow::CallOutcome::Succeeded { .. }));
+        std::future::pending::<Outcome>().await
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), died)
+            .await
+            .is_err()
+    );
+    assert_eq!(fake.ledger().len(), 1);
+    tokio::time::sleep(Duration::from_millis(250)).await; // the lease runs out
+
+    let report = sweeper(store.clone(), stripe.clone())
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!((report.done, report.redrives), (1, 1), "{report:?}");
+    assert_eq!(fake.ledger().len(), 1);
+    let retry = idem.call(charge("died-1"), stripe.as_ref()).await.unwrap();
+    assert!(matches!(retry, Execution::Replayed(_)));
+    let pi: Value = retry.response().body_json().unwrap();
+    assert_eq!(pi["status"], "succeeded");
+    assert_eq!(fake.ledger().len(), 1);
+}
+
+#[tokio::test]
+async fn crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_once() {
+    let fake = FakePostmark::start().await.unwrap();
+    let postmark = Arc::new(
+        Postmark::with_base_url(fake.base_url(), FakePostmark::API_KEY)
+            .unwrap()
+            .http_config(once())
+            .unwrap()
+            .search_lag(Duration::ZERO),
+    );
+    let (store, _) = file_store().await;
+    let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(100));
+    let email = json!({"From": "shop@x.test", "To": "ana@y.test", "Subject": "Receipt", "TextBody": "Thanks"});
+    let req = || Request::new("shop-1", "mail-1", "email.send", &email).unwrap();
+
+    // Claimed, then the worker dies before sending anything.
+    let crashed = idem.execute(req().with_provider(postmark.name()), |_ctx| {
+        std::future::pending::<Outcome>()
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), crashed)
+            .await
+            .is_err()
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+
+    let report = sweeper(store.clone(), postmark.clone())
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.retryable, report.redrives, report.lookups),
+        (1, 0, 1),
+        "{report:?}"
+    );
+    assert!(
+        fake.ledger().is_empty(),
+        "a keyless provider is never re-driven"
+    );
+    let row = store.get(req().id()).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Failed { retryable: true });
+
+    // The client's retry now sends it, once.
+    let sent = idem.call(req(), postmark.as_ref()).await.unwrap();
+    assert!(!sent.is_replay());
+    assert_eq!(sent.response().status(), 200);
+    let again = idem.call(req(), postmark.as_ref()).await.unwrap();
+    assert!(again.is_replay());
+    assert_eq!(fake.ledger().len(), 1);
+}
+
+#[cfg(feature = "cli")]
+#[tokio::test]
+async fn cli_reconcile_once_settles_lost_responses_from_a_config_file() {
+    let fake = FakeStripe::start().await.unwrap();
+    let stripe = stripe(&fake);
+    let (store, url) = file_store().await;
+    let idem = Idempotency::new(store.clone());
+    for i in 0..5 {
+        fake.faults().lose_next_response();
+        let key = format!("cli-{i}");
+        assert!(idem.call(charge(&key), stripe.as_ref()).await.is_err());
+    }
+    assert_eq!(fake.ledger().len(), 5);
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idemflow.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[providers]]\nkind = \"stripe\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_STRIPE_KEY\"\n",
+            fake.base_url()
+        ),
+    )
+    .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["--json", "reconcile", "--once"])
+        .env("DATABASE_URL", &url)
+        .env("IDEMFLOW_CONFIG", &config)
+        .env("FAKE_STRIPE_KEY", FakeStripe::API_KEY)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(report["report"]["done"], 5, "{report}");
+    assert_eq!(report["clean"], true);
+    assert_eq!(fake.ledger().len(), 5, "no key charged twice");
+    for i in 0..5 {
+        let retry = idem
+            .call(charge(&format!("cli-{i}")), stripe.as_ref())
+            .await
+            .unwrap();
+        assert!(retry.is_replay());
+    }
+    assert_eq!(fake.ledger().len(), 5);
+}
