@@ -64,6 +64,8 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod error;
 pub mod executor;
 pub mod fingerprint;
@@ -77,6 +79,7 @@ pub mod record;
 pub mod response;
 pub mod state;
 pub mod store;
+pub mod sweeper;
 #[cfg(feature = "testkit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;
@@ -91,3 +94,4 @@ pub use record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 pub use response::Response;
 pub use state::KeyState;
 pub use store::Store;
+pub use sweeper::{SweepError, SweepReport, Sweeper, SweeperConfig};

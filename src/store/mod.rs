@@ -22,6 +22,8 @@ use crate::{Fingerprint, KeyId, Response};
 pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
@@ -143,6 +145,15 @@ pub struct Stats {
     pub now: DateTime<Utc>,
 }
 
+/// Processing keys older than an alert age (`idemflow stats --alert-age`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Stuck {
+    /// How many processing keys were first claimed at least that long ago.
+    pub count: i64,
+    /// The oldest of them, oldest first, up to the limit asked for.
+    pub oldest: Vec<KeyRecord>,
+}
+
 /// Persistence for idempotency keys. Implementations: [`sqlite::SqliteStore`] (feature `sqlite`,
 /// default), and others behind their features. Used as `Arc<dyn Store>`.
 #[async_trait]
@@ -204,6 +215,26 @@ pub trait Store: Debug + Send + Sync + 'static {
 
     /// Counts per state.
     async fn stats(&self) -> Result<Stats, StoreError>;
+
+    /// Processing keys first claimed at least `older_than` ago (database clock): their count and
+    /// the oldest `limit` of them, for operators' alerts. Optional: the default answers
+    /// [`StoreError::Unsupported`].
+    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
+        let _ = (older_than, limit);
+        Err(StoreError::Unsupported {
+            backend: self.backend(),
+            what: "listing stuck keys",
+        })
+    }
+
+    /// How many finished keys [`purge_expired`](Store::purge_expired) would delete now (for a
+    /// dry run). Optional: the default answers [`StoreError::Unsupported`].
+    async fn count_expired(&self) -> Result<u64, StoreError> {
+        Err(StoreError::Unsupported {
+            backend: self.backend(),
+            what: "counting expired keys",
+        })
+    }
 }
 
 /// Milliseconds of a duration, saturating (for SQL parameters).

@@ -22,8 +22,8 @@ use tracing::instrument;
 
 use super::rows::ms_to_time;
 use super::{
-    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, TakeStale,
-    check_finish, claimable, millis,
+    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, Stuck,
+    TakeStale, check_finish, claimable, millis,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -489,5 +489,31 @@ impl Store for SqliteStore {
             oldest_processing_created_at: oldest.map(|ms| ms_to_time(BACKEND, ms)).transpose()?,
             now: ms_to_time(BACKEND, row.try_get(6).map_err(db)?)?,
         })
+    }
+
+    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
+        let count: i64 = sqlx::query_scalar(sql::STUCK_COUNT)
+            .bind(millis(older_than))
+            .fetch_one(&self.reader)
+            .await
+            .map_err(db)?;
+        let rows = sqlx::query(sql::STUCK_LIST)
+            .bind(millis(older_than))
+            .bind(i64::from(limit))
+            .fetch_all(&self.reader)
+            .await
+            .map_err(db)?;
+        Ok(Stuck {
+            count,
+            oldest: rows.iter().map(record).collect::<Result<_, _>>()?,
+        })
+    }
+
+    async fn count_expired(&self) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
+            .fetch_one(&self.reader)
+            .await
+            .map_err(db)?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 }

@@ -138,3 +138,22 @@ pub(super) const STATS: &str = concat!(
     now!(),
     " FROM idempotency_keys"
 );
+
+pub(super) const STUCK_COUNT: &str = concat!(
+    "SELECT COUNT(*) FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+    now!(),
+    " - ?1"
+);
+
+pub(super) const STUCK_LIST: &str = concat!(
+    "SELECT ",
+    cols!(),
+    " FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+    now!(),
+    " - ?1 ORDER BY created_at LIMIT ?2"
+);
+
+pub(super) const COUNT_EXPIRED: &str = concat!(
+    "SELECT COUNT(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
+    now!()
+);

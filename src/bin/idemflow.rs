@@ -1,0 +1,45 @@
+//! The `idemflow` command line (feature `cli`). Thin: parse, log to stderr, run, exit.
+//! See `idemflow --help` and docs/operations.md.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use idemflow::cli::{Cli, run};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse(); // usage errors exit 2
+    let default = match cli.verbose {
+        0 => "error",
+        1 => "idemflow=info,warn",
+        _ => "idemflow=debug,info",
+    };
+    let filter =
+        EnvFilter::try_from_env("IDEMFLOW_LOG").unwrap_or_else(|_| EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idemflow: error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let json = cli.json;
+    match runtime.block_on(run(cli)) {
+        Ok(exit) => ExitCode::from(exit.code()),
+        Err(e) => {
+            let message = idemflow::cli::error_message(&e);
+            eprintln!("idemflow: error: {message}");
+            if json {
+                println!("{}", serde_json::json!({"error": message}));
+            }
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! The CLI's configuration: the TOML file (`[[providers]]`, `[sweeper]`) and the database URL.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, anyhow, bail};
+use serde::{Deserialize, Deserializer};
+
+use crate::provider::Providers;
+use crate::provider::config::{ProviderConfig, build};
+use crate::store::Store;
+use crate::sweeper::SweeperConfig;
+
+/// The configuration file.
+///
+/// ```toml
+/// [[providers]]
+/// name = "stripe"
+/// kind = "stripe"
+/// api_key_env = "STRIPE_SECRET_KEY"
+///
+/// [sweeper]
+/// batch_size = 100
+/// lease = "5m"
+/// backoff_base = "30s"
+/// backoff_cap = "1h"
+/// redrive_margin = "1h"
+/// ```
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// The providers the sweeper may ask.
+    #[serde(default)]
+    pub providers: Vec<ProviderConfig>,
+    /// Sweeper settings.
+    #[serde(default)]
+    pub sweeper: SweeperSection,
+}
+
+/// The `[sweeper]` section; durations are written like `30s`, `5m`, `1h 30m`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SweeperSection {
+    /// Keys per batch.
+    pub batch_size: Option<u32>,
+    /// Lease of taken keys.
+    #[serde(default, deserialize_with = "human")]
+    pub lease: Option<Duration>,
+    /// Lease owner name.
+    pub owner: Option<String>,
+    /// First recheck delay.
+    #[serde(default, deserialize_with = "human")]
+    pub backoff_base: Option<Duration>,
+    /// Longest recheck delay.
+    #[serde(default, deserialize_with = "human")]
+    pub backoff_cap: Option<Duration>,
+    /// Recheck delay of keys that need an operator.
+    #[serde(default, deserialize_with = "human")]
+    pub operator_recheck: Option<Duration>,
+    /// Margin kept before the end of a provider's dedup window.
+    #[serde(default, deserialize_with = "human")]
+    pub redrive_margin: Option<Duration>,
+    /// Most keys per run.
+    pub max_keys_per_run: Option<u64>,
+    /// Longest wait for one provider call or lookup.
+    #[serde(default, deserialize_with = "human")]
+    pub call_timeout: Option<Duration>,
+}
+
+fn human<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let s = Option::<String>::deserialize(d)?;
+    s.map(|s| {
+        humantime::parse_duration(&s)
+            .map_err(|e| serde::de::Error::custom(format!("bad duration {s:?}: {e}")))
+    })
+    .transpose()
+}
+
+impl SweeperSection {
+    /// Applies the section over the defaults.
+    pub fn apply(&self, mut c: SweeperConfig) -> SweeperConfig {
+        if let Some(v) = self.batch_size {
+            c.batch_size = v.max(1);
+        }
+        if let Some(v) = self.lease {
+            c.lease = v;
+        }
+        if let Some(v) = &self.owner {
+            c.owner.clone_from(v);
+        }
+        if let Some(v) = self.backoff_base {
+            c.backoff_base = v;
+        }
+        if let Some(v) = self.backoff_cap {
+            c.backoff_cap = v;
+        }
+        c.backoff_cap = c.backoff_cap.max(c.backoff_base);
+        if let Some(v) = self.operator_recheck {
+            c.operator_recheck = v;
+        }
+        if let Some(v) = self.redrive_margin {
+            c.redrive_margin = v;
+        }
+        if let Some(v) = self.max_keys_per_run {
+            c.max_keys_per_run = v.max(1);
+        }
+        if let Some(v) = self.call_timeout {
+            c.call_timeout = v;
+        }
+        c
+    }
+}
+
+/// Reads and checks the configuration file (`None`: no file, empty configuration).
+pub fn load(path: Option<&Path>) -> anyhow::Result<FileConfig> {
+    let Some(path) = path else {
+        return Ok(FileConfig::default());
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read config file {}", path.display()))?;
+    toml::from_str(&text).map_err(|e| anyhow!("config file {} is not valid: {e}", path.display()))
+}
+
+/// Builds the providers the file names, refusing duplicates and unknown kinds.
+pub fn providers(config: &FileConfig, path: Option<&PathBuf>) -> anyhow::Result<Providers> {
+    let file = path.map_or_else(|| "(none)".to_owned(), |p| p.display().to_string());
+    let mut reg = Providers::new();
+    for (i, pc) in config.providers.iter().enumerate() {
+        let name = pc.name.clone().unwrap_or_else(|| pc.kind.clone());
+        if reg.get(&name).is_some() {
+            bail!("config file {file}: provider {name:?} is configured twice");
+        }
+        let p = build(pc).map_err(|e| {
+            anyhow!(
+                "config file {file}: [[providers]] entry {} ({name:?}): {e}",
+                i + 1
+            )
+        })?;
+        reg.insert(p);
+    }
+    Ok(reg)
+}
+
+/// Hides the password of a URL for messages.
+pub fn redact(url: &str) -> String {
+    if let Some((scheme, rest)) = url.split_once("://")
+        && let Some((auth, host)) = rest.split_once('@')
+        && let Some((user, _)) = auth.split_once(':')
+    {
+        return format!("{scheme}://{user}:***@{host}");
+    }
+    url.to_owned()
+}
+
+/// The file path of a SQLite URL (`None` for in-memory databases).
+fn sqlite_path(url: &str) -> Option<PathBuf> {
+    let rest = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))?;
+    let rest = rest.split('?').next().unwrap_or(rest);
+    if rest.is_empty() || rest.contains(":memory:") || url.contains("mode=memory") {
+        return None;
+    }
+    Some(PathBuf::from(rest))
+}
+
+/// Opens the store a URL names. `create` allows creating a new SQLite file (`migrate`);
+/// otherwise a missing file is an error naming it.
+///
+/// `sqlite:` URLs work in every build with the `sqlite` feature. `postgres://`, `mysql://` and
+/// `redis://` map to the stores behind the features of the same names.
+pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn Store>> {
+    let shown = redact(url);
+    let scheme = url.split(':').next().unwrap_or_default();
+    match scheme {
+        "sqlite" => {
+            if !create
+                && let Some(path) = sqlite_path(url)
+                && !path.exists()
+            {
+                bail!(
+                    "database file {} does not exist (check DATABASE_URL, or run `idemflow migrate` to create it)",
+                    path.display()
+                );
+            }
+            connect_sqlite(url, &shown).await
+        }
+        "postgres" | "postgresql" => connect_postgres(url, &shown).await,
+        "mysql" | "mariadb" => connect_mysql(url, &shown).await,
+        "redis" | "rediss" => connect_redis(url, &shown).await,
+        "" => bail!("the database URL is empty (pass --database-url or set DATABASE_URL)"),
+        other => bail!(
+            "unsupported database URL scheme {other:?} in {shown} (expected sqlite:, postgres://, mysql:// or redis://)"
+        ),
+    }
+}
+
+#[cfg(feature = "sqlite")]
+async fn connect_sqlite(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    let store = crate::store::sqlite::SqliteStore::connect(url)
+        .await
+        .with_context(|| format!("cannot open database {shown}"))?;
+    // Opening a pool is lazy about some failures: ask the clock to be sure it answers.
+    store
+        .writer_pool()
+        .acquire()
+        .await
+        .with_context(|| format!("cannot open database {shown}"))?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "sqlite"))]
+async fn connect_sqlite(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    bail!("this build has no sqlite support; rebuild with --features sqlite")
+}
+
+// Each backend is compiled in by its feature; a build without it says which feature to add.
+
+#[cfg(feature = "postgres")]
+async fn connect_postgres(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    let store = crate::store::postgres::PostgresStore::connect(url)
+        .await
+        .with_context(|| format!("cannot open database {shown}"))?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn connect_postgres(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    bail!("this build has no postgres support; rebuild with --features postgres")
+}
+
+#[cfg(feature = "mysql")]
+async fn connect_mysql(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    let store = crate::store::mysql::MySqlStore::connect(url)
+        .await
+        .with_context(|| format!("cannot open database {shown}"))?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "mysql"))]
+async fn connect_mysql(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    bail!("this build has no mysql support; rebuild with --features mysql")
+}
+
+#[cfg(feature = "redis")]
+async fn connect_redis(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    let store = crate::store::redis::RedisStore::connect(url)
+        .await
+        .with_context(|| format!("cannot open database {shown}"))?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn connect_redis(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    bail!("this build has no redis support; rebuild with --features redis")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact("postgres://me:secret@db:5432/x"),
+            "postgres://me:***@db:5432/x"
+        );
+        assert_eq!(redact("sqlite://a.db"), "sqlite://a.db");
+    }
+
+    #[test]
+    fn sqlite_paths() {
+        assert_eq!(
+            sqlite_path("sqlite://a/b.db?mode=rwc"),
+            Some("a/b.db".into())
+        );
+        assert_eq!(sqlite_path("sqlite:b.db"), Some("b.db".into()));
+        assert_eq!(sqlite_path("sqlite::memory:"), None);
+    }
+
+    #[test]
+    fn sweeper_section_parses_durations_and_refuses_unknown_fields() {
+        let c: FileConfig = toml::from_str(
+            "[sweeper]\nbatch_size = 7\nlease = \"2m\"\nbackoff_base = \"10s\"\nbackoff_cap = \"1h 30m\"\n",
+        )
+        .unwrap();
+        let s = c.sweeper.apply(SweeperConfig::default());
+        assert_eq!(s.batch_size, 7);
+        assert_eq!(s.lease, Duration::from_secs(120));
+        assert_eq!(s.backoff_cap, Duration::from_secs(5400));
+        assert!(toml::from_str::<FileConfig>("[sweeper]\nlease = \"soon\"\n").is_err());
+        assert!(toml::from_str::<FileConfig>("[sweeper]\nbogus = 1\n").is_err());
+    }
+}

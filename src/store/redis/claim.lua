@@ -1,0 +1,67 @@
+-- claim: insert a new key, or reclaim failed{retryable} with the same fingerprint, or (inside
+-- the takeover window) take over an expired processing key with the same fingerprint; otherwise
+-- return the key as it is. The same rules as `claimable()` and the SQLite CLAIM statement.
+-- KEYS: hash, history, then the bucket's six indexes.
+-- ARGV[6..]: member, operation, provider?, provider_key, fingerprint, request?, owner, lease_ms,
+-- retention_ms, window_ms?
+local idx = idx_from(3)
+local h, hist = KEYS[1], KEYS[2]
+local m = ARGV[6]
+local op, provider, pk, fp = ARGV[7], opt(ARGV[8]), ARGV[9], ARGV[10]
+local request, owner = opt(ARGV[11]), ARGV[12]
+local lease, retention = tonumber(ARGV[13]), tonumber(ARGV[14])
+local window = opt(ARGV[15])
+if window then window = tonumber(window) end
+
+local now = now_ms()
+local cur = redis.call('HMGET', h, 'st', 'rt', 'fp', 'lex', 'cat', 'pk')
+
+if not cur[1] then
+  local lex = now + lease
+  local seq = last_seq(hist) + 1
+  local f = {'op', op, 'pk', pk, 'st', 'processing', 'rt', '0', 'fp', fp, 'tok', '1',
+    'own', owner, 'lex', s(lex), 'att', '1', 'cat', s(now), 'uat', s(now),
+    'ret', s(retention), 'hs', s(seq)}
+  if provider then f[#f + 1] = 'prov'; f[#f + 1] = provider end
+  if request then f[#f + 1] = 'req'; f[#f + 1] = request end
+  redis.call('HSET', h, unpack(f))
+  -- A key that Redis expired natively may still sit in a finished index.
+  redis.call('ZREM', idx.done, m)
+  redis.call('ZREM', idx.fr, m)
+  redis.call('ZREM', idx.fp, m)
+  index_processing(idx, m, lex, nil, now)
+  record_event(hist, seq, nil, nil, 'processing', '0', 1, 'worker', 'claimed', now)
+  redis.call('PERSIST', hist)
+  return {'claimed', 1, lex, 1, pk, 'claim'}
+end
+
+local st, rt, cfp, clex, ccat, cpk = cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]
+local transition = nil
+if cfp == fp then
+  if st == 'failed' and rt == '1' then
+    transition = 'reclaim'
+  elseif st == 'processing' and window and clex and tonumber(clex) <= now
+      and tonumber(ccat) > now - window then
+    transition = 'takeover'
+  end
+end
+if not transition then
+  return {'existing', now, redis.call('HGETALL', h)}
+end
+
+local tok = redis.call('HINCRBY', h, 'tok', 1)
+local att = redis.call('HINCRBY', h, 'att', 1)
+local lex = now + lease
+redis.call('HSET', h, 'st', 'processing', 'rt', '0', 'own', owner, 'lex', s(lex),
+  'uat', s(now), 'ret', s(retention))
+if request then redis.call('HSET', h, 'req', request) end
+redis.call('HDEL', h, 'exp', 'nca', 'err', 'rs', 'rh', 'rb')
+redis.call('PERSIST', h)
+unindex(idx, m, st, rt)
+index_processing(idx, m, lex, nil, tonumber(ccat))
+local seq = redis.call('HINCRBY', h, 'hs', 1)
+local reason = 'retry took over an expired lease'
+if transition == 'reclaim' then reason = 'reclaimed after a retryable failure' end
+record_event(hist, seq, st, rt, 'processing', '0', tok, 'worker', reason, now)
+redis.call('PERSIST', hist)
+return {'claimed', tok, lex, att, cpk, transition}

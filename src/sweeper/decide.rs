@@ -1,0 +1,451 @@
+//! The per-key decision of the sweeper, as pure functions: which action to take for a stale key
+//! ([`plan`]), and what the provider's answer means for the key ([`after_call`],
+//! [`after_lookup`]). No I/O here, so every row of the decision table is unit-tested.
+//!
+//! | situation | action | result |
+//! |---|---|---|
+//! | no provider recorded, or provider not registered | none | needs an operator (long recheck) |
+//! | provider dedupes by key, inside its window (with margin), request stored | re-drive (`call`) | see [`after_call`] |
+//! | anything else (outside the window, no keys, request missing) | `lookup` | see [`after_lookup`] |
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::provider::{CallOutcome, KeySpec, Lookup};
+use crate::{KeyRecord, KeyState, Outcome, Response};
+
+/// What to do with a stale key before asking the provider anything.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Plan {
+    /// No provider can settle it: an operator must decide.
+    NeedsOperator {
+        /// Why.
+        reason: String,
+    },
+    /// Re-send the stored request with the stored provider key (safe: the provider replays the
+    /// first result inside its dedup window).
+    Redrive {
+        /// The stored request.
+        request: serde_json::Value,
+    },
+    /// Ask the provider what happened.
+    Lookup {
+        /// The stored request, or `Null` when it was not stored.
+        request: serde_json::Value,
+        /// Why a lookup rather than a re-drive (for history).
+        why: String,
+    },
+}
+
+/// What the sweeper does to the key after hearing from the provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Finish the key (`done`, `failed{permanent}` or `failed{retryable}`).
+    Finish {
+        /// The final state.
+        to: KeyState,
+        /// The provider's answer to store and replay.
+        response: Option<Response>,
+        /// An error description for the row.
+        error: Option<String>,
+        /// Why (history).
+        reason: String,
+    },
+    /// Keep the key processing and look again later.
+    Defer {
+        /// Why (history and report).
+        reason: String,
+        /// The provider's `Retry-After`, honoured as a lower bound of the backoff.
+        retry_after: Option<Duration>,
+    },
+    /// Keep the key processing, recheck rarely, and report it for an operator.
+    NeedsOperator {
+        /// Why (history and report).
+        reason: String,
+    },
+}
+
+/// Chooses the action for `record` whose provider has `spec` (`None`: not registered), judged at
+/// `now` (database clock) keeping `margin` before the end of the provider's dedup window.
+pub fn plan(
+    record: &KeyRecord,
+    provider: Option<(&str, &KeySpec)>,
+    now: DateTime<Utc>,
+    margin: Duration,
+) -> Plan {
+    let Some(name) = record.provider.as_deref() else {
+        return Plan::NeedsOperator {
+            reason: format!(
+                "operation {:?} recorded no provider, so nothing can tell whether it ran; an operator must decide (idemflow resolve)",
+                record.operation
+            ),
+        };
+    };
+    let Some((_, spec)) = provider else {
+        return Plan::NeedsOperator {
+            reason: format!(
+                "provider {name:?} is not registered with this sweeper; an operator must configure it or decide the key (idemflow resolve)"
+            ),
+        };
+    };
+    let stored: Option<serde_json::Value> = record
+        .request
+        .as_deref()
+        .and_then(|r| serde_json::from_str(r).ok());
+    let request_missing = stored.is_none();
+    let request = stored.unwrap_or(serde_json::Value::Null);
+    if request_missing {
+        return Plan::Lookup {
+            request,
+            why: "the request was not stored, so it can only be looked up".to_owned(),
+        };
+    }
+    if !spec.replays_same_key || spec.retention.is_none() {
+        return Plan::Lookup {
+            request,
+            why: format!("{name} does not dedupe by key, so it is never re-driven"),
+        };
+    }
+    if spec.may_redrive(record.created_at, now, margin) {
+        Plan::Redrive { request }
+    } else {
+        Plan::Lookup {
+            request,
+            why: format!(
+                "first sent at {} which is past {name}'s dedup window less a margin of {margin:?}; re-driving could act twice",
+                record.created_at.to_rfc3339()
+            ),
+        }
+    }
+}
+
+/// What a re-drive's answer means. Only a success or a permanent refusal settles the key: a
+/// `Retryable` answer to the *re-send* says nothing about the first send (a 429 comes before the
+/// provider's key lookup), so the key is kept and re-driven later, or looked up once the window
+/// closes.
+pub fn after_call(provider: &str, outcome: CallOutcome) -> Decision {
+    match outcome {
+        CallOutcome::Succeeded { response, replayed } => Decision::Finish {
+            to: KeyState::Done,
+            reason: format!(
+                "sweeper re-drove the stored request to {provider} with the same provider key; it answered {}{}",
+                response.status(),
+                if replayed {
+                    " (a replay of its first result)"
+                } else {
+                    ""
+                }
+            ),
+            response: Some(response),
+            error: None,
+        },
+        CallOutcome::Rejected { response } => Decision::Finish {
+            to: KeyState::Failed { retryable: false },
+            reason: format!(
+                "sweeper re-drove the stored request to {provider} with the same provider key; it refused permanently ({})",
+                response.status()
+            ),
+            error: Some(format!("{provider} refused the request")),
+            response: Some(response),
+        },
+        CallOutcome::Retryable {
+            reason,
+            retry_after,
+        } => Decision::Defer {
+            reason: format!(
+                "re-drive to {provider} answered retryable ({reason}); that says nothing about the first send, trying again later"
+            ),
+            retry_after,
+        },
+        CallOutcome::InFlight { retry_after } => Decision::Defer {
+            reason: format!("{provider} reports a request with this key still in flight"),
+            retry_after,
+        },
+        CallOutcome::Unknown { reason } => Decision::Defer {
+            reason: format!("re-drive to {provider} has an unknown outcome: {reason}"),
+            retry_after: None,
+        },
+        CallOutcome::KeyConflict { detail } => Decision::NeedsOperator {
+            reason: format!(
+                "{provider} holds this provider key for another request ({detail}); an operator must decide"
+            ),
+        },
+    }
+}
+
+/// What a lookup's answer means. Only an authoritative absence turns a key retryable.
+pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
+    match lookup {
+        Lookup::Found(Outcome::Succeeded(response)) => Decision::Finish {
+            to: KeyState::Done,
+            reason: format!(
+                "sweeper looked the key up at {provider} ({why}): it acted and answered {}",
+                response.status()
+            ),
+            response: Some(response),
+            error: None,
+        },
+        Lookup::Found(Outcome::Rejected(response)) => Decision::Finish {
+            to: KeyState::Failed { retryable: false },
+            reason: format!(
+                "sweeper looked the key up at {provider} ({why}): it refused permanently ({})",
+                response.status()
+            ),
+            error: Some(format!("{provider} refused the request")),
+            response: Some(response),
+        },
+        Lookup::Found(Outcome::Retryable { reason } | Outcome::Unknown { reason }) => {
+            Decision::Defer {
+                reason: format!(
+                    "lookup at {provider} found the request but not a final answer: {reason}"
+                ),
+                retry_after: None,
+            }
+        }
+        Lookup::NotFound {
+            authoritative: true,
+        } => Decision::Finish {
+            to: KeyState::Failed { retryable: true },
+            response: None,
+            error: Some(format!("{provider} has no record of this request")),
+            reason: format!(
+                "sweeper looked the key up at {provider} ({why}): authoritatively not found, so it never ran; the client's next retry runs it"
+            ),
+        },
+        Lookup::NotFound {
+            authoritative: false,
+        } => Decision::Defer {
+            reason: format!(
+                "lookup at {provider} found nothing yet, but its search may lag; looking again later"
+            ),
+            retry_after: None,
+        },
+        Lookup::Unknown { retry_after } => Decision::Defer {
+            reason: format!("{provider} could not say what happened"),
+            retry_after,
+        },
+    }
+}
+
+/// The recheck delay after the `attempts`-th claim/takeover: `base * 2^(takeovers - 1)`, capped
+/// at `cap`, and never earlier than the provider's `retry_after`.
+pub fn backoff(
+    attempts: i32,
+    base: Duration,
+    cap: Duration,
+    retry_after: Option<Duration>,
+) -> Duration {
+    // The first claim is attempt 1; every sweeper takeover adds one.
+    let takeovers = u32::try_from(attempts.saturating_sub(1))
+        .unwrap_or(0)
+        .max(1);
+    let factor = 2u32.saturating_pow((takeovers - 1).min(31));
+    let exp = base.saturating_mul(factor).min(cap);
+    match retry_after {
+        Some(r) => exp.max(r),
+        None => exp,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::KeyTransport;
+    use crate::{Fingerprint, IdempotencyKey, LeaseToken, Scope};
+
+    fn record(provider: Option<&str>, request: Option<&str>, age_s: i64) -> KeyRecord {
+        let now = Utc::now();
+        KeyRecord {
+            scope: Scope::new("s").unwrap(),
+            key: IdempotencyKey::new("k").unwrap(),
+            operation: "charge".into(),
+            provider: provider.map(str::to_owned),
+            provider_key: "pk".into(),
+            state: KeyState::Processing,
+            fingerprint: Fingerprint::compute("charge", "{}"),
+            request: request.map(str::to_owned),
+            response: None,
+            error: None,
+            lease_token: LeaseToken(2),
+            lease_owner: None,
+            lease_expires_at: Some(now),
+            attempts: 2,
+            created_at: now - chrono::Duration::seconds(age_s),
+            updated_at: now,
+            expires_at: None,
+            next_check_at: None,
+            retention_ms: 1000,
+        }
+    }
+
+    fn keyed(window_s: u64) -> KeySpec {
+        KeySpec {
+            transport: KeyTransport::Header("Idempotency-Key".into()),
+            max_len: 255,
+            retention: Some(Duration::from_secs(window_s)),
+            replays_same_key: true,
+        }
+    }
+
+    const M: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn plans_follow_the_table() {
+        let now = Utc::now();
+        let spec = keyed(3600);
+        let r = record(None, Some("{}"), 10);
+        assert!(matches!(plan(&r, None, now, M), Plan::NeedsOperator { .. }));
+        let r = record(Some("p"), Some("{}"), 10);
+        assert!(matches!(plan(&r, None, now, M), Plan::NeedsOperator { .. }));
+        assert!(matches!(
+            plan(&r, Some(("p", &spec)), now, M),
+            Plan::Redrive { .. }
+        ));
+        // Past the window less the margin: lookup.
+        let old = record(Some("p"), Some("{}"), 3600 - 30);
+        assert!(matches!(
+            plan(&old, Some(("p", &spec)), now, M),
+            Plan::Lookup { .. }
+        ));
+        // No keys: lookup, however young.
+        assert!(matches!(
+            plan(&r, Some(("p", &KeySpec::no_keys())), now, M),
+            Plan::Lookup { .. }
+        ));
+        // Keys but no replay: lookup.
+        let no_replay = KeySpec {
+            replays_same_key: false,
+            ..keyed(3600)
+        };
+        assert!(matches!(
+            plan(&r, Some(("p", &no_replay)), now, M),
+            Plan::Lookup { .. }
+        ));
+        // Request missing: lookup with Null.
+        let missing = record(Some("p"), None, 10);
+        assert_eq!(
+            plan(&missing, Some(("p", &spec)), now, M),
+            Plan::Lookup {
+                request: serde_json::Value::Null,
+                why: "the request was not stored, so it can only be looked up".into()
+            }
+        );
+    }
+
+    #[test]
+    fn answers_map_to_decisions() {
+        let ok = Response::new(201);
+        assert!(matches!(
+            after_call(
+                "p",
+                CallOutcome::Succeeded {
+                    response: ok.clone(),
+                    replayed: true
+                }
+            ),
+            Decision::Finish {
+                to: KeyState::Done,
+                ..
+            }
+        ));
+        assert!(matches!(
+            after_call(
+                "p",
+                CallOutcome::Rejected {
+                    response: ok.clone()
+                }
+            ),
+            Decision::Finish {
+                to: KeyState::Failed { retryable: false },
+                ..
+            }
+        ));
+        for o in [
+            CallOutcome::Retryable {
+                reason: "429".into(),
+                retry_after: None,
+            },
+            CallOutcome::InFlight { retry_after: None },
+            CallOutcome::Unknown {
+                reason: "timeout".into(),
+            },
+        ] {
+            assert!(matches!(after_call("p", o), Decision::Defer { .. }));
+        }
+        assert!(matches!(
+            after_call("p", CallOutcome::KeyConflict { detail: "x".into() }),
+            Decision::NeedsOperator { .. }
+        ));
+        assert!(matches!(
+            after_lookup("p", "", Lookup::Found(Outcome::Succeeded(ok.clone()))),
+            Decision::Finish {
+                to: KeyState::Done,
+                ..
+            }
+        ));
+        assert!(matches!(
+            after_lookup("p", "", Lookup::Found(Outcome::Rejected(ok))),
+            Decision::Finish {
+                to: KeyState::Failed { retryable: false },
+                ..
+            }
+        ));
+        assert!(matches!(
+            after_lookup(
+                "p",
+                "",
+                Lookup::NotFound {
+                    authoritative: true
+                }
+            ),
+            Decision::Finish {
+                to: KeyState::Failed { retryable: true },
+                response: None,
+                ..
+            }
+        ));
+        assert!(matches!(
+            after_lookup(
+                "p",
+                "",
+                Lookup::NotFound {
+                    authoritative: false
+                }
+            ),
+            Decision::Defer { .. }
+        ));
+        assert_eq!(
+            after_lookup(
+                "p",
+                "",
+                Lookup::Unknown {
+                    retry_after: Some(Duration::from_secs(9))
+                }
+            ),
+            Decision::Defer {
+                reason: "p could not say what happened".into(),
+                retry_after: Some(Duration::from_secs(9))
+            }
+        );
+    }
+
+    #[test]
+    fn backoff_doubles_caps_and_honours_retry_after() {
+        let b = Duration::from_secs(30);
+        let cap = Duration::from_secs(3600);
+        assert_eq!(backoff(2, b, cap, None), b);
+        assert_eq!(backoff(3, b, cap, None), b * 2);
+        assert_eq!(backoff(4, b, cap, None), b * 4);
+        assert_eq!(backoff(100, b, cap, None), cap);
+        assert_eq!(backoff(i32::MAX, b, cap, None), cap);
+        assert_eq!(backoff(1, b, cap, None), b);
+        assert_eq!(
+            backoff(2, b, cap, Some(Duration::from_secs(90))),
+            Duration::from_secs(90)
+        );
+        assert_eq!(backoff(2, b, cap, Some(Duration::from_secs(1))), b);
+        // A provider asking for longer than the cap is honoured.
+        assert_eq!(backoff(2, b, cap, Some(cap * 2)), cap * 2);
+    }
+}

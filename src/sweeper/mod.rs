@@ -1,0 +1,570 @@
+//! The recovery sweeper: settles keys left `processing` by a worker that crashed, timed out or
+//! lost the provider's answer, from the provider's own records.
+//!
+//! Each [`Sweeper::run_once`] takes stale keys (lease expired, next check due) in batches with a
+//! fenced takeover ([`Store::take_stale`]), and for each key, with the key's provider (see
+//! [`decide`] for the full table):
+//!
+//! * no provider recorded, or not registered here: nothing is guessed; the key is released with a
+//!   long recheck and reported as needing an operator;
+//! * inside the provider's dedup window, when a same-key re-send replays the first result: the
+//!   stored request is re-driven with the stored provider key;
+//! * otherwise it is looked up: found -> `done` / `failed{permanent}` with the provider's answer;
+//!   authoritatively not found -> `failed{retryable}`; anything uncertain -> backed off
+//!   (`next_check_at`, exponential by attempts, capped) and reported.
+//!
+//! Every decision is one store transition with actor [`Actor::Sweeper`] and its reason, so the
+//! key's history tells the story. A write that gets `LeaseLost` (someone else decided first) is
+//! reported, not an error. Many sweepers may run at once: `take_stale` never hands the same key
+//! to two of them.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use idemflow::{Providers, Store, Sweeper, store::sqlite::SqliteStore};
+//!
+//! let store = SqliteStore::connect("sqlite::memory:").await?;
+//! store.migrate().await?;
+//! let sweeper = Sweeper::new(Arc::new(store), Providers::new()).batch_size(50);
+//! let report = sweeper.run_once().await?;
+//! assert!(report.is_clean());
+//! # Ok(())
+//! # }
+//! ```
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use tokio::sync::watch;
+use tracing::{Instrument, info_span};
+
+use crate::error::StoreError;
+use crate::provider::{CallOutcome, Lookup, Providers};
+use crate::record::{Actor, KeyRecord};
+use crate::store::{Finish, Release, Store, TakeStale};
+use crate::{KeyId, KeyState};
+
+pub mod decide;
+mod report;
+
+pub use decide::{Decision, Plan};
+pub use report::{LostKey, RunSummary, SweepReport, Unresolved, UnresolvedKey};
+
+use report::ms;
+
+/// Settings of a [`Sweeper`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SweeperConfig {
+    /// Keys taken per batch. Default 100.
+    pub batch_size: u32,
+    /// The lease each taken key gets; the sweeper extends it when a batch runs long. Default
+    /// 5 min.
+    pub lease: Duration,
+    /// Name recorded as the lease owner. Default `sweeper-<pid>`.
+    pub owner: String,
+    /// First recheck delay for a key that could not be settled. Default 30 s.
+    pub backoff_base: Duration,
+    /// Longest recheck delay (a provider's `Retry-After` may ask for more). Default 1 h.
+    pub backoff_cap: Duration,
+    /// Recheck delay for a key that needs an operator. Default 6 h.
+    pub operator_recheck: Duration,
+    /// A re-drive is only attempted while the key is younger than the provider's dedup window
+    /// less this margin. Default 1 h.
+    pub redrive_margin: Duration,
+    /// At most this many keys per run (the rest wait for the next run). Default 10,000.
+    pub max_keys_per_run: u64,
+    /// Longest wait for one provider `call` or `lookup`; past it the key is deferred (a
+    /// re-drive's outcome is then unknown). Default 2 min.
+    pub call_timeout: Duration,
+}
+
+impl Default for SweeperConfig {
+    fn default() -> Self {
+        Self {
+            batch_size: 100,
+            lease: Duration::from_secs(300),
+            owner: format!("sweeper-{}", std::process::id()),
+            backoff_base: Duration::from_secs(30),
+            backoff_cap: Duration::from_secs(3600),
+            operator_recheck: Duration::from_secs(6 * 3600),
+            redrive_margin: Duration::from_secs(3600),
+            max_keys_per_run: 10_000,
+            call_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Why a sweep stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SweepError {
+    /// The store failed; keys already taken keep their lease until it expires and are taken again
+    /// by the next sweep. `report` holds what was done before.
+    #[error("sweep stopped after {} keys: store error: {source}", report.taken)]
+    Store {
+        /// The store's error.
+        #[source]
+        source: StoreError,
+        /// What the sweep did before the error.
+        report: Box<SweepReport>,
+    },
+}
+
+impl SweepError {
+    /// What the sweep did before it stopped.
+    pub fn report(&self) -> &SweepReport {
+        match self {
+            SweepError::Store { report, .. } => report,
+        }
+    }
+}
+
+/// The recovery sweeper. Cheap to clone; share one per process, or run several processes.
+#[derive(Debug, Clone)]
+pub struct Sweeper {
+    store: Arc<dyn Store>,
+    providers: Providers,
+    config: SweeperConfig,
+}
+
+/// What happened to one key.
+enum KeyResult {
+    Finished(KeyState),
+    Unresolved(UnresolvedKey),
+    Lost(LostKey),
+}
+
+impl Sweeper {
+    /// A sweeper over `store` asking `providers`, with default settings.
+    pub fn new(store: Arc<dyn Store>, providers: Providers) -> Self {
+        Self::with_config(store, providers, SweeperConfig::default())
+    }
+
+    /// A sweeper with explicit settings.
+    pub fn with_config(store: Arc<dyn Store>, providers: Providers, config: SweeperConfig) -> Self {
+        Self {
+            store,
+            providers,
+            config,
+        }
+    }
+
+    /// Sets the batch size (at least 1).
+    pub fn batch_size(mut self, n: u32) -> Self {
+        self.config.batch_size = n.max(1);
+        self
+    }
+
+    /// Sets the lease of taken keys.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config.lease = lease;
+        self
+    }
+
+    /// Sets the owner name recorded on taken keys.
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.config.owner = owner.into();
+        self
+    }
+
+    /// Sets the backoff: first delay `base`, doubling per attempt up to `cap`.
+    pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
+        self.config.backoff_base = base;
+        self.config.backoff_cap = cap.max(base);
+        self
+    }
+
+    /// Sets the recheck delay of keys that need an operator.
+    pub fn operator_recheck(mut self, after: Duration) -> Self {
+        self.config.operator_recheck = after;
+        self
+    }
+
+    /// Sets the safety margin kept before the end of a provider's dedup window.
+    pub fn redrive_margin(mut self, margin: Duration) -> Self {
+        self.config.redrive_margin = margin;
+        self
+    }
+
+    /// Sets the most keys one run handles (at least 1).
+    pub fn max_keys_per_run(mut self, n: u64) -> Self {
+        self.config.max_keys_per_run = n.max(1);
+        self
+    }
+
+    /// Sets the longest wait for one provider call or lookup.
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.config.call_timeout = timeout;
+        self
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &SweeperConfig {
+        &self.config
+    }
+
+    /// The providers.
+    pub fn providers(&self) -> &Providers {
+        &self.providers
+    }
+
+    /// Takes and settles stale keys until none is due (or the per-run limit is reached).
+    pub async fn run_once(&self) -> Result<SweepReport, SweepError> {
+        self.run_once_with(|_| {}).await
+    }
+
+    /// Like [`run_once`](Self::run_once), calling `progress` with the report so far after each
+    /// batch (for a progress line).
+    pub async fn run_once_with(
+        &self,
+        progress: impl FnMut(&SweepReport),
+    ) -> Result<SweepReport, SweepError> {
+        let (_tx, rx) = watch::channel(false);
+        self.sweep(&rx, progress).await
+    }
+
+    /// Sweeps every `interval` until `shutdown` completes. A sweep in progress when it does
+    /// finishes the key at hand, gives the rest of its batch back (so another sweeper can take
+    /// them at once) and stops. A failed sweep is logged and the loop goes on.
+    pub async fn run(&self, interval: Duration, shutdown: impl Future<Output = ()>) -> RunSummary {
+        self.run_with(interval, shutdown, |_| {}).await
+    }
+
+    /// Like [`run`](Self::run), calling `on_sweep` with each sweep's result.
+    pub async fn run_with(
+        &self,
+        interval: Duration,
+        shutdown: impl Future<Output = ()>,
+        mut on_sweep: impl FnMut(&Result<SweepReport, SweepError>),
+    ) -> RunSummary {
+        let (tx, rx) = watch::channel(false);
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut stopping = false;
+        let mut summary = RunSummary::default();
+        loop {
+            let result = {
+                let sweep = self.sweep(&rx, |_| {});
+                let mut sweep = std::pin::pin!(sweep);
+                tokio::select! {
+                    r = &mut sweep => r,
+                    () = &mut shutdown, if !stopping => {
+                        stopping = true;
+                        let _ = tx.send(true);
+                        sweep.await
+                    }
+                }
+            };
+            match &result {
+                Ok(report) => {
+                    summary.runs += 1;
+                    if report.taken > 0 || !report.is_clean() {
+                        tracing::info!(summary = %report.summary(), "sweep finished");
+                    }
+                    summary.last = Some(report.clone());
+                }
+                Err(e) => {
+                    summary.errors += 1;
+                    tracing::error!(error = %e, "sweep failed");
+                }
+            }
+            on_sweep(&result);
+            if stopping {
+                break;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                () = &mut shutdown => break,
+            }
+        }
+        summary
+    }
+
+    async fn sweep(
+        &self,
+        stop: &watch::Receiver<bool>,
+        mut progress: impl FnMut(&SweepReport),
+    ) -> Result<SweepReport, SweepError> {
+        let started = Instant::now();
+        let mut report = SweepReport::default();
+        let fail = |source: StoreError, mut report: SweepReport| {
+            report.elapsed_ms = ms(started.elapsed());
+            SweepError::Store {
+                source,
+                report: Box::new(report),
+            }
+        };
+        let cfg = &self.config;
+        loop {
+            if *stop.borrow() {
+                report.shut_down = true;
+                break;
+            }
+            let left = cfg.max_keys_per_run.saturating_sub(report.taken);
+            if left == 0 {
+                report.hit_key_limit = true;
+                break;
+            }
+            let limit = u32::try_from(left.min(u64::from(cfg.batch_size))).unwrap_or(1);
+            let take = TakeStale {
+                owner: cfg.owner.clone(),
+                lease: cfg.lease,
+                limit,
+            };
+            let batch = match self.store.take_stale(&take).await {
+                Ok(b) => b,
+                Err(e) => return Err(fail(e, report)),
+            };
+            if batch.is_empty() {
+                break;
+            }
+            let taken_at = Instant::now();
+            let db_now = match self.store.now().await {
+                Ok(n) => n,
+                Err(e) => return Err(fail(e, report)),
+            };
+            report.batches += 1;
+            report.taken += batch.len() as u64;
+            let full = batch.len() as u32 == limit;
+            let mut keys = batch.into_iter();
+            while let Some(record) = keys.next() {
+                if *stop.borrow() {
+                    report.shut_down = true;
+                    for record in std::iter::once(record).chain(keys.by_ref()) {
+                        match self.give_back(record).await {
+                            Ok(r) => Self::count(&mut report, r),
+                            Err(e) => return Err(fail(e, report)),
+                        }
+                    }
+                    break;
+                }
+                let now =
+                    db_now + chrono::Duration::from_std(taken_at.elapsed()).unwrap_or_default();
+                let span = info_span!(
+                    "idemflow.sweep_key",
+                    scope = %record.scope,
+                    key = %record.key,
+                    provider = record.provider.as_deref().unwrap_or("-"),
+                    attempt = record.attempts,
+                    decision = tracing::field::Empty,
+                );
+                let result = self
+                    .handle(record, now, taken_at, &mut report)
+                    .instrument(span)
+                    .await;
+                match result {
+                    Ok(r) => Self::count(&mut report, r),
+                    Err(e) => return Err(fail(e, report)),
+                }
+            }
+            progress(&report);
+            // A short batch means nothing else was due when it was taken: the run is over.
+            if report.shut_down || !full {
+                break;
+            }
+        }
+        report.elapsed_ms = ms(started.elapsed());
+        Ok(report)
+    }
+
+    fn count(report: &mut SweepReport, r: KeyResult) {
+        match r {
+            KeyResult::Finished(to) => report.count_finish(to),
+            KeyResult::Unresolved(u) => report.push_unresolved(u),
+            KeyResult::Lost(l) => {
+                report.lease_lost += 1;
+                report.lost.push(l);
+            }
+        }
+    }
+
+    /// Settles one taken key.
+    async fn handle(
+        &self,
+        record: KeyRecord,
+        now: DateTime<Utc>,
+        taken_at: Instant,
+        report: &mut SweepReport,
+    ) -> Result<KeyResult, StoreError> {
+        let id = KeyId::new(record.scope.clone(), record.key.clone());
+        // A long batch: keep the lease so no other sweeper takes the key while we ask.
+        if taken_at.elapsed() > self.config.lease / 2 {
+            match self
+                .store
+                .extend(&id, record.lease_token, self.config.lease)
+                .await
+            {
+                Ok(_) => {}
+                Err(e) => return lost_or(e, &record),
+            }
+        }
+        let provider = record
+            .provider
+            .as_deref()
+            .and_then(|name| self.providers.get(name))
+            .cloned();
+        let spec = provider.as_ref().map(|p| p.key_spec());
+        let name = record.provider.clone().unwrap_or_default();
+        let plan = decide::plan(
+            &record,
+            spec.as_ref().map(|s| (name.as_str(), s)),
+            now,
+            self.config.redrive_margin,
+        );
+        let decision = match (plan, provider) {
+            (Plan::NeedsOperator { reason }, _) => {
+                tracing::Span::current().record("decision", "needs_operator");
+                Decision::NeedsOperator { reason }
+            }
+            (Plan::Redrive { request }, Some(p)) => {
+                report.redrives += 1;
+                tracing::Span::current().record("decision", "redrive");
+                let call = p.call(&record.provider_key, &request);
+                let outcome = tokio::time::timeout(self.config.call_timeout, call)
+                    .await
+                    .unwrap_or_else(|_| CallOutcome::Unknown {
+                        reason: format!(
+                            "no answer within {:?} (sweeper call timeout)",
+                            self.config.call_timeout
+                        ),
+                    });
+                decide::after_call(&name, outcome)
+            }
+            (Plan::Lookup { request, why }, Some(p)) => {
+                report.lookups += 1;
+                tracing::Span::current().record("decision", "lookup");
+                let lookup = p.lookup(&record.provider_key, &request, record.created_at);
+                let found = tokio::time::timeout(self.config.call_timeout, lookup)
+                    .await
+                    .unwrap_or(Lookup::Unknown { retry_after: None });
+                decide::after_lookup(&name, &why, found)
+            }
+            // plan() only re-drives or looks up with a registered provider.
+            (_, None) => Decision::NeedsOperator {
+                reason: format!("provider {name:?} is not registered with this sweeper"),
+            },
+        };
+        self.apply(&id, &record, decision).await
+    }
+
+    async fn apply(
+        &self,
+        id: &KeyId,
+        record: &KeyRecord,
+        decision: Decision,
+    ) -> Result<KeyResult, StoreError> {
+        let cfg = &self.config;
+        let (kind, reason, recheck) = match decision {
+            Decision::Finish {
+                to,
+                response,
+                error,
+                reason,
+            } => {
+                let finish = Finish {
+                    to,
+                    response,
+                    error,
+                    actor: Actor::Sweeper,
+                    reason,
+                };
+                tracing::info!(to = %to, reason = %finish.reason, "sweeper settled key");
+                return match self
+                    .store
+                    .finish(id, Some(record.lease_token), &finish)
+                    .await
+                {
+                    Ok(_) => Ok(KeyResult::Finished(to)),
+                    Err(e) => lost_or(e, record),
+                };
+            }
+            Decision::Defer {
+                reason,
+                retry_after,
+            } => {
+                let after = decide::backoff(
+                    record.attempts,
+                    cfg.backoff_base,
+                    cfg.backoff_cap,
+                    retry_after,
+                );
+                (Unresolved::Deferred, reason, after)
+            }
+            Decision::NeedsOperator { reason } => {
+                (Unresolved::NeedsOperator, reason, cfg.operator_recheck)
+            }
+        };
+        tracing::warn!(kind = ?kind, reason = %reason, recheck_after = ?recheck, "key left unresolved");
+        let release = Release {
+            actor: Actor::Sweeper,
+            reason: format!("{reason}; next check in {}s", recheck.as_secs()),
+            error: Some(reason.clone()),
+            recheck_after: Some(recheck),
+        };
+        match self.store.release(id, record.lease_token, &release).await {
+            Ok(()) => Ok(KeyResult::Unresolved(unresolved(
+                record,
+                kind,
+                reason,
+                Some(recheck),
+            ))),
+            Err(e) => lost_or(e, record),
+        }
+    }
+
+    /// Gives a taken key back untouched (shutdown).
+    async fn give_back(&self, record: KeyRecord) -> Result<KeyResult, StoreError> {
+        let id = KeyId::new(record.scope.clone(), record.key.clone());
+        let reason = "sweeper shutting down; key given back for another sweep".to_owned();
+        let release = Release {
+            actor: Actor::Sweeper,
+            reason: reason.clone(),
+            error: None,
+            recheck_after: None,
+        };
+        match self.store.release(&id, record.lease_token, &release).await {
+            Ok(()) => Ok(KeyResult::Unresolved(unresolved(
+                &record,
+                Unresolved::Released,
+                reason,
+                None,
+            ))),
+            Err(e) => lost_or(e, &record),
+        }
+    }
+}
+
+fn unresolved(
+    record: &KeyRecord,
+    kind: Unresolved,
+    reason: String,
+    recheck: Option<Duration>,
+) -> UnresolvedKey {
+    UnresolvedKey {
+        scope: record.scope.to_string(),
+        key: record.key.to_string(),
+        operation: record.operation.clone(),
+        provider: record.provider.clone(),
+        attempts: record.attempts,
+        kind,
+        reason,
+        recheck_after_ms: recheck.map(ms),
+    }
+}
+
+/// `LeaseLost` (someone else decided) and `NotFound` are reported; anything else is an error.
+fn lost_or(e: StoreError, record: &KeyRecord) -> Result<KeyResult, StoreError> {
+    match e {
+        StoreError::LeaseLost { .. } | StoreError::NotFound { .. } => {
+            tracing::info!(error = %e, "another party decided the key first");
+            Ok(KeyResult::Lost(LostKey {
+                scope: record.scope.to_string(),
+                key: record.key.to_string(),
+                detail: e.to_string(),
+            }))
+        }
+        e => Err(e),
+    }
+}

@@ -1,0 +1,478 @@
+//! Runs the built `idemflow` binary against a temporary SQLite file: every subcommand, `--json`
+//! output, exit codes (0 ok, 1 error, 2 usage, 3 unresolved) and configuration errors.
+
+#![cfg(feature = "cli")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemflow::store::sqlite::SqliteStore;
+use idemflow::{Error, Idempotency, Outcome, Request, Response, Store};
+use serde_json::Value;
+
+struct Db {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl Db {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("idemflow.db");
+        Self { _dir: dir, path }
+    }
+
+    fn url(&self) -> String {
+        format!("sqlite://{}", self.path.display())
+    }
+
+    fn dir(&self) -> &Path {
+        self._dir.path()
+    }
+
+    /// Runs the binary with this database.
+    fn run(&self, args: &[&str]) -> Output {
+        run_with_env(args, &[("DATABASE_URL", &self.url())])
+    }
+
+    async fn store(&self) -> Arc<dyn Store> {
+        Arc::new(SqliteStore::connect(&self.url()).await.unwrap())
+    }
+}
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_idemflow"));
+    c.env_remove("DATABASE_URL")
+        .env_remove("IDEMFLOW_CONFIG")
+        .env_remove("IDEMFLOW_LOG")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null());
+    c
+}
+
+fn run_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = bin();
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+fn code(o: &Output) -> i32 {
+    o.status.code().expect("exit code")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn json(o: &Output) -> Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {}", stdout(o)))
+}
+
+#[track_caller]
+fn expect(o: &Output, want: i32) {
+    assert_eq!(
+        code(o),
+        want,
+        "stdout: {}\nstderr: {}",
+        stdout(o),
+        stderr(o)
+    );
+}
+
+async fn migrated() -> Db {
+    let db = Db::new();
+    let o = db.run(&["migrate"]);
+    expect(&o, 0);
+    db
+}
+
+/// A key left processing (released, so stale at once) naming `provider`.
+async fn stuck_key(store: &Arc<dyn Store>, scope: &str, key: &str, provider: Option<&str>) {
+    let mut req = Request::new(
+        scope,
+        key,
+        "payments.create",
+        &serde_json::json!({"amount": 5}),
+    )
+    .unwrap();
+    if let Some(p) = provider {
+        req = req.with_provider(p);
+    }
+    let err = Idempotency::new(store.clone())
+        .execute(req, |_ctx| async {
+            Outcome::unknown("timed out after sending")
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }));
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_stats_json_parses() {
+    let db = migrated().await;
+    expect(&db.run(&["migrate"]), 0);
+    let o = db.run(&["--json", "migrate"]);
+    expect(&o, 0);
+    assert_eq!(json(&o)["migrated"], true);
+
+    let o = db.run(&["stats"]);
+    expect(&o, 0);
+    assert!(stdout(&o).contains("processing"), "{}", stdout(&o));
+    let o = db.run(&["stats", "--json"]);
+    expect(&o, 0);
+    let j = json(&o);
+    assert_eq!(j["processing"], 0);
+    assert_eq!(j["stuck_past_alert_age"], 0);
+}
+
+#[tokio::test]
+async fn reconcile_exits_3_for_an_unregistered_provider_then_0_once_resolved() {
+    let db = migrated().await;
+    expect(&db.run(&["reconcile", "--once"]), 0);
+
+    let store = db.store().await;
+    stuck_key(&store, "acct_1", "order-1", Some("ghost-pay")).await;
+
+    let o = db.run(&["reconcile", "--once"]);
+    expect(&o, 3);
+    assert!(stderr(&o).contains("acct_1/order-1"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("ghost-pay"), "{}", stderr(&o));
+
+    // Still unresolved on the next run (the key waits for its operator recheck).
+    let o = db.run(&["--json", "reconcile"]);
+    expect(&o, 3);
+    let j = json(&o);
+    assert_eq!(j["report"]["taken"], 0);
+    assert_eq!(j["still_waiting"], 1);
+
+    // stats shows it stale and, with a tiny alert age, stuck.
+    let o = db.run(&["stats", "--json", "--alert-age", "1ms"]);
+    expect(&o, 3);
+    let j = json(&o);
+    assert_eq!(j["processing"], 1);
+    assert_eq!(j["stale"], 1);
+    assert_eq!(j["stuck_past_alert_age"], 1);
+    assert_eq!(j["stuck"][0]["key"], "order-1");
+    expect(&db.run(&["stats", "--alert-age", "1h"]), 0);
+
+    // An operator decides it; the decision is in history; the client's retry replays it.
+    let o = db.run(&[
+        "resolve",
+        "acct_1",
+        "order-1",
+        "--done",
+        "--status",
+        "201",
+        "--body",
+        r#"{"charge":"ch_9"}"#,
+        "--reason",
+        "found ch_9 in the ghost-pay dashboard",
+    ]);
+    expect(&o, 0);
+    assert!(stdout(&o).contains("processing -> done"), "{}", stdout(&o));
+
+    let o = db.run(&["--json", "inspect", "acct_1", "order-1"]);
+    expect(&o, 0);
+    let j = json(&o);
+    assert_eq!(j["key"]["state"], "done");
+    assert_eq!(j["key"]["response"]["body"], r#"{"charge":"ch_9"}"#);
+    let history = j["history"].as_array().unwrap();
+    let last = history.last().unwrap();
+    assert_eq!(last["actor"], "operator");
+    assert!(last["reason"].as_str().unwrap().contains("ch_9"));
+    assert!(history.iter().any(|e| e["actor"] == "sweeper"));
+
+    let o = db.run(&["inspect", "acct_1", "order-1"]);
+    expect(&o, 0);
+    assert!(stdout(&o).contains("history:"));
+    assert!(stdout(&o).contains("operator"));
+
+    let retry = Idempotency::new(store.clone())
+        .execute(
+            Request::new(
+                "acct_1",
+                "order-1",
+                "payments.create",
+                &serde_json::json!({"amount": 5}),
+            )
+            .unwrap()
+            .with_provider("ghost-pay"),
+            |_ctx| async { panic!("must not run again") },
+        )
+        .await
+        .unwrap();
+    assert!(retry.is_replay());
+    assert_eq!(retry.response().body(), br#"{"charge":"ch_9"}"#);
+
+    expect(&db.run(&["reconcile"]), 0);
+
+    // Overriding a finished key needs --force.
+    let again = [
+        "resolve", "acct_1", "order-1", "--failed", "--reason", "oops",
+    ];
+    let o = db.run(&again);
+    expect(&o, 1);
+    assert!(stderr(&o).contains("--force"), "{}", stderr(&o));
+    let mut forced = again.to_vec();
+    forced.push("--force");
+    expect(&db.run(&forced), 0);
+}
+
+#[tokio::test]
+async fn keys_without_a_provider_need_an_operator_and_can_be_made_retryable() {
+    let db = migrated().await;
+    let store = db.store().await;
+    stuck_key(&store, "acct_2", "k", None).await;
+    let o = db.run(&["--json", "reconcile", "--batch", "10"]);
+    expect(&o, 3);
+    let j = json(&o);
+    assert_eq!(j["report"]["needs_operator"], 1);
+    assert_eq!(j["report"]["unresolved"][0]["kind"], "needs_operator");
+    assert_eq!(j["clean"], false);
+
+    let o = db.run(&[
+        "--json",
+        "resolve",
+        "acct_2",
+        "k",
+        "--failed",
+        "--retryable",
+        "--reason",
+        "provider confirms nothing happened",
+    ]);
+    expect(&o, 0);
+    assert_eq!(
+        json(&o)["key"]["state"],
+        serde_json::json!({"failed": {"retryable": true}})
+    );
+    expect(&db.run(&["reconcile"]), 0);
+}
+
+#[tokio::test]
+async fn purge_dry_run_counts_and_purge_deletes() {
+    let db = migrated().await;
+    let store = db.store().await;
+    let idem = Idempotency::new(store.clone()).retention(Duration::from_millis(10));
+    idem.execute(
+        Request::new("acct_3", "k", "op", &serde_json::json!({})).unwrap(),
+        |_ctx| async { Outcome::Succeeded(Response::new(200)) },
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let o = db.run(&["--json", "purge", "--dry-run"]);
+    expect(&o, 0);
+    assert_eq!(json(&o)["would_purge"], 1);
+    let o = db.run(&["purge", "--batch", "1"]);
+    expect(&o, 0);
+    assert!(stdout(&o).contains("1 finished keys"), "{}", stdout(&o));
+    let o = db.run(&["--json", "purge"]);
+    expect(&o, 0);
+    assert_eq!(json(&o)["purged"], 0);
+
+    // The row is gone, its history stays.
+    let o = db.run(&["--json", "inspect", "acct_3", "k"]);
+    expect(&o, 0);
+    let j = json(&o);
+    assert!(j["key"].is_null());
+    assert_eq!(
+        j["history"].as_array().unwrap().last().unwrap()["actor"],
+        "purge"
+    );
+    expect(&db.run(&["inspect", "acct_3", "nope"]), 1);
+}
+
+#[tokio::test]
+async fn usage_errors_exit_2() {
+    let db = migrated().await;
+    for args in [
+        &["resolve", "s", "k", "--reason", "x"][..],
+        &["resolve", "s", "k", "--done", "--failed", "--reason", "x"],
+        &[
+            "resolve",
+            "s",
+            "k",
+            "--done",
+            "--retryable",
+            "--reason",
+            "x",
+        ],
+        &[
+            "resolve", "s", "k", "--done", "--reason", "x", "--status", "42",
+        ],
+        &["reconcile", "--once", "--every", "1m"],
+        &["reconcile", "--every", "soon"],
+        &["purge", "--batch", "0"],
+        &["frobnicate"],
+        &[],
+    ] {
+        let o = db.run(args);
+        expect(&o, 2);
+    }
+    // Bad input that clap cannot see is an error naming the rule, not a panic.
+    let o = db.run(&["inspect", "has space", "k"]);
+    expect(&o, 1);
+    assert!(stderr(&o).contains("SCOPE"), "{}", stderr(&o));
+}
+
+#[tokio::test]
+async fn bad_configuration_exits_1_naming_the_problem() {
+    let db = migrated().await;
+    let missing = db.dir().join("missing.toml");
+    let o = db.run(&["reconcile", "--config", missing.to_str().unwrap()]);
+    expect(&o, 1);
+    assert!(stderr(&o).contains("missing.toml"), "{}", stderr(&o));
+
+    let cases = [
+        (
+            "unknown-kind.toml",
+            "[[providers]]\nkind = \"carrier-pigeon\"\napi_key_env = \"X\"\n",
+            "unknown provider kind \"carrier-pigeon\"",
+        ),
+        ("bad-toml.toml", "[[providers]\n", "is not valid"),
+        (
+            "bad-field.toml",
+            "[sweeper]\nbatch = 5\n",
+            "unknown field `batch`",
+        ),
+        (
+            "bad-duration.toml",
+            "[sweeper]\nlease = \"soon\"\n",
+            "bad duration \"soon\"",
+        ),
+    ];
+    for (name, text, needle) in cases {
+        let path = db.dir().join(name);
+        std::fs::write(&path, text).unwrap();
+        // Through the flag and through IDEMFLOW_CONFIG.
+        let o = db.run(&["reconcile", "--config", path.to_str().unwrap()]);
+        expect(&o, 1);
+        assert!(stderr(&o).contains(needle), "{name}: {}", stderr(&o));
+        assert!(stderr(&o).contains(name), "{name}: {}", stderr(&o));
+        let o = run_with_env(
+            &["--json", "reconcile"],
+            &[
+                ("DATABASE_URL", &db.url()),
+                ("IDEMFLOW_CONFIG", path.to_str().unwrap()),
+            ],
+        );
+        expect(&o, 1);
+        assert!(json(&o)["error"].as_str().unwrap().contains(needle));
+    }
+
+    // A good file with sweeper settings and no providers works.
+    let good = db.dir().join("good.toml");
+    std::fs::write(
+        &good,
+        "providers = []\n[sweeper]\nbatch_size = 5\nlease = \"2m\"\nbackoff_base = \"10s\"\n",
+    )
+    .unwrap();
+    expect(
+        &db.run(&["reconcile", "--config", good.to_str().unwrap()]),
+        0,
+    );
+}
+
+#[tokio::test]
+async fn database_problems_exit_1_naming_the_problem() {
+    let o = run_with_env(&["stats"], &[]);
+    expect(&o, 1);
+    assert!(stderr(&o).contains("DATABASE_URL"), "{}", stderr(&o));
+
+    let o = run_with_env(
+        &[
+            "stats",
+            "--database-url",
+            "sqlite:///nonexistent-dir/x/y.db",
+        ],
+        &[],
+    );
+    expect(&o, 1);
+    assert!(stderr(&o).contains("does not exist"), "{}", stderr(&o));
+
+    let o = run_with_env(
+        &[
+            "migrate",
+            "--database-url",
+            "sqlite:///nonexistent-dir/x/y.db",
+        ],
+        &[],
+    );
+    expect(&o, 1);
+    assert!(
+        stderr(&o).contains("cannot open database"),
+        "{}",
+        stderr(&o)
+    );
+
+    let o = run_with_env(&["stats", "--database-url", "oracle://db"], &[]);
+    expect(&o, 1);
+    assert!(
+        stderr(&o).contains("unsupported database URL scheme"),
+        "{}",
+        stderr(&o)
+    );
+
+    // A file that is not migrated: the hint says what to do.
+    let db = Db::new();
+    std::fs::write(&db.path, b"").unwrap();
+    let o = db.run(&["stats"]);
+    expect(&o, 1);
+    assert!(stderr(&o).contains("idemflow migrate"), "{}", stderr(&o));
+
+    #[cfg(not(feature = "postgres"))]
+    {
+        let o = run_with_env(
+            &["stats", "--database-url", "postgres://u:secret@localhost/x"],
+            &[],
+        );
+        expect(&o, 1);
+        assert!(stderr(&o).contains("--features postgres"), "{}", stderr(&o));
+        assert!(!stderr(&o).contains("secret"));
+    }
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn reconcile_every_sweeps_until_sigterm() {
+    let db = migrated().await;
+    let store = db.store().await;
+    stuck_key(&store, "acct_4", "k", Some("ghost-pay")).await;
+    let child = bin()
+        .args(["--json", "reconcile", "--every", "100ms"])
+        .env("DATABASE_URL", db.url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let o = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    // The key stayed unresolved: exit 3; one JSON line per sweep.
+    expect(&o, 3);
+    let lines: Vec<Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(lines.len() >= 2, "{}", stdout(&o));
+    assert_eq!(lines[0]["report"]["needs_operator"], 1);
+    assert!(stderr(&o).contains("reconcile stopped"), "{}", stderr(&o));
+}

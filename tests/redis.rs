@@ -1,0 +1,419 @@
+//! The conformance suite on Redis (`IDEMFLOW_TEST_REDIS_URL`), each test on its own key prefix,
+//! with one bucket and with four; plus racing claims from two connection managers, fencing,
+//! concurrent sweepers, the server clock, prefix isolation, history retention and the native
+//! expiry backstop.
+
+#![cfg(feature = "redis")]
+
+#[macro_use]
+mod conformance;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use conformance::{claim_for, done, id, unique};
+use idemflow::store::redis::{RedisConfig, RedisStore};
+use idemflow::store::{ClaimOutcome, Finish, Release, TakeStale};
+use idemflow::{Actor, KeyState, LeaseToken, Response, Store, StoreError};
+
+const URL_VAR: &str = "IDEMFLOW_TEST_REDIS_URL";
+
+/// A migrated store on a fresh prefix; `None` (skip) when Redis is not configured or not
+/// reachable, a panic in either case under `CI=true`.
+async fn store_with(config: impl FnOnce(RedisConfig) -> RedisConfig) -> Option<RedisStore> {
+    let url = conformance::backend_url(URL_VAR)?;
+    let cfg = config(RedisConfig::new(url).prefix(unique("idemflow-test")));
+    match RedisStore::connect_with(cfg).await {
+        Ok(store) => {
+            store.migrate().await.unwrap();
+            Some(store)
+        }
+        Err(e) => {
+            if std::env::var("CI").as_deref() == Ok("true") {
+                panic!("Redis at {URL_VAR} is not reachable and CI=true: {e}");
+            }
+            eprintln!("skipping: Redis at {URL_VAR} is not reachable: {e}");
+            None
+        }
+    }
+}
+
+async fn one_bucket() -> Option<Arc<dyn Store>> {
+    Some(Arc::new(store_with(|c| c).await?))
+}
+
+async fn four_buckets() -> Option<Arc<dyn Store>> {
+    Some(Arc::new(store_with(|c| c.buckets(4)).await?))
+}
+
+mod single {
+    use super::*;
+    conformance_tests!(one_bucket);
+}
+
+mod bucketed {
+    use super::*;
+    conformance_tests!(four_buckets);
+}
+
+const LEASE: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_claims_from_two_connection_managers_have_one_winner() {
+    let Some(a) = store_with(|c| c).await else {
+        return;
+    };
+    // A second store on the same prefix, with its own connection manager.
+    let url = conformance::backend_url(URL_VAR).unwrap();
+    let b = RedisStore::connect_with_prefix(&url, a.prefix())
+        .await
+        .unwrap();
+    let (a, b): (Arc<dyn Store>, Arc<dyn Store>) = (Arc::new(a), Arc::new(b));
+    let id = id(&unique("race500"), "k1");
+    let mut tasks = Vec::new();
+    for i in 0..500 {
+        let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+        let c = claim_for(&id, "{}", LEASE);
+        tasks.push(tokio::spawn(async move { store.claim(&c).await }));
+    }
+    let mut winners = 0;
+    for t in tasks {
+        match t.await.unwrap().unwrap() {
+            ClaimOutcome::Claimed(l) => {
+                assert_eq!(l.token, LeaseToken(1));
+                winners += 1;
+            }
+            ClaimOutcome::Existing { record, .. } => {
+                assert_eq!(record.state, KeyState::Processing);
+                assert_eq!(record.lease_token, LeaseToken(1));
+            }
+        }
+    }
+    assert_eq!(winners, 1);
+    assert_eq!(a.history(&id).await.unwrap().len(), 1);
+    assert_eq!(b.stats().await.unwrap().processing, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_write_with_a_superseded_token_is_fenced() {
+    let Some(store) = store_with(|c| c).await else {
+        return;
+    };
+    let id = id(&unique("fencing"), "k1");
+    let first = claimed_on(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "sweeper".into(),
+            lease: LEASE,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1);
+    let second = taken[0].lease_token;
+    assert_eq!(second, LeaseToken(2));
+    let before = store.get(&id).await.unwrap().unwrap();
+    let rel = Release {
+        actor: Actor::Worker,
+        reason: "late".into(),
+        error: None,
+        recheck_after: None,
+    };
+    let lost = |r: Result<_, StoreError>| {
+        matches!(
+            r,
+            Err(StoreError::LeaseLost {
+                presented: LeaseToken(1),
+                current: LeaseToken(2),
+                state: KeyState::Processing,
+                ..
+            })
+        )
+    };
+    assert!(lost(
+        store
+            .finish(&id, Some(first.token), &done(Response::new(201)))
+            .await
+            .map(|_| ())
+    ));
+    assert!(lost(store.release(&id, first.token, &rel).await));
+    assert!(lost(
+        store.extend(&id, first.token, LEASE).await.map(|_| ())
+    ));
+    assert_eq!(store.get(&id).await.unwrap().unwrap(), before);
+    // An operator override moves the token on again: the sweeper is fenced out too.
+    let r = store
+        .finish(
+            &id,
+            None,
+            &Finish {
+                to: KeyState::Done,
+                response: Some(Response::new(200)),
+                error: None,
+                actor: Actor::Operator,
+                reason: "provider shows the charge".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.lease_token, LeaseToken(3));
+    assert!(matches!(
+        store
+            .finish(&id, Some(second), &done(Response::new(201)))
+            .await,
+        Err(StoreError::LeaseLost {
+            state: KeyState::Done,
+            ..
+        })
+    ));
+    let h = store.history(&id).await.unwrap();
+    let tokens: Vec<Option<LeaseToken>> = h.iter().map(|e| e.lease_token).collect();
+    assert_eq!(
+        tokens,
+        [
+            Some(LeaseToken(1)),
+            Some(LeaseToken(2)),
+            Some(LeaseToken(3))
+        ]
+    );
+}
+
+async fn claimed_on(store: &RedisStore, c: &idemflow::store::NewClaim) -> idemflow::store::Lease {
+    match store.claim(c).await.unwrap() {
+        ClaimOutcome::Claimed(l) => l,
+        ClaimOutcome::Existing { record, .. } => panic!("expected a claim, found {record:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sweepers_never_take_the_same_key() {
+    let Some(a) = store_with(|c| c.buckets(3)).await else {
+        return;
+    };
+    let url = conformance::backend_url(URL_VAR).unwrap();
+    let b = RedisStore::connect_with(RedisConfig::new(url).prefix(a.prefix()).buckets(3))
+        .await
+        .unwrap();
+    let scope = unique("sweepers");
+    for i in 0..60 {
+        claimed_on(
+            &a,
+            &claim_for(&id(&scope, &format!("k{i}")), "{}", Duration::ZERO),
+        )
+        .await;
+    }
+    let sweep = |s: RedisStore, name: &'static str| async move {
+        let mut got = Vec::new();
+        loop {
+            let batch = s
+                .take_stale(&TakeStale {
+                    owner: name.into(),
+                    lease: LEASE,
+                    limit: 7,
+                })
+                .await
+                .unwrap();
+            if batch.is_empty() {
+                return got;
+            }
+            got.extend(batch.into_iter().map(|r| r.key.to_string()));
+        }
+    };
+    let (x, y) = tokio::join!(
+        tokio::spawn(sweep(a.clone(), "sweeper-a")),
+        tokio::spawn(sweep(b, "sweeper-b"))
+    );
+    let (x, y) = (x.unwrap(), y.unwrap());
+    let all: HashSet<&String> = x.iter().chain(&y).collect();
+    assert_eq!(x.len() + y.len(), 60, "each key taken once");
+    assert_eq!(all.len(), 60);
+    let s = a.stats().await.unwrap();
+    assert_eq!((s.processing, s.stale), (60, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_and_creation_use_the_redis_clock() {
+    let Some(store) = store_with(|c| c).await else {
+        return;
+    };
+    let mut con = store.connection();
+    let time = |con: &mut redis::aio::ConnectionManager| {
+        let mut con = con.clone();
+        async move {
+            let (s, us): (i64, i64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
+            s * 1000 + us / 1000
+        }
+    };
+    let before = time(&mut con).await;
+    let id = id(&unique("clock"), "k1");
+    let l = claimed_on(&store, &claim_for(&id, "{}", Duration::from_secs(30))).await;
+    let after = time(&mut con).await;
+    let r = store.get(&id).await.unwrap().unwrap();
+    let created = r.created_at.timestamp_millis();
+    assert!(
+        (before..=after).contains(&created),
+        "created_at {created} not within Redis TIME [{before}, {after}]"
+    );
+    assert_eq!(l.expires_at.timestamp_millis(), created + 30_000);
+    // The raw hash holds the same instant the record reports.
+    let raw: String = redis::cmd("HGET")
+        .arg(store.record_key(&id))
+        .arg("lex")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(raw, (created + 30_000).to_string());
+    let extended = store
+        .extend(&id, l.token, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .timestamp_millis();
+    let after2 = time(&mut con).await;
+    assert!(extended >= after + 60_000 && extended <= after2 + 60_000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefixes_are_isolated() {
+    let (Some(a), Some(b)) = (store_with(|c| c).await, store_with(|c| c).await) else {
+        return;
+    };
+    let id = id("shared-scope", "same-key");
+    claimed_on(&a, &claim_for(&id, "{}", Duration::ZERO)).await;
+    assert!(b.get(&id).await.unwrap().is_none());
+    assert_eq!(b.stats().await.unwrap().processing, 0);
+    let none = b
+        .take_stale(&TakeStale {
+            owner: "b".into(),
+            lease: LEASE,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert!(none.is_empty());
+    // The same key is independent on the other prefix.
+    assert_eq!(
+        claimed_on(&b, &claim_for(&id, "{\"other\":1}", LEASE))
+            .await
+            .token,
+        LeaseToken(1)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_keeps_history_with_its_own_ttl() {
+    let Some(store) = store_with(|c| c.history_ttl(Duration::from_secs(600))).await else {
+        return;
+    };
+    let id = id(&unique("histttl"), "k1");
+    let mut c = claim_for(&id, "{}", LEASE);
+    c.retention = Duration::ZERO;
+    let l = claimed_on(&store, &c).await;
+    let mut con = store.connection();
+    let base = con.clone();
+    let pttl = |key: String| {
+        let mut con = base.clone();
+        async move {
+            let t: i64 = redis::cmd("PTTL")
+                .arg(key)
+                .query_async(&mut con)
+                .await
+                .unwrap();
+            t
+        }
+    };
+    assert_eq!(
+        pttl(store.history_key(&id)).await,
+        -1,
+        "no expiry while processing"
+    );
+    store
+        .finish(&id, Some(l.token), &done(Response::new(201)))
+        .await
+        .unwrap();
+    let hash_ttl = pttl(store.record_key(&id)).await;
+    assert!(hash_ttl > 3_500_000, "backstop after the grace: {hash_ttl}");
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(store.purge_expired(10).await.unwrap(), 1);
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg(store.record_key(&id))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(exists, 0);
+    let t = pttl(store.history_key(&id)).await;
+    assert!(t > 590_000 && t <= 600_000, "history TTL {t}");
+    let h = store.history(&id).await.unwrap();
+    assert_eq!(h.len(), 3);
+    assert_eq!((h[2].to, h[2].actor), (None, Actor::Purge));
+    assert_eq!(h[2].lease_token, Some(LeaseToken(1)));
+    // A new claim of the purged key starts a new life; history goes on in order.
+    let again = claimed_on(&store, &claim_for(&id, "{}", LEASE)).await;
+    assert_eq!(again.token, LeaseToken(1));
+    let h = store.history(&id).await.unwrap();
+    assert_eq!(h.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    assert_eq!(pttl(store.history_key(&id)).await, -1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_expiry_backstop_is_recorded_by_the_next_purge() {
+    let Some(store) = store_with(|c| c.expiry_grace(Some(Duration::ZERO))).await else {
+        return;
+    };
+    let id = id(&unique("backstop"), "k1");
+    let mut c = claim_for(&id, "{}", LEASE);
+    c.retention = Duration::from_millis(1);
+    let l = claimed_on(&store, &c).await;
+    store
+        .finish(&id, Some(l.token), &done(Response::new(201)))
+        .await
+        .unwrap();
+    // Redis deletes the hash itself (lazily on access, or by its active expiry cycle).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(store.get(&id).await.unwrap().is_none());
+    assert_eq!(store.stats().await.unwrap().done, 1, "still indexed");
+    assert_eq!(store.purge_expired(10).await.unwrap(), 1);
+    assert_eq!(store.stats().await.unwrap().done, 0);
+    let h = store.history(&id).await.unwrap();
+    let last = h.last().unwrap();
+    assert_eq!(
+        (last.from, last.to, last.actor, last.reason.as_deref()),
+        (
+            Some(KeyState::Done),
+            None,
+            Actor::Purge,
+            Some("expired by Redis before purge")
+        )
+    );
+}
+
+#[tokio::test]
+async fn bad_prefix_and_unreachable_server_are_errors_not_panics() {
+    let e = RedisStore::connect_with_prefix("redis://127.0.0.1:6379/", "a{b}")
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::Config(_)), "{e}");
+    let e = RedisStore::connect_with_prefix("not a url", "p")
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::Config(_)), "{e}");
+    let e = RedisStore::connect("redis://127.0.0.1:1/")
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::Database { .. }), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_data_format_on_the_prefix_is_refused() {
+    let Some(store) = store_with(|c| c).await else {
+        return;
+    };
+    let mut con = store.connection();
+    let _: () = redis::cmd("SET")
+        .arg(format!("{}:format", store.prefix()))
+        .arg("999")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(matches!(store.migrate().await, Err(StoreError::Config(_))));
+}

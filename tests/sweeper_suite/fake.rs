@@ -1,0 +1,234 @@
+//! An in-test fake [`Provider`]: a ledger of effects keyed by provider key, dedup by key within a
+//! window (when configured), lost responses and a lagging search on demand.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use idemflow::provider::KeyTransport;
+use idemflow::{CallOutcome, KeySpec, Lookup, Outcome, Provider, Response, async_trait};
+
+/// One thing the provider did (a charge, or a declined attempt).
+#[derive(Debug, Clone)]
+pub struct Effect {
+    pub provider_key: String,
+    pub charge: String,
+    pub at: Instant,
+    pub response: Response,
+    pub declined: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct Ledger {
+    pub effects: Vec<Effect>,
+    pub calls: HashMap<String, u64>,
+    pub lookups: HashMap<String, u64>,
+    lose_responses: u32,
+    lookup_lag: Duration,
+    lookup_unknown: Option<Duration>,
+    hang: bool,
+}
+
+#[derive(Debug)]
+pub struct FakeProvider {
+    name: String,
+    spec: KeySpec,
+    ledger: Mutex<Ledger>,
+}
+
+impl FakeProvider {
+    /// A card processor that dedupes by key for `window` and replays the first answer.
+    pub fn keyed(name: &str, window: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            name: name.into(),
+            spec: KeySpec {
+                transport: KeyTransport::Header("Idempotency-Key".into()),
+                max_len: 255,
+                retention: Some(window),
+                replays_same_key: true,
+            },
+            ledger: Mutex::default(),
+        })
+    }
+
+    /// A provider without keys: every call acts, only metadata search can tell.
+    pub fn no_keys(name: &str) -> Arc<Self> {
+        Arc::new(Self {
+            name: name.into(),
+            spec: KeySpec::no_keys(),
+            ledger: Mutex::default(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap()
+    }
+
+    /// The next `n` answers are lost after the provider acted (the caller sees `Unknown`).
+    pub fn lose_next(&self, n: u32) {
+        self.lock().lose_responses = n;
+    }
+
+    /// Search results appear only `lag` after the effect; an empty result is authoritative only
+    /// `lag` after the first send.
+    pub fn lookup_lag(&self, lag: Duration) {
+        self.lock().lookup_lag = lag;
+    }
+
+    /// Lookups answer `Unknown { retry_after }`.
+    pub fn lookup_unknown(&self, retry_after: Option<Duration>) {
+        self.lock().lookup_unknown = retry_after;
+    }
+
+    /// Calls and lookups never answer (a provider that hangs).
+    pub fn hang(&self, hang: bool) {
+        self.lock().hang = hang;
+    }
+
+    fn hangs(&self) -> bool {
+        self.lock().hang
+    }
+
+    pub fn effects(&self) -> Vec<Effect> {
+        self.lock().effects.clone()
+    }
+
+    pub fn effects_for(&self, pk: &str) -> Vec<Effect> {
+        self.lock()
+            .effects
+            .iter()
+            .filter(|e| e.provider_key == pk)
+            .cloned()
+            .collect()
+    }
+
+    pub fn calls(&self) -> u64 {
+        self.lock().calls.values().sum()
+    }
+
+    pub fn lookups(&self) -> u64 {
+        self.lock().lookups.values().sum()
+    }
+
+    pub fn calls_by_key(&self) -> HashMap<String, u64> {
+        self.lock().calls.clone()
+    }
+
+    pub fn lookups_by_key(&self) -> HashMap<String, u64> {
+        self.lock().lookups.clone()
+    }
+
+    fn answer(e: &Effect, replayed: bool) -> CallOutcome {
+        if e.declined {
+            CallOutcome::Rejected {
+                response: e.response.clone(),
+            }
+        } else {
+            CallOutcome::Succeeded {
+                response: e.response.clone(),
+                replayed,
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Provider for FakeProvider {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn key_spec(&self) -> KeySpec {
+        self.spec.clone()
+    }
+
+    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallOutcome {
+        if self.hangs() {
+            std::future::pending::<()>().await;
+        }
+        let mut l = self.lock();
+        *l.calls.entry(provider_key.to_owned()).or_default() += 1;
+        let answer = match (self.spec.replays_same_key, self.spec.retention) {
+            (true, Some(window)) => l
+                .effects
+                .iter()
+                .find(|e| e.provider_key == provider_key && e.at.elapsed() < window)
+                .map(|e| Self::answer(e, true)),
+            _ => None,
+        };
+        let answer = match answer {
+            Some(a) => a,
+            None => {
+                let n = l.effects.len() + 1;
+                let amount = request.get("amount").and_then(|a| a.as_u64()).unwrap_or(0);
+                let declined = amount == 0;
+                let charge = format!("ch_{n}");
+                let response = if declined {
+                    Response::json(
+                        402,
+                        &serde_json::json!({"error": "card_declined", "charge": charge}),
+                    )
+                } else {
+                    Response::json(
+                        201,
+                        &serde_json::json!({"charge": charge, "amount": amount}),
+                    )
+                }
+                .unwrap();
+                let e = Effect {
+                    provider_key: provider_key.to_owned(),
+                    charge,
+                    at: Instant::now(),
+                    response,
+                    declined,
+                };
+                let a = Self::answer(&e, false);
+                l.effects.push(e);
+                a
+            }
+        };
+        if l.lose_responses > 0 {
+            l.lose_responses -= 1;
+            return CallOutcome::Unknown {
+                reason: "timed out after sending (response lost)".into(),
+            };
+        }
+        answer
+    }
+
+    async fn lookup(
+        &self,
+        provider_key: &str,
+        _request: &serde_json::Value,
+        first_sent_at: DateTime<Utc>,
+    ) -> Lookup {
+        if self.hangs() {
+            std::future::pending::<()>().await;
+        }
+        let mut l = self.lock();
+        *l.lookups.entry(provider_key.to_owned()).or_default() += 1;
+        if let Some(retry_after) = l.lookup_unknown {
+            return Lookup::Unknown {
+                retry_after: Some(retry_after),
+            };
+        }
+        let lag = l.lookup_lag;
+        match l.effects.iter().find(|e| e.provider_key == provider_key) {
+            Some(e) if e.at.elapsed() >= lag => Lookup::Found(if e.declined {
+                Outcome::Rejected(e.response.clone())
+            } else {
+                Outcome::Succeeded(e.response.clone())
+            }),
+            Some(_) => Lookup::NotFound {
+                authoritative: false,
+            },
+            None => {
+                let age = (Utc::now() - first_sent_at).to_std().unwrap_or_default();
+                Lookup::NotFound {
+                    authoritative: age >= lag,
+                }
+            }
+        }
+    }
+}

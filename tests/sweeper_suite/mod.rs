@@ -1,0 +1,806 @@
+//! The sweeper suite: every recovery promise, written once against `Arc<dyn Store>` and run on
+//! every backend through [`sweeper_tests!`].
+//!
+//! A backend test file declares `mod conformance;` (for `unique`) and `mod sweeper_suite;`, and
+//! provides an async factory `fn() -> Option<Arc<dyn Store>>` returning a migrated, **isolated**
+//! store (`take_stale` is table-wide), exactly as for the conformance suite:
+//!
+//! ```ignore
+//! mod postgres_sweeper { use super::*; sweeper_tests!(pg_store); }
+//! ```
+
+#![allow(dead_code)]
+
+pub mod fake;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use idemflow::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, TakeStale};
+use idemflow::sweeper::Unresolved;
+use idemflow::{
+    Actor, Error, Fingerprint, Idempotency, IdempotencyKey, KeyEvent, KeyId, KeyRecord, KeyState,
+    LeaseToken, Outcome, Providers, Request, Scope, Store, StoreError, Sweeper, async_trait,
+};
+
+pub use fake::FakeProvider;
+
+use crate::conformance::unique;
+
+/// Generates one `#[tokio::test]` per sweeper test, each calling `$factory` for its store.
+#[macro_export]
+macro_rules! sweeper_tests {
+    ($factory:path) => {
+        $crate::sweeper_tests!(@each $factory;
+            crash_after_claim_before_call_is_redriven_once,
+            crash_after_claim_before_call_without_keys_turns_retryable,
+            lost_response_is_redriven_to_the_same_charge,
+            lost_response_without_keys_is_found_by_lookup,
+            died_before_storing_is_redriven_to_the_same_charge,
+            failed_completion_is_settled_by_the_sweeper,
+            zombie_worker_gets_lease_lost_and_changes_nothing,
+            never_redrives_past_the_retention_window,
+            declined_charge_settles_as_permanent_failure,
+            lagging_search_defers_then_settles,
+            unknown_lookup_backs_off_honouring_retry_after,
+            unregistered_or_missing_provider_needs_an_operator,
+            missing_request_is_only_looked_up,
+            run_loop_sweeps_until_shutdown,
+            hanging_provider_is_deferred_after_the_call_timeout,
+            stuck_keys_and_expired_counts_for_operators,
+            two_sweepers_handle_each_of_1000_keys_once
+        );
+    };
+    (@each $factory:path; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let Some(store) = $factory().await else { return };
+                sweeper_suite::$name(store).await;
+            }
+        )*
+    };
+}
+
+/// The lease workers take in these tests: short, so keys go stale quickly.
+pub const LEASE: Duration = Duration::from_millis(150);
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+pub fn worker(store: &Arc<dyn Store>) -> Idempotency {
+    Idempotency::new(store.clone())
+        .lease(LEASE)
+        .owner("test-worker")
+}
+
+pub fn sweeper(store: &Arc<dyn Store>, provider: &Arc<FakeProvider>) -> Sweeper {
+    let reg = Providers::new().with(provider.clone());
+    Sweeper::new(store.clone(), reg)
+        .owner("test-sweeper")
+        .backoff(Duration::from_secs(30), Duration::from_secs(3600))
+}
+
+pub fn pay(scope: &str, key: &str, amount: u64) -> Request {
+    Request::new(
+        scope,
+        key,
+        "payments.create",
+        &serde_json::json!({"amount": amount, "currency": "usd"}),
+    )
+    .unwrap()
+}
+
+/// The request as `Idempotency::call` would send it (provider recorded, provider key derived).
+pub fn as_call(req: Request, p: &FakeProvider) -> Request {
+    use idemflow::Provider;
+    let pk = p
+        .key_spec()
+        .derive(&req.id().scope, &req.id().key, req.operation());
+    req.with_provider(p.name()).with_provider_key(pk)
+}
+
+pub fn provider_key(req: &Request, p: &FakeProvider) -> String {
+    use idemflow::Provider;
+    p.key_spec()
+        .derive(&req.id().scope, &req.id().key, req.operation())
+}
+
+pub async fn wait_stale() {
+    tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
+}
+
+pub async fn row(store: &Arc<dyn Store>, id: &KeyId) -> KeyRecord {
+    store.get(id).await.unwrap().expect("key row")
+}
+
+fn charge_of(r: &KeyRecord) -> String {
+    let body: serde_json::Value = r.response.as_ref().expect("response").body_json().unwrap();
+    body["charge"].as_str().unwrap().to_owned()
+}
+
+fn last_event(h: &[KeyEvent]) -> &KeyEvent {
+    h.last().expect("history")
+}
+
+/// Crash point (a), with a provider that dedupes by key: claimed, then the worker died before
+/// calling. The sweeper re-drives: one charge, key done; the retry replays it.
+pub async fn crash_after_claim_before_call_is_redriven_once(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    let scope = unique("crash-a");
+    let idem = worker(&store);
+    let req = as_call(pay(&scope, "k1", 500), &cards);
+    let crashed = tokio::time::timeout(
+        Duration::from_millis(30),
+        idem.execute(req.clone(), |_ctx| std::future::pending::<Outcome>()),
+    )
+    .await;
+    assert!(crashed.is_err(), "the worker must be cut off mid-flight");
+    assert!(cards.effects().is_empty());
+    wait_stale().await;
+
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
+    assert_eq!((report.taken, report.done, report.redrives), (1, 1, 1));
+    assert!(report.is_clean(), "{report:?}");
+    let effects = cards.effects();
+    assert_eq!(effects.len(), 1, "exactly one charge");
+    let r = row(&store, req.id()).await;
+    assert_eq!(r.state, KeyState::Done);
+    assert_eq!(charge_of(&r), effects[0].charge);
+    let h = store.history(req.id()).await.unwrap();
+    assert_eq!(last_event(&h).actor, Actor::Sweeper);
+    assert!(
+        last_event(&h)
+            .reason
+            .as_deref()
+            .unwrap()
+            .contains("re-drove")
+    );
+
+    let retry = idem.call(pay(&scope, "k1", 500), &*cards).await.unwrap();
+    assert!(retry.is_replay());
+    assert_eq!(retry.response(), r.response.as_ref().unwrap());
+    assert_eq!(cards.effects().len(), 1);
+}
+
+/// Crash point (a), provider without keys: never re-driven; the authoritative search says it
+/// never ran, so the key turns retryable and the client's retry charges once.
+pub async fn crash_after_claim_before_call_without_keys_turns_retryable(store: Arc<dyn Store>) {
+    let mail = FakeProvider::no_keys("mail");
+    let scope = unique("crash-a-nokeys");
+    let idem = worker(&store);
+    let req = as_call(pay(&scope, "k1", 700), &mail);
+    let _ = tokio::time::timeout(
+        Duration::from_millis(30),
+        idem.execute(req.clone(), |_ctx| std::future::pending::<Outcome>()),
+    )
+    .await;
+    wait_stale().await;
+
+    let report = sweeper(&store, &mail).run_once().await.unwrap();
+    assert_eq!(
+        (report.retryable, report.redrives, report.lookups),
+        (1, 0, 1)
+    );
+    assert_eq!(
+        mail.calls(),
+        0,
+        "a provider without keys is never re-driven"
+    );
+    let r = row(&store, req.id()).await;
+    assert_eq!(r.state, KeyState::Failed { retryable: true });
+    assert!(mail.effects().is_empty(), "no charge");
+
+    let retry = idem.call(pay(&scope, "k1", 700), &*mail).await.unwrap();
+    assert!(!retry.is_replay(), "the retry runs it fresh");
+    assert_eq!(mail.effects().len(), 1);
+    assert_eq!(row(&store, req.id()).await.state, KeyState::Done);
+}
+
+/// Crash point (b): the provider charged, the response was lost (Unknown). The worker released
+/// the key; the sweeper re-drives with the same provider key and gets the first charge back.
+pub async fn lost_response_is_redriven_to_the_same_charge(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    cards.lose_next(1);
+    let scope = unique("crash-b");
+    let idem = worker(&store);
+    let err = idem
+        .call(pay(&scope, "k1", 500), &*cards)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+    assert_eq!(cards.effects().len(), 1, "the provider did charge");
+    // The retry before the sweeper is told to wait; nothing is sent.
+    let early = idem
+        .call(pay(&scope, "k1", 500), &*cards)
+        .await
+        .unwrap_err();
+    assert!(matches!(early, Error::OutcomeUnknown { .. }), "{early}");
+    assert_eq!(cards.calls(), 1);
+
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
+    assert_eq!((report.taken, report.done), (1, 1), "{report:?}");
+    let effects = cards.effects();
+    assert_eq!(effects.len(), 1, "exactly one charge");
+    let id = pay(&scope, "k1", 500).id().clone();
+    let r = row(&store, &id).await;
+    assert_eq!(r.state, KeyState::Done);
+    assert_eq!(charge_of(&r), effects[0].charge);
+
+    let retry = idem.call(pay(&scope, "k1", 500), &*cards).await.unwrap();
+    assert!(retry.is_replay());
+    assert_eq!(retry.response(), &effects[0].response);
+}
+
+/// Crash point (b) without keys: the lookup finds the charge.
+pub async fn lost_response_without_keys_is_found_by_lookup(store: Arc<dyn Store>) {
+    let mail = FakeProvider::no_keys("mail");
+    mail.lose_next(1);
+    let scope = unique("crash-b-nokeys");
+    let idem = worker(&store);
+    assert!(idem.call(pay(&scope, "k1", 300), &*mail).await.is_err());
+
+    let report = sweeper(&store, &mail).run_once().await.unwrap();
+    assert_eq!((report.done, report.lookups, report.redrives), (1, 1, 0));
+    assert_eq!(mail.calls(), 1, "only the worker's call");
+    let id = pay(&scope, "k1", 300).id().clone();
+    let r = row(&store, &id).await;
+    assert_eq!(r.state, KeyState::Done);
+    assert_eq!(charge_of(&r), mail.effects()[0].charge);
+    let retry = idem.call(pay(&scope, "k1", 300), &*mail).await.unwrap();
+    assert!(retry.is_replay());
+    assert_eq!(mail.effects().len(), 1);
+}
+
+/// Crash point (c): the provider answered, the process died before storing the answer.
+pub async fn died_before_storing_is_redriven_to_the_same_charge(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    let scope = unique("crash-c");
+    let idem = worker(&store);
+    let req = as_call(pay(&scope, "k1", 900), &cards);
+    let p = cards.clone();
+    let cut = tokio::time::timeout(
+        Duration::from_millis(50),
+        idem.execute(req.clone(), |ctx| async move {
+            use idemflow::Provider;
+            let body: serde_json::Value = serde_json::from_str(ctx.request()).unwrap();
+            let _answer = p.call(ctx.provider_key(), &body).await;
+            // The process dies here, answer in hand.
+            std::future::pending::<Outcome>().await
+        }),
+    )
+    .await;
+    assert!(cut.is_err());
+    assert_eq!(cards.effects().len(), 1);
+    wait_stale().await;
+
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
+    assert_eq!((report.done, report.redrives), (1, 1));
+    let effects = cards.effects();
+    assert_eq!(effects.len(), 1, "the re-drive was deduped by key");
+    let r = row(&store, req.id()).await;
+    assert_eq!(charge_of(&r), effects[0].charge);
+    let retry = idem.call(pay(&scope, "k1", 900), &*cards).await.unwrap();
+    assert!(retry.is_replay());
+    assert_eq!(retry.response(), &effects[0].response);
+}
+
+/// A store whose next `n` worker `finish` calls fail (crash point (d): during completion).
+#[derive(Debug)]
+pub struct FailingFinish {
+    inner: Arc<dyn Store>,
+    fail_worker_finishes: AtomicU32,
+}
+
+#[async_trait]
+impl Store for FailingFinish {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    async fn migrate(&self) -> Result<(), StoreError> {
+        self.inner.migrate().await
+    }
+    async fn now(&self) -> Result<DateTime<Utc>, StoreError> {
+        self.inner.now().await
+    }
+    async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
+        self.inner.claim(claim).await
+    }
+    async fn finish(
+        &self,
+        id: &KeyId,
+        token: Option<LeaseToken>,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        if finish.actor == Actor::Worker
+            && self
+                .fail_worker_finishes
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            return Err(StoreError::database(
+                "test",
+                "injected: connection lost while completing",
+            ));
+        }
+        self.inner.finish(id, token, finish).await
+    }
+    async fn release(&self, id: &KeyId, token: LeaseToken, r: &Release) -> Result<(), StoreError> {
+        self.inner.release(id, token, r).await
+    }
+    async fn extend(
+        &self,
+        id: &KeyId,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<DateTime<Utc>, StoreError> {
+        self.inner.extend(id, token, lease).await
+    }
+    async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
+        self.inner.get(id).await
+    }
+    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
+        self.inner.history(id).await
+    }
+    async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
+        self.inner.take_stale(take).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn stats(&self) -> Result<Stats, StoreError> {
+        self.inner.stats().await
+    }
+}
+
+/// Crash point (d): the provider charged and answered, but storing the answer failed.
+pub async fn failed_completion_is_settled_by_the_sweeper(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    let scope = unique("crash-d");
+    let flaky: Arc<dyn Store> = Arc::new(FailingFinish {
+        inner: store.clone(),
+        fail_worker_finishes: AtomicU32::new(1),
+    });
+    let err = worker(&flaky)
+        .call(pay(&scope, "k1", 400), &*cards)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Store(_)), "{err}");
+    assert_eq!(cards.effects().len(), 1);
+    let id = pay(&scope, "k1", 400).id().clone();
+    assert_eq!(row(&store, &id).await.state, KeyState::Processing);
+    wait_stale().await;
+
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
+    assert_eq!(report.done, 1, "{report:?}");
+    let effects = cards.effects();
+    assert_eq!(effects.len(), 1);
+    assert_eq!(charge_of(&row(&store, &id).await), effects[0].charge);
+    let retry = worker(&store)
+        .call(pay(&scope, "k1", 400), &*cards)
+        .await
+        .unwrap();
+    assert!(retry.is_replay());
+    assert_eq!(retry.response(), &effects[0].response);
+}
+
+/// A worker whose lease was taken over and that completes afterwards gets `LeaseLost`; its late
+/// result is not written and the sweeper's outcome stands.
+pub async fn zombie_worker_gets_lease_lost_and_changes_nothing(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    let scope = unique("zombie");
+    let idem = worker(&store);
+    let req = as_call(pay(&scope, "k1", 250), &cards);
+    let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+    let (called_tx, called_rx) = tokio::sync::oneshot::channel::<()>();
+    let zombie = {
+        let idem = idem.clone();
+        let p = cards.clone();
+        let req = req.clone();
+        tokio::spawn(async move {
+            idem.execute(req, |ctx| async move {
+                use idemflow::Provider;
+                let body: serde_json::Value = serde_json::from_str(ctx.request()).unwrap();
+                let answer = p.call(ctx.provider_key(), &body).await;
+                let _ = called_tx.send(());
+                // Stalls (GC pause, partition) past its lease...
+                let _ = go_rx.await;
+                // ...then reports a made-up late answer that must never be stored.
+                let _ = answer;
+                Outcome::Succeeded(idemflow::Response::new(299).with_body(&b"zombie"[..]))
+            })
+            .await
+        })
+    };
+    called_rx.await.unwrap();
+    wait_stale().await;
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
+    assert_eq!(report.done, 1, "{report:?}");
+    let settled = row(&store, req.id()).await;
+    let history = store.history(req.id()).await.unwrap();
+
+    go_tx.send(()).unwrap();
+    let late = zombie.await.unwrap();
+    match late {
+        Err(Error::LeaseLost(StoreError::LeaseLost { .. })) => {}
+        other => panic!("the zombie must get LeaseLost, got {other:?}"),
+    }
+    assert_eq!(row(&store, req.id()).await, settled, "nothing changed");
+    assert_eq!(store.history(req.id()).await.unwrap(), history);
+    assert_eq!(last_event(&history).actor, Actor::Sweeper);
+    assert_eq!(cards.effects().len(), 1);
+    assert_eq!(charge_of(&settled), cards.effects()[0].charge);
+}
+
+/// Past the provider's retention window the sweeper never re-drives; it looks up.
+pub async fn never_redrives_past_the_retention_window(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", Duration::from_millis(300));
+    cards.lose_next(1);
+    let scope = unique("window");
+    let idem = worker(&store);
+    assert!(idem.call(pay(&scope, "k1", 500), &*cards).await.is_err());
+    assert_eq!(cards.calls(), 1);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+
+    let report = sweeper(&store, &cards)
+        .redrive_margin(Duration::ZERO)
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(cards.calls(), 1, "no re-drive past the window");
+    assert_eq!((report.redrives, report.lookups, report.done), (0, 1, 1));
+    let id = pay(&scope, "k1", 500).id().clone();
+    let r = row(&store, &id).await;
+    assert_eq!(charge_of(&r), cards.effects()[0].charge);
+    let h = store.history(&id).await.unwrap();
+    assert!(
+        last_event(&h)
+            .reason
+            .as_deref()
+            .unwrap()
+            .contains("dedup window")
+    );
+
+    // The margin counts too: a young key inside a 1 h window with a 2 h margin is looked up.
+    let wide = FakeProvider::keyed("wide", Duration::from_secs(3600));
+    wide.lose_next(1);
+    assert!(idem.call(pay(&scope, "k2", 500), &*wide).await.is_err());
+    let report = sweeper(&store, &wide)
+        .redrive_margin(Duration::from_secs(7200))
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!((report.redrives, report.lookups), (0, 1));
+    assert_eq!(wide.calls(), 1);
+}
+
+/// A re-drive that meets a permanent refusal replays it as `failed{permanent}`.
+pub async fn declined_charge_settles_as_permanent_failure(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    cards.lose_next(1);
+    let scope = unique("declined");
+    let idem = worker(&store);
+    assert!(idem.call(pay(&scope, "k1", 0), &*cards).await.is_err());
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
+    assert_eq!(report.failed_permanent, 1, "{report:?}");
+    let id = pay(&scope, "k1", 0).id().clone();
+    let r = row(&store, &id).await;
+    assert_eq!(r.state, KeyState::Failed { retryable: false });
+    assert_eq!(r.response.as_ref().unwrap().status(), 402);
+    let retry = idem.call(pay(&scope, "k1", 0), &*cards).await.unwrap();
+    assert!(retry.is_replay());
+    assert_eq!(retry.response().status(), 402);
+    assert_eq!(cards.effects().len(), 1);
+}
+
+/// A lagging search: an empty result is not trusted until the lag has passed.
+pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
+    let mail = FakeProvider::no_keys("mail");
+    mail.lookup_lag(Duration::from_millis(600));
+    let scope = unique("lag");
+    let idem = worker(&store);
+    let req = as_call(pay(&scope, "k1", 100), &mail);
+    let _ = tokio::time::timeout(
+        Duration::from_millis(30),
+        idem.execute(req.clone(), |_ctx| std::future::pending::<Outcome>()),
+    )
+    .await;
+    wait_stale().await;
+    let sw = sweeper(&store, &mail).backoff(Duration::from_millis(10), Duration::from_millis(10));
+    let first = sw.run_once().await.unwrap();
+    assert_eq!(first.deferred, 1, "{first:?}");
+    assert!(!first.is_clean());
+    assert_eq!(first.unresolved[0].kind, Unresolved::Deferred);
+    assert_eq!(first.unresolved[0].key, "k1");
+    let r = row(&store, req.id()).await;
+    assert_eq!(r.state, KeyState::Processing);
+    assert!(r.next_check_at.is_some());
+    let h = store.history(req.id()).await.unwrap();
+    assert_eq!(last_event(&h).actor, Actor::Sweeper);
+    assert!(last_event(&h).reason.as_deref().unwrap().contains("lag"));
+
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let second = sw.run_once().await.unwrap();
+    assert_eq!(second.retryable, 1, "{second:?}");
+    assert!(second.is_clean());
+    assert_eq!(
+        row(&store, req.id()).await.state,
+        KeyState::Failed { retryable: true }
+    );
+    assert_eq!(mail.calls(), 0);
+}
+
+/// `Lookup::Unknown { retry_after }` backs off at least that long (and exponentially).
+pub async fn unknown_lookup_backs_off_honouring_retry_after(store: Arc<dyn Store>) {
+    let mail = FakeProvider::no_keys("mail");
+    mail.lose_next(1);
+    mail.lookup_unknown(Some(Duration::from_secs(7200)));
+    let scope = unique("unknown");
+    let idem = worker(&store);
+    assert!(idem.call(pay(&scope, "k1", 100), &*mail).await.is_err());
+    let report = sweeper(&store, &mail).run_once().await.unwrap();
+    assert_eq!(report.deferred, 1);
+    assert_eq!(report.unresolved[0].recheck_after_ms, Some(7_200_000));
+    let id = pay(&scope, "k1", 100).id().clone();
+    let r = row(&store, &id).await;
+    let now = store.now().await.unwrap();
+    let wait = r.next_check_at.unwrap() - now;
+    assert!(wait > chrono::Duration::seconds(7000), "{wait}");
+    // Not due: the next run does not take it.
+    let again = sweeper(&store, &mail).run_once().await.unwrap();
+    assert_eq!(again.taken, 0);
+    assert_eq!(mail.lookups(), 1);
+}
+
+/// No provider recorded, or one this sweeper does not know: never guessed, left for an operator.
+pub async fn unregistered_or_missing_provider_needs_an_operator(store: Arc<dyn Store>) {
+    let scope = unique("operator");
+    let idem = worker(&store);
+    let ghost = pay(&scope, "ghost", 100).with_provider("ghost-pay");
+    let anon = pay(&scope, "anon", 100);
+    for req in [ghost.clone(), anon.clone()] {
+        let err = idem
+            .execute(req, |_ctx| async { Outcome::unknown("timed out") })
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::OutcomeUnknown { .. }));
+    }
+    let cards = FakeProvider::keyed("cards", DAY);
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
+    assert_eq!((report.taken, report.needs_operator), (2, 2), "{report:?}");
+    assert!(!report.is_clean());
+    assert_eq!(cards.calls() + cards.lookups(), 0);
+    for req in [&ghost, &anon] {
+        let r = row(&store, req.id()).await;
+        assert_eq!(r.state, KeyState::Processing);
+        assert!(r.next_check_at.is_some());
+        let h = store.history(req.id()).await.unwrap();
+        let e = last_event(&h);
+        assert_eq!(e.actor, Actor::Sweeper);
+        assert!(e.reason.as_deref().unwrap().contains("operator"), "{e:?}");
+    }
+    let u = report.unresolved.iter().find(|u| u.key == "ghost").unwrap();
+    assert_eq!(u.kind, Unresolved::NeedsOperator);
+    assert!(u.reason.contains("ghost-pay"));
+    // The long recheck keeps the next run from asking again at once.
+    let again = sweeper(&store, &cards).run_once().await.unwrap();
+    assert_eq!(again.taken, 0);
+
+    // An operator decides by hand; the decision is recorded.
+    let decided = store
+        .finish(
+            ghost.id(),
+            None,
+            &Finish {
+                to: KeyState::Failed { retryable: true },
+                response: None,
+                error: Some("checked ghost-pay's dashboard: never charged".into()),
+                actor: Actor::Operator,
+                reason: "manual: not charged".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(decided.state, KeyState::Failed { retryable: true });
+    let h = store.history(ghost.id()).await.unwrap();
+    assert_eq!(last_event(&h).actor, Actor::Operator);
+}
+
+/// Without a stored request the sweeper can only look the key up, even inside the window.
+pub async fn missing_request_is_only_looked_up(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    let scope = unique("norequest");
+    let id = KeyId::new(
+        Scope::new(scope.clone()).unwrap(),
+        IdempotencyKey::new("k1").unwrap(),
+    );
+    let claim = NewClaim {
+        id: id.clone(),
+        operation: "payments.create".into(),
+        provider: Some("cards".into()),
+        provider_key: "pk-norequest".into(),
+        fingerprint: Fingerprint::compute("payments.create", "{}"),
+        request: None,
+        owner: "w".into(),
+        lease: Duration::ZERO,
+        retention: DAY,
+        takeover_window: None,
+    };
+    assert!(matches!(
+        store.claim(&claim).await.unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
+    assert_eq!((report.redrives, report.lookups), (0, 1));
+    assert_eq!(cards.calls(), 0);
+    // Nothing at the provider, and the lag (zero) has passed: authoritative, so retryable.
+    assert_eq!(
+        row(&store, &id).await.state,
+        KeyState::Failed { retryable: true }
+    );
+}
+
+/// The loop sweeps on its interval and stops on shutdown.
+pub async fn run_loop_sweeps_until_shutdown(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    cards.lose_next(1);
+    let scope = unique("loop");
+    let idem = worker(&store);
+    assert!(idem.call(pay(&scope, "k1", 100), &*cards).await.is_err());
+    let sw = sweeper(&store, &cards);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let looping = {
+        let sw = sw.clone();
+        tokio::spawn(async move {
+            sw.run(Duration::from_millis(50), async {
+                let _ = stop_rx.await;
+            })
+            .await
+        })
+    };
+    // The second key goes stale while the loop runs, after the first is settled.
+    let first = pay(&scope, "k1", 100).id().clone();
+    for _ in 0..100 {
+        if row(&store, &first).await.state == KeyState::Done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(row(&store, &first).await.state, KeyState::Done);
+    cards.lose_next(1);
+    assert!(idem.call(pay(&scope, "k2", 100), &*cards).await.is_err());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    stop_tx.send(()).unwrap();
+    let summary = tokio::time::timeout(Duration::from_secs(5), looping)
+        .await
+        .expect("the loop stops on shutdown")
+        .unwrap();
+    assert!(summary.runs >= 2, "{summary:?}");
+    assert_eq!(summary.errors, 0);
+    for k in ["k1", "k2"] {
+        let id = pay(&scope, k, 100).id().clone();
+        assert_eq!(row(&store, &id).await.state, KeyState::Done, "{k}");
+    }
+    assert_eq!(cards.effects().len(), 2);
+}
+
+/// Two sweepers at once over 1,000 stale keys: each key is taken, re-driven and finished by
+/// exactly one of them.
+pub async fn two_sweepers_handle_each_of_1000_keys_once(store: Arc<dyn Store>) {
+    const N: usize = 1000;
+    let cards = FakeProvider::keyed("cards", DAY);
+    let scope = unique("two-sweepers");
+    let mut ids = Vec::with_capacity(N);
+    for i in 0..N {
+        let id = KeyId::new(
+            Scope::new(scope.clone()).unwrap(),
+            IdempotencyKey::new(format!("k{i}")).unwrap(),
+        );
+        let body = format!(r#"{{"amount":{}}}"#, i + 1);
+        let claim = NewClaim {
+            id: id.clone(),
+            operation: "payments.create".into(),
+            provider: Some("cards".into()),
+            provider_key: format!("pk-{i}"),
+            fingerprint: Fingerprint::compute("payments.create", &body),
+            request: Some(body),
+            owner: "crashed-worker".into(),
+            lease: Duration::ZERO,
+            retention: DAY,
+            takeover_window: None,
+        };
+        let lease: Lease = match store.claim(&claim).await.unwrap() {
+            ClaimOutcome::Claimed(l) => l,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(lease.attempts, 1);
+        ids.push(id);
+    }
+    let a = sweeper(&store, &cards).owner("sweeper-a").batch_size(50);
+    let b = sweeper(&store, &cards).owner("sweeper-b").batch_size(50);
+    let (ra, rb) = tokio::join!(a.run_once(), b.run_once());
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert_eq!(ra.taken + rb.taken, N as u64, "a {ra:?}\nb {rb:?}");
+    assert_eq!(ra.done + rb.done, N as u64);
+    assert_eq!(ra.lease_lost + rb.lease_lost, 0);
+    assert!(ra.is_clean() && rb.is_clean());
+    let calls = cards.calls_by_key();
+    assert_eq!(calls.len(), N);
+    assert!(calls.values().all(|&c| c == 1), "each key re-driven once");
+    assert_eq!(cards.lookups(), 0);
+    assert_eq!(cards.effects().len(), N);
+    for (i, id) in ids.iter().enumerate() {
+        let r = row(&store, id).await;
+        assert_eq!(r.state, KeyState::Done);
+        assert_eq!(r.provider_key, format!("pk-{i}"));
+        let h = store.history(id).await.unwrap();
+        let finishes = h
+            .iter()
+            .filter(|e| e.actor == Actor::Sweeper && e.to == Some(KeyState::Done))
+            .count();
+        let takeovers = h
+            .iter()
+            .filter(|e| e.actor == Actor::Sweeper && e.to == Some(KeyState::Processing))
+            .count();
+        assert_eq!((finishes, takeovers), (1, 1), "{id}: {h:?}");
+    }
+    let stats = store.stats().await.unwrap();
+    assert_eq!(stats.processing, 0);
+}
+
+/// The operator queries behind `idemflow stats --alert-age` and `idemflow purge --dry-run`.
+pub async fn stuck_keys_and_expired_counts_for_operators(store: Arc<dyn Store>) {
+    let scope = unique("stuck");
+    let idem = worker(&store).retention(Duration::from_millis(50));
+    for k in ["old1", "old2"] {
+        let _ = idem
+            .execute(pay(&scope, k, 1), |_ctx| async {
+                Outcome::unknown("timeout")
+            })
+            .await;
+    }
+    idem.execute(pay(&scope, "fin", 1), |_ctx| async {
+        Outcome::Succeeded(idemflow::Response::new(200))
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    let _ = idem
+        .execute(pay(&scope, "young", 1), |_ctx| async {
+            Outcome::unknown("timeout")
+        })
+        .await;
+    let stuck = store.stuck(Duration::from_millis(100), 1).await.unwrap();
+    assert_eq!(stuck.count, 2);
+    assert_eq!(stuck.oldest.len(), 1);
+    assert_eq!(stuck.oldest[0].key.as_str(), "old1");
+    assert_eq!(store.count_expired().await.unwrap(), 1);
+    assert_eq!(store.purge_expired(10).await.unwrap(), 1);
+    assert_eq!(store.count_expired().await.unwrap(), 0);
+}
+
+/// A provider that never answers does not hold the sweeper: the key is deferred.
+pub async fn hanging_provider_is_deferred_after_the_call_timeout(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    cards.lose_next(1);
+    let scope = unique("hang");
+    let idem = worker(&store);
+    assert!(idem.call(pay(&scope, "k1", 100), &*cards).await.is_err());
+    cards.hang(true);
+    let report = tokio::time::timeout(
+        Duration::from_secs(5),
+        sweeper(&store, &cards)
+            .call_timeout(Duration::from_millis(100))
+            .run_once(),
+    )
+    .await
+    .expect("the sweep does not wait for a hanging provider")
+    .unwrap();
+    assert_eq!((report.redrives, report.deferred), (1, 1), "{report:?}");
+    assert!(
+        report.unresolved[0].reason.contains("timeout"),
+        "{report:?}"
+    );
+    let id = pay(&scope, "k1", 100).id().clone();
+    assert_eq!(row(&store, &id).await.state, KeyState::Processing);
+}
