@@ -58,7 +58,8 @@
 //!
 //! `sqlite` (default) gives [`store::sqlite::SqliteStore`]. Other backends and integrations live
 //! behind their own features. `http` brings the provider adapters (Stripe, Resend, Postmark;
-//! reqwest with rustls), `testkit` fake provider servers with fault injection for tests.
+//! reqwest with rustls), `axum` the `Idempotency-Key` layer for axum / tower services (module `http`),
+//! `testkit` fake provider servers with fault injection for tests.
 
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -68,6 +69,9 @@ pub mod cli;
 pub mod error;
 pub mod executor;
 pub mod fingerprint;
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+pub mod http;
 pub mod key;
 pub mod provider;
 pub mod provider_key;

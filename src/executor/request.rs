@@ -90,6 +90,26 @@ impl Request {
         })
     }
 
+    /// A request whose fingerprint was computed by the caller (the HTTP layer fingerprints
+    /// method, path, query and body, and stores a request of its own choosing).
+    #[cfg(feature = "axum")]
+    pub(crate) fn with_fingerprint(
+        id: KeyId,
+        operation: String,
+        canonical: String,
+        fingerprint: Fingerprint,
+    ) -> Result<Self, Error> {
+        validate_operation(&operation)?;
+        Ok(Self {
+            id,
+            operation,
+            canonical,
+            fingerprint,
+            provider: None,
+            provider_key: None,
+        })
+    }
+
     /// Names the provider this operation calls, so the sweeper knows whom to ask.
     pub fn with_provider(mut self, provider: impl Into<String>) -> Self {
         self.provider = Some(provider.into());

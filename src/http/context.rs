@@ -1,0 +1,123 @@
+//! What the layer gives the handler ([`IdempotencyContext`]) and what the handler may give back
+//! ([`Retryable`]).
+
+use std::sync::Arc;
+
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+
+use super::Problem;
+use crate::record::LeaseToken;
+use crate::{IdempotencyKey, KeyId, Scope};
+
+/// The claimed key, as the handler sees it: the provider key to forward, the stored request and
+/// the attempt. Inserted into the request extensions by the layer when it runs the handler; take
+/// it as an extractor (`ctx: IdempotencyContext`, or `Option<IdempotencyContext>` where the key
+/// is optional) or as `Extension<IdempotencyContext>`.
+///
+/// Forward [`provider_key`](Self::provider_key) to the provider as its idempotency key, and send
+/// it [`request`](Self::request) unchanged: that is what the sweeper re-sends if this process
+/// dies mid-call, and a provider only recognises the re-send when both are identical.
+#[derive(Debug, Clone)]
+pub struct IdempotencyContext {
+    pub(crate) id: KeyId,
+    pub(crate) operation: String,
+    pub(crate) provider_key: String,
+    pub(crate) attempt: i32,
+    pub(crate) token: LeaseToken,
+    pub(crate) request: Arc<Value>,
+}
+
+impl IdempotencyContext {
+    /// The key to forward to the provider: the same on every attempt, in every process, and for
+    /// the sweeper.
+    pub fn provider_key(&self) -> &str {
+        &self.provider_key
+    }
+
+    /// Scope and key.
+    pub fn id(&self) -> &KeyId {
+        &self.id
+    }
+
+    /// The scope.
+    pub fn scope(&self) -> &Scope {
+        &self.id.scope
+    }
+
+    /// The client's key.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.id.key
+    }
+
+    /// The operation name recorded with the key.
+    pub fn operation(&self) -> &str {
+        &self.operation
+    }
+
+    /// 1 on the first attempt, more after a retryable failure.
+    pub fn attempt(&self) -> i32 {
+        self.attempt
+    }
+
+    /// The fencing token of this attempt.
+    pub fn lease_token(&self) -> LeaseToken {
+        self.token
+    }
+
+    /// The stored request (see
+    /// [`IdempotencyLayer::stored_request`](super::IdempotencyLayer::stored_request)): what to
+    /// send the provider.
+    pub fn request(&self) -> &Value {
+        &self.request
+    }
+}
+
+fn missing() -> Response {
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "no-idempotency-context",
+        "No idempotency context",
+    )
+    .detail("this route is not covered by an IdempotencyLayer for this method, or the request carried no key")
+    .into_response()
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyContext {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<Self>().cloned().ok_or_else(missing)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<Self>().cloned())
+    }
+}
+
+/// A response extension marking the answer as "nothing was done, run it again": the key becomes
+/// `failed{retryable}` instead of being stored (any status) or left for the sweeper (5xx), and
+/// the client's retry with the same key runs the handler again.
+///
+/// Use it only when the effect surely did not happen (the provider refused before acting, a
+/// rate limit, a validation step that failed before calling anyone).
+///
+/// ```
+/// use axum::{Extension, http::StatusCode, response::IntoResponse};
+/// use idemflow::http::Retryable;
+///
+/// let resp = (StatusCode::SERVICE_UNAVAILABLE, Extension(Retryable), "try again").into_response();
+/// assert!(resp.extensions().get::<Retryable>().is_some());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Retryable;

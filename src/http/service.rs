@@ -1,0 +1,467 @@
+//! [`IdempotencyService`]: the per-request logic of the layer.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{MatchedPath, Request};
+use axum::http::request::Parts;
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tracing::Instrument;
+
+use super::context::{IdempotencyContext, Retryable};
+use super::problem::{Problem, retry_after_value};
+use super::{REPLAYED_HEADER, Settings, parse_key_header};
+use crate::fingerprint::{Fingerprint, canonical_json, hex};
+use crate::{Error, Execution, KeyId, Outcome, Scope};
+
+/// The service [`IdempotencyLayer`](super::IdempotencyLayer) wraps around an inner service.
+pub struct IdempotencyService<S> {
+    inner: S,
+    settings: Arc<Settings>,
+}
+
+impl<S: Clone> Clone for IdempotencyService<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            settings: self.settings.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> IdempotencyService<S> {
+    pub(crate) fn new(inner: S, settings: Arc<Settings>) -> Self {
+        Self { inner, settings }
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+impl<S> tower::Service<Request> for IdempotencyService<S>
+where
+    S: tower::Service<Request, Response = Response> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request) -> Self::Future {
+        // Clone-and-swap: the service that was polled ready serves this request.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let settings = self.settings.clone();
+        Box::pin(async move {
+            if !settings.methods.contains(req.method()) {
+                let mut inner = inner;
+                return inner.call(req).await;
+            }
+            let span = tracing::info_span!(
+                "idemflow.http",
+                method = %req.method(),
+                path = %req.uri().path(),
+                scope = tracing::field::Empty,
+                key = tracing::field::Empty,
+                status = tracing::field::Empty,
+            );
+            let result = handle(settings, inner, req).instrument(span.clone()).await;
+            if let Ok(resp) = &result {
+                span.record("status", resp.status().as_u16());
+            }
+            result
+        })
+    }
+}
+
+/// What the handler produced while the key was claimed.
+enum Produced<E> {
+    Answer(Response),
+    Failed(E),
+}
+
+async fn handle<S>(
+    settings: Arc<Settings>,
+    mut inner: S,
+    req: Request,
+) -> Result<Response, S::Error>
+where
+    S: tower::Service<Request, Response = Response> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    let (parts, body) = req.into_parts();
+    let mut values = parts.headers.get_all(&settings.header).iter();
+    let key = match (values.next(), values.next()) {
+        (None, _) if !settings.required => {
+            return inner.call(Request::from_parts(parts, body)).await;
+        }
+        (None, _) => {
+            return Ok(Problem::new(StatusCode::BAD_REQUEST, "key-missing", "Idempotency key missing")
+                .detail(format!(
+                    "this endpoint requires an {} header; send a unique value (e.g. a UUID) and reuse it when retrying",
+                    settings.header
+                ))
+                .into_response());
+        }
+        (Some(_), Some(_)) => Err(super::KeyHeaderError::Repeated),
+        (Some(v), None) => parse_key_header(v),
+    };
+    let key = match key {
+        Ok(k) => k,
+        Err(e) => {
+            return Ok(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "key-malformed",
+                "Idempotency key malformed",
+            )
+            .detail(e.to_string())
+            .into_response());
+        }
+    };
+    let scope = match (settings.scope)(&parts) {
+        Ok(s) => s,
+        Err(resp) => return Ok(resp),
+    };
+    let scope = match Scope::new(scope) {
+        Ok(s) => s,
+        Err(e) => {
+            return Ok(
+                Problem::new(StatusCode::BAD_REQUEST, "scope-invalid", "Scope invalid")
+                    .detail(e.to_string())
+                    .into_response(),
+            );
+        }
+    };
+    let span = tracing::Span::current();
+    span.record("scope", tracing::field::display(&scope));
+    span.record("key", tracing::field::display(&key));
+
+    let bytes = match read_body(body, settings.max_body_bytes).await {
+        Ok(b) => b,
+        Err(resp) => return Ok(resp),
+    };
+    let operation = operation_name(&settings, &parts);
+    let stored = match &settings.stored_request {
+        Some(f) => match f(&parts, &bytes) {
+            Ok(v) => v,
+            Err(resp) => return Ok(resp),
+        },
+        None => default_stored(&bytes),
+    };
+    let fingerprint = fingerprint(&operation, &parts, &bytes);
+    let id = KeyId::new(scope, key);
+    let request = crate::Request::with_fingerprint(
+        id,
+        operation.clone(),
+        canonical_json(&stored),
+        fingerprint,
+    );
+    let mut request = match request {
+        Ok(r) => r,
+        Err(e) => return Ok(error_response(&e)),
+    };
+    if let Some(p) = &settings.provider {
+        request = request.with_provider(p.clone());
+    }
+
+    let mut parts_slot = Some(parts);
+    let mut produced: Option<Produced<S::Error>> = None;
+    let stored_headers = &settings.stored_headers;
+    let result = {
+        let parts_slot = &mut parts_slot;
+        let produced = &mut produced;
+        let inner = &mut inner;
+        settings
+            .idem
+            .execute(request, move |ctx| async move {
+                let Some(parts) = parts_slot.take() else {
+                    return Outcome::unknown("the request head was already used");
+                };
+                let handler_ctx = IdempotencyContext {
+                    id: ctx.id().clone(),
+                    operation,
+                    provider_key: ctx.provider_key().to_owned(),
+                    attempt: ctx.attempt(),
+                    token: ctx.lease_token(),
+                    request: Arc::new(serde_json::from_str(ctx.request()).unwrap_or(Value::Null)),
+                };
+                let mut req = Request::from_parts(parts, Body::from(bytes));
+                req.extensions_mut().insert(handler_ctx);
+                let resp = match inner.call(req).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        *produced = Some(Produced::Failed(e));
+                        return Outcome::unknown("the inner service returned an error");
+                    }
+                };
+                let (rparts, rbody) = resp.into_parts();
+                let rbytes = match rbody.collect().await {
+                    Ok(c) => c.to_bytes(),
+                    Err(e) => {
+                        let reason = format!("the handler's response body failed: {e}");
+                        *produced = Some(Produced::Answer(
+                            Problem::new(
+                                StatusCode::INTERNAL_SERVER_ERROR,
+                                "response-failed",
+                                "Response failed",
+                            )
+                            .detail(reason.clone())
+                            .retry_after(Duration::from_secs(1))
+                            .into_response(),
+                        ));
+                        return Outcome::unknown(reason);
+                    }
+                };
+                let status = rparts.status;
+                let retryable = rparts.extensions.get::<Retryable>().is_some();
+                let headers = rparts
+                    .headers
+                    .iter()
+                    .filter(|(n, _)| stored_headers.iter().any(|h| h == n.as_str()))
+                    .filter_map(|(n, v)| Some((n.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+                    .collect();
+                let to_store =
+                    crate::Response::from_parts(status.as_u16(), headers, rbytes.to_vec());
+                *produced = Some(Produced::Answer(Response::from_parts(
+                    rparts,
+                    Body::from(rbytes),
+                )));
+                if retryable {
+                    Outcome::retryable(format!(
+                        "the handler answered {status} and marked it retryable"
+                    ))
+                } else if status.is_server_error() {
+                    Outcome::unknown(format!("the handler answered {status}; not stored"))
+                } else if status.is_client_error() {
+                    Outcome::Rejected(to_store)
+                } else {
+                    Outcome::Succeeded(to_store)
+                }
+            })
+            .await
+    };
+
+    match (result, produced) {
+        (_, Some(Produced::Failed(e))) => Err(e),
+        (Ok(Execution::Executed(_)), Some(Produced::Answer(resp))) => Ok(resp),
+        (Ok(Execution::Executed(stored)), None) => Ok(to_http(stored)),
+        (Ok(Execution::Replayed(stored)), _) => {
+            let stored = match (&settings.replay, &parts_slot) {
+                (Some(f), Some(parts)) => f(parts, stored),
+                _ => stored,
+            };
+            let mut resp = to_http(stored);
+            resp.headers_mut().insert(
+                HeaderName::from_static(REPLAYED_HEADER),
+                HeaderValue::from_static("true"),
+            );
+            Ok(resp)
+        }
+        (
+            Err(e @ (Error::OutcomeUnknown { .. } | Error::Retryable { .. })),
+            Some(Produced::Answer(mut resp)),
+        ) => {
+            // The handler's own answer (5xx, or marked retryable), not stored.
+            let after = e.retry_after().unwrap_or(Duration::from_secs(1));
+            if !resp.headers().contains_key(header::RETRY_AFTER) {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, retry_after_value(after));
+            }
+            Ok(resp)
+        }
+        (Err(e @ Error::ResponseTooLarge { .. }), Some(Produced::Answer(resp))) => {
+            // The operation ran: give this client its answer; retries get the recorded reason.
+            tracing::warn!(error = %e, "answer too large to store; the key is failed{{permanent}} without it");
+            Ok(resp)
+        }
+        (Err(e), _) => {
+            if matches!(e, Error::Store(_) | Error::LeaseLost(_)) {
+                tracing::error!(error = %e, "idempotency store failed");
+            }
+            Ok(error_response(&e))
+        }
+    }
+}
+
+/// Reads the body up to `limit` bytes; 413 above it, 400 when it cannot be read.
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, Response> {
+    match Limited::new(body, limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body-too-large",
+            "Request body too large",
+        )
+        .detail(format!(
+            "the request body exceeds {limit} bytes, the most this endpoint accepts"
+        ))
+        .into_response()),
+        Err(e) => Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "body-unreadable",
+            "Request body unreadable",
+        )
+        .detail(format!("the request body could not be read: {e}"))
+        .into_response()),
+    }
+}
+
+/// The operation name: configured, or `METHOD:/matched/path` (at most 255 bytes).
+fn operation_name(settings: &Settings, parts: &Parts) -> String {
+    if let Some(f) = &settings.operation {
+        return f(parts);
+    }
+    let path = parts
+        .extensions
+        .get::<MatchedPath>()
+        .map_or_else(|| parts.uri.path(), MatchedPath::as_str);
+    let mut name = format!("{}:{}", parts.method, path);
+    if name.len() > crate::key::MAX_LEN {
+        // ASCII (a method and a URI path), so any byte offset is a char boundary.
+        name.truncate(crate::key::MAX_LEN);
+    }
+    name
+}
+
+/// JSON when the body is JSON, a string when it is UTF-8, its SHA-256 otherwise.
+fn body_value(bytes: &Bytes) -> Value {
+    if bytes.is_empty() {
+        return Value::Null;
+    }
+    if let Ok(v) = serde_json::from_slice::<Value>(bytes) {
+        return v;
+    }
+    match std::str::from_utf8(bytes) {
+        Ok(s) => Value::String(s.to_owned()),
+        Err(_) => json!({ "body_sha256": hex(&Sha256::digest(bytes)) }),
+    }
+}
+
+fn default_stored(bytes: &Bytes) -> Value {
+    body_value(bytes)
+}
+
+/// The fingerprint: operation, method, path, query and body (JSON bodies as canonical JSON,
+/// other bodies by the SHA-256 of their bytes).
+fn fingerprint(operation: &str, parts: &Parts, bytes: &Bytes) -> Fingerprint {
+    let body = if bytes.is_empty() {
+        Value::Null
+    } else {
+        match serde_json::from_slice::<Value>(bytes) {
+            Ok(v) => json!({ "json": v }),
+            Err(_) => json!({ "sha256": hex(&Sha256::digest(bytes)) }),
+        }
+    };
+    let doc = json!({
+        "method": parts.method.as_str(),
+        "path": parts.uri.path(),
+        "query": parts.uri.query(),
+        "body": body,
+    });
+    Fingerprint::compute(operation, &canonical_json(&doc))
+}
+
+/// A stored answer as an HTTP response.
+fn to_http(stored: crate::Response) -> Response {
+    let (status, headers, body) = stored.into_parts();
+    let mut resp = Response::new(Body::from(body));
+    *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    for (n, v) in headers {
+        if let (Ok(n), Ok(v)) = (HeaderName::try_from(n), HeaderValue::try_from(v)) {
+            resp.headers_mut().append(n, v);
+        }
+    }
+    resp
+}
+
+/// The layer's answer to an executor error.
+fn error_response(e: &Error) -> Response {
+    let detail = e.to_string();
+    let p = match e {
+        Error::FingerprintMismatch { .. } => Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "key-reused",
+            "Idempotency key reused with a different request",
+        ),
+        Error::InFlight { retry_after, .. } => Problem::new(
+            StatusCode::CONFLICT,
+            "request-in-flight",
+            "A request with this idempotency key is still in progress",
+        )
+        .retry_after(*retry_after),
+        Error::OutcomeUnknown { retry_after, .. } => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "outcome-unknown",
+            "The outcome of the first request is not known yet",
+        )
+        .retry_after(*retry_after),
+        Error::Retryable { .. } => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "retryable",
+            "The request failed without effect; retry it with the same key",
+        )
+        .retry_after(Duration::from_secs(1)),
+        Error::RequestTooLarge { .. } => Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body-too-large",
+            "Request too large",
+        ),
+        Error::InvalidKey(_) => Problem::new(
+            StatusCode::BAD_REQUEST,
+            "key-malformed",
+            "Idempotency key malformed",
+        ),
+        Error::InvalidScope(_) => {
+            Problem::new(StatusCode::BAD_REQUEST, "scope-invalid", "Scope invalid")
+        }
+        Error::InvalidJson(_) => Problem::new(
+            StatusCode::BAD_REQUEST,
+            "body-invalid",
+            "Request body invalid",
+        ),
+        Error::LeaseLost(_) => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "settled-elsewhere",
+            "The key was settled by another process while this request ran",
+        )
+        .retry_after(Duration::from_secs(1)),
+        Error::NoStoredResponse { .. } | Error::ResponseTooLarge { .. } => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "no-stored-answer",
+            "The request was handled but its answer was not stored",
+        ),
+        Error::Store(_) => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "store-error",
+            "Idempotency store error",
+        ),
+        _ => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "Internal error",
+        ),
+    };
+    p.detail(detail).into_response()
+}
