@@ -84,6 +84,11 @@ pub mod sweeper;
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;
 
+/// The README's code blocks, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
 pub use async_trait::async_trait;
 pub use error::{Error, StoreError};
 pub use executor::{Config, Context, Execution, Idempotency, Outcome, Request};
