@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use idemflow::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, TakeStale};
+use idemflow::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, Stuck, TakeStale};
 use idemflow::sweeper::Unresolved;
 use idemflow::{
     Actor, Error, Fingerprint, Idempotency, IdempotencyKey, KeyEvent, KeyId, KeyRecord, KeyState,
@@ -350,6 +350,12 @@ impl Store for FailingFinish {
     }
     async fn stats(&self) -> Result<Stats, StoreError> {
         self.inner.stats().await
+    }
+    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
+        self.inner.stuck(older_than, limit).await
+    }
+    async fn count_expired(&self) -> Result<u64, StoreError> {
+        self.inner.count_expired().await
     }
 }
 
