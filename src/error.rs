@@ -66,14 +66,6 @@ pub enum StoreError {
     /// The store was configured wrongly (bad URL, bad option).
     #[error("store configuration: {0}")]
     Config(String),
-    /// The backend does not implement this (optional) operation.
-    #[error("the {backend} store does not support {what}")]
-    Unsupported {
-        /// Which backend.
-        backend: &'static str,
-        /// The operation.
-        what: &'static str,
-    },
 }
 
 impl StoreError {

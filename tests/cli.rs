@@ -476,3 +476,119 @@ async fn reconcile_every_sweeps_until_sigterm() {
     assert_eq!(lines[0]["report"]["needs_operator"], 1);
     assert!(stderr(&o).contains("reconcile stopped"), "{}", stderr(&o));
 }
+
+/// The binary against PostgreSQL (`IDEMFLOW_TEST_POSTGRES_URL`), in a fresh schema picked through
+/// `DATABASE_URL`'s `options=-c search_path=..`: `migrate`, `stats --json` and `reconcile --once`
+/// exit codes, with the stuck-key listing and the purge dry run answered by PostgreSQL. Skipped
+/// (with the reason printed) when the URL is unset or unreachable; a failure under `CI=true`.
+#[cfg(feature = "postgres")]
+mod postgres {
+    use super::*;
+    use idemflow::store::postgres::PostgresStore;
+    use sqlx::postgres::PgConnection;
+    use sqlx::{AssertSqlSafe, Connection, Executor};
+
+    const URL_VAR: &str = "IDEMFLOW_TEST_POSTGRES_URL";
+
+    fn skip<T>(why: String) -> Option<T> {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("{why} and CI=true: the CLI must be tested on PostgreSQL in CI");
+        }
+        eprintln!("skipping: {why}");
+        None
+    }
+
+    /// A fresh schema: the admin URL, the schema's name and a `DATABASE_URL` that selects it.
+    async fn fresh_schema() -> Option<(String, String, String)> {
+        let url = match std::env::var(URL_VAR) {
+            Ok(v) if !v.is_empty() => v,
+            _ => return skip(format!("{URL_VAR} is not set")),
+        };
+        let mut admin = match PgConnection::connect(&url).await {
+            Ok(c) => c,
+            Err(e) => return skip(format!("PostgreSQL at {URL_VAR} is unreachable: {e}")),
+        };
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        // The prefix of tests/postgres.rs, whose runs drop such schemas after an hour.
+        let schema = format!("idemflow_t_{secs}_{}_cli", std::process::id());
+        admin
+            .execute(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .await
+            .unwrap();
+        admin.close().await.unwrap();
+        let sep = if url.contains('?') { '&' } else { '?' };
+        let in_schema = format!("{url}{sep}options=-c%20search_path%3D{schema}");
+        Some((url, schema, in_schema))
+    }
+
+    #[tokio::test]
+    async fn migrate_stats_and_reconcile_exit_codes_on_postgres() {
+        let Some((admin_url, schema, url)) = fresh_schema().await else {
+            return;
+        };
+        let run = |args: &[&str]| run_with_env(args, &[("DATABASE_URL", &url)]);
+
+        let o = run(&["--json", "migrate"]);
+        expect(&o, 0);
+        assert_eq!(json(&o)["backend"], "postgres");
+        expect(&run(&["migrate"]), 0);
+        // The tables went into the fresh schema, not into `public`.
+        let mut admin = PgConnection::connect(&admin_url).await.unwrap();
+        let tables: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM information_schema.tables \
+             WHERE table_schema = $1 AND table_name = 'idempotency_keys'",
+        )
+        .bind(&schema)
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+        assert_eq!(tables, 1);
+
+        let o = run(&["stats", "--json"]);
+        expect(&o, 0);
+        let j = json(&o);
+        assert_eq!(j["processing"], 0);
+        assert_eq!(j["stuck_past_alert_age"], 0);
+        expect(&run(&["reconcile", "--once"]), 0);
+
+        // A key left processing for a provider nobody registered: unresolved.
+        let store: Arc<dyn Store> = Arc::new(PostgresStore::connect(&url).await.unwrap());
+        stuck_key(&store, "acct_pg", "order-1", Some("ghost-pay")).await;
+        let o = run(&["reconcile", "--once"]);
+        expect(&o, 3);
+        assert!(stderr(&o).contains("acct_pg/order-1"), "{}", stderr(&o));
+
+        let o = run(&["stats", "--json", "--alert-age", "1ms"]);
+        expect(&o, 3);
+        let j = json(&o);
+        assert_eq!(j["processing"], 1);
+        assert_eq!(j["stuck_past_alert_age"], 1);
+        assert_eq!(j["stuck"][0]["key"], "order-1");
+        expect(&run(&["stats", "--alert-age", "1h"]), 0);
+        let o = run(&["--json", "purge", "--dry-run"]);
+        expect(&o, 0);
+        assert_eq!(json(&o)["would_purge"], 0);
+
+        // Decided by an operator: nothing left for the sweeper.
+        expect(
+            &run(&[
+                "resolve",
+                "acct_pg",
+                "order-1",
+                "--done",
+                "--reason",
+                "checked the dashboard",
+            ]),
+            0,
+        );
+        expect(&run(&["reconcile", "--once"]), 0);
+
+        admin
+            .execute(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+            .await
+            .unwrap();
+    }
+}

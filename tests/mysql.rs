@@ -1,5 +1,5 @@
-//! The conformance suite on MariaDB / MySQL (a fresh database per test), and two app instances
-//! racing, and sharing a database with the host app's migrations.
+//! The conformance and sweeper suites on MariaDB / MySQL (a fresh database per test), and two
+//! app instances racing, and sharing a database with the host app's migrations.
 //!
 //! Needs `IDEMFLOW_TEST_MYSQL_URL`; skipped when unset, and a failure when unset or unreachable
 //! under `CI=true`.
@@ -8,6 +8,8 @@
 
 #[macro_use]
 mod conformance;
+#[macro_use]
+mod sweeper_suite;
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -98,6 +100,11 @@ async fn store() -> Option<Arc<dyn Store>> {
 mod suite {
     use super::*;
     conformance_tests!(store);
+}
+
+mod sweeper {
+    use super::*;
+    sweeper_tests!(store);
 }
 
 async fn drop_database(options: &MySqlConnectOptions, name: &str) {

@@ -1,5 +1,5 @@
-//! The conformance suite on PostgreSQL (a fresh schema per test, found through `search_path`),
-//! and PostgreSQL's own faults: two app instances racing, a backend killed mid-transaction,
+//! The conformance and sweeper suites on PostgreSQL (a fresh schema per test, found through
+//! `search_path`), and PostgreSQL's own faults: two app instances racing, a backend killed mid-transaction,
 //! sharing a database with the host app's migrations, and the sweeper's plan on a big table.
 //!
 //! Needs `IDEMFLOW_TEST_POSTGRES_URL`; skipped when unset, and a failure when unset or
@@ -9,6 +9,8 @@
 
 #[macro_use]
 mod conformance;
+#[macro_use]
+mod sweeper_suite;
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -103,6 +105,11 @@ async fn store() -> Option<Arc<dyn Store>> {
 mod suite {
     use super::*;
     conformance_tests!(store);
+}
+
+mod sweeper {
+    use super::*;
+    sweeper_tests!(store);
 }
 
 async fn drop_schema(url: &str, schema: &str) {

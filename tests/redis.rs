@@ -1,5 +1,5 @@
-//! The conformance suite on Redis (`IDEMFLOW_TEST_REDIS_URL`), each test on its own key prefix,
-//! with one bucket and with four; plus racing claims from two connection managers, fencing,
+//! The conformance and sweeper suites on Redis (`IDEMFLOW_TEST_REDIS_URL`), each test on its own
+//! key prefix, with one bucket and with four; plus racing claims from two connection managers, fencing,
 //! concurrent sweepers, the server clock, prefix isolation, history retention and the native
 //! expiry backstop.
 
@@ -7,6 +7,8 @@
 
 #[macro_use]
 mod conformance;
+#[macro_use]
+mod sweeper_suite;
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -55,6 +57,16 @@ mod single {
 mod bucketed {
     use super::*;
     conformance_tests!(four_buckets);
+}
+
+mod sweeper {
+    use super::*;
+    sweeper_tests!(one_bucket);
+}
+
+mod sweeper_bucketed {
+    use super::*;
+    sweeper_tests!(four_buckets);
 }
 
 const LEASE: Duration = Duration::from_secs(30);

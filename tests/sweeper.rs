@@ -1,6 +1,7 @@
 //! The sweeper suite on SQLite: a fresh in-memory database per test, and the same suite on a WAL
-//! file database with separate writer and reader connections. Other backends add a wrapper of
-//! the same shape (`sweeper_tests!(their_factory)`) in their own test file.
+//! file database with separate writer and reader connections. The other backends run the same
+//! suite (`sweeper_tests!(their_factory)`) from their own test files: `tests/postgres.rs`,
+//! `tests/mysql.rs`, `tests/redis.rs`.
 
 #[macro_use]
 mod conformance;

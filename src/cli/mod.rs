@@ -433,19 +433,14 @@ fn short(d: Duration) -> String {
 async fn stats(cli: &Cli, store: &Arc<dyn Store>, args: &StatsArgs) -> anyhow::Result<Exit> {
     let s = store.stats().await.map_err(store_err)?;
     let oldest_age = s.oldest_processing_created_at.map(|t| age(s.now, t));
-    let stuck = match store.stuck(args.alert_age, args.list).await {
-        Ok(st) => Some(st),
-        Err(StoreError::Unsupported { .. }) => None,
-        Err(e) => return Err(store_err(e)),
-    };
-    // Without a stuck() query, the oldest key alone tells whether any is stuck.
-    let stuck_count = match &stuck {
-        Some(st) => st.count,
-        None => i64::from(oldest_age.is_some_and(|a| a >= args.alert_age)),
-    };
+    let stuck = store
+        .stuck(args.alert_age, args.list)
+        .await
+        .map_err(store_err)?;
+    let stuck_count = stuck.count;
     let listed: Vec<Value> = stuck
+        .oldest
         .iter()
-        .flat_map(|st| st.oldest.iter())
         .map(|r| {
             json!({
                 "scope": r.scope, "key": r.key, "operation": r.operation, "provider": r.provider,
@@ -482,7 +477,7 @@ async fn stats(cli: &Cli, store: &Arc<dyn Store>, args: &StatsArgs) -> anyhow::R
             format!("stuck past {}", short(args.alert_age)),
             stuck_count
         ));
-        for r in stuck.iter().flat_map(|st| st.oldest.iter()) {
+        for r in &stuck.oldest {
             t.push_str(&format!(
                 "\n  {}/{}  {}  provider {}  attempt {}  {} old  {}",
                 r.scope,

@@ -217,24 +217,12 @@ pub trait Store: Debug + Send + Sync + 'static {
     async fn stats(&self) -> Result<Stats, StoreError>;
 
     /// Processing keys first claimed at least `older_than` ago (database clock): their count and
-    /// the oldest `limit` of them, for operators' alerts. Optional: the default answers
-    /// [`StoreError::Unsupported`].
-    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
-        let _ = (older_than, limit);
-        Err(StoreError::Unsupported {
-            backend: self.backend(),
-            what: "listing stuck keys",
-        })
-    }
+    /// the oldest `limit` of them, oldest first, for operators' alerts.
+    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError>;
 
-    /// How many finished keys [`purge_expired`](Store::purge_expired) would delete now (for a
-    /// dry run). Optional: the default answers [`StoreError::Unsupported`].
-    async fn count_expired(&self) -> Result<u64, StoreError> {
-        Err(StoreError::Unsupported {
-            backend: self.backend(),
-            what: "counting expired keys",
-        })
-    }
+    /// How many finished keys [`purge_expired`](Store::purge_expired) would delete now (database
+    /// clock), for a dry run.
+    async fn count_expired(&self) -> Result<u64, StoreError>;
 }
 
 /// Milliseconds of a duration, saturating (for SQL parameters).

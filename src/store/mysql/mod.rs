@@ -26,8 +26,8 @@ use sqlx::{AssertSqlSafe, Executor, Row};
 use tracing::instrument;
 
 use super::{
-    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, TakeStale,
-    check_finish, claimable, millis,
+    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, Stuck,
+    TakeStale, check_finish, claimable, millis,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -567,5 +567,31 @@ impl Store for MySqlStore {
             oldest_processing_created_at: oldest.map(|t| t.and_utc()),
             now: now.and_utc(),
         })
+    }
+
+    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
+        let count: i64 = sqlx::query_scalar(sql::STUCK_COUNT)
+            .bind(micros(older_than))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        let rows = sqlx::query(sql::STUCK_LIST)
+            .bind(micros(older_than))
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db)?;
+        Ok(Stuck {
+            count,
+            oldest: rows.iter().map(record).collect::<Result<_, _>>()?,
+        })
+    }
+
+    async fn count_expired(&self) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 }

@@ -221,3 +221,25 @@ pub(super) const STATS: &str = concat!(
     now!(),
     " FROM idempotency_keys"
 );
+
+/// Processing keys first claimed at least the given µs ago.
+pub(super) const STUCK_COUNT: &str = concat!(
+    "SELECT COUNT(*) FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+    now!(),
+    " - INTERVAL ? MICROSECOND"
+);
+
+/// The oldest of them, oldest first. Parameters: age µs, limit.
+pub(super) const STUCK_LIST: &str = concat!(
+    "SELECT ",
+    cols!(),
+    " FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+    now!(),
+    " - INTERVAL ? MICROSECOND ORDER BY created_at, scope, `key` LIMIT ?"
+);
+
+/// Finished keys a purge would delete now.
+pub(super) const COUNT_EXPIRED: &str = concat!(
+    "SELECT COUNT(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
+    now!()
+);

@@ -24,8 +24,8 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use tracing::instrument;
 
 use super::{
-    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, TakeStale,
-    check_finish, millis,
+    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, Stuck,
+    TakeStale, check_finish, millis,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -415,5 +415,31 @@ impl Store for PostgresStore {
             oldest_processing_created_at: row.try_get(5).map_err(db)?,
             now: row.try_get(6).map_err(db)?,
         })
+    }
+
+    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
+        let count: i64 = sqlx::query_scalar(sql::STUCK_COUNT)
+            .bind(ms(older_than))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        let rows = sqlx::query(sql::STUCK_LIST)
+            .bind(ms(older_than))
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db)?;
+        Ok(Stuck {
+            count,
+            oldest: rows.iter().map(record).collect::<Result<_, _>>()?,
+        })
+    }
+
+    async fn count_expired(&self) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 }

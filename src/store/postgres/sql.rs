@@ -242,3 +242,25 @@ pub(super) const STATS: &str = concat!(
     now!(),
     " FROM idempotency_keys"
 );
+
+/// Processing keys first claimed at least `$1` ms ago.
+pub(super) const STUCK_COUNT: &str = concat!(
+    "SELECT count(*) FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+    now!(),
+    " - $1::bigint * interval '1 millisecond'"
+);
+
+/// The oldest `$2` of them, oldest first.
+pub(super) const STUCK_LIST: &str = concat!(
+    "SELECT ",
+    cols!(""),
+    " FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+    now!(),
+    " - $1::bigint * interval '1 millisecond' ORDER BY created_at, scope, key LIMIT $2::bigint"
+);
+
+/// Finished keys `PURGE` would delete now.
+pub(super) const COUNT_EXPIRED: &str = concat!(
+    "SELECT count(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
+    now!()
+);

@@ -16,16 +16,17 @@
 //!
 //! - `P:{b}:due` (processing keys by `max(lease_expires_at, next_check_at)`, for the sweeper),
 //!   `P:{b}:lease` (processing keys by lease expiry, for `stats.stale`), `P:{b}:created`
-//!   (processing keys by creation, for `stats.oldest_processing_created_at`);
-//! - `P:{b}:done`, `P:{b}:failed_r`, `P:{b}:failed_p` (finished keys by `expires_at`, for purge
-//!   and `stats`).
+//!   (processing keys by creation, for `stats.oldest_processing_created_at` and `stuck`);
+//! - `P:{b}:done`, `P:{b}:failed_r`, `P:{b}:failed_p` (finished keys by `expires_at`, for purge,
+//!   `count_expired` and `stats`).
 //!
 //! All of them carry the hash tag `{b}`, so every script touches exactly one hash slot: on Redis
 //! Cluster, a bucket lives on one shard, per-key scripts touch one slot, and the bucket-wide
-//! operations (`take_stale`, `purge_expired`, `stats`) run one script per bucket. Use more
-//! buckets than shards (e.g. 16 per primary) so buckets spread; the number must never change
-//! for a live data set (a key would be looked for in the wrong bucket). This crate's client is the
-//! single-node [`ConnectionManager`]: the layout is Cluster-ready, the client is not yet.
+//! operations (`take_stale`, `purge_expired`, `stats`, `stuck`, `count_expired`) run one script
+//! per bucket. Use more buckets than shards (e.g. 16 per primary) so buckets spread; the number
+//! must never change for a live data set (a key would be looked for in the wrong bucket). This
+//! crate's client is the single-node [`ConnectionManager`]: the layout is Cluster-ready, the
+//! client is not yet.
 //!
 //! # Clock and expiry
 //!
@@ -51,8 +52,8 @@ use tracing::instrument;
 
 use super::rows::ms_to_time;
 use super::{
-    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, TakeStale,
-    check_finish, millis,
+    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, Stuck,
+    TakeStale, check_finish, millis,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -82,6 +83,8 @@ struct Scripts {
     take_stale: Script,
     purge: Script,
     stats: Script,
+    stuck: Script,
+    count_expired: Script,
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -92,6 +95,8 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     take_stale: script!("take_stale.lua"),
     purge: script!("purge.lua"),
     stats: script!("stats.lua"),
+    stuck: script!("stuck.lua"),
+    count_expired: script!("count_expired.lua"),
 });
 
 fn db(e: redis::RedisError) -> StoreError {
@@ -653,6 +658,8 @@ impl Store for RedisStore {
             &s.take_stale,
             &s.purge,
             &s.stats,
+            &s.stuck,
+            &s.count_expired,
         ] {
             script.load_async(&mut con).await.map_err(db)?;
         }
@@ -878,6 +885,52 @@ impl Store for RedisStore {
         st.oldest_processing_created_at = oldest.map(|ms| ms_to_time(BACKEND, ms)).transpose()?;
         st.now = ms_to_time(BACKEND, now)?;
         Ok(st)
+    }
+
+    /// Per bucket: the count from the `created` index and its oldest `limit` members; the
+    /// buckets' lists are merged by creation time.
+    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
+        let mut count = 0i64;
+        let mut oldest = Vec::new();
+        for bucket in 0..self.buckets {
+            let mut inv = self.per_bucket(&SCRIPTS.stuck, bucket);
+            inv.arg(ms(older_than)).arg(limit);
+            let mut reply = array(self.invoke(&inv).await?)?.into_iter();
+            let (Some(n), Some(list)) = (reply.next(), reply.next()) else {
+                return Err(corrupt("stuck reply"));
+            };
+            count += int(Some(&n)).ok_or_else(|| corrupt("stuck reply"))?;
+            for entry in array(list)? {
+                let mut pair = array(entry)?.into_iter();
+                let (Some(m), Some(hash)) = (pair.next(), pair.next()) else {
+                    return Err(corrupt("stuck reply"));
+                };
+                let m = text(Some(&m)).ok_or_else(|| corrupt("stuck member"))?;
+                let (scope, key) =
+                    unmember(&m).ok_or_else(|| corrupt(format!("index member {m:?}")))?;
+                oldest.push(record(&scope, &key, fields(hash)?)?);
+            }
+        }
+        oldest.sort_by(|a: &KeyRecord, b: &KeyRecord| {
+            (a.created_at, a.scope.as_str(), a.key.as_str()).cmp(&(
+                b.created_at,
+                b.scope.as_str(),
+                b.key.as_str(),
+            ))
+        });
+        oldest.truncate(limit as usize);
+        Ok(Stuck { count, oldest })
+    }
+
+    async fn count_expired(&self) -> Result<u64, StoreError> {
+        let mut total = 0u64;
+        for bucket in 0..self.buckets {
+            let inv = self.per_bucket(&SCRIPTS.count_expired, bucket);
+            let n = int(Some(&self.invoke(&inv).await?))
+                .ok_or_else(|| corrupt("count_expired reply"))?;
+            total += u64::try_from(n).map_err(|_| corrupt("count_expired reply"))?;
+        }
+        Ok(total)
     }
 }
 
