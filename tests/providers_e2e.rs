@@ -130,7 +130,12 @@ async fn postmark_unknown_is_left_for_the_sweeper_and_lookup_settles_it() {
     assert_eq!(row.state, KeyState::Processing);
     let stored: Value = serde_json::from_str(row.request.as_deref().unwrap()).unwrap();
     let found = postmark
-        .lookup(&row.provider_key, &stored, row.created_at)
+        .lookup(
+            &row.provider_key,
+            &stored,
+            row.created_at,
+            chrono::Utc::now(),
+        )
         .await;
     assert!(
         matches!(found, Lookup::Found(Outcome::Succeeded(_))),

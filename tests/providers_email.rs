@@ -173,7 +173,8 @@ async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
         r.call("idf_l", &email()).await,
         CallOutcome::Unknown { .. }
     ));
-    let Lookup::Found(Outcome::Succeeded(resp)) = r.lookup("idf_l", &email(), Utc::now()).await
+    let Lookup::Found(Outcome::Succeeded(resp)) =
+        r.lookup("idf_l", &email(), Utc::now(), Utc::now()).await
     else {
         panic!("not found")
     };
@@ -185,7 +186,7 @@ async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
     // Past Resend's 24 h window a re-send could send twice: Unknown, nothing sent.
     let old = Utc::now() - chrono::Duration::hours(24);
     assert_eq!(
-        r.lookup("idf_l", &email(), old).await,
+        r.lookup("idf_l", &email(), old, chrono::Utc::now()).await,
         Lookup::Unknown { retry_after: None }
     );
     assert_eq!(fake.requests().len(), 2);
@@ -226,7 +227,9 @@ async fn postmark_puts_our_key_in_metadata_and_searches_by_it() {
     assert_eq!(sent["Metadata"]["idemflow_key"], "idf_p1");
     assert_eq!(sent["Subject"], "Receipt");
     assert!(reqs[0].headers.get("idempotency-key").is_none());
-    let recent = p.lookup("idf_p1", &pm_email(), Utc::now()).await;
+    let recent = p
+        .lookup("idf_p1", &pm_email(), Utc::now(), Utc::now())
+        .await;
     assert_eq!(
         recent,
         Lookup::NotFound {
@@ -248,7 +251,9 @@ async fn postmark_lost_response_is_never_resent_and_lookup_finds_it() {
         1,
         "no key: an unknown outcome is never re-sent"
     );
-    let Lookup::Found(Outcome::Succeeded(resp)) = p.lookup("idf_pl", &pm_email(), sent_at).await
+    let Lookup::Found(Outcome::Succeeded(resp)) = p
+        .lookup("idf_pl", &pm_email(), sent_at, chrono::Utc::now())
+        .await
     else {
         panic!("not found")
     };
@@ -322,19 +327,22 @@ async fn postmark_search_lag_and_authority() {
         CallOutcome::Succeeded { .. }
     ));
     assert_eq!(
-        p.lookup("idf_s", &pm_email(), now).await,
+        p.lookup("idf_s", &pm_email(), now, chrono::Utc::now())
+            .await,
         Lookup::NotFound {
             authoritative: false
         }
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(matches!(
-        p.lookup("idf_s", &pm_email(), now).await,
+        p.lookup("idf_s", &pm_email(), now, chrono::Utc::now())
+            .await,
         Lookup::Found(_)
     ));
     let old = Utc::now() - chrono::Duration::minutes(10);
     assert_eq!(
-        p.lookup("idf_none", &pm_email(), old).await,
+        p.lookup("idf_none", &pm_email(), old, chrono::Utc::now())
+            .await,
         Lookup::NotFound {
             authoritative: true
         }
@@ -342,7 +350,8 @@ async fn postmark_search_lag_and_authority() {
     // Beyond Postmark's 45-day retention an absence proves nothing.
     let ancient = Utc::now() - chrono::Duration::days(46);
     assert_eq!(
-        p.lookup("idf_none", &pm_email(), ancient).await,
+        p.lookup("idf_none", &pm_email(), ancient, chrono::Utc::now())
+            .await,
         Lookup::NotFound {
             authoritative: false
         }

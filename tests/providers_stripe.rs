@@ -399,13 +399,16 @@ async fn stripe_lookup_respects_search_lag() {
     ));
     // Not yet visible, and too early to trust an empty result.
     assert_eq!(
-        s.lookup("idf_look", &charge(), sent_at).await,
+        s.lookup("idf_look", &charge(), sent_at, chrono::Utc::now())
+            .await,
         Lookup::NotFound {
             authoritative: false
         }
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let Lookup::Found(Outcome::Succeeded(resp)) = s.lookup("idf_look", &charge(), sent_at).await
+    let Lookup::Found(Outcome::Succeeded(resp)) = s
+        .lookup("idf_look", &charge(), sent_at, chrono::Utc::now())
+        .await
     else {
         panic!("not found")
     };
@@ -414,7 +417,8 @@ async fn stripe_lookup_respects_search_lag() {
     // Never sent, long ago: an authoritative absence.
     let long_ago = Utc::now() - chrono::Duration::minutes(5);
     assert_eq!(
-        s.lookup("idf_never", &charge(), long_ago).await,
+        s.lookup("idf_never", &charge(), long_ago, chrono::Utc::now())
+            .await,
         Lookup::NotFound {
             authoritative: true
         }
@@ -424,7 +428,9 @@ async fn stripe_lookup_respects_search_lag() {
         json!({"amount": 500, "currency": "usd", "payment_method": FakeStripe::DECLINED_CARD});
     s.call("idf_look_d", &declined).await;
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let found = s.lookup("idf_look_d", &declined, sent_at).await;
+    let found = s
+        .lookup("idf_look_d", &declined, sent_at, chrono::Utc::now())
+        .await;
     assert!(
         matches!(found, Lookup::Found(Outcome::Rejected(ref r)) if r.status() == 402),
         "{found:?}"
@@ -436,7 +442,8 @@ async fn stripe_lookup_respects_search_lag() {
     };
     let down = stripe(&format!("http://127.0.0.1:{port}"), 1);
     assert!(matches!(
-        down.lookup("idf_look", &charge(), long_ago).await,
+        down.lookup("idf_look", &charge(), long_ago, chrono::Utc::now())
+            .await,
         Lookup::Unknown { .. }
     ));
 }

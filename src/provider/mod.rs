@@ -185,12 +185,15 @@ pub trait Provider: Debug + Send + Sync + 'static {
     async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallOutcome;
 
     /// Asks the provider what happened to the request sent with `provider_key`, first sent at
-    /// `first_sent_at` (database clock).
+    /// `first_sent_at`. `now` is the database clock when the caller took the key: adapters judge
+    /// ages (search lag, the provider's retention) as `now - first_sent_at`, never by the
+    /// application's clock.
     async fn lookup(
         &self,
         provider_key: &str,
         request: &serde_json::Value,
         first_sent_at: DateTime<Utc>,
+        now: DateTime<Utc>,
     ) -> Lookup;
 }
 

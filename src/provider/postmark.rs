@@ -222,6 +222,7 @@ impl Provider for Postmark {
         provider_key: &str,
         _request: &Value,
         first_sent_at: DateTime<Utc>,
+        now: DateTime<Utc>,
     ) -> Lookup {
         let url = format!("{}/messages/outbound", self.base_url);
         let param = format!("metadata_{METADATA_KEY}");
@@ -256,7 +257,7 @@ impl Provider for Postmark {
         match messages.first() {
             Some(m) => Lookup::Found(Self::found(m)),
             None => {
-                let age = (Utc::now() - first_sent_at).to_std().unwrap_or_default();
+                let age = (now - first_sent_at).to_std().unwrap_or_default();
                 Lookup::NotFound {
                     authoritative: age >= self.search_lag && age < MESSAGE_RETENTION,
                 }

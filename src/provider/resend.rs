@@ -171,8 +171,9 @@ impl Provider for Resend {
         provider_key: &str,
         request: &Value,
         first_sent_at: DateTime<Utc>,
+        now: DateTime<Utc>,
     ) -> Lookup {
-        let age = (Utc::now() - first_sent_at).to_std().unwrap_or_default();
+        let age = (now - first_sent_at).to_std().unwrap_or_default();
         if age + self.redrive_margin >= RETENTION {
             // Resend may have forgotten the key: a re-send could send a second email, and
             // Resend cannot be searched by our key.

@@ -294,6 +294,7 @@ impl Provider for Stripe {
         provider_key: &str,
         _request: &Value,
         first_sent_at: DateTime<Utc>,
+        now: DateTime<Utc>,
     ) -> Lookup {
         let url = format!("{}/v1/payment_intents/search", self.base_url);
         let query = Self::search_query(provider_key);
@@ -322,7 +323,7 @@ impl Provider for Stripe {
         match data.as_array().and_then(|d| d.first()) {
             Some(pi) => Lookup::Found(Self::found(pi)),
             None => {
-                let age = (Utc::now() - first_sent_at).to_std().unwrap_or_default();
+                let age = (now - first_sent_at).to_std().unwrap_or_default();
                 Lookup::NotFound {
                     authoritative: age >= self.search_lag,
                 }

@@ -435,7 +435,7 @@ impl Sweeper {
             (Plan::Lookup { request, why }, Some(p)) => {
                 report.lookups += 1;
                 tracing::Span::current().record("decision", "lookup");
-                let lookup = p.lookup(&record.provider_key, &request, record.created_at);
+                let lookup = p.lookup(&record.provider_key, &request, record.created_at, now);
                 let found = tokio::time::timeout(self.config.call_timeout, lookup)
                     .await
                     .unwrap_or(Lookup::Unknown { retry_after: None });

@@ -202,6 +202,7 @@ impl Provider for FakeProvider {
         provider_key: &str,
         _request: &serde_json::Value,
         first_sent_at: DateTime<Utc>,
+        now: DateTime<Utc>,
     ) -> Lookup {
         if self.hangs() {
             std::future::pending::<()>().await;
@@ -224,7 +225,7 @@ impl Provider for FakeProvider {
                 authoritative: false,
             },
             None => {
-                let age = (Utc::now() - first_sent_at).to_std().unwrap_or_default();
+                let age = (now - first_sent_at).to_std().unwrap_or_default();
                 Lookup::NotFound {
                     authoritative: age >= lag,
                 }
