@@ -43,8 +43,7 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use idemflow::http::{IdempotencyContext, IdempotencyLayer, Problem, Retryable};
 use idemflow::provider::{Provider, Stripe};
-use idemflow::store::sqlite::SqliteStore;
-use idemflow::{CallOutcome, Idempotency, Store};
+use idemflow::{CallOutcome, Idempotency};
 use serde_json::{Map, Value, json};
 
 /// The service's settings, from the environment.
@@ -95,9 +94,10 @@ impl Settings {
 pub async fn connect(
     settings: &Settings,
 ) -> Result<(Idempotency, Arc<Stripe>), Box<dyn std::error::Error>> {
-    let store = SqliteStore::connect(&settings.database_url).await?;
+    // Any backend this build has: sqlite:, postgres://, mysql:// or redis://.
+    let store = idemflow::store::connect(&settings.database_url).await?;
     store.migrate().await?;
-    let idem = Idempotency::new(Arc::new(store)).lease(settings.lease);
+    let idem = Idempotency::new(store).lease(settings.lease);
     let stripe = Stripe::with_base_url(&settings.stripe_base, settings.stripe_key.clone())?;
     Ok((idem, Arc::new(stripe)))
 }

@@ -18,6 +18,9 @@
 //! (not stored); 400 when Resend rejects the email (stored and replayed); 400 / 409 / 422 / 503
 //! from the layer (see `docs/http.md`).
 
+// tests/email_service.rs includes this file as a module and uses `router` only.
+#![allow(dead_code)]
+
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -32,8 +35,7 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use idemflow::http::{IdempotencyContext, IdempotencyLayer, Problem, Retryable};
 use idemflow::provider::{Provider, Resend};
-use idemflow::store::sqlite::SqliteStore;
-use idemflow::{CallOutcome, Idempotency, Store};
+use idemflow::{CallOutcome, Idempotency};
 use serde_json::{Map, Value, json};
 
 fn invalid(field: &str, detail: impl Into<String>) -> Problem {
@@ -174,6 +176,20 @@ async fn send_email(State(resend): State<Arc<Resend>>, ctx: IdempotencyContext) 
     }
 }
 
+/// The service: `POST /emails` behind the idempotency layer, scoped by `X-Account-Id`.
+pub fn router(idem: Idempotency, resend: Arc<Resend>) -> Router {
+    let layer = IdempotencyLayer::new(idem)
+        .scope_from_header("x-account-id")
+        .operation("emails.send")
+        .provider(resend.name().to_owned())
+        .stored_request(email_params)
+        .replay_with(|_, stored| render(stored));
+    Router::new()
+        .route("/emails", post(send_email))
+        .layer(layer)
+        .with_state(resend)
+}
+
 async fn serve() -> Result<(), Box<dyn std::error::Error>> {
     let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
     let api_key = var("RESEND_API_KEY")
@@ -190,20 +206,12 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
         .transpose()?
         .unwrap_or(30);
 
-    let store = SqliteStore::connect(&db).await?;
+    // Any backend this build has: sqlite:, postgres://, mysql:// or redis://.
+    let store = idemflow::store::connect(&db).await?;
     store.migrate().await?;
-    let idem = Idempotency::new(Arc::new(store)).lease(Duration::from_secs(lease.max(1)));
+    let idem = Idempotency::new(store).lease(Duration::from_secs(lease.max(1)));
     let resend = Arc::new(Resend::with_base_url(&base, api_key)?);
-    let layer = IdempotencyLayer::new(idem)
-        .scope_from_header("x-account-id")
-        .operation("emails.send")
-        .provider(resend.name().to_owned())
-        .stored_request(email_params)
-        .replay_with(|_, stored| render(stored));
-    let app = Router::new()
-        .route("/emails", post(send_email))
-        .layer(layer)
-        .with_state(resend);
+    let app = router(idem, resend);
 
     let listener = tokio::net::TcpListener::bind(&addr)
         .await

@@ -186,9 +186,11 @@ pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn St
             }
             connect_sqlite(url, &shown).await
         }
-        "postgres" | "postgresql" => connect_postgres(url, &shown).await,
-        "mysql" | "mariadb" => connect_mysql(url, &shown).await,
-        "redis" | "rediss" => connect_redis(url, &shown).await,
+        "postgres" | "postgresql" | "mysql" | "mariadb" | "redis" | "rediss" => {
+            crate::store::connect(url)
+                .await
+                .with_context(|| format!("cannot open database {shown}"))
+        }
         "" => bail!("the database URL is empty (pass --database-url or set DATABASE_URL)"),
         other => bail!(
             "unsupported database URL scheme {other:?} in {shown} (expected sqlite:, postgres://, mysql:// or redis://)"
@@ -213,47 +215,6 @@ async fn connect_sqlite(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>
 #[cfg(not(feature = "sqlite"))]
 async fn connect_sqlite(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Store>> {
     bail!("this build has no sqlite support; rebuild with --features sqlite")
-}
-
-// Each backend is compiled in by its feature; a build without it says which feature to add.
-
-#[cfg(feature = "postgres")]
-async fn connect_postgres(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    let store = crate::store::postgres::PostgresStore::connect(url)
-        .await
-        .with_context(|| format!("cannot open database {shown}"))?;
-    Ok(Arc::new(store))
-}
-
-#[cfg(not(feature = "postgres"))]
-async fn connect_postgres(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    bail!("this build has no postgres support; rebuild with --features postgres")
-}
-
-#[cfg(feature = "mysql")]
-async fn connect_mysql(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    let store = crate::store::mysql::MySqlStore::connect(url)
-        .await
-        .with_context(|| format!("cannot open database {shown}"))?;
-    Ok(Arc::new(store))
-}
-
-#[cfg(not(feature = "mysql"))]
-async fn connect_mysql(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    bail!("this build has no mysql support; rebuild with --features mysql")
-}
-
-#[cfg(feature = "redis")]
-async fn connect_redis(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    let store = crate::store::redis::RedisStore::connect(url)
-        .await
-        .with_context(|| format!("cannot open database {shown}"))?;
-    Ok(Arc::new(store))
-}
-
-#[cfg(not(feature = "redis"))]
-async fn connect_redis(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    bail!("this build has no redis support; rebuild with --features redis")
 }
 
 #[cfg(test)]

@@ -27,7 +27,9 @@ pub mod redis;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
+mod connect;
 mod rows;
+pub use connect::connect;
 pub use rows::{RawEvent, RawRecord};
 
 /// A claim request: everything the key row holds from its first write.

@@ -44,6 +44,7 @@ fn corrupt(backend: &'static str, detail: impl Into<String>) -> StoreError {
 }
 
 /// Milliseconds since the epoch to a time, or a `Corrupt` error.
+#[cfg_attr(not(any(feature = "sqlite", feature = "redis")), allow(dead_code))]
 pub(crate) fn ms_to_time(backend: &'static str, ms: i64) -> Result<DateTime<Utc>, StoreError> {
     DateTime::from_timestamp_millis(ms)
         .ok_or_else(|| corrupt(backend, format!("timestamp {ms} ms")))

@@ -1,0 +1,75 @@
+//! [`connect`]: a store from a URL, whichever backend this build has.
+
+use std::sync::Arc;
+
+use super::Store;
+use crate::error::StoreError;
+
+/// Opens the store a URL names: `sqlite:` (feature `sqlite`), `postgres://` / `postgresql://`
+/// (feature `postgres`), `mysql://` / `mariadb://` (feature `mysql`), `redis://` / `rediss://`
+/// (feature `redis`). It does not migrate: call [`Store::migrate`] when you own the schema.
+///
+/// A scheme this build was compiled without is a [`StoreError::Config`] that names the feature
+/// to enable.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), idemflow::StoreError> {
+/// let store = idemflow::store::connect("sqlite::memory:").await?;
+/// store.migrate().await?;
+/// assert_eq!(store.backend(), "sqlite");
+/// assert!(idemflow::store::connect("ftp://nope").await.is_err());
+/// # Ok(())
+/// # }
+/// ```
+pub async fn connect(url: &str) -> Result<Arc<dyn Store>, StoreError> {
+    let scheme = url.split(':').next().unwrap_or_default();
+    match scheme {
+        "sqlite" => {
+            #[cfg(feature = "sqlite")]
+            return Ok(Arc::new(super::sqlite::SqliteStore::connect(url).await?));
+            #[cfg(not(feature = "sqlite"))]
+            return Err(missing("sqlite", scheme));
+        }
+        "postgres" | "postgresql" => {
+            #[cfg(feature = "postgres")]
+            return Ok(Arc::new(
+                super::postgres::PostgresStore::connect(url).await?,
+            ));
+            #[cfg(not(feature = "postgres"))]
+            return Err(missing("postgres", scheme));
+        }
+        "mysql" | "mariadb" => {
+            #[cfg(feature = "mysql")]
+            return Ok(Arc::new(super::mysql::MySqlStore::connect(url).await?));
+            #[cfg(not(feature = "mysql"))]
+            return Err(missing("mysql", scheme));
+        }
+        "redis" | "rediss" => {
+            #[cfg(feature = "redis")]
+            return Ok(Arc::new(super::redis::RedisStore::connect(url).await?));
+            #[cfg(not(feature = "redis"))]
+            return Err(missing("redis", scheme));
+        }
+        "" => Err(StoreError::Config("the database URL is empty".to_owned())),
+        other => Err(StoreError::Config(format!(
+            "unsupported database URL scheme {other:?} (expected sqlite:, postgres://, mysql:// or redis://)"
+        ))),
+    }
+}
+
+/// The error for a scheme whose backend this build was compiled without.
+#[cfg_attr(
+    all(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "redis"
+    ),
+    allow(dead_code)
+)]
+fn missing(feature: &str, scheme: &str) -> StoreError {
+    StoreError::Config(format!(
+        "this build has no {feature} support for {scheme}: URLs; enable the cargo feature `{feature}`"
+    ))
+}
