@@ -104,6 +104,20 @@ pub struct Finish {
     pub reason: String,
 }
 
+impl Finish {
+    /// The stored response as column values: status, headers (a JSON array of pairs), body.
+    pub fn response_columns(&self) -> (Option<i32>, Option<String>, Option<&[u8]>) {
+        match &self.response {
+            Some(r) => (
+                Some(i32::from(r.status())),
+                Some(r.headers_json()),
+                Some(r.body()),
+            ),
+            None => (None, None, None),
+        }
+    }
+}
+
 /// Giving a lease back while the key stays processing (outcome unknown, or a deferred check).
 #[derive(Debug, Clone)]
 pub struct Release {

@@ -379,14 +379,7 @@ impl Store for MySqlStore {
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
         check_finish(token, finish.to)?;
-        let (status, headers, body) = match &finish.response {
-            Some(r) => (
-                Some(i32::from(r.status())),
-                Some(r.headers_json()),
-                Some(r.body()),
-            ),
-            None => (None, None, None),
-        };
+        let (status, headers, body) = finish.response_columns();
         let token_value = token.map(|t| t.0);
         // The update and the read-back share a transaction, so the row returned is the one
         // written (the update's row lock is held until commit).

@@ -343,14 +343,7 @@ impl Store for SqliteStore {
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
         check_finish(token, finish.to)?;
-        let (status, headers, body) = match &finish.response {
-            Some(r) => (
-                Some(i32::from(r.status())),
-                Some(r.headers_json()),
-                Some(r.body()),
-            ),
-            None => (None, None, None),
-        };
+        let (status, headers, body) = finish.response_columns();
         let row = sqlx::query(sql::FINISH)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
