@@ -3,6 +3,11 @@
 
 #![cfg(feature = "cli")]
 
+#[cfg(feature = "postgres")]
+mod conformance;
+#[cfg(feature = "postgres")]
+mod pg_support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
@@ -488,39 +493,10 @@ mod postgres {
     use sqlx::postgres::PgConnection;
     use sqlx::{AssertSqlSafe, Connection, Executor};
 
-    const URL_VAR: &str = "IDEMFLOW_TEST_POSTGRES_URL";
-
-    fn skip<T>(why: String) -> Option<T> {
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("{why} and CI=true: the CLI must be tested on PostgreSQL in CI");
-        }
-        eprintln!("skipping: {why}");
-        None
-    }
-
     /// A fresh schema: the admin URL, the schema's name and a `DATABASE_URL` that selects it.
     async fn fresh_schema() -> Option<(String, String, String)> {
-        let url = match std::env::var(URL_VAR) {
-            Ok(v) if !v.is_empty() => v,
-            _ => return skip(format!("{URL_VAR} is not set")),
-        };
-        let mut admin = match PgConnection::connect(&url).await {
-            Ok(c) => c,
-            Err(e) => return skip(format!("PostgreSQL at {URL_VAR} is unreachable: {e}")),
-        };
-        let secs = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs();
-        // The prefix of tests/postgres.rs, whose runs drop such schemas after an hour.
-        let schema = format!("idemflow_t_{secs}_{}_cli", std::process::id());
-        admin
-            .execute(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-            .await
-            .unwrap();
-        admin.close().await.unwrap();
-        let sep = if url.contains('?') { '&' } else { '?' };
-        let in_schema = format!("{url}{sep}options=-c%20search_path%3D{schema}");
+        let (url, schema) = crate::pg_support::fresh_schema().await?;
+        let in_schema = crate::pg_support::url_in(&url, &schema);
         Some((url, schema, in_schema))
     }
 

@@ -15,10 +15,10 @@ mod email_service;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idemflow::Idempotency;
 use idemflow::provider::Resend;
 use idemflow::provider::http::HttpConfig;
 use idemflow::testkit::FakeResend;
-use idemflow::Idempotency;
 use serde_json::{Value, json};
 
 async fn start(fake: &FakeResend) -> String {

@@ -9,91 +9,21 @@
 
 #[macro_use]
 mod conformance;
+mod pg_support;
 #[macro_use]
 mod sweeper_suite;
 
-use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use conformance::{backend_url, claim_for, claimed, done, id};
+use conformance::{claim_for, claimed, done, id};
 use idemflow::store::postgres::{PostgresStore, TAKE_STALE_SQL};
 use idemflow::store::{ClaimOutcome, TakeStale};
 use idemflow::{KeyState, LeaseToken, Response, Store, StoreError};
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Connection, Executor, Row};
 
-const URL_VAR: &str = "IDEMFLOW_TEST_POSTGRES_URL";
-const PREFIX: &str = "idemflow_t_";
-static SCHEMAS: AtomicU64 = AtomicU64::new(0);
-
-fn unreachable<T>(e: impl std::fmt::Display) -> Option<T> {
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("PostgreSQL at {URL_VAR} is unreachable and CI=true: {e}");
-    }
-    eprintln!("skipping: PostgreSQL at {URL_VAR} is unreachable: {e}");
-    None
-}
-
-fn now_secs() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-}
-
-/// Creates a fresh schema (dropping this suite's schemas older than an hour) and returns the URL
-/// and its name.
-async fn fresh_schema() -> Option<(String, String)> {
-    let url = backend_url(URL_VAR)?;
-    let mut admin = match PgConnection::connect(&url).await {
-        Ok(c) => c,
-        Err(e) => return unreachable(e),
-    };
-    let old: Vec<String> = sqlx::query_scalar(
-        "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, 'idemflow_t_')",
-    )
-    .fetch_all(&mut admin)
-    .await
-    .unwrap();
-    for name in old {
-        let born: Option<u64> = name[PREFIX.len()..]
-            .split('_')
-            .next()
-            .and_then(|s| s.parse().ok());
-        if born.is_some_and(|b| b + 3600 < now_secs()) {
-            let _ = admin
-                .execute(AssertSqlSafe(format!(
-                    "DROP SCHEMA IF EXISTS \"{name}\" CASCADE"
-                )))
-                .await;
-        }
-    }
-    let schema = format!(
-        "{PREFIX}{}_{}_{}",
-        now_secs(),
-        std::process::id(),
-        SCHEMAS.fetch_add(1, Ordering::Relaxed)
-    );
-    admin
-        .execute(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .await
-        .unwrap();
-    admin.close().await.unwrap();
-    Some((url, schema))
-}
-
-async fn pool_in(url: &str, schema: &str, max: u32) -> PgPool {
-    let options = PgConnectOptions::from_str(url)
-        .unwrap()
-        .options([("search_path", schema)]);
-    PgPoolOptions::new()
-        .max_connections(max)
-        .connect_with(options)
-        .await
-        .unwrap()
-}
+use pg_support::{drop_schema, fresh_schema, pool_in};
 
 async fn store() -> Option<Arc<dyn Store>> {
     let (url, schema) = fresh_schema().await?;
@@ -110,14 +40,6 @@ mod suite {
 mod sweeper {
     use super::*;
     sweeper_tests!(store);
-}
-
-async fn drop_schema(url: &str, schema: &str) {
-    let mut admin = PgConnection::connect(url).await.unwrap();
-    admin
-        .execute(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .await
-        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

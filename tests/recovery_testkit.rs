@@ -1,7 +1,9 @@
 //! Crash points settled by the sweeper against the testkit's fake providers, through the real
 //! HTTP adapters, and the `idemflow reconcile --once` CLI doing the same from a config file.
 //! Every story ends with exactly one effect in the fake's ledger and the key `done` with it, or
-//! no effect and the key retryable; the client's retry then gets the right final answer.
+//! no effect and the key retryable; the client's retry then gets the right final answer. Runs on
+//! SQLite (a file database) and on PostgreSQL (a fresh schema) when `IDEMFLOW_TEST_POSTGRES_URL`
+//! is set.
 
 #![cfg(all(feature = "testkit", feature = "sqlite"))]
 
@@ -25,12 +27,58 @@ fn once() -> HttpConfig {
     }
 }
 
-async fn file_store() -> (Arc<SqliteStore>, String) {
+mod conformance;
+#[cfg(feature = "postgres")]
+mod pg_support;
+
+type Backend = (Arc<dyn Store>, String);
+
+async fn sqlite_store() -> Option<Backend> {
     let dir = tempfile::tempdir().unwrap().keep();
     let url = format!("sqlite://{}", dir.join("recovery.db").display());
     let store = SqliteStore::connect(&url).await.unwrap();
     store.migrate().await.unwrap();
-    (Arc::new(store), url)
+    Some((Arc::new(store), url))
+}
+
+#[cfg(feature = "postgres")]
+async fn postgres_store() -> Option<Backend> {
+    let (url, schema) = pg_support::fresh_schema().await?;
+    let store = idemflow::store::postgres::PostgresStore::from_pool(
+        pg_support::pool_in(&url, &schema, 5).await,
+    );
+    store.migrate().await.unwrap();
+    Some((Arc::new(store), pg_support::url_in(&url, &schema)))
+}
+
+macro_rules! recovery_tests {
+    ($factory:path; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let Some((store, url)) = $factory().await else { return };
+                super::$name(store, url).await;
+            }
+        )*
+    };
+    ($factory:path) => {
+        recovery_tests!($factory;
+            lost_response_is_settled_by_the_sweeper_with_one_charge,
+            process_died_after_the_provider_answered_is_settled_with_one_charge,
+            crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_once,
+        );
+        #[cfg(feature = "cli")]
+        recovery_tests!($factory; cli_reconcile_once_settles_lost_responses_from_a_config_file);
+    };
+}
+
+mod sqlite {
+    recovery_tests!(super::sqlite_store);
+}
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    recovery_tests!(super::postgres_store);
 }
 
 fn stripe(fake: &FakeStripe) -> Arc<Stripe> {
@@ -52,15 +100,16 @@ fn charge(key: &str) -> Request {
     .unwrap()
 }
 
-fn sweeper(store: Arc<SqliteStore>, provider: Arc<dyn Provider>) -> Sweeper {
+fn sweeper(store: Arc<dyn Store>, provider: Arc<dyn Provider>) -> Sweeper {
     Sweeper::new(store, Providers::new().with(provider))
 }
 
-#[tokio::test]
-async fn lost_response_is_settled_by_the_sweeper_with_one_charge() {
+async fn lost_response_is_settled_by_the_sweeper_with_one_charge(
+    store: Arc<dyn Store>,
+    _url: String,
+) {
     let fake = FakeStripe::start().await.unwrap();
     let stripe = stripe(&fake);
-    let (store, _) = file_store().await;
     let idem = Idempotency::new(store.clone());
 
     fake.faults().lose_next_response();
@@ -111,11 +160,12 @@ async fn lost_response_is_settled_by_the_sweeper_with_one_charge() {
     assert_eq!(history.last().unwrap().actor, idemflow::Actor::Sweeper);
 }
 
-#[tokio::test]
-async fn process_died_after_the_provider_answered_is_settled_with_one_charge() {
+async fn process_died_after_the_provider_answered_is_settled_with_one_charge(
+    store: Arc<dyn Store>,
+    _url: String,
+) {
     let fake = FakeStripe::start().await.unwrap();
     let stripe = stripe(&fake);
-    let (store, _) = file_store().await;
     let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(200));
 
     // The worker sends the charge, gets the answer, and dies before storing it.
@@ -147,8 +197,10 @@ async fn process_died_after_the_provider_answered_is_settled_with_one_charge() {
     assert_eq!(fake.ledger().len(), 1);
 }
 
-#[tokio::test]
-async fn crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_once() {
+async fn crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_once(
+    store: Arc<dyn Store>,
+    _url: String,
+) {
     let fake = FakePostmark::start().await.unwrap();
     let postmark = Arc::new(
         Postmark::with_base_url(fake.base_url(), FakePostmark::API_KEY)
@@ -157,7 +209,6 @@ async fn crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_o
             .unwrap()
             .search_lag(Duration::ZERO),
     );
-    let (store, _) = file_store().await;
     let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(100));
     let email = json!({"From": "shop@x.test", "To": "ana@y.test", "Subject": "Receipt", "TextBody": "Thanks"});
     let req = || Request::new("shop-1", "mail-1", "email.send", &email).unwrap();
@@ -199,11 +250,12 @@ async fn crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_o
 }
 
 #[cfg(feature = "cli")]
-#[tokio::test]
-async fn cli_reconcile_once_settles_lost_responses_from_a_config_file() {
+async fn cli_reconcile_once_settles_lost_responses_from_a_config_file(
+    store: Arc<dyn Store>,
+    url: String,
+) {
     let fake = FakeStripe::start().await.unwrap();
     let stripe = stripe(&fake);
-    let (store, url) = file_store().await;
     let idem = Idempotency::new(store.clone());
     for i in 0..5 {
         fake.faults().lose_next_response();
