@@ -56,10 +56,22 @@
 //!
 //! ## Features
 //!
-//! `sqlite` (default) gives [`store::sqlite::SqliteStore`]. Other backends and integrations live
-//! behind their own features. `http` brings the provider adapters (Stripe, Resend, Postmark;
-//! reqwest with rustls), `axum` the `Idempotency-Key` layer for axum / tower services (module `http`),
-//! `testkit` fake provider servers with fault injection for tests.
+//! | feature | what |
+//! |---|---|
+//! | `sqlite` (default) | [`store::sqlite::SqliteStore`], embedded |
+//! | `postgres` | `store::postgres::PostgresStore`, for many app instances and sweepers |
+//! | `mysql` | `store::mysql::MySqlStore` (MariaDB >= 10.6, MySQL 8) |
+//! | `redis` | `store::redis::RedisStore` (one Lua script per transition) |
+//! | `http` | provider adapters: `provider::Stripe`, `provider::Resend`, `provider::Postmark` |
+//! | `axum` | `http::IdempotencyLayer`, IETF `Idempotency-Key` semantics for axum services |
+//! | `testkit` | fake provider servers with a ledger and fault injection |
+//! | `cli` | the `idemflow` reconciler binary |
+//!
+//! [`store::connect`] opens whichever backend a URL names. The recovery [`Sweeper`] settles keys
+//! left `processing` by crashes and lost responses, from the provider's own records.
+//!
+//! The library never installs a tracing subscriber; every transition runs in a `tracing` span
+//! (`idemflow.execute`, `idemflow.claim`, `idemflow.finish`, `idemflow.sweep_key`, ...).
 
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
