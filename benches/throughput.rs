@@ -324,6 +324,7 @@ impl Backend for Sqlite {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn bench_name(tag: &str) -> String {
     format!("idemflow_bench_{}_{tag}", std::process::id())
 }
