@@ -82,7 +82,8 @@ pub enum ClaimOutcome {
     Claimed(Lease),
     /// The key exists and was not claimable (in flight, finished, or another request).
     Existing {
-        /// The row as read.
+        /// The row as read. Stores may leave `request` out (`None`) on this hot path; read the
+        /// key with [`Store::get`] for the whole row.
         record: Box<KeyRecord>,
         /// The database clock at the read, to judge the lease.
         now: DateTime<Utc>,

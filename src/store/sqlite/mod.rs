@@ -175,7 +175,15 @@ impl SqliteStore {
         &self,
         id: &KeyId,
     ) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
-        let row = sqlx::query(sql::GET)
+        self.read_with(sql::GET, id).await
+    }
+
+    async fn read_with(
+        &self,
+        statement: &'static str,
+        id: &KeyId,
+    ) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
+        let row = sqlx::query(statement)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .fetch_optional(&self.reader)
@@ -275,7 +283,7 @@ impl Store for SqliteStore {
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         // Read first, on a reader connection: replays and in-flight duplicates never queue
         // behind the single writer.
-        if let Some((record, now)) = self.read_with_now(&claim.id).await?
+        if let Some((record, now)) = self.read_with(sql::CLAIM_READ, &claim.id).await?
             && !claimable(claim, &record, now)
         {
             return Ok(ClaimOutcome::Existing {
@@ -321,7 +329,7 @@ impl Store for SqliteStore {
                     transition,
                 }));
             }
-            if let Some((record, now)) = self.read_with_now(&claim.id).await? {
+            if let Some((record, now)) = self.read_with(sql::CLAIM_READ, &claim.id).await? {
                 return Ok(ClaimOutcome::Existing {
                     record: Box::new(record),
                     now,

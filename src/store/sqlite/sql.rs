@@ -25,6 +25,17 @@ pub(super) const GET: &str = concat!(
     " AS db_now FROM idempotency_keys WHERE scope = ?1 AND key = ?2"
 );
 
+/// `GET` without the stored request (up to the request cap in size), for the claim's read: a
+/// replay or an in-flight answer never needs it.
+pub(super) const CLAIM_READ: &str = concat!(
+    "SELECT scope, key, operation, provider, provider_key, state, retryable, fingerprint, \
+     NULL AS request, response_status, response_headers, response_body, error, lease_token, \
+     lease_owner, lease_expires_at, attempts, created_at, updated_at, expires_at, next_check_at, \
+     retention_ms, ",
+    now!(),
+    " AS db_now FROM idempotency_keys WHERE scope = ?1 AND key = ?2"
+);
+
 /// The reasons double as the transition marker returned by `CLAIM`.
 pub(super) const REASON_CLAIM: &str = "claimed";
 pub(super) const REASON_RECLAIM: &str = "reclaimed after a retryable failure";
