@@ -9,8 +9,9 @@
 //! and the member never contains a brace). Its bucket is `b = fnv1a64(member) % B`, and it uses:
 //!
 //! - `P:{b}:k:<member>`: a hash with the key's row (short field names, see `FIELDS` below);
-//! - `P:{b}:h:<member>`: a list with the key's history, one JSON entry per transition, capped at
-//!   [`RedisConfig::history_cap`] entries;
+//! - `P:{b}:h:<member>`: a list with the key's history, one compact entry per transition
+//!   (`seq|from|from_rt|to|to_rt|token|at|#actor|actor[|reason]`; entries written as JSON by
+//!   earlier versions are still read), capped at [`RedisConfig::history_cap`] entries;
 //!
 //! and the bucket's indexes, sorted sets of members:
 //!
@@ -592,8 +593,50 @@ fn record(
     .into_record(BACKEND)
 }
 
-/// Decodes one JSON history entry.
+/// Decodes one history entry: the compact form written by the scripts
+/// (`seq|from|from_rt|to|to_rt|token|at|#actor|actor[|reason]`) or, for entries written by an
+/// earlier version, JSON.
 fn event(raw: &str) -> Result<KeyEvent, StoreError> {
+    if raw.starts_with('{') {
+        return json_event(raw);
+    }
+    let bad = || corrupt(format!("history entry {raw:?}"));
+    let mut it = raw.splitn(8, '|');
+    let mut next = || it.next().ok_or_else(bad);
+    let seq: i64 = next()?.parse().map_err(|_| bad())?;
+    let opt = |v: &str| (!v.is_empty()).then(|| v.to_owned());
+    let from_state = opt(next()?);
+    let from_retryable = opt(next()?).map(|v| v == "1");
+    let to_state = opt(next()?);
+    let to_retryable = opt(next()?).map(|v| v == "1");
+    let lease_token = opt(next()?)
+        .map(|v| v.parse::<i64>().map_err(|_| bad()))
+        .transpose()?;
+    let at: i64 = next()?.parse().map_err(|_| bad())?;
+    let rest = next()?;
+    let (len, rest) = rest.split_once('|').ok_or_else(bad)?;
+    let len: usize = len.parse().map_err(|_| bad())?;
+    let actor = rest.get(..len).ok_or_else(bad)?.to_owned();
+    let reason = match rest.get(len..).ok_or_else(bad)? {
+        "" => None,
+        r => Some(r.strip_prefix('|').ok_or_else(bad)?.to_owned()),
+    };
+    RawEvent {
+        seq,
+        from_state,
+        from_retryable,
+        to_state,
+        to_retryable,
+        lease_token,
+        actor,
+        reason,
+        at: ms_to_time(BACKEND, at)?,
+    }
+    .into_event(BACKEND)
+}
+
+/// Decodes one JSON history entry (the format before the compact one).
+fn json_event(raw: &str) -> Result<KeyEvent, StoreError> {
     let v: serde_json::Value =
         serde_json::from_str(raw).map_err(|e| corrupt(format!("history entry: {e}")))?;
     let num = |k: &str| -> Option<i64> {
@@ -957,6 +1000,44 @@ mod tests {
         }
         assert_eq!(unescape("%zz"), None);
         assert_eq!(unescape("%2"), None);
+    }
+
+    #[test]
+    fn history_entries_decode_compact_and_json() {
+        let e = event("1|||processing|0|1|1700000000000|6|worker|claimed").unwrap();
+        assert_eq!(e.seq, 1);
+        assert_eq!(e.from, None);
+        assert_eq!(e.to, Some(KeyState::Processing));
+        assert_eq!(e.lease_token, Some(LeaseToken(1)));
+        assert_eq!(e.actor, crate::Actor::Worker);
+        assert_eq!(e.reason.as_deref(), Some("claimed"));
+        assert_eq!(e.at.timestamp_millis(), 1_700_000_000_000);
+        // A reason may hold the separator; an empty reason differs from none.
+        let e = event("3|processing|0|failed|1|2|5|8|operator|a|b|c").unwrap();
+        assert_eq!(e.from, Some(KeyState::Processing));
+        assert_eq!(e.to, Some(KeyState::Failed { retryable: true }));
+        assert_eq!(e.actor, crate::Actor::Operator);
+        assert_eq!(e.reason.as_deref(), Some("a|b|c"));
+        assert_eq!(
+            event("4|done|0|||2|5|5|purge|").unwrap().reason.as_deref(),
+            Some("")
+        );
+        let e = event("5|done|0||||5|5|purge").unwrap();
+        assert_eq!((e.to, e.lease_token, e.reason), (None, None, None));
+        // Entries written by earlier versions.
+        let e = event(
+            r#"{"q":2,"f":"processing","fr":"0","t":"done","tr":"0","k":1,"a":"worker","r":"ok","at":1700000000000}"#,
+        )
+        .unwrap();
+        assert_eq!((e.seq, e.to), (2, Some(KeyState::Done)));
+        for bad in [
+            "",
+            "x|",
+            "1|||done|0|1|5|9|worker",
+            "1|||done|0|1|5|6|workerX",
+        ] {
+            assert!(event(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
