@@ -42,7 +42,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::LazyLock;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -54,7 +54,7 @@ use tracing::instrument;
 use super::rows::ms_to_time;
 use super::{
     ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, Stuck,
-    TakeStale, check_finish, millis,
+    TakeStale, check_finish, claimable, millis,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -131,6 +131,14 @@ pub struct RedisConfig {
     pub expiry_grace: Option<Duration>,
     /// Timeout of one command (default 5 s).
     pub response_timeout: Duration,
+    /// Slots of the per-store hint of keys known to exist (default 65,536, 8 bytes each; 0: no
+    /// hint). A claim of a key the hint knows (this store claimed, finished or found it) first
+    /// reads it without a script (`MULTI TIME HGETALL EXEC`, one round trip) and runs the claim
+    /// script only if it is missing or claimable; any other claim runs the script at once. So a
+    /// replay costs one round trip either way (without Lua when known), and claim + finish on a
+    /// fresh key stays at two. The hint is never trusted for a decision: a wrong one costs one
+    /// extra round trip.
+    pub known_keys: usize,
     /// Timeout of one connection attempt (default 2 s).
     pub connection_timeout: Duration,
 }
@@ -146,6 +154,7 @@ impl RedisConfig {
             history_ttl: Duration::from_secs(7 * 24 * 3600),
             expiry_grace: Some(Duration::from_secs(3600)),
             response_timeout: Duration::from_secs(5),
+            known_keys: 1 << 16,
             connection_timeout: Duration::from_secs(2),
         }
     }
@@ -180,6 +189,13 @@ impl RedisConfig {
         self
     }
 
+    /// Sets the number of slots of the known-keys hint (0: no hint, every claim runs the
+    /// claim script).
+    pub fn known_keys(mut self, slots: usize) -> Self {
+        self.known_keys = slots;
+        self
+    }
+
     /// Sets the command timeout.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
@@ -207,6 +223,9 @@ pub struct RedisStore {
     cap: i64,
     history_ttl: i64,
     grace: i64,
+    /// Keys known to exist, as a direct-mapped table of member hashes (see
+    /// [`RedisConfig::known_keys`]).
+    known: std::sync::Arc<[AtomicU64]>,
     /// Where the next bucket-wide operation starts, so no bucket starves.
     cursor: std::sync::Arc<AtomicU32>,
 }
@@ -342,6 +361,7 @@ impl RedisStore {
             cap: i64::from(config.history_cap),
             history_ttl: ms(config.history_ttl),
             grace: config.expiry_grace.map_or(-1, ms),
+            known: (0..config.known_keys).map(|_| AtomicU64::new(0)).collect(),
             cursor: std::sync::Arc::new(AtomicU32::new(0)),
         }
     }
@@ -439,6 +459,56 @@ impl RedisStore {
             .query_async(&mut con)
             .await
             .map_err(db)
+    }
+
+    /// The hint slot of a member and the value it holds when the member is known (never 0).
+    fn known_slot(&self, member: &str) -> Option<(&AtomicU64, u64)> {
+        if self.known.is_empty() {
+            return None;
+        }
+        let h = fnv1a(member).max(1);
+        // The remainder is below `known.len()`, a usize.
+        let slot = &self.known[(h % self.known.len() as u64) as usize];
+        Some((slot, h))
+    }
+
+    fn is_known(&self, member: &str) -> bool {
+        self.known_slot(member)
+            .is_some_and(|(slot, h)| slot.load(Ordering::Relaxed) == h)
+    }
+
+    fn set_known(&self, member: &str) {
+        if let Some((slot, h)) = self.known_slot(member) {
+            slot.store(h, Ordering::Relaxed);
+        }
+    }
+
+    /// The key's row and the Redis clock, read atomically (`MULTI TIME HGETALL EXEC`: one round
+    /// trip, no script).
+    async fn snapshot(
+        &self,
+        id: &KeyId,
+        hash: &str,
+    ) -> Result<(Option<KeyRecord>, DateTime<Utc>), StoreError> {
+        let mut con = self.con.clone();
+        let (time, row): (Vec<i64>, Value) = redis::pipe()
+            .atomic()
+            .cmd("TIME")
+            .cmd("HGETALL")
+            .arg(hash)
+            .query_async(&mut con)
+            .await
+            .map_err(db)?;
+        let [sec, usec] = time[..] else {
+            return Err(corrupt("TIME reply"));
+        };
+        let now = ms_to_time(BACKEND, sec * 1000 + usec / 1000)?;
+        let fields = fields(row)?;
+        if fields.is_empty() {
+            return Ok((None, now));
+        }
+        let r = record(id.scope.as_str(), id.key.as_str(), fields)?;
+        Ok((Some(r), now))
     }
 
     async fn current(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
@@ -719,6 +789,18 @@ impl Store for RedisStore {
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         let m = member(&claim.id);
         let k = self.keys(&m);
+        if self.is_known(&m) {
+            // The script decides again, atomically; this read only spares it for keys that
+            // exist and are not claimable (replays, in-flight keys, other requests).
+            if let (Some(record), now) = self.snapshot(&claim.id, &k.hash).await? {
+                if !claimable(claim, &record, now) {
+                    return Ok(ClaimOutcome::Existing {
+                        record: Box::new(record),
+                        now,
+                    });
+                }
+            }
+        }
         let window = claim.takeover_window.map(|w| ms(w).to_string());
         let mut inv = self.per_key(&SCRIPTS.claim, &k);
         inv.arg(&m)
@@ -732,6 +814,7 @@ impl Store for RedisStore {
             .arg(ms(claim.retention))
             .arg(opt(window.as_deref().map(str::as_bytes)));
         let reply = array(self.invoke(&inv).await?)?;
+        self.set_known(&m);
         match text(reply.first()).as_deref() {
             Some("claimed") => {
                 let transition = match text(reply.get(5)).as_deref() {
