@@ -792,13 +792,13 @@ impl Store for RedisStore {
         if self.is_known(&m) {
             // The script decides again, atomically; this read only spares it for keys that
             // exist and are not claimable (replays, in-flight keys, other requests).
-            if let (Some(record), now) = self.snapshot(&claim.id, &k.hash).await? {
-                if !claimable(claim, &record, now) {
-                    return Ok(ClaimOutcome::Existing {
-                        record: Box::new(record),
-                        now,
-                    });
-                }
+            if let (Some(record), now) = self.snapshot(&claim.id, &k.hash).await?
+                && !claimable(claim, &record, now)
+            {
+                return Ok(ClaimOutcome::Existing {
+                    record: Box::new(record),
+                    now,
+                });
             }
         }
         let window = claim.takeover_window.map(|w| ms(w).to_string());
