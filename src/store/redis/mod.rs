@@ -467,8 +467,10 @@ impl RedisStore {
             return None;
         }
         let h = fnv1a(member).max(1);
-        // The remainder is below `known.len()`, a usize.
-        let slot = &self.known[(h % self.known.len() as u64) as usize];
+        // FNV-1a's low bits depend only on the low bits of the state: index by the high bits
+        // of a multiplicative mix instead. The remainder is below `known.len()`, a usize.
+        let mixed = h.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+        let slot = &self.known[(mixed % self.known.len() as u64) as usize];
         Some((slot, h))
     }
 
