@@ -14,11 +14,12 @@ local window = opt(ARGV[15])
 if window then window = tonumber(window) end
 
 local now = now_ms()
-local cur = redis.call('HMGET', h, 'st', 'rt', 'fp', 'lex', 'cat', 'pk')
+local cur = redis.call('HMGET', h, 'st', 'rt', 'fp', 'lex', 'cat', 'pk', 'tok', 'att', 'hs')
 
 if not cur[1] then
   local lex = now + lease
-  local seq = last_seq(hist) + 1
+  local seq, had_history = last_seq(hist)
+  seq = seq + 1
   local f = {'op', op, 'pk', pk, 'st', 'processing', 'rt', '0', 'fp', fp, 'tok', '1',
     'own', owner, 'lex', s(lex), 'att', '1', 'cat', s(now), 'uat', s(now),
     'ret', s(retention), 'hs', s(seq)}
@@ -31,7 +32,8 @@ if not cur[1] then
   redis.call('ZREM', idx.fp, m)
   index_processing(idx, m, lex, nil, now)
   record_event(hist, seq, nil, nil, 'processing', '0', 1, 'worker', 'claimed', now)
-  redis.call('PERSIST', hist)
+  -- A history left by a purged or expired key has a TTL; a new one has none.
+  if had_history then redis.call('PERSIST', hist) end
   return {'claimed', 1, lex, 1, pk, 'claim'}
 end
 
@@ -49,17 +51,18 @@ if not transition then
   return {'existing', now, redis.call('HGETALL', h)}
 end
 
-local tok = redis.call('HINCRBY', h, 'tok', 1)
-local att = redis.call('HINCRBY', h, 'att', 1)
+local tok = tonumber(cur[7]) + 1
+local att = tonumber(cur[8]) + 1
+local seq = tonumber(cur[9]) + 1
 local lex = now + lease
-redis.call('HSET', h, 'st', 'processing', 'rt', '0', 'own', owner, 'lex', s(lex),
-  'uat', s(now), 'ret', s(retention))
-if request then redis.call('HSET', h, 'req', request) end
+local f = {'st', 'processing', 'rt', '0', 'own', owner, 'lex', s(lex), 'uat', s(now),
+  'ret', s(retention), 'tok', s(tok), 'att', s(att), 'hs', s(seq)}
+if request then f[#f + 1] = 'req'; f[#f + 1] = request end
+redis.call('HSET', h, unpack(f))
 redis.call('HDEL', h, 'exp', 'nca', 'err', 'rs', 'rh', 'rb')
 redis.call('PERSIST', h)
 unindex(idx, m, st, rt)
 index_processing(idx, m, lex, nil, tonumber(ccat))
-local seq = redis.call('HINCRBY', h, 'hs', 1)
 local reason = 'retry took over an expired lease'
 if transition == 'reclaim' then reason = 'reclaimed after a retryable failure' end
 record_event(hist, seq, st, rt, 'processing', '0', tok, 'worker', reason, now)

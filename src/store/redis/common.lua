@@ -71,22 +71,30 @@ local function index_processing(idx, m, lex, nca, created)
   if created then redis.call('ZADD', idx.created, s(created), m) end
 end
 
--- The last history sequence number of a key (0 when it has none).
+-- The last history sequence number of a key (0 when it has none) and whether it has a history.
+-- Entries are compact (see record_event) or, when written by an earlier version, JSON.
 local function last_seq(hist)
   local last = redis.call('LINDEX', hist, -1)
-  if not last then return 0 end
+  if not last then return 0, false end
+  local q = tonumber(string.match(last, '^(%d+)|'))
+  if q then return q, true end
   local ok, e = pcall(cjson.decode, last)
-  if ok and type(e) == 'table' and tonumber(e.q) then return tonumber(e.q) end
-  return redis.call('LLEN', hist)
+  if ok and type(e) == 'table' and tonumber(e.q) then return tonumber(e.q), true end
+  return redis.call('LLEN', hist), true
 end
 
--- Appends one history entry (and caps the list). nil fields are left out.
+-- Appends one history entry (and caps the list). The entry is a fixed-field string, cheaper to
+-- build than JSON:
+--   seq|from_state|from_retryable|to_state|to_retryable|token|at|#actor|actor[|reason]
+-- nil fields are empty; the actor is length-prefixed and the reason, last, is the rest of the
+-- entry, so neither needs escaping. A missing reason leaves out its '|'.
 local function record_event(hist, seq, from_st, from_rt, to_st, to_rt, tok, actor, reason, at)
-  redis.call('RPUSH', hist, cjson.encode({
-    q = seq, f = from_st, fr = from_rt, t = to_st, tr = to_rt, k = tok, a = actor, r = reason,
-    at = at,
-  }))
-  if CAP > 0 then redis.call('LTRIM', hist, -CAP, -1) end
+  local e = s(seq) .. '|' .. (from_st or '') .. '|' .. (from_rt or '') .. '|' .. (to_st or '')
+    .. '|' .. (to_rt or '') .. '|' .. (tok and s(tok) or '') .. '|' .. s(at) .. '|' .. #actor
+    .. '|' .. actor
+  if reason then e = e .. '|' .. reason end
+  local len = redis.call('RPUSH', hist, e)
+  if CAP > 0 and len > CAP then redis.call('LTRIM', hist, -CAP, -1) end
 end
 
 -- A finished key's hash: Redis deletes it GRACE after expires_at unless purge_expired did first.

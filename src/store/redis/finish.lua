@@ -12,7 +12,7 @@ local token, actor, reason = opt(ARGV[13]), ARGV[14], ARGV[15]
 local to_set = fin_set(idx, to_st, to_rt)
 if not to_set then return redis.error_reply('idemflow: finish into ' .. to_st) end
 
-local cur = redis.call('HMGET', h, 'st', 'rt', 'tok', 'ret')
+local cur = redis.call('HMGET', h, 'st', 'rt', 'tok', 'ret', 'hs')
 if not cur[1] then return {'notfound'} end
 local st, rt, tok = cur[1], cur[2], tonumber(cur[3])
 if token then
@@ -20,24 +20,32 @@ if token then
     return {'lost', tok, st, rt}
   end
 else
-  tok = redis.call('HINCRBY', h, 'tok', 1)
+  tok = tok + 1
 end
 
 local now = now_ms()
 local exp = now + tonumber(cur[4])
-redis.call('HSET', h, 'st', to_st, 'rt', to_rt, 'uat', s(now), 'exp', s(exp))
+local seq = tonumber(cur[5]) + 1
+-- One HSET of the fields that change, one HDEL of those that go.
+local set = {'st', to_st, 'rt', to_rt, 'uat', s(now), 'exp', s(exp), 'hs', s(seq)}
+if not token then set[#set + 1] = 'tok'; set[#set + 1] = s(tok) end
+local del = {'own', 'lex', 'nca'}
 local function put(field, v)
-  if v then redis.call('HSET', h, field, v) else redis.call('HDEL', h, field) end
+  if v then
+    set[#set + 1] = field; set[#set + 1] = v
+  else
+    del[#del + 1] = field
+  end
 end
 put('rs', status)
 put('rh', headers)
 put('rb', body)
 put('err', err)
-redis.call('HDEL', h, 'own', 'lex', 'nca')
+redis.call('HSET', h, unpack(set))
+redis.call('HDEL', h, unpack(del))
 expire_finished(h, exp)
 unindex(idx, m, st, rt)
 redis.call('ZADD', to_set, s(exp), m)
-local seq = redis.call('HINCRBY', h, 'hs', 1)
 record_event(hist, seq, st, rt, to_st, to_rt, tok, actor, reason, now)
 redis.call('PEXPIREAT', hist, s(exp + HIST_TTL))
 return {'ok', redis.call('HGETALL', h)}

@@ -9,8 +9,9 @@
 //! and the member never contains a brace). Its bucket is `b = fnv1a64(member) % B`, and it uses:
 //!
 //! - `P:{b}:k:<member>`: a hash with the key's row (short field names, see `FIELDS` below);
-//! - `P:{b}:h:<member>`: a list with the key's history, one JSON entry per transition, capped at
-//!   [`RedisConfig::history_cap`] entries;
+//! - `P:{b}:h:<member>`: a list with the key's history, one compact entry per transition
+//!   (`seq|from|from_rt|to|to_rt|token|at|#actor|actor[|reason]`; entries written as JSON by
+//!   earlier versions are still read), capped at [`RedisConfig::history_cap`] entries;
 //!
 //! and the bucket's indexes, sorted sets of members:
 //!
@@ -41,7 +42,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::LazyLock;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -53,7 +54,7 @@ use tracing::instrument;
 use super::rows::ms_to_time;
 use super::{
     ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, Stuck,
-    TakeStale, check_finish, millis,
+    TakeStale, check_finish, claimable, millis,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -130,6 +131,14 @@ pub struct RedisConfig {
     pub expiry_grace: Option<Duration>,
     /// Timeout of one command (default 5 s).
     pub response_timeout: Duration,
+    /// Slots of the per-store hint of keys known to exist (default 65,536, 8 bytes each; 0: no
+    /// hint). A claim of a key the hint knows (this store claimed, finished or found it) first
+    /// reads it without a script (`MULTI TIME HGETALL EXEC`, one round trip) and runs the claim
+    /// script only if it is missing or claimable; any other claim runs the script at once. So a
+    /// replay costs one round trip either way (without Lua when known), and claim + finish on a
+    /// fresh key stays at two. The hint is never trusted for a decision: a wrong one costs one
+    /// extra round trip.
+    pub known_keys: usize,
     /// Timeout of one connection attempt (default 2 s).
     pub connection_timeout: Duration,
 }
@@ -145,6 +154,7 @@ impl RedisConfig {
             history_ttl: Duration::from_secs(7 * 24 * 3600),
             expiry_grace: Some(Duration::from_secs(3600)),
             response_timeout: Duration::from_secs(5),
+            known_keys: 1 << 16,
             connection_timeout: Duration::from_secs(2),
         }
     }
@@ -179,6 +189,13 @@ impl RedisConfig {
         self
     }
 
+    /// Sets the number of slots of the known-keys hint (0: no hint, every claim runs the
+    /// claim script).
+    pub fn known_keys(mut self, slots: usize) -> Self {
+        self.known_keys = slots;
+        self
+    }
+
     /// Sets the command timeout.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
@@ -206,6 +223,9 @@ pub struct RedisStore {
     cap: i64,
     history_ttl: i64,
     grace: i64,
+    /// Keys known to exist, as a direct-mapped table of member hashes (see
+    /// [`RedisConfig::known_keys`]).
+    known: std::sync::Arc<[AtomicU64]>,
     /// Where the next bucket-wide operation starts, so no bucket starves.
     cursor: std::sync::Arc<AtomicU32>,
 }
@@ -341,6 +361,7 @@ impl RedisStore {
             cap: i64::from(config.history_cap),
             history_ttl: ms(config.history_ttl),
             grace: config.expiry_grace.map_or(-1, ms),
+            known: (0..config.known_keys).map(|_| AtomicU64::new(0)).collect(),
             cursor: std::sync::Arc::new(AtomicU32::new(0)),
         }
     }
@@ -438,6 +459,58 @@ impl RedisStore {
             .query_async(&mut con)
             .await
             .map_err(db)
+    }
+
+    /// The hint slot of a member and the value it holds when the member is known (never 0).
+    fn known_slot(&self, member: &str) -> Option<(&AtomicU64, u64)> {
+        if self.known.is_empty() {
+            return None;
+        }
+        let h = fnv1a(member).max(1);
+        // FNV-1a's low bits depend only on the low bits of the state: index by the high bits
+        // of a multiplicative mix instead. The remainder is below `known.len()`, a usize.
+        let mixed = h.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+        let slot = &self.known[(mixed % self.known.len() as u64) as usize];
+        Some((slot, h))
+    }
+
+    fn is_known(&self, member: &str) -> bool {
+        self.known_slot(member)
+            .is_some_and(|(slot, h)| slot.load(Ordering::Relaxed) == h)
+    }
+
+    fn set_known(&self, member: &str) {
+        if let Some((slot, h)) = self.known_slot(member) {
+            slot.store(h, Ordering::Relaxed);
+        }
+    }
+
+    /// The key's row and the Redis clock, read atomically (`MULTI TIME HGETALL EXEC`: one round
+    /// trip, no script).
+    async fn snapshot(
+        &self,
+        id: &KeyId,
+        hash: &str,
+    ) -> Result<(Option<KeyRecord>, DateTime<Utc>), StoreError> {
+        let mut con = self.con.clone();
+        let (time, row): (Vec<i64>, Value) = redis::pipe()
+            .atomic()
+            .cmd("TIME")
+            .cmd("HGETALL")
+            .arg(hash)
+            .query_async(&mut con)
+            .await
+            .map_err(db)?;
+        let [sec, usec] = time[..] else {
+            return Err(corrupt("TIME reply"));
+        };
+        let now = ms_to_time(BACKEND, sec * 1000 + usec / 1000)?;
+        let fields = fields(row)?;
+        if fields.is_empty() {
+            return Ok((None, now));
+        }
+        let r = record(id.scope.as_str(), id.key.as_str(), fields)?;
+        Ok((Some(r), now))
     }
 
     async fn current(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
@@ -592,8 +665,50 @@ fn record(
     .into_record(BACKEND)
 }
 
-/// Decodes one JSON history entry.
+/// Decodes one history entry: the compact form written by the scripts
+/// (`seq|from|from_rt|to|to_rt|token|at|#actor|actor[|reason]`) or, for entries written by an
+/// earlier version, JSON.
 fn event(raw: &str) -> Result<KeyEvent, StoreError> {
+    if raw.starts_with('{') {
+        return json_event(raw);
+    }
+    let bad = || corrupt(format!("history entry {raw:?}"));
+    let mut it = raw.splitn(8, '|');
+    let mut next = || it.next().ok_or_else(bad);
+    let seq: i64 = next()?.parse().map_err(|_| bad())?;
+    let opt = |v: &str| (!v.is_empty()).then(|| v.to_owned());
+    let from_state = opt(next()?);
+    let from_retryable = opt(next()?).map(|v| v == "1");
+    let to_state = opt(next()?);
+    let to_retryable = opt(next()?).map(|v| v == "1");
+    let lease_token = opt(next()?)
+        .map(|v| v.parse::<i64>().map_err(|_| bad()))
+        .transpose()?;
+    let at: i64 = next()?.parse().map_err(|_| bad())?;
+    let rest = next()?;
+    let (len, rest) = rest.split_once('|').ok_or_else(bad)?;
+    let len: usize = len.parse().map_err(|_| bad())?;
+    let actor = rest.get(..len).ok_or_else(bad)?.to_owned();
+    let reason = match rest.get(len..).ok_or_else(bad)? {
+        "" => None,
+        r => Some(r.strip_prefix('|').ok_or_else(bad)?.to_owned()),
+    };
+    RawEvent {
+        seq,
+        from_state,
+        from_retryable,
+        to_state,
+        to_retryable,
+        lease_token,
+        actor,
+        reason,
+        at: ms_to_time(BACKEND, at)?,
+    }
+    .into_event(BACKEND)
+}
+
+/// Decodes one JSON history entry (the format before the compact one).
+fn json_event(raw: &str) -> Result<KeyEvent, StoreError> {
     let v: serde_json::Value =
         serde_json::from_str(raw).map_err(|e| corrupt(format!("history entry: {e}")))?;
     let num = |k: &str| -> Option<i64> {
@@ -676,6 +791,18 @@ impl Store for RedisStore {
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         let m = member(&claim.id);
         let k = self.keys(&m);
+        if self.is_known(&m) {
+            // The script decides again, atomically; this read only spares it for keys that
+            // exist and are not claimable (replays, in-flight keys, other requests).
+            if let (Some(record), now) = self.snapshot(&claim.id, &k.hash).await?
+                && !claimable(claim, &record, now)
+            {
+                return Ok(ClaimOutcome::Existing {
+                    record: Box::new(record),
+                    now,
+                });
+            }
+        }
         let window = claim.takeover_window.map(|w| ms(w).to_string());
         let mut inv = self.per_key(&SCRIPTS.claim, &k);
         inv.arg(&m)
@@ -689,6 +816,7 @@ impl Store for RedisStore {
             .arg(ms(claim.retention))
             .arg(opt(window.as_deref().map(str::as_bytes)));
         let reply = array(self.invoke(&inv).await?)?;
+        self.set_known(&m);
         match text(reply.first()).as_deref() {
             Some("claimed") => {
                 let transition = match text(reply.get(5)).as_deref() {
@@ -957,6 +1085,44 @@ mod tests {
         }
         assert_eq!(unescape("%zz"), None);
         assert_eq!(unescape("%2"), None);
+    }
+
+    #[test]
+    fn history_entries_decode_compact_and_json() {
+        let e = event("1|||processing|0|1|1700000000000|6|worker|claimed").unwrap();
+        assert_eq!(e.seq, 1);
+        assert_eq!(e.from, None);
+        assert_eq!(e.to, Some(KeyState::Processing));
+        assert_eq!(e.lease_token, Some(LeaseToken(1)));
+        assert_eq!(e.actor, crate::Actor::Worker);
+        assert_eq!(e.reason.as_deref(), Some("claimed"));
+        assert_eq!(e.at.timestamp_millis(), 1_700_000_000_000);
+        // A reason may hold the separator; an empty reason differs from none.
+        let e = event("3|processing|0|failed|1|2|5|8|operator|a|b|c").unwrap();
+        assert_eq!(e.from, Some(KeyState::Processing));
+        assert_eq!(e.to, Some(KeyState::Failed { retryable: true }));
+        assert_eq!(e.actor, crate::Actor::Operator);
+        assert_eq!(e.reason.as_deref(), Some("a|b|c"));
+        assert_eq!(
+            event("4|done|0|||2|5|5|purge|").unwrap().reason.as_deref(),
+            Some("")
+        );
+        let e = event("5|done|0||||5|5|purge").unwrap();
+        assert_eq!((e.to, e.lease_token, e.reason), (None, None, None));
+        // Entries written by earlier versions.
+        let e = event(
+            r#"{"q":2,"f":"processing","fr":"0","t":"done","tr":"0","k":1,"a":"worker","r":"ok","at":1700000000000}"#,
+        )
+        .unwrap();
+        assert_eq!((e.seq, e.to), (2, Some(KeyState::Done)));
+        for bad in [
+            "",
+            "x|",
+            "1|||done|0|1|5|9|worker",
+            "1|||done|0|1|5|6|workerX",
+        ] {
+            assert!(event(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
