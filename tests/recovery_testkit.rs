@@ -30,6 +30,7 @@ fn once() -> HttpConfig {
 mod conformance;
 #[cfg(feature = "postgres")]
 mod pg_support;
+mod sweeper_suite;
 
 type Backend = (Arc<dyn Store>, String);
 
@@ -63,9 +64,11 @@ macro_rules! recovery_tests {
     };
     ($factory:path) => {
         recovery_tests!($factory;
+            crash_after_claim_before_the_call_is_redriven_to_one_charge,
             lost_response_is_settled_by_the_sweeper_with_one_charge,
             process_died_after_the_provider_answered_is_settled_with_one_charge,
             crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_once,
+            failed_completion_is_settled_with_one_charge,
         );
         #[cfg(feature = "cli")]
         recovery_tests!($factory; cli_reconcile_once_settles_lost_responses_from_a_config_file);
@@ -102,6 +105,82 @@ fn charge(key: &str) -> Request {
 
 fn sweeper(store: Arc<dyn Store>, provider: Arc<dyn Provider>) -> Sweeper {
     Sweeper::new(store, Providers::new().with(provider))
+}
+
+async fn crash_after_claim_before_the_call_is_redriven_to_one_charge(
+    store: Arc<dyn Store>,
+    _url: String,
+) {
+    let fake = FakeStripe::start().await.unwrap();
+    let stripe = stripe(&fake);
+    let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(100));
+    // Claimed with Stripe's derived key, then the worker dies before sending anything.
+    let req = charge("before-1");
+    let pk = stripe
+        .key_spec()
+        .derive(&req.id().scope, &req.id().key, req.operation());
+    let crashed = idem.execute(req.with_provider("stripe").with_provider_key(pk), |_ctx| {
+        std::future::pending::<Outcome>()
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), crashed)
+            .await
+            .is_err()
+    );
+    assert!(fake.ledger().is_empty());
+    tokio::time::sleep(Duration::from_millis(150)).await;
+
+    let report = sweeper(store.clone(), stripe.clone())
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!((report.done, report.redrives), (1, 1), "{report:?}");
+    assert_eq!(
+        fake.ledger().len(),
+        1,
+        "re-driven once, with the stored key"
+    );
+    let retry = idem
+        .call(charge("before-1"), stripe.as_ref())
+        .await
+        .unwrap();
+    assert!(retry.is_replay());
+    assert_eq!(fake.ledger().len(), 1);
+}
+
+async fn failed_completion_is_settled_with_one_charge(store: Arc<dyn Store>, _url: String) {
+    let fake = FakeStripe::start().await.unwrap();
+    let stripe = stripe(&fake);
+    // The charge succeeds, then storing the answer fails (the database connection drops).
+    let flaky: Arc<dyn Store> = Arc::new(sweeper_suite::FailingFinish::new(store.clone(), 1));
+    let err = Idempotency::new(flaky)
+        .lease(Duration::from_millis(100))
+        .call(charge("complete-1"), stripe.as_ref())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Store(_)), "{err}");
+    assert_eq!(fake.ledger().len(), 1);
+    let row = store.get(charge("complete-1").id()).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Processing, "nothing half-written");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+
+    let report = sweeper(store.clone(), stripe.clone())
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(report.done, 1, "{report:?}");
+    assert_eq!(
+        fake.ledger().len(),
+        1,
+        "Stripe replayed the charge for the re-drive"
+    );
+    let retry = Idempotency::new(store.clone())
+        .call(charge("complete-1"), stripe.as_ref())
+        .await
+        .unwrap();
+    assert!(retry.is_replay());
+    let pi: Value = retry.response().body_json().unwrap();
+    assert_eq!(pi["id"], fake.ledger().entries()[0].id.as_str());
 }
 
 async fn lost_response_is_settled_by_the_sweeper_with_one_charge(

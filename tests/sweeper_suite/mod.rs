@@ -292,6 +292,16 @@ pub struct FailingFinish {
     fail_worker_finishes: AtomicU32,
 }
 
+impl FailingFinish {
+    /// Wraps `inner`, failing the next `n` worker finishes as a lost connection would.
+    pub fn new(inner: Arc<dyn Store>, n: u32) -> Self {
+        Self {
+            inner,
+            fail_worker_finishes: AtomicU32::new(n),
+        }
+    }
+}
+
 #[async_trait]
 impl Store for FailingFinish {
     fn backend(&self) -> &'static str {
