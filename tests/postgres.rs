@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use conformance::{claim_for, claimed, done, id};
 use idemflow::store::postgres::{PostgresStore, TAKE_STALE_SQL};
-use idemflow::store::{ClaimOutcome, TakeStale};
+use idemflow::store::TakeStale;
 use idemflow::{KeyState, LeaseToken, Response, Store, StoreError};
 use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Connection, Executor, Row};
@@ -51,21 +51,7 @@ async fn two_pools_race_500_claims_of_one_key() {
     a.migrate().await.unwrap();
     let b = PostgresStore::from_pool(pool_in(&url, &schema, 5).await);
     let stores: [Arc<dyn Store>; 2] = [Arc::new(a), Arc::new(b)];
-    let id = id(&conformance::unique("race500"), "one-key");
-    let mut tasks = Vec::new();
-    for i in 0..500 {
-        let store = stores[i % 2].clone();
-        let c = claim_for(&id, "{}", Duration::from_secs(30));
-        tasks.push(tokio::spawn(async move { store.claim(&c).await }));
-    }
-    let mut winners = 0;
-    for t in tasks {
-        if let ClaimOutcome::Claimed(_) = t.await.unwrap().unwrap() {
-            winners += 1;
-        }
-    }
-    assert_eq!(winners, 1, "exactly one of 500 claims wins");
-    assert_eq!(stores[0].history(&id).await.unwrap().len(), 1);
+    conformance::race_claims_across(&stores, 500).await;
     drop_schema(&url, &schema).await;
 }
 
@@ -266,53 +252,5 @@ async fn stale_key_query_uses_the_partial_index_on_a_big_table() {
         .unwrap();
     assert_eq!(taken.len(), 100);
     assert!(taken.iter().all(|r| r.lease_token == LeaseToken(2)));
-    drop_schema(&url, &schema).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_sweepers_never_take_the_same_key() {
-    let Some((url, schema)) = fresh_schema().await else {
-        return;
-    };
-    let store = PostgresStore::from_pool(pool_in(&url, &schema, 5).await);
-    store.migrate().await.unwrap();
-    let store: Arc<dyn Store> = Arc::new(store);
-    let scope = conformance::unique("sweepers");
-    for i in 0..200 {
-        claimed(
-            &store,
-            &claim_for(&id(&scope, &format!("k{i}")), "{}", Duration::ZERO),
-        )
-        .await;
-    }
-    let mut tasks = Vec::new();
-    for s in 0..4 {
-        let store = store.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut mine = Vec::new();
-            loop {
-                let batch = store
-                    .take_stale(&TakeStale {
-                        owner: format!("sweeper-{s}"),
-                        lease: Duration::from_secs(60),
-                        limit: 7,
-                    })
-                    .await
-                    .unwrap();
-                if batch.is_empty() {
-                    return mine;
-                }
-                mine.extend(batch.into_iter().map(|r| r.key.to_string()));
-            }
-        }));
-    }
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await.unwrap());
-    }
-    let n = all.len();
-    all.sort();
-    all.dedup();
-    assert_eq!((n, all.len()), (200, 200), "each key taken exactly once");
     drop_schema(&url, &schema).await;
 }

@@ -10,7 +10,6 @@ mod conformance;
 #[macro_use]
 mod sweeper_suite;
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,28 +81,7 @@ async fn racing_claims_from_two_connection_managers_have_one_winner() {
         .await
         .unwrap();
     let (a, b): (Arc<dyn Store>, Arc<dyn Store>) = (Arc::new(a), Arc::new(b));
-    let id = id(&unique("race500"), "k1");
-    let mut tasks = Vec::new();
-    for i in 0..500 {
-        let store = if i % 2 == 0 { a.clone() } else { b.clone() };
-        let c = claim_for(&id, "{}", LEASE);
-        tasks.push(tokio::spawn(async move { store.claim(&c).await }));
-    }
-    let mut winners = 0;
-    for t in tasks {
-        match t.await.unwrap().unwrap() {
-            ClaimOutcome::Claimed(l) => {
-                assert_eq!(l.token, LeaseToken(1));
-                winners += 1;
-            }
-            ClaimOutcome::Existing { record, .. } => {
-                assert_eq!(record.state, KeyState::Processing);
-                assert_eq!(record.lease_token, LeaseToken(1));
-            }
-        }
-    }
-    assert_eq!(winners, 1);
-    assert_eq!(a.history(&id).await.unwrap().len(), 1);
+    conformance::race_claims_across(&[a, b.clone()], 500).await;
     assert_eq!(b.stats().await.unwrap().processing, 1);
 }
 
@@ -207,41 +185,8 @@ async fn concurrent_sweepers_never_take_the_same_key() {
     let b = RedisStore::connect_with(RedisConfig::new(url).prefix(a.prefix()).buckets(3))
         .await
         .unwrap();
-    let scope = unique("sweepers");
-    for i in 0..60 {
-        claimed_on(
-            &a,
-            &claim_for(&id(&scope, &format!("k{i}")), "{}", Duration::ZERO),
-        )
-        .await;
-    }
-    let sweep = |s: RedisStore, name: &'static str| async move {
-        let mut got = Vec::new();
-        loop {
-            let batch = s
-                .take_stale(&TakeStale {
-                    owner: name.into(),
-                    lease: LEASE,
-                    limit: 7,
-                })
-                .await
-                .unwrap();
-            if batch.is_empty() {
-                return got;
-            }
-            got.extend(batch.into_iter().map(|r| r.key.to_string()));
-        }
-    };
-    let (x, y) = tokio::join!(
-        tokio::spawn(sweep(a.clone(), "sweeper-a")),
-        tokio::spawn(sweep(b, "sweeper-b"))
-    );
-    let (x, y) = (x.unwrap(), y.unwrap());
-    let all: HashSet<&String> = x.iter().chain(&y).collect();
-    assert_eq!(x.len() + y.len(), 60, "each key taken once");
-    assert_eq!(all.len(), 60);
-    let s = a.stats().await.unwrap();
-    assert_eq!((s.processing, s.stale), (60, 0));
+    // Two stores (two connection managers), three buckets: each key still goes to one sweeper.
+    conformance::sweepers_take_each_key_once_across(&[Arc::new(a), Arc::new(b)]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

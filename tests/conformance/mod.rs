@@ -41,6 +41,7 @@ macro_rules! conformance_tests {
             operator_override_fences_running_workers,
             finishing_into_processing_is_refused,
             concurrent_claims_have_one_winner,
+            concurrent_sweepers_take_each_key_once,
             limits_round_trip_exactly,
             retry_takeover_only_inside_the_window,
             leases_use_the_database_clock,
@@ -776,4 +777,84 @@ pub async fn history_survives_purge_and_is_ordered(store: Arc<dyn Store>) {
     );
     assert_eq!(h[3].to, Some(KeyState::Done));
     assert_eq!(h[3].lease_token, Some(t));
+}
+
+/// `n` claims of one key spread over `stores` (separate pools or connections: separate app
+/// instances): exactly one wins, every loser sees the winner's row, one history row.
+pub async fn race_claims_across(stores: &[Arc<dyn Store>], n: usize) {
+    let id = id(&unique("race"), "one-key");
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let store = stores[i % stores.len()].clone();
+        let c = claim_for(&id, "{}", LEASE);
+        tasks.push(tokio::spawn(async move { store.claim(&c).await }));
+    }
+    let mut winners = 0;
+    for t in tasks {
+        match t.await.unwrap().unwrap() {
+            ClaimOutcome::Claimed(l) => {
+                assert_eq!(l.token, LeaseToken(1));
+                winners += 1;
+            }
+            ClaimOutcome::Existing { record, .. } => {
+                assert_eq!(record.state, KeyState::Processing);
+                assert_eq!(record.lease_token, LeaseToken(1));
+            }
+        }
+    }
+    assert_eq!(winners, 1, "exactly one of {n} claims wins");
+    for store in stores {
+        assert_eq!(store.history(&id).await.unwrap().len(), 1);
+    }
+}
+
+/// Four sweepers, spread over `stores`, drain 200 stale keys in small batches: every key is
+/// taken exactly once.
+pub async fn sweepers_take_each_key_once_across(stores: &[Arc<dyn Store>]) {
+    let scope = unique("sweepers");
+    for i in 0..200 {
+        claimed(
+            &stores[0],
+            &claim_for(&id(&scope, &format!("k{i}")), "{}", Duration::ZERO),
+        )
+        .await;
+    }
+    let mut tasks = Vec::new();
+    for s in 0..4 {
+        let store = stores[s % stores.len()].clone();
+        tasks.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let batch = store
+                    .take_stale(&TakeStale {
+                        owner: format!("sweeper-{s}"),
+                        lease: LEASE,
+                        limit: 7,
+                    })
+                    .await
+                    .unwrap();
+                if batch.is_empty() {
+                    return mine;
+                }
+                mine.extend(batch.into_iter().map(|r| r.key.to_string()));
+            }
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    let taken = all.len();
+    let distinct: HashSet<String> = all.into_iter().collect();
+    assert_eq!(
+        (taken, distinct.len()),
+        (200, 200),
+        "each key taken exactly once"
+    );
+    let s = stores[0].stats().await.unwrap();
+    assert_eq!((s.processing, s.stale), (200, 0));
+}
+
+pub async fn concurrent_sweepers_take_each_key_once(store: Arc<dyn Store>) {
+    sweepers_take_each_key_once_across(&[store]).await;
 }
