@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use conformance::{claim_for, claimed, done, id};
-use idemflow::store::postgres::{PostgresStore, TAKE_STALE_SQL};
 use idemflow::store::TakeStale;
+use idemflow::store::postgres::{PostgresStore, TAKE_STALE_SQL};
 use idemflow::{KeyState, LeaseToken, Response, Store, StoreError};
 use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Connection, Executor, Row};

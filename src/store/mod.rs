@@ -242,6 +242,27 @@ pub trait Store: Debug + Send + Sync + 'static {
     async fn count_expired(&self) -> Result<u64, StoreError>;
 }
 
+/// The error for a fenced write that changed nothing, given the row as it is now: the key is
+/// gone ([`StoreError::NotFound`]) or someone else holds it ([`StoreError::LeaseLost`]).
+pub fn refused_write(
+    id: &KeyId,
+    presented: LeaseToken,
+    row_now: Result<Option<KeyRecord>, StoreError>,
+) -> StoreError {
+    match row_now {
+        Ok(Some(r)) => StoreError::LeaseLost {
+            key: id.to_string(),
+            presented,
+            current: r.lease_token,
+            state: r.state,
+        },
+        Ok(None) => StoreError::NotFound {
+            key: id.to_string(),
+        },
+        Err(e) => e,
+    }
+}
+
 /// Milliseconds of a duration, saturating (for SQL parameters).
 pub fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)

@@ -27,7 +27,7 @@ use tracing::instrument;
 
 use super::{
     ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, Stuck,
-    TakeStale, check_finish, claimable, millis,
+    TakeStale, check_finish, claimable, millis, refused_write,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -154,18 +154,7 @@ impl MySqlStore {
     }
 
     async fn lease_lost_or_missing(&self, id: &KeyId, presented: LeaseToken) -> StoreError {
-        match self.read_with_now(id).await {
-            Ok(Some((r, _))) => StoreError::LeaseLost {
-                key: id.to_string(),
-                presented,
-                current: r.lease_token,
-                state: r.state,
-            },
-            Ok(None) => StoreError::NotFound {
-                key: id.to_string(),
-            },
-            Err(e) => e,
-        }
+        refused_write(id, presented, self.get(id).await)
     }
 
     /// Runs the ON DUPLICATE KEY claim, retrying deadlock victims.
