@@ -115,6 +115,41 @@ pub enum Transition {
     Purge,
 }
 
+impl Transition {
+    /// The history reason a claim records: one definition for every backend. The claim
+    /// statements write these strings and the stores read them back with
+    /// [`Transition::from_claim_reason`] to learn which transition granted the lease.
+    pub const CLAIM_REASONS: [(Transition, &'static str); 3] = [
+        (Transition::Claim, "claimed"),
+        (Transition::Reclaim, "reclaimed after a retryable failure"),
+        (Transition::Takeover, "retry took over an expired lease"),
+    ];
+
+    /// The history reason recorded by a claim that made this transition (`None` for the
+    /// transitions a claim never makes).
+    pub fn claim_reason(self) -> Option<&'static str> {
+        Self::CLAIM_REASONS
+            .iter()
+            .find(|(t, _)| *t == self)
+            .map(|(_, r)| *r)
+    }
+
+    /// The claim transition a stored reason stands for (`None`: not a claim reason).
+    ///
+    /// ```
+    /// use idemflow::state::Transition;
+    /// let r = Transition::Reclaim.claim_reason().unwrap();
+    /// assert_eq!(Transition::from_claim_reason(r), Some(Transition::Reclaim));
+    /// assert_eq!(Transition::from_claim_reason("purged"), None);
+    /// ```
+    pub fn from_claim_reason(reason: &str) -> Option<Self> {
+        Self::CLAIM_REASONS
+            .iter()
+            .find(|(_, r)| *r == reason)
+            .map(|(t, _)| *t)
+    }
+}
+
 /// A transition that the state machine refuses.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("transition {transition:?} is not allowed from {}", from.map_or("(no row)".to_owned(), |s| s.to_string()))]

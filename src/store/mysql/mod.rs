@@ -281,12 +281,9 @@ fn record(row: &MySqlRow) -> Result<KeyRecord, StoreError> {
 }
 
 fn transition_of(reason: Option<&str>) -> Result<Transition, StoreError> {
-    match reason {
-        Some(sql::REASON_CLAIM) => Ok(Transition::Claim),
-        Some(sql::REASON_RECLAIM) => Ok(Transition::Reclaim),
-        Some(sql::REASON_TAKEOVER) => Ok(Transition::Takeover),
-        other => Err(corrupt(format!("claimed row has reason {other:?}"))),
-    }
+    reason
+        .and_then(Transition::from_claim_reason)
+        .ok_or_else(|| corrupt(format!("claimed row has reason {reason:?}")))
 }
 
 #[async_trait]

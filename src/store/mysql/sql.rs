@@ -36,11 +36,6 @@ pub(super) const GET: &str = concat!(
     " AS db_now FROM idempotency_keys WHERE scope = ? AND `key` = ?"
 );
 
-/// The reasons double as the transition marker read back after `CLAIM`.
-pub(super) const REASON_CLAIM: &str = "claimed";
-pub(super) const REASON_RECLAIM: &str = "reclaimed after a retryable failure";
-pub(super) const REASON_TAKEOVER: &str = "retry took over an expired lease";
-
 /// Insert, or take the existing row when it is claimable: a `failed{retryable}` row with the
 /// same fingerprint, or an expired processing row created inside the takeover window (the last
 /// parameter, in microseconds, or NULL). `ON DUPLICATE KEY UPDATE` assigns left to right, so the

@@ -159,15 +159,10 @@ fn record(row: &PgRow) -> Result<KeyRecord, StoreError> {
 }
 
 fn transition_of(reason: &str) -> Result<Transition, StoreError> {
-    match reason {
-        sql::REASON_CLAIM => Ok(Transition::Claim),
-        sql::REASON_RECLAIM => Ok(Transition::Reclaim),
-        sql::REASON_TAKEOVER => Ok(Transition::Takeover),
-        other => Err(StoreError::Corrupt {
-            backend: BACKEND,
-            detail: format!("claim returned reason {other:?}"),
-        }),
-    }
+    Transition::from_claim_reason(reason).ok_or_else(|| StoreError::Corrupt {
+        backend: BACKEND,
+        detail: format!("claim returned reason {reason:?}"),
+    })
 }
 
 #[async_trait]

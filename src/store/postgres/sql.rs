@@ -96,11 +96,6 @@ pub(super) const GET: &str = concat!(
     " AS db_now FROM idempotency_keys WHERE scope = $1 AND key = $2"
 );
 
-/// The reasons double as the transition marker returned by `CLAIM`.
-pub(super) const REASON_CLAIM: &str = "claimed";
-pub(super) const REASON_RECLAIM: &str = "reclaimed after a retryable failure";
-pub(super) const REASON_TAKEOVER: &str = "retry took over an expired lease";
-
 /// Claim or read in one statement. `existing` reads the row in the statement's snapshot; when
 /// it is absent or claimable, the insert runs (and its `ON CONFLICT .. WHERE` judges the latest
 /// committed row version again, under its row lock). A plain replay is a read: no row lock, no

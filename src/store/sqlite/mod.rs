@@ -298,17 +298,11 @@ impl Store for SqliteStore {
                 .map_err(db)?;
             if let Some(row) = row {
                 let reason: String = row.try_get("last_reason").map_err(db)?;
-                let transition = match reason.as_str() {
-                    sql::REASON_CLAIM => Transition::Claim,
-                    sql::REASON_RECLAIM => Transition::Reclaim,
-                    sql::REASON_TAKEOVER => Transition::Takeover,
-                    other => {
-                        return Err(StoreError::Corrupt {
-                            backend: BACKEND,
-                            detail: format!("claim returned reason {other:?}"),
-                        });
-                    }
-                };
+                let transition =
+                    Transition::from_claim_reason(&reason).ok_or_else(|| StoreError::Corrupt {
+                        backend: BACKEND,
+                        detail: format!("claim returned reason {reason:?}"),
+                    })?;
                 tracing::debug!(?transition, "key claimed");
                 return Ok(ClaimOutcome::Claimed(Lease {
                     token: LeaseToken(row.try_get("lease_token").map_err(db)?),

@@ -36,11 +36,6 @@ pub(super) const CLAIM_READ: &str = concat!(
     " AS db_now FROM idempotency_keys WHERE scope = ?1 AND key = ?2"
 );
 
-/// The reasons double as the transition marker returned by `CLAIM`.
-pub(super) const REASON_CLAIM: &str = "claimed";
-pub(super) const REASON_RECLAIM: &str = "reclaimed after a retryable failure";
-pub(super) const REASON_TAKEOVER: &str = "retry took over an expired lease";
-
 pub(super) const CLAIM: &str = concat!(
     "INSERT INTO idempotency_keys (scope, key, operation, provider, provider_key, state, retryable, \
        fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, created_at, \
