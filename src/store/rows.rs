@@ -1,5 +1,13 @@
-//! Row decoding: each backend reads its columns into [`RawRecord`] /
-//! [`RawEvent`], and the checks that turn them into typed values live here once.
+//! Row decoding, once for every backend: each backend reads its columns into [`RawRecord`] /
+//! [`RawEvent`], and the checks that turn them into typed values live here. The SQL backends
+//! also share the column lists their statements select ([`key_columns!`], [`event_columns!`])
+//! and the decoders that read them (`decode_record`, `decode_event`, `decode_lease`,
+//! `decode_stats`), written once over [`SqlRow`]; each SQL backend only says how it reads its
+//! time columns and its text.
+//!
+//! A new nullable column on the key row is: a migration per backend, a field of
+//! [`KeyRecord`], and here a field of [`RawRecord`], its line in `into_record`, its name in
+//! [`key_columns!`] and its line in `decode_record`.
 
 use chrono::{DateTime, Utc};
 
