@@ -161,6 +161,18 @@ impl HttpReply {
         serde_json::from_slice(&self.body).ok()
     }
 
+    /// The string at a JSON pointer of the body (e.g. `/error/code`), if the body is JSON and
+    /// the string is there.
+    pub fn json_str(&self, pointer: &str) -> Option<String> {
+        self.json()?.pointer(pointer)?.as_str().map(str::to_owned)
+    }
+
+    /// The provider's message at a JSON pointer of the body, or the start of the body.
+    pub fn message(&self, pointer: &str) -> String {
+        self.json_str(pointer)
+            .unwrap_or_else(|| body_snippet(&self.body))
+    }
+
     /// The `Retry-After` header: delay-seconds or an HTTP date (a date in the past is zero).
     pub fn retry_after(&self) -> Option<Duration> {
         parse_retry_after(self.header("retry-after")?)
