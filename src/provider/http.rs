@@ -15,7 +15,8 @@
 //! holds.
 //!
 //! Adapters for other providers can reuse [`HttpClient`]: build each attempt's request with
-//! [`HttpClient::send`] and classify the [`HttpReply`].
+//! [`HttpClient::send`] and classify the [`HttpReply`], or hold an
+//! [`Endpoint`](super::endpoint::Endpoint), which adds the name, base URL and credentials.
 
 use std::collections::hash_map::RandomState;
 use std::fmt;
