@@ -31,6 +31,11 @@
 //! India), so an empty result is only authoritative once [`Stripe::search_lag`] (default 60 s)
 //! has passed since the first send. Within Stripe's 24 h key window a wrong "not found" is
 //! harmless anyway: the retry it allows carries the same key and is replayed, not re-executed.
+//!
+//! A PaymentIntent found by search is replayed as a decline (402 `card_error`) only when it is
+//! `requires_payment_method` with a `last_payment_error`; any other one (waiting for a payment
+//! method, canceled, succeeded, ...) was created by the call and is replayed as 200 with the
+//! PaymentIntent.
 
 use std::time::Duration;
 
@@ -160,16 +165,16 @@ impl Stripe {
                 serde_json::to_vec(v).unwrap_or_default(),
             )
         };
-        match status {
-            "requires_payment_method" | "canceled" => {
-                // Rebuild the decline answer Stripe gave to the create call.
-                let last = pi.get("last_payment_error").cloned().unwrap_or(Value::Null);
-                let mut error = match last {
-                    Value::Object(m) => Value::Object(m),
-                    _ => {
-                        json!({"type": "card_error", "message": format!("payment intent is {status}")})
-                    }
-                };
+        // Only a payment error Stripe recorded is a decline: the create call was refused with
+        // it (402). Any other PaymentIntent (succeeded, waiting for a payment method or an
+        // action, canceled after authorisation) was created by the call, which answered 200
+        // with it: replay what Stripe holds now.
+        let last_error = pi
+            .get("last_payment_error")
+            .filter(|e| e.is_object())
+            .cloned();
+        match (status, last_error) {
+            ("requires_payment_method", Some(mut error)) => {
                 if let Value::Object(m) = &mut error {
                     m.insert("payment_intent".to_owned(), pi.clone());
                 }
