@@ -15,7 +15,8 @@
 //! holds.
 //!
 //! Adapters for other providers can reuse [`HttpClient`]: build each attempt's request with
-//! [`HttpClient::send`] and classify the [`HttpReply`].
+//! [`HttpClient::send`] and classify the [`HttpReply`], or hold an
+//! [`Endpoint`](super::endpoint::Endpoint), which adds the name, base URL and credentials.
 
 use std::collections::hash_map::RandomState;
 use std::fmt;
@@ -159,6 +160,18 @@ impl HttpReply {
     /// The body as JSON, if it is JSON.
     pub fn json(&self) -> Option<serde_json::Value> {
         serde_json::from_slice(&self.body).ok()
+    }
+
+    /// The string at a JSON pointer of the body (e.g. `/error/code`), if the body is JSON and
+    /// the string is there.
+    pub fn json_str(&self, pointer: &str) -> Option<String> {
+        self.json()?.pointer(pointer)?.as_str().map(str::to_owned)
+    }
+
+    /// The provider's message at a JSON pointer of the body, or the start of the body.
+    pub fn message(&self, pointer: &str) -> String {
+        self.json_str(pointer)
+            .unwrap_or_else(|| body_snippet(&self.body))
     }
 
     /// The `Retry-After` header: delay-seconds or an HTTP date (a date in the past is zero).

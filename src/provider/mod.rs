@@ -16,18 +16,27 @@ use chrono::{DateTime, Utc};
 use crate::{IdempotencyKey, Outcome, Response, Scope, provider_key};
 
 pub mod config;
-#[cfg(feature = "http")]
-#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
-pub mod http;
-#[cfg(feature = "http")]
-#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
-pub mod postmark;
-#[cfg(feature = "http")]
-#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
-pub mod resend;
-#[cfg(feature = "http")]
-#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
-pub mod stripe;
+
+/// Declares the modules of the HTTP adapters, all behind the feature `http`.
+macro_rules! http_modules {
+    ($($(#[$doc:meta])* pub mod $name:ident;)*) => {
+        $(
+            $(#[$doc])*
+            #[cfg(feature = "http")]
+            #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+            pub mod $name;
+        )*
+    };
+}
+
+http_modules! {
+    pub mod endpoint;
+    pub mod http;
+    pub mod postmark;
+    pub mod resend;
+    pub mod search;
+    pub mod stripe;
+}
 
 #[cfg(feature = "http")]
 pub use postmark::Postmark;
