@@ -76,8 +76,6 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[cfg(feature = "cli")]
-pub mod cli;
 pub mod error;
 pub mod executor;
 pub mod fingerprint;

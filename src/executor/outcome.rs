@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use crate::record::LeaseToken;
 use crate::{KeyId, Response};
 
-/// How the caller classifies one run of the operation (DESIGN section 2).
+/// How the caller classifies one run of the operation (`docs/design.md`, *States*).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     /// It worked: the key becomes `done` and this response is replayed.

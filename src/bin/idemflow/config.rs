@@ -7,10 +7,10 @@ use std::time::Duration;
 use anyhow::{Context as _, anyhow, bail};
 use serde::{Deserialize, Deserializer};
 
-use crate::provider::Providers;
-use crate::provider::config::{ProviderConfig, build};
-use crate::store::Store;
-use crate::sweeper::SweeperConfig;
+use idemflow::provider::Providers;
+use idemflow::provider::config::{ProviderConfig, build};
+use idemflow::store::Store;
+use idemflow::sweeper::SweeperConfig;
 
 /// The configuration file.
 ///
@@ -187,7 +187,7 @@ pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn St
             connect_sqlite(url, &shown).await
         }
         "postgres" | "postgresql" | "mysql" | "mariadb" | "redis" | "rediss" => {
-            crate::store::connect(url)
+            idemflow::store::connect(url)
                 .await
                 .with_context(|| format!("cannot open database {shown}"))
         }
@@ -200,7 +200,7 @@ pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn St
 
 #[cfg(feature = "sqlite")]
 async fn connect_sqlite(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    let store = crate::store::sqlite::SqliteStore::connect(url)
+    let store = idemflow::store::sqlite::SqliteStore::connect(url)
         .await
         .with_context(|| format!("cannot open database {shown}"))?;
     // Opening a pool is lazy about some failures: ask the clock to be sure it answers.
