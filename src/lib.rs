@@ -78,6 +78,9 @@
 
 #[cfg(feature = "cli")]
 pub mod cli;
+#[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
+pub mod conformance;
 pub mod error;
 pub mod executor;
 pub mod fingerprint;
