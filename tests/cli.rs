@@ -4,9 +4,7 @@
 #![cfg(feature = "cli")]
 
 #[cfg(feature = "postgres")]
-mod conformance;
-#[cfg(feature = "postgres")]
-mod pg_support;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -495,8 +493,8 @@ mod postgres {
 
     /// A fresh schema: the admin URL, the schema's name and a `DATABASE_URL` that selects it.
     async fn fresh_schema() -> Option<(String, String, String)> {
-        let (url, schema) = crate::pg_support::fresh_schema().await?;
-        let in_schema = crate::pg_support::url_in(&url, &schema);
+        let (url, schema) = crate::support::postgres::fresh_schema().await?;
+        let in_schema = crate::support::postgres::url_in(&url, &schema);
         Some((url, schema, in_schema))
     }
 

@@ -1,140 +1,22 @@
 //! The store conformance suite: every store-level promise, written once against
-//! `Arc<dyn Store>` and run unchanged on every backend through [`conformance_tests!`].
+//! `Arc<dyn Store>` and run unchanged on every backend through
+//! [`conformance_tests!`](crate::conformance_tests).
 //!
-//! A backend test file provides an async factory `fn() -> Option<Arc<dyn Store>>` that returns a
-//! migrated, **isolated** store (its own database, schema or key prefix: `take_stale` and `purge`
-//! are table-wide) or `None` to skip (printing why; with `CI=true` it must panic instead).
+//! Each function takes a migrated, **isolated** store (its own database, schema or key prefix:
+//! `take_stale` and `purge` are table-wide) and panics when the store breaks the promise its
+//! name states.
 
-#![allow(dead_code)]
+// Each suite function's name is the promise it checks.
+#![allow(missing_docs)]
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idemflow::state::Transition;
-use idemflow::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, TakeStale};
-use idemflow::{
-    Actor, Fingerprint, IdempotencyKey, KeyId, KeyState, LeaseToken, Response, Scope, Store,
-    StoreError,
-};
-
-/// Generates one `#[tokio::test]` per conformance test, each calling `$factory` for its store.
-#[macro_export]
-macro_rules! conformance_tests {
-    ($factory:path) => {
-        $crate::conformance_tests!(@each $factory;
-            claim_new_key_grants_first_token_and_history,
-            second_claim_sees_the_key_in_flight,
-            finish_stores_the_response_and_get_returns_it_exactly,
-            stale_token_is_lease_lost_and_changes_nothing,
-            scopes_are_isolated,
-            other_fingerprint_never_reclaims,
-            retryable_failure_is_reclaimed_by_the_same_request,
-            permanent_failure_is_never_reclaimed,
-            release_leaves_processing_for_the_sweeper,
-            take_stale_respects_next_check_at,
-            take_stale_fences_the_old_holder,
-            take_stale_skips_live_leases_and_finished_keys,
-            extend_moves_the_lease_and_is_fenced,
-            purge_deletes_only_expired_finished_keys_and_records_it,
-            operator_override_fences_running_workers,
-            finishing_into_processing_is_refused,
-            concurrent_claims_have_one_winner,
-            concurrent_sweepers_take_each_key_once,
-            limits_round_trip_exactly,
-            retry_takeover_only_inside_the_window,
-            leases_use_the_database_clock,
-            stats_count_every_state,
-            history_survives_purge_and_is_ordered
-        );
-    };
-    (@each $factory:path; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                let Some(store) = $factory().await else { return };
-                conformance::$name(store).await;
-            }
-        )*
-    };
-}
-
-static COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// A scope no other test (or earlier run) uses.
-pub fn unique(prefix: &str) -> String {
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{prefix}-{}-{t}-{n}", std::process::id())
-}
-
-/// Reads an env var holding a backend URL; `None` (skip, with a printed reason) when unset,
-/// a panic when unset under `CI=true`.
-pub fn backend_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ => {
-            if std::env::var("CI").as_deref() == Ok("true") {
-                panic!("{var} is not set and CI=true: this backend must be tested in CI");
-            }
-            eprintln!("skipping: {var} is not set");
-            None
-        }
-    }
-}
-
-pub fn id(scope: &str, key: &str) -> KeyId {
-    KeyId::new(
-        Scope::new(scope).unwrap(),
-        IdempotencyKey::new(key).unwrap(),
-    )
-}
-
-pub fn claim_for(id: &KeyId, body: &str, lease: Duration) -> NewClaim {
-    NewClaim {
-        id: id.clone(),
-        operation: "payments.create".into(),
-        provider: Some("fake".into()),
-        provider_key: format!("pk-{}", id.key),
-        fingerprint: Fingerprint::compute("payments.create", body),
-        request: Some(body.to_owned()),
-        owner: "test-worker".into(),
-        lease,
-        retention: Duration::from_secs(3600),
-        takeover_window: None,
-    }
-}
-
-pub async fn claimed(store: &Arc<dyn Store>, c: &NewClaim) -> Lease {
-    match store.claim(c).await.unwrap() {
-        ClaimOutcome::Claimed(l) => l,
-        ClaimOutcome::Existing { record, .. } => panic!("expected a claim, found {record:?}"),
-    }
-}
-
-pub fn done(response: Response) -> Finish {
-    Finish {
-        to: KeyState::Done,
-        response: Some(response),
-        error: None,
-        actor: Actor::Worker,
-        reason: "ok".into(),
-    }
-}
-
-fn fail(retryable: bool) -> Finish {
-    Finish {
-        to: KeyState::Failed { retryable },
-        response: (!retryable).then(|| Response::new(402).with_body(&b"declined"[..])),
-        error: Some("card declined".into()),
-        actor: Actor::Worker,
-        reason: "failed".into(),
-    }
-}
+use super::{claim_for, claimed, done, fail, id, unique};
+use crate::state::Transition;
+use crate::store::{ClaimOutcome, Finish, Release, TakeStale};
+use crate::{Actor, Fingerprint, KeyState, LeaseToken, Response, Store, StoreError};
 
 const LEASE: Duration = Duration::from_secs(30);
 
