@@ -578,3 +578,28 @@ async fn stored_request_provider_and_operation_are_recorded() {
         Some(r#"{"amount":5,"currency":"usd"}"#)
     );
 }
+
+/// Regression (issue 11, bug 9): the layer copied the executor's `stored_headers` as given and
+/// compared them case-sensitively with the (lowercase) response header names, so
+/// `stored_headers: ["Content-Type"]` stored no header at all and replays lost `content-type`
+/// and `location`.
+#[tokio::test]
+async fn executor_stored_headers_are_matched_case_insensitively() {
+    let s = store().await;
+    let c = App::default();
+    let idem = Idempotency::new(s)
+        .stored_headers(Some(vec!["Content-Type".to_owned(), "Location".to_owned()]));
+    let app = Router::new()
+        .route("/payments", post(create))
+        .layer(IdempotencyLayer::new(idem).scope_from_header("x-account-id"))
+        .with_state(c.clone());
+    let first = send(&app, post_req("/payments", Some("k-case"), "acct_1", BODY)).await;
+    assert_eq!(first.status, 201);
+    let again = send(&app, post_req("/payments", Some("k-case"), "acct_1", BODY)).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.header("content-type"), Some("application/json"));
+    assert_eq!(again.header("location"), first.header("location"));
+    assert_eq!(again.header("x-request-cost"), None, "not a stored header");
+    assert_eq!(again.body, first.body);
+    assert_eq!(c.runs.load(Ordering::SeqCst), 1);
+}

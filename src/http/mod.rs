@@ -140,7 +140,10 @@ impl IdempotencyLayer {
             .config()
             .stored_headers
             .clone()
-            .unwrap_or_else(|| vec!["content-type".to_owned(), "location".to_owned()]);
+            .unwrap_or_else(|| vec!["content-type".to_owned(), "location".to_owned()])
+            .iter()
+            .map(|h| h.to_ascii_lowercase())
+            .collect();
         let max_body_bytes = idem.config().max_request_bytes;
         // The layer chooses the headers itself, so the executor keeps what it is given.
         let idem = idem.stored_headers(None);

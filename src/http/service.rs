@@ -239,7 +239,11 @@ where
                 let headers = rparts
                     .headers
                     .iter()
-                    .filter(|(n, _)| stored_headers.iter().any(|h| h == n.as_str()))
+                    .filter(|(n, _)| {
+                        stored_headers
+                            .iter()
+                            .any(|h| h.eq_ignore_ascii_case(n.as_str()))
+                    })
                     .filter_map(|(n, v)| Some((n.as_str().to_owned(), v.to_str().ok()?.to_owned())))
                     .collect();
                 let to_store =
