@@ -139,7 +139,7 @@ pub enum Error {
     /// The operation failed in a way that surely did nothing; the key is `failed{retryable}` and
     /// a retry with the same key and request runs it again (HTTP 503).
     #[error("operation for {key} failed and may be retried with the same key: {reason}")]
-    Retryable {
+    FailedRetryable {
         /// `scope/key`.
         key: String,
         /// What happened.
@@ -195,7 +195,7 @@ impl Error {
             Error::RequestTooLarge { .. } => 413,
             Error::FingerprintMismatch { .. } => 422,
             Error::InFlight { .. } => 409,
-            Error::OutcomeUnknown { .. } | Error::Retryable { .. } => 503,
+            Error::OutcomeUnknown { .. } | Error::FailedRetryable { .. } => 503,
             Error::ResponseTooLarge { .. }
             | Error::NoStoredResponse { .. }
             | Error::LeaseLost(_)

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 use http_body_util::BodyExt;
-use idemflow::http::{IdempotencyContext, IdempotencyLayer, Retryable};
+use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{Idempotency, KeyState, Store};
 use serde_json::{Value, json};
@@ -78,7 +78,7 @@ async fn flaky(State(c): State<App>, ctx: IdempotencyContext) -> Response {
     if n == 1 {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            Extension(Retryable),
+            Extension(NothingHappened),
             "rate limited upstream",
         )
             .into_response()

@@ -202,7 +202,7 @@ async fn killed_connection_mid_transaction_leaves_old_state_and_retry_succeeds()
                 .finish(
                     &id,
                     Some(lease.token),
-                    &conformance::done(idemflow::Response::new(201)),
+                    &conformance::done(idemflow::StoredResponse::new(201)),
                 )
                 .await
         })
@@ -255,7 +255,7 @@ async fn killed_connection_mid_transaction_leaves_old_state_and_retry_succeeds()
         .finish(
             &id,
             Some(lease.token),
-            &conformance::done(idemflow::Response::new(201)),
+            &conformance::done(idemflow::StoredResponse::new(201)),
         )
         .await
         .unwrap();

@@ -19,7 +19,7 @@ use std::time::Duration;
 use conformance::{claim_for, claimed, done, id};
 use idemflow::store::TakeStale;
 use idemflow::store::postgres::{PostgresStore, TAKE_STALE_SQL};
-use idemflow::{KeyState, LeaseToken, Response, Store, StoreError};
+use idemflow::{KeyState, LeaseToken, Store, StoreError, StoredResponse};
 use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Connection, Executor, Row};
 
@@ -88,7 +88,7 @@ async fn terminated_backend_mid_transaction_leaves_old_state_and_retry_succeeds(
         let id = id.clone();
         tokio::spawn(async move {
             store
-                .finish(&id, Some(lease.token), &done(Response::new(201)))
+                .finish(&id, Some(lease.token), &done(StoredResponse::new(201)))
                 .await
         })
     };
@@ -142,7 +142,7 @@ async fn terminated_backend_mid_transaction_leaves_old_state_and_retry_succeeds(
     assert_eq!(store.history(&id).await.unwrap().len(), 1);
     // The pool reconnects and the retry succeeds.
     let r = store
-        .finish(&id, Some(lease.token), &done(Response::new(201)))
+        .finish(&id, Some(lease.token), &done(StoredResponse::new(201)))
         .await
         .unwrap();
     assert_eq!(r.state, KeyState::Done);

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use crate::record::{Actor, KeyEvent, KeyRecord};
 use crate::store::{Finish, Store};
 use crate::sweeper::{SweepError, SweepReport, Sweeper, SweeperConfig};
-use crate::{IdempotencyKey, KeyId, KeyState, Response, Scope, StoreError};
+use crate::{IdempotencyKey, KeyId, KeyState, Scope, StoreError, StoredResponse};
 
 pub mod config;
 
@@ -507,7 +507,7 @@ fn record_json(r: &KeyRecord) -> Value {
     v
 }
 
-fn response_json(resp: &Response) -> Value {
+fn response_json(resp: &StoredResponse) -> Value {
     let body = match std::str::from_utf8(resp.body()) {
         Ok(s) => json!(s),
         Err(_) => json!(resp.body()),
@@ -618,7 +618,7 @@ async fn resolve(cli: &Cli, store: &Arc<dyn Store>, args: &ResolveArgs) -> anyho
         }
     };
     let response = args.status.map(|status| {
-        Response::new(status)
+        StoredResponse::new(status)
             .with_header("content-type", args.content_type.clone())
             .with_body(args.body.clone().unwrap_or_default().into_bytes())
     });

@@ -17,11 +17,11 @@ mod provider_call;
 mod request;
 
 pub use outcome::{Context, Execution, Outcome};
-pub use request::Request;
+pub use request::IdempotentRequest;
 
 /// Settings of an [`Idempotency`] executor.
 #[derive(Debug, Clone)]
-pub struct Config {
+pub struct ExecutorConfig {
     /// How long a claim holds the key before a sweeper may take it over. Default 30 s.
     pub lease: Duration,
     /// How long a finished key is kept and replayed. Default 24 h.
@@ -34,7 +34,7 @@ pub struct Config {
     pub max_request_bytes: usize,
     /// Largest stored response (body + headers), in bytes. Default 1 MiB.
     pub max_response_bytes: usize,
-    /// Response headers kept for replay (case-insensitive); `None` keeps all. Default
+    /// StoredResponse headers kept for replay (case-insensitive); `None` keeps all. Default
     /// `content-type` and `location`.
     pub stored_headers: Option<Vec<String>>,
     /// Lets a retry take over a processing key whose lease expired, within this window after
@@ -49,7 +49,7 @@ pub struct Config {
     pub provider_key_len: usize,
 }
 
-impl Default for Config {
+impl Default for ExecutorConfig {
     fn default() -> Self {
         Self {
             lease: Duration::from_secs(30),
@@ -74,7 +74,7 @@ impl Default for Config {
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::sync::Arc;
-/// use idemflow::{Idempotency, Outcome, Request, Response, Store, store::sqlite::SqliteStore};
+/// use idemflow::{Idempotency, Outcome, IdempotentRequest, StoredResponse, Store, store::sqlite::SqliteStore};
 ///
 /// let store = SqliteStore::connect("sqlite::memory:").await?;
 /// store.migrate().await?;
@@ -83,10 +83,10 @@ impl Default for Config {
 /// let body = serde_json::json!({"amount": 500, "currency": "usd"});
 /// let charge = |ctx: idemflow::Context| async move {
 ///     // Forward ctx.provider_key() to the provider here.
-///     Outcome::Succeeded(Response::json(201, &serde_json::json!({"charged": 500})).unwrap())
+///     Outcome::Succeeded(StoredResponse::json(201, &serde_json::json!({"charged": 500})).unwrap())
 /// };
-/// let first = idem.execute(Request::new("acct_1", "k1", "charge", &body)?, charge).await?;
-/// let again = idem.execute(Request::new("acct_1", "k1", "charge", &body)?, charge).await?;
+/// let first = idem.execute(IdempotentRequest::new("acct_1", "k1", "charge", &body)?, charge).await?;
+/// let again = idem.execute(IdempotentRequest::new("acct_1", "k1", "charge", &body)?, charge).await?;
 /// assert!(!first.is_replay() && again.is_replay());
 /// assert_eq!(first.response(), again.response());
 /// # Ok(())
@@ -95,24 +95,24 @@ impl Default for Config {
 #[derive(Debug, Clone)]
 pub struct Idempotency {
     store: Arc<dyn Store>,
-    config: Arc<Config>,
+    config: Arc<ExecutorConfig>,
 }
 
 impl Idempotency {
     /// An executor over `store` with default settings.
     pub fn new(store: Arc<dyn Store>) -> Self {
-        Self::with_config(store, Config::default())
+        Self::with_config(store, ExecutorConfig::default())
     }
 
     /// An executor with explicit settings.
-    pub fn with_config(store: Arc<dyn Store>, config: Config) -> Self {
+    pub fn with_config(store: Arc<dyn Store>, config: ExecutorConfig) -> Self {
         Self {
             store,
             config: Arc::new(config),
         }
     }
 
-    fn config_mut(&mut self) -> &mut Config {
+    fn config_mut(&mut self) -> &mut ExecutorConfig {
         Arc::make_mut(&mut self.config)
     }
 
@@ -159,7 +159,7 @@ impl Idempotency {
     }
 
     /// The settings.
-    pub fn config(&self) -> &Config {
+    pub fn config(&self) -> &ExecutorConfig {
         &self.config
     }
 
@@ -173,7 +173,11 @@ impl Idempotency {
     ///
     /// Cancel-safe: if this future is dropped while `op` runs, the key stays `processing` under
     /// its lease, and the sweeper (or, within the takeover window, a retry) settles it.
-    pub async fn execute<F, Fut>(&self, request: Request, op: F) -> Result<Execution, Error>
+    pub async fn execute<F, Fut>(
+        &self,
+        request: IdempotentRequest,
+        op: F,
+    ) -> Result<Execution, Error>
     where
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Outcome>,
@@ -188,7 +192,11 @@ impl Idempotency {
         self.execute_inner(request, op).instrument(span).await
     }
 
-    async fn execute_inner<F, Fut>(&self, request: Request, op: F) -> Result<Execution, Error>
+    async fn execute_inner<F, Fut>(
+        &self,
+        request: IdempotentRequest,
+        op: F,
+    ) -> Result<Execution, Error>
     where
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Outcome>,
@@ -249,7 +257,7 @@ impl Idempotency {
                     reason: "the provider surely did nothing; a retry runs it again".to_owned(),
                 };
                 self.store.finish(&id, Some(lease.token), &finish).await?;
-                return Err(Error::Retryable {
+                return Err(Error::FailedRetryable {
                     key: id.to_string(),
                     reason,
                 });
@@ -326,7 +334,7 @@ impl Idempotency {
 
     fn existing(
         &self,
-        request: &Request,
+        request: &IdempotentRequest,
         record: KeyRecord,
         now: chrono::DateTime<chrono::Utc>,
     ) -> Result<Execution, Error> {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
-use crate::{IdempotencyKey, Outcome, Response, Scope, provider_key};
+use crate::{IdempotencyKey, Outcome, Scope, StoredResponse, provider_key};
 
 pub mod config;
 #[cfg(feature = "http")]
@@ -101,14 +101,14 @@ pub enum CallOutcome {
     /// It worked; `replayed` when the provider says it answered from its own key cache.
     Succeeded {
         /// The provider's answer, as stored and replayed.
-        response: Response,
+        response: StoredResponse,
         /// The provider marked it a replay (e.g. `Idempotent-Replayed: true`).
         replayed: bool,
     },
     /// A permanent refusal (card declined, invalid recipient).
     Rejected {
         /// The provider's answer.
-        response: Response,
+        response: StoredResponse,
     },
     /// The provider surely did nothing (refused connection, 429, should-retry before executing).
     Retryable {

@@ -31,7 +31,7 @@ use super::http::{
     classify_status,
 };
 use super::{CallOutcome, KeySpec, KeyTransport, Lookup, Provider};
-use crate::{Outcome, Response};
+use crate::{Outcome, StoredResponse};
 
 /// Postmark's API base.
 pub const DEFAULT_BASE_URL: &str = "https://api.postmarkapp.com";
@@ -168,7 +168,9 @@ impl Postmark {
             "ErrorCode": 0,
             "Message": "OK",
         });
-        Outcome::Succeeded(Response::json(200, &answer).unwrap_or_else(|_| Response::new(200)))
+        Outcome::Succeeded(
+            StoredResponse::json(200, &answer).unwrap_or_else(|_| StoredResponse::new(200)),
+        )
     }
 }
 
@@ -193,8 +195,11 @@ impl Provider for Postmark {
             Ok(b) => b,
             Err(detail) => {
                 return CallOutcome::Rejected {
-                    response: Response::json(422, &json!({"ErrorCode": 300, "Message": detail}))
-                        .unwrap_or_else(|_| Response::new(422)),
+                    response: StoredResponse::json(
+                        422,
+                        &json!({"ErrorCode": 300, "Message": detail}),
+                    )
+                    .unwrap_or_else(|_| StoredResponse::new(422)),
                 };
             }
         };

@@ -43,7 +43,7 @@ use super::http::{
     classify_status,
 };
 use super::{CallOutcome, KeySpec, KeyTransport, Lookup, Provider};
-use crate::{Outcome, Response};
+use crate::{Outcome, StoredResponse};
 
 /// Stripe's API base.
 pub const DEFAULT_BASE_URL: &str = "https://api.stripe.com";
@@ -195,7 +195,7 @@ impl Stripe {
     fn found(pi: &Value) -> Outcome {
         let status = pi.get("status").and_then(Value::as_str).unwrap_or("");
         let as_json = |code: u16, v: &Value| {
-            Response::from_parts(
+            StoredResponse::from_parts(
                 code,
                 vec![("content-type".to_owned(), "application/json".to_owned())],
                 serde_json::to_vec(v).unwrap_or_default(),
@@ -262,11 +262,11 @@ impl Provider for Stripe {
             Ok(f) => f,
             Err(detail) => {
                 return CallOutcome::Rejected {
-                    response: Response::json(
+                    response: StoredResponse::json(
                         400,
                         &json!({"error": {"type": "idemflow_invalid_request", "message": detail}}),
                     )
-                    .unwrap_or_else(|_| Response::new(400)),
+                    .unwrap_or_else(|_| StoredResponse::new(400)),
                 };
             }
         };

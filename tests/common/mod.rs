@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idemflow::store::sqlite::SqliteStore;
-use idemflow::{Context, Outcome, Response, Store};
+use idemflow::{Context, Outcome, Store, StoredResponse};
 
 pub async fn memory() -> Arc<SqliteStore> {
     let s = SqliteStore::connect("sqlite::memory:").await.unwrap();
@@ -42,7 +42,7 @@ impl Charger {
             .unwrap()
             .push(ctx.provider_key().to_owned());
         Outcome::Succeeded(
-            Response::json(201, &serde_json::json!({"payment_id": n, "amount": amount}))
+            StoredResponse::json(201, &serde_json::json!({"payment_id": n, "amount": amount}))
                 .unwrap()
                 .with_header("Location", format!("/payments/{n}"))
                 .with_header("X-Request-Id", format!("req-{n}")),

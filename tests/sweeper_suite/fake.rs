@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use idemflow::provider::KeyTransport;
-use idemflow::{CallOutcome, KeySpec, Lookup, Outcome, Provider, Response, async_trait};
+use idemflow::{CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait};
 
 /// One thing the provider did (a charge, or a declined attempt).
 #[derive(Debug, Clone)]
@@ -15,7 +15,7 @@ pub struct Effect {
     pub provider_key: String,
     pub charge: String,
     pub at: Instant,
-    pub response: Response,
+    pub response: StoredResponse,
     pub declined: bool,
 }
 
@@ -165,12 +165,12 @@ impl Provider for FakeProvider {
                 let declined = amount == 0;
                 let charge = format!("ch_{n}");
                 let response = if declined {
-                    Response::json(
+                    StoredResponse::json(
                         402,
                         &serde_json::json!({"error": "card_declined", "charge": charge}),
                     )
                 } else {
-                    Response::json(
+                    StoredResponse::json(
                         201,
                         &serde_json::json!({"charge": charge, "amount": amount}),
                     )

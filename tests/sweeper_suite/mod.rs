@@ -21,8 +21,9 @@ use chrono::{DateTime, Utc};
 use idemflow::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, Stuck, TakeStale};
 use idemflow::sweeper::Unresolved;
 use idemflow::{
-    Actor, Error, Fingerprint, Idempotency, IdempotencyKey, KeyEvent, KeyId, KeyRecord, KeyState,
-    LeaseToken, Outcome, Providers, Request, Scope, Store, StoreError, Sweeper, async_trait,
+    Actor, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotentRequest, KeyEvent, KeyId,
+    KeyRecord, KeyState, LeaseToken, Outcome, Providers, Scope, Store, StoreError, Sweeper,
+    async_trait,
 };
 
 pub use fake::FakeProvider;
@@ -81,8 +82,8 @@ pub fn sweeper(store: &Arc<dyn Store>, provider: &Arc<FakeProvider>) -> Sweeper 
         .backoff(Duration::from_secs(30), Duration::from_secs(3600))
 }
 
-pub fn pay(scope: &str, key: &str, amount: u64) -> Request {
-    Request::new(
+pub fn pay(scope: &str, key: &str, amount: u64) -> IdempotentRequest {
+    IdempotentRequest::new(
         scope,
         key,
         "payments.create",
@@ -92,7 +93,7 @@ pub fn pay(scope: &str, key: &str, amount: u64) -> Request {
 }
 
 /// The request as `Idempotency::call` would send it (provider recorded, provider key derived).
-pub fn as_call(req: Request, p: &FakeProvider) -> Request {
+pub fn as_call(req: IdempotentRequest, p: &FakeProvider) -> IdempotentRequest {
     use idemflow::Provider;
     let pk = p
         .key_spec()
@@ -100,7 +101,7 @@ pub fn as_call(req: Request, p: &FakeProvider) -> Request {
     req.with_provider(p.name()).with_provider_key(pk)
 }
 
-pub fn provider_key(req: &Request, p: &FakeProvider) -> String {
+pub fn provider_key(req: &IdempotentRequest, p: &FakeProvider) -> String {
     use idemflow::Provider;
     p.key_spec()
         .derive(&req.id().scope, &req.id().key, req.operation())
@@ -423,7 +424,7 @@ pub async fn zombie_worker_gets_lease_lost_and_changes_nothing(store: Arc<dyn St
                 let _ = go_rx.await;
                 // ...then reports a made-up late answer that must never be stored.
                 let _ = answer;
-                Outcome::Succeeded(idemflow::Response::new(299).with_body(&b"zombie"[..]))
+                Outcome::Succeeded(idemflow::StoredResponse::new(299).with_body(&b"zombie"[..]))
             })
             .await
         })
@@ -784,7 +785,7 @@ pub async fn stuck_keys_and_expired_counts_for_operators(store: Arc<dyn Store>) 
             .await;
     }
     idem.execute(pay(&scope, "fin", 1), |_ctx| async {
-        Outcome::Succeeded(idemflow::Response::new(200))
+        Outcome::Succeeded(idemflow::StoredResponse::new(200))
     })
     .await
     .unwrap();

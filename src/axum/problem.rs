@@ -19,7 +19,7 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 /// ```
 /// use axum::http::StatusCode;
 /// use axum::response::IntoResponse;
-/// use idemflow::http::Problem;
+/// use idemflow::axum::Problem;
 ///
 /// let resp = Problem::new(StatusCode::BAD_REQUEST, "invalid-amount", "Invalid amount")
 ///     .detail("amount must be a positive integer")

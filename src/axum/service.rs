@@ -17,11 +17,11 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tracing::Instrument;
 
-use super::context::{IdempotencyContext, Retryable};
+use super::context::{IdempotencyContext, NothingHappened};
 use super::problem::{Problem, retry_after_value};
 use super::{REPLAYED_HEADER, Settings, parse_key_header};
 use crate::fingerprint::{Fingerprint, canonical_json, hex};
-use crate::{Error, Execution, KeyId, Outcome, Scope};
+use crate::{Error, Execution, IdempotentRequest, KeyId, Outcome, Scope, StoredResponse};
 
 /// The service [`IdempotencyLayer`](super::IdempotencyLayer) wraps around an inner service.
 pub struct IdempotencyService<S> {
@@ -172,7 +172,7 @@ where
     };
     let fingerprint = fingerprint(&operation, &parts, &bytes);
     let id = KeyId::new(scope, key);
-    let request = crate::Request::with_fingerprint(
+    let request = IdempotentRequest::with_fingerprint(
         id,
         operation.clone(),
         canonical_json(&stored),
@@ -235,7 +235,7 @@ where
                     }
                 };
                 let status = rparts.status;
-                let retryable = rparts.extensions.get::<Retryable>().is_some();
+                let retryable = rparts.extensions.get::<NothingHappened>().is_some();
                 let headers = rparts
                     .headers
                     .iter()
@@ -247,7 +247,7 @@ where
                     .filter_map(|(n, v)| Some((n.as_str().to_owned(), v.to_str().ok()?.to_owned())))
                     .collect();
                 let to_store =
-                    crate::Response::from_parts(status.as_u16(), headers, rbytes.to_vec());
+                    StoredResponse::from_parts(status.as_u16(), headers, rbytes.to_vec());
                 *produced = Some(Produced::Answer(Response::from_parts(
                     rparts,
                     Body::from(rbytes),
@@ -284,7 +284,7 @@ where
             Ok(resp)
         }
         (
-            Err(e @ (Error::OutcomeUnknown { .. } | Error::Retryable { .. })),
+            Err(e @ (Error::OutcomeUnknown { .. } | Error::FailedRetryable { .. })),
             Some(Produced::Answer(mut resp)),
         ) => {
             // The handler's own answer (5xx, or marked retryable), not stored.
@@ -388,7 +388,7 @@ fn fingerprint(operation: &str, parts: &Parts, bytes: &Bytes) -> Fingerprint {
 }
 
 /// A stored answer as an HTTP response.
-fn to_http(stored: crate::Response) -> Response {
+fn to_http(stored: StoredResponse) -> Response {
     let (status, headers, body) = stored.into_parts();
     let mut resp = Response::new(Body::from(body));
     *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -421,7 +421,7 @@ fn error_response(e: &Error) -> Response {
             "The outcome of the first request is not known yet",
         )
         .retry_after(*retry_after),
-        Error::Retryable { .. } => Problem::new(
+        Error::FailedRetryable { .. } => Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "retryable",
             "The request failed without effect; retry it with the same key",

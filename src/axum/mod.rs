@@ -7,7 +7,7 @@
 //! use std::sync::Arc;
 //! use axum::{Router, routing::post, http::StatusCode};
 //! use idemflow::{Idempotency, Store, store::sqlite::SqliteStore};
-//! use idemflow::http::{IdempotencyContext, IdempotencyLayer};
+//! use idemflow::axum::{IdempotencyContext, IdempotencyLayer};
 //!
 //! let store = SqliteStore::connect("sqlite::memory:").await?;
 //! store.migrate().await?;
@@ -36,7 +36,7 @@
 //! | first request with the key still running               | 409 `request-in-flight` + `Retry-After`  |
 //! | handler answers 1xx-4xx                                | that answer, stored (2xx/3xx `done`, 4xx `failed{permanent}`) |
 //! | handler answers 5xx                                    | that answer (+ `Retry-After`), not stored; key left `processing` for the sweeper |
-//! | handler marks its answer [`Retryable`]                 | that answer, not stored; key `failed{retryable}`, the next retry runs it |
+//! | handler marks its answer [`NothingHappened`]                 | that answer, not stored; key `failed{retryable}`, the next retry runs it |
 //! | retry after a stored answer                            | the stored status, headers, body + `Idempotent-Replayed: true` |
 //! | retry while the outcome is unknown                     | 503 `outcome-unknown` + `Retry-After`    |
 //! | the store fails                                        | 500 `store-error`                        |
@@ -63,14 +63,14 @@ use axum::http::{HeaderName, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 
-use crate::Idempotency;
+use crate::{Idempotency, StoredResponse};
 
 mod context;
 mod key_header;
 mod problem;
 mod service;
 
-pub use context::{IdempotencyContext, Retryable};
+pub use context::{IdempotencyContext, NothingHappened};
 pub use key_header::{KeyHeaderError, parse_key_bytes, parse_key_header};
 pub use problem::{PROBLEM_JSON, Problem, retry_after_value};
 pub use service::IdempotencyService;
@@ -89,7 +89,7 @@ pub type OperationFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 /// refusal here is not stored: the client may correct the request and reuse the key).
 pub type StoredRequestFn = Arc<dyn Fn(&Parts, &Bytes) -> Result<Value, Response> + Send + Sync>;
 /// Rewrites a stored answer before it is replayed.
-pub type ReplayFn = Arc<dyn Fn(&Parts, crate::Response) -> crate::Response + Send + Sync>;
+pub type ReplayFn = Arc<dyn Fn(&Parts, StoredResponse) -> StoredResponse + Send + Sync>;
 
 #[derive(Clone)]
 pub(crate) struct Settings {
@@ -294,7 +294,7 @@ impl IdempotencyLayer {
     /// render the ones the sweeper settled from the provider's own answer.
     pub fn replay_with<F>(self, f: F) -> Self
     where
-        F: Fn(&Parts, crate::Response) -> crate::Response + Send + Sync + 'static,
+        F: Fn(&Parts, StoredResponse) -> StoredResponse + Send + Sync + 'static,
     {
         self.set(|s| s.replay = Some(Arc::new(f)))
     }
