@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 
 use crate::record::{Actor, KeyEvent, KeyRecord};
 use crate::store::{Finish, Store};
-use crate::sweeper::{SweepError, SweepReport, Sweeper, SweeperConfig};
+use crate::sweeper::{SweepError, SweepReport, Sweeper};
 use crate::{IdempotencyKey, KeyId, KeyState, Scope, StoreError, StoredResponse};
 
 pub mod config;
@@ -249,17 +249,16 @@ async fn reconcile(cli: &Cli, url: &str, args: &ReconcileArgs) -> anyhow::Result
         );
     }
     let store = connect_store(url, false).await?;
-    let mut cfg = file.sweeper.apply(SweeperConfig::default());
+    let mut sweeper = file.sweeper.apply(Sweeper::new(store.clone(), providers));
     if let Some(b) = args.batch {
-        cfg.batch_size = b.max(1);
+        sweeper = sweeper.batch_size(b);
     }
     if let Some(m) = args.max_keys {
-        cfg.max_keys_per_run = m.max(1);
+        sweeper = sweeper.max_keys_per_run(m);
     }
     if let Some(o) = &args.owner {
-        cfg.owner.clone_from(o);
+        sweeper = sweeper.owner(o.clone());
     }
-    let sweeper = Sweeper::with_config(store.clone(), providers, cfg);
     match args.every {
         None => {
             let started = Instant::now();

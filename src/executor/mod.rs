@@ -19,8 +19,12 @@ mod request;
 pub use outcome::{Context, Execution, Outcome};
 pub use request::IdempotentRequest;
 
-/// Settings of an [`Idempotency`] executor.
+/// The settings of an [`Idempotency`] executor, as read back with [`Idempotency::config`].
+///
+/// This is a read-only view: every setting is set with the builder method of the same name on
+/// [`Idempotency`] (`Idempotency::new(store).lease(..).retention(..)`).
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ExecutorConfig {
     /// How long a claim holds the key before a sweeper may take it over. Default 30 s.
     pub lease: Duration,
@@ -34,7 +38,7 @@ pub struct ExecutorConfig {
     pub max_request_bytes: usize,
     /// Largest stored response (body + headers), in bytes. Default 1 MiB.
     pub max_response_bytes: usize,
-    /// StoredResponse headers kept for replay (case-insensitive); `None` keeps all. Default
+    /// Response headers kept for replay (case-insensitive); `None` keeps all. Default
     /// `content-type` and `location`.
     pub stored_headers: Option<Vec<String>>,
     /// Lets a retry take over a processing key whose lease expired, within this window after
@@ -45,12 +49,10 @@ pub struct ExecutorConfig {
     pub in_flight_retry_after: Duration,
     /// `Retry-After` given when the outcome is unknown. Default 5 s.
     pub unknown_retry_after: Duration,
-    /// Length limit for the derived provider key. Default 44.
-    pub provider_key_len: usize,
 }
 
-impl Default for ExecutorConfig {
-    fn default() -> Self {
+impl ExecutorConfig {
+    fn defaults() -> Self {
         Self {
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(24 * 3600),
@@ -62,7 +64,6 @@ impl Default for ExecutorConfig {
             retry_takeover_window: None,
             in_flight_retry_after: Duration::from_secs(1),
             unknown_retry_after: Duration::from_secs(5),
-            provider_key_len: 44,
         }
     }
 }
@@ -99,63 +100,73 @@ pub struct Idempotency {
 }
 
 impl Idempotency {
-    /// An executor over `store` with default settings.
+    /// An executor over `store` with default settings; change them with the builder methods
+    /// below.
     pub fn new(store: Arc<dyn Store>) -> Self {
-        Self::with_config(store, ExecutorConfig::default())
-    }
-
-    /// An executor with explicit settings.
-    pub fn with_config(store: Arc<dyn Store>, config: ExecutorConfig) -> Self {
         Self {
             store,
-            config: Arc::new(config),
+            config: Arc::new(ExecutorConfig::defaults()),
         }
     }
 
-    fn config_mut(&mut self) -> &mut ExecutorConfig {
-        Arc::make_mut(&mut self.config)
-    }
-
-    /// Sets the lease length.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.config_mut().lease = lease;
+    fn set(mut self, f: impl FnOnce(&mut ExecutorConfig)) -> Self {
+        f(Arc::make_mut(&mut self.config));
         self
     }
 
-    /// Sets the retention of finished keys.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.config_mut().retention = retention;
-        self
+    /// Sets the lease length ([`ExecutorConfig::lease`]).
+    pub fn lease(self, lease: Duration) -> Self {
+        self.set(|c| c.lease = lease)
     }
 
-    /// Sets the stored response cap in bytes.
-    pub fn max_response_bytes(mut self, limit: usize) -> Self {
-        self.config_mut().max_response_bytes = limit;
-        self
+    /// Sets the retention of finished keys ([`ExecutorConfig::retention`]).
+    pub fn retention(self, retention: Duration) -> Self {
+        self.set(|c| c.retention = retention)
     }
 
-    /// Sets the request cap in bytes.
-    pub fn max_request_bytes(mut self, limit: usize) -> Self {
-        self.config_mut().max_request_bytes = limit;
-        self
+    /// Sets the lease owner name ([`ExecutorConfig::owner`]).
+    pub fn owner(self, owner: impl Into<String>) -> Self {
+        let owner = owner.into();
+        self.set(|c| c.owner = owner)
     }
 
-    /// Sets the headers kept for replay (`None`: all).
-    pub fn stored_headers(mut self, headers: Option<Vec<String>>) -> Self {
-        self.config_mut().stored_headers = headers;
-        self
+    /// Whether the canonical request is stored ([`ExecutorConfig::store_request`]).
+    pub fn store_request(self, store: bool) -> Self {
+        self.set(|c| c.store_request = store)
     }
 
-    /// Lets a retry take over an expired lease within `window` of the first claim.
-    pub fn retry_takeover_window(mut self, window: Option<Duration>) -> Self {
-        self.config_mut().retry_takeover_window = window;
-        self
+    /// Sets the request cap in bytes ([`ExecutorConfig::max_request_bytes`]).
+    pub fn max_request_bytes(self, limit: usize) -> Self {
+        self.set(|c| c.max_request_bytes = limit)
     }
 
-    /// Sets the lease owner name.
-    pub fn owner(mut self, owner: impl Into<String>) -> Self {
-        self.config_mut().owner = owner.into();
-        self
+    /// Sets the stored response cap in bytes ([`ExecutorConfig::max_response_bytes`]).
+    pub fn max_response_bytes(self, limit: usize) -> Self {
+        self.set(|c| c.max_response_bytes = limit)
+    }
+
+    /// Sets the headers kept for replay, compared case-insensitively (`None`: all)
+    /// ([`ExecutorConfig::stored_headers`]).
+    pub fn stored_headers(self, headers: Option<Vec<String>>) -> Self {
+        self.set(|c| c.stored_headers = headers)
+    }
+
+    /// Lets a retry take over an expired lease within `window` of the first claim
+    /// ([`ExecutorConfig::retry_takeover_window`]).
+    pub fn retry_takeover_window(self, window: Option<Duration>) -> Self {
+        self.set(|c| c.retry_takeover_window = window)
+    }
+
+    /// Sets the `Retry-After` given to a duplicate of a running request
+    /// ([`ExecutorConfig::in_flight_retry_after`]).
+    pub fn in_flight_retry_after(self, after: Duration) -> Self {
+        self.set(|c| c.in_flight_retry_after = after)
+    }
+
+    /// Sets the `Retry-After` given while an outcome is unknown
+    /// ([`ExecutorConfig::unknown_retry_after`]).
+    pub fn unknown_retry_after(self, after: Duration) -> Self {
+        self.set(|c| c.unknown_retry_after = after)
     }
 
     /// The settings.
@@ -213,7 +224,7 @@ impl Idempotency {
                 &request.id.scope,
                 &request.id.key,
                 &request.operation,
-                cfg.provider_key_len,
+                provider_key::DEFAULT_LEN,
             )
         });
         let claim = NewClaim {

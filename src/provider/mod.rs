@@ -36,22 +36,9 @@ pub use resend::Resend;
 #[cfg(feature = "http")]
 pub use stripe::Stripe;
 
-/// Where the provider key travels.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyTransport {
-    /// An HTTP header, e.g. `Idempotency-Key`.
-    Header(String),
-    /// A field of the request body.
-    BodyField(String),
-    /// The provider has no idempotency key: ours goes into searchable metadata only.
-    None,
-}
-
 /// How a provider handles idempotency keys, as data.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeySpec {
-    /// Where the key goes.
-    pub transport: KeyTransport,
     /// The longest key the provider accepts.
     pub max_len: usize,
     /// How long the provider remembers a key (its dedup window); `None` when it has no keys.
@@ -65,7 +52,6 @@ impl KeySpec {
     /// A spec for a provider without idempotency keys (never re-driven).
     pub fn no_keys() -> Self {
         Self {
-            transport: KeyTransport::None,
             max_len: 255,
             retention: None,
             replays_same_key: false,

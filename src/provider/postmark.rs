@@ -30,7 +30,7 @@ use super::http::{
     ApiKey, Classified, HttpClient, HttpConfig, HttpError, HttpReply, RetryUnknown, body_snippet,
     classify_status,
 };
-use super::{CallOutcome, KeySpec, KeyTransport, Lookup, Provider};
+use super::{CallOutcome, KeySpec, Lookup, Provider};
 use crate::{Outcome, StoredResponse};
 
 /// Postmark's API base.
@@ -182,7 +182,6 @@ impl Provider for Postmark {
 
     fn key_spec(&self) -> KeySpec {
         KeySpec {
-            transport: KeyTransport::None,
             max_len: METADATA_VALUE_MAX,
             retention: None,
             replays_same_key: false,

@@ -29,7 +29,7 @@ use super::http::{
     ApiKey, Classified, HttpClient, HttpConfig, HttpError, HttpReply, RetryUnknown, body_snippet,
     classify_status,
 };
-use super::{CallOutcome, KeySpec, KeyTransport, Lookup, Provider};
+use super::{CallOutcome, KeySpec, Lookup, Provider};
 use crate::Outcome;
 
 /// Resend's API base.
@@ -138,7 +138,6 @@ impl Provider for Resend {
 
     fn key_spec(&self) -> KeySpec {
         KeySpec {
-            transport: KeyTransport::Header("Idempotency-Key".to_owned()),
             max_len: 256,
             retention: Some(RETENTION),
             replays_same_key: true,

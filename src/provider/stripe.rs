@@ -42,7 +42,7 @@ use super::http::{
     ApiKey, Classified, HttpClient, HttpConfig, HttpError, HttpReply, RetryUnknown, body_snippet,
     classify_status,
 };
-use super::{CallOutcome, KeySpec, KeyTransport, Lookup, Provider};
+use super::{CallOutcome, KeySpec, Lookup, Provider};
 use crate::{Outcome, StoredResponse};
 
 /// Stripe's API base.
@@ -249,7 +249,6 @@ impl Provider for Stripe {
 
     fn key_spec(&self) -> KeySpec {
         KeySpec {
-            transport: KeyTransport::Header("Idempotency-Key".to_owned()),
             max_len: 255,
             retention: Some(Duration::from_secs(24 * 3600)),
             replays_same_key: true,

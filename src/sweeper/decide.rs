@@ -251,7 +251,6 @@ pub fn backoff(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::KeyTransport;
     use crate::{Fingerprint, IdempotencyKey, LeaseToken, Scope};
 
     fn record(provider: Option<&str>, request: Option<&str>, age_s: i64) -> KeyRecord {
@@ -281,7 +280,6 @@ mod tests {
 
     fn keyed(window_s: u64) -> KeySpec {
         KeySpec {
-            transport: KeyTransport::Header("Idempotency-Key".into()),
             max_len: 255,
             retention: Some(Duration::from_secs(window_s)),
             replays_same_key: true,

@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use idemflow::provider::KeyTransport;
 use idemflow::{CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait};
 
 /// One thing the provider did (a charge, or a declined attempt).
@@ -43,7 +42,6 @@ impl FakeProvider {
         Arc::new(Self {
             name: name.into(),
             spec: KeySpec {
-                transport: KeyTransport::Header("Idempotency-Key".into()),
                 max_len: 255,
                 retention: Some(window),
                 replays_same_key: true,
