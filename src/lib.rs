@@ -102,7 +102,7 @@ pub mod testkit;
 pub struct ReadmeDoctests;
 
 pub use async_trait::async_trait;
-pub use error::{Error, StoreError};
+pub use error::{Error, HttpAnswer, StoreError};
 pub use executor::{Context, Execution, ExecutorConfig, Idempotency, IdempotentRequest, Outcome};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KeyId, Scope};

@@ -400,72 +400,7 @@ fn to_http(stored: StoredResponse) -> Response {
     resp
 }
 
-/// The layer's answer to an executor error.
+/// The layer's answer to an executor error: [`Error::http_answer`] as problem details.
 fn error_response(e: &Error) -> Response {
-    let detail = e.to_string();
-    let p = match e {
-        Error::FingerprintMismatch { .. } => Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "key-reused",
-            "Idempotency key reused with a different request",
-        ),
-        Error::InFlight { retry_after, .. } => Problem::new(
-            StatusCode::CONFLICT,
-            "request-in-flight",
-            "A request with this idempotency key is still in progress",
-        )
-        .retry_after(*retry_after),
-        Error::OutcomeUnknown { retry_after, .. } => Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "outcome-unknown",
-            "The outcome of the first request is not known yet",
-        )
-        .retry_after(*retry_after),
-        Error::FailedRetryable { .. } => Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "retryable",
-            "The request failed without effect; retry it with the same key",
-        )
-        .retry_after(Duration::from_secs(1)),
-        Error::RequestTooLarge { .. } => Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body-too-large",
-            "Request too large",
-        ),
-        Error::InvalidKey(_) => Problem::new(
-            StatusCode::BAD_REQUEST,
-            "key-malformed",
-            "Idempotency key malformed",
-        ),
-        Error::InvalidScope(_) => {
-            Problem::new(StatusCode::BAD_REQUEST, "scope-invalid", "Scope invalid")
-        }
-        Error::InvalidJson(_) => Problem::new(
-            StatusCode::BAD_REQUEST,
-            "body-invalid",
-            "Request body invalid",
-        ),
-        Error::LeaseLost(_) => Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "settled-elsewhere",
-            "The key was settled by another process while this request ran",
-        )
-        .retry_after(Duration::from_secs(1)),
-        Error::NoStoredResponse { .. } | Error::ResponseTooLarge { .. } => Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "no-stored-answer",
-            "The request was handled but its answer was not stored",
-        ),
-        Error::Store(_) => Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "store-error",
-            "Idempotency store error",
-        ),
-        _ => Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "Internal error",
-        ),
-    };
-    p.detail(detail).into_response()
+    Problem::from(e).into_response()
 }
