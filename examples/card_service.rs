@@ -36,8 +36,8 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::http::request::Parts;
+use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Router};
@@ -105,7 +105,7 @@ pub async fn connect(
 /// The service: `POST /payments` behind the layer.
 pub fn router(idem: Idempotency, stripe: Arc<Stripe>) -> Router {
     let layer = IdempotencyLayer::new(idem)
-        .scope_from_header("x-account-id")
+        .scope_from_header(HeaderName::from_static("x-account-id"))
         .operation("payments.create")
         // Stuck keys are settled by asking Stripe (re-sending the stored request, same key).
         .provider(stripe.name().to_owned())

@@ -28,8 +28,8 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::http::request::Parts;
+use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Router};
@@ -180,7 +180,7 @@ async fn send_email(State(resend): State<Arc<Resend>>, ctx: IdempotencyContext) 
 /// The service: `POST /emails` behind the idempotency layer, scoped by `X-Account-Id`.
 pub fn router(idem: Idempotency, resend: Arc<Resend>) -> Router {
     let layer = IdempotencyLayer::new(idem)
-        .scope_from_header("x-account-id")
+        .scope_from_header(HeaderName::from_static("x-account-id"))
         .operation("emails.send")
         .provider(resend.name().to_owned())
         .stored_request(email_params)

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderMap, Request, StatusCode};
+use axum::http::{HeaderMap, HeaderName, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
@@ -112,7 +112,7 @@ fn router(
     let idem = Idempotency::new(store).lease(Duration::from_secs(30));
     let layer = layer(
         IdempotencyLayer::new(idem)
-            .scope_from_header("x-account-id")
+            .scope_from_header(HeaderName::from_static("x-account-id"))
             .max_body_bytes(1024),
     );
     Router::new()
@@ -310,7 +310,10 @@ async fn stored_headers_are_configurable() {
     let s = store().await;
     let c = App::default();
     let app = router(s, c.clone(), |l| {
-        l.stored_headers(["Content-Type", "X-Request-Cost"])
+        l.stored_headers(
+            ["Content-Type", "X-Request-Cost"]
+                .map(|h| HeaderName::from_bytes(h.as_bytes()).unwrap()),
+        )
     });
     let first = send(&app, post_req("/payments", Some("k-h"), "acct_1", BODY)).await;
     let again = send(&app, post_req("/payments", Some("k-h"), "acct_1", BODY)).await;
@@ -591,7 +594,9 @@ async fn executor_stored_headers_are_matched_case_insensitively() {
         .stored_headers(Some(vec!["Content-Type".to_owned(), "Location".to_owned()]));
     let app = Router::new()
         .route("/payments", post(create))
-        .layer(IdempotencyLayer::new(idem).scope_from_header("x-account-id"))
+        .layer(
+            IdempotencyLayer::new(idem).scope_from_header(HeaderName::from_static("x-account-id")),
+        )
         .with_state(c.clone());
     let first = send(&app, post_req("/payments", Some("k-case"), "acct_1", BODY)).await;
     assert_eq!(first.status, 201);
@@ -601,5 +606,30 @@ async fn executor_stored_headers_are_matched_case_insensitively() {
     assert_eq!(again.header("location"), first.header("location"));
     assert_eq!(again.header("x-request-cost"), None, "not a stored header");
     assert_eq!(again.body, first.body);
+    assert_eq!(c.runs.load(Ordering::SeqCst), 1);
+}
+
+/// Regression (issue 10): `scope_from_header(&'static str)` went through
+/// `HeaderName::from_static`, which panics on the mixed-case `X-Account-Id` its own docs named.
+/// It now takes a `HeaderName`; one built from any case works, an invalid one is a typed error.
+#[tokio::test]
+async fn scope_header_named_in_mixed_case_works() {
+    let s = store().await;
+    let c = App::default();
+    let name = HeaderName::try_from("X-Account-Id").expect("a valid header name");
+    assert!(
+        HeaderName::try_from("X Account").is_err(),
+        "typed error, no panic"
+    );
+    let app = Router::new()
+        .route("/payments", post(create))
+        .layer(IdempotencyLayer::new(Idempotency::new(s)).scope_from_header(name))
+        .with_state(c.clone());
+    let first = send(&app, post_req("/payments", Some("k-mixed"), "acct_9", BODY)).await;
+    assert_eq!(first.status, 201);
+    let body: Value = serde_json::from_slice(&first.body).unwrap();
+    assert_eq!(body["scope"], "acct_9");
+    let again = send(&app, post_req("/payments", Some("k-mixed"), "acct_9", BODY)).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(c.runs.load(Ordering::SeqCst), 1);
 }

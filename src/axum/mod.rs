@@ -5,7 +5,7 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use axum::{Router, routing::post, http::StatusCode};
+//! use axum::{Router, routing::post, http::{HeaderName, StatusCode}};
 //! use idemflow::{Idempotency, Store, store::sqlite::SqliteStore};
 //! use idemflow::axum::{IdempotencyContext, IdempotencyLayer};
 //!
@@ -19,7 +19,7 @@
 //! }
 //! let app: Router = Router::new()
 //!     .route("/payments", post(create))
-//!     .layer(IdempotencyLayer::new(idem).scope_from_header("x-account-id"));
+//!     .layer(IdempotencyLayer::new(idem).scope_from_header(HeaderName::from_static("x-account-id")));
 //! # Ok(())
 //! # }
 //! ```
@@ -206,8 +206,24 @@ impl IdempotencyLayer {
     /// The scope is the value of `header` (e.g. `X-Account-Id`, set by your authentication);
     /// a request without it gets 400 `scope-missing`. Only use a header your own stack sets or
     /// verifies: the scope is what keeps tenants apart.
-    pub fn scope_from_header(self, header: &'static str) -> Self {
-        let name = HeaderName::from_static(header);
+    ///
+    /// Header names are case-insensitive: build the name with `HeaderName::from_static` in
+    /// lowercase, or with `HeaderName::from_bytes` / `try_from` from any case (an invalid name
+    /// is then a typed `InvalidHeaderName` error, never a panic).
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use idemflow::{Idempotency, store::sqlite::SqliteStore};
+    /// use axum::http::HeaderName;
+    /// use idemflow::axum::IdempotencyLayer;
+    /// # async fn f(store: Arc<SqliteStore>) -> Result<(), axum::http::header::InvalidHeaderName> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(store))
+    ///     .scope_from_header(HeaderName::try_from("X-Account-Id")?);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn scope_from_header(self, header: HeaderName) -> Self {
+        let name = header;
         self.scope(
             move |parts| {
                 match parts.headers.get(&name).map(|v| v.to_str()) {
@@ -227,15 +243,8 @@ impl IdempotencyLayer {
 
     /// The response headers stored and replayed with the status and body (case-insensitive).
     /// Default: those of the [`Idempotency`] config, `content-type` and `location`.
-    pub fn stored_headers<I, H>(self, headers: I) -> Self
-    where
-        I: IntoIterator<Item = H>,
-        H: Into<String>,
-    {
-        let headers = headers
-            .into_iter()
-            .map(|h| h.into().to_ascii_lowercase())
-            .collect();
+    pub fn stored_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        let headers = headers.into_iter().map(|h| h.as_str().to_owned()).collect();
         self.set(|s| s.stored_headers = headers)
     }
 
