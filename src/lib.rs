@@ -62,7 +62,7 @@
 //! | `postgres` | `store::postgres::PostgresStore`, for many app instances and sweepers |
 //! | `mysql` | `store::mysql::MySqlStore` (MariaDB >= 10.6, MySQL 8) |
 //! | `redis` | `store::redis::RedisStore` (one Lua script per transition) |
-//! | `http` | [`provider::http`]-based provider adapters: `provider::Stripe`, `provider::Resend`, `provider::Postmark` |
+//! | `http` | `provider::http`, provider adapters: `provider::Stripe`, `provider::Resend`, `provider::Postmark` |
 //! | `axum` | `axum::IdempotencyLayer`, IETF `Idempotency-Key` semantics for axum services |
 //! | `testkit` | fake provider servers with a ledger and fault injection |
 //! | `cli` | the `idemflow` reconciler binary |
