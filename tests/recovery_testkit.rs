@@ -15,7 +15,7 @@ use idemflow::provider::{Postmark, Provider, Stripe};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::testkit::{FakePostmark, FakeStripe};
 use idemflow::{
-    Error, Execution, Idempotency, KeyState, Outcome, Providers, Request, Store, Sweeper,
+    Error, Execution, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Store, Sweeper,
 };
 use serde_json::{Value, json};
 
@@ -91,8 +91,8 @@ fn stripe(fake: &FakeStripe) -> Arc<Stripe> {
     )
 }
 
-fn charge(key: &str) -> Request {
-    Request::new(
+fn charge(key: &str) -> IdempotentRequest {
+    IdempotentRequest::new(
         "shop-1",
         key,
         "payments.create",
@@ -289,7 +289,7 @@ async fn crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_o
     );
     let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(100));
     let email = json!({"From": "shop@x.test", "To": "ana@y.test", "Subject": "Receipt", "TextBody": "Thanks"});
-    let req = || Request::new("shop-1", "mail-1", "email.send", &email).unwrap();
+    let req = || IdempotentRequest::new("shop-1", "mail-1", "email.send", &email).unwrap();
 
     // Claimed, then the worker dies before sending anything.
     let crashed = idem.execute(req().with_provider(postmark.name()), |_ctx| {

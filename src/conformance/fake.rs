@@ -5,8 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::provider::KeyTransport;
-use crate::{CallOutcome, KeySpec, Lookup, Outcome, Provider, Response, async_trait};
+use crate::{CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait};
 use chrono::{DateTime, Utc};
 
 /// One thing the provider did (a charge, or a declined attempt).
@@ -19,7 +18,7 @@ pub struct Effect {
     /// When the provider acted.
     pub at: Instant,
     /// The answer the provider gave (or would have given, when it was lost).
-    pub response: Response,
+    pub response: StoredResponse,
     /// Whether the attempt was declined instead of charged.
     pub declined: bool,
 }
@@ -53,7 +52,6 @@ impl FakeProvider {
         Arc::new(Self {
             name: name.into(),
             spec: KeySpec {
-                transport: KeyTransport::Header("Idempotency-Key".into()),
                 max_len: 255,
                 retention: Some(window),
                 replays_same_key: true,
@@ -181,12 +179,12 @@ impl Provider for FakeProvider {
                 let declined = amount == 0;
                 let charge = format!("ch_{n}");
                 let response = if declined {
-                    Response::json(
+                    StoredResponse::json(
                         402,
                         &serde_json::json!({"error": "card_declined", "charge": charge}),
                     )
                 } else {
-                    Response::json(
+                    StoredResponse::json(
                         201,
                         &serde_json::json!({"charge": charge, "amount": amount}),
                     )

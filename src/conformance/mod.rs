@@ -55,7 +55,7 @@ pub use store::{race_claims_across, sweepers_take_each_key_once_across};
 pub use sweeper::FailingFinish;
 
 use crate::store::{ClaimOutcome, Finish, Lease, NewClaim};
-use crate::{Actor, Fingerprint, IdempotencyKey, KeyId, KeyState, Response, Scope, Store};
+use crate::{Actor, Fingerprint, IdempotencyKey, KeyId, KeyState, Scope, Store, StoredResponse};
 
 /// Runs one suite test to completion on a fresh two-worker multi-thread runtime, as the macros
 /// do (so the caller's crate needs no tokio features of its own).
@@ -114,7 +114,7 @@ pub async fn claimed(store: &Arc<dyn Store>, c: &NewClaim) -> Lease {
 }
 
 /// A worker's finish into `done` with `response`.
-pub fn done(response: Response) -> Finish {
+pub fn done(response: StoredResponse) -> Finish {
     Finish {
         to: KeyState::Done,
         response: Some(response),
@@ -128,7 +128,7 @@ pub fn done(response: Response) -> Finish {
 pub fn fail(retryable: bool) -> Finish {
     Finish {
         to: KeyState::Failed { retryable },
-        response: (!retryable).then(|| Response::new(402).with_body(&b"declined"[..])),
+        response: (!retryable).then(|| StoredResponse::new(402).with_body(&b"declined"[..])),
         error: Some("card declined".into()),
         actor: Actor::Worker,
         reason: "failed".into(),

@@ -16,7 +16,7 @@ use std::time::Duration;
 use super::{claim_for, claimed, done, fail, id, unique};
 use crate::state::Transition;
 use crate::store::{ClaimOutcome, Finish, Release, TakeStale};
-use crate::{Actor, Fingerprint, KeyState, LeaseToken, Response, Store, StoreError};
+use crate::{Actor, Fingerprint, KeyState, LeaseToken, Store, StoreError, StoredResponse};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -57,7 +57,7 @@ pub async fn finish_stores_the_response_and_get_returns_it_exactly(store: Arc<dy
     let body: Vec<u8> = (0..=255u8)
         .chain(b"\r\n{\"a\":1}".iter().copied())
         .collect();
-    let resp = Response::new(201)
+    let resp = StoredResponse::new(201)
         .with_header("content-type", "application/json")
         .with_header("X-Weird", "v\"al;ue=1, 2")
         .with_body(body.clone());
@@ -79,7 +79,7 @@ pub async fn finish_stores_the_response_and_get_returns_it_exactly(store: Arc<dy
     );
     // A second finish with the same token is refused: the key is no longer processing.
     let err = store
-        .finish(&id, Some(lease.token), &done(Response::new(200)))
+        .finish(&id, Some(lease.token), &done(StoredResponse::new(200)))
         .await
         .unwrap_err();
     assert!(
@@ -120,7 +120,7 @@ pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>
     assert_eq!(taken[0].lease_token, LeaseToken(2));
     let before = store.get(&id).await.unwrap().unwrap();
     let err = store
-        .finish(&id, Some(first.token), &done(Response::new(201)))
+        .finish(&id, Some(first.token), &done(StoredResponse::new(201)))
         .await
         .unwrap_err();
     match err {
@@ -142,7 +142,7 @@ pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>
     assert_eq!(store.history(&id).await.unwrap().len(), 2);
     // The new holder can finish.
     store
-        .finish(&id, Some(LeaseToken(2)), &done(Response::new(201)))
+        .finish(&id, Some(LeaseToken(2)), &done(StoredResponse::new(201)))
         .await
         .unwrap();
 }
@@ -159,7 +159,7 @@ pub async fn scopes_are_isolated(store: Arc<dyn Store>) {
         .finish(
             &ia,
             Some(la.token),
-            &done(Response::new(201).with_body(&b"A"[..])),
+            &done(StoredResponse::new(201).with_body(&b"A"[..])),
         )
         .await
         .unwrap();
@@ -334,7 +334,7 @@ pub async fn take_stale_skips_live_leases_and_finished_keys(store: Arc<dyn Store
     let fin = id(&scope, "finished");
     let l = claimed(&store, &claim_for(&fin, "{}", Duration::ZERO)).await;
     store
-        .finish(&fin, Some(l.token), &done(Response::new(200)))
+        .finish(&fin, Some(l.token), &done(StoredResponse::new(200)))
         .await
         .unwrap();
     let mut all = Vec::new();
@@ -407,7 +407,7 @@ pub async fn purge_deletes_only_expired_finished_keys_and_records_it(store: Arc<
         c.retention = Duration::ZERO;
         let l = claimed(&store, &c).await;
         store
-            .finish(&id, Some(l.token), &done(Response::new(201)))
+            .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
             .await
             .unwrap();
         expired.push(id);
@@ -415,7 +415,7 @@ pub async fn purge_deletes_only_expired_finished_keys_and_records_it(store: Arc<
     let kept = id(&scope, "fresh");
     let l = claimed(&store, &claim_for(&kept, "{}", LEASE)).await;
     store
-        .finish(&kept, Some(l.token), &done(Response::new(201)))
+        .finish(&kept, Some(l.token), &done(StoredResponse::new(201)))
         .await
         .unwrap();
     let running = id(&scope, "running");
@@ -464,7 +464,7 @@ pub async fn operator_override_fences_running_workers(store: Arc<dyn Store>) {
     assert!(r.lease_token > l.token);
     assert!(matches!(
         store
-            .finish(&id, Some(l.token), &done(Response::new(201)))
+            .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
             .await,
         Err(StoreError::LeaseLost { .. })
     ));
@@ -533,7 +533,7 @@ pub async fn limits_round_trip_exactly(store: Arc<dyn Store>) {
         .finish(
             &id,
             Some(l.token),
-            &done(Response::new(200).with_body(body.clone())),
+            &done(StoredResponse::new(200).with_body(body.clone())),
         )
         .await
         .unwrap();
@@ -601,7 +601,7 @@ pub async fn stats_count_every_state(store: Arc<dyn Store>) {
     let c = id(&scope, "c");
     let l = claimed(&store, &claim_for(&c, "{}", LEASE)).await;
     store
-        .finish(&c, Some(l.token), &done(Response::new(200)))
+        .finish(&c, Some(l.token), &done(StoredResponse::new(200)))
         .await
         .unwrap();
     let d = id(&scope, "d");
@@ -644,7 +644,7 @@ pub async fn history_survives_purge_and_is_ordered(store: Arc<dyn Store>) {
         .await
         .unwrap();
     let t = taken.iter().find(|r| r.key == id.key).unwrap().lease_token;
-    let mut f = done(Response::new(201));
+    let mut f = done(StoredResponse::new(201));
     f.actor = Actor::Sweeper;
     store.finish(&id, Some(t), &f).await.unwrap();
     let h = store.history(&id).await.unwrap();

@@ -15,8 +15,9 @@ use std::time::Duration;
 use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, Stuck, TakeStale};
 use crate::sweeper::Unresolved;
 use crate::{
-    Actor, Error, Fingerprint, Idempotency, IdempotencyKey, KeyEvent, KeyId, KeyRecord, KeyState,
-    LeaseToken, Outcome, Providers, Request, Scope, Store, StoreError, Sweeper, async_trait,
+    Actor, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotentRequest, KeyEvent, KeyId,
+    KeyRecord, KeyState, LeaseToken, Outcome, Providers, Scope, Store, StoreError, Sweeper,
+    async_trait,
 };
 use chrono::{DateTime, Utc};
 
@@ -40,8 +41,8 @@ pub fn sweeper(store: &Arc<dyn Store>, provider: &Arc<FakeProvider>) -> Sweeper 
         .backoff(Duration::from_secs(30), Duration::from_secs(3600))
 }
 
-pub fn pay(scope: &str, key: &str, amount: u64) -> Request {
-    Request::new(
+pub fn pay(scope: &str, key: &str, amount: u64) -> IdempotentRequest {
+    IdempotentRequest::new(
         scope,
         key,
         "payments.create",
@@ -51,7 +52,7 @@ pub fn pay(scope: &str, key: &str, amount: u64) -> Request {
 }
 
 /// The request as `Idempotency::call` would send it (provider recorded, provider key derived).
-pub fn as_call(req: Request, p: &FakeProvider) -> Request {
+pub fn as_call(req: IdempotentRequest, p: &FakeProvider) -> IdempotentRequest {
     use crate::Provider;
     let pk = p
         .key_spec()
@@ -59,7 +60,7 @@ pub fn as_call(req: Request, p: &FakeProvider) -> Request {
     req.with_provider(p.name()).with_provider_key(pk)
 }
 
-pub fn provider_key(req: &Request, p: &FakeProvider) -> String {
+pub fn provider_key(req: &IdempotentRequest, p: &FakeProvider) -> String {
     use crate::Provider;
     p.key_spec()
         .derive(&req.id().scope, &req.id().key, req.operation())
@@ -382,7 +383,7 @@ pub async fn zombie_worker_gets_lease_lost_and_changes_nothing(store: Arc<dyn St
                 let _ = go_rx.await;
                 // ...then reports a made-up late answer that must never be stored.
                 let _ = answer;
-                Outcome::Succeeded(crate::Response::new(299).with_body(&b"zombie"[..]))
+                Outcome::Succeeded(crate::StoredResponse::new(299).with_body(&b"zombie"[..]))
             })
             .await
         })
@@ -743,7 +744,7 @@ pub async fn stuck_keys_and_expired_counts_for_operators(store: Arc<dyn Store>) 
             .await;
     }
     idem.execute(pay(&scope, "fin", 1), |_ctx| async {
-        Outcome::Succeeded(crate::Response::new(200))
+        Outcome::Succeeded(crate::StoredResponse::new(200))
     })
     .await
     .unwrap();

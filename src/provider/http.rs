@@ -23,7 +23,7 @@ use std::fmt;
 use std::hash::BuildHasher;
 use std::time::Duration;
 
-use crate::Response;
+use crate::StoredResponse;
 use crate::provider::CallOutcome;
 
 /// Timeouts and retry settings of an [`HttpClient`].
@@ -179,16 +179,16 @@ impl HttpReply {
         parse_retry_after(self.header("retry-after")?)
     }
 
-    /// The answer as a stored [`Response`]: status, body, and the headers named in `keep`
+    /// The answer as a stored [`StoredResponse`]: status, body, and the headers named in `keep`
     /// (`content-type` is always kept).
-    pub fn to_response(&self, keep: &[&str]) -> Response {
+    pub fn to_response(&self, keep: &[&str]) -> StoredResponse {
         let mut headers = Vec::new();
         for name in std::iter::once(&"content-type").chain(keep.iter()) {
             if let Some(v) = self.header(name) {
                 headers.push(((*name).to_owned(), v.to_owned()));
             }
         }
-        Response::from_parts(self.status, headers, self.body.clone())
+        StoredResponse::from_parts(self.status, headers, self.body.clone())
     }
 }
 

@@ -29,8 +29,8 @@ use serde_json::{Value, json};
 use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
 use super::search::MetadataSearch;
-use super::{CallOutcome, KeySpec, KeyTransport, Lookup, Provider};
-use crate::{Outcome, Response};
+use super::{CallOutcome, KeySpec, Lookup, Provider};
+use crate::{Outcome, StoredResponse};
 
 /// Postmark's API base.
 pub const DEFAULT_BASE_URL: &str = "https://api.postmarkapp.com";
@@ -127,7 +127,7 @@ impl Postmark {
             "ErrorCode": 0,
             "Message": "OK",
         });
-        Outcome::Succeeded(Response::json(200, &answer).unwrap_or_else(|_| Response::new(200)))
+        Outcome::Succeeded(StoredResponse::json(200, &answer).unwrap_or_else(|_| StoredResponse::new(200)))
     }
 }
 
@@ -139,7 +139,6 @@ impl Provider for Postmark {
 
     fn key_spec(&self) -> KeySpec {
         KeySpec {
-            transport: KeyTransport::None,
             max_len: METADATA_VALUE_MAX,
             retention: None,
             replays_same_key: false,
@@ -152,8 +151,8 @@ impl Provider for Postmark {
             Ok(b) => b,
             Err(detail) => {
                 return CallOutcome::Rejected {
-                    response: Response::json(422, &json!({"ErrorCode": 300, "Message": detail}))
-                        .unwrap_or_else(|_| Response::new(422)),
+                    response: StoredResponse::json(422, &json!({"ErrorCode": 300, "Message": detail}))
+                        .unwrap_or_else(|_| StoredResponse::new(422)),
                 };
             }
         };

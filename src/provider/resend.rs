@@ -27,7 +27,7 @@ use serde_json::Value;
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
-use super::{CallOutcome, KeySpec, KeyTransport, Lookup, Provider};
+use super::{CallOutcome, KeySpec, Lookup, Provider};
 use crate::Outcome;
 
 /// Resend's API base.
@@ -98,7 +98,6 @@ impl Provider for Resend {
 
     fn key_spec(&self) -> KeySpec {
         KeySpec {
-            transport: KeyTransport::Header("Idempotency-Key".to_owned()),
             max_len: 256,
             retention: Some(RETENTION),
             replays_same_key: true,

@@ -46,8 +46,8 @@ use serde_json::{Value, json};
 use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
 use super::search::MetadataSearch;
-use super::{CallOutcome, KeySpec, KeyTransport, Lookup, Provider};
-use crate::{Outcome, Response};
+use super::{CallOutcome, KeySpec, Lookup, Provider};
+use crate::{Outcome, StoredResponse};
 
 /// Stripe's API base.
 pub const DEFAULT_BASE_URL: &str = "https://api.stripe.com";
@@ -159,7 +159,7 @@ impl Stripe {
     fn found(pi: &Value) -> Outcome {
         let status = pi.get("status").and_then(Value::as_str).unwrap_or("");
         let as_json = |code: u16, v: &Value| {
-            Response::from_parts(
+            StoredResponse::from_parts(
                 code,
                 vec![("content-type".to_owned(), "application/json".to_owned())],
                 serde_json::to_vec(v).unwrap_or_default(),
@@ -213,7 +213,6 @@ impl Provider for Stripe {
 
     fn key_spec(&self) -> KeySpec {
         KeySpec {
-            transport: KeyTransport::Header("Idempotency-Key".to_owned()),
             max_len: 255,
             retention: Some(Duration::from_secs(24 * 3600)),
             replays_same_key: true,
@@ -226,11 +225,11 @@ impl Provider for Stripe {
             Ok(f) => f,
             Err(detail) => {
                 return CallOutcome::Rejected {
-                    response: Response::json(
+                    response: StoredResponse::json(
                         400,
                         &json!({"error": {"type": "idemflow_invalid_request", "message": detail}}),
                     )
-                    .unwrap_or_else(|_| Response::new(400)),
+                    .unwrap_or_else(|_| StoredResponse::new(400)),
                 };
             }
         };

@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::error::StoreError;
 use crate::record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 use crate::state::{KeyState, Transition};
-use crate::{Fingerprint, KeyId, Response};
+use crate::{Fingerprint, KeyId, StoredResponse};
 
 #[cfg(feature = "mysql")]
 pub mod mysql;
@@ -96,7 +96,7 @@ pub struct Finish {
     /// `Done` or `Failed { .. }`.
     pub to: KeyState,
     /// The response to store and replay.
-    pub response: Option<Response>,
+    pub response: Option<StoredResponse>,
     /// An error description.
     pub error: Option<String>,
     /// Who decides.

@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 use crate::error::StoreError;
 use crate::record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 use crate::state::KeyState;
-use crate::{Fingerprint, IdempotencyKey, Response, Scope};
+use crate::{Fingerprint, IdempotencyKey, Scope, StoredResponse};
 
 /// A key row as plain column values.
 #[derive(Debug, Clone)]
@@ -75,7 +75,7 @@ impl RawRecord {
                     Some(h) => serde_json::from_str(h)
                         .map_err(|e| corrupt(backend, format!("response headers: {e}")))?,
                 };
-                Some(Response::from_parts(
+                Some(StoredResponse::from_parts(
                     status,
                     headers,
                     self.response_body.unwrap_or_default(),

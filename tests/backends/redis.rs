@@ -9,7 +9,7 @@ use std::time::Duration;
 use idemflow::conformance::{self, claim_for, done, id, unique};
 use idemflow::store::redis::{RedisConfig, RedisStore};
 use idemflow::store::{ClaimOutcome, Finish, Release, TakeStale};
-use idemflow::{Actor, KeyState, LeaseToken, Response, Store, StoreError};
+use idemflow::{Actor, KeyState, LeaseToken, Store, StoreError, StoredResponse};
 
 use crate::support::backend_url;
 use crate::support::redis::{URL_VAR, store_with};
@@ -85,7 +85,7 @@ async fn every_write_with_a_superseded_token_is_fenced() {
     };
     assert!(lost(
         store
-            .finish(&id, Some(first.token), &done(Response::new(201)))
+            .finish(&id, Some(first.token), &done(StoredResponse::new(201)))
             .await
             .map(|_| ())
     ));
@@ -101,7 +101,7 @@ async fn every_write_with_a_superseded_token_is_fenced() {
             None,
             &Finish {
                 to: KeyState::Done,
-                response: Some(Response::new(200)),
+                response: Some(StoredResponse::new(200)),
                 error: None,
                 actor: Actor::Operator,
                 reason: "provider shows the charge".into(),
@@ -112,7 +112,7 @@ async fn every_write_with_a_superseded_token_is_fenced() {
     assert_eq!(r.lease_token, LeaseToken(3));
     assert!(matches!(
         store
-            .finish(&id, Some(second), &done(Response::new(201)))
+            .finish(&id, Some(second), &done(StoredResponse::new(201)))
             .await,
         Err(StoreError::LeaseLost {
             state: KeyState::Done,
@@ -247,7 +247,7 @@ async fn purge_keeps_history_with_its_own_ttl() {
         "no expiry while processing"
     );
     store
-        .finish(&id, Some(l.token), &done(Response::new(201)))
+        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
         .await
         .unwrap();
     let hash_ttl = pttl(store.record_key(&id)).await;
@@ -284,7 +284,7 @@ async fn native_expiry_backstop_is_recorded_by_the_next_purge() {
     c.retention = Duration::from_millis(1);
     let l = claimed_on(&store, &c).await;
     store
-        .finish(&id, Some(l.token), &done(Response::new(201)))
+        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
         .await
         .unwrap();
     // Redis deletes the hash itself (lazily on access, or by its active expiry cycle).

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemflow::conformance::{self, claim_for, claimed, done, id};
-use idemflow::{KeyId, KeyState, Response, Store, StoreError, async_trait};
+use idemflow::{KeyId, KeyState, Store, StoreError, StoredResponse, async_trait};
 use sqlx::migrate::Migrator;
 
 /// A test's own database (a schema or a database) on one SQL backend, and the backend-specific
@@ -103,7 +103,7 @@ pub async fn killed_connection_mid_transaction_leaves_old_state_and_retry_succee
         let id = id.clone();
         tokio::spawn(async move {
             store
-                .finish(&id, Some(lease.token), &done(Response::new(201)))
+                .finish(&id, Some(lease.token), &done(StoredResponse::new(201)))
                 .await
         })
     };
@@ -142,7 +142,7 @@ pub async fn killed_connection_mid_transaction_leaves_old_state_and_retry_succee
     assert_eq!(store.history(&id).await.unwrap().len(), 1);
     // The pool reconnects and the retry succeeds.
     let r = store
-        .finish(&id, Some(lease.token), &done(Response::new(201)))
+        .finish(&id, Some(lease.token), &done(StoredResponse::new(201)))
         .await
         .unwrap();
     assert_eq!(r.state, KeyState::Done);

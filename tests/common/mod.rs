@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use idemflow::{Context, Outcome, Response};
+use idemflow::{Context, Outcome, StoredResponse};
 
 #[path = "../support/sqlite.rs"]
 mod sqlite;
@@ -31,7 +31,7 @@ impl Charger {
             .unwrap()
             .push(ctx.provider_key().to_owned());
         Outcome::Succeeded(
-            Response::json(201, &serde_json::json!({"payment_id": n, "amount": amount}))
+            StoredResponse::json(201, &serde_json::json!({"payment_id": n, "amount": amount}))
                 .unwrap()
                 .with_header("Location", format!("/payments/{n}"))
                 .with_header("X-Request-Id", format!("req-{n}")),

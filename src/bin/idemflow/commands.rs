@@ -11,8 +11,8 @@ use anyhow::{Context as _, anyhow, bail};
 use chrono::{DateTime, Utc};
 use idemflow::record::{Actor, KeyEvent, KeyRecord};
 use idemflow::store::{Finish, Store};
-use idemflow::sweeper::{SweepError, SweepReport, Sweeper, SweeperConfig};
-use idemflow::{IdempotencyKey, KeyId, KeyState, Response, Scope, StoreError};
+use idemflow::sweeper::{SweepError, SweepReport, Sweeper};
+use idemflow::{IdempotencyKey, KeyId, KeyState, Scope, StoreError, StoredResponse};
 use serde_json::{Value, json};
 
 use crate::args::{Cli, Command, PurgeArgs, ReconcileArgs, ResolveArgs, StatsArgs};
@@ -123,17 +123,16 @@ async fn reconcile(cli: &Cli, url: &str, args: &ReconcileArgs) -> anyhow::Result
         );
     }
     let store = connect_store(url, false).await?;
-    let mut cfg = file.sweeper.apply(SweeperConfig::default());
+    let mut sweeper = file.sweeper.apply(Sweeper::new(store.clone(), providers));
     if let Some(b) = args.batch {
-        cfg.batch_size = b.max(1);
+        sweeper = sweeper.batch_size(b);
     }
     if let Some(m) = args.max_keys {
-        cfg.max_keys_per_run = m.max(1);
+        sweeper = sweeper.max_keys_per_run(m);
     }
     if let Some(o) = &args.owner {
-        cfg.owner.clone_from(o);
+        sweeper = sweeper.owner(o.clone());
     }
-    let sweeper = Sweeper::with_config(store.clone(), providers, cfg);
     match args.every {
         None => {
             let started = Instant::now();
@@ -381,7 +380,7 @@ fn record_json(r: &KeyRecord) -> Value {
     v
 }
 
-fn response_json(resp: &Response) -> Value {
+fn response_json(resp: &StoredResponse) -> Value {
     let body = match std::str::from_utf8(resp.body()) {
         Ok(s) => json!(s),
         Err(_) => json!(resp.body()),
@@ -492,7 +491,7 @@ async fn resolve(cli: &Cli, store: &Arc<dyn Store>, args: &ResolveArgs) -> anyho
         }
     };
     let response = args.status.map(|status| {
-        Response::new(status)
+        StoredResponse::new(status)
             .with_header("content-type", args.content_type.clone())
             .with_body(args.body.clone().unwrap_or_default().into_bytes())
     });
