@@ -79,6 +79,32 @@ fn charge_of(r: &KeyRecord) -> String {
     body["charge"].as_str().unwrap().to_owned()
 }
 
+/// Runs `run` until the operation signals through `reached` that it got to its crash point, then
+/// drops it there: the process "dies" mid-flight. A slow database is waited for (up to 10 s), not
+/// mistaken for a crash before the claim; `run` finishing on its own fails the test.
+pub async fn cut_when<F: std::future::Future>(run: F, reached: tokio::sync::oneshot::Receiver<()>) {
+    tokio::select! {
+        _ = run => panic!("the worker must be cut off mid-flight, but its operation finished"),
+        r = tokio::time::timeout(Duration::from_secs(10), reached) => {
+            r.expect("the worker reached its crash point within 10 s")
+                .expect("the operation signals its crash point");
+        }
+    }
+}
+
+/// A hanging operation that first signals `at`: the worker is then claimed and mid-call.
+pub fn hang_after(
+    at: tokio::sync::oneshot::Sender<()>,
+) -> impl FnOnce(crate::Context) -> std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>
+{
+    move |_ctx| {
+        Box::pin(async move {
+            let _ = at.send(());
+            std::future::pending::<Outcome>().await
+        })
+    }
+}
+
 fn last_event(h: &[KeyEvent]) -> &KeyEvent {
     h.last().expect("history")
 }
@@ -90,12 +116,8 @@ pub async fn crash_after_claim_before_call_is_redriven_once(store: Arc<dyn Store
     let scope = unique("crash-a");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 500), &cards);
-    let crashed = tokio::time::timeout(
-        Duration::from_millis(30),
-        idem.execute(req.clone(), |_ctx| std::future::pending::<Outcome>()),
-    )
-    .await;
-    assert!(crashed.is_err(), "the worker must be cut off mid-flight");
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
     assert!(cards.effects().is_empty());
     wait_stale().await;
 
@@ -130,11 +152,8 @@ pub async fn crash_after_claim_before_call_without_keys_turns_retryable(store: A
     let scope = unique("crash-a-nokeys");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 700), &mail);
-    let _ = tokio::time::timeout(
-        Duration::from_millis(30),
-        idem.execute(req.clone(), |_ctx| std::future::pending::<Outcome>()),
-    )
-    .await;
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
     wait_stale().await;
 
     let report = sweeper(&store, &mail).run_once().await.unwrap();
@@ -219,18 +238,19 @@ pub async fn died_before_storing_is_redriven_to_the_same_charge(store: Arc<dyn S
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 900), &cards);
     let p = cards.clone();
-    let cut = tokio::time::timeout(
-        Duration::from_millis(50),
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(
         idem.execute(req.clone(), |ctx| async move {
             use crate::Provider;
             let body: serde_json::Value = serde_json::from_str(ctx.request()).unwrap();
             let _answer = p.call(ctx.provider_key(), &body).await;
             // The process dies here, answer in hand.
+            let _ = at.send(());
             std::future::pending::<Outcome>().await
         }),
+        reached,
     )
     .await;
-    assert!(cut.is_err());
     assert_eq!(cards.effects().len(), 1);
     wait_stale().await;
 
@@ -476,11 +496,8 @@ pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
     let scope = unique("lag");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 100), &mail);
-    let _ = tokio::time::timeout(
-        Duration::from_millis(30),
-        idem.execute(req.clone(), |_ctx| std::future::pending::<Outcome>()),
-    )
-    .await;
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
     wait_stale().await;
     let sw = sweeper(&store, &mail).backoff(Duration::from_millis(10), Duration::from_millis(10));
     let first = sw.run_once().await.unwrap();
@@ -748,13 +765,14 @@ pub async fn stuck_keys_and_expired_counts_for_operators(store: Arc<dyn Store>) 
     })
     .await
     .unwrap();
-    tokio::time::sleep(Duration::from_millis(120)).await;
+    // Wide margins: "young" must stay younger than the alert age however slow the database is.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
     let _ = idem
         .execute(pay(&scope, "young", 1), |_ctx| async {
             Outcome::unknown("timeout")
         })
         .await;
-    let stuck = store.stuck(Duration::from_millis(100), 1).await.unwrap();
+    let stuck = store.stuck(Duration::from_millis(1000), 1).await.unwrap();
     assert_eq!(stuck.count, 2);
     assert_eq!(stuck.oldest.len(), 1);
     assert_eq!(stuck.oldest[0].key.as_str(), "old1");
