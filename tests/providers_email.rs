@@ -216,6 +216,21 @@ async fn resend_lookup_keeps_the_sweepers_redrive_margin() {
 }
 
 #[tokio::test]
+async fn resend_lookup_of_a_key_held_for_another_payload_needs_an_operator() {
+    // Waiting does not change a key conflict: an operator, not a deferral forever.
+    let fake = FakeResend::start().await.unwrap();
+    let r = resend(fake.base_url(), 1);
+    assert!(matches!(
+        r.call("idf_c", &email()).await,
+        CallOutcome::Succeeded { .. }
+    ));
+    let other = json!({"from": "shop@example.test", "to": ["bob@example.test"], "subject": "Receipt", "text": "Thanks"});
+    let found = r.lookup("idf_c", &other, Utc::now(), Utc::now()).await;
+    assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
+    assert_eq!(fake.ledger().len(), 1);
+}
+
+#[tokio::test]
 async fn resend_lookup_without_the_stored_request_sends_nothing() {
     // The sweeper passes `Null` when the request was not stored: re-sending `null` drew a 400
     // that was read as a permanent refusal of the email.

@@ -20,7 +20,8 @@
 //! `redrive_margin`; keep the two equal, or this one larger). Resend offers no way to find an
 //! email by our key, so `lookup` answers [`Lookup::NeedsOperator`] without sending anything when
 //! the key is within that margin of the window's end or past it, or when the request to re-send
-//! was not stored (the sweeper passes `Null`): the sweeper reports the key for an operator.
+//! was not stored (the sweeper passes `Null`), or when Resend holds the key for another
+//! payload: the sweeper reports the key for an operator.
 
 use std::time::Duration;
 
@@ -153,10 +154,9 @@ impl Provider for Resend {
             CallOutcome::Retryable { retry_after, .. } | CallOutcome::InFlight { retry_after } => {
                 Lookup::Unknown { retry_after }
             }
-            CallOutcome::KeyConflict { detail } => {
-                tracing::warn!(%detail, "resend holds this key for another payload");
-                Lookup::Unknown { retry_after: None }
-            }
+            CallOutcome::KeyConflict { detail } => Lookup::NeedsOperator {
+                reason: format!("Resend holds this key for another payload: {detail}"),
+            },
             CallOutcome::Unknown { reason } => {
                 tracing::warn!(%reason, "resend re-send outcome unknown");
                 Lookup::Unknown { retry_after: None }
