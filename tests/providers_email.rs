@@ -183,13 +183,64 @@ async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
         fake.ledger().entries()[0].id.as_str()
     );
     assert_eq!(fake.ledger().len(), 1);
-    // Past Resend's 24 h window a re-send could send twice: Unknown, nothing sent.
+    // Past Resend's 24 h window a re-send could send twice, and Resend cannot be searched by
+    // our key: nothing sent, the key needs an operator (it deferred forever as `Unknown`).
     let old = Utc::now() - chrono::Duration::hours(24);
-    assert_eq!(
-        r.lookup("idf_l", &email(), old, chrono::Utc::now()).await,
-        Lookup::Unknown { retry_after: None }
-    );
+    let past = r.lookup("idf_l", &email(), old, chrono::Utc::now()).await;
+    assert!(matches!(past, Lookup::NeedsOperator { .. }), "{past:?}");
     assert_eq!(fake.requests().len(), 2);
+}
+
+#[tokio::test]
+async fn resend_lookup_keeps_the_sweepers_redrive_margin() {
+    // 23 h 30 min after the first send: inside Resend's 24 h window, but within the sweeper's
+    // default re-drive margin (1 h) of its end. The sweeper chose a lookup because a re-send is
+    // no longer safe; the lookup must not re-send either (it did, keeping only 15 min).
+    let fake = FakeResend::start().await.unwrap();
+    let r = resend(fake.base_url(), 1);
+    let sent_at = Utc::now() - chrono::Duration::minutes(23 * 60 + 30);
+    let found = r.lookup("idf_m", &email(), sent_at, Utc::now()).await;
+    assert_eq!(fake.requests().len(), 0, "{found:?}");
+    assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
+    // The adapter's margin is the sweeper's default, and still its own setting.
+    assert_eq!(
+        idemflow::provider::resend::DEFAULT_REDRIVE_MARGIN,
+        idemflow::provider::DEFAULT_REDRIVE_MARGIN
+    );
+    let found = r
+        .redrive_margin(Duration::from_secs(15 * 60))
+        .lookup("idf_m", &email(), sent_at, Utc::now())
+        .await;
+    assert!(matches!(found, Lookup::Found(_)), "{found:?}");
+    assert_eq!(fake.ledger().len(), 1);
+}
+
+#[tokio::test]
+async fn resend_lookup_of_a_key_held_for_another_payload_needs_an_operator() {
+    // Waiting does not change a key conflict: an operator, not a deferral forever.
+    let fake = FakeResend::start().await.unwrap();
+    let r = resend(fake.base_url(), 1);
+    assert!(matches!(
+        r.call("idf_c", &email()).await,
+        CallOutcome::Succeeded { .. }
+    ));
+    let other = json!({"from": "shop@example.test", "to": ["bob@example.test"], "subject": "Receipt", "text": "Thanks"});
+    let found = r.lookup("idf_c", &other, Utc::now(), Utc::now()).await;
+    assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
+    assert_eq!(fake.ledger().len(), 1);
+}
+
+#[tokio::test]
+async fn resend_lookup_without_the_stored_request_sends_nothing() {
+    // The sweeper passes `Null` when the request was not stored: re-sending `null` drew a 400
+    // that was read as a permanent refusal of the email.
+    let fake = FakeResend::start().await.unwrap();
+    let r = resend(fake.base_url(), 1);
+    let found = r
+        .lookup("idf_n", &Value::Null, Utc::now(), Utc::now())
+        .await;
+    assert_eq!(fake.requests().len(), 0, "{found:?}");
+    assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
 }
 
 // ---- Postmark -------------------------------------------------------------------------------

@@ -45,6 +45,11 @@ pub use resend::Resend;
 #[cfg(feature = "http")]
 pub use stripe::Stripe;
 
+/// The margin kept before the end of a provider's dedup window: past `window - margin` nothing
+/// re-sends a stored request (the sweeper's default `redrive_margin`, and the default of the
+/// adapters whose lookup is a re-send).
+pub const DEFAULT_REDRIVE_MARGIN: Duration = Duration::from_secs(3600);
+
 /// How a provider handles idempotency keys, as data.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeySpec {
@@ -163,6 +168,12 @@ pub enum Lookup {
     Unknown {
         /// When to ask again, if the provider said.
         retry_after: Option<Duration>,
+    },
+    /// The provider cannot be asked about this key now or later (its window is closing or
+    /// closed, the request to re-send was not stored): an operator must decide.
+    NeedsOperator {
+        /// Why.
+        reason: String,
     },
 }
 

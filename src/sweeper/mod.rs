@@ -95,7 +95,7 @@ impl SweeperConfig {
             backoff_base: Duration::from_secs(30),
             backoff_cap: Duration::from_secs(3600),
             operator_recheck: Duration::from_secs(6 * 3600),
-            redrive_margin: Duration::from_secs(3600),
+            redrive_margin: crate::provider::DEFAULT_REDRIVE_MARGIN,
             max_keys_per_run: 10_000,
             call_timeout: Duration::from_secs(120),
         }
