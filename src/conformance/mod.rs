@@ -163,7 +163,8 @@ macro_rules! conformance_tests {
             retry_takeover_only_inside_the_window,
             leases_use_the_database_clock,
             stats_count_every_state,
-            history_survives_purge_and_is_ordered
+            history_survives_purge_and_is_ordered,
+            huge_durations_are_capped_and_read_back_sane
         );
     };
     (@each $factory:path, $suite:ident; $($name:ident),* $(,)?) => {

@@ -740,3 +740,30 @@ pub async fn sweepers_take_each_key_once_across(stores: &[Arc<dyn Store>]) {
 pub async fn concurrent_sweepers_take_each_key_once(store: Arc<dyn Store>) {
     sweepers_take_each_key_once_across(&[store]).await;
 }
+
+/// Durations are capped (at about 100 years) on every backend: `Duration::MAX` as a lease,
+/// retention or window is accepted and reads back as sane, far-future times.
+pub async fn huge_durations_are_capped_and_read_back_sane(store: Arc<dyn Store>) {
+    let id = id(&unique("huge"), "k1");
+    let now = store.now().await.unwrap();
+    let far = now + chrono::Duration::days(366 * 101);
+    let mut c = claim_for(&id, "{}", Duration::MAX);
+    c.retention = Duration::MAX;
+    c.takeover_window = Some(Duration::MAX);
+    let l = claimed(&store, &c).await;
+    assert!(l.expires_at > now + chrono::Duration::days(365 * 99), "{l:?}");
+    assert!(l.expires_at < far, "{l:?}");
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(r.lease_expires_at, Some(l.expires_at));
+    let extended = store.extend(&id, l.token, Duration::MAX).await.unwrap();
+    assert!(extended >= l.expires_at && extended < far, "{extended}");
+    let rec = store
+        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+        .await
+        .unwrap();
+    let exp = rec.expires_at.expect("expires_at");
+    assert!(exp > now + chrono::Duration::days(365 * 99) && exp < far, "{exp}");
+    let again = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(again.expires_at, Some(exp));
+    assert_eq!(store.count_expired().await.unwrap(), 0);
+}

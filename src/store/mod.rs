@@ -268,9 +268,17 @@ pub async fn refused_write<S: Store + ?Sized>(
     }
 }
 
-/// Milliseconds of a duration, saturating (for SQL parameters).
+/// The longest duration any store keeps, in ms: about 100 years, so that `now + d` stays a valid
+/// timestamp on every backend and exact in Lua's doubles (and never turns SQLite's integer
+/// arithmetic into floating point).
+pub const MAX_DURATION_MS: i64 = 100 * 366 * 24 * 3600 * 1000;
+
+/// Milliseconds of a duration, capped at [`MAX_DURATION_MS`]: the one place every store caps
+/// durations (leases, retention, windows, recheck delays).
 pub fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(d.as_millis())
+        .unwrap_or(i64::MAX)
+        .min(MAX_DURATION_MS)
 }
 
 /// Checks `finish.to` against the state machine for a fenced (`Some`) or override (`None`) write.

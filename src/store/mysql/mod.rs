@@ -42,9 +42,6 @@ const BACKEND: &str = "mysql";
 /// table is never touched.
 pub const MIGRATIONS_TABLE: &str = "_idemflow_migrations";
 
-/// Durations are capped at 1,000 years so that `now + duration` stays a valid `DATETIME`.
-const MAX_MS: i64 = 1000 * 366 * 24 * 3600 * 1000;
-
 /// The most keys one sweep or purge batch takes (two placeholders each, well under MySQL's
 /// 65,535).
 const MAX_BATCH: u32 = 10_000;
@@ -53,7 +50,7 @@ const MAX_BATCH: u32 = 10_000;
 const CLAIM_ATTEMPTS: usize = 5;
 
 fn micros(d: Duration) -> i64 {
-    millis(d).min(MAX_MS) * 1000
+    millis(d) * 1000
 }
 
 /// idemflow's MariaDB / MySQL migrations, recorded in [`MIGRATIONS_TABLE`].
@@ -168,7 +165,7 @@ impl MySqlStore {
                 .bind(claim.request.as_deref())
                 .bind(&claim.owner)
                 .bind(micros(claim.lease))
-                .bind(millis(claim.retention).min(MAX_MS))
+                .bind(millis(claim.retention))
                 .bind(nonce)
                 .bind(claim.takeover_window.map(micros))
                 .execute(&self.pool)

@@ -25,9 +25,6 @@ use crate::store::{
     claimable, millis,
 };
 
-/// Durations are capped at about 100 years (in ms) so `now + d` stays exact in Lua's doubles.
-const MAX_MS: i64 = 100 * 366 * 24 * 3600 * 1000;
-
 /// The claims a claim script makes, in the order it takes their history reasons as arguments.
 const CLAIMS: [Transition; 3] = [Transition::Claim, Transition::Reclaim, Transition::Takeover];
 
@@ -91,7 +88,7 @@ fn opt(v: Option<&[u8]>) -> Vec<u8> {
 }
 
 fn ms(d: Duration) -> i64 {
-    millis(d).min(MAX_MS)
+    millis(d)
 }
 
 /// A [`Store`] on Redis (feature `redis`).
