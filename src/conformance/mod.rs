@@ -121,6 +121,7 @@ pub fn done(response: StoredResponse) -> Finish {
         error: None,
         actor: Actor::Worker,
         reason: "ok".into(),
+        expect_token: None,
     }
 }
 
@@ -132,6 +133,7 @@ pub fn fail(retryable: bool) -> Finish {
         error: Some("card declined".into()),
         actor: Actor::Worker,
         reason: "failed".into(),
+        expect_token: None,
     }
 }
 
@@ -164,7 +166,8 @@ macro_rules! conformance_tests {
             leases_use_the_database_clock,
             stats_count_every_state,
             history_survives_purge_and_is_ordered,
-            huge_durations_are_capped_and_read_back_sane
+            huge_durations_are_capped_and_read_back_sane,
+            operator_write_is_a_compare_and_set_on_the_token_read
         );
     };
     (@each $factory:path, $suite:ident; $($name:ident),* $(,)?) => {

@@ -458,6 +458,7 @@ pub async fn operator_override_fences_running_workers(store: Arc<dyn Store>) {
         error: Some("operator: provider shows no charge".into()),
         actor: Actor::Operator,
         reason: "checked the dashboard".into(),
+        expect_token: None,
     };
     let r = store.finish(&id, None, &decision).await.unwrap();
     assert_eq!(r.state, KeyState::Failed { retryable: true });
@@ -490,6 +491,7 @@ pub async fn finishing_into_processing_is_refused(store: Arc<dyn Store>) {
         error: None,
         actor: Actor::Worker,
         reason: "x".into(),
+        expect_token: None,
     };
     assert!(matches!(
         store.finish(&id, Some(l.token), &bad).await,
@@ -766,4 +768,66 @@ pub async fn huge_durations_are_capped_and_read_back_sane(store: Arc<dyn Store>)
     let again = store.get(&id).await.unwrap().unwrap();
     assert_eq!(again.expires_at, Some(exp));
     assert_eq!(store.count_expired().await.unwrap(), 0);
+}
+
+/// An operator's conditional write (`idemflow resolve` without `--force`): it reads the key,
+/// then writes with `expect_token` = the token it read. A worker that finished in between keeps
+/// its result: the write is `LeaseLost` and changes nothing. A takeover in between too.
+pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dyn Store>) {
+    let id = id(&unique("cas"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let read = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(read.lease_token, l.token);
+    // The worker finishes between the operator's read and write.
+    store
+        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+        .await
+        .unwrap();
+    let decision = Finish {
+        to: KeyState::Failed { retryable: true },
+        response: None,
+        error: Some("operator: provider shows no charge".into()),
+        actor: Actor::Operator,
+        reason: "checked the dashboard".into(),
+        expect_token: Some(read.lease_token),
+    };
+    let err = store.finish(&id, None, &decision).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::LeaseLost {
+                state: KeyState::Done,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let after = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(after.state, KeyState::Done);
+    assert_eq!(after.response.unwrap().status(), 201);
+    assert_eq!(store.history(&id).await.unwrap().len(), 2);
+
+    // A takeover between read and write moves the token: refused as well.
+    let id2 = crate::conformance::id(&unique("cas"), "k2");
+    let l2 = claimed(&store, &claim_for(&id2, "{}", Duration::ZERO)).await;
+    let mut retry = claim_for(&id2, "{}", LEASE);
+    retry.takeover_window = Some(Duration::from_secs(3600));
+    let taken = claimed(&store, &retry).await;
+    assert!(taken.token > l2.token);
+    let stale = Finish {
+        expect_token: Some(l2.token),
+        ..decision.clone()
+    };
+    assert!(matches!(
+        store.finish(&id2, None, &stale).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    // With the token still current, the operator's write goes through and fences the worker.
+    let current = Finish {
+        expect_token: Some(taken.token),
+        ..decision
+    };
+    let r = store.finish(&id2, None, &current).await.unwrap();
+    assert_eq!(r.state, KeyState::Failed { retryable: true });
+    assert!(r.lease_token > taken.token);
 }

@@ -103,6 +103,10 @@ pub struct Finish {
     pub actor: Actor,
     /// Why, for history.
     pub reason: String,
+    /// A compare-and-set condition for an operator's write (`token: None`): with `Some(t)`,
+    /// the store changes the row only while it is still processing under token `t` (the lease
+    /// the operator read), else [`StoreError::LeaseLost`]. `None`: unconditional (`--force`).
+    pub expect_token: Option<LeaseToken>,
 }
 
 impl Finish {
@@ -191,7 +195,8 @@ pub trait Store: Debug + Send + Sync + 'static {
 
     /// Finishes a key. With `Some(token)`: only if the key is processing under that token
     /// (else [`StoreError::LeaseLost`]). With `None`: an operator override from any state, which
-    /// also moves the token on so that any worker still running is fenced out.
+    /// also moves the token on so that any worker still running is fenced out; with
+    /// [`Finish::expect_token`] set, only while the key is still processing under that token.
     async fn finish(
         &self,
         id: &KeyId,

@@ -105,6 +105,7 @@ async fn every_write_with_a_superseded_token_is_fenced() {
                 error: None,
                 actor: Actor::Operator,
                 reason: "provider shows the charge".into(),
+                expect_token: None,
             },
         )
         .await

@@ -328,12 +328,14 @@ impl Store for MySqlStore {
             .bind(id.key.as_str())
             .bind(token_value)
             .bind(token_value)
+            .bind(finish.expect_token.map(|t| t.0))
+            .bind(finish.expect_token.map(|t| t.0))
             .execute(&mut *tx)
             .await
             .map_err(db)?;
         if done.rows_affected() != 1 {
             tx.rollback().await.map_err(db)?;
-            return Err(refused_write(self, id, token).await);
+            return Err(refused_write(self, id, token.or(finish.expect_token)).await);
         }
         let row = sqlx::query(sql::GET)
             .bind(id.scope.as_str())

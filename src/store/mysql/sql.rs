@@ -118,7 +118,7 @@ pub(super) const CLAIM: &str = concat!(
 );
 
 /// Parameters: state, retryable, status, headers, body, error, token, actor, reason, scope,
-/// key, token, token.
+/// key, token, token, expected token, expected token.
 pub(super) const FINISH: &str = concat!(
     "UPDATE idempotency_keys SET state = ?, retryable = ?, response_status = ?, \
        response_headers = ?, response_body = ?, error = ?, \
@@ -129,7 +129,8 @@ pub(super) const FINISH: &str = concat!(
     now!(),
     " + INTERVAL (retention_ms * 1000) MICROSECOND, next_check_at = NULL, \
        version = version + 1, last_actor = ?, last_reason = ?, claim_nonce = NULL \
-     WHERE scope = ? AND `key` = ? AND (? IS NULL OR (state = 'processing' AND lease_token = ?))"
+     WHERE scope = ? AND `key` = ? AND (? IS NULL OR (state = 'processing' AND lease_token = ?)) \
+       AND (? IS NULL OR (state = 'processing' AND lease_token = ?))"
 );
 
 /// Parameters: recheck µs or NULL, error, actor, reason, scope, key, token.

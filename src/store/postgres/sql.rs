@@ -120,6 +120,7 @@ pub(super) const FINISH: &str = concat!(
        last_actor = $10::text, last_reason = $11::text \
      WHERE scope = $1::text AND key = $2::text \
        AND ($9::bigint IS NULL OR (state = 'processing' AND lease_token = $9::bigint)) \
+       AND ($12::bigint IS NULL OR (state = 'processing' AND lease_token = $12::bigint)) \
      RETURNING ",
     cols!("")
 );

@@ -76,6 +76,7 @@ pub(super) const FINISH: &str = concat!(
     " + retention_ms, next_check_at = NULL, version = version + 1, \
        last_actor = ?10, last_reason = ?11 \
      WHERE scope = ?1 AND key = ?2 AND (?9 IS NULL OR (state = 'processing' AND lease_token = ?9)) \
+       AND (?12 IS NULL OR (state = 'processing' AND lease_token = ?12)) \
      RETURNING ",
     cols!()
 );
