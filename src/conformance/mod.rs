@@ -167,7 +167,8 @@ macro_rules! conformance_tests {
             stats_count_every_state,
             history_survives_purge_and_is_ordered,
             huge_durations_are_capped_and_read_back_sane,
-            operator_write_is_a_compare_and_set_on_the_token_read
+            operator_write_is_a_compare_and_set_on_the_token_read,
+            tokens_only_grow_across_purge
         );
     };
     (@each $factory:path, $suite:ident; $($name:ident),* $(,)?) => {

@@ -336,6 +336,7 @@ pub(crate) fn assert_claim_reasons(statement: &str) {
         "worker",
         "subsec",
         "1 millisecond",
+        "1970-01-01 00:00:00",
     ];
     let literals: BTreeSet<&str> = statement.split('\'').skip(1).step_by(2).collect();
     let reasons: BTreeSet<&str> = Transition::CLAIM_REASONS.iter().map(|(_, r)| *r).collect();

@@ -45,7 +45,10 @@ pub(super) const CLAIM: &str = concat!(
     "INSERT INTO idempotency_keys (scope, `key`, operation, provider, provider_key, state, \
        retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
        created_at, updated_at, retention_ms, version, last_actor, last_reason, claim_nonce) \
-     VALUES (?, ?, ?, ?, ?, 'processing', FALSE, ?, ?, 1, ?, ",
+     VALUES (?, ?, ?, ?, ?, 'processing', FALSE, ?, ?, \
+       TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', ",
+    now!(),
+    "), ?, ",
     now!(),
     " + INTERVAL ? MICROSECOND, 1, ",
     now!(),

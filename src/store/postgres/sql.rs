@@ -68,7 +68,9 @@ pub(super) const CLAIM: &str = concat!(
          retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
          created_at, updated_at, retention_ms, version, last_actor, last_reason) \
        SELECT $1::text, $2::text, $3::text, $4::text, $5::text, 'processing', false, $6::text, \
-         $7::text, 1, $8::text, ",
+         $7::text, (extract(epoch from ",
+    now!(),
+    ") * 1000000)::bigint, $8::text, ",
     now!(),
     " + $9::bigint * interval '1 millisecond', 1, ",
     now!(),
