@@ -25,7 +25,10 @@ pub async fn claim_new_key_grants_first_token_and_history(store: Arc<dyn Store>)
     let before = store.now().await.unwrap();
     let lease = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
     // A new row's first token is the database clock in µs: tokens only grow across purge.
-    assert!(lease.token.0 >= before.timestamp_millis() * 1000, "{lease:?}");
+    assert!(
+        lease.token.0 >= before.timestamp_millis() * 1000,
+        "{lease:?}"
+    );
     assert_eq!(lease.attempts, 1);
     assert_eq!(lease.transition, Transition::Claim);
     assert_eq!(lease.provider_key, "pk-k1");
@@ -157,7 +160,10 @@ pub async fn scopes_are_isolated(store: Arc<dyn Store>) {
     let la = claimed(&store, &claim_for(&ia, "{\"x\":1}", LEASE)).await;
     // Another scope with the same key and even another body is an independent key.
     let lb = claimed(&store, &claim_for(&ib, "{\"x\":2}", LEASE)).await;
-    assert_eq!((la.transition, lb.transition), (Transition::Claim, Transition::Claim));
+    assert_eq!(
+        (la.transition, lb.transition),
+        (Transition::Claim, Transition::Claim)
+    );
     store
         .finish(
             &ia,
@@ -690,7 +696,11 @@ pub async fn race_claims_across(stores: &[Arc<dyn Store>], n: usize) {
             }
         }
     }
-    assert_eq!(tokens.len(), 1, "every loser sees the winner's token: {tokens:?}");
+    assert_eq!(
+        tokens.len(),
+        1,
+        "every loser sees the winner's token: {tokens:?}"
+    );
     assert_eq!(winners, 1, "exactly one of {n} claims wins");
     for store in stores {
         assert_eq!(store.history(&id).await.unwrap().len(), 1);
@@ -758,7 +768,10 @@ pub async fn huge_durations_are_capped_and_read_back_sane(store: Arc<dyn Store>)
     c.retention = Duration::MAX;
     c.takeover_window = Some(Duration::MAX);
     let l = claimed(&store, &c).await;
-    assert!(l.expires_at > now + chrono::Duration::days(365 * 99), "{l:?}");
+    assert!(
+        l.expires_at > now + chrono::Duration::days(365 * 99),
+        "{l:?}"
+    );
     assert!(l.expires_at < far, "{l:?}");
     let r = store.get(&id).await.unwrap().unwrap();
     assert_eq!(r.lease_expires_at, Some(l.expires_at));
@@ -769,7 +782,10 @@ pub async fn huge_durations_are_capped_and_read_back_sane(store: Arc<dyn Store>)
         .await
         .unwrap();
     let exp = rec.expires_at.expect("expires_at");
-    assert!(exp > now + chrono::Duration::days(365 * 99) && exp < far, "{exp}");
+    assert!(
+        exp > now + chrono::Duration::days(365 * 99) && exp < far,
+        "{exp}"
+    );
     let again = store.get(&id).await.unwrap().unwrap();
     assert_eq!(again.expires_at, Some(exp));
     assert_eq!(store.count_expired().await.unwrap(), 0);

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemflow::conformance::{self, claim_for, done, id, unique};
-use idemflow::store::redis::{RedisConfig, RedisStore};
 use idemflow::state::Transition;
+use idemflow::store::redis::{RedisConfig, RedisStore};
 use idemflow::store::{ClaimOutcome, Finish, Release, TakeStale};
 use idemflow::{Actor, KeyState, LeaseToken, Store, StoreError, StoredResponse};
 

@@ -155,21 +155,24 @@ impl MySqlStore {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let res = sqlx::query(sql::CLAIM)
-                .bind(claim.id.scope.as_str())
-                .bind(claim.id.key.as_str())
-                .bind(&claim.operation)
-                .bind(claim.provider.as_deref())
-                .bind(&claim.provider_key)
-                .bind(claim.fingerprint.as_str())
-                .bind(claim.request.as_deref())
-                .bind(&claim.owner)
-                .bind(micros(claim.lease))
-                .bind(millis(claim.retention))
-                .bind(nonce)
-                .bind(claim.takeover_window.map(micros))
-                .execute(&self.pool)
-                .await;
+            let mut q = sqlx::query(sql::CLAIM);
+            for p in sql::CLAIM_PARAMS {
+                q = match p {
+                    sql::ClaimParam::Scope => q.bind(claim.id.scope.as_str()),
+                    sql::ClaimParam::Key => q.bind(claim.id.key.as_str()),
+                    sql::ClaimParam::Operation => q.bind(&claim.operation),
+                    sql::ClaimParam::Provider => q.bind(claim.provider.as_deref()),
+                    sql::ClaimParam::ProviderKey => q.bind(&claim.provider_key),
+                    sql::ClaimParam::Fingerprint => q.bind(claim.fingerprint.as_str()),
+                    sql::ClaimParam::Request => q.bind(claim.request.as_deref()),
+                    sql::ClaimParam::Owner => q.bind(&claim.owner),
+                    sql::ClaimParam::LeaseMicros => q.bind(micros(claim.lease)),
+                    sql::ClaimParam::RetentionMs => q.bind(millis(claim.retention)),
+                    sql::ClaimParam::Nonce => q.bind(nonce),
+                    sql::ClaimParam::WindowMicros => q.bind(claim.takeover_window.map(micros)),
+                };
+            }
+            let res = q.execute(&self.pool).await;
             match res {
                 Ok(_) => return Ok(()),
                 Err(e) if attempt < CLAIM_ATTEMPTS && is_retryable_lock_error(&e) => {
