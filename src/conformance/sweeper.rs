@@ -590,6 +590,7 @@ pub async fn unregistered_or_missing_provider_needs_an_operator(store: Arc<dyn S
                 error: Some("checked ghost-pay's dashboard: never charged".into()),
                 actor: Actor::Operator,
                 reason: "manual: not charged".into(),
+                expect_token: None,
             },
         )
         .await

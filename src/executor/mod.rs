@@ -266,6 +266,7 @@ impl Idempotency {
                     error: Some(reason.clone()),
                     actor: Actor::Worker,
                     reason: "the provider surely did nothing; a retry runs it again".to_owned(),
+                    expect_token: None,
                 };
                 self.store.finish(&id, Some(lease.token), &finish).await?;
                 return Err(Error::FailedRetryable {
@@ -307,6 +308,7 @@ impl Idempotency {
                 error: Some(detail.clone()),
                 actor: Actor::Worker,
                 reason: detail,
+                expect_token: None,
             };
             self.store.finish(&id, Some(lease.token), &finish).await?;
             return Err(Error::ResponseTooLarge {
@@ -332,6 +334,7 @@ impl Idempotency {
             } else {
                 "operation refused permanently".to_owned()
             },
+            expect_token: None,
         };
         let record = self.store.finish(&id, Some(lease.token), &finish).await?;
         let stored = record.response.or(finish.response).ok_or_else(|| {

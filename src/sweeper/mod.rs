@@ -470,6 +470,7 @@ impl Sweeper {
                     error,
                     actor: Actor::Sweeper,
                     reason,
+                    expect_token: None,
                 };
                 tracing::info!(to = %to, reason = %finish.reason, "sweeper settled key");
                 return match self

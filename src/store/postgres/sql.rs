@@ -68,7 +68,9 @@ pub(super) const CLAIM: &str = concat!(
          retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
          created_at, updated_at, retention_ms, version, last_actor, last_reason) \
        SELECT $1::text, $2::text, $3::text, $4::text, $5::text, 'processing', false, $6::text, \
-         $7::text, 1, $8::text, ",
+         $7::text, (extract(epoch from ",
+    now!(),
+    ") * 1000000)::bigint, $8::text, ",
     now!(),
     " + $9::bigint * interval '1 millisecond', 1, ",
     now!(),
@@ -120,6 +122,7 @@ pub(super) const FINISH: &str = concat!(
        last_actor = $10::text, last_reason = $11::text \
      WHERE scope = $1::text AND key = $2::text \
        AND ($9::bigint IS NULL OR (state = 'processing' AND lease_token = $9::bigint)) \
+       AND ($12::bigint IS NULL OR (state = 'processing' AND lease_token = $12::bigint)) \
      RETURNING ",
     cols!("")
 );
