@@ -168,7 +168,9 @@ pub enum Error {
     },
     /// This worker's lease was taken over before it stored its result; its result was not
     /// written (the provider key made both attempts the same operation).
-    #[error("lease lost: {0}")]
+    #[error(
+        "lease lost: another process took the key over while this attempt ran; this attempt's result was not stored over the new owner's: {0}"
+    )]
     LeaseLost(#[source] StoreError),
     /// The store failed.
     #[error("store: {0}")]

@@ -206,7 +206,8 @@ macro_rules! sweeper_tests {
             run_loop_sweeps_until_shutdown,
             hanging_provider_is_deferred_after_the_call_timeout,
             stuck_keys_and_expired_counts_for_operators,
-            two_sweepers_handle_each_of_1000_keys_once
+            two_sweepers_handle_each_of_1000_keys_once,
+            sweeper_renews_its_whole_batch
         );
     };
 }

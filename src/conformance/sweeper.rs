@@ -270,6 +270,7 @@ pub async fn died_before_storing_is_redriven_to_the_same_charge(store: Arc<dyn S
 pub struct FailingFinish {
     inner: Arc<dyn Store>,
     fail_worker_finishes: AtomicU32,
+    fail_extends: bool,
 }
 
 impl FailingFinish {
@@ -278,7 +279,15 @@ impl FailingFinish {
         Self {
             inner,
             fail_worker_finishes: AtomicU32::new(n),
+            fail_extends: false,
         }
+    }
+
+    /// Also fails every lease renewal, as a network partition or a paused process would: the
+    /// worker's lease runs out while it is stalled.
+    pub fn partitioned(mut self) -> Self {
+        self.fail_extends = true;
+        self
     }
 }
 
@@ -324,6 +333,9 @@ impl Store for FailingFinish {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
+        if self.fail_extends {
+            return Err(StoreError::database("test", "injected: partitioned"));
+        }
         self.inner.extend(id, token, lease).await
     }
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
@@ -356,6 +368,7 @@ pub async fn failed_completion_is_settled_by_the_sweeper(store: Arc<dyn Store>) 
     let flaky: Arc<dyn Store> = Arc::new(FailingFinish {
         inner: store.clone(),
         fail_worker_finishes: AtomicU32::new(1),
+        fail_extends: false,
     });
     let err = worker(&flaky)
         .call(pay(&scope, "k1", 400), &*cards)
@@ -385,7 +398,9 @@ pub async fn failed_completion_is_settled_by_the_sweeper(store: Arc<dyn Store>) 
 pub async fn zombie_worker_gets_lease_lost_and_changes_nothing(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", DAY);
     let scope = unique("zombie");
-    let idem = worker(&store);
+    // Stalled by a partition: its lease renewals fail, so its lease runs out.
+    let partitioned: Arc<dyn Store> = Arc::new(FailingFinish::new(store.clone(), 0).partitioned());
+    let idem = worker(&partitioned);
     let req = as_call(pay(&scope, "k1", 250), &cards);
     let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
     let (called_tx, called_rx) = tokio::sync::oneshot::channel::<()>();
@@ -806,4 +821,53 @@ pub async fn hanging_provider_is_deferred_after_the_call_timeout(store: Arc<dyn 
     );
     let id = pay(&scope, "k1", 100).id().clone();
     assert_eq!(row(&store, &id).await.state, KeyState::Processing);
+}
+
+/// Issue 11, finding 10: the sweeper extended only the key in hand, so while one key of a batch
+/// waited on a slow provider, the rest of the batch expired and another sweeper took it. Every
+/// key of the batch is renewed while the sweeper works through it.
+pub async fn sweeper_renews_its_whole_batch(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    cards.hang(true);
+    let scope = unique("batch-renew");
+    let idem = worker(&store);
+    for key in ["k1", "k2", "k3"] {
+        let req = as_call(pay(&scope, key, 500), &cards);
+        let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
+        let run = idem.execute(req, |_ctx| async move {
+            let _ = started_tx.send(());
+            std::future::pending::<Outcome>().await
+        });
+        // The worker is cut off mid-flight, once its operation runs.
+        tokio::select! {
+            _ = run => panic!("the operation never returns"),
+            _ = started => {}
+        }
+    }
+    wait_stale().await;
+    let lease = Duration::from_millis(450);
+    let sweeper = sweeper(&store, &cards)
+        .lease(lease)
+        .call_timeout(Duration::from_millis(1200))
+        .batch_size(3);
+    let other = async {
+        // The first key still hangs; the whole batch is past its first lease.
+        tokio::time::sleep(lease + Duration::from_millis(300)).await;
+        store
+            .take_stale(&TakeStale {
+                owner: "other-sweeper".into(),
+                lease: Duration::from_secs(60),
+                limit: 10,
+            })
+            .await
+            .unwrap()
+    };
+    let (report, stolen) = tokio::join!(sweeper.run_once(), other);
+    assert!(
+        stolen.is_empty(),
+        "keys of a batch in work were taken by another sweeper: {stolen:?}"
+    );
+    let report = report.unwrap();
+    assert_eq!(report.taken, 3, "{report:?}");
+    assert_eq!(report.lease_lost, 0, "{report:?}");
 }

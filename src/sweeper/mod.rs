@@ -48,6 +48,7 @@ use crate::store::{Finish, Release, Store, TakeStale};
 use crate::{KeyId, KeyState};
 
 pub mod decide;
+mod renew;
 mod report;
 
 pub use decide::{Decision, Plan};
@@ -65,8 +66,8 @@ use report::ms;
 pub struct SweeperConfig {
     /// Keys taken per batch. Default 100.
     pub batch_size: u32,
-    /// The lease each taken key gets; the sweeper extends it when a batch runs long. Default
-    /// 5 min.
+    /// The lease each taken key gets; while the sweeper works through a batch it renews the
+    /// lease of every key of the batch not yet handled every third of it. Default 5 min.
     pub lease: Duration,
     /// Name recorded as the lease owner. Default `sweeper-<pid>`.
     pub owner: String,
@@ -329,7 +330,14 @@ impl Sweeper {
             report.batches += 1;
             report.taken += batch.len() as u64;
             let full = batch.len() as u32 == limit;
+            // Every key of the batch keeps its lease while the batch is worked through.
+            let held: Vec<_> = batch
+                .iter()
+                .map(|r| (KeyId::new(r.scope.clone(), r.key.clone()), r.lease_token))
+                .collect();
+            let mut renewed_at = taken_at;
             let mut keys = batch.into_iter();
+            let mut at = 0;
             while let Some(record) = keys.next() {
                 if *stop.borrow() {
                     report.shut_down = true;
@@ -351,10 +359,18 @@ impl Sweeper {
                     attempt = record.attempts,
                     decision = tracing::field::Empty,
                 );
-                let result = self
+                let work = self
                     .handle(record, now, taken_at, &mut report)
-                    .instrument(span)
-                    .await;
+                    .instrument(span);
+                let result = renew::while_working(
+                    &*self.store,
+                    &held[at..],
+                    cfg.lease,
+                    &mut renewed_at,
+                    work,
+                )
+                .await;
+                at += 1;
                 match result {
                     Ok(r) => Self::count(&mut report, r),
                     Err(e) => return Err(fail(e, report)),
