@@ -13,7 +13,7 @@
 //!   each of PostgreSQL, MariaDB/MySQL and Redis when their `IDEMFLOW_TEST_*_URL` is set).
 //! * `IDEMFLOW_SIM_SEED=S`: run only schedule `S` and print its trace.
 //! * `IDEMFLOW_SIM_FIRST_SEED=S`: the first seed (default 1); seeds are `S..S+N`.
-//! * `IDEMFLOW_SIM_PARALLEL=P`: schedules run at once (default 16 on SQLite, 6 elsewhere).
+//! * `IDEMFLOW_SIM_PARALLEL=P`: schedules run at once (default 48 on SQLite, 8 elsewhere).
 //! * `IDEMFLOW_SIM_KNOWN_FINDINGS=0`: also fail on the checks tied to open findings (see
 //!   [`checks::OPEN_FINDINGS`]).
 
@@ -160,6 +160,21 @@ async fn simulate(backend: Backend, default_cases: u64, default_parallel: u64) {
             "[sim {name}] {n} violations of {check} followed finding {f} on the same key (first seed {seed})"
         );
     }
+    let dump = std::env::temp_dir().join(format!("idemflow-sim-{name}-failures.txt"));
+    let mut all = String::new();
+    for (r, v) in &failing {
+        all.push_str(&format!("===== seed {} =====\n", r.seed));
+        for line in &r.trace {
+            all.push_str(line);
+            all.push('\n');
+        }
+        for x in v.failing.iter().chain(&v.known) {
+            all.push_str(&format!("{} on {} at step {}: {}\n", x.check.name(), x.key, x.step, x.detail));
+        }
+    }
+    if !all.is_empty() && std::fs::write(&dump, all).is_ok() {
+        eprintln!("[sim {name}] traces of the reported schedules: {}", dump.display());
+    }
     let mut bad = 0;
     for (r, v) in &failing {
         if !v.failing.is_empty() {
@@ -209,7 +224,7 @@ async fn simulate(backend: Backend, default_cases: u64, default_parallel: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_memory() {
-    simulate(Backend::SqliteMemory, 2000, 16).await;
+    simulate(Backend::SqliteMemory, 2000, 48).await;
 }
 
 #[cfg(feature = "postgres")]
@@ -218,7 +233,7 @@ async fn postgres() {
     let Some(url) = conformance::backend_url("IDEMFLOW_TEST_POSTGRES_URL") else {
         return;
     };
-    simulate(Backend::Postgres(url), 300, 6).await;
+    simulate(Backend::Postgres(url), 300, 8).await;
 }
 
 #[cfg(feature = "mysql")]
@@ -227,7 +242,7 @@ async fn mysql() {
     let Some(url) = conformance::backend_url("IDEMFLOW_TEST_MYSQL_URL") else {
         return;
     };
-    simulate(Backend::MySql(url), 300, 6).await;
+    simulate(Backend::MySql(url), 300, 8).await;
 }
 
 #[cfg(feature = "redis")]
@@ -236,5 +251,5 @@ async fn redis() {
     let Some(url) = conformance::backend_url("IDEMFLOW_TEST_REDIS_URL") else {
         return;
     };
-    simulate(Backend::Redis(url), 300, 6).await;
+    simulate(Backend::Redis(url), 300, 8).await;
 }

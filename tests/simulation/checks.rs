@@ -35,6 +35,8 @@ pub enum Check {
     /// No lease is granted (takeover, reclaim, override) while a provider call of the key's
     /// previous holder is still running (finding 10: fixed leases).
     NoTakeoverDuringLiveCall,
+    /// The provider only acts for an actor whose lease is live and current (finding 10).
+    NoEffectOutsideLease,
     /// No sweeper makes a key retryable after the provider acted on it (finding 1).
     SweeperNeverRetryableAfterEffect,
     /// No worker makes a key retryable after the provider acted on it (finding 2).
@@ -59,6 +61,7 @@ impl Check {
             Check::TokensStrictlyGrow => "tokens_strictly_grow",
             Check::TokensGrowAcrossPurge => "tokens_grow_across_purge",
             Check::NoTakeoverDuringLiveCall => "no_takeover_during_live_call",
+            Check::NoEffectOutsideLease => "no_effect_outside_lease",
             Check::SweeperNeverRetryableAfterEffect => "sweeper_never_retryable_after_effect",
             Check::WorkerNeverRetryableAfterEffect => "worker_never_retryable_after_effect",
             Check::OperatorNeverRetryableAfterEffect => "operator_never_retryable_after_effect",
@@ -77,7 +80,7 @@ impl Check {
             Check::OperatorNeverRetryableAfterEffect | Check::ResolveNeverOverwritesADecision => {
                 Some(5)
             }
-            Check::NoTakeoverDuringLiveCall => Some(10),
+            Check::NoTakeoverDuringLiveCall | Check::NoEffectOutsideLease => Some(10),
             _ => None,
         }
     }
@@ -94,7 +97,7 @@ impl Check {
         }
     }
 
-    pub const ALL: [Check; 13] = [
+    pub const ALL: [Check; 14] = [
         Check::AtMostOneEffect,
         Check::DoneMatchesAnEffect,
         Check::ReplaysIdentical,
@@ -102,6 +105,7 @@ impl Check {
         Check::TokensStrictlyGrow,
         Check::TokensGrowAcrossPurge,
         Check::NoTakeoverDuringLiveCall,
+        Check::NoEffectOutsideLease,
         Check::SweeperNeverRetryableAfterEffect,
         Check::WorkerNeverRetryableAfterEffect,
         Check::OperatorNeverRetryableAfterEffect,
@@ -132,26 +136,24 @@ pub struct Verdict {
     pub consequences: Vec<(Violation, u8)>,
 }
 
-/// Splits `violations` (in the order found) into failing, known and consequences.
+/// Splits `violations` (in the order found) into failing, known and consequences. The first
+/// open finding seen on a key is its cause: later violations on that key, of any check, are
+/// counted as its consequences.
 pub fn judge(violations: &[Violation], skip_known: bool) -> Verdict {
     let mut v = Verdict::default();
     let mut tainted: Vec<(String, u8)> = Vec::new();
     for x in violations {
-        match x.check.finding() {
-            Some(f) if skip_known && OPEN_FINDINGS.contains(&f) => {
+        let cause = tainted
+            .iter()
+            .find(|(k, _)| *k == x.key)
+            .map(|(_, f)| *f);
+        match (x.check.finding(), cause) {
+            (_, Some(f)) if skip_known => v.consequences.push((x.clone(), f)),
+            (Some(f), None) if skip_known && OPEN_FINDINGS.contains(&f) => {
                 tainted.push((x.key.clone(), f));
                 v.known.push(x.clone());
             }
-            _ => {
-                let cause = tainted
-                    .iter()
-                    .find(|(k, _)| *k == x.key || x.key == "-")
-                    .map(|(_, f)| *f);
-                match cause {
-                    Some(f) if skip_known => v.consequences.push((x.clone(), f)),
-                    _ => v.failing.push(x.clone()),
-                }
-            }
+            _ => v.failing.push(x.clone()),
         }
     }
     v

@@ -102,6 +102,8 @@ pub struct Shared {
     pub processing: BTreeMap<String, u32>,
     /// Key label -> (generation, token) of every lease granted, in order.
     pub grants: BTreeMap<String, Vec<(u32, i64)>>,
+    /// (actor, key label) -> the lease that actor holds: token and expiry (database clock).
+    pub holding: BTreeMap<(usize, String), (i64, chrono::DateTime<chrono::Utc>)>,
     /// Key labels purged since their last grant.
     pub purged_since_grant: BTreeSet<String>,
     /// (key label, generation) -> the first response a client got.
@@ -133,9 +135,20 @@ impl Shared {
 
     /// Records a lease granted on `label` (whose provider key is `pk`) with `token` by `how`,
     /// checking the token order and that no other actor is inside a provider call for the key.
-    pub fn granted(&mut self, label: &str, pk: &str, token: i64, how: &str) {
+    pub fn granted(
+        &mut self,
+        label: &str,
+        pk: &str,
+        token: i64,
+        expires: Option<chrono::DateTime<chrono::Utc>>,
+        how: &str,
+    ) {
         let generation = self.generation(label);
         let me = current_actor();
+        if let (Some(a), Some(exp)) = (me, expires) {
+            self.holding.insert((a, label.to_owned()), (token, exp));
+        }
+        self.trace.push(format!("    {label}: {how} granted token {token}"));
         let across_purge = self.purged_since_grant.remove(label);
         let last = self.grants.get(label).and_then(|g| g.last().copied());
         if let Some((_, prev)) = last
@@ -168,6 +181,35 @@ impl Shared {
                 format!(
                     "{how} granted token {token} while actor(s) {others:?} still run a provider call for it"
                 ),
+            );
+        }
+    }
+
+    /// Called when the provider acts for `label` on behalf of the running actor: that actor's
+    /// lease must still be live and current (finding 10: a call may outlive a fixed lease).
+    pub fn check_acting_lease(&mut self, label: &str) {
+        let Some(a) = current_actor() else { return };
+        let Some((token, exp)) = self.holding.get(&(a, label.to_owned())).copied() else {
+            return;
+        };
+        let now = chrono::Utc::now();
+        let latest = self
+            .grants
+            .get(label)
+            .and_then(|g| g.last())
+            .map(|(_, t)| *t);
+        if exp < now {
+            let late = (now - exp).num_milliseconds();
+            self.violate(
+                Check::NoEffectOutsideLease,
+                label,
+                format!("the provider acted for a{a} {late} ms after its lease (token {token}) expired"),
+            );
+        } else if latest != Some(token) {
+            self.violate(
+                Check::NoEffectOutsideLease,
+                label,
+                format!("the provider acted for a{a} holding token {token} after token {latest:?} was granted"),
             );
         }
     }

@@ -183,6 +183,7 @@ impl Provider for SimProvider {
                 .cloned()
                 .unwrap_or_else(|| "?".into());
             let generation = sh.generation(&label);
+            sh.check_acting_lease(&label);
             let amt = amount(request);
             let response = if amt % 5 == 0 {
                 Response::json(

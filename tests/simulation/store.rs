@@ -47,7 +47,13 @@ impl Store for GatedStore {
             self.shared
                 .lock()
                 .unwrap()
-                .granted(&l, &lease.provider_key, lease.token.0, &how);
+                .granted(
+                    &l,
+                    &lease.provider_key,
+                    lease.token.0,
+                    Some(lease.expires_at),
+                    &how,
+                );
         }
         park("store.claim", "after", &l).await;
         r
@@ -69,6 +75,7 @@ impl Store for GatedStore {
                 &l,
                 &rec.provider_key,
                 rec.lease_token.0,
+                None,
                 "operator override",
             );
         }
@@ -96,7 +103,15 @@ impl Store for GatedStore {
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
         // Not a park point: a heartbeat may renew from beside the operation.
-        self.inner.extend(id, token, lease).await
+        let r = self.inner.extend(id, token, lease).await;
+        if let (Ok(exp), Some(a)) = (&r, crate::gate::current_actor()) {
+            self.shared
+                .lock()
+                .unwrap()
+                .holding
+                .insert((a, label(id)), (token.0, *exp));
+        }
+        r
     }
 
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
@@ -119,6 +134,7 @@ impl Store for GatedStore {
                     &record_label(rec),
                     &rec.provider_key,
                     rec.lease_token.0,
+                    rec.lease_expires_at,
                     "take_stale",
                 );
             }

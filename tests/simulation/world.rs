@@ -47,6 +47,10 @@ pub struct Settings {
     pub mail_lag: Duration,
     pub margin: Duration,
     pub takeover: bool,
+    /// Emulate the heartbeat of issue 11: the scheduler renews every lease a parked (not
+    /// crashed) actor holds after each step and during each clock advance, so only crashes
+    /// orphan keys. Off: leases are fixed, as today.
+    pub heartbeat: bool,
     pub steps: usize,
     pub max_actors: usize,
     pub pay_faults: Faults,
@@ -57,14 +61,15 @@ impl Settings {
     fn draw(rng: &mut Rng) -> Self {
         let ms = Duration::from_millis;
         Self {
-            lease: ms(rng.range(40, 90)),
-            sweeper_lease: ms(rng.range(40, 90)),
-            retention: ms(rng.range(20, 400)),
-            window: ms(rng.range(250, 600)),
-            pay_lag: ms(rng.range(0, 60)),
-            mail_lag: ms(rng.range(20, 120)),
-            margin: ms(rng.range(20, 80)),
+            lease: ms(rng.range(120, 250)),
+            sweeper_lease: ms(rng.range(120, 250)),
+            retention: ms(rng.range(50, 600)),
+            window: ms(rng.range(700, 1400)),
+            pay_lag: ms(rng.range(0, 80)),
+            mail_lag: ms(rng.range(30, 150)),
+            margin: ms(rng.range(40, 120)),
             takeover: rng.chance(500),
+            heartbeat: rng.chance(500),
             steps: rng.range(15, 60) as usize,
             max_actors: rng.range(3, 6) as usize,
             pay_faults: Faults::draw(rng),
@@ -112,6 +117,8 @@ struct World {
     next_id: usize,
     /// Key labels that existed at the last check (to see purges).
     existed: BTreeSet<String>,
+    /// Key label -> its state and token at the last check (traced when it changes).
+    states: std::collections::BTreeMap<String, String>,
     /// (check, label, generation) already reported, so a state is reported once.
     reported: BTreeSet<(Check, String, u32)>,
 }
@@ -240,6 +247,12 @@ impl World {
             }
             Ok(Some(Event::Done(summary))) => {
                 let l = format!("    a{} done: {summary}", slot.id);
+                let id = slot.id;
+                self.shared
+                    .lock()
+                    .unwrap()
+                    .holding
+                    .retain(|(a, _), _| *a != id);
                 let slot = self.slots.remove(idx);
                 let _ = slot.handle.await;
                 l
@@ -264,11 +277,65 @@ impl World {
         let slot = self.slots.remove(idx);
         slot.handle.abort();
         let _ = slot.handle.await;
+        let id = slot.id;
+        self.shared
+            .lock()
+            .unwrap()
+            .holding
+            .retain(|(a, _), _| *a != id);
         let at = slot
             .parked
             .as_ref()
             .map_or_else(|| "?".to_owned(), |(p, _)| p.to_string());
         self.trace(format!("    a{} crashed at {at}", slot.id));
+    }
+
+    /// The emulated heartbeat: renews every lease a live actor holds.
+    async fn heartbeat(&mut self) {
+        if !self.settings.heartbeat {
+            return;
+        }
+        let holdings: Vec<((usize, String), i64)> = {
+            let sh = self.shared.lock().unwrap();
+            sh.holding.iter().map(|(k, (t, _))| (k.clone(), *t)).collect()
+        };
+        for ((actor, label), token) in holdings {
+            let Some(slot) = self.slots.iter().find(|s| s.id == actor) else {
+                continue;
+            };
+            let lease = match slot.kind {
+                Kind::Sweeper => self.settings.sweeper_lease,
+                _ => self.settings.lease,
+            };
+            let Some(key) = self.keys.iter().find(|k| k.label == label) else {
+                continue;
+            };
+            let r = self
+                .inner
+                .extend(&key.id, idemflow::LeaseToken(token), lease)
+                .await;
+            let mut sh = self.shared.lock().unwrap();
+            match r {
+                Ok(exp) => {
+                    sh.holding.insert((actor, label), (token, exp));
+                }
+                Err(_) => {
+                    sh.holding.remove(&(actor, label));
+                }
+            }
+        }
+    }
+
+    /// Sleeps `d`, renewing leases along the way when the heartbeat is emulated.
+    async fn advance(&mut self, d: Duration) {
+        let chunk = (self.settings.lease.min(self.settings.sweeper_lease) / 3).max(Duration::from_millis(5));
+        let mut left = d;
+        while !left.is_zero() {
+            let now = left.min(chunk);
+            tokio::time::sleep(now).await;
+            left -= now;
+            self.heartbeat().await;
+        }
     }
 
     /// The invariants that hold after every step.
@@ -284,6 +351,7 @@ impl World {
             };
             let Some(rec) = rec else {
                 if self.existed.remove(&key.label) {
+                    self.states.remove(&key.label);
                     let mut sh = self.shared.lock().unwrap();
                     *sh.generations.entry(key.label.clone()).or_default() += 1;
                     sh.purged_since_grant.insert(key.label.clone());
@@ -292,6 +360,11 @@ impl World {
                 continue;
             };
             self.existed.insert(key.label.clone());
+            let now_state = format!("{} token {}", rec.state, rec.lease_token);
+            if self.states.get(&key.label) != Some(&now_state) {
+                self.trace(format!("    {} is {now_state}", key.label));
+                self.states.insert(key.label.clone(), now_state);
+            }
             let (generation, effects, any) = {
                 let sh = self.shared.lock().unwrap();
                 let g = sh.generation(&key.label);
@@ -312,7 +385,10 @@ impl World {
                     format!(
                         "the provider acted {} times: effects {:?}",
                         effects.len(),
-                        effects.iter().map(|e| e.n).collect::<Vec<_>>()
+                        effects
+                            .iter()
+                            .map(|e| format!("#{} for {}", e.n, e.label))
+                            .collect::<Vec<_>>()
                     ),
                 );
             }
@@ -388,6 +464,7 @@ impl World {
                 let mut n = 0;
                 while self.slots.first().is_some_and(|s| s.id == id) {
                     self.run_actor(0).await?;
+                    self.heartbeat().await;
                     n += 1;
                     if n > 500 {
                         return Err(format!("a{id} did not finish in 500 steps"));
@@ -674,6 +751,7 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>) -> CaseResult {
         slots: Vec::new(),
         next_id: 1,
         existed: BTreeSet::new(),
+        states: std::collections::BTreeMap::new(),
         reported: BTreeSet::new(),
     };
     w.trace(format!("seed {seed}: {settings:?}"));
@@ -765,9 +843,10 @@ async fn run_steps(w: &mut World) -> Result<(), String> {
                 ];
                 let d = choices[w.rng.weighted(&[40, 20, 15, 5, 20])];
                 w.trace(format!("#{step} advance {d:?}"));
-                tokio::time::sleep(d).await;
+                w.advance(d).await;
             }
         }
+        w.heartbeat().await;
         w.check().await;
     }
     Ok(())
