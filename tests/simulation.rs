@@ -14,6 +14,8 @@
 //! * `IDEMFLOW_SIM_SEED=S`: run only schedule `S` and print its trace.
 //! * `IDEMFLOW_SIM_FIRST_SEED=S`: the first seed (default 1); seeds are `S..S+N`.
 //! * `IDEMFLOW_SIM_PARALLEL=P`: schedules run at once (default 48 on SQLite, 8 elsewhere).
+//! * `IDEMFLOW_SIM_DUMP=1`: write the trace of every schedule that broke any check (known
+//!   findings included) to `$TMPDIR/idemflow-sim-<backend>-failures.txt`.
 //! * `IDEMFLOW_SIM_KNOWN_FINDINGS=0`: also fail on the checks tied to open findings (see
 //!   [`checks::OPEN_FINDINGS`]).
 
@@ -72,6 +74,7 @@ async fn simulate(backend: Backend, default_cases: u64, default_parallel: u64) {
         .unwrap_or(default_parallel)
         .max(1);
     let skip = known_findings_skipped();
+    let dump_all = std::env::var_os("IDEMFLOW_SIM_DUMP").is_some();
     if skip {
         let skipped: Vec<String> = Check::ALL
             .iter()
@@ -138,7 +141,7 @@ async fn simulate(backend: Backend, default_cases: u64, default_parallel: u64) {
                 .or_insert((0, r.seed))
                 .0 += 1;
         }
-        if !v.failing.is_empty() || single.is_some() {
+        if !v.failing.is_empty() || single.is_some() || (dump_all && !r.violations.is_empty()) {
             failing.push((r, v));
         }
     }
@@ -177,9 +180,10 @@ async fn simulate(backend: Backend, default_cases: u64, default_parallel: u64) {
     }
     let mut bad = 0;
     for (r, v) in &failing {
-        if !v.failing.is_empty() {
-            bad += 1;
+        if v.failing.is_empty() && single.is_none() {
+            continue;
         }
+        bad += 1;
         if bad > 3 && single.is_none() {
             continue;
         }

@@ -65,8 +65,8 @@ impl Settings {
             sweeper_lease: ms(rng.range(120, 250)),
             retention: ms(rng.range(50, 600)),
             window: ms(rng.range(700, 1400)),
-            pay_lag: ms(rng.range(0, 80)),
-            mail_lag: ms(rng.range(30, 150)),
+            pay_lag: ms(rng.range(0, 150)),
+            mail_lag: ms(rng.range(80, 400)),
             margin: ms(rng.range(40, 120)),
             takeover: rng.chance(500),
             heartbeat: rng.chance(500),
@@ -80,7 +80,9 @@ impl Settings {
 
 #[derive(Debug, Clone, Copy)]
 enum Kind {
-    Client(usize),
+    /// A client of key `.0` that tries up to `.1` times in a row while the answer is "in flight",
+    /// "unknown" or "retryable".
+    Client(usize, u32),
     Sweeper,
     Operator(usize),
     Purge,
@@ -141,7 +143,7 @@ impl World {
 
     fn describe(&self, kind: Kind) -> String {
         match kind {
-            Kind::Client(k) => format!("client {}", self.keys[k].label),
+            Kind::Client(k, tries) => format!("client {} (up to {tries} tries)", self.keys[k].label),
             Kind::Sweeper => "sweeper".into(),
             Kind::Operator(k) => format!("operator {}", self.keys[k].label),
             Kind::Purge => "purge".into(),
@@ -173,12 +175,25 @@ impl World {
 
     fn actor_body(&self, kind: Kind) -> std::pin::Pin<Box<dyn Future<Output = String> + Send>> {
         match kind {
-            Kind::Client(k) => Box::pin(client(
-                self.executors[self.keys[k].provider].clone(),
-                self.keys[k].clone(),
-                self.providers[self.keys[k].provider].clone(),
-                self.shared.clone(),
-            )),
+            Kind::Client(k, tries) => {
+                let exec = self.executors[self.keys[k].provider].clone();
+                let key = self.keys[k].clone();
+                let provider = self.providers[self.keys[k].provider].clone();
+                let shared = self.shared.clone();
+                Box::pin(async move {
+                    let mut said = Vec::new();
+                    for _ in 0..tries {
+                        let (summary, again) =
+                            client(exec.clone(), key.clone(), provider.clone(), shared.clone())
+                                .await;
+                        said.push(summary);
+                        if !again {
+                            break;
+                        }
+                    }
+                    said.join("; ")
+                })
+            }
             Kind::Sweeper => {
                 let sweeper = self.sweeper(self.gated.clone(), "sweeper");
                 let shared = self.shared.clone();
@@ -498,7 +513,7 @@ impl World {
         // Every client retries once more.
         for k in 0..self.keys.len() {
             let key = self.keys[k].clone();
-            let summary = client(
+            let (summary, _) = client(
                 self.executors[key.provider].clone(),
                 key.clone(),
                 self.providers[key.provider].clone(),
@@ -528,13 +543,14 @@ impl World {
     }
 }
 
-/// A client: runs the key's request through its provider once.
+/// A client: runs the key's request through its provider once. Returns what it got and
+/// whether a client would try again.
 async fn client(
     exec: Idempotency,
     key: KeyDef,
     provider: Arc<SimProvider>,
     shared: SharedRef,
-) -> String {
+) -> (String, bool) {
     let req = match Request::new(
         key.id.scope.as_str(),
         key.id.key.as_str(),
@@ -542,7 +558,7 @@ async fn client(
         &key.body,
     ) {
         Ok(r) => r,
-        Err(e) => return format!("bad request: {e}"),
+        Err(e) => return (format!("bad request: {e}"), false),
     };
     let r = exec.call(req, provider.as_ref() as &dyn Provider).await;
     let mut sh = shared.lock().unwrap();
@@ -575,21 +591,25 @@ async fn client(
                     ),
                 );
             }
-            format!(
+            let said = format!(
                 "{} {}",
                 if ex.is_replay() { "replayed" } else { "executed" },
                 resp.status()
-            )
+            );
+            (said, false)
         }
         Err(e @ Error::FingerprintMismatch { .. }) => {
             sh.violate(Check::ScopesIsolated, &key.label, e.to_string());
-            format!("error: {e}")
+            (format!("error: {e}"), false)
         }
         Err(Error::Store(e)) if !fenced(&e) => {
             sh.violate(Check::NoStoreErrors, &key.label, e.to_string());
-            format!("store error: {e}")
+            (format!("store error: {e}"), false)
         }
-        Err(e) => format!("error: {e}"),
+        Err(
+            e @ (Error::InFlight { .. } | Error::OutcomeUnknown { .. } | Error::Retryable { .. }),
+        ) => (format!("error: {e}"), true),
+        Err(e) => (format!("error: {e}"), false),
     }
 }
 
@@ -790,20 +810,39 @@ async fn run_steps(w: &mut World) -> Result<(), String> {
         w.shared.lock().unwrap().step = step;
         let parked = w.slots.len();
         let can_spawn = parked < w.settings.max_actors;
-        // spawn client, sweeper, operator, purge, resume, crash, advance time
+        // spawn client, sweeper, operator, purge, resume, crash, advance time, sweep at once
         let weights = [
             if can_spawn { 30 } else { 0 },
-            if can_spawn { 7 } else { 0 },
+            if can_spawn { 6 } else { 0 },
             if can_spawn { 2 } else { 0 },
             if can_spawn { 3 } else { 0 },
             if parked > 0 { 40 } else { 0 },
             if parked > 0 { 7 } else { 0 },
             8,
+            4,
         ];
         match w.rng.weighted(&weights) {
+            7 => {
+                let id = w.next_id;
+                w.trace(format!("#{step} start a{id}: sweeper, run to completion"));
+                w.spawn(Kind::Sweeper);
+                let mut n = 0;
+                while w.slots.last().is_some_and(|s| s.id == id) {
+                    let idx = w.slots.len() - 1;
+                    w.run_actor(idx).await?;
+                    w.heartbeat().await;
+                    n += 1;
+                    if n > 500 {
+                        return Err(format!("a{id} did not finish in 500 steps"));
+                    }
+                }
+            }
             a @ 0..=3 => {
                 let kind = match a {
-                    0 => Kind::Client(w.rng.below(w.keys.len() as u64) as usize),
+                    0 => Kind::Client(
+                        w.rng.below(w.keys.len() as u64) as usize,
+                        w.rng.range(1, 3) as u32,
+                    ),
                     1 => Kind::Sweeper,
                     2 => Kind::Operator(w.rng.below(w.keys.len() as u64) as usize),
                     _ => Kind::Purge,
