@@ -92,7 +92,7 @@ mod pg {
             .await
             .map_err(|e| e.to_string())?;
         let _ = admin.close().await;
-        let pool = pool_in(url, &schema, 3).await;
+        let pool = pool_in(url, &schema, 2).await;
         let s = idemflow::store::postgres::PostgresStore::from_pool(pool);
         s.migrate().await.map_err(|e| e.to_string())?;
         let url = url.to_owned();
@@ -131,7 +131,7 @@ mod my {
         let _ = admin.close().await;
         let options = base.clone().database(&name);
         let pool = MySqlPoolOptions::new()
-            .max_connections(3)
+            .max_connections(2)
             .connect_with(options)
             .await
             .map_err(|e| e.to_string())?;
