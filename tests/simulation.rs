@@ -23,13 +23,12 @@
 mod backends;
 #[path = "simulation/checks.rs"]
 mod checks;
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 #[path = "conformance/mod.rs"]
 mod conformance;
 #[path = "simulation/gate.rs"]
 mod gate;
 #[cfg(feature = "postgres")]
-#[allow(dead_code)]
 #[path = "pg_support/mod.rs"]
 mod pg_support;
 #[path = "simulation/provider.rs"]
@@ -92,13 +91,9 @@ async fn simulate_seeds(backend: Backend, seeds: Vec<u64>, verbose: bool, defaul
             .iter()
             .filter_map(|c| {
                 let f = c.finding()?;
-                OPEN_FINDINGS.contains(&f).then(|| {
-                    format!(
-                        "{} (finding {f}: {})",
-                        c.name(),
-                        Check::finding_title(f)
-                    )
-                })
+                OPEN_FINDINGS
+                    .contains(&f)
+                    .then(|| format!("{} (finding {f}: {})", c.name(), Check::finding_title(f)))
             })
             .collect();
         eprintln!(
@@ -142,9 +137,10 @@ async fn simulate_seeds(backend: Backend, seeds: Vec<u64>, verbose: bool, defaul
         steps += r.steps;
         let v = judge(&r.violations, skip);
         for x in &v.known {
-            let e = known
-                .entry(x.check.name())
-                .or_insert((0, r.seed, x.check.finding().unwrap_or(0)));
+            let e =
+                known
+                    .entry(x.check.name())
+                    .or_insert((0, r.seed, x.check.finding().unwrap_or(0)));
             e.0 += 1;
         }
         for (x, f) in &v.consequences {
@@ -198,11 +194,20 @@ async fn simulate_seeds(backend: Backend, seeds: Vec<u64>, verbose: bool, defaul
             all.push('\n');
         }
         for x in v.failing.iter().chain(&v.known) {
-            all.push_str(&format!("{} on {} at step {}: {}\n", x.check.name(), x.key, x.step, x.detail));
+            all.push_str(&format!(
+                "{} on {} at step {}: {}\n",
+                x.check.name(),
+                x.key,
+                x.step,
+                x.detail
+            ));
         }
     }
     if !all.is_empty() && std::fs::write(&dump, all).is_ok() {
-        eprintln!("[sim {name}] traces of the reported schedules: {}", dump.display());
+        eprintln!(
+            "[sim {name}] traces of the reported schedules: {}",
+            dump.display()
+        );
     }
     let mut bad = 0;
     for (r, v) in &failing {

@@ -143,10 +143,7 @@ pub fn judge(violations: &[Violation], skip_known: bool) -> Verdict {
     let mut v = Verdict::default();
     let mut tainted: Vec<(String, u8)> = Vec::new();
     for x in violations {
-        let cause = tainted
-            .iter()
-            .find(|(k, _)| *k == x.key)
-            .map(|(_, f)| *f);
+        let cause = tainted.iter().find(|(k, _)| *k == x.key).map(|(_, f)| *f);
         match (x.check.finding(), cause) {
             (_, Some(f)) if skip_known => v.consequences.push((x.clone(), f)),
             (Some(f), None) if skip_known && OPEN_FINDINGS.contains(&f) => {

@@ -68,7 +68,12 @@ pub async fn park(what: &'static str, phase: &'static str, on: impl Into<String>
         phase,
         on: on.into(),
     };
-    if ctx.events.send(Event::Parked { point, resume: tx }).is_err() || rx.await.is_err() {
+    if ctx
+        .events
+        .send(Event::Parked { point, resume: tx })
+        .is_err()
+        || rx.await.is_err()
+    {
         std::future::pending::<()>().await;
     }
 }
@@ -148,7 +153,8 @@ impl Shared {
         if let (Some(a), Some(exp)) = (me, expires) {
             self.holding.insert((a, label.to_owned()), (token, exp));
         }
-        self.trace.push(format!("    {label}: {how} granted token {token}"));
+        self.trace
+            .push(format!("    {label}: {how} granted token {token}"));
         let across_purge = self.purged_since_grant.remove(label);
         let last = self.grants.get(label).and_then(|g| g.last().copied());
         if let Some((_, prev)) = last
@@ -203,7 +209,9 @@ impl Shared {
             self.violate(
                 Check::NoEffectOutsideLease,
                 label,
-                format!("the provider acted for a{a} {late} ms after its lease (token {token}) expired"),
+                format!(
+                    "the provider acted for a{a} {late} ms after its lease (token {token}) expired"
+                ),
             );
         } else if latest != Some(token) {
             self.violate(
@@ -225,5 +233,8 @@ impl Shared {
 
 /// Whether a state holds a final answer.
 pub fn decided(state: KeyState) -> bool {
-    matches!(state, KeyState::Done | KeyState::Failed { retryable: false })
+    matches!(
+        state,
+        KeyState::Done | KeyState::Failed { retryable: false }
+    )
 }

@@ -138,7 +138,10 @@ impl Provider for SimProvider {
         {
             let mut sh = self.shared.lock().unwrap();
             if let Some(a) = actor {
-                sh.live.entry(provider_key.to_owned()).or_default().insert(a);
+                sh.live
+                    .entry(provider_key.to_owned())
+                    .or_default()
+                    .insert(a);
             }
         }
         let mut guard = LiveGuard {
@@ -185,7 +188,7 @@ impl Provider for SimProvider {
             let generation = sh.generation(&label);
             sh.check_acting_lease(&label);
             let amt = amount(request);
-            let response = if amt % 5 == 0 {
+            let response = if amt.is_multiple_of(5) {
                 Response::json(
                     402,
                     &serde_json::json!({"error": "declined", "effect": n, "pk": provider_key}),

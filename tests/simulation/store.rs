@@ -44,16 +44,13 @@ impl Store for GatedStore {
         let r = self.inner.claim(claim).await;
         if let Ok(ClaimOutcome::Claimed(lease)) = &r {
             let how = format!("claim ({:?})", lease.transition);
-            self.shared
-                .lock()
-                .unwrap()
-                .granted(
-                    &l,
-                    &lease.provider_key,
-                    lease.token.0,
-                    Some(lease.expires_at),
-                    &how,
-                );
+            self.shared.lock().unwrap().granted(
+                &l,
+                &lease.provider_key,
+                lease.token.0,
+                Some(lease.expires_at),
+                &how,
+            );
         }
         park("store.claim", "after", &l).await;
         r

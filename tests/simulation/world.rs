@@ -143,7 +143,9 @@ impl World {
 
     fn describe(&self, kind: Kind) -> String {
         match kind {
-            Kind::Client(k, tries) => format!("client {} (up to {tries} tries)", self.keys[k].label),
+            Kind::Client(k, tries) => {
+                format!("client {} (up to {tries} tries)", self.keys[k].label)
+            }
             Kind::Sweeper => "sweeper".into(),
             Kind::Operator(k) => format!("operator {}", self.keys[k].label),
             Kind::Purge => "purge".into(),
@@ -201,10 +203,11 @@ impl World {
                     match sweeper.run_once().await {
                         Ok(r) => format!("sweep: {}", r.summary()),
                         Err(e) => {
-                            shared
-                                .lock()
-                                .unwrap()
-                                .violate(Check::NoStoreErrors, "-", format!("sweep: {e}"));
+                            shared.lock().unwrap().violate(
+                                Check::NoStoreErrors,
+                                "-",
+                                format!("sweep: {e}"),
+                            );
                             format!("sweep failed: {e}")
                         }
                     }
@@ -312,7 +315,10 @@ impl World {
         }
         let holdings: Vec<((usize, String), i64)> = {
             let sh = self.shared.lock().unwrap();
-            sh.holding.iter().map(|(k, (t, _))| (k.clone(), *t)).collect()
+            sh.holding
+                .iter()
+                .map(|(k, (t, _))| (k.clone(), *t))
+                .collect()
         };
         for ((actor, label), token) in holdings {
             let Some(slot) = self.slots.iter().find(|s| s.id == actor) else {
@@ -343,7 +349,8 @@ impl World {
 
     /// Sleeps `d`, renewing leases along the way when the heartbeat is emulated.
     async fn advance(&mut self, d: Duration) {
-        let chunk = (self.settings.lease.min(self.settings.sweeper_lease) / 3).max(Duration::from_millis(5));
+        let chunk = (self.settings.lease.min(self.settings.sweeper_lease) / 3)
+            .max(Duration::from_millis(5));
         let mut left = d;
         while !left.is_zero() {
             let now = left.min(chunk);
@@ -458,10 +465,7 @@ impl World {
     }
 
     fn report(&mut self, check: Check, label: &str, generation: u32, detail: String) {
-        if self
-            .reported
-            .insert((check, label.to_owned(), generation))
-        {
+        if self.reported.insert((check, label.to_owned(), generation)) {
             self.violate(check, label, detail);
         }
     }
@@ -490,8 +494,11 @@ impl World {
         }
         self.shared.lock().unwrap().healthy = true;
         let s = &self.settings;
-        let wait = s.lease.max(s.sweeper_lease) + s.pay_lag.max(s.mail_lag) + Duration::from_millis(10);
-        self.trace(format!("end: provider healthy; sleep {wait:?}, then sweep until settled"));
+        let wait =
+            s.lease.max(s.sweeper_lease) + s.pay_lag.max(s.mail_lag) + Duration::from_millis(10);
+        self.trace(format!(
+            "end: provider healthy; sleep {wait:?}, then sweep until settled"
+        ));
         tokio::time::sleep(wait).await;
         let sweeper = self.sweeper(self.gated.clone(), "final-sweeper");
         for _ in 0..60 {
@@ -529,7 +536,12 @@ impl World {
                 continue;
             };
             let generation = self.shared.lock().unwrap().generation(&key.label);
-            let acted = !self.shared.lock().unwrap().effects(&key.pk, generation).is_empty();
+            let acted = !self
+                .shared
+                .lock()
+                .unwrap()
+                .effects(&key.pk, generation)
+                .is_empty();
             if acted && !decided(rec.state) {
                 self.report(
                     Check::EffectSettlesAtQuiescence,
@@ -593,7 +605,11 @@ async fn client(
             }
             let said = format!(
                 "{} {}",
-                if ex.is_replay() { "replayed" } else { "executed" },
+                if ex.is_replay() {
+                    "replayed"
+                } else {
+                    "executed"
+                },
                 resp.status()
             );
             (said, false)
@@ -614,7 +630,10 @@ async fn client(
 }
 
 fn fenced(e: &StoreError) -> bool {
-    matches!(e, StoreError::LeaseLost { .. } | StoreError::NotFound { .. })
+    matches!(
+        e,
+        StoreError::LeaseLost { .. } | StoreError::NotFound { .. }
+    )
 }
 
 /// An operator resolving a stuck key as `idemflow resolve` does (read, check, write), deciding
