@@ -130,8 +130,23 @@ mod my {
             .map_err(|e| e.to_string())?;
         let _ = admin.close().await;
         let options = base.clone().database(&name);
+        // `IDEMFLOW_SIM_MYSQL_SQL_MODE=SIMULTANEOUS_ASSIGNMENT` adds a server mode to every
+        // session, as a server-wide setting would (finding 3).
+        let extra_mode = std::env::var("IDEMFLOW_SIM_MYSQL_SQL_MODE").ok();
         let pool = MySqlPoolOptions::new()
             .max_connections(2)
+            .after_connect(move |conn, _| {
+                let extra_mode = extra_mode.clone();
+                Box::pin(async move {
+                    if let Some(mode) = extra_mode.filter(|m| !m.is_empty()) {
+                        conn.execute(AssertSqlSafe(format!(
+                            "SET SESSION sql_mode = CONCAT(@@sql_mode, ',{mode}')"
+                        )))
+                        .await?;
+                    }
+                    Ok(())
+                })
+            })
             .connect_with(options)
             .await
             .map_err(|e| e.to_string())?;
