@@ -119,6 +119,8 @@ struct World {
     next_id: usize,
     /// Key labels that existed at the last check (to see purges).
     existed: BTreeSet<String>,
+    /// (actor, key label, token) whose emulated heartbeat failed: not renewed again.
+    lost_leases: BTreeSet<(usize, String, i64)>,
     /// Key label -> its state and token at the last check (traced when it changes).
     states: std::collections::BTreeMap<String, String>,
     /// (check, label, generation) already reported, so a state is reported once.
@@ -321,6 +323,9 @@ impl World {
                 .collect()
         };
         for ((actor, label), token) in holdings {
+            if self.lost_leases.contains(&(actor, label.clone(), token)) {
+                continue;
+            }
             let Some(slot) = self.slots.iter().find(|s| s.id == actor) else {
                 continue;
             };
@@ -335,14 +340,16 @@ impl World {
                 .inner
                 .extend(&key.id, idemflow::LeaseToken(token), lease)
                 .await;
-            let mut sh = self.shared.lock().unwrap();
-            match r {
-                Ok(exp) => {
-                    sh.holding.insert((actor, label), (token, exp));
-                }
-                Err(_) => {
-                    sh.holding.remove(&(actor, label));
-                }
+            // A failed renewal keeps the holding as it was: if the actor's provider call still
+            // acts, `no_effect_outside_lease` names the lost lease.
+            if let Ok(exp) = r {
+                let mut sh = self.shared.lock().unwrap();
+                sh.holding.insert((actor, label.clone()), (token, exp));
+            } else {
+                self.trace(format!(
+                    "    heartbeat of a{actor} on {label} failed: {r:?}"
+                ));
+                self.lost_leases.insert((actor, label, token));
             }
         }
     }
@@ -791,6 +798,7 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>) -> CaseResult {
         next_id: 1,
         existed: BTreeSet::new(),
         states: std::collections::BTreeMap::new(),
+        lost_leases: BTreeSet::new(),
         reported: BTreeSet::new(),
     };
     w.trace(format!("seed {seed}: {settings:?}"));
