@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use idemflow::store::TakeStale;
 use idemflow::store::sqlite::SqliteStore;
-use idemflow::{Execution, Idempotency, Outcome, Request, Response, Store};
+use idemflow::{Execution, Idempotency, IdempotentRequest, Outcome, Store, StoredResponse};
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -94,8 +94,8 @@ async fn timed<F: AsyncFnMut(usize)>(n: usize, mut op: F) -> Stats {
     stats(lat, t0.elapsed())
 }
 
-fn request(scope: &str, i: usize) -> Request {
-    Request::new(
+fn request(scope: &str, i: usize) -> IdempotentRequest {
+    IdempotentRequest::new(
         scope,
         &format!("k{i}"),
         "payments.create",
@@ -108,7 +108,7 @@ async fn execute_fresh(idem: &Idempotency, n: usize) -> Stats {
     timed(n, async |i| {
         let r = idem
             .execute(request("bench", i), |_ctx| async {
-                Outcome::Succeeded(Response::new(201).with_body(BODY))
+                Outcome::Succeeded(StoredResponse::new(201).with_body(BODY))
             })
             .await
             .unwrap();
@@ -140,7 +140,7 @@ async fn duplicates(idem: &Idempotency, n: usize) -> (usize, usize) {
             idem.execute(request("dup", 0), |_ctx| async move {
                 runs.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                Outcome::Succeeded(Response::new(201))
+                Outcome::Succeeded(StoredResponse::new(201))
             })
             .await
         }));

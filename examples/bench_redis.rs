@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 
 use idemflow::store::redis::{RedisConfig, RedisStore};
 use idemflow::store::{ClaimOutcome, Finish, NewClaim};
-use idemflow::{Actor, Fingerprint, IdempotencyKey, KeyId, KeyState, Response, Scope, Store};
+use idemflow::{Actor, Fingerprint, IdempotencyKey, KeyId, KeyState, Scope, Store, StoredResponse};
 use redis::aio::ConnectionManager;
 
 const REQUEST: &str =
     r#"{"amount":1999,"currency":"eur","customer":"cus_0123456789","description":"order 42"}"#;
 
-fn response() -> Response {
-    Response::new(201)
+fn response() -> StoredResponse {
+    StoredResponse::new(201)
         .with_header("content-type", "application/json")
         .with_body(
             &br#"{"id":"pi_3NxYz2eZvKYlo2C0","status":"succeeded","amount":1999,"currency":"eur","created":1700000000}"#[..],

@@ -36,12 +36,12 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::http::request::Parts;
+use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Router};
-use idemflow::http::{IdempotencyContext, IdempotencyLayer, Problem, Retryable};
+use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem};
 use idemflow::provider::{Provider, Stripe};
 use idemflow::{CallOutcome, Idempotency};
 use serde_json::{Map, Value, json};
@@ -105,7 +105,7 @@ pub async fn connect(
 /// The service: `POST /payments` behind the layer.
 pub fn router(idem: Idempotency, stripe: Arc<Stripe>) -> Router {
     let layer = IdempotencyLayer::new(idem)
-        .scope_from_header("x-account-id")
+        .scope_from_header(HeaderName::from_static("x-account-id"))
         .operation("payments.create")
         // Stuck keys are settled by asking Stripe (re-sending the stored request, same key).
         .provider(stripe.name().to_owned())
@@ -209,7 +209,7 @@ async fn create_payment(State(stripe): State<Arc<Stripe>>, ctx: IdempotencyConte
             .detail(reason);
             p = p.retry_after(retry_after.unwrap_or(Duration::from_secs(1)));
             // Nothing happened at Stripe: the retry runs again with the same key.
-            (Extension(Retryable), p).into_response()
+            (Extension(NothingHappened), p).into_response()
         }
         other => {
             let reason = match other {
@@ -239,12 +239,13 @@ fn payment_id(provider_id: &str) -> String {
 
 /// Renders Stripe's answer (a PaymentIntent, or a `card_error`) as this service's answer;
 /// answers already rendered are returned unchanged.
-pub fn render(stripe: idemflow::Response) -> idemflow::Response {
+pub fn render(stripe: idemflow::StoredResponse) -> idemflow::StoredResponse {
     let Ok(body) = stripe.body_json::<Value>() else {
         return stripe;
     };
     let json = |status: u16, v: Value| {
-        idemflow::Response::json(status, &v).unwrap_or_else(|_| idemflow::Response::new(500))
+        idemflow::StoredResponse::json(status, &v)
+            .unwrap_or_else(|_| idemflow::StoredResponse::new(500))
     };
     if (200..300).contains(&stripe.status()) && body["object"] == "payment_intent" {
         let id = body["id"].as_str().unwrap_or_default();
@@ -270,7 +271,7 @@ pub fn render(stripe: idemflow::Response) -> idemflow::Response {
         let problem = json!({"type": "urn:card-service:problem:provider-rejected",
             "title": "The card processor rejected the payment", "status": 400,
             "detail": err["message"], "param": err["param"]});
-        return idemflow::Response::from_parts(
+        return idemflow::StoredResponse::from_parts(
             400,
             vec![("content-type".into(), "application/problem+json".into())],
             problem.to_string().into_bytes(),
@@ -279,7 +280,7 @@ pub fn render(stripe: idemflow::Response) -> idemflow::Response {
     stripe
 }
 
-fn to_http(r: idemflow::Response) -> Response {
+fn to_http(r: idemflow::StoredResponse) -> Response {
     let (status, headers, body) = r.into_parts();
     let mut resp = (
         StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),

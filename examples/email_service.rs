@@ -28,12 +28,12 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::http::request::Parts;
+use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Router};
-use idemflow::http::{IdempotencyContext, IdempotencyLayer, Problem, Retryable};
+use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem};
 use idemflow::provider::{Provider, Resend};
 use idemflow::{CallOutcome, Idempotency};
 use serde_json::{Map, Value, json};
@@ -103,12 +103,13 @@ fn email_params(_parts: &Parts, body: &Bytes) -> Result<Value, Problem> {
 }
 
 /// Renders Resend's answer as this service's; answers already rendered pass unchanged.
-fn render(resend: idemflow::Response) -> idemflow::Response {
+fn render(resend: idemflow::StoredResponse) -> idemflow::StoredResponse {
     let Ok(body) = resend.body_json::<Value>() else {
         return resend;
     };
     let json = |status: u16, v: Value| {
-        idemflow::Response::json(status, &v).unwrap_or_else(|_| idemflow::Response::new(500))
+        idemflow::StoredResponse::json(status, &v)
+            .unwrap_or_else(|_| idemflow::StoredResponse::new(500))
     };
     if (200..300).contains(&resend.status())
         && let Some(id) = body.get("id").and_then(Value::as_str)
@@ -123,7 +124,7 @@ fn render(resend: idemflow::Response) -> idemflow::Response {
         let problem = json!({"type": "urn:email-service:problem:provider-rejected",
             "title": "The email provider rejected the email", "status": 400,
             "detail": body["message"], "name": body["name"]});
-        return idemflow::Response::from_parts(
+        return idemflow::StoredResponse::from_parts(
             400,
             vec![("content-type".into(), "application/problem+json".into())],
             problem.to_string().into_bytes(),
@@ -155,7 +156,7 @@ async fn send_email(State(resend): State<Arc<Resend>>, ctx: IdempotencyContext) 
             reason,
             retry_after,
         } => (
-            Extension(Retryable),
+            Extension(NothingHappened),
             Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "provider-unavailable",
@@ -179,7 +180,7 @@ async fn send_email(State(resend): State<Arc<Resend>>, ctx: IdempotencyContext) 
 /// The service: `POST /emails` behind the idempotency layer, scoped by `X-Account-Id`.
 pub fn router(idem: Idempotency, resend: Arc<Resend>) -> Router {
     let layer = IdempotencyLayer::new(idem)
-        .scope_from_header("x-account-id")
+        .scope_from_header(HeaderName::from_static("x-account-id"))
         .operation("emails.send")
         .provider(resend.name().to_owned())
         .stored_request(email_params)

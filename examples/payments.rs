@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idemflow::store::sqlite::SqliteStore;
-use idemflow::{Context, Error, Execution, Idempotency, Outcome, Request, Response, Store};
+use idemflow::{
+    Context, Error, Execution, Idempotency, IdempotentRequest, Outcome, Store, StoredResponse,
+};
 use serde_json::{Value, json};
 use sqlx::SqlitePool;
 
@@ -47,7 +49,7 @@ struct App {
 
 impl App {
     /// Charges the card and records the payment: the operation idemflow makes safe to retry.
-    async fn create_payment(&self, body: &Value, provider_key: Option<&str>) -> Response {
+    async fn create_payment(&self, body: &Value, provider_key: Option<&str>) -> StoredResponse {
         let amount = body["amount"].as_u64().unwrap_or(0);
         let user = body["user"].as_str().unwrap_or("?");
         let charge = self.processor.charge(provider_key, amount).await;
@@ -60,7 +62,7 @@ impl App {
         .fetch_one(&self.db)
         .await
         .expect("insert payment");
-        Response::json(201, &json!({"payment_id": id, "amount": amount})).expect("json")
+        StoredResponse::json(201, &json!({"payment_id": id, "amount": amount})).expect("json")
     }
 
     /// The endpoint: `POST /payments` with an optional `Idempotency-Key`.
@@ -69,7 +71,7 @@ impl App {
             let r = self.create_payment(&body, None).await;
             return (r.status(), text(&r), "no protection");
         };
-        let request = match Request::new("user:alice", key, "payments.create", &body) {
+        let request = match IdempotentRequest::new("user:alice", key, "payments.create", &body) {
             Ok(r) => r,
             Err(e) => {
                 return (
@@ -102,7 +104,7 @@ impl App {
     }
 }
 
-fn text(r: &Response) -> String {
+fn text(r: &StoredResponse) -> String {
     String::from_utf8_lossy(r.body()).into_owned()
 }
 

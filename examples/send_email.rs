@@ -13,7 +13,7 @@ use idemflow::provider::Resend;
 use idemflow::provider::http::HttpConfig;
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::testkit::FakeResend;
-use idemflow::{Error, Idempotency, Request, Store};
+use idemflow::{Error, Idempotency, IdempotentRequest, Store};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -39,7 +39,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "subject": "Your receipt",
         "text": "Thank you for your order #1042.",
     });
-    let request = || Request::new("shop", "receipt-1042", "email.receipt", &email);
+    let request = || IdempotentRequest::new("shop", "receipt-1042", "email.receipt", &email);
 
     println!("1. sending the receipt; the fake will send it and then drop the connection");
     fake.faults().lose_next_response();

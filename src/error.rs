@@ -139,7 +139,7 @@ pub enum Error {
     /// The operation failed in a way that surely did nothing; the key is `failed{retryable}` and
     /// a retry with the same key and request runs it again (HTTP 503).
     #[error("operation for {key} failed and may be retried with the same key: {reason}")]
-    Retryable {
+    FailedRetryable {
         /// `scope/key`.
         key: String,
         /// What happened.
@@ -184,32 +184,112 @@ impl From<StoreError> for Error {
     }
 }
 
+/// How an [`Error`] is answered over HTTP: status, `Retry-After` and the problem kind. This is
+/// the one error-to-HTTP mapping: [`Error::http_status`] and [`Error::retry_after`] read it, and
+/// the axum layer answers every executor error with it (as `application/problem+json`).
+///
+/// ```
+/// use std::time::Duration;
+/// use idemflow::Error;
+///
+/// let e = Error::InFlight { key: "acct/k1".into(), retry_after: Duration::from_secs(2) };
+/// let a = e.http_answer();
+/// assert_eq!((a.status, a.retry_after), (409, Some(Duration::from_secs(2))));
+/// assert_eq!(a.problem_type(), "urn:idemflow:problem:request-in-flight");
+/// assert_eq!(e.http_status(), a.status);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HttpAnswer {
+    /// The HTTP status code.
+    pub status: u16,
+    /// The `Retry-After` a client should honour, if any.
+    pub retry_after: Option<Duration>,
+    /// The problem's slug: its type is `urn:idemflow:problem:<slug>`.
+    pub slug: &'static str,
+    /// The problem's title.
+    pub title: &'static str,
+}
+
+impl HttpAnswer {
+    /// The prefix of idemflow's problem types.
+    pub const PROBLEM_TYPE_PREFIX: &'static str = "urn:idemflow:problem:";
+
+    /// The problem type URI, `urn:idemflow:problem:<slug>`.
+    pub fn problem_type(&self) -> String {
+        format!("{}{}", Self::PROBLEM_TYPE_PREFIX, self.slug)
+    }
+}
+
+/// The wait given when the error itself names none but a retry soon is the right move.
+const RETRY_SOON: Duration = Duration::from_secs(1);
+
 impl Error {
-    /// The HTTP status code the IETF draft (and common practice) gives this error.
-    pub fn http_status(&self) -> u16 {
-        match self {
-            Error::InvalidKey(_)
-            | Error::InvalidScope(_)
-            | Error::InvalidOperation(_)
-            | Error::InvalidJson(_) => 400,
-            Error::RequestTooLarge { .. } => 413,
-            Error::FingerprintMismatch { .. } => 422,
-            Error::InFlight { .. } => 409,
-            Error::OutcomeUnknown { .. } | Error::Retryable { .. } => 503,
-            Error::ResponseTooLarge { .. }
-            | Error::NoStoredResponse { .. }
-            | Error::LeaseLost(_)
-            | Error::Store(_) => 500,
+    /// The HTTP answer to this error (status, `Retry-After`, problem type and title), as the
+    /// IETF draft and common practice give it.
+    pub fn http_answer(&self) -> HttpAnswer {
+        let (status, retry_after, slug, title) = match self {
+            Error::InvalidKey(_) => (400, None, "key-malformed", "Idempotency key malformed"),
+            Error::InvalidScope(_) => (400, None, "scope-invalid", "Scope invalid"),
+            Error::InvalidOperation(_) => {
+                (400, None, "operation-invalid", "Operation name invalid")
+            }
+            Error::InvalidJson(_) => (400, None, "body-invalid", "Request body invalid"),
+            Error::RequestTooLarge { .. } => (413, None, "body-too-large", "Request too large"),
+            Error::FingerprintMismatch { .. } => (
+                422,
+                None,
+                "key-reused",
+                "Idempotency key reused with a different request",
+            ),
+            Error::InFlight { retry_after, .. } => (
+                409,
+                Some(*retry_after),
+                "request-in-flight",
+                "A request with this idempotency key is still in progress",
+            ),
+            Error::OutcomeUnknown { retry_after, .. } => (
+                503,
+                Some(*retry_after),
+                "outcome-unknown",
+                "The outcome of the first request is not known yet",
+            ),
+            Error::FailedRetryable { .. } => (
+                503,
+                Some(RETRY_SOON),
+                "retryable",
+                "The request failed without effect; retry it with the same key",
+            ),
+            Error::LeaseLost(_) => (
+                503,
+                Some(RETRY_SOON),
+                "settled-elsewhere",
+                "The key was settled by another process while this request ran",
+            ),
+            Error::NoStoredResponse { .. } | Error::ResponseTooLarge { .. } => (
+                500,
+                None,
+                "no-stored-answer",
+                "The request was handled but its answer was not stored",
+            ),
+            Error::Store(_) => (500, None, "store-error", "Idempotency store error"),
+        };
+        HttpAnswer {
+            status,
+            retry_after,
+            slug,
+            title,
         }
     }
 
-    /// The `Retry-After` a client should honour, if any.
+    /// The HTTP status code of [`http_answer`](Self::http_answer).
+    pub fn http_status(&self) -> u16 {
+        self.http_answer().status
+    }
+
+    /// The `Retry-After` a client should honour, if any (that of
+    /// [`http_answer`](Self::http_answer)).
     pub fn retry_after(&self) -> Option<Duration> {
-        match self {
-            Error::InFlight { retry_after, .. } | Error::OutcomeUnknown { retry_after, .. } => {
-                Some(*retry_after)
-            }
-            _ => None,
-        }
+        self.http_answer().retry_after
     }
 }

@@ -1,8 +1,8 @@
 //! Validated identifiers: [`IdempotencyKey`] and [`Scope`].
 //!
-//! Both follow the rule of DESIGN promise 4 and the IETF draft's advice to validate keys: 1 to 255
-//! bytes of visible ASCII (`0x21..=0x7E`). Anything else is refused with a [`KeyError`] that names
-//! the rule that was broken, before anything touches the store.
+//! Both follow promise 4 of `docs/design.md` ("Misuse is refused") and the IETF draft's advice to
+//! validate keys: 1 to 255 bytes of visible ASCII (`0x21..=0x7E`). Anything else is refused with a
+//! [`KeyError`] that names the rule that was broken, before anything touches the store.
 
 use std::fmt;
 

@@ -21,18 +21,18 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use idemflow::{Error, Idempotency, Outcome, Request, Response, Store, store::sqlite::SqliteStore};
+//! use idemflow::{Error, Idempotency, Outcome, IdempotentRequest, StoredResponse, Store, store::sqlite::SqliteStore};
 //!
 //! let store = SqliteStore::connect("sqlite::memory:").await?;
 //! store.migrate().await?; // idemflow's tables, in idemflow's own migrations table
 //! let idem = Idempotency::new(Arc::new(store));
 //!
 //! let pay = |amount: u32| {
-//!     Request::new("acct_42", "8e03978e-40d5", "payments.create", &serde_json::json!({"amount": amount}))
+//!     IdempotentRequest::new("acct_42", "8e03978e-40d5", "payments.create", &serde_json::json!({"amount": amount}))
 //! };
 //! let charge = |ctx: idemflow::Context| async move {
 //!     // Call the provider with ctx.provider_key() as its idempotency key, then classify.
-//!     Outcome::Succeeded(Response::json(201, &serde_json::json!({"payment_id": 1})).unwrap())
+//!     Outcome::Succeeded(StoredResponse::json(201, &serde_json::json!({"payment_id": 1})).unwrap())
 //! };
 //!
 //! let first = idem.execute(pay(500)?, charge).await?;
@@ -62,8 +62,8 @@
 //! | `postgres` | `store::postgres::PostgresStore`, for many app instances and sweepers |
 //! | `mysql` | `store::mysql::MySqlStore` (MariaDB >= 10.6, MySQL 8) |
 //! | `redis` | `store::redis::RedisStore` (one Lua script per transition) |
-//! | `http` | provider adapters: `provider::Stripe`, `provider::Resend`, `provider::Postmark` |
-//! | `axum` | `http::IdempotencyLayer`, IETF `Idempotency-Key` semantics for axum services |
+//! | `http` | `provider::http`, provider adapters: `provider::Stripe`, `provider::Resend`, `provider::Postmark` |
+//! | `axum` | `axum::IdempotencyLayer`, IETF `Idempotency-Key` semantics for axum services |
 //! | `testkit` | fake provider servers with a ledger and fault injection |
 //! | `cli` | the `idemflow` reconciler binary |
 //!
@@ -76,14 +76,15 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[cfg(feature = "cli")]
-pub mod cli;
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+pub mod axum;
+#[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
+pub mod conformance;
 pub mod error;
 pub mod executor;
 pub mod fingerprint;
-#[cfg(feature = "axum")]
-#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
-pub mod http;
 pub mod key;
 pub mod provider;
 pub mod provider_key;
@@ -102,13 +103,13 @@ pub mod testkit;
 pub struct ReadmeDoctests;
 
 pub use async_trait::async_trait;
-pub use error::{Error, StoreError};
-pub use executor::{Config, Context, Execution, Idempotency, Outcome, Request};
+pub use error::{Error, HttpAnswer, StoreError};
+pub use executor::{Context, Execution, ExecutorConfig, Idempotency, IdempotentRequest, Outcome};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KeyId, Scope};
 pub use provider::{CallOutcome, KeySpec, Lookup, Provider, Providers};
 pub use record::{Actor, KeyEvent, KeyRecord, LeaseToken};
-pub use response::Response;
+pub use response::StoredResponse;
 pub use state::KeyState;
 pub use store::Store;
 pub use sweeper::{SweepError, SweepReport, Sweeper, SweeperConfig};

@@ -9,6 +9,10 @@ use sha2::{Digest, Sha256};
 
 use crate::fingerprint::hex;
 
+/// The length limit used when no provider names one (a provider's own limit is
+/// [`KeySpec::max_len`](crate::KeySpec::max_len)): the full 44-character default key.
+pub const DEFAULT_LEN: usize = 44;
+
 /// The prefix of derived provider keys.
 pub const PREFIX: &str = "idf_";
 

@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::{Fingerprint, IdempotencyKey, KeyState, Response, Scope};
+use crate::{Fingerprint, IdempotencyKey, KeyState, Scope, StoredResponse};
 
 /// A fencing token: every claim and takeover gets a new, larger one. Writes with an older token
 /// fail with `LeaseLost`.
@@ -74,7 +74,7 @@ pub struct KeyRecord {
     /// The canonical request JSON, when stored.
     pub request: Option<String>,
     /// The stored response, when finished with one.
-    pub response: Option<Response>,
+    pub response: Option<StoredResponse>,
     /// An error description (why it failed, or why the outcome is unknown).
     pub error: Option<String>,
     /// The current fencing token.

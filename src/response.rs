@@ -5,21 +5,21 @@ use serde::{Deserialize, Serialize};
 /// A stored response: status code, the headers chosen to keep, and the exact body bytes.
 ///
 /// ```
-/// use idemflow::Response;
-/// let r = Response::json(201, &serde_json::json!({"payment_id": 1})).unwrap()
+/// use idemflow::StoredResponse;
+/// let r = StoredResponse::json(201, &serde_json::json!({"payment_id": 1})).unwrap()
 ///     .with_header("location", "/payments/1");
 /// assert_eq!(r.status(), 201);
 /// assert_eq!(r.header("Content-Type"), Some("application/json"));
 /// assert_eq!(r.body(), br#"{"payment_id":1}"#);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Response {
+pub struct StoredResponse {
     status: u16,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
 }
 
-impl Response {
+impl StoredResponse {
     /// A response with a status code, no headers and an empty body.
     pub fn new(status: u16) -> Self {
         Self {

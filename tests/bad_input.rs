@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::memory;
 use idemflow::store::sqlite::SqliteStore;
-use idemflow::{Error, Idempotency, KeyError, KeyState, Outcome, Request, Response, Store};
+use idemflow::{
+    Error, Idempotency, IdempotentRequest, KeyError, KeyState, Outcome, Store, StoredResponse,
+};
 
 async fn rows(store: &SqliteStore) -> (i64, i64) {
     let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
@@ -33,7 +35,8 @@ async fn malformed_keys_and_scopes_are_refused_by_name() {
         ("", "k1", "scope is empty"),
     ];
     for (scope, key, needle) in cases {
-        let err = Request::new(scope, key, "payments.create", &serde_json::json!({})).unwrap_err();
+        let err = IdempotentRequest::new(scope, key, "payments.create", &serde_json::json!({}))
+            .unwrap_err();
         assert_eq!(err.http_status(), 400, "{err}");
         assert!(
             err.to_string().contains(needle),
@@ -46,7 +49,7 @@ async fn malformed_keys_and_scopes_are_refused_by_name() {
         }
     }
     assert!(matches!(
-        Request::new("acct", "k", "", &1),
+        IdempotentRequest::new("acct", "k", "", &1),
         Err(Error::InvalidOperation(KeyError::Empty { .. }))
     ));
 }
@@ -54,12 +57,18 @@ async fn malformed_keys_and_scopes_are_refused_by_name() {
 #[tokio::test]
 async fn invalid_json_body_is_refused() {
     let err =
-        Request::from_json_bytes("acct", "k1", "payments.create", b"{\"amount\": 5,}").unwrap_err();
+        IdempotentRequest::from_json_bytes("acct", "k1", "payments.create", b"{\"amount\": 5,}")
+            .unwrap_err();
     assert!(matches!(err, Error::InvalidJson(_)), "{err:?}");
     assert!(err.to_string().contains("not valid JSON"));
     assert_eq!(err.http_status(), 400);
-    let ok =
-        Request::from_json_bytes("acct", "k1", "payments.create", b" {\"b\":1, \"a\":2} ").unwrap();
+    let ok = IdempotentRequest::from_json_bytes(
+        "acct",
+        "k1",
+        "payments.create",
+        b" {\"b\":1, \"a\":2} ",
+    )
+    .unwrap();
     assert_eq!(ok.canonical_body(), r#"{"a":2,"b":1}"#);
 }
 
@@ -70,7 +79,7 @@ async fn oversized_request_leaves_no_row() {
     let body = serde_json::json!({"blob": "x".repeat(200)});
     let err = idem
         .execute(
-            Request::new("acct", "big", "op", &body).unwrap(),
+            IdempotentRequest::new("acct", "big", "op", &body).unwrap(),
             |_ctx| async { panic!("must not run") },
         )
         .await
@@ -87,12 +96,13 @@ async fn oversized_response_names_the_problem_and_is_never_rerun() {
     let store = memory().await;
     let idem = Idempotency::new(store.clone()).max_response_bytes(1024);
     let runs = Arc::new(AtomicUsize::new(0));
-    let request = || Request::new("acct", "huge", "op", &serde_json::json!({"a": 1})).unwrap();
+    let request =
+        || IdempotentRequest::new("acct", "huge", "op", &serde_json::json!({"a": 1})).unwrap();
     let r = runs.clone();
     let err = idem
         .execute(request(), |_ctx| async move {
             r.fetch_add(1, Ordering::SeqCst);
-            Outcome::Succeeded(Response::new(200).with_body(vec![b'x'; 4096]))
+            Outcome::Succeeded(StoredResponse::new(200).with_body(vec![b'x'; 4096]))
         })
         .await
         .unwrap_err();
@@ -111,7 +121,7 @@ async fn oversized_response_names_the_problem_and_is_never_rerun() {
     let again = idem
         .execute(request(), |_ctx| async move {
             r.fetch_add(1, Ordering::SeqCst);
-            Outcome::Succeeded(Response::new(200))
+            Outcome::Succeeded(StoredResponse::new(200))
         })
         .await
         .unwrap_err();

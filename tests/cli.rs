@@ -4,9 +4,7 @@
 #![cfg(feature = "cli")]
 
 #[cfg(feature = "postgres")]
-mod conformance;
-#[cfg(feature = "postgres")]
-mod pg_support;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -14,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemflow::store::sqlite::SqliteStore;
-use idemflow::{Error, Idempotency, Outcome, Request, Response, Store};
+use idemflow::{Error, Idempotency, IdempotentRequest, Outcome, Store, StoredResponse};
 use serde_json::Value;
 
 struct Db {
@@ -103,7 +101,7 @@ async fn migrated() -> Db {
 
 /// A key left processing (released, so stale at once) naming `provider`.
 async fn stuck_key(store: &Arc<dyn Store>, scope: &str, key: &str, provider: Option<&str>) {
-    let mut req = Request::new(
+    let mut req = IdempotentRequest::new(
         scope,
         key,
         "payments.create",
@@ -204,7 +202,7 @@ async fn reconcile_exits_3_for_an_unregistered_provider_then_0_once_resolved() {
 
     let retry = Idempotency::new(store.clone())
         .execute(
-            Request::new(
+            IdempotentRequest::new(
                 "acct_1",
                 "order-1",
                 "payments.create",
@@ -269,8 +267,8 @@ async fn purge_dry_run_counts_and_purge_deletes() {
     let store = db.store().await;
     let idem = Idempotency::new(store.clone()).retention(Duration::from_millis(10));
     idem.execute(
-        Request::new("acct_3", "k", "op", &serde_json::json!({})).unwrap(),
-        |_ctx| async { Outcome::Succeeded(Response::new(200)) },
+        IdempotentRequest::new("acct_3", "k", "op", &serde_json::json!({})).unwrap(),
+        |_ctx| async { Outcome::Succeeded(StoredResponse::new(200)) },
     )
     .await
     .unwrap();
@@ -495,8 +493,8 @@ mod postgres {
 
     /// A fresh schema: the admin URL, the schema's name and a `DATABASE_URL` that selects it.
     async fn fresh_schema() -> Option<(String, String, String)> {
-        let (url, schema) = crate::pg_support::fresh_schema().await?;
-        let in_schema = crate::pg_support::url_in(&url, &schema);
+        let (url, schema) = crate::support::postgres::fresh_schema().await?;
+        let in_schema = crate::support::postgres::url_in(&url, &schema);
         Some((url, schema, in_schema))
     }
 

@@ -8,10 +8,13 @@ use std::time::Duration;
 
 use common::{Charger, body, file, memory};
 use idemflow::store::TakeStale;
-use idemflow::{Actor, Error, Execution, Idempotency, KeyState, Outcome, Request, Response, Store};
+use idemflow::{
+    Actor, Error, Execution, Idempotency, IdempotentRequest, KeyState, Outcome, Store,
+    StoredResponse,
+};
 
-fn req(scope: &str, key: &str, amount: u64) -> Request {
-    Request::new(scope, key, "payments.create", &body(amount)).unwrap()
+fn req(scope: &str, key: &str, amount: u64) -> IdempotentRequest {
+    IdempotentRequest::new(scope, key, "payments.create", &body(amount)).unwrap()
 }
 
 #[tokio::test]
@@ -67,7 +70,7 @@ async fn same_key_other_body_is_refused_without_running() {
     assert!(matches!(err, Error::FingerprintMismatch { .. }), "{err}");
     assert_eq!(err.http_status(), 422);
     // Another operation name with the same key and body is also another request.
-    let other_op = Request::new("acct", "k1", "refunds.create", &body(500)).unwrap();
+    let other_op = IdempotentRequest::new("acct", "k1", "refunds.create", &body(500)).unwrap();
     let c = charger.clone();
     assert!(matches!(
         idem.execute(other_op, |ctx| c.charge(ctx, 500)).await,
@@ -112,7 +115,7 @@ async fn two_hundred_concurrent_duplicates_run_the_closure_once() {
             idem.execute(req("acct", "hot", 500), |_ctx| async move {
                 runs.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                Outcome::Succeeded(Response::new(201).with_body(&b"charged once"[..]))
+                Outcome::Succeeded(StoredResponse::new(201).with_body(&b"charged once"[..]))
             })
             .await
         }));
@@ -157,7 +160,7 @@ async fn completion_after_takeover_is_lease_lost_and_changes_nothing() {
                 .await
                 .unwrap();
             assert_eq!(taken.len(), 1);
-            Outcome::Succeeded(Response::new(201).with_body(&b"late"[..]))
+            Outcome::Succeeded(StoredResponse::new(201).with_body(&b"late"[..]))
         })
         .await
         .unwrap_err();
@@ -186,7 +189,7 @@ async fn failure_between_row_update_and_history_insert_keeps_the_old_state() {
     let id = req("acct", "atomic", 500).id().clone();
     let err = idem
         .execute(req("acct", "atomic", 500), |_ctx| async {
-            Outcome::Succeeded(Response::new(201).with_body(&b"ok"[..]))
+            Outcome::Succeeded(StoredResponse::new(201).with_body(&b"ok"[..]))
         })
         .await
         .unwrap_err();
@@ -218,13 +221,13 @@ async fn retryable_failure_runs_again_permanent_failure_is_replayed() {
         })
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::Retryable { .. }));
+    assert!(matches!(err, Error::FailedRetryable { .. }));
     let r = runs.clone();
     let ok = idem
         .execute(req("acct", "flaky", 500), |ctx| async move {
             r.fetch_add(1, Ordering::SeqCst);
             assert_eq!(ctx.attempt(), 2);
-            Outcome::Succeeded(Response::new(201))
+            Outcome::Succeeded(StoredResponse::new(201))
         })
         .await
         .unwrap();
@@ -236,7 +239,7 @@ async fn retryable_failure_runs_again_permanent_failure_is_replayed() {
         .execute(req("acct", "declined", 500), |_ctx| async move {
             r.fetch_add(1, Ordering::SeqCst);
             Outcome::Rejected(
-                Response::json(402, &serde_json::json!({"error": "card_declined"})).unwrap(),
+                StoredResponse::json(402, &serde_json::json!({"error": "card_declined"})).unwrap(),
             )
         })
         .await
@@ -245,7 +248,7 @@ async fn retryable_failure_runs_again_permanent_failure_is_replayed() {
     let again = idem
         .execute(req("acct", "declined", 500), |_ctx| async move {
             r.fetch_add(1, Ordering::SeqCst);
-            Outcome::Succeeded(Response::new(201))
+            Outcome::Succeeded(StoredResponse::new(201))
         })
         .await
         .unwrap();
@@ -301,7 +304,7 @@ async fn dropping_execute_mid_call_leaves_the_key_processing_under_its_lease() {
     let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(300));
     let fut = idem.execute(req("acct", "cancel", 500), |_ctx| async {
         tokio::time::sleep(Duration::from_secs(60)).await;
-        Outcome::Succeeded(Response::new(201))
+        Outcome::Succeeded(StoredResponse::new(201))
     });
     assert!(
         tokio::time::timeout(Duration::from_millis(50), fut)
@@ -359,7 +362,7 @@ async fn retry_takes_over_an_expired_lease_only_when_allowed() {
         .execute(req("acct", "redrive", 500), |ctx| async move {
             assert_eq!(ctx.attempt(), 2);
             k.lock().unwrap().push(ctx.provider_key().to_owned());
-            Outcome::Succeeded(Response::new(201))
+            Outcome::Succeeded(StoredResponse::new(201))
         })
         .await
         .unwrap();
@@ -374,7 +377,7 @@ async fn expired_keys_are_purged_and_history_says_so() {
     let store = memory().await;
     let idem = Idempotency::new(store.clone()).retention(Duration::ZERO);
     idem.execute(req("acct", "old", 500), |_ctx| async {
-        Outcome::Succeeded(Response::new(201))
+        Outcome::Succeeded(StoredResponse::new(201))
     })
     .await
     .unwrap();

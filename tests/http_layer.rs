@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderMap, Request, StatusCode};
+use axum::http::{HeaderMap, HeaderName, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 use http_body_util::BodyExt;
-use idemflow::http::{IdempotencyContext, IdempotencyLayer, Retryable};
+use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{Idempotency, KeyState, Store};
 use serde_json::{Value, json};
@@ -78,7 +78,7 @@ async fn flaky(State(c): State<App>, ctx: IdempotencyContext) -> Response {
     if n == 1 {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            Extension(Retryable),
+            Extension(NothingHappened),
             "rate limited upstream",
         )
             .into_response()
@@ -112,7 +112,7 @@ fn router(
     let idem = Idempotency::new(store).lease(Duration::from_secs(30));
     let layer = layer(
         IdempotencyLayer::new(idem)
-            .scope_from_header("x-account-id")
+            .scope_from_header(HeaderName::from_static("x-account-id"))
             .max_body_bytes(1024),
     );
     Router::new()
@@ -310,7 +310,10 @@ async fn stored_headers_are_configurable() {
     let s = store().await;
     let c = App::default();
     let app = router(s, c.clone(), |l| {
-        l.stored_headers(["Content-Type", "X-Request-Cost"])
+        l.stored_headers(
+            ["Content-Type", "X-Request-Cost"]
+                .map(|h| HeaderName::from_bytes(h.as_bytes()).unwrap()),
+        )
     });
     let first = send(&app, post_req("/payments", Some("k-h"), "acct_1", BODY)).await;
     let again = send(&app, post_req("/payments", Some("k-h"), "acct_1", BODY)).await;
@@ -577,4 +580,56 @@ async fn stored_request_provider_and_operation_are_recorded() {
         rec.request.as_deref(),
         Some(r#"{"amount":5,"currency":"usd"}"#)
     );
+}
+
+/// Regression (issue 11, bug 9): the layer copied the executor's `stored_headers` as given and
+/// compared them case-sensitively with the (lowercase) response header names, so
+/// `stored_headers: ["Content-Type"]` stored no header at all and replays lost `content-type`
+/// and `location`.
+#[tokio::test]
+async fn executor_stored_headers_are_matched_case_insensitively() {
+    let s = store().await;
+    let c = App::default();
+    let idem = Idempotency::new(s)
+        .stored_headers(Some(vec!["Content-Type".to_owned(), "Location".to_owned()]));
+    let app = Router::new()
+        .route("/payments", post(create))
+        .layer(
+            IdempotencyLayer::new(idem).scope_from_header(HeaderName::from_static("x-account-id")),
+        )
+        .with_state(c.clone());
+    let first = send(&app, post_req("/payments", Some("k-case"), "acct_1", BODY)).await;
+    assert_eq!(first.status, 201);
+    let again = send(&app, post_req("/payments", Some("k-case"), "acct_1", BODY)).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.header("content-type"), Some("application/json"));
+    assert_eq!(again.header("location"), first.header("location"));
+    assert_eq!(again.header("x-request-cost"), None, "not a stored header");
+    assert_eq!(again.body, first.body);
+    assert_eq!(c.runs.load(Ordering::SeqCst), 1);
+}
+
+/// Regression (issue 10): `scope_from_header(&'static str)` went through
+/// `HeaderName::from_static`, which panics on the mixed-case `X-Account-Id` its own docs named.
+/// It now takes a `HeaderName`; one built from any case works, an invalid one is a typed error.
+#[tokio::test]
+async fn scope_header_named_in_mixed_case_works() {
+    let s = store().await;
+    let c = App::default();
+    let name = HeaderName::try_from("X-Account-Id").expect("a valid header name");
+    assert!(
+        HeaderName::try_from("X Account").is_err(),
+        "typed error, no panic"
+    );
+    let app = Router::new()
+        .route("/payments", post(create))
+        .layer(IdempotencyLayer::new(Idempotency::new(s)).scope_from_header(name))
+        .with_state(c.clone());
+    let first = send(&app, post_req("/payments", Some("k-mixed"), "acct_9", BODY)).await;
+    assert_eq!(first.status, 201);
+    let body: Value = serde_json::from_slice(&first.body).unwrap();
+    assert_eq!(body["scope"], "acct_9");
+    let again = send(&app, post_req("/payments", Some("k-mixed"), "acct_9", BODY)).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(c.runs.load(Ordering::SeqCst), 1);
 }

@@ -8,7 +8,9 @@ use idemflow::provider::http::HttpConfig;
 use idemflow::provider::{Postmark, Provider, Resend, Stripe};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::testkit::{FakePostmark, FakeResend, FakeStripe};
-use idemflow::{Error, Execution, Idempotency, KeyState, Lookup, Outcome, Request, Store};
+use idemflow::{
+    Error, Execution, Idempotency, IdempotentRequest, KeyState, Lookup, Outcome, Store,
+};
 use serde_json::{Value, json};
 
 fn once() -> HttpConfig {
@@ -34,7 +36,7 @@ async fn stripe_lost_response_client_retry_charges_once() {
         .unwrap();
     let idem = idem().await;
     let body = json!({"amount": 1200, "currency": "eur", "payment_method": "pm_card_visa"});
-    let req = || Request::new("shop-1", "order-77", "payments.create", &body).unwrap();
+    let req = || IdempotentRequest::new("shop-1", "order-77", "payments.create", &body).unwrap();
 
     fake.faults().lose_next_response();
     let first = idem.call(req(), &stripe).await;
@@ -75,7 +77,7 @@ async fn stripe_decline_is_stored_and_replayed() {
     let idem = idem().await;
     let body =
         json!({"amount": 1200, "currency": "eur", "payment_method": FakeStripe::DECLINED_CARD});
-    let req = || Request::new("shop-1", "order-78", "payments.create", &body).unwrap();
+    let req = || IdempotentRequest::new("shop-1", "order-78", "payments.create", &body).unwrap();
     let first = idem.call(req(), &stripe).await.unwrap();
     assert_eq!(first.response().status(), 402);
     let again = idem.call(req(), &stripe).await.unwrap();
@@ -94,7 +96,7 @@ async fn resend_email_once_despite_lost_response() {
     let resend = Resend::with_base_url(fake.base_url(), FakeResend::API_KEY).unwrap();
     let idem = idem().await;
     let body = json!({"from": "a@x.test", "to": ["b@y.test"], "subject": "Welcome", "text": "Hi"});
-    let req = || Request::new("app", "welcome-b@y.test", "email.welcome", &body).unwrap();
+    let req = || IdempotentRequest::new("app", "welcome-b@y.test", "email.welcome", &body).unwrap();
     fake.faults().lose_next_response();
     // The adapter's own retry (same key) recovers the lost answer inside one call.
     let first = idem.call(req(), &resend).await.unwrap();
@@ -113,7 +115,7 @@ async fn postmark_unknown_is_left_for_the_sweeper_and_lookup_settles_it() {
     store.migrate().await.unwrap();
     let idem = Idempotency::new(Arc::new(store));
     let body = json!({"From": "a@x.test", "To": "b@y.test", "Subject": "Receipt", "TextBody": "x"});
-    let req = || Request::new("app", "receipt-9", "email.receipt", &body).unwrap();
+    let req = || IdempotentRequest::new("app", "receipt-9", "email.receipt", &body).unwrap();
     fake.faults().lose_next_response();
     assert!(matches!(
         idem.call(req(), &postmark).await,

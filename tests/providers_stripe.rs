@@ -485,3 +485,63 @@ async fn stripe_long_keys_are_derived_to_fit_and_stay_stable() {
         );
     }
 }
+
+/// Issue 11, finding 6: a PaymentIntent found by search is replayed as a decline only when
+/// Stripe recorded a payment error; one still waiting for a payment method ("confirm later in
+/// the browser") or canceled after authorisation was created by the call and is replayed as
+/// what Stripe holds (200 with the PaymentIntent), never as a synthetic card decline.
+#[tokio::test]
+async fn stripe_lookup_replays_a_decline_only_when_stripe_recorded_one() {
+    let server = MockServer::start().await;
+    let pi = |key: &str, status: &str, error: Value| {
+        json!({"id": format!("pi_{key}"), "object": "payment_intent", "amount": 500,
+               "currency": "usd", "status": status, "last_payment_error": error,
+               "metadata": {"idemflow_key": key}})
+    };
+    let decline = json!({"type": "card_error", "code": "card_declined",
+                         "message": "Your card was declined."});
+    let cases = [
+        (
+            "idf_later",
+            pi("idf_later", "requires_payment_method", Value::Null),
+        ),
+        ("idf_canceled", pi("idf_canceled", "canceled", Value::Null)),
+        (
+            "idf_declined",
+            pi("idf_declined", "requires_payment_method", decline.clone()),
+        ),
+    ];
+    for (key, intent) in &cases {
+        Mock::given(method("GET"))
+            .and(path("/v1/payment_intents/search"))
+            .and(wiremock::matchers::query_param(
+                "query",
+                format!("metadata['idemflow_key']:'{key}'"),
+            ))
+            .respond_with(ResponseTemplate::new(200).set_body_json(
+                json!({"object": "search_result", "has_more": false, "data": [intent]}),
+            ))
+            .mount(&server)
+            .await;
+    }
+    let s = stripe(&server.uri(), 1);
+    let long_ago = Utc::now() - chrono::Duration::minutes(5);
+    for (key, intent) in &cases[..2] {
+        let found = s.lookup(key, &charge(), long_ago, Utc::now()).await;
+        let Lookup::Found(Outcome::Succeeded(resp)) = &found else {
+            panic!("{key}: replayed as {found:?}");
+        };
+        assert_eq!(resp.status(), 200, "{key}");
+        assert_eq!(&resp.body_json::<Value>().unwrap(), intent, "{key}");
+    }
+    let found = s
+        .lookup("idf_declined", &charge(), long_ago, Utc::now())
+        .await;
+    let Lookup::Found(Outcome::Rejected(resp)) = &found else {
+        panic!("a recorded decline replayed as {found:?}");
+    };
+    assert_eq!(resp.status(), 402);
+    let body: Value = resp.body_json().unwrap();
+    assert_eq!(body["error"]["code"], "card_declined");
+    assert_eq!(body["error"]["payment_intent"], cases[2].1);
+}

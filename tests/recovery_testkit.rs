@@ -15,7 +15,7 @@ use idemflow::provider::{Postmark, Provider, Stripe};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::testkit::{FakePostmark, FakeStripe};
 use idemflow::{
-    Error, Execution, Idempotency, KeyState, Outcome, Providers, Request, Store, Sweeper,
+    Error, Execution, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Store, Sweeper,
 };
 use serde_json::{Value, json};
 
@@ -27,10 +27,8 @@ fn once() -> HttpConfig {
     }
 }
 
-mod conformance;
 #[cfg(feature = "postgres")]
-mod pg_support;
-mod sweeper_suite;
+mod support;
 
 type Backend = (Arc<dyn Store>, String);
 
@@ -44,12 +42,12 @@ async fn sqlite_store() -> Option<Backend> {
 
 #[cfg(feature = "postgres")]
 async fn postgres_store() -> Option<Backend> {
-    let (url, schema) = pg_support::fresh_schema().await?;
+    let (url, schema) = support::postgres::fresh_schema().await?;
     let store = idemflow::store::postgres::PostgresStore::from_pool(
-        pg_support::pool_in(&url, &schema, 5).await,
+        support::postgres::pool_in(&url, &schema, 5).await,
     );
     store.migrate().await.unwrap();
-    Some((Arc::new(store), pg_support::url_in(&url, &schema)))
+    Some((Arc::new(store), support::postgres::url_in(&url, &schema)))
 }
 
 macro_rules! recovery_tests {
@@ -93,8 +91,8 @@ fn stripe(fake: &FakeStripe) -> Arc<Stripe> {
     )
 }
 
-fn charge(key: &str) -> Request {
-    Request::new(
+fn charge(key: &str) -> IdempotentRequest {
+    IdempotentRequest::new(
         "shop-1",
         key,
         "payments.create",
@@ -152,7 +150,8 @@ async fn failed_completion_is_settled_with_one_charge(store: Arc<dyn Store>, _ur
     let fake = FakeStripe::start().await.unwrap();
     let stripe = stripe(&fake);
     // The charge succeeds, then storing the answer fails (the database connection drops).
-    let flaky: Arc<dyn Store> = Arc::new(sweeper_suite::FailingFinish::new(store.clone(), 1));
+    let flaky: Arc<dyn Store> =
+        Arc::new(idemflow::conformance::FailingFinish::new(store.clone(), 1));
     let err = Idempotency::new(flaky)
         .lease(Duration::from_millis(100))
         .call(charge("complete-1"), stripe.as_ref())
@@ -290,7 +289,7 @@ async fn crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_o
     );
     let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(100));
     let email = json!({"From": "shop@x.test", "To": "ana@y.test", "Subject": "Receipt", "TextBody": "Thanks"});
-    let req = || Request::new("shop-1", "mail-1", "email.send", &email).unwrap();
+    let req = || IdempotentRequest::new("shop-1", "mail-1", "email.send", &email).unwrap();
 
     // Claimed, then the worker dies before sending anything.
     let crashed = idem.execute(req().with_provider(postmark.name()), |_ctx| {

@@ -17,11 +17,15 @@ mod provider_call;
 mod request;
 
 pub use outcome::{Context, Execution, Outcome};
-pub use request::Request;
+pub use request::IdempotentRequest;
 
-/// Settings of an [`Idempotency`] executor.
+/// The settings of an [`Idempotency`] executor, as read back with [`Idempotency::config`].
+///
+/// This is a read-only view: every setting is set with the builder method of the same name on
+/// [`Idempotency`] (`Idempotency::new(store).lease(..).retention(..)`).
 #[derive(Debug, Clone)]
-pub struct Config {
+#[non_exhaustive]
+pub struct ExecutorConfig {
     /// How long a claim holds the key before a sweeper may take it over. Default 30 s.
     pub lease: Duration,
     /// How long a finished key is kept and replayed. Default 24 h.
@@ -45,12 +49,10 @@ pub struct Config {
     pub in_flight_retry_after: Duration,
     /// `Retry-After` given when the outcome is unknown. Default 5 s.
     pub unknown_retry_after: Duration,
-    /// Length limit for the derived provider key. Default 44.
-    pub provider_key_len: usize,
 }
 
-impl Default for Config {
-    fn default() -> Self {
+impl ExecutorConfig {
+    fn defaults() -> Self {
         Self {
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(24 * 3600),
@@ -62,7 +64,6 @@ impl Default for Config {
             retry_takeover_window: None,
             in_flight_retry_after: Duration::from_secs(1),
             unknown_retry_after: Duration::from_secs(5),
-            provider_key_len: 44,
         }
     }
 }
@@ -74,7 +75,7 @@ impl Default for Config {
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::sync::Arc;
-/// use idemflow::{Idempotency, Outcome, Request, Response, Store, store::sqlite::SqliteStore};
+/// use idemflow::{Idempotency, Outcome, IdempotentRequest, StoredResponse, Store, store::sqlite::SqliteStore};
 ///
 /// let store = SqliteStore::connect("sqlite::memory:").await?;
 /// store.migrate().await?;
@@ -83,10 +84,10 @@ impl Default for Config {
 /// let body = serde_json::json!({"amount": 500, "currency": "usd"});
 /// let charge = |ctx: idemflow::Context| async move {
 ///     // Forward ctx.provider_key() to the provider here.
-///     Outcome::Succeeded(Response::json(201, &serde_json::json!({"charged": 500})).unwrap())
+///     Outcome::Succeeded(StoredResponse::json(201, &serde_json::json!({"charged": 500})).unwrap())
 /// };
-/// let first = idem.execute(Request::new("acct_1", "k1", "charge", &body)?, charge).await?;
-/// let again = idem.execute(Request::new("acct_1", "k1", "charge", &body)?, charge).await?;
+/// let first = idem.execute(IdempotentRequest::new("acct_1", "k1", "charge", &body)?, charge).await?;
+/// let again = idem.execute(IdempotentRequest::new("acct_1", "k1", "charge", &body)?, charge).await?;
 /// assert!(!first.is_replay() && again.is_replay());
 /// assert_eq!(first.response(), again.response());
 /// # Ok(())
@@ -95,71 +96,81 @@ impl Default for Config {
 #[derive(Debug, Clone)]
 pub struct Idempotency {
     store: Arc<dyn Store>,
-    config: Arc<Config>,
+    config: Arc<ExecutorConfig>,
 }
 
 impl Idempotency {
-    /// An executor over `store` with default settings.
+    /// An executor over `store` with default settings; change them with the builder methods
+    /// below.
     pub fn new(store: Arc<dyn Store>) -> Self {
-        Self::with_config(store, Config::default())
-    }
-
-    /// An executor with explicit settings.
-    pub fn with_config(store: Arc<dyn Store>, config: Config) -> Self {
         Self {
             store,
-            config: Arc::new(config),
+            config: Arc::new(ExecutorConfig::defaults()),
         }
     }
 
-    fn config_mut(&mut self) -> &mut Config {
-        Arc::make_mut(&mut self.config)
-    }
-
-    /// Sets the lease length.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.config_mut().lease = lease;
+    fn set(mut self, f: impl FnOnce(&mut ExecutorConfig)) -> Self {
+        f(Arc::make_mut(&mut self.config));
         self
     }
 
-    /// Sets the retention of finished keys.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.config_mut().retention = retention;
-        self
+    /// Sets the lease length ([`ExecutorConfig::lease`]).
+    pub fn lease(self, lease: Duration) -> Self {
+        self.set(|c| c.lease = lease)
     }
 
-    /// Sets the stored response cap in bytes.
-    pub fn max_response_bytes(mut self, limit: usize) -> Self {
-        self.config_mut().max_response_bytes = limit;
-        self
+    /// Sets the retention of finished keys ([`ExecutorConfig::retention`]).
+    pub fn retention(self, retention: Duration) -> Self {
+        self.set(|c| c.retention = retention)
     }
 
-    /// Sets the request cap in bytes.
-    pub fn max_request_bytes(mut self, limit: usize) -> Self {
-        self.config_mut().max_request_bytes = limit;
-        self
+    /// Sets the lease owner name ([`ExecutorConfig::owner`]).
+    pub fn owner(self, owner: impl Into<String>) -> Self {
+        let owner = owner.into();
+        self.set(|c| c.owner = owner)
     }
 
-    /// Sets the headers kept for replay (`None`: all).
-    pub fn stored_headers(mut self, headers: Option<Vec<String>>) -> Self {
-        self.config_mut().stored_headers = headers;
-        self
+    /// Whether the canonical request is stored ([`ExecutorConfig::store_request`]).
+    pub fn store_request(self, store: bool) -> Self {
+        self.set(|c| c.store_request = store)
     }
 
-    /// Lets a retry take over an expired lease within `window` of the first claim.
-    pub fn retry_takeover_window(mut self, window: Option<Duration>) -> Self {
-        self.config_mut().retry_takeover_window = window;
-        self
+    /// Sets the request cap in bytes ([`ExecutorConfig::max_request_bytes`]).
+    pub fn max_request_bytes(self, limit: usize) -> Self {
+        self.set(|c| c.max_request_bytes = limit)
     }
 
-    /// Sets the lease owner name.
-    pub fn owner(mut self, owner: impl Into<String>) -> Self {
-        self.config_mut().owner = owner.into();
-        self
+    /// Sets the stored response cap in bytes ([`ExecutorConfig::max_response_bytes`]).
+    pub fn max_response_bytes(self, limit: usize) -> Self {
+        self.set(|c| c.max_response_bytes = limit)
+    }
+
+    /// Sets the headers kept for replay, compared case-insensitively (`None`: all)
+    /// ([`ExecutorConfig::stored_headers`]).
+    pub fn stored_headers(self, headers: Option<Vec<String>>) -> Self {
+        self.set(|c| c.stored_headers = headers)
+    }
+
+    /// Lets a retry take over an expired lease within `window` of the first claim
+    /// ([`ExecutorConfig::retry_takeover_window`]).
+    pub fn retry_takeover_window(self, window: Option<Duration>) -> Self {
+        self.set(|c| c.retry_takeover_window = window)
+    }
+
+    /// Sets the `Retry-After` given to a duplicate of a running request
+    /// ([`ExecutorConfig::in_flight_retry_after`]).
+    pub fn in_flight_retry_after(self, after: Duration) -> Self {
+        self.set(|c| c.in_flight_retry_after = after)
+    }
+
+    /// Sets the `Retry-After` given while an outcome is unknown
+    /// ([`ExecutorConfig::unknown_retry_after`]).
+    pub fn unknown_retry_after(self, after: Duration) -> Self {
+        self.set(|c| c.unknown_retry_after = after)
     }
 
     /// The settings.
-    pub fn config(&self) -> &Config {
+    pub fn config(&self) -> &ExecutorConfig {
         &self.config
     }
 
@@ -173,7 +184,11 @@ impl Idempotency {
     ///
     /// Cancel-safe: if this future is dropped while `op` runs, the key stays `processing` under
     /// its lease, and the sweeper (or, within the takeover window, a retry) settles it.
-    pub async fn execute<F, Fut>(&self, request: Request, op: F) -> Result<Execution, Error>
+    pub async fn execute<F, Fut>(
+        &self,
+        request: IdempotentRequest,
+        op: F,
+    ) -> Result<Execution, Error>
     where
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Outcome>,
@@ -188,7 +203,11 @@ impl Idempotency {
         self.execute_inner(request, op).instrument(span).await
     }
 
-    async fn execute_inner<F, Fut>(&self, request: Request, op: F) -> Result<Execution, Error>
+    async fn execute_inner<F, Fut>(
+        &self,
+        request: IdempotentRequest,
+        op: F,
+    ) -> Result<Execution, Error>
     where
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Outcome>,
@@ -205,7 +224,7 @@ impl Idempotency {
                 &request.id.scope,
                 &request.id.key,
                 &request.operation,
-                cfg.provider_key_len,
+                provider_key::DEFAULT_LEN,
             )
         });
         let claim = NewClaim {
@@ -249,7 +268,7 @@ impl Idempotency {
                     reason: "the provider surely did nothing; a retry runs it again".to_owned(),
                 };
                 self.store.finish(&id, Some(lease.token), &finish).await?;
-                return Err(Error::Retryable {
+                return Err(Error::FailedRetryable {
                     key: id.to_string(),
                     reason,
                 });
@@ -326,7 +345,7 @@ impl Idempotency {
 
     fn existing(
         &self,
-        request: &Request,
+        request: &IdempotentRequest,
         record: KeyRecord,
         now: chrono::DateTime<chrono::Utc>,
     ) -> Result<Execution, Error> {

@@ -4,16 +4,16 @@
 use chrono::{DateTime, Utc};
 
 use crate::record::LeaseToken;
-use crate::{KeyId, Response};
+use crate::{KeyId, StoredResponse};
 
-/// How the caller classifies one run of the operation (DESIGN section 2).
+/// How the caller classifies one run of the operation (`docs/design.md`, *States*).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     /// It worked: the key becomes `done` and this response is replayed.
-    Succeeded(Response),
+    Succeeded(StoredResponse),
     /// A permanent refusal (card declined, invalid recipient): the key becomes
     /// `failed{permanent}` and this response is replayed.
-    Rejected(Response),
+    Rejected(StoredResponse),
     /// The provider surely did nothing (connection refused before sending, 429, an explicit
     /// "should retry"): the key becomes `failed{retryable}` and a retry runs it again.
     Retryable {
@@ -92,21 +92,21 @@ impl Context {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Execution {
     /// The operation ran now; this is its response (success or permanent refusal).
-    Executed(Response),
+    Executed(StoredResponse),
     /// The operation had already run; this is the stored response, byte for byte.
-    Replayed(Response),
+    Replayed(StoredResponse),
 }
 
 impl Execution {
     /// The response, executed or replayed.
-    pub fn response(&self) -> &Response {
+    pub fn response(&self) -> &StoredResponse {
         match self {
             Execution::Executed(r) | Execution::Replayed(r) => r,
         }
     }
 
     /// Takes the response.
-    pub fn into_response(self) -> Response {
+    pub fn into_response(self) -> StoredResponse {
         match self {
             Execution::Executed(r) | Execution::Replayed(r) => r,
         }

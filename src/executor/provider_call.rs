@@ -3,7 +3,7 @@
 use crate::error::Error;
 use crate::provider::Provider;
 
-use super::{Execution, Idempotency, Request};
+use super::{Execution, Idempotency, IdempotentRequest};
 
 impl Idempotency {
     /// Runs `request` through `provider` at most once: records the provider's name in the key row
@@ -12,7 +12,7 @@ impl Idempotency {
     /// classified answer. The stored response is the provider's answer.
     pub async fn call(
         &self,
-        request: Request,
+        request: IdempotentRequest,
         provider: &dyn Provider,
     ) -> Result<Execution, Error> {
         let spec = provider.key_spec();
@@ -24,7 +24,7 @@ impl Idempotency {
         self.execute(request, |ctx| async move {
             let body: serde_json::Value = match serde_json::from_str(ctx.request()) {
                 Ok(v) => v,
-                // The canonical request was produced from JSON by Request; this cannot fail
+                // The canonical request was produced from JSON by IdempotentRequest; this cannot fail
                 // unless memory is corrupt, and then nothing was sent.
                 Err(e) => return crate::Outcome::retryable(format!("request is not JSON: {e}")),
             };

@@ -1,4 +1,4 @@
-//! [`Request`]: one call to make idempotent, validated before anything touches the store.
+//! [`IdempotentRequest`]: one call to make idempotent, validated before anything touches the store.
 
 use serde::Serialize;
 use serde_json::Value;
@@ -10,14 +10,14 @@ use crate::key::{IdempotencyKey, KeyError, KeyId, Scope};
 /// A validated request: scope, key, operation, canonical body and its fingerprint.
 ///
 /// ```
-/// use idemflow::Request;
-/// let r = Request::new("acct_1", "order-7", "payments.create",
+/// use idemflow::IdempotentRequest;
+/// let r = IdempotentRequest::new("acct_1", "order-7", "payments.create",
 ///                      &serde_json::json!({"amount": 500, "currency": "usd"})).unwrap();
 /// assert_eq!(r.canonical_body(), r#"{"amount":500,"currency":"usd"}"#);
-/// assert!(Request::new("acct_1", "", "payments.create", &1).is_err());
+/// assert!(IdempotentRequest::new("acct_1", "", "payments.create", &1).is_err());
 /// ```
 #[derive(Debug, Clone)]
-pub struct Request {
+pub struct IdempotentRequest {
     pub(crate) id: KeyId,
     pub(crate) operation: String,
     pub(crate) canonical: String,
@@ -44,7 +44,7 @@ fn validate_operation(operation: &str) -> Result<(), Error> {
     })
 }
 
-impl Request {
+impl IdempotentRequest {
     /// Builds a request from any serialisable body.
     pub fn new<B: Serialize + ?Sized>(
         scope: &str,

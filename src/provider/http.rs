@@ -15,14 +15,15 @@
 //! holds.
 //!
 //! Adapters for other providers can reuse [`HttpClient`]: build each attempt's request with
-//! [`HttpClient::send`] and classify the [`HttpReply`].
+//! [`HttpClient::send`] and classify the [`HttpReply`], or hold an
+//! [`Endpoint`](super::endpoint::Endpoint), which adds the name, base URL and credentials.
 
 use std::collections::hash_map::RandomState;
 use std::fmt;
 use std::hash::BuildHasher;
 use std::time::Duration;
 
-use crate::Response;
+use crate::StoredResponse;
 use crate::provider::CallOutcome;
 
 /// Timeouts and retry settings of an [`HttpClient`].
@@ -161,21 +162,33 @@ impl HttpReply {
         serde_json::from_slice(&self.body).ok()
     }
 
+    /// The string at a JSON pointer of the body (e.g. `/error/code`), if the body is JSON and
+    /// the string is there.
+    pub fn json_str(&self, pointer: &str) -> Option<String> {
+        self.json()?.pointer(pointer)?.as_str().map(str::to_owned)
+    }
+
+    /// The provider's message at a JSON pointer of the body, or the start of the body.
+    pub fn message(&self, pointer: &str) -> String {
+        self.json_str(pointer)
+            .unwrap_or_else(|| body_snippet(&self.body))
+    }
+
     /// The `Retry-After` header: delay-seconds or an HTTP date (a date in the past is zero).
     pub fn retry_after(&self) -> Option<Duration> {
         parse_retry_after(self.header("retry-after")?)
     }
 
-    /// The answer as a stored [`Response`]: status, body, and the headers named in `keep`
+    /// The answer as a stored [`StoredResponse`]: status, body, and the headers named in `keep`
     /// (`content-type` is always kept).
-    pub fn to_response(&self, keep: &[&str]) -> Response {
+    pub fn to_response(&self, keep: &[&str]) -> StoredResponse {
         let mut headers = Vec::new();
         for name in std::iter::once(&"content-type").chain(keep.iter()) {
             if let Some(v) = self.header(name) {
                 headers.push(((*name).to_owned(), v.to_owned()));
             }
         }
-        Response::from_parts(self.status, headers, self.body.clone())
+        StoredResponse::from_parts(self.status, headers, self.body.clone())
     }
 }
 

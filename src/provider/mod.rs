@@ -13,21 +13,30 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
-use crate::{IdempotencyKey, Outcome, Response, Scope, provider_key};
+use crate::{IdempotencyKey, Outcome, Scope, StoredResponse, provider_key};
 
 pub mod config;
-#[cfg(feature = "http")]
-#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
-pub mod http;
-#[cfg(feature = "http")]
-#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
-pub mod postmark;
-#[cfg(feature = "http")]
-#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
-pub mod resend;
-#[cfg(feature = "http")]
-#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
-pub mod stripe;
+
+/// Declares the modules of the HTTP adapters, all behind the feature `http`.
+macro_rules! http_modules {
+    ($($(#[$doc:meta])* pub mod $name:ident;)*) => {
+        $(
+            $(#[$doc])*
+            #[cfg(feature = "http")]
+            #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+            pub mod $name;
+        )*
+    };
+}
+
+http_modules! {
+    pub mod endpoint;
+    pub mod http;
+    pub mod postmark;
+    pub mod resend;
+    pub mod search;
+    pub mod stripe;
+}
 
 #[cfg(feature = "http")]
 pub use postmark::Postmark;
@@ -36,22 +45,9 @@ pub use resend::Resend;
 #[cfg(feature = "http")]
 pub use stripe::Stripe;
 
-/// Where the provider key travels.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyTransport {
-    /// An HTTP header, e.g. `Idempotency-Key`.
-    Header(String),
-    /// A field of the request body.
-    BodyField(String),
-    /// The provider has no idempotency key: ours goes into searchable metadata only.
-    None,
-}
-
 /// How a provider handles idempotency keys, as data.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeySpec {
-    /// Where the key goes.
-    pub transport: KeyTransport,
     /// The longest key the provider accepts.
     pub max_len: usize,
     /// How long the provider remembers a key (its dedup window); `None` when it has no keys.
@@ -65,7 +61,6 @@ impl KeySpec {
     /// A spec for a provider without idempotency keys (never re-driven).
     pub fn no_keys() -> Self {
         Self {
-            transport: KeyTransport::None,
             max_len: 255,
             retention: None,
             replays_same_key: false,
@@ -101,14 +96,14 @@ pub enum CallOutcome {
     /// It worked; `replayed` when the provider says it answered from its own key cache.
     Succeeded {
         /// The provider's answer, as stored and replayed.
-        response: Response,
+        response: StoredResponse,
         /// The provider marked it a replay (e.g. `Idempotent-Replayed: true`).
         replayed: bool,
     },
     /// A permanent refusal (card declined, invalid recipient).
     Rejected {
         /// The provider's answer.
-        response: Response,
+        response: StoredResponse,
     },
     /// The provider surely did nothing (refused connection, 429, should-retry before executing).
     Retryable {

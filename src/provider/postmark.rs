@@ -26,12 +26,11 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 
-use super::http::{
-    ApiKey, Classified, HttpClient, HttpConfig, HttpError, HttpReply, RetryUnknown, body_snippet,
-    classify_status,
-};
-use super::{CallOutcome, KeySpec, KeyTransport, Lookup, Provider};
-use crate::{Outcome, Response};
+use super::endpoint::{Auth, Endpoint, http_adapter};
+use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::search::MetadataSearch;
+use super::{CallOutcome, KeySpec, Lookup, Provider};
+use crate::{Outcome, StoredResponse};
 
 /// Postmark's API base.
 pub const DEFAULT_BASE_URL: &str = "https://api.postmarkapp.com";
@@ -47,54 +46,23 @@ pub const METADATA_VALUE_MAX: usize = 80;
 /// Postmark transactional email.
 #[derive(Debug, Clone)]
 pub struct Postmark {
-    name: String,
-    base_url: String,
-    server_token: ApiKey,
-    http: HttpClient,
+    endpoint: Endpoint,
     search_lag: Duration,
 }
 
+http_adapter!(Postmark {
+    name: "postmark",
+    key: "a server token",
+    auth: Auth::Header("X-Postmark-Server-Token"),
+    headers: &[("Accept", "application/json")],
+    defaults: { search_lag: DEFAULT_SEARCH_LAG },
+});
+
 impl Postmark {
-    /// Postmark at its real API base, with a server token.
-    pub fn new(server_token: impl Into<String>) -> Result<Self, HttpError> {
-        Self::with_base_url(DEFAULT_BASE_URL, server_token)
-    }
-
-    /// Postmark at another base URL (a fake server, a proxy).
-    pub fn with_base_url(
-        base_url: &str,
-        server_token: impl Into<String>,
-    ) -> Result<Self, HttpError> {
-        Ok(Self {
-            name: "postmark".to_owned(),
-            base_url: super::http::base_url(base_url)?,
-            server_token: ApiKey::new(server_token)?,
-            http: HttpClient::new(HttpConfig::default())?,
-            search_lag: DEFAULT_SEARCH_LAG,
-        })
-    }
-
-    /// Sets the name stored in key rows (default `postmark`).
-    pub fn with_name(mut self, name: impl Into<String>) -> Self {
-        self.name = name.into();
-        self
-    }
-
-    /// Replaces the timeouts and retry settings (unknown outcomes are never retried).
-    pub fn http_config(mut self, config: HttpConfig) -> Result<Self, HttpError> {
-        self.http = HttpClient::new(config)?;
-        Ok(self)
-    }
-
     /// Sets how long after the first send an empty search result is still not trusted.
     pub fn search_lag(mut self, lag: Duration) -> Self {
         self.search_lag = lag;
         self
-    }
-
-    /// The base URL in use.
-    pub fn base_url(&self) -> &str {
-        &self.base_url
     }
 
     /// The body sent for `request`: the request with `Metadata.idemflow_key` set.
@@ -119,17 +87,8 @@ impl Postmark {
     }
 
     fn classify(reply: &HttpReply) -> Classified {
-        let body = reply.json();
-        let code = body
-            .as_ref()
-            .and_then(|b| b.get("ErrorCode"))
-            .and_then(Value::as_i64);
-        let message = body
-            .as_ref()
-            .and_then(|b| b.get("Message"))
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-            .unwrap_or_else(|| body_snippet(&reply.body));
+        let code = reply.json().and_then(|b| b.get("ErrorCode")?.as_i64());
+        let message = reply.message("/Message");
         let status = reply.status;
         let outcome = match status {
             200..=299 if code.unwrap_or(0) == 0 => CallOutcome::Succeeded {
@@ -168,55 +127,46 @@ impl Postmark {
             "ErrorCode": 0,
             "Message": "OK",
         });
-        Outcome::Succeeded(Response::json(200, &answer).unwrap_or_else(|_| Response::new(200)))
+        Outcome::Succeeded(StoredResponse::json(200, &answer).unwrap_or_else(|_| StoredResponse::new(200)))
     }
 }
 
 #[async_trait]
 impl Provider for Postmark {
     fn name(&self) -> &str {
-        &self.name
+        self.endpoint.name()
     }
 
     fn key_spec(&self) -> KeySpec {
         KeySpec {
-            transport: KeyTransport::None,
             max_len: METADATA_VALUE_MAX,
             retention: None,
             replays_same_key: false,
         }
     }
 
-    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.name, provider_key = %provider_key))]
+    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
         let body = match Self::body(provider_key, request) {
             Ok(b) => b,
             Err(detail) => {
                 return CallOutcome::Rejected {
-                    response: Response::json(422, &json!({"ErrorCode": 300, "Message": detail}))
-                        .unwrap_or_else(|_| Response::new(422)),
+                    response: StoredResponse::json(422, &json!({"ErrorCode": 300, "Message": detail}))
+                        .unwrap_or_else(|_| StoredResponse::new(422)),
                 };
             }
         };
-        let url = format!("{}/email", self.base_url);
-        let outcome = self
-            .http
+        self.endpoint
             .send(
                 RetryUnknown::Never,
-                |c| {
-                    c.post(&url)
-                        .header("X-Postmark-Server-Token", self.server_token.expose())
-                        .header("Accept", "application/json")
-                        .json(&body)
-                },
+                "/email",
+                |req| req.json(&body),
                 Self::classify,
             )
-            .await;
-        tracing::debug!(?outcome, "postmark call");
-        outcome
+            .await
     }
 
-    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.name, provider_key = %provider_key))]
+    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn lookup(
         &self,
         provider_key: &str,
@@ -224,44 +174,19 @@ impl Provider for Postmark {
         first_sent_at: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Lookup {
-        let url = format!("{}/messages/outbound", self.base_url);
         let param = format!("metadata_{METADATA_KEY}");
-        let req = self
-            .http
-            .inner()
-            .get(&url)
-            .header("X-Postmark-Server-Token", self.server_token.expose())
-            .header("Accept", "application/json")
-            .query(&[
+        MetadataSearch {
+            path: "/messages/outbound",
+            query: &[
                 ("count", "10"),
                 ("offset", "0"),
                 (param.as_str(), provider_key),
-            ]);
-        let reply = match self.http.send_once(req).await {
-            Ok(r) => r,
-            Err(outcome) => {
-                tracing::warn!(?outcome, "postmark search failed");
-                return Lookup::Unknown { retry_after: None };
-            }
-        };
-        if reply.status != 200 {
-            tracing::warn!(status = reply.status, body = %body_snippet(&reply.body), "postmark search refused");
-            return Lookup::Unknown {
-                retry_after: reply.retry_after(),
-            };
+            ],
+            results: "Messages",
+            search_lag: self.search_lag,
+            retention: Some(MESSAGE_RETENTION),
         }
-        let messages = reply.json().and_then(|b| b.get("Messages").cloned());
-        let Some(Value::Array(messages)) = messages else {
-            return Lookup::Unknown { retry_after: None };
-        };
-        match messages.first() {
-            Some(m) => Lookup::Found(Self::found(m)),
-            None => {
-                let age = (now - first_sent_at).to_std().unwrap_or_default();
-                Lookup::NotFound {
-                    authoritative: age >= self.search_lag && age < MESSAGE_RETENTION,
-                }
-            }
-        }
+        .run(&self.endpoint, first_sent_at, now, Self::found)
+        .await
     }
 }

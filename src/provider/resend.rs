@@ -25,11 +25,9 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 
-use super::http::{
-    ApiKey, Classified, HttpClient, HttpConfig, HttpError, HttpReply, RetryUnknown, body_snippet,
-    classify_status,
-};
-use super::{CallOutcome, KeySpec, KeyTransport, Lookup, Provider};
+use super::endpoint::{Auth, Endpoint, http_adapter};
+use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::{CallOutcome, KeySpec, Lookup, Provider};
 use crate::Outcome;
 
 /// Resend's API base.
@@ -42,42 +40,19 @@ pub const DEFAULT_REDRIVE_MARGIN: Duration = Duration::from_secs(15 * 60);
 /// Resend transactional email.
 #[derive(Debug, Clone)]
 pub struct Resend {
-    name: String,
-    base_url: String,
-    api_key: ApiKey,
-    http: HttpClient,
+    endpoint: Endpoint,
     redrive_margin: Duration,
 }
 
+http_adapter!(Resend {
+    name: "resend",
+    key: "an API key (`re_...`)",
+    auth: Auth::Bearer,
+    headers: &[],
+    defaults: { redrive_margin: DEFAULT_REDRIVE_MARGIN },
+});
+
 impl Resend {
-    /// Resend at its real API base, with an API key (`re_...`).
-    pub fn new(api_key: impl Into<String>) -> Result<Self, HttpError> {
-        Self::with_base_url(DEFAULT_BASE_URL, api_key)
-    }
-
-    /// Resend at another base URL (a fake server, a proxy).
-    pub fn with_base_url(base_url: &str, api_key: impl Into<String>) -> Result<Self, HttpError> {
-        Ok(Self {
-            name: "resend".to_owned(),
-            base_url: super::http::base_url(base_url)?,
-            api_key: ApiKey::new(api_key)?,
-            http: HttpClient::new(HttpConfig::default())?,
-            redrive_margin: DEFAULT_REDRIVE_MARGIN,
-        })
-    }
-
-    /// Sets the name stored in key rows (default `resend`).
-    pub fn with_name(mut self, name: impl Into<String>) -> Self {
-        self.name = name.into();
-        self
-    }
-
-    /// Replaces the timeouts and retry settings.
-    pub fn http_config(mut self, config: HttpConfig) -> Result<Self, HttpError> {
-        self.http = HttpClient::new(config)?;
-        Ok(self)
-    }
-
     /// Sets the margin kept before the end of Resend's 24 h key window: `lookup` re-sends only
     /// while `age + margin < 24 h`.
     pub fn redrive_margin(mut self, margin: Duration) -> Self {
@@ -85,24 +60,9 @@ impl Resend {
         self
     }
 
-    /// The base URL in use.
-    pub fn base_url(&self) -> &str {
-        &self.base_url
-    }
-
     fn classify(reply: &HttpReply) -> Classified {
-        let body = reply.json();
-        let name = body
-            .as_ref()
-            .and_then(|b| b.get("name"))
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        let message = body
-            .as_ref()
-            .and_then(|b| b.get("message"))
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-            .unwrap_or_else(|| body_snippet(&reply.body));
+        let name = reply.json_str("/name").unwrap_or_default();
+        let message = reply.message("/message");
         let status = reply.status;
         let outcome = match status {
             200..=299 => CallOutcome::Succeeded {
@@ -133,39 +93,30 @@ impl Resend {
 #[async_trait]
 impl Provider for Resend {
     fn name(&self) -> &str {
-        &self.name
+        self.endpoint.name()
     }
 
     fn key_spec(&self) -> KeySpec {
         KeySpec {
-            transport: KeyTransport::Header("Idempotency-Key".to_owned()),
             max_len: 256,
             retention: Some(RETENTION),
             replays_same_key: true,
         }
     }
 
-    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.name, provider_key = %provider_key))]
+    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
-        let url = format!("{}/emails", self.base_url);
-        let outcome = self
-            .http
+        self.endpoint
             .send(
                 RetryUnknown::SameKeyReplays,
-                |c| {
-                    c.post(&url)
-                        .bearer_auth(self.api_key.expose())
-                        .header("Idempotency-Key", provider_key)
-                        .json(request)
-                },
+                "/emails",
+                |req| req.header("Idempotency-Key", provider_key).json(request),
                 Self::classify,
             )
-            .await;
-        tracing::debug!(?outcome, "resend call");
-        outcome
+            .await
     }
 
-    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.name, provider_key = %provider_key))]
+    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn lookup(
         &self,
         provider_key: &str,

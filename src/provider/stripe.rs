@@ -31,6 +31,11 @@
 //! India), so an empty result is only authoritative once [`Stripe::search_lag`] (default 60 s)
 //! has passed since the first send. Within Stripe's 24 h key window a wrong "not found" is
 //! harmless anyway: the retry it allows carries the same key and is replayed, not re-executed.
+//!
+//! A PaymentIntent found by search is replayed as a decline (402 `card_error`) only when it is
+//! `requires_payment_method` with a `last_payment_error`; any other one (waiting for a payment
+//! method, canceled, succeeded, ...) was created by the call and is replayed as 200 with the
+//! PaymentIntent.
 
 use std::time::Duration;
 
@@ -38,12 +43,11 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 
-use super::http::{
-    ApiKey, Classified, HttpClient, HttpConfig, HttpError, HttpReply, RetryUnknown, body_snippet,
-    classify_status,
-};
-use super::{CallOutcome, KeySpec, KeyTransport, Lookup, Provider};
-use crate::{Outcome, Response};
+use super::endpoint::{Auth, Endpoint, http_adapter};
+use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::search::MetadataSearch;
+use super::{CallOutcome, KeySpec, Lookup, Provider};
+use crate::{Outcome, StoredResponse};
 
 /// Stripe's API base.
 pub const DEFAULT_BASE_URL: &str = "https://api.stripe.com";
@@ -57,51 +61,23 @@ const KEPT_HEADERS: &[&str] = &["request-id", "idempotent-replayed"];
 /// Stripe PaymentIntents (create + confirm).
 #[derive(Debug, Clone)]
 pub struct Stripe {
-    name: String,
-    base_url: String,
-    api_key: ApiKey,
-    http: HttpClient,
+    endpoint: Endpoint,
     search_lag: Duration,
 }
 
+http_adapter!(Stripe {
+    name: "stripe",
+    key: "a secret key (`sk_...`)",
+    auth: Auth::Bearer,
+    headers: &[],
+    defaults: { search_lag: DEFAULT_SEARCH_LAG },
+});
+
 impl Stripe {
-    /// Stripe at its real API base, with a secret key (`sk_...`).
-    pub fn new(api_key: impl Into<String>) -> Result<Self, HttpError> {
-        Self::with_base_url(DEFAULT_BASE_URL, api_key)
-    }
-
-    /// Stripe at another base URL (a fake server, a proxy), e.g. `http://127.0.0.1:4242`.
-    pub fn with_base_url(base_url: &str, api_key: impl Into<String>) -> Result<Self, HttpError> {
-        Ok(Self {
-            name: "stripe".to_owned(),
-            base_url: super::http::base_url(base_url)?,
-            api_key: ApiKey::new(api_key)?,
-            http: HttpClient::new(HttpConfig::default())?,
-            search_lag: DEFAULT_SEARCH_LAG,
-        })
-    }
-
-    /// Sets the name stored in key rows (default `stripe`).
-    pub fn with_name(mut self, name: impl Into<String>) -> Self {
-        self.name = name.into();
-        self
-    }
-
-    /// Replaces the timeouts and retry settings.
-    pub fn http_config(mut self, config: HttpConfig) -> Result<Self, HttpError> {
-        self.http = HttpClient::new(config)?;
-        Ok(self)
-    }
-
     /// Sets how long after the first send an empty search result is still not trusted.
     pub fn search_lag(mut self, lag: Duration) -> Self {
         self.search_lag = lag;
         self
-    }
-
-    /// The base URL in use.
-    pub fn base_url(&self) -> &str {
-        &self.base_url
     }
 
     /// The form fields sent for `request` with `provider_key`, in the order sent.
@@ -128,21 +104,9 @@ impl Stripe {
     }
 
     fn classify(reply: &HttpReply) -> Classified {
-        let body = reply.json();
-        let err = body.as_ref().and_then(|b| b.get("error"));
-        let err_type = err
-            .and_then(|e| e.get("type"))
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        let err_code = err
-            .and_then(|e| e.get("code"))
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        let message = err
-            .and_then(|e| e.get("message"))
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-            .unwrap_or_else(|| body_snippet(&reply.body));
+        let err_type = reply.json_str("/error/type").unwrap_or_default();
+        let err_code = reply.json_str("/error/code").unwrap_or_default();
+        let message = reply.message("/error/message");
         let should_retry = reply
             .header("stripe-should-retry")
             .map(|v| v.eq_ignore_ascii_case("true"));
@@ -195,22 +159,22 @@ impl Stripe {
     fn found(pi: &Value) -> Outcome {
         let status = pi.get("status").and_then(Value::as_str).unwrap_or("");
         let as_json = |code: u16, v: &Value| {
-            Response::from_parts(
+            StoredResponse::from_parts(
                 code,
                 vec![("content-type".to_owned(), "application/json".to_owned())],
                 serde_json::to_vec(v).unwrap_or_default(),
             )
         };
-        match status {
-            "requires_payment_method" | "canceled" => {
-                // Rebuild the decline answer Stripe gave to the create call.
-                let last = pi.get("last_payment_error").cloned().unwrap_or(Value::Null);
-                let mut error = match last {
-                    Value::Object(m) => Value::Object(m),
-                    _ => {
-                        json!({"type": "card_error", "message": format!("payment intent is {status}")})
-                    }
-                };
+        // Only a payment error Stripe recorded is a decline: the create call was refused with
+        // it (402). Any other PaymentIntent (succeeded, waiting for a payment method or an
+        // action, canceled after authorisation) was created by the call, which answered 200
+        // with it: replay what Stripe holds now.
+        let last_error = pi
+            .get("last_payment_error")
+            .filter(|e| e.is_object())
+            .cloned();
+        match (status, last_error) {
+            ("requires_payment_method", Some(mut error)) => {
                 if let Value::Object(m) = &mut error {
                     m.insert("payment_intent".to_owned(), pi.clone());
                 }
@@ -244,51 +208,42 @@ fn flatten(prefix: String, v: &Value, out: &mut Vec<(String, String)>) {
 #[async_trait]
 impl Provider for Stripe {
     fn name(&self) -> &str {
-        &self.name
+        self.endpoint.name()
     }
 
     fn key_spec(&self) -> KeySpec {
         KeySpec {
-            transport: KeyTransport::Header("Idempotency-Key".to_owned()),
             max_len: 255,
             retention: Some(Duration::from_secs(24 * 3600)),
             replays_same_key: true,
         }
     }
 
-    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.name, provider_key = %provider_key))]
+    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
         let fields = match Self::form_fields(provider_key, request) {
             Ok(f) => f,
             Err(detail) => {
                 return CallOutcome::Rejected {
-                    response: Response::json(
+                    response: StoredResponse::json(
                         400,
                         &json!({"error": {"type": "idemflow_invalid_request", "message": detail}}),
                     )
-                    .unwrap_or_else(|_| Response::new(400)),
+                    .unwrap_or_else(|_| StoredResponse::new(400)),
                 };
             }
         };
-        let url = format!("{}/v1/payment_intents", self.base_url);
-        let outcome = self
-            .http
+        self.endpoint
             .send(
                 RetryUnknown::SameKeyReplays,
-                |c| {
-                    c.post(&url)
-                        .bearer_auth(self.api_key.expose())
-                        .header("Idempotency-Key", provider_key)
-                        .form(&fields)
-                },
+                "/v1/payment_intents",
+                |req| req.header("Idempotency-Key", provider_key).form(&fields),
                 Self::classify,
             )
-            .await;
-        tracing::debug!(?outcome, "stripe call");
-        outcome
+            .await
     }
 
-    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.name, provider_key = %provider_key))]
+    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn lookup(
         &self,
         provider_key: &str,
@@ -296,38 +251,15 @@ impl Provider for Stripe {
         first_sent_at: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Lookup {
-        let url = format!("{}/v1/payment_intents/search", self.base_url);
         let query = Self::search_query(provider_key);
-        let req = self
-            .http
-            .inner()
-            .get(&url)
-            .bearer_auth(self.api_key.expose())
-            .query(&[("query", query.as_str()), ("limit", "10")]);
-        let reply = match self.http.send_once(req).await {
-            Ok(r) => r,
-            Err(outcome) => {
-                tracing::warn!(?outcome, "stripe search failed");
-                return Lookup::Unknown { retry_after: None };
-            }
-        };
-        if reply.status != 200 {
-            tracing::warn!(status = reply.status, body = %body_snippet(&reply.body), "stripe search refused");
-            return Lookup::Unknown {
-                retry_after: reply.retry_after(),
-            };
+        MetadataSearch {
+            path: "/v1/payment_intents/search",
+            query: &[("query", query.as_str()), ("limit", "10")],
+            results: "data",
+            search_lag: self.search_lag,
+            retention: None,
         }
-        let Some(data) = reply.json().and_then(|b| b.get("data").cloned()) else {
-            return Lookup::Unknown { retry_after: None };
-        };
-        match data.as_array().and_then(|d| d.first()) {
-            Some(pi) => Lookup::Found(Self::found(pi)),
-            None => {
-                let age = (now - first_sent_at).to_std().unwrap_or_default();
-                Lookup::NotFound {
-                    authoritative: age >= self.search_lag,
-                }
-            }
-        }
+        .run(&self.endpoint, first_sent_at, now, Self::found)
+        .await
     }
 }

@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::error::StoreError;
 use crate::record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 use crate::state::{KeyState, Transition};
-use crate::{Fingerprint, KeyId, Response};
+use crate::{Fingerprint, KeyId, StoredResponse};
 
 #[cfg(feature = "mysql")]
 pub mod mysql;
@@ -96,7 +96,7 @@ pub struct Finish {
     /// `Done` or `Failed { .. }`.
     pub to: KeyState,
     /// The response to store and replay.
-    pub response: Option<Response>,
+    pub response: Option<StoredResponse>,
     /// An error description.
     pub error: Option<String>,
     /// Who decides.
@@ -242,23 +242,28 @@ pub trait Store: Debug + Send + Sync + 'static {
     async fn count_expired(&self) -> Result<u64, StoreError>;
 }
 
-/// The error for a fenced write that changed nothing, given the row as it is now: the key is
-/// gone ([`StoreError::NotFound`]) or someone else holds it ([`StoreError::LeaseLost`]).
-pub fn refused_write(
+/// The error for a fenced write that changed nothing, from the row as it is now: the key is
+/// gone ([`StoreError::NotFound`]) or someone else holds it ([`StoreError::LeaseLost`]). An
+/// override (`presented: None`) is refused only when the key is gone, so the row is not read.
+pub async fn refused_write<S: Store + ?Sized>(
+    store: &S,
     id: &KeyId,
-    presented: LeaseToken,
-    row_now: Result<Option<KeyRecord>, StoreError>,
+    presented: Option<LeaseToken>,
 ) -> StoreError {
-    match row_now {
+    let not_found = || StoreError::NotFound {
+        key: id.to_string(),
+    };
+    let Some(presented) = presented else {
+        return not_found();
+    };
+    match store.get(id).await {
         Ok(Some(r)) => StoreError::LeaseLost {
             key: id.to_string(),
             presented,
             current: r.lease_token,
             state: r.state,
         },
-        Ok(None) => StoreError::NotFound {
-            key: id.to_string(),
-        },
+        Ok(None) => not_found(),
         Err(e) => e,
     }
 }
@@ -302,4 +307,28 @@ pub fn claimable(claim: &NewClaim, r: &KeyRecord, now: DateTime<Utc>) -> bool {
         },
         _ => false,
     }
+}
+
+/// Checks that a claim statement spells exactly the reasons of [`Transition::CLAIM_REASONS`]:
+/// every quoted literal in it is a claim reason, a state, an actor or an interval unit, and every
+/// claim reason is there. The stores read the reason back to learn which transition a claim
+/// made, so a reason spelled differently in SQL would be a corrupt-row error at run time.
+#[cfg(all(test, any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+pub(crate) fn assert_claim_reasons(statement: &str) {
+    use std::collections::BTreeSet;
+    let others = [
+        "processing",
+        "done",
+        "failed",
+        "worker",
+        "subsec",
+        "1 millisecond",
+    ];
+    let literals: BTreeSet<&str> = statement.split('\'').skip(1).step_by(2).collect();
+    let reasons: BTreeSet<&str> = Transition::CLAIM_REASONS.iter().map(|(_, r)| *r).collect();
+    let spelled: BTreeSet<&str> = literals
+        .into_iter()
+        .filter(|l| !others.contains(l))
+        .collect();
+    assert_eq!(spelled, reasons, "claim reasons in {statement}");
 }

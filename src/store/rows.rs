@@ -1,12 +1,20 @@
-//! Backend-neutral row decoding: each backend reads its columns into [`RawRecord`] /
-//! [`RawEvent`], and the checks that turn them into typed values live here once.
+//! Row decoding, once for every backend: each backend reads its columns into [`RawRecord`] /
+//! [`RawEvent`], and the checks that turn them into typed values live here. The SQL backends
+//! also share the column lists their statements select ([`key_columns!`], [`event_columns!`])
+//! and the decoders that read them (`decode_record`, `decode_event`, `decode_lease`,
+//! `decode_stats`), written once over [`SqlRow`]; each SQL backend only says how it reads its
+//! time columns and its text.
+//!
+//! A new nullable column on the key row is: a migration per backend, a field of
+//! [`KeyRecord`], and here a field of [`RawRecord`], its line in `into_record`, its name in
+//! [`key_columns!`] and its line in `decode_record`.
 
 use chrono::{DateTime, Utc};
 
 use crate::error::StoreError;
 use crate::record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 use crate::state::KeyState;
-use crate::{Fingerprint, IdempotencyKey, Response, Scope};
+use crate::{Fingerprint, IdempotencyKey, Scope, StoredResponse};
 
 /// A key row as plain column values.
 #[derive(Debug, Clone)]
@@ -67,7 +75,7 @@ impl RawRecord {
                     Some(h) => serde_json::from_str(h)
                         .map_err(|e| corrupt(backend, format!("response headers: {e}")))?,
                 };
-                Some(Response::from_parts(
+                Some(StoredResponse::from_parts(
                     status,
                     headers,
                     self.response_body.unwrap_or_default(),
@@ -130,6 +138,200 @@ impl RawEvent {
                 .ok_or_else(|| corrupt(backend, format!("actor {:?}", self.actor)))?,
             reason: self.reason,
             at: self.at,
+        })
+    }
+}
+
+/// The key row's columns, listed once for every SQL statement that reads the whole row
+/// ([`decode_record`] reads them by these names). `$t`: a table alias with its dot, or `""`;
+/// `$key`: the `key` column as the dialect spells it (MariaDB reserves the word). The
+/// three-argument form (no alias) puts `$request` in place of the stored request, for reads that
+/// leave it out (`"NULL AS request"`).
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! key_columns {
+    ($t:literal, $key:literal) => {
+        $crate::store::rows::key_columns!(@ $t, $key, [$t, "request"])
+    };
+    ($key:literal, request: $request:literal) => {
+        $crate::store::rows::key_columns!(@ "", $key, [$request])
+    };
+    (@ $t:literal, $key:literal, [$($request:tt)*]) => {
+        concat!(
+            $t, "scope, ", $t, $key, ", ", $t, "operation, ", $t, "provider, ",
+            $t, "provider_key, ", $t, "state, ", $t, "retryable, ", $t, "fingerprint, ",
+            $($request)*, ", ", $t, "response_status, ", $t, "response_headers, ",
+            $t, "response_body, ", $t, "error, ", $t, "lease_token, ", $t, "lease_owner, ",
+            $t, "lease_expires_at, ", $t, "attempts, ", $t, "created_at, ", $t, "updated_at, ",
+            $t, "expires_at, ", $t, "next_check_at, ", $t, "retention_ms"
+        )
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) use key_columns;
+
+/// The history row's columns, listed once for every SQL backend ([`decode_event`] reads them by
+/// these names).
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! event_columns {
+    () => {
+        "id, from_state, from_retryable, to_state, to_retryable, lease_token, actor, reason, at"
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) use event_columns;
+
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) use sql::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
+
+/// The decoders of the SQL backends, written once over [`SqlRow`].
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+mod sql {
+    use chrono::{DateTime, Utc};
+    use sqlx::{ColumnIndex, Decode, Row, Type};
+
+    use super::{RawEvent, RawRecord, corrupt};
+    use crate::error::StoreError;
+    use crate::record::{KeyEvent, KeyRecord, LeaseToken};
+    use crate::state::Transition;
+    use crate::store::{Lease, Stats};
+
+    /// A column type that a backend decodes as it is (a bound, written once).
+    pub(crate) trait Plain<DB: sqlx::Database>: for<'r> Decode<'r, DB> + Type<DB> {}
+    impl<DB: sqlx::Database, T: for<'r> Decode<'r, DB> + Type<DB>> Plain<DB> for T {}
+
+    /// A row of one SQL backend. The decoders below are written once over it; a backend says
+    /// only how it reads the columns whose SQL types really differ.
+    pub(crate) trait SqlRow: Row {
+        /// The backend's name, for errors.
+        const BACKEND: &'static str;
+
+        /// A time column (`NULL`: `None`). SQLite stores epoch milliseconds, PostgreSQL
+        /// `timestamptz`, MariaDB `DATETIME(6)` in UTC.
+        fn time(&self, col: &str) -> Result<Option<DateTime<Utc>>, StoreError>;
+
+        /// A text column (`NULL`: `None`). MariaDB returns the `VARBINARY` scope and key as bytes.
+        fn text(&self, col: &str) -> Result<Option<String>, StoreError>;
+
+        /// A time column that is never `NULL`.
+        fn time_at(&self, col: &str) -> Result<DateTime<Utc>, StoreError> {
+            not_null(Self::BACKEND, col, self.time(col)?)
+        }
+    }
+
+    fn not_null<T>(backend: &'static str, col: &str, v: Option<T>) -> Result<T, StoreError> {
+        v.ok_or_else(|| corrupt(backend, format!("{col} is NULL")))
+    }
+
+    fn get<R, T>(row: &R, col: &str) -> Result<T, StoreError>
+    where
+        R: SqlRow,
+        T: Plain<R::Database>,
+        for<'c> &'c str: ColumnIndex<R>,
+    {
+        row.try_get(col)
+            .map_err(|e| StoreError::database(R::BACKEND, e))
+    }
+
+    /// Decodes a key row selected with [`key_columns!`](super::key_columns).
+    pub(crate) fn decode_record<R>(row: &R) -> Result<KeyRecord, StoreError>
+    where
+        R: SqlRow,
+        for<'c> &'c str: ColumnIndex<R>,
+        bool: Plain<R::Database>,
+        i32: Plain<R::Database>,
+        i64: Plain<R::Database>,
+        Vec<u8>: Plain<R::Database>,
+    {
+        let text = |c: &str| not_null(R::BACKEND, c, row.text(c)?);
+        RawRecord {
+            scope: text("scope")?,
+            key: text("key")?,
+            operation: text("operation")?,
+            provider: row.text("provider")?,
+            provider_key: text("provider_key")?,
+            state: text("state")?,
+            retryable: get(row, "retryable")?,
+            fingerprint: text("fingerprint")?,
+            request: row.text("request")?,
+            response_status: get(row, "response_status")?,
+            response_headers: row.text("response_headers")?,
+            response_body: get(row, "response_body")?,
+            error: row.text("error")?,
+            lease_token: get(row, "lease_token")?,
+            lease_owner: row.text("lease_owner")?,
+            lease_expires_at: row.time("lease_expires_at")?,
+            attempts: get(row, "attempts")?,
+            created_at: row.time_at("created_at")?,
+            updated_at: row.time_at("updated_at")?,
+            expires_at: row.time("expires_at")?,
+            next_check_at: row.time("next_check_at")?,
+            retention_ms: get(row, "retention_ms")?,
+        }
+        .into_record(R::BACKEND)
+    }
+
+    /// Decodes a history row selected with [`event_columns!`](super::event_columns).
+    pub(crate) fn decode_event<R>(row: &R) -> Result<KeyEvent, StoreError>
+    where
+        R: SqlRow,
+        for<'c> &'c str: ColumnIndex<R>,
+        bool: Plain<R::Database>,
+        i64: Plain<R::Database>,
+    {
+        RawEvent {
+            seq: get(row, "id")?,
+            from_state: row.text("from_state")?,
+            from_retryable: get(row, "from_retryable")?,
+            to_state: row.text("to_state")?,
+            to_retryable: get(row, "to_retryable")?,
+            lease_token: get(row, "lease_token")?,
+            actor: not_null(R::BACKEND, "actor", row.text("actor")?)?,
+            reason: row.text("reason")?,
+            at: row.time_at("at")?,
+        }
+        .into_event(R::BACKEND)
+    }
+
+    /// Decodes the lease a claim granted from the claimed row: its `lease_token`,
+    /// `lease_expires_at`, `attempts`, `provider_key`, and `last_reason` (one of
+    /// [`Transition::CLAIM_REASONS`], which says which transition it was).
+    pub(crate) fn decode_lease<R>(row: &R) -> Result<Lease, StoreError>
+    where
+        R: SqlRow,
+        for<'c> &'c str: ColumnIndex<R>,
+        i32: Plain<R::Database>,
+        i64: Plain<R::Database>,
+    {
+        let reason = row.text("last_reason")?;
+        let transition = reason
+            .as_deref()
+            .and_then(Transition::from_claim_reason)
+            .ok_or_else(|| corrupt(R::BACKEND, format!("claim returned reason {reason:?}")))?;
+        Ok(Lease {
+            token: LeaseToken(get(row, "lease_token")?),
+            expires_at: row.time_at("lease_expires_at")?,
+            attempts: get(row, "attempts")?,
+            provider_key: not_null(R::BACKEND, "provider_key", row.text("provider_key")?)?,
+            transition,
+        })
+    }
+
+    /// Decodes the counts of a stats statement, whose columns are named after the fields of
+    /// [`Stats`] (`oldest_processing_created_at` as `oldest_processing`, `now` as `db_now`).
+    pub(crate) fn decode_stats<R>(row: &R) -> Result<Stats, StoreError>
+    where
+        R: SqlRow,
+        for<'c> &'c str: ColumnIndex<R>,
+        i64: Plain<R::Database>,
+    {
+        Ok(Stats {
+            processing: get(row, "processing")?,
+            stale: get(row, "stale")?,
+            done: get(row, "done")?,
+            failed_retryable: get(row, "failed_retryable")?,
+            failed_permanent: get(row, "failed_permanent")?,
+            oldest_processing_created_at: row.time("oldest_processing")?,
+            now: row.time_at("db_now")?,
         })
     }
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use crate::provider::{CallOutcome, KeySpec, Lookup};
-use crate::{KeyRecord, KeyState, Outcome, Response};
+use crate::{KeyRecord, KeyState, Outcome, StoredResponse};
 
 /// What to do with a stale key before asking the provider anything.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,7 +46,7 @@ pub enum Decision {
         /// The final state.
         to: KeyState,
         /// The provider's answer to store and replay.
-        response: Option<Response>,
+        response: Option<StoredResponse>,
         /// An error description for the row.
         error: Option<String>,
         /// Why (history).
@@ -251,7 +251,6 @@ pub fn backoff(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::KeyTransport;
     use crate::{Fingerprint, IdempotencyKey, LeaseToken, Scope};
 
     fn record(provider: Option<&str>, request: Option<&str>, age_s: i64) -> KeyRecord {
@@ -281,7 +280,6 @@ mod tests {
 
     fn keyed(window_s: u64) -> KeySpec {
         KeySpec {
-            transport: KeyTransport::Header("Idempotency-Key".into()),
             max_len: 255,
             retention: Some(Duration::from_secs(window_s)),
             replays_same_key: true,
@@ -335,7 +333,7 @@ mod tests {
 
     #[test]
     fn answers_map_to_decisions() {
-        let ok = Response::new(201);
+        let ok = StoredResponse::new(201);
         assert!(matches!(
             after_call(
                 "p",

@@ -55,8 +55,13 @@ pub use report::{LostKey, RunSummary, SweepReport, Unresolved, UnresolvedKey};
 
 use report::ms;
 
-/// Settings of a [`Sweeper`].
+/// The settings of a [`Sweeper`], as read back with [`Sweeper::config`].
+///
+/// This is a read-only view: every setting is set with the builder method of the same name on
+/// [`Sweeper`] (`Sweeper::new(store, providers).batch_size(..).lease(..)`; both backoff bounds
+/// with [`Sweeper::backoff`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SweeperConfig {
     /// Keys taken per batch. Default 100.
     pub batch_size: u32,
@@ -81,8 +86,8 @@ pub struct SweeperConfig {
     pub call_timeout: Duration,
 }
 
-impl Default for SweeperConfig {
-    fn default() -> Self {
+impl SweeperConfig {
+    fn defaults() -> Self {
         Self {
             batch_size: 100,
             lease: Duration::from_secs(300),
@@ -138,17 +143,13 @@ enum KeyResult {
 }
 
 impl Sweeper {
-    /// A sweeper over `store` asking `providers`, with default settings.
+    /// A sweeper over `store` asking `providers`, with default settings; change them with the
+    /// builder methods below.
     pub fn new(store: Arc<dyn Store>, providers: Providers) -> Self {
-        Self::with_config(store, providers, SweeperConfig::default())
-    }
-
-    /// A sweeper with explicit settings.
-    pub fn with_config(store: Arc<dyn Store>, providers: Providers, config: SweeperConfig) -> Self {
         Self {
             store,
             providers,
-            config,
+            config: SweeperConfig::defaults(),
         }
     }
 

@@ -3,70 +3,37 @@
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
-use axum::body::Bytes;
 use axum::extract::{Extension, State};
-use axum::http::{HeaderMap, Method, Uri};
+use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
-use super::server::{KillSwitch, Server, serve};
+use super::server::{KillSwitch, Received, Shared, fake_handle};
 use super::{
-    Common, Effect, Fault, Faults, Ledger, RecordedRequest, deliver, header_value, json_response,
-    lock, raw_response, retry_after_secs,
+    Effect, Fault, deliver, header_value, json_response, lock, raw_response, retry_after_secs,
 };
 
-/// An in-process Postmark look-alike (see the [module docs](super)). It has no idempotency:
-/// every accepted request is one more email in the ledger.
-#[derive(Debug)]
-pub struct FakePostmark {
-    server: Server,
-    state: Arc<PostmarkState>,
+fake_handle! {
+    /// An in-process Postmark look-alike (see the [module docs](super)). It has no idempotency:
+    /// every accepted request is one more email in the ledger.
+    pub struct FakePostmark(PostmarkState);
+    routes: Router::new()
+            .route("/email", post(send))
+            .route("/messages/outbound", get(search)),
+    ledger: "The emails sent.",
+    faults: "Fault injection and latency / search-lag settings.",
 }
 
 #[derive(Debug, Default)]
 struct PostmarkState {
-    common: Common,
     messages: Mutex<Vec<(Instant, Value)>>,
 }
 
 impl FakePostmark {
     /// The server token the fake accepts (`X-Postmark-Server-Token`).
     pub const API_KEY: &'static str = "pm_test_idemflow_fake";
-
-    /// Starts the fake on `127.0.0.1`, port 0. It stops when dropped.
-    pub async fn start() -> std::io::Result<Self> {
-        let state = Arc::new(PostmarkState::default());
-        let router = Router::new()
-            .route("/email", post(send))
-            .route("/messages/outbound", get(search))
-            .with_state(state.clone());
-        Ok(Self {
-            server: serve(router).await?,
-            state,
-        })
-    }
-
-    /// `http://127.0.0.1:<port>`, to give an adapter as its base URL.
-    pub fn base_url(&self) -> &str {
-        self.server.base_url()
-    }
-
-    /// The emails sent.
-    pub fn ledger(&self) -> Ledger {
-        self.state.common.ledger.clone()
-    }
-
-    /// Fault injection and latency / search-lag settings.
-    pub fn faults(&self) -> Faults {
-        self.state.common.faults.clone()
-    }
-
-    /// Every request received, oldest first (faulted ones included).
-    pub fn requests(&self) -> Vec<RecordedRequest> {
-        self.state.common.requests()
-    }
 }
 
 fn pm_error(status: u16, code: i64, message: &str) -> Response {
@@ -78,14 +45,10 @@ fn authorized(headers: &HeaderMap) -> bool {
 }
 
 async fn send(
-    State(s): State<Arc<PostmarkState>>,
+    State(s): State<Arc<Shared<PostmarkState>>>,
     Extension(kill): Extension<KillSwitch>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
+    Received { headers, body, .. }: Received,
 ) -> Response {
-    s.common.record(&method, &uri, &headers, &body);
     if !authorized(&headers) {
         return pm_error(401, 10, "Request does not contain a valid Server token.");
     }
@@ -160,12 +123,9 @@ async fn send(
 }
 
 async fn search(
-    State(s): State<Arc<PostmarkState>>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
+    State(s): State<Arc<Shared<PostmarkState>>>,
+    Received { uri, headers, .. }: Received,
 ) -> Response {
-    s.common.record(&method, &uri, &headers, &[]);
     if !authorized(&headers) {
         return pm_error(401, 10, "Request does not contain a valid Server token.");
     }

@@ -4,67 +4,33 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
-use axum::body::Bytes;
 use axum::extract::{Extension, State};
-use axum::http::{HeaderMap, Method, Uri};
 use axum::response::Response;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use super::server::{KillSwitch, Server, serve};
+use super::server::{KillSwitch, Received, Shared, fake_handle};
 use super::{
-    Common, Effect, Fault, Faults, KeyEntry, Ledger, RecordedRequest, deliver, header_value,
-    json_response, lock, raw_response, retry_after_secs,
+    Effect, Fault, KeyEntry, deliver, header_value, json_response, lock, raw_response,
+    retry_after_secs,
 };
 
-/// An in-process Resend look-alike (see the [module docs](super)).
-#[derive(Debug)]
-pub struct FakeResend {
-    server: Server,
-    state: Arc<ResendState>,
+fake_handle! {
+    /// An in-process Resend look-alike (see the [module docs](super)).
+    pub struct FakeResend(ResendState);
+    routes: Router::new().route("/emails", post(send)),
+    ledger: "The emails sent.",
+    faults: "Fault injection and latency settings.",
 }
 
 #[derive(Debug, Default)]
 struct ResendState {
-    common: Common,
     keys: Mutex<HashMap<String, KeyEntry>>,
 }
 
 impl FakeResend {
     /// The API key the fake accepts (`Authorization: Bearer ...`).
     pub const API_KEY: &'static str = "re_test_idemflow_fake";
-
-    /// Starts the fake on `127.0.0.1`, port 0. It stops when dropped.
-    pub async fn start() -> std::io::Result<Self> {
-        let state = Arc::new(ResendState::default());
-        let router = Router::new()
-            .route("/emails", post(send))
-            .with_state(state.clone());
-        Ok(Self {
-            server: serve(router).await?,
-            state,
-        })
-    }
-
-    /// `http://127.0.0.1:<port>`, to give an adapter as its base URL.
-    pub fn base_url(&self) -> &str {
-        self.server.base_url()
-    }
-
-    /// The emails sent.
-    pub fn ledger(&self) -> Ledger {
-        self.state.common.ledger.clone()
-    }
-
-    /// Fault injection and latency settings.
-    pub fn faults(&self) -> Faults {
-        self.state.common.faults.clone()
-    }
-
-    /// Every request received, oldest first (faulted ones included).
-    pub fn requests(&self) -> Vec<RecordedRequest> {
-        self.state.common.requests()
-    }
 }
 
 fn resend_error(status: u16, name: &str, message: &str) -> Response {
@@ -76,14 +42,10 @@ fn resend_error(status: u16, name: &str, message: &str) -> Response {
 }
 
 async fn send(
-    State(s): State<Arc<ResendState>>,
+    State(s): State<Arc<Shared<ResendState>>>,
     Extension(kill): Extension<KillSwitch>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
+    Received { headers, body, .. }: Received,
 ) -> Response {
-    s.common.record(&method, &uri, &headers, &body);
     match header_value(&headers, "authorization") {
         None => {
             return resend_error(

@@ -1,14 +1,20 @@
 //! A tiny HTTP/1 server for the fakes: axum routes served with hyper, one task per connection,
 //! and a per-connection kill switch so a handler can close its connection without answering
-//! (a "lost response").
+//! (a "lost response"), and the start-up and public handle every fake shares.
 
 use std::sync::Arc;
 
 use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use axum::http::{HeaderMap, Uri};
+use axum::response::IntoResponse;
 use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
+
+use super::Common;
 
 /// Lets a handler close the connection it is serving.
 #[derive(Debug, Clone)]
@@ -71,3 +77,103 @@ pub(crate) async fn serve(router: Router) -> std::io::Result<Server> {
         _stop: stop,
     })
 }
+
+/// What a fake's handlers see: the [`Common`] part every fake has, and the fake's own state
+/// (reached through `Deref`).
+#[derive(Debug, Default)]
+pub(crate) struct Shared<S> {
+    pub(crate) common: Common,
+    fake: S,
+}
+
+impl<S> std::ops::Deref for Shared<S> {
+    type Target = S;
+
+    fn deref(&self) -> &S {
+        &self.fake
+    }
+}
+
+/// A fake's routes, served with its shared state.
+pub(crate) type Routes<S> = Router<Arc<Shared<S>>>;
+
+/// The start-up every fake shares: a fresh state, its routes served on `127.0.0.1`, port 0.
+pub(crate) async fn start<S: Default + Send + Sync + 'static>(
+    routes: Routes<S>,
+) -> std::io::Result<(Server, Arc<Shared<S>>)> {
+    let state = Arc::new(Shared::<S>::default());
+    let server = serve(routes.with_state(state.clone())).await?;
+    Ok((server, state))
+}
+
+/// A request as a fake's effect or search endpoint received it, already recorded in
+/// [`Common::record`]: the extractor every handler starts with.
+pub(crate) struct Received {
+    pub(crate) uri: Uri,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+}
+
+impl<S: Send + Sync> FromRequest<Arc<Shared<S>>> for Received {
+    type Rejection = axum::response::Response;
+
+    async fn from_request(req: Request, state: &Arc<Shared<S>>) -> Result<Self, Self::Rejection> {
+        let method = req.method().clone();
+        let uri = req.uri().clone();
+        let headers = req.headers().clone();
+        let body = Bytes::from_request(req, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        state.common.record(&method, &uri, &headers, &body);
+        Ok(Self { uri, headers, body })
+    }
+}
+
+/// Declares a fake's public handle (`start`, `base_url`, `ledger`, `faults`, `requests`) over its
+/// state type and routes.
+macro_rules! fake_handle {
+    (
+        $(#[$doc:meta])*
+        pub struct $fake:ident($state:ty);
+        routes: $routes:expr,
+        ledger: $ledger_doc:literal,
+        faults: $faults_doc:literal $(,)?
+    ) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $fake {
+            server: $crate::testkit::server::Server,
+            state: std::sync::Arc<$crate::testkit::server::Shared<$state>>,
+        }
+
+        impl $fake {
+            /// Starts the fake on `127.0.0.1`, port 0. It stops when dropped.
+            pub async fn start() -> std::io::Result<Self> {
+                let (server, state) = $crate::testkit::server::start::<$state>($routes).await?;
+                Ok(Self { server, state })
+            }
+
+            /// `http://127.0.0.1:<port>`, to give an adapter as its base URL.
+            pub fn base_url(&self) -> &str {
+                self.server.base_url()
+            }
+
+            #[doc = $ledger_doc]
+            pub fn ledger(&self) -> $crate::testkit::Ledger {
+                self.state.common.ledger.clone()
+            }
+
+            #[doc = $faults_doc]
+            pub fn faults(&self) -> $crate::testkit::Faults {
+                self.state.common.faults.clone()
+            }
+
+            /// Every request received, oldest first (faulted ones included).
+            pub fn requests(&self) -> Vec<$crate::testkit::RecordedRequest> {
+                self.state.common.requests()
+            }
+        }
+    };
+}
+
+pub(crate) use fake_handle;

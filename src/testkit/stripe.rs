@@ -4,30 +4,31 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
-use axum::body::Bytes;
 use axum::extract::{Extension, State};
-use axum::http::{HeaderMap, Method, Uri};
+use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::{get, post};
 use serde_json::{Map, Value, json};
 use tokio::time::Instant;
 
-use super::server::{KillSwitch, Server, serve};
+use super::server::{KillSwitch, Received, Shared, fake_handle};
 use super::{
-    Common, Effect, Fault, Faults, KeyEntry, Ledger, RecordedRequest, deliver, header_value,
-    json_response, lock, raw_response, retry_after_secs,
+    Effect, Fault, KeyEntry, deliver, header_value, json_response, lock, raw_response,
+    retry_after_secs,
 };
 
-/// An in-process Stripe look-alike (see the [module docs](super)).
-#[derive(Debug)]
-pub struct FakeStripe {
-    server: Server,
-    state: Arc<StripeState>,
+fake_handle! {
+    /// An in-process Stripe look-alike (see the [module docs](super)).
+    pub struct FakeStripe(StripeState);
+    routes: Router::new()
+            .route("/v1/payment_intents", post(create))
+            .route("/v1/payment_intents/search", get(search)),
+    ledger: "The PaymentIntents created (declined ones included, with their status).",
+    faults: "Fault injection and latency / search-lag settings.",
 }
 
 #[derive(Debug, Default)]
 struct StripeState {
-    common: Common,
     keys: Mutex<HashMap<String, KeyEntry>>,
     intents: Mutex<Vec<(Instant, Value)>>,
 }
@@ -37,39 +38,6 @@ impl FakeStripe {
     pub const API_KEY: &'static str = "sk_test_idemflow_fake";
     /// A `payment_method` that is declined with 402 `card_error` / `card_declined`.
     pub const DECLINED_CARD: &'static str = "pm_card_chargeDeclined";
-
-    /// Starts the fake on `127.0.0.1`, port 0. It stops when dropped.
-    pub async fn start() -> std::io::Result<Self> {
-        let state = Arc::new(StripeState::default());
-        let router = Router::new()
-            .route("/v1/payment_intents", post(create))
-            .route("/v1/payment_intents/search", get(search))
-            .with_state(state.clone());
-        Ok(Self {
-            server: serve(router).await?,
-            state,
-        })
-    }
-
-    /// `http://127.0.0.1:<port>`, to give an adapter as its base URL.
-    pub fn base_url(&self) -> &str {
-        self.server.base_url()
-    }
-
-    /// The PaymentIntents created (declined ones included, with their status).
-    pub fn ledger(&self) -> Ledger {
-        self.state.common.ledger.clone()
-    }
-
-    /// Fault injection and latency / search-lag settings.
-    pub fn faults(&self) -> Faults {
-        self.state.common.faults.clone()
-    }
-
-    /// Every request received, oldest first (faulted ones included).
-    pub fn requests(&self) -> Vec<RecordedRequest> {
-        self.state.common.requests()
-    }
 }
 
 fn stripe_error(status: u16, error: Value) -> Response {
@@ -82,14 +50,10 @@ fn authorized(headers: &HeaderMap) -> bool {
 }
 
 async fn create(
-    State(s): State<Arc<StripeState>>,
+    State(s): State<Arc<Shared<StripeState>>>,
     Extension(kill): Extension<KillSwitch>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
+    Received { headers, body, .. }: Received,
 ) -> Response {
-    s.common.record(&method, &uri, &headers, &body);
     if !authorized(&headers) {
         return stripe_error(
             401,
@@ -286,12 +250,9 @@ fn parse_query(q: &str) -> Option<(String, String)> {
 }
 
 async fn search(
-    State(s): State<Arc<StripeState>>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
+    State(s): State<Arc<Shared<StripeState>>>,
+    Received { uri, headers, .. }: Received,
 ) -> Response {
-    s.common.record(&method, &uri, &headers, &[]);
     if !authorized(&headers) {
         return stripe_error(
             401,

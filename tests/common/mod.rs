@@ -5,23 +5,12 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use idemflow::store::sqlite::SqliteStore;
-use idemflow::{Context, Outcome, Response, Store};
+use idemflow::{Context, Outcome, StoredResponse};
 
-pub async fn memory() -> Arc<SqliteStore> {
-    let s = SqliteStore::connect("sqlite::memory:").await.unwrap();
-    s.migrate().await.unwrap();
-    Arc::new(s)
-}
-
-pub async fn file() -> Arc<SqliteStore> {
-    let dir = tempfile::tempdir().unwrap().keep();
-    let s = SqliteStore::connect(&format!("sqlite://{}", dir.join("t.db").display()))
-        .await
-        .unwrap();
-    s.migrate().await.unwrap();
-    Arc::new(s)
-}
+#[path = "../support/sqlite.rs"]
+mod sqlite;
+#[allow(unused_imports)]
+pub use sqlite::{file, memory};
 
 /// A fake card processor: counts charges and answers with the charge number.
 #[derive(Debug, Default)]
@@ -42,7 +31,7 @@ impl Charger {
             .unwrap()
             .push(ctx.provider_key().to_owned());
         Outcome::Succeeded(
-            Response::json(201, &serde_json::json!({"payment_id": n, "amount": amount}))
+            StoredResponse::json(201, &serde_json::json!({"payment_id": n, "amount": amount}))
                 .unwrap()
                 .with_header("Location", format!("/payments/{n}"))
                 .with_header("X-Request-Id", format!("req-{n}")),

@@ -21,18 +21,18 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDateTime, Utc};
 use sqlx::migrate::Migrator;
-use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlRow};
 use sqlx::{AssertSqlSafe, Executor, Row};
 use tracing::instrument;
 
+use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 use super::{
-    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, Stuck,
-    TakeStale, check_finish, claimable, millis, refused_write,
+    ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
+    claimable, millis, refused_write,
 };
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
-use crate::state::Transition;
 
 mod sql;
 
@@ -149,12 +149,8 @@ impl MySqlStore {
     ) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
         match self.read(id).await? {
             None => Ok(None),
-            Some(row) => Ok(Some((record(&row)?, time(&row, "db_now")?))),
+            Some(row) => Ok(Some((decode_record(&row)?, row.time_at("db_now")?))),
         }
-    }
-
-    async fn lease_lost_or_missing(&self, id: &KeyId, presented: LeaseToken) -> StoreError {
-        refused_write(id, presented, self.get(id).await)
     }
 
     /// Runs the ON DUPLICATE KEY claim, retrying deadlock victims.
@@ -232,58 +228,20 @@ fn with_in_list(prefix: &str, n: usize) -> AssertSqlSafe<String> {
     AssertSqlSafe(sql)
 }
 
-fn text(bytes: Vec<u8>, col: &str) -> Result<String, StoreError> {
-    String::from_utf8(bytes).map_err(|e| corrupt(format!("{col} is not UTF-8: {e}")))
-}
+impl SqlRow for MySqlRow {
+    const BACKEND: &'static str = BACKEND;
 
-fn time(row: &MySqlRow, col: &str) -> Result<DateTime<Utc>, StoreError> {
-    let t: NaiveDateTime = row.try_get(col).map_err(db)?;
-    Ok(t.and_utc())
-}
-
-fn opt_time(row: &MySqlRow, col: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
-    let t: Option<NaiveDateTime> = row.try_get(col).map_err(db)?;
-    Ok(t.map(|t| t.and_utc()))
-}
-
-fn record(row: &MySqlRow) -> Result<KeyRecord, StoreError> {
-    fn get<'r, T: sqlx::Decode<'r, MySql> + sqlx::Type<MySql>>(
-        row: &'r MySqlRow,
-        col: &str,
-    ) -> Result<T, StoreError> {
-        row.try_get(col).map_err(db)
+    fn time(&self, col: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
+        let t: Option<NaiveDateTime> = self.try_get(col).map_err(db)?;
+        Ok(t.map(|t| t.and_utc()))
     }
-    RawRecord {
-        scope: text(get(row, "scope")?, "scope")?,
-        key: text(get(row, "key")?, "key")?,
-        operation: get(row, "operation")?,
-        provider: get(row, "provider")?,
-        provider_key: get(row, "provider_key")?,
-        state: get(row, "state")?,
-        retryable: get(row, "retryable")?,
-        fingerprint: get(row, "fingerprint")?,
-        request: get(row, "request")?,
-        response_status: get(row, "response_status")?,
-        response_headers: get(row, "response_headers")?,
-        response_body: get(row, "response_body")?,
-        error: get(row, "error")?,
-        lease_token: get(row, "lease_token")?,
-        lease_owner: get(row, "lease_owner")?,
-        lease_expires_at: opt_time(row, "lease_expires_at")?,
-        attempts: get(row, "attempts")?,
-        created_at: time(row, "created_at")?,
-        updated_at: time(row, "updated_at")?,
-        expires_at: opt_time(row, "expires_at")?,
-        next_check_at: opt_time(row, "next_check_at")?,
-        retention_ms: get(row, "retention_ms")?,
-    }
-    .into_record(BACKEND)
-}
 
-fn transition_of(reason: Option<&str>) -> Result<Transition, StoreError> {
-    reason
-        .and_then(Transition::from_claim_reason)
-        .ok_or_else(|| corrupt(format!("claimed row has reason {reason:?}")))
+    fn text(&self, col: &str) -> Result<Option<String>, StoreError> {
+        let bytes: Option<Vec<u8>> = self.try_get(col).map_err(db)?;
+        bytes
+            .map(|b| String::from_utf8(b).map_err(|e| corrupt(format!("{col} is not UTF-8: {e}"))))
+            .transpose()
+    }
 }
 
 #[async_trait]
@@ -332,24 +290,13 @@ impl Store for MySqlStore {
             let won: Option<i64> = row.try_get("claim_nonce").map_err(db)?;
             if won != Some(nonce) {
                 return Ok(ClaimOutcome::Existing {
-                    record: Box::new(record(&row)?),
-                    now: time(&row, "db_now")?,
+                    record: Box::new(decode_record(&row)?),
+                    now: row.time_at("db_now")?,
                 });
             }
-            let reason: Option<String> = row.try_get("last_reason").map_err(db)?;
-            let transition = transition_of(reason.as_deref())?;
-            let r = record(&row)?;
-            let expires_at = r
-                .lease_expires_at
-                .ok_or_else(|| corrupt(format!("claimed key {} has no lease", claim.id)))?;
-            tracing::debug!(?transition, "key claimed");
-            return Ok(ClaimOutcome::Claimed(Lease {
-                token: r.lease_token,
-                expires_at,
-                attempts: r.attempts,
-                provider_key: r.provider_key,
-                transition,
-            }));
+            let lease = decode_lease(&row)?;
+            tracing::debug!(transition = ?lease.transition, "key claimed");
+            return Ok(ClaimOutcome::Claimed(lease));
         }
         Err(corrupt(format!(
             "claim of {} neither inserted nor found a row",
@@ -389,12 +336,7 @@ impl Store for MySqlStore {
             .map_err(db)?;
         if done.rows_affected() != 1 {
             tx.rollback().await.map_err(db)?;
-            return Err(match token {
-                Some(t) => self.lease_lost_or_missing(id, t).await,
-                None => StoreError::NotFound {
-                    key: id.to_string(),
-                },
-            });
+            return Err(refused_write(self, id, token).await);
         }
         let row = sqlx::query(sql::GET)
             .bind(id.scope.as_str())
@@ -403,7 +345,7 @@ impl Store for MySqlStore {
             .await
             .map_err(db)?;
         tx.commit().await.map_err(db)?;
-        record(&row)
+        decode_record(&row)
     }
 
     #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]
@@ -427,7 +369,7 @@ impl Store for MySqlStore {
         if done.rows_affected() == 1 {
             Ok(())
         } else {
-            Err(self.lease_lost_or_missing(id, token).await)
+            Err(refused_write(self, id, Some(token)).await)
         }
     }
 
@@ -449,7 +391,7 @@ impl Store for MySqlStore {
             .map_err(db)?;
         if done.rows_affected() != 1 {
             tx.rollback().await.map_err(db)?;
-            return Err(self.lease_lost_or_missing(id, token).await);
+            return Err(refused_write(self, id, Some(token)).await);
         }
         let exp: Option<NaiveDateTime> = sqlx::query_scalar(sql::LEASE_OF)
             .bind(id.scope.as_str())
@@ -473,22 +415,7 @@ impl Store for MySqlStore {
             .fetch_all(&self.pool)
             .await
             .map_err(db)?;
-        rows.iter()
-            .map(|row| {
-                RawEvent {
-                    seq: row.try_get("id").map_err(db)?,
-                    from_state: row.try_get("from_state").map_err(db)?,
-                    from_retryable: row.try_get("from_retryable").map_err(db)?,
-                    to_state: row.try_get("to_state").map_err(db)?,
-                    to_retryable: row.try_get("to_retryable").map_err(db)?,
-                    lease_token: row.try_get("lease_token").map_err(db)?,
-                    actor: row.try_get("actor").map_err(db)?,
-                    reason: row.try_get("reason").map_err(db)?,
-                    at: time(row, "at")?,
-                }
-                .into_event(BACKEND)
-            })
-            .collect()
+        rows.iter().map(decode_event).collect()
     }
 
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
@@ -508,7 +435,9 @@ impl Store for MySqlStore {
                     read = read.bind(scope).bind(key);
                 }
                 let rows = read.fetch_all(&mut *tx).await.map_err(db)?;
-                rows.iter().map(record).collect::<Result<Vec<_>, _>>()
+                rows.iter()
+                    .map(decode_record)
+                    .collect::<Result<Vec<_>, _>>()
             })
             .await?;
         Ok(taken.unwrap_or_default())
@@ -535,17 +464,7 @@ impl Store for MySqlStore {
             .fetch_one(&self.pool)
             .await
             .map_err(db)?;
-        let oldest: Option<NaiveDateTime> = row.try_get(5).map_err(db)?;
-        let now: NaiveDateTime = row.try_get(6).map_err(db)?;
-        Ok(Stats {
-            processing: row.try_get(0).map_err(db)?,
-            stale: row.try_get(1).map_err(db)?,
-            done: row.try_get(2).map_err(db)?,
-            failed_retryable: row.try_get(3).map_err(db)?,
-            failed_permanent: row.try_get(4).map_err(db)?,
-            oldest_processing_created_at: oldest.map(|t| t.and_utc()),
-            now: now.and_utc(),
-        })
+        decode_stats(&row)
     }
 
     async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
@@ -562,7 +481,7 @@ impl Store for MySqlStore {
             .map_err(db)?;
         Ok(Stuck {
             count,
-            oldest: rows.iter().map(record).collect::<Result<_, _>>()?,
+            oldest: rows.iter().map(decode_record).collect::<Result<_, _>>()?,
         })
     }
 

@@ -9,12 +9,11 @@ macro_rules! now {
     };
 }
 
+use crate::store::rows::{event_columns, key_columns};
+
 macro_rules! cols {
     () => {
-        "scope, `key`, operation, provider, provider_key, state, retryable, fingerprint, request, \
-         response_status, response_headers, response_body, error, lease_token, lease_owner, \
-         lease_expires_at, attempts, created_at, updated_at, expires_at, next_check_at, \
-         retention_ms"
+        key_columns!("", "`key`")
     };
 }
 
@@ -199,22 +198,24 @@ pub(super) const DELETE_PICKED: &str =
 
 pub(super) const READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
-pub(super) const HISTORY: &str = "SELECT id, from_state, from_retryable, to_state, to_retryable, \
-     lease_token, actor, reason, at FROM idempotency_key_events \
-     WHERE scope = ? AND `key` = ? ORDER BY id";
+pub(super) const HISTORY: &str = concat!(
+    "SELECT ",
+    event_columns!(),
+    " FROM idempotency_key_events WHERE scope = ? AND `key` = ? ORDER BY id"
+);
 
 pub(super) const STATS: &str = concat!(
     "SELECT \
-       COUNT(CASE WHEN state = 'processing' THEN 1 END), \
+       COUNT(CASE WHEN state = 'processing' THEN 1 END) AS processing, \
        COUNT(CASE WHEN state = 'processing' AND lease_expires_at <= ",
     now!(),
-    " THEN 1 END), \
-       COUNT(CASE WHEN state = 'done' THEN 1 END), \
-       COUNT(CASE WHEN state = 'failed' AND retryable THEN 1 END), \
-       COUNT(CASE WHEN state = 'failed' AND NOT retryable THEN 1 END), \
-       MIN(CASE WHEN state = 'processing' THEN created_at END), ",
+    " THEN 1 END) AS stale, \
+       COUNT(CASE WHEN state = 'done' THEN 1 END) AS done, \
+       COUNT(CASE WHEN state = 'failed' AND retryable THEN 1 END) AS failed_retryable, \
+       COUNT(CASE WHEN state = 'failed' AND NOT retryable THEN 1 END) AS failed_permanent, \
+       MIN(CASE WHEN state = 'processing' THEN created_at END) AS oldest_processing, ",
     now!(),
-    " FROM idempotency_keys"
+    " AS db_now FROM idempotency_keys"
 );
 
 /// Processing keys first claimed at least the given µs ago.
@@ -238,3 +239,11 @@ pub(super) const COUNT_EXPIRED: &str = concat!(
     "SELECT COUNT(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
     now!()
 );
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn claim_spells_the_claim_reasons() {
+        crate::store::assert_claim_reasons(super::CLAIM);
+    }
+}

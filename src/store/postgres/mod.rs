@@ -23,14 +23,14 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use tracing::instrument;
 
+use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 use super::{
-    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, Stuck,
-    TakeStale, check_finish, millis, refused_write,
+    ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish, millis,
+    refused_write,
 };
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
-use crate::state::Transition;
 
 mod sql;
 
@@ -112,57 +112,21 @@ impl PostgresStore {
             .map_err(db)?;
         match row {
             None => Ok(None),
-            Some(row) => {
-                let now: DateTime<Utc> = row.try_get("db_now").map_err(db)?;
-                Ok(Some((record(&row)?, now)))
-            }
+            Some(row) => Ok(Some((decode_record(&row)?, row.time_at("db_now")?))),
         }
     }
-
-    async fn lease_lost_or_missing(&self, id: &KeyId, presented: LeaseToken) -> StoreError {
-        refused_write(id, presented, self.get(id).await)
-    }
 }
 
-fn record(row: &PgRow) -> Result<KeyRecord, StoreError> {
-    fn get<'r, T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>>(
-        row: &'r PgRow,
-        col: &str,
-    ) -> Result<T, StoreError> {
-        row.try_get(col).map_err(db)
-    }
-    RawRecord {
-        scope: get(row, "scope")?,
-        key: get(row, "key")?,
-        operation: get(row, "operation")?,
-        provider: get(row, "provider")?,
-        provider_key: get(row, "provider_key")?,
-        state: get(row, "state")?,
-        retryable: get(row, "retryable")?,
-        fingerprint: get(row, "fingerprint")?,
-        request: get(row, "request")?,
-        response_status: get(row, "response_status")?,
-        response_headers: get(row, "response_headers")?,
-        response_body: get(row, "response_body")?,
-        error: get(row, "error")?,
-        lease_token: get(row, "lease_token")?,
-        lease_owner: get(row, "lease_owner")?,
-        lease_expires_at: get(row, "lease_expires_at")?,
-        attempts: get(row, "attempts")?,
-        created_at: get(row, "created_at")?,
-        updated_at: get(row, "updated_at")?,
-        expires_at: get(row, "expires_at")?,
-        next_check_at: get(row, "next_check_at")?,
-        retention_ms: get(row, "retention_ms")?,
-    }
-    .into_record(BACKEND)
-}
+impl SqlRow for PgRow {
+    const BACKEND: &'static str = BACKEND;
 
-fn transition_of(reason: &str) -> Result<Transition, StoreError> {
-    Transition::from_claim_reason(reason).ok_or_else(|| StoreError::Corrupt {
-        backend: BACKEND,
-        detail: format!("claim returned reason {reason:?}"),
-    })
+    fn time(&self, col: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
+        self.try_get(col).map_err(db)
+    }
+
+    fn text(&self, col: &str) -> Result<Option<String>, StoreError> {
+        self.try_get(col).map_err(db)
+    }
 }
 
 #[async_trait]
@@ -225,20 +189,13 @@ impl Store for PostgresStore {
             let claimed: bool = row.try_get("claimed").map_err(db)?;
             if !claimed {
                 return Ok(ClaimOutcome::Existing {
-                    record: Box::new(record(&row)?),
-                    now: row.try_get("db_now").map_err(db)?,
+                    record: Box::new(decode_record(&row)?),
+                    now: row.time_at("db_now")?,
                 });
             }
-            let reason: String = row.try_get("last_reason").map_err(db)?;
-            let transition = transition_of(&reason)?;
-            tracing::debug!(?transition, "key claimed");
-            return Ok(ClaimOutcome::Claimed(Lease {
-                token: LeaseToken(row.try_get("lease_token").map_err(db)?),
-                expires_at: row.try_get("lease_expires_at").map_err(db)?,
-                attempts: row.try_get("attempts").map_err(db)?,
-                provider_key: row.try_get("provider_key").map_err(db)?,
-                transition,
-            }));
+            let lease = decode_lease(&row)?;
+            tracing::debug!(transition = ?lease.transition, "key claimed");
+            return Ok(ClaimOutcome::Claimed(lease));
         }
         Err(StoreError::Corrupt {
             backend: BACKEND,
@@ -271,13 +228,8 @@ impl Store for PostgresStore {
             .await
             .map_err(db)?;
         match row {
-            Some(row) => record(&row),
-            None => Err(match token {
-                Some(t) => self.lease_lost_or_missing(id, t).await,
-                None => StoreError::NotFound {
-                    key: id.to_string(),
-                },
-            }),
+            Some(row) => decode_record(&row),
+            None => Err(refused_write(self, id, token).await),
         }
     }
 
@@ -302,7 +254,7 @@ impl Store for PostgresStore {
         if done.rows_affected() == 1 {
             Ok(())
         } else {
-            Err(self.lease_lost_or_missing(id, token).await)
+            Err(refused_write(self, id, Some(token)).await)
         }
     }
 
@@ -323,7 +275,7 @@ impl Store for PostgresStore {
             .map_err(db)?;
         match exp {
             Some(exp) => Ok(exp),
-            None => Err(self.lease_lost_or_missing(id, token).await),
+            None => Err(refused_write(self, id, Some(token)).await),
         }
     }
 
@@ -338,22 +290,7 @@ impl Store for PostgresStore {
             .fetch_all(&self.pool)
             .await
             .map_err(db)?;
-        rows.iter()
-            .map(|row| {
-                RawEvent {
-                    seq: row.try_get("id").map_err(db)?,
-                    from_state: row.try_get("from_state").map_err(db)?,
-                    from_retryable: row.try_get("from_retryable").map_err(db)?,
-                    to_state: row.try_get("to_state").map_err(db)?,
-                    to_retryable: row.try_get("to_retryable").map_err(db)?,
-                    lease_token: row.try_get("lease_token").map_err(db)?,
-                    actor: row.try_get("actor").map_err(db)?,
-                    reason: row.try_get("reason").map_err(db)?,
-                    at: row.try_get("at").map_err(db)?,
-                }
-                .into_event(BACKEND)
-            })
-            .collect()
+        rows.iter().map(decode_event).collect()
     }
 
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
@@ -365,7 +302,7 @@ impl Store for PostgresStore {
             .fetch_all(&self.pool)
             .await
             .map_err(db)?;
-        rows.iter().map(record).collect()
+        rows.iter().map(decode_record).collect()
     }
 
     #[instrument(name = "idemflow.purge", skip(self), fields(backend = BACKEND), err)]
@@ -383,15 +320,7 @@ impl Store for PostgresStore {
             .fetch_one(&self.pool)
             .await
             .map_err(db)?;
-        Ok(Stats {
-            processing: row.try_get(0).map_err(db)?,
-            stale: row.try_get(1).map_err(db)?,
-            done: row.try_get(2).map_err(db)?,
-            failed_retryable: row.try_get(3).map_err(db)?,
-            failed_permanent: row.try_get(4).map_err(db)?,
-            oldest_processing_created_at: row.try_get(5).map_err(db)?,
-            now: row.try_get(6).map_err(db)?,
-        })
+        decode_stats(&row)
     }
 
     async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
@@ -408,7 +337,7 @@ impl Store for PostgresStore {
             .map_err(db)?;
         Ok(Stuck {
             count,
-            oldest: rows.iter().map(record).collect::<Result<_, _>>()?,
+            oldest: rows.iter().map(decode_record).collect::<Result<_, _>>()?,
         })
     }
 

@@ -8,54 +8,11 @@ macro_rules! now {
     };
 }
 
+use crate::store::rows::{event_columns, key_columns};
+
 macro_rules! cols {
     ($t:literal) => {
-        concat!(
-            $t,
-            "scope, ",
-            $t,
-            "key, ",
-            $t,
-            "operation, ",
-            $t,
-            "provider, ",
-            $t,
-            "provider_key, ",
-            $t,
-            "state, ",
-            $t,
-            "retryable, ",
-            $t,
-            "fingerprint, ",
-            $t,
-            "request, ",
-            $t,
-            "response_status, ",
-            $t,
-            "response_headers, ",
-            $t,
-            "response_body, ",
-            $t,
-            "error, ",
-            $t,
-            "lease_token, ",
-            $t,
-            "lease_owner, ",
-            $t,
-            "lease_expires_at, ",
-            $t,
-            "attempts, ",
-            $t,
-            "created_at, ",
-            $t,
-            "updated_at, ",
-            $t,
-            "expires_at, ",
-            $t,
-            "next_check_at, ",
-            $t,
-            "retention_ms"
-        )
+        key_columns!($t, "key")
     };
 }
 
@@ -220,22 +177,24 @@ pub(super) const PURGE: &str = concat!(
      WHERE k.scope = picked.scope AND k.key = picked.key AND k.state <> 'processing'"
 );
 
-pub(super) const HISTORY: &str = "SELECT id, from_state, from_retryable, to_state, to_retryable, \
-     lease_token, actor, reason, at FROM idempotency_key_events \
-     WHERE scope = $1 AND key = $2 ORDER BY id";
+pub(super) const HISTORY: &str = concat!(
+    "SELECT ",
+    event_columns!(),
+    " FROM idempotency_key_events WHERE scope = $1 AND key = $2 ORDER BY id"
+);
 
 pub(super) const STATS: &str = concat!(
     "SELECT \
-       count(*) FILTER (WHERE state = 'processing'), \
+       count(*) FILTER (WHERE state = 'processing') AS processing, \
        count(*) FILTER (WHERE state = 'processing' AND lease_expires_at <= ",
     now!(),
-    "), \
-       count(*) FILTER (WHERE state = 'done'), \
-       count(*) FILTER (WHERE state = 'failed' AND retryable), \
-       count(*) FILTER (WHERE state = 'failed' AND NOT retryable), \
-       min(created_at) FILTER (WHERE state = 'processing'), ",
+    ") AS stale, \
+       count(*) FILTER (WHERE state = 'done') AS done, \
+       count(*) FILTER (WHERE state = 'failed' AND retryable) AS failed_retryable, \
+       count(*) FILTER (WHERE state = 'failed' AND NOT retryable) AS failed_permanent, \
+       min(created_at) FILTER (WHERE state = 'processing') AS oldest_processing, ",
     now!(),
-    " FROM idempotency_keys"
+    " AS db_now FROM idempotency_keys"
 );
 
 /// Processing keys first claimed at least `$1` ms ago.
@@ -259,3 +218,11 @@ pub(super) const COUNT_EXPIRED: &str = concat!(
     "SELECT count(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
     now!()
 );
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn claim_spells_the_claim_reasons() {
+        crate::store::assert_claim_reasons(super::CLAIM);
+    }
+}

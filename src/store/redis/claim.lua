@@ -3,7 +3,8 @@
 -- return the key as it is. The same rules as `claimable()` and the SQLite CLAIM statement.
 -- KEYS: hash, history, then the bucket's six indexes.
 -- ARGV[6..]: member, operation, provider?, provider_key, fingerprint, request?, owner, lease_ms,
--- retention_ms, window_ms?
+-- retention_ms, window_ms?, then the history reasons of a claim, a reclaim and a takeover (from
+-- `Transition::CLAIM_REASONS`; the reply returns the one recorded, the Rust side parses it back).
 local idx = idx_from(3)
 local h, hist = KEYS[1], KEYS[2]
 local m = ARGV[6]
@@ -12,6 +13,7 @@ local request, owner = opt(ARGV[11]), ARGV[12]
 local lease, retention = tonumber(ARGV[13]), tonumber(ARGV[14])
 local window = opt(ARGV[15])
 if window then window = tonumber(window) end
+local CLAIMED, RECLAIMED, TAKEN_OVER = ARGV[16], ARGV[17], ARGV[18]
 
 local now = now_ms()
 local cur = redis.call('HMGET', h, 'st', 'rt', 'fp', 'lex', 'cat', 'pk', 'tok', 'att', 'hs')
@@ -31,23 +33,23 @@ if not cur[1] then
   redis.call('ZREM', idx.fr, m)
   redis.call('ZREM', idx.fp, m)
   index_processing(idx, m, lex, nil, now)
-  record_event(hist, seq, nil, nil, 'processing', '0', 1, 'worker', 'claimed', now)
+  record_event(hist, seq, nil, nil, 'processing', '0', 1, 'worker', CLAIMED, now)
   -- A history left by a purged or expired key has a TTL; a new one has none.
   if had_history then redis.call('PERSIST', hist) end
-  return {'claimed', 1, lex, 1, pk, 'claim'}
+  return {'claimed', 1, lex, 1, pk, CLAIMED}
 end
 
 local st, rt, cfp, clex, ccat, cpk = cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]
-local transition = nil
+local reason = nil
 if cfp == fp then
   if st == 'failed' and rt == '1' then
-    transition = 'reclaim'
+    reason = RECLAIMED
   elseif st == 'processing' and window and clex and tonumber(clex) <= now
       and tonumber(ccat) > now - window then
-    transition = 'takeover'
+    reason = TAKEN_OVER
   end
 end
-if not transition then
+if not reason then
   return {'existing', now, redis.call('HGETALL', h)}
 end
 
@@ -63,8 +65,6 @@ redis.call('HDEL', h, 'exp', 'nca', 'err', 'rs', 'rh', 'rb')
 redis.call('PERSIST', h)
 unindex(idx, m, st, rt)
 index_processing(idx, m, lex, nil, tonumber(ccat))
-local reason = 'retry took over an expired lease'
-if transition == 'reclaim' then reason = 'reclaimed after a retryable failure' end
 record_event(hist, seq, st, rt, 'processing', '0', tok, 'worker', reason, now)
 redis.call('PERSIST', hist)
-return {'claimed', tok, lex, att, cpk, transition}
+return {'claimed', tok, lex, att, cpk, reason}

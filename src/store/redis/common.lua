@@ -72,19 +72,15 @@ local function index_processing(idx, m, lex, nca, created)
 end
 
 -- The last history sequence number of a key (0 when it has none) and whether it has a history.
--- Entries are compact (see record_event) or, when written by an earlier version, JSON.
+-- The sequence number leads each entry (see record_event); should the last entry not start with
+-- one (never written so), the list's length stands in for it.
 local function last_seq(hist)
   local last = redis.call('LINDEX', hist, -1)
   if not last then return 0, false end
-  local q = tonumber(string.match(last, '^(%d+)|'))
-  if q then return q, true end
-  local ok, e = pcall(cjson.decode, last)
-  if ok and type(e) == 'table' and tonumber(e.q) then return tonumber(e.q), true end
-  return redis.call('LLEN', hist), true
+  return tonumber(string.match(last, '^(%d+)|')) or redis.call('LLEN', hist), true
 end
 
--- Appends one history entry (and caps the list). The entry is a fixed-field string, cheaper to
--- build than JSON:
+-- Appends one history entry (and caps the list). The entry is a fixed-field string:
 --   seq|from_state|from_retryable|to_state|to_retryable|token|at|#actor|actor[|reason]
 -- nil fields are empty; the actor is length-prefixed and the reason, last, is the rest of the
 -- entry, so neither needs escaping. A missing reason leaves out its '|'.

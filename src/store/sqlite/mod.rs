@@ -20,15 +20,14 @@ use sqlx::sqlite::{
 };
 use tracing::instrument;
 
-use super::rows::ms_to_time;
+use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats, ms_to_time};
 use super::{
-    ClaimOutcome, Finish, Lease, NewClaim, RawEvent, RawRecord, Release, Stats, Store, Stuck,
-    TakeStale, check_finish, claimable, millis, refused_write,
+    ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
+    claimable, millis, refused_write,
 };
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
-use crate::state::Transition;
 
 mod sql;
 
@@ -191,56 +190,24 @@ impl SqliteStore {
             .map_err(db)?;
         match row {
             None => Ok(None),
-            Some(row) => {
-                let now: i64 = row.try_get("db_now").map_err(db)?;
-                Ok(Some((record(&row)?, ms_to_time(BACKEND, now)?)))
-            }
+            Some(row) => Ok(Some((decode_record(&row)?, row.time_at("db_now")?))),
         }
     }
+}
 
-    async fn lease_lost_or_missing(&self, id: &KeyId, presented: LeaseToken) -> StoreError {
-        refused_write(id, presented, self.get(id).await)
+impl SqlRow for SqliteRow {
+    const BACKEND: &'static str = BACKEND;
+
+    fn time(&self, col: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
+        self.try_get::<Option<i64>, _>(col)
+            .map_err(db)?
+            .map(|ms| ms_to_time(BACKEND, ms))
+            .transpose()
     }
-}
 
-fn opt_time(row: &SqliteRow, col: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
-    row.try_get::<Option<i64>, _>(col)
-        .map_err(db)?
-        .map(|ms| ms_to_time(BACKEND, ms))
-        .transpose()
-}
-
-fn time(row: &SqliteRow, col: &str) -> Result<DateTime<Utc>, StoreError> {
-    ms_to_time(BACKEND, row.try_get(col).map_err(db)?)
-}
-
-fn record(row: &SqliteRow) -> Result<KeyRecord, StoreError> {
-    let g = |c: &str| -> Result<Option<String>, StoreError> { row.try_get(c).map_err(db) };
-    RawRecord {
-        scope: row.try_get("scope").map_err(db)?,
-        key: row.try_get("key").map_err(db)?,
-        operation: row.try_get("operation").map_err(db)?,
-        provider: g("provider")?,
-        provider_key: row.try_get("provider_key").map_err(db)?,
-        state: row.try_get("state").map_err(db)?,
-        retryable: row.try_get("retryable").map_err(db)?,
-        fingerprint: row.try_get("fingerprint").map_err(db)?,
-        request: g("request")?,
-        response_status: row.try_get("response_status").map_err(db)?,
-        response_headers: g("response_headers")?,
-        response_body: row.try_get("response_body").map_err(db)?,
-        error: g("error")?,
-        lease_token: row.try_get("lease_token").map_err(db)?,
-        lease_owner: g("lease_owner")?,
-        lease_expires_at: opt_time(row, "lease_expires_at")?,
-        attempts: row.try_get("attempts").map_err(db)?,
-        created_at: time(row, "created_at")?,
-        updated_at: time(row, "updated_at")?,
-        expires_at: opt_time(row, "expires_at")?,
-        next_check_at: opt_time(row, "next_check_at")?,
-        retention_ms: row.try_get("retention_ms").map_err(db)?,
+    fn text(&self, col: &str) -> Result<Option<String>, StoreError> {
+        self.try_get(col).map_err(db)
     }
-    .into_record(BACKEND)
 }
 
 #[async_trait]
@@ -297,20 +264,9 @@ impl Store for SqliteStore {
                 .await
                 .map_err(db)?;
             if let Some(row) = row {
-                let reason: String = row.try_get("last_reason").map_err(db)?;
-                let transition =
-                    Transition::from_claim_reason(&reason).ok_or_else(|| StoreError::Corrupt {
-                        backend: BACKEND,
-                        detail: format!("claim returned reason {reason:?}"),
-                    })?;
-                tracing::debug!(?transition, "key claimed");
-                return Ok(ClaimOutcome::Claimed(Lease {
-                    token: LeaseToken(row.try_get("lease_token").map_err(db)?),
-                    expires_at: time(&row, "lease_expires_at")?,
-                    attempts: row.try_get("attempts").map_err(db)?,
-                    provider_key: row.try_get("provider_key").map_err(db)?,
-                    transition,
-                }));
+                let lease = decode_lease(&row)?;
+                tracing::debug!(transition = ?lease.transition, "key claimed");
+                return Ok(ClaimOutcome::Claimed(lease));
             }
             if let Some((record, now)) = self.read_with(sql::CLAIM_READ, &claim.id).await? {
                 return Ok(ClaimOutcome::Existing {
@@ -351,13 +307,8 @@ impl Store for SqliteStore {
             .await
             .map_err(db)?;
         match row {
-            Some(row) => record(&row),
-            None => Err(match token {
-                Some(t) => self.lease_lost_or_missing(id, t).await,
-                None => StoreError::NotFound {
-                    key: id.to_string(),
-                },
-            }),
+            Some(row) => decode_record(&row),
+            None => Err(refused_write(self, id, token).await),
         }
     }
 
@@ -382,7 +333,7 @@ impl Store for SqliteStore {
         if done.rows_affected() == 1 {
             Ok(())
         } else {
-            Err(self.lease_lost_or_missing(id, token).await)
+            Err(refused_write(self, id, Some(token)).await)
         }
     }
 
@@ -402,8 +353,8 @@ impl Store for SqliteStore {
             .await
             .map_err(db)?;
         match row {
-            Some(row) => time(&row, "lease_expires_at"),
-            None => Err(self.lease_lost_or_missing(id, token).await),
+            Some(row) => row.time_at("lease_expires_at"),
+            None => Err(refused_write(self, id, Some(token)).await),
         }
     }
 
@@ -418,22 +369,7 @@ impl Store for SqliteStore {
             .fetch_all(&self.reader)
             .await
             .map_err(db)?;
-        rows.iter()
-            .map(|row| {
-                RawEvent {
-                    seq: row.try_get("id").map_err(db)?,
-                    from_state: row.try_get("from_state").map_err(db)?,
-                    from_retryable: row.try_get("from_retryable").map_err(db)?,
-                    to_state: row.try_get("to_state").map_err(db)?,
-                    to_retryable: row.try_get("to_retryable").map_err(db)?,
-                    lease_token: row.try_get("lease_token").map_err(db)?,
-                    actor: row.try_get("actor").map_err(db)?,
-                    reason: row.try_get("reason").map_err(db)?,
-                    at: time(row, "at")?,
-                }
-                .into_event(BACKEND)
-            })
-            .collect()
+        rows.iter().map(decode_event).collect()
     }
 
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
@@ -445,7 +381,7 @@ impl Store for SqliteStore {
             .fetch_all(&self.writer)
             .await
             .map_err(db)?;
-        rows.iter().map(record).collect()
+        rows.iter().map(decode_record).collect()
     }
 
     #[instrument(name = "idemflow.purge", skip(self), fields(backend = BACKEND), err)]
@@ -463,16 +399,7 @@ impl Store for SqliteStore {
             .fetch_one(&self.reader)
             .await
             .map_err(db)?;
-        let oldest: Option<i64> = row.try_get(5).map_err(db)?;
-        Ok(Stats {
-            processing: row.try_get(0).map_err(db)?,
-            stale: row.try_get(1).map_err(db)?,
-            done: row.try_get(2).map_err(db)?,
-            failed_retryable: row.try_get(3).map_err(db)?,
-            failed_permanent: row.try_get(4).map_err(db)?,
-            oldest_processing_created_at: oldest.map(|ms| ms_to_time(BACKEND, ms)).transpose()?,
-            now: ms_to_time(BACKEND, row.try_get(6).map_err(db)?)?,
-        })
+        decode_stats(&row)
     }
 
     async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
@@ -489,7 +416,7 @@ impl Store for SqliteStore {
             .map_err(db)?;
         Ok(Stuck {
             count,
-            oldest: rows.iter().map(record).collect::<Result<_, _>>()?,
+            oldest: rows.iter().map(decode_record).collect::<Result<_, _>>()?,
         })
     }
 

@@ -7,11 +7,11 @@ macro_rules! now {
     };
 }
 
+use crate::store::rows::{event_columns, key_columns};
+
 macro_rules! cols {
     () => {
-        "scope, key, operation, provider, provider_key, state, retryable, fingerprint, request, \
-         response_status, response_headers, response_body, error, lease_token, lease_owner, \
-         lease_expires_at, attempts, created_at, updated_at, expires_at, next_check_at, retention_ms"
+        key_columns!("", "key")
     };
 }
 
@@ -28,10 +28,9 @@ pub(super) const GET: &str = concat!(
 /// `GET` without the stored request (up to the request cap in size), for the claim's read: a
 /// replay or an in-flight answer never needs it.
 pub(super) const CLAIM_READ: &str = concat!(
-    "SELECT scope, key, operation, provider, provider_key, state, retryable, fingerprint, \
-     NULL AS request, response_status, response_headers, response_body, error, lease_token, \
-     lease_owner, lease_expires_at, attempts, created_at, updated_at, expires_at, next_check_at, \
-     retention_ms, ",
+    "SELECT ",
+    key_columns!("key", request: "NULL AS request"),
+    ", ",
     now!(),
     " AS db_now FROM idempotency_keys WHERE scope = ?1 AND key = ?2"
 );
@@ -127,22 +126,24 @@ pub(super) const PURGE: &str = concat!(
     " ORDER BY expires_at LIMIT ?1)"
 );
 
-pub(super) const HISTORY: &str = "SELECT id, from_state, from_retryable, to_state, to_retryable, \
-     lease_token, actor, reason, at FROM idempotency_key_events \
-     WHERE scope = ?1 AND key = ?2 ORDER BY id";
+pub(super) const HISTORY: &str = concat!(
+    "SELECT ",
+    event_columns!(),
+    " FROM idempotency_key_events WHERE scope = ?1 AND key = ?2 ORDER BY id"
+);
 
 pub(super) const STATS: &str = concat!(
     "SELECT \
-       COALESCE(SUM(state = 'processing'), 0), \
+       COALESCE(SUM(state = 'processing'), 0) AS processing, \
        COALESCE(SUM(state = 'processing' AND lease_expires_at <= ",
     now!(),
-    "), 0), \
-       COALESCE(SUM(state = 'done'), 0), \
-       COALESCE(SUM(state = 'failed' AND retryable = 1), 0), \
-       COALESCE(SUM(state = 'failed' AND retryable = 0), 0), \
-       MIN(CASE WHEN state = 'processing' THEN created_at END), ",
+    "), 0) AS stale, \
+       COALESCE(SUM(state = 'done'), 0) AS done, \
+       COALESCE(SUM(state = 'failed' AND retryable = 1), 0) AS failed_retryable, \
+       COALESCE(SUM(state = 'failed' AND retryable = 0), 0) AS failed_permanent, \
+       MIN(CASE WHEN state = 'processing' THEN created_at END) AS oldest_processing, ",
     now!(),
-    " FROM idempotency_keys"
+    " AS db_now FROM idempotency_keys"
 );
 
 pub(super) const STUCK_COUNT: &str = concat!(
@@ -163,3 +164,11 @@ pub(super) const COUNT_EXPIRED: &str = concat!(
     "SELECT COUNT(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
     now!()
 );
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn claim_spells_the_claim_reasons() {
+        crate::store::assert_claim_reasons(super::CLAIM);
+    }
+}

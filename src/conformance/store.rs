@@ -1,140 +1,22 @@
 //! The store conformance suite: every store-level promise, written once against
-//! `Arc<dyn Store>` and run unchanged on every backend through [`conformance_tests!`].
+//! `Arc<dyn Store>` and run unchanged on every backend through
+//! [`conformance_tests!`](crate::conformance_tests).
 //!
-//! A backend test file provides an async factory `fn() -> Option<Arc<dyn Store>>` that returns a
-//! migrated, **isolated** store (its own database, schema or key prefix: `take_stale` and `purge`
-//! are table-wide) or `None` to skip (printing why; with `CI=true` it must panic instead).
+//! Each function takes a migrated, **isolated** store (its own database, schema or key prefix:
+//! `take_stale` and `purge` are table-wide) and panics when the store breaks the promise its
+//! name states.
 
-#![allow(dead_code)]
+// Each suite function's name is the promise it checks.
+#![allow(missing_docs)]
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idemflow::state::Transition;
-use idemflow::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, TakeStale};
-use idemflow::{
-    Actor, Fingerprint, IdempotencyKey, KeyId, KeyState, LeaseToken, Response, Scope, Store,
-    StoreError,
-};
-
-/// Generates one `#[tokio::test]` per conformance test, each calling `$factory` for its store.
-#[macro_export]
-macro_rules! conformance_tests {
-    ($factory:path) => {
-        $crate::conformance_tests!(@each $factory;
-            claim_new_key_grants_first_token_and_history,
-            second_claim_sees_the_key_in_flight,
-            finish_stores_the_response_and_get_returns_it_exactly,
-            stale_token_is_lease_lost_and_changes_nothing,
-            scopes_are_isolated,
-            other_fingerprint_never_reclaims,
-            retryable_failure_is_reclaimed_by_the_same_request,
-            permanent_failure_is_never_reclaimed,
-            release_leaves_processing_for_the_sweeper,
-            take_stale_respects_next_check_at,
-            take_stale_fences_the_old_holder,
-            take_stale_skips_live_leases_and_finished_keys,
-            extend_moves_the_lease_and_is_fenced,
-            purge_deletes_only_expired_finished_keys_and_records_it,
-            operator_override_fences_running_workers,
-            finishing_into_processing_is_refused,
-            concurrent_claims_have_one_winner,
-            concurrent_sweepers_take_each_key_once,
-            limits_round_trip_exactly,
-            retry_takeover_only_inside_the_window,
-            leases_use_the_database_clock,
-            stats_count_every_state,
-            history_survives_purge_and_is_ordered
-        );
-    };
-    (@each $factory:path; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                let Some(store) = $factory().await else { return };
-                conformance::$name(store).await;
-            }
-        )*
-    };
-}
-
-static COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// A scope no other test (or earlier run) uses.
-pub fn unique(prefix: &str) -> String {
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{prefix}-{}-{t}-{n}", std::process::id())
-}
-
-/// Reads an env var holding a backend URL; `None` (skip, with a printed reason) when unset,
-/// a panic when unset under `CI=true`.
-pub fn backend_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ => {
-            if std::env::var("CI").as_deref() == Ok("true") {
-                panic!("{var} is not set and CI=true: this backend must be tested in CI");
-            }
-            eprintln!("skipping: {var} is not set");
-            None
-        }
-    }
-}
-
-pub fn id(scope: &str, key: &str) -> KeyId {
-    KeyId::new(
-        Scope::new(scope).unwrap(),
-        IdempotencyKey::new(key).unwrap(),
-    )
-}
-
-pub fn claim_for(id: &KeyId, body: &str, lease: Duration) -> NewClaim {
-    NewClaim {
-        id: id.clone(),
-        operation: "payments.create".into(),
-        provider: Some("fake".into()),
-        provider_key: format!("pk-{}", id.key),
-        fingerprint: Fingerprint::compute("payments.create", body),
-        request: Some(body.to_owned()),
-        owner: "test-worker".into(),
-        lease,
-        retention: Duration::from_secs(3600),
-        takeover_window: None,
-    }
-}
-
-pub async fn claimed(store: &Arc<dyn Store>, c: &NewClaim) -> Lease {
-    match store.claim(c).await.unwrap() {
-        ClaimOutcome::Claimed(l) => l,
-        ClaimOutcome::Existing { record, .. } => panic!("expected a claim, found {record:?}"),
-    }
-}
-
-pub fn done(response: Response) -> Finish {
-    Finish {
-        to: KeyState::Done,
-        response: Some(response),
-        error: None,
-        actor: Actor::Worker,
-        reason: "ok".into(),
-    }
-}
-
-fn fail(retryable: bool) -> Finish {
-    Finish {
-        to: KeyState::Failed { retryable },
-        response: (!retryable).then(|| Response::new(402).with_body(&b"declined"[..])),
-        error: Some("card declined".into()),
-        actor: Actor::Worker,
-        reason: "failed".into(),
-    }
-}
+use super::{claim_for, claimed, done, fail, id, unique};
+use crate::state::Transition;
+use crate::store::{ClaimOutcome, Finish, Release, TakeStale};
+use crate::{Actor, Fingerprint, KeyState, LeaseToken, Store, StoreError, StoredResponse};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -175,7 +57,7 @@ pub async fn finish_stores_the_response_and_get_returns_it_exactly(store: Arc<dy
     let body: Vec<u8> = (0..=255u8)
         .chain(b"\r\n{\"a\":1}".iter().copied())
         .collect();
-    let resp = Response::new(201)
+    let resp = StoredResponse::new(201)
         .with_header("content-type", "application/json")
         .with_header("X-Weird", "v\"al;ue=1, 2")
         .with_body(body.clone());
@@ -197,7 +79,7 @@ pub async fn finish_stores_the_response_and_get_returns_it_exactly(store: Arc<dy
     );
     // A second finish with the same token is refused: the key is no longer processing.
     let err = store
-        .finish(&id, Some(lease.token), &done(Response::new(200)))
+        .finish(&id, Some(lease.token), &done(StoredResponse::new(200)))
         .await
         .unwrap_err();
     assert!(
@@ -238,7 +120,7 @@ pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>
     assert_eq!(taken[0].lease_token, LeaseToken(2));
     let before = store.get(&id).await.unwrap().unwrap();
     let err = store
-        .finish(&id, Some(first.token), &done(Response::new(201)))
+        .finish(&id, Some(first.token), &done(StoredResponse::new(201)))
         .await
         .unwrap_err();
     match err {
@@ -260,7 +142,7 @@ pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>
     assert_eq!(store.history(&id).await.unwrap().len(), 2);
     // The new holder can finish.
     store
-        .finish(&id, Some(LeaseToken(2)), &done(Response::new(201)))
+        .finish(&id, Some(LeaseToken(2)), &done(StoredResponse::new(201)))
         .await
         .unwrap();
 }
@@ -277,7 +159,7 @@ pub async fn scopes_are_isolated(store: Arc<dyn Store>) {
         .finish(
             &ia,
             Some(la.token),
-            &done(Response::new(201).with_body(&b"A"[..])),
+            &done(StoredResponse::new(201).with_body(&b"A"[..])),
         )
         .await
         .unwrap();
@@ -452,7 +334,7 @@ pub async fn take_stale_skips_live_leases_and_finished_keys(store: Arc<dyn Store
     let fin = id(&scope, "finished");
     let l = claimed(&store, &claim_for(&fin, "{}", Duration::ZERO)).await;
     store
-        .finish(&fin, Some(l.token), &done(Response::new(200)))
+        .finish(&fin, Some(l.token), &done(StoredResponse::new(200)))
         .await
         .unwrap();
     let mut all = Vec::new();
@@ -525,7 +407,7 @@ pub async fn purge_deletes_only_expired_finished_keys_and_records_it(store: Arc<
         c.retention = Duration::ZERO;
         let l = claimed(&store, &c).await;
         store
-            .finish(&id, Some(l.token), &done(Response::new(201)))
+            .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
             .await
             .unwrap();
         expired.push(id);
@@ -533,7 +415,7 @@ pub async fn purge_deletes_only_expired_finished_keys_and_records_it(store: Arc<
     let kept = id(&scope, "fresh");
     let l = claimed(&store, &claim_for(&kept, "{}", LEASE)).await;
     store
-        .finish(&kept, Some(l.token), &done(Response::new(201)))
+        .finish(&kept, Some(l.token), &done(StoredResponse::new(201)))
         .await
         .unwrap();
     let running = id(&scope, "running");
@@ -582,7 +464,7 @@ pub async fn operator_override_fences_running_workers(store: Arc<dyn Store>) {
     assert!(r.lease_token > l.token);
     assert!(matches!(
         store
-            .finish(&id, Some(l.token), &done(Response::new(201)))
+            .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
             .await,
         Err(StoreError::LeaseLost { .. })
     ));
@@ -651,7 +533,7 @@ pub async fn limits_round_trip_exactly(store: Arc<dyn Store>) {
         .finish(
             &id,
             Some(l.token),
-            &done(Response::new(200).with_body(body.clone())),
+            &done(StoredResponse::new(200).with_body(body.clone())),
         )
         .await
         .unwrap();
@@ -719,7 +601,7 @@ pub async fn stats_count_every_state(store: Arc<dyn Store>) {
     let c = id(&scope, "c");
     let l = claimed(&store, &claim_for(&c, "{}", LEASE)).await;
     store
-        .finish(&c, Some(l.token), &done(Response::new(200)))
+        .finish(&c, Some(l.token), &done(StoredResponse::new(200)))
         .await
         .unwrap();
     let d = id(&scope, "d");
@@ -762,7 +644,7 @@ pub async fn history_survives_purge_and_is_ordered(store: Arc<dyn Store>) {
         .await
         .unwrap();
     let t = taken.iter().find(|r| r.key == id.key).unwrap().lease_token;
-    let mut f = done(Response::new(201));
+    let mut f = done(StoredResponse::new(201));
     f.actor = Actor::Sweeper;
     store.finish(&id, Some(t), &f).await.unwrap();
     let h = store.history(&id).await.unwrap();

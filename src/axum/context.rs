@@ -1,5 +1,5 @@
 //! What the layer gives the handler ([`IdempotencyContext`]) and what the handler may give back
-//! ([`Retryable`]).
+//! ([`NothingHappened`]).
 
 use std::sync::Arc;
 
@@ -114,10 +114,10 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
 ///
 /// ```
 /// use axum::{Extension, http::StatusCode, response::IntoResponse};
-/// use idemflow::http::Retryable;
+/// use idemflow::axum::NothingHappened;
 ///
-/// let resp = (StatusCode::SERVICE_UNAVAILABLE, Extension(Retryable), "try again").into_response();
-/// assert!(resp.extensions().get::<Retryable>().is_some());
+/// let resp = (StatusCode::SERVICE_UNAVAILABLE, Extension(NothingHappened), "try again").into_response();
+/// assert!(resp.extensions().get::<NothingHappened>().is_some());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Retryable;
+pub struct NothingHappened;

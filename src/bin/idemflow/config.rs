@@ -7,10 +7,10 @@ use std::time::Duration;
 use anyhow::{Context as _, anyhow, bail};
 use serde::{Deserialize, Deserializer};
 
-use crate::provider::Providers;
-use crate::provider::config::{ProviderConfig, build};
-use crate::store::Store;
-use crate::sweeper::SweeperConfig;
+use idemflow::provider::Providers;
+use idemflow::provider::config::{ProviderConfig, build};
+use idemflow::store::Store;
+use idemflow::sweeper::Sweeper;
 
 /// The configuration file.
 ///
@@ -78,37 +78,33 @@ fn human<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> 
 }
 
 impl SweeperSection {
-    /// Applies the section over the defaults.
-    pub fn apply(&self, mut c: SweeperConfig) -> SweeperConfig {
+    /// Applies the section to a sweeper (over its defaults).
+    pub fn apply(&self, mut s: Sweeper) -> Sweeper {
         if let Some(v) = self.batch_size {
-            c.batch_size = v.max(1);
+            s = s.batch_size(v);
         }
         if let Some(v) = self.lease {
-            c.lease = v;
+            s = s.lease(v);
         }
         if let Some(v) = &self.owner {
-            c.owner.clone_from(v);
+            s = s.owner(v.clone());
         }
-        if let Some(v) = self.backoff_base {
-            c.backoff_base = v;
-        }
-        if let Some(v) = self.backoff_cap {
-            c.backoff_cap = v;
-        }
-        c.backoff_cap = c.backoff_cap.max(c.backoff_base);
+        let base = self.backoff_base.unwrap_or(s.config().backoff_base);
+        let cap = self.backoff_cap.unwrap_or(s.config().backoff_cap);
+        s = s.backoff(base, cap);
         if let Some(v) = self.operator_recheck {
-            c.operator_recheck = v;
+            s = s.operator_recheck(v);
         }
         if let Some(v) = self.redrive_margin {
-            c.redrive_margin = v;
+            s = s.redrive_margin(v);
         }
         if let Some(v) = self.max_keys_per_run {
-            c.max_keys_per_run = v.max(1);
+            s = s.max_keys_per_run(v);
         }
         if let Some(v) = self.call_timeout {
-            c.call_timeout = v;
+            s = s.call_timeout(v);
         }
-        c
+        s
     }
 }
 
@@ -187,7 +183,7 @@ pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn St
             connect_sqlite(url, &shown).await
         }
         "postgres" | "postgresql" | "mysql" | "mariadb" | "redis" | "rediss" => {
-            crate::store::connect(url)
+            idemflow::store::connect(url)
                 .await
                 .with_context(|| format!("cannot open database {shown}"))
         }
@@ -200,7 +196,7 @@ pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn St
 
 #[cfg(feature = "sqlite")]
 async fn connect_sqlite(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    let store = crate::store::sqlite::SqliteStore::connect(url)
+    let store = idemflow::store::sqlite::SqliteStore::connect(url)
         .await
         .with_context(|| format!("cannot open database {shown}"))?;
     // Opening a pool is lazy about some failures: ask the clock to be sure it answers.
@@ -240,13 +236,20 @@ mod tests {
         assert_eq!(sqlite_path("sqlite::memory:"), None);
     }
 
-    #[test]
-    fn sweeper_section_parses_durations_and_refuses_unknown_fields() {
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn sweeper_section_parses_durations_and_refuses_unknown_fields() {
         let c: FileConfig = toml::from_str(
             "[sweeper]\nbatch_size = 7\nlease = \"2m\"\nbackoff_base = \"10s\"\nbackoff_cap = \"1h 30m\"\n",
         )
         .unwrap();
-        let s = c.sweeper.apply(SweeperConfig::default());
+        let store = idemflow::store::sqlite::SqliteStore::connect("sqlite::memory:")
+            .await
+            .unwrap();
+        let s = c
+            .sweeper
+            .apply(Sweeper::new(Arc::new(store), Providers::new()));
+        let s = s.config();
         assert_eq!(s.batch_size, 7);
         assert_eq!(s.lease, Duration::from_secs(120));
         assert_eq!(s.backoff_cap, Duration::from_secs(5400));

@@ -42,7 +42,7 @@ pub enum KeyHeaderError {
 ///
 /// ```
 /// use axum::http::HeaderValue;
-/// use idemflow::http::parse_key_header;
+/// use idemflow::axum::parse_key_header;
 ///
 /// let quoted = parse_key_header(&HeaderValue::from_static(r#""8e03-40d5""#)).unwrap();
 /// let bare = parse_key_header(&HeaderValue::from_static("8e03-40d5")).unwrap();

@@ -1,71 +1,33 @@
-//! The conformance and sweeper suites on Redis (`IDEMFLOW_TEST_REDIS_URL`), each test on its own
-//! key prefix, with one bucket and with four; plus racing claims from two connection managers, fencing,
-//! concurrent sweepers, the server clock, prefix isolation, history retention and the native
-//! expiry backstop.
-
-#![cfg(feature = "redis")]
-
-#[macro_use]
-mod conformance;
-#[macro_use]
-mod sweeper_suite;
+//! The conformance and sweeper suites on Redis, each test on its own key prefix, with one
+//! bucket and with four; plus racing claims from two connection managers, fencing, concurrent
+//! sweepers, the server clock, prefix isolation, history retention and the native expiry
+//! backstop.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use conformance::{claim_for, done, id, unique};
+use idemflow::conformance::{self, claim_for, done, id, unique};
 use idemflow::store::redis::{RedisConfig, RedisStore};
 use idemflow::store::{ClaimOutcome, Finish, Release, TakeStale};
-use idemflow::{Actor, KeyState, LeaseToken, Response, Store, StoreError};
+use idemflow::{Actor, KeyState, LeaseToken, Store, StoreError, StoredResponse};
 
-const URL_VAR: &str = "IDEMFLOW_TEST_REDIS_URL";
-
-/// A migrated store on a fresh prefix; `None` (skip) when Redis is not configured or not
-/// reachable, a panic in either case under `CI=true`.
-async fn store_with(config: impl FnOnce(RedisConfig) -> RedisConfig) -> Option<RedisStore> {
-    let url = conformance::backend_url(URL_VAR)?;
-    let cfg = config(RedisConfig::new(url).prefix(unique("idemflow-test")));
-    match RedisStore::connect_with(cfg).await {
-        Ok(store) => {
-            store.migrate().await.unwrap();
-            Some(store)
-        }
-        Err(e) => {
-            if std::env::var("CI").as_deref() == Ok("true") {
-                panic!("Redis at {URL_VAR} is not reachable and CI=true: {e}");
-            }
-            eprintln!("skipping: Redis at {URL_VAR} is not reachable: {e}");
-            None
-        }
-    }
-}
-
-async fn one_bucket() -> Option<Arc<dyn Store>> {
-    Some(Arc::new(store_with(|c| c).await?))
-}
-
-async fn four_buckets() -> Option<Arc<dyn Store>> {
-    Some(Arc::new(store_with(|c| c.buckets(4)).await?))
-}
+use crate::support::backend_url;
+use crate::support::redis::{URL_VAR, store_with};
 
 mod single {
-    use super::*;
-    conformance_tests!(one_bucket);
+    idemflow::conformance_tests!(crate::support::redis::one_bucket);
 }
 
 mod bucketed {
-    use super::*;
-    conformance_tests!(four_buckets);
+    idemflow::conformance_tests!(crate::support::redis::four_buckets);
 }
 
 mod sweeper {
-    use super::*;
-    sweeper_tests!(one_bucket);
+    idemflow::sweeper_tests!(crate::support::redis::one_bucket);
 }
 
 mod sweeper_bucketed {
-    use super::*;
-    sweeper_tests!(four_buckets);
+    idemflow::sweeper_tests!(crate::support::redis::four_buckets);
 }
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -76,7 +38,7 @@ async fn racing_claims_from_two_connection_managers_have_one_winner() {
         return;
     };
     // A second store on the same prefix, with its own connection manager.
-    let url = conformance::backend_url(URL_VAR).unwrap();
+    let url = backend_url(URL_VAR).unwrap();
     let b = RedisStore::connect_with_prefix(&url, a.prefix())
         .await
         .unwrap();
@@ -123,7 +85,7 @@ async fn every_write_with_a_superseded_token_is_fenced() {
     };
     assert!(lost(
         store
-            .finish(&id, Some(first.token), &done(Response::new(201)))
+            .finish(&id, Some(first.token), &done(StoredResponse::new(201)))
             .await
             .map(|_| ())
     ));
@@ -139,7 +101,7 @@ async fn every_write_with_a_superseded_token_is_fenced() {
             None,
             &Finish {
                 to: KeyState::Done,
-                response: Some(Response::new(200)),
+                response: Some(StoredResponse::new(200)),
                 error: None,
                 actor: Actor::Operator,
                 reason: "provider shows the charge".into(),
@@ -150,7 +112,7 @@ async fn every_write_with_a_superseded_token_is_fenced() {
     assert_eq!(r.lease_token, LeaseToken(3));
     assert!(matches!(
         store
-            .finish(&id, Some(second), &done(Response::new(201)))
+            .finish(&id, Some(second), &done(StoredResponse::new(201)))
             .await,
         Err(StoreError::LeaseLost {
             state: KeyState::Done,
@@ -181,7 +143,7 @@ async fn concurrent_sweepers_never_take_the_same_key() {
     let Some(a) = store_with(|c| c.buckets(3)).await else {
         return;
     };
-    let url = conformance::backend_url(URL_VAR).unwrap();
+    let url = backend_url(URL_VAR).unwrap();
     let b = RedisStore::connect_with(RedisConfig::new(url).prefix(a.prefix()).buckets(3))
         .await
         .unwrap();
@@ -285,7 +247,7 @@ async fn purge_keeps_history_with_its_own_ttl() {
         "no expiry while processing"
     );
     store
-        .finish(&id, Some(l.token), &done(Response::new(201)))
+        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
         .await
         .unwrap();
     let hash_ttl = pttl(store.record_key(&id)).await;
@@ -322,7 +284,7 @@ async fn native_expiry_backstop_is_recorded_by_the_next_purge() {
     c.retention = Duration::from_millis(1);
     let l = claimed_on(&store, &c).await;
     store
-        .finish(&id, Some(l.token), &done(Response::new(201)))
+        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
         .await
         .unwrap();
     // Redis deletes the hash itself (lazily on access, or by its active expiry cycle).

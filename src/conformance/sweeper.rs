@@ -1,68 +1,28 @@
 //! The sweeper suite: every recovery promise, written once against `Arc<dyn Store>` and run on
-//! every backend through [`sweeper_tests!`].
+//! every backend through [`sweeper_tests!`](crate::sweeper_tests).
 //!
-//! A backend test file declares `mod conformance;` (for `unique`) and `mod sweeper_suite;`, and
-//! provides an async factory `fn() -> Option<Arc<dyn Store>>` returning a migrated, **isolated**
-//! store (`take_stale` is table-wide), exactly as for the conformance suite:
-//!
-//! ```ignore
-//! mod postgres_sweeper { use super::*; sweeper_tests!(pg_store); }
-//! ```
+//! Each function takes a migrated, **isolated** store (`take_stale` is table-wide), exactly as
+//! for the [store suite](super::store), and drives the executor, the sweeper and a
+//! [`FakeProvider`] through one crash point or recovery rule.
 
-#![allow(dead_code)]
-
-pub mod fake;
+// Each suite function's name is the promise it checks.
+#![allow(missing_docs)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-use idemflow::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, Stuck, TakeStale};
-use idemflow::sweeper::Unresolved;
-use idemflow::{
-    Actor, Error, Fingerprint, Idempotency, IdempotencyKey, KeyEvent, KeyId, KeyRecord, KeyState,
-    LeaseToken, Outcome, Providers, Request, Scope, Store, StoreError, Sweeper, async_trait,
+use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, Stuck, TakeStale};
+use crate::sweeper::Unresolved;
+use crate::{
+    Actor, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotentRequest, KeyEvent, KeyId,
+    KeyRecord, KeyState, LeaseToken, Outcome, Providers, Scope, Store, StoreError, Sweeper,
+    async_trait,
 };
+use chrono::{DateTime, Utc};
 
-pub use fake::FakeProvider;
-
-use crate::conformance::unique;
-
-/// Generates one `#[tokio::test]` per sweeper test, each calling `$factory` for its store.
-#[macro_export]
-macro_rules! sweeper_tests {
-    ($factory:path) => {
-        $crate::sweeper_tests!(@each $factory;
-            crash_after_claim_before_call_is_redriven_once,
-            crash_after_claim_before_call_without_keys_turns_retryable,
-            lost_response_is_redriven_to_the_same_charge,
-            lost_response_without_keys_is_found_by_lookup,
-            died_before_storing_is_redriven_to_the_same_charge,
-            failed_completion_is_settled_by_the_sweeper,
-            zombie_worker_gets_lease_lost_and_changes_nothing,
-            never_redrives_past_the_retention_window,
-            declined_charge_settles_as_permanent_failure,
-            lagging_search_defers_then_settles,
-            unknown_lookup_backs_off_honouring_retry_after,
-            unregistered_or_missing_provider_needs_an_operator,
-            missing_request_is_only_looked_up,
-            run_loop_sweeps_until_shutdown,
-            hanging_provider_is_deferred_after_the_call_timeout,
-            stuck_keys_and_expired_counts_for_operators,
-            two_sweepers_handle_each_of_1000_keys_once
-        );
-    };
-    (@each $factory:path; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                let Some(store) = $factory().await else { return };
-                sweeper_suite::$name(store).await;
-            }
-        )*
-    };
-}
+use super::fake::FakeProvider;
+use super::unique;
 
 /// The lease workers take in these tests: short, so keys go stale quickly.
 pub const LEASE: Duration = Duration::from_millis(150);
@@ -81,8 +41,8 @@ pub fn sweeper(store: &Arc<dyn Store>, provider: &Arc<FakeProvider>) -> Sweeper 
         .backoff(Duration::from_secs(30), Duration::from_secs(3600))
 }
 
-pub fn pay(scope: &str, key: &str, amount: u64) -> Request {
-    Request::new(
+pub fn pay(scope: &str, key: &str, amount: u64) -> IdempotentRequest {
+    IdempotentRequest::new(
         scope,
         key,
         "payments.create",
@@ -92,16 +52,16 @@ pub fn pay(scope: &str, key: &str, amount: u64) -> Request {
 }
 
 /// The request as `Idempotency::call` would send it (provider recorded, provider key derived).
-pub fn as_call(req: Request, p: &FakeProvider) -> Request {
-    use idemflow::Provider;
+pub fn as_call(req: IdempotentRequest, p: &FakeProvider) -> IdempotentRequest {
+    use crate::Provider;
     let pk = p
         .key_spec()
         .derive(&req.id().scope, &req.id().key, req.operation());
     req.with_provider(p.name()).with_provider_key(pk)
 }
 
-pub fn provider_key(req: &Request, p: &FakeProvider) -> String {
-    use idemflow::Provider;
+pub fn provider_key(req: &IdempotentRequest, p: &FakeProvider) -> String {
+    use crate::Provider;
     p.key_spec()
         .derive(&req.id().scope, &req.id().key, req.operation())
 }
@@ -262,7 +222,7 @@ pub async fn died_before_storing_is_redriven_to_the_same_charge(store: Arc<dyn S
     let cut = tokio::time::timeout(
         Duration::from_millis(50),
         idem.execute(req.clone(), |ctx| async move {
-            use idemflow::Provider;
+            use crate::Provider;
             let body: serde_json::Value = serde_json::from_str(ctx.request()).unwrap();
             let _answer = p.call(ctx.provider_key(), &body).await;
             // The process dies here, answer in hand.
@@ -415,7 +375,7 @@ pub async fn zombie_worker_gets_lease_lost_and_changes_nothing(store: Arc<dyn St
         let req = req.clone();
         tokio::spawn(async move {
             idem.execute(req, |ctx| async move {
-                use idemflow::Provider;
+                use crate::Provider;
                 let body: serde_json::Value = serde_json::from_str(ctx.request()).unwrap();
                 let answer = p.call(ctx.provider_key(), &body).await;
                 let _ = called_tx.send(());
@@ -423,7 +383,7 @@ pub async fn zombie_worker_gets_lease_lost_and_changes_nothing(store: Arc<dyn St
                 let _ = go_rx.await;
                 // ...then reports a made-up late answer that must never be stored.
                 let _ = answer;
-                Outcome::Succeeded(idemflow::Response::new(299).with_body(&b"zombie"[..]))
+                Outcome::Succeeded(crate::StoredResponse::new(299).with_body(&b"zombie"[..]))
             })
             .await
         })
@@ -784,7 +744,7 @@ pub async fn stuck_keys_and_expired_counts_for_operators(store: Arc<dyn Store>) 
             .await;
     }
     idem.execute(pay(&scope, "fin", 1), |_ctx| async {
-        Outcome::Succeeded(idemflow::Response::new(200))
+        Outcome::Succeeded(crate::StoredResponse::new(200))
     })
     .await
     .unwrap();

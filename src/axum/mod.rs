@@ -5,9 +5,9 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use axum::{Router, routing::post, http::StatusCode};
+//! use axum::{Router, routing::post, http::{HeaderName, StatusCode}};
 //! use idemflow::{Idempotency, Store, store::sqlite::SqliteStore};
-//! use idemflow::http::{IdempotencyContext, IdempotencyLayer};
+//! use idemflow::axum::{IdempotencyContext, IdempotencyLayer};
 //!
 //! let store = SqliteStore::connect("sqlite::memory:").await?;
 //! store.migrate().await?;
@@ -19,7 +19,7 @@
 //! }
 //! let app: Router = Router::new()
 //!     .route("/payments", post(create))
-//!     .layer(IdempotencyLayer::new(idem).scope_from_header("x-account-id"));
+//!     .layer(IdempotencyLayer::new(idem).scope_from_header(HeaderName::from_static("x-account-id")));
 //! # Ok(())
 //! # }
 //! ```
@@ -36,7 +36,7 @@
 //! | first request with the key still running               | 409 `request-in-flight` + `Retry-After`  |
 //! | handler answers 1xx-4xx                                | that answer, stored (2xx/3xx `done`, 4xx `failed{permanent}`) |
 //! | handler answers 5xx                                    | that answer (+ `Retry-After`), not stored; key left `processing` for the sweeper |
-//! | handler marks its answer [`Retryable`]                 | that answer, not stored; key `failed{retryable}`, the next retry runs it |
+//! | handler marks its answer [`NothingHappened`]                 | that answer, not stored; key `failed{retryable}`, the next retry runs it |
 //! | retry after a stored answer                            | the stored status, headers, body + `Idempotent-Replayed: true` |
 //! | retry while the outcome is unknown                     | 503 `outcome-unknown` + `Retry-After`    |
 //! | the store fails                                        | 500 `store-error`                        |
@@ -63,14 +63,14 @@ use axum::http::{HeaderName, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 
-use crate::Idempotency;
+use crate::{Idempotency, StoredResponse};
 
 mod context;
 mod key_header;
 mod problem;
 mod service;
 
-pub use context::{IdempotencyContext, Retryable};
+pub use context::{IdempotencyContext, NothingHappened};
 pub use key_header::{KeyHeaderError, parse_key_bytes, parse_key_header};
 pub use problem::{PROBLEM_JSON, Problem, retry_after_value};
 pub use service::IdempotencyService;
@@ -89,7 +89,7 @@ pub type OperationFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 /// refusal here is not stored: the client may correct the request and reuse the key).
 pub type StoredRequestFn = Arc<dyn Fn(&Parts, &Bytes) -> Result<Value, Response> + Send + Sync>;
 /// Rewrites a stored answer before it is replayed.
-pub type ReplayFn = Arc<dyn Fn(&Parts, crate::Response) -> crate::Response + Send + Sync>;
+pub type ReplayFn = Arc<dyn Fn(&Parts, StoredResponse) -> StoredResponse + Send + Sync>;
 
 #[derive(Clone)]
 pub(crate) struct Settings {
@@ -140,7 +140,10 @@ impl IdempotencyLayer {
             .config()
             .stored_headers
             .clone()
-            .unwrap_or_else(|| vec!["content-type".to_owned(), "location".to_owned()]);
+            .unwrap_or_else(|| vec!["content-type".to_owned(), "location".to_owned()])
+            .iter()
+            .map(|h| h.to_ascii_lowercase())
+            .collect();
         let max_body_bytes = idem.config().max_request_bytes;
         // The layer chooses the headers itself, so the executor keeps what it is given.
         let idem = idem.stored_headers(None);
@@ -203,8 +206,24 @@ impl IdempotencyLayer {
     /// The scope is the value of `header` (e.g. `X-Account-Id`, set by your authentication);
     /// a request without it gets 400 `scope-missing`. Only use a header your own stack sets or
     /// verifies: the scope is what keeps tenants apart.
-    pub fn scope_from_header(self, header: &'static str) -> Self {
-        let name = HeaderName::from_static(header);
+    ///
+    /// Header names are case-insensitive: build the name with `HeaderName::from_static` in
+    /// lowercase, or with `HeaderName::from_bytes` / `try_from` from any case (an invalid name
+    /// is then a typed `InvalidHeaderName` error, never a panic).
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use idemflow::{Idempotency, store::sqlite::SqliteStore};
+    /// use axum::http::HeaderName;
+    /// use idemflow::axum::IdempotencyLayer;
+    /// # async fn f(store: Arc<SqliteStore>) -> Result<(), axum::http::header::InvalidHeaderName> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(store))
+    ///     .scope_from_header(HeaderName::try_from("X-Account-Id")?);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn scope_from_header(self, header: HeaderName) -> Self {
+        let name = header;
         self.scope(
             move |parts| {
                 match parts.headers.get(&name).map(|v| v.to_str()) {
@@ -224,15 +243,8 @@ impl IdempotencyLayer {
 
     /// The response headers stored and replayed with the status and body (case-insensitive).
     /// Default: those of the [`Idempotency`] config, `content-type` and `location`.
-    pub fn stored_headers<I, H>(self, headers: I) -> Self
-    where
-        I: IntoIterator<Item = H>,
-        H: Into<String>,
-    {
-        let headers = headers
-            .into_iter()
-            .map(|h| h.into().to_ascii_lowercase())
-            .collect();
+    pub fn stored_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        let headers = headers.into_iter().map(|h| h.as_str().to_owned()).collect();
         self.set(|s| s.stored_headers = headers)
     }
 
@@ -291,7 +303,7 @@ impl IdempotencyLayer {
     /// render the ones the sweeper settled from the provider's own answer.
     pub fn replay_with<F>(self, f: F) -> Self
     where
-        F: Fn(&Parts, crate::Response) -> crate::Response + Send + Sync + 'static,
+        F: Fn(&Parts, StoredResponse) -> StoredResponse + Send + Sync + 'static,
     {
         self.set(|s| s.replay = Some(Arc::new(f)))
     }

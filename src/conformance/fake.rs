@@ -5,24 +5,32 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::{CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait};
 use chrono::{DateTime, Utc};
-use idemflow::provider::KeyTransport;
-use idemflow::{CallOutcome, KeySpec, Lookup, Outcome, Provider, Response, async_trait};
 
 /// One thing the provider did (a charge, or a declined attempt).
 #[derive(Debug, Clone)]
 pub struct Effect {
+    /// The provider key the call carried.
     pub provider_key: String,
+    /// The charge id the provider answered with.
     pub charge: String,
+    /// When the provider acted.
     pub at: Instant,
-    pub response: Response,
+    /// The answer the provider gave (or would have given, when it was lost).
+    pub response: StoredResponse,
+    /// Whether the attempt was declined instead of charged.
     pub declined: bool,
 }
 
+/// What the fake provider did and was asked, and the faults it is told to inject.
 #[derive(Debug, Default)]
 pub struct Ledger {
+    /// Every effect, in order.
     pub effects: Vec<Effect>,
+    /// Calls per provider key.
     pub calls: HashMap<String, u64>,
+    /// Lookups per provider key.
     pub lookups: HashMap<String, u64>,
     lose_responses: u32,
     lookup_lag: Duration,
@@ -30,6 +38,7 @@ pub struct Ledger {
     hang: bool,
 }
 
+/// A fake provider for the sweeper suite; see the module docs.
 #[derive(Debug)]
 pub struct FakeProvider {
     name: String,
@@ -43,7 +52,6 @@ impl FakeProvider {
         Arc::new(Self {
             name: name.into(),
             spec: KeySpec {
-                transport: KeyTransport::Header("Idempotency-Key".into()),
                 max_len: 255,
                 retention: Some(window),
                 replays_same_key: true,
@@ -90,10 +98,12 @@ impl FakeProvider {
         self.lock().hang
     }
 
+    /// Every effect so far.
     pub fn effects(&self) -> Vec<Effect> {
         self.lock().effects.clone()
     }
 
+    /// The effects of one provider key.
     pub fn effects_for(&self, pk: &str) -> Vec<Effect> {
         self.lock()
             .effects
@@ -103,18 +113,22 @@ impl FakeProvider {
             .collect()
     }
 
+    /// How many calls reached the provider.
     pub fn calls(&self) -> u64 {
         self.lock().calls.values().sum()
     }
 
+    /// How many lookups reached the provider.
     pub fn lookups(&self) -> u64 {
         self.lock().lookups.values().sum()
     }
 
+    /// Calls per provider key.
     pub fn calls_by_key(&self) -> HashMap<String, u64> {
         self.lock().calls.clone()
     }
 
+    /// Lookups per provider key.
     pub fn lookups_by_key(&self) -> HashMap<String, u64> {
         self.lock().lookups.clone()
     }
@@ -165,12 +179,12 @@ impl Provider for FakeProvider {
                 let declined = amount == 0;
                 let charge = format!("ch_{n}");
                 let response = if declined {
-                    Response::json(
+                    StoredResponse::json(
                         402,
                         &serde_json::json!({"error": "card_declined", "charge": charge}),
                     )
                 } else {
-                    Response::json(
+                    StoredResponse::json(
                         201,
                         &serde_json::json!({"charge": charge, "amount": amount}),
                     )

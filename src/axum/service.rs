@@ -17,11 +17,11 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tracing::Instrument;
 
-use super::context::{IdempotencyContext, Retryable};
+use super::context::{IdempotencyContext, NothingHappened};
 use super::problem::{Problem, retry_after_value};
 use super::{REPLAYED_HEADER, Settings, parse_key_header};
 use crate::fingerprint::{Fingerprint, canonical_json, hex};
-use crate::{Error, Execution, KeyId, Outcome, Scope};
+use crate::{Error, Execution, IdempotentRequest, KeyId, Outcome, Scope, StoredResponse};
 
 /// The service [`IdempotencyLayer`](super::IdempotencyLayer) wraps around an inner service.
 pub struct IdempotencyService<S> {
@@ -172,7 +172,7 @@ where
     };
     let fingerprint = fingerprint(&operation, &parts, &bytes);
     let id = KeyId::new(scope, key);
-    let request = crate::Request::with_fingerprint(
+    let request = IdempotentRequest::with_fingerprint(
         id,
         operation.clone(),
         canonical_json(&stored),
@@ -235,15 +235,19 @@ where
                     }
                 };
                 let status = rparts.status;
-                let retryable = rparts.extensions.get::<Retryable>().is_some();
+                let retryable = rparts.extensions.get::<NothingHappened>().is_some();
                 let headers = rparts
                     .headers
                     .iter()
-                    .filter(|(n, _)| stored_headers.iter().any(|h| h == n.as_str()))
+                    .filter(|(n, _)| {
+                        stored_headers
+                            .iter()
+                            .any(|h| h.eq_ignore_ascii_case(n.as_str()))
+                    })
                     .filter_map(|(n, v)| Some((n.as_str().to_owned(), v.to_str().ok()?.to_owned())))
                     .collect();
                 let to_store =
-                    crate::Response::from_parts(status.as_u16(), headers, rbytes.to_vec());
+                    StoredResponse::from_parts(status.as_u16(), headers, rbytes.to_vec());
                 *produced = Some(Produced::Answer(Response::from_parts(
                     rparts,
                     Body::from(rbytes),
@@ -280,7 +284,7 @@ where
             Ok(resp)
         }
         (
-            Err(e @ (Error::OutcomeUnknown { .. } | Error::Retryable { .. })),
+            Err(e @ (Error::OutcomeUnknown { .. } | Error::FailedRetryable { .. })),
             Some(Produced::Answer(mut resp)),
         ) => {
             // The handler's own answer (5xx, or marked retryable), not stored.
@@ -384,7 +388,7 @@ fn fingerprint(operation: &str, parts: &Parts, bytes: &Bytes) -> Fingerprint {
 }
 
 /// A stored answer as an HTTP response.
-fn to_http(stored: crate::Response) -> Response {
+fn to_http(stored: StoredResponse) -> Response {
     let (status, headers, body) = stored.into_parts();
     let mut resp = Response::new(Body::from(body));
     *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -396,72 +400,7 @@ fn to_http(stored: crate::Response) -> Response {
     resp
 }
 
-/// The layer's answer to an executor error.
+/// The layer's answer to an executor error: [`Error::http_answer`] as problem details.
 fn error_response(e: &Error) -> Response {
-    let detail = e.to_string();
-    let p = match e {
-        Error::FingerprintMismatch { .. } => Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "key-reused",
-            "Idempotency key reused with a different request",
-        ),
-        Error::InFlight { retry_after, .. } => Problem::new(
-            StatusCode::CONFLICT,
-            "request-in-flight",
-            "A request with this idempotency key is still in progress",
-        )
-        .retry_after(*retry_after),
-        Error::OutcomeUnknown { retry_after, .. } => Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "outcome-unknown",
-            "The outcome of the first request is not known yet",
-        )
-        .retry_after(*retry_after),
-        Error::Retryable { .. } => Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "retryable",
-            "The request failed without effect; retry it with the same key",
-        )
-        .retry_after(Duration::from_secs(1)),
-        Error::RequestTooLarge { .. } => Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body-too-large",
-            "Request too large",
-        ),
-        Error::InvalidKey(_) => Problem::new(
-            StatusCode::BAD_REQUEST,
-            "key-malformed",
-            "Idempotency key malformed",
-        ),
-        Error::InvalidScope(_) => {
-            Problem::new(StatusCode::BAD_REQUEST, "scope-invalid", "Scope invalid")
-        }
-        Error::InvalidJson(_) => Problem::new(
-            StatusCode::BAD_REQUEST,
-            "body-invalid",
-            "Request body invalid",
-        ),
-        Error::LeaseLost(_) => Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "settled-elsewhere",
-            "The key was settled by another process while this request ran",
-        )
-        .retry_after(Duration::from_secs(1)),
-        Error::NoStoredResponse { .. } | Error::ResponseTooLarge { .. } => Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "no-stored-answer",
-            "The request was handled but its answer was not stored",
-        ),
-        Error::Store(_) => Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "store-error",
-            "Idempotency store error",
-        ),
-        _ => Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "Internal error",
-        ),
-    };
-    p.detail(detail).into_response()
+    Problem::from(e).into_response()
 }

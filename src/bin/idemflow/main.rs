@@ -1,11 +1,19 @@
-//! The `idemflow` command line (feature `cli`). Thin: parse, log to stderr, run, exit.
+//! The `idemflow` command line (feature `cli`): parse, log to stderr, run, exit.
 //! See `idemflow --help` and docs/operations.md.
+//!
+//! The CLI is not part of the library's API: it uses only the library's public items.
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use idemflow::cli::{Cli, run};
 use tracing_subscriber::EnvFilter;
+
+mod args;
+mod commands;
+mod config;
+
+use args::Cli;
+use commands::{error_message, run};
 
 fn main() -> ExitCode {
     let cli = Cli::parse(); // usage errors exit 2
@@ -34,7 +42,7 @@ fn main() -> ExitCode {
     match runtime.block_on(run(cli)) {
         Ok(exit) => ExitCode::from(exit.code()),
         Err(e) => {
-            let message = idemflow::cli::error_message(&e);
+            let message = error_message(&e);
             eprintln!("idemflow: error: {message}");
             if json {
                 println!("{}", serde_json::json!({"error": message}));

@@ -1,0 +1,207 @@
+//! The conformance suites, exported so that a store written outside this crate can prove it
+//! keeps every promise the built-in stores keep (feature `conformance`).
+//!
+//! Two suites, each written once against `Arc<dyn Store>`:
+//! - [`store`]: every store-level promise (claims, fencing, leases, stale keys, purge, history,
+//!   limits, stats), run through [`conformance_tests!`](crate::conformance_tests);
+//! - [`sweeper`]: every recovery promise (the crash points settled by the sweeper against a
+//!   [`FakeProvider`]), run through [`sweeper_tests!`](crate::sweeper_tests).
+//!
+//! Each macro takes the path of an async factory `fn() -> Option<Arc<dyn Store>>` and expands to
+//! one `#[test]` per suite function, run on a two-worker multi-thread tokio runtime (see
+//! [`run`]). The factory returns a migrated, **isolated** store (its own database, schema or key
+//! prefix: `take_stale` and `purge` are table-wide, and the tests run in parallel), or `None`
+//! to skip the test (say why; under CI, panic instead of skipping).
+//!
+//! ```
+//! use std::sync::Arc;
+//!
+//! use idemflow::Store;
+//! use idemflow::store::sqlite::SqliteStore;
+//!
+//! /// A migrated store of its own for every test; `None` would skip the test.
+//! async fn my_store() -> Option<Arc<dyn Store>> {
+//!     let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+//!     store.migrate().await.unwrap();
+//!     Some(Arc::new(store))
+//! }
+//!
+//! mod store_suite {
+//!     use super::*;
+//!     idemflow::conformance_tests!(my_store);
+//! }
+//!
+//! mod sweeper_suite {
+//!     use super::*;
+//!     idemflow::sweeper_tests!(my_store);
+//! }
+//! # fn main() {}
+//! ```
+//!
+//! The suite functions are public too, for a store that needs its own test harness:
+//! `idemflow::conformance::store::scopes_are_isolated(store).await`.
+
+pub mod fake;
+pub mod store;
+pub mod sweeper;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+pub use fake::FakeProvider;
+pub use store::{race_claims_across, sweepers_take_each_key_once_across};
+pub use sweeper::FailingFinish;
+
+use crate::store::{ClaimOutcome, Finish, Lease, NewClaim};
+use crate::{Actor, Fingerprint, IdempotencyKey, KeyId, KeyState, Scope, Store, StoredResponse};
+
+/// Runs one suite test to completion on a fresh two-worker multi-thread runtime, as the macros
+/// do (so the caller's crate needs no tokio features of its own).
+pub fn run(test: impl Future<Output = ()>) {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime for the conformance test")
+        .block_on(test);
+}
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A scope no other test (or earlier run) uses.
+pub fn unique(prefix: &str) -> String {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{prefix}-{}-{t}-{n}", std::process::id())
+}
+
+/// A key id from a scope and a key (panics on invalid ones: test input).
+pub fn id(scope: &str, key: &str) -> KeyId {
+    KeyId::new(
+        Scope::new(scope).unwrap(),
+        IdempotencyKey::new(key).unwrap(),
+    )
+}
+
+/// A claim of `id` for a `payments.create` with `body`, provider `fake`, provider key
+/// `pk-<key>`, the given lease and an hour of retention.
+pub fn claim_for(id: &KeyId, body: &str, lease: Duration) -> NewClaim {
+    NewClaim {
+        id: id.clone(),
+        operation: "payments.create".into(),
+        provider: Some("fake".into()),
+        provider_key: format!("pk-{}", id.key),
+        fingerprint: Fingerprint::compute("payments.create", body),
+        request: Some(body.to_owned()),
+        owner: "test-worker".into(),
+        lease,
+        retention: Duration::from_secs(3600),
+        takeover_window: None,
+    }
+}
+
+/// Claims, and panics unless the claim won.
+pub async fn claimed(store: &Arc<dyn Store>, c: &NewClaim) -> Lease {
+    match store.claim(c).await.unwrap() {
+        ClaimOutcome::Claimed(l) => l,
+        ClaimOutcome::Existing { record, .. } => panic!("expected a claim, found {record:?}"),
+    }
+}
+
+/// A worker's finish into `done` with `response`.
+pub fn done(response: StoredResponse) -> Finish {
+    Finish {
+        to: KeyState::Done,
+        response: Some(response),
+        error: None,
+        actor: Actor::Worker,
+        reason: "ok".into(),
+    }
+}
+
+/// A worker's finish into `failed` (a permanent failure stores a 402 response).
+pub fn fail(retryable: bool) -> Finish {
+    Finish {
+        to: KeyState::Failed { retryable },
+        response: (!retryable).then(|| StoredResponse::new(402).with_body(&b"declined"[..])),
+        error: Some("card declined".into()),
+        actor: Actor::Worker,
+        reason: "failed".into(),
+    }
+}
+
+/// Expands to one test per [`store`] suite function, each calling `$factory` for its store.
+/// See the [module docs](crate::conformance) for the factory and an example.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($factory:path) => {
+        $crate::conformance_tests!(@each $factory, store;
+            claim_new_key_grants_first_token_and_history,
+            second_claim_sees_the_key_in_flight,
+            finish_stores_the_response_and_get_returns_it_exactly,
+            stale_token_is_lease_lost_and_changes_nothing,
+            scopes_are_isolated,
+            other_fingerprint_never_reclaims,
+            retryable_failure_is_reclaimed_by_the_same_request,
+            permanent_failure_is_never_reclaimed,
+            release_leaves_processing_for_the_sweeper,
+            take_stale_respects_next_check_at,
+            take_stale_fences_the_old_holder,
+            take_stale_skips_live_leases_and_finished_keys,
+            extend_moves_the_lease_and_is_fenced,
+            purge_deletes_only_expired_finished_keys_and_records_it,
+            operator_override_fences_running_workers,
+            finishing_into_processing_is_refused,
+            concurrent_claims_have_one_winner,
+            concurrent_sweepers_take_each_key_once,
+            limits_round_trip_exactly,
+            retry_takeover_only_inside_the_window,
+            leases_use_the_database_clock,
+            stats_count_every_state,
+            history_survives_purge_and_is_ordered
+        );
+    };
+    (@each $factory:path, $suite:ident; $($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                $crate::conformance::run(async {
+                    let Some(store) = $factory().await else { return };
+                    $crate::conformance::$suite::$name(store).await;
+                });
+            }
+        )*
+    };
+}
+
+/// Expands to one test per [`sweeper`] suite function, each calling `$factory` for its store.
+/// See the [module docs](crate::conformance) for the factory and an example.
+#[macro_export]
+macro_rules! sweeper_tests {
+    ($factory:path) => {
+        $crate::conformance_tests!(@each $factory, sweeper;
+            crash_after_claim_before_call_is_redriven_once,
+            crash_after_claim_before_call_without_keys_turns_retryable,
+            lost_response_is_redriven_to_the_same_charge,
+            lost_response_without_keys_is_found_by_lookup,
+            died_before_storing_is_redriven_to_the_same_charge,
+            failed_completion_is_settled_by_the_sweeper,
+            zombie_worker_gets_lease_lost_and_changes_nothing,
+            never_redrives_past_the_retention_window,
+            declined_charge_settles_as_permanent_failure,
+            lagging_search_defers_then_settles,
+            unknown_lookup_backs_off_honouring_retry_after,
+            unregistered_or_missing_provider_needs_an_operator,
+            missing_request_is_only_looked_up,
+            run_loop_sweeps_until_shutdown,
+            hanging_provider_is_deferred_after_the_call_timeout,
+            stuck_keys_and_expired_counts_for_operators,
+            two_sweepers_handle_each_of_1000_keys_once
+        );
+    };
+}

@@ -1,0 +1,184 @@
+//! One provider's HTTP endpoint (feature `http`): the name stored in key rows, the base URL, the
+//! credentials and how they travel, and the [`HttpClient`] with its settings. Each built-in
+//! adapter holds one and keeps only what is specific to its provider (request shape,
+//! classification table, lookup).
+//!
+//! An adapter for another provider can hold an [`Endpoint`] too: build it with
+//! [`Endpoint::new`], send the effect with [`Endpoint::send`] and, for a search-based lookup,
+//! use [`MetadataSearch`](super::search::MetadataSearch).
+
+use super::CallOutcome;
+use super::http::{ApiKey, Classified, HttpClient, HttpConfig, HttpError, HttpReply, RetryUnknown};
+
+/// How the credentials travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Auth {
+    /// `Authorization: Bearer <key>` (Stripe, Resend).
+    Bearer,
+    /// The key as the value of a header of its own (Postmark's `X-Postmark-Server-Token`).
+    Header(&'static str),
+}
+
+/// A provider's name, base URL, credentials and HTTP client (the key never shows in `Debug`).
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    name: String,
+    base_url: String,
+    auth: Auth,
+    key: ApiKey,
+    headers: &'static [(&'static str, &'static str)],
+    http: HttpClient,
+}
+
+impl Endpoint {
+    /// An endpoint named `name` at `base_url` (checked and normalised by
+    /// [`base_url`](super::http::base_url)), with the key `key` sent as `auth` says and the
+    /// default [`HttpConfig`].
+    pub fn new(
+        name: impl Into<String>,
+        base_url: &str,
+        auth: Auth,
+        key: impl Into<String>,
+    ) -> Result<Self, HttpError> {
+        Ok(Self {
+            name: name.into(),
+            base_url: super::http::base_url(base_url)?,
+            auth,
+            key: ApiKey::new(key)?,
+            headers: &[],
+            http: HttpClient::new(HttpConfig::default())?,
+        })
+    }
+
+    /// Headers sent with every request (e.g. `Accept: application/json`).
+    pub fn with_headers(mut self, headers: &'static [(&'static str, &'static str)]) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// The name stored in key rows.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Renames the endpoint (the name stored in key rows).
+    pub fn set_name(&mut self, name: impl Into<String>) {
+        self.name = name.into();
+    }
+
+    /// The base URL in use, without a trailing slash.
+    pub fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    /// Replaces the timeouts and retry settings.
+    pub fn set_http_config(&mut self, config: HttpConfig) -> Result<(), HttpError> {
+        self.http = HttpClient::new(config)?;
+        Ok(())
+    }
+
+    /// The HTTP client.
+    pub fn http(&self) -> &HttpClient {
+        &self.http
+    }
+
+    /// A request to `base_url + path` carrying the credentials and the fixed headers.
+    pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let url = format!("{}{path}", self.base_url);
+        let mut req = self.http.inner().request(method, url);
+        req = match self.auth {
+            Auth::Bearer => req.bearer_auth(self.key.expose()),
+            Auth::Header(name) => req.header(name, self.key.expose()),
+        };
+        for (name, value) in self.headers {
+            req = req.header(*name, *value);
+        }
+        req
+    }
+
+    /// Sends the effect: `POST path`, completed by `body` (the provider key, the payload) on
+    /// every attempt of [`HttpClient::send`]'s retry loop, each answer read by `classify`.
+    pub async fn send<B, C>(
+        &self,
+        retry_unknown: RetryUnknown,
+        path: &str,
+        body: B,
+        classify: C,
+    ) -> CallOutcome
+    where
+        B: Fn(reqwest::RequestBuilder) -> reqwest::RequestBuilder,
+        C: Fn(&HttpReply) -> Classified,
+    {
+        let outcome = self
+            .http
+            .send(
+                retry_unknown,
+                |_| body(self.request(reqwest::Method::POST, path)),
+                classify,
+            )
+            .await;
+        tracing::debug!(provider = %self.name, ?outcome, "provider call");
+        outcome
+    }
+}
+
+/// Generates what every HTTP adapter shares around its `endpoint` field: the constructors
+/// `new` (the provider's `DEFAULT_BASE_URL`) and `with_base_url`, and the builder methods
+/// `with_name`, `http_config` and `base_url`; `defaults` sets the adapter's other fields.
+macro_rules! http_adapter {
+    (
+        $adapter:ident {
+            name: $name:literal,
+            key: $key_doc:literal,
+            auth: $auth:expr,
+            headers: $headers:expr,
+            defaults: { $($field:ident: $value:expr),* $(,)? } $(,)?
+        }
+    ) => {
+        impl $adapter {
+            #[doc = concat!("`", stringify!($adapter), "` at its real API base, with ", $key_doc, ".")]
+            pub fn new(
+                api_key: impl Into<String>,
+            ) -> Result<Self, $crate::provider::http::HttpError> {
+                Self::with_base_url(DEFAULT_BASE_URL, api_key)
+            }
+
+            #[doc = concat!("`", stringify!($adapter), "` at another base URL (a fake server, a proxy), e.g. `http://127.0.0.1:4242`.")]
+            pub fn with_base_url(
+                base_url: &str,
+                api_key: impl Into<String>,
+            ) -> Result<Self, $crate::provider::http::HttpError> {
+                let endpoint =
+                    $crate::provider::endpoint::Endpoint::new($name, base_url, $auth, api_key)?
+                        .with_headers($headers);
+                Ok(Self {
+                    endpoint,
+                    $($field: $value),*
+                })
+            }
+
+            #[doc = concat!("Sets the name stored in key rows (default `", $name, "`).")]
+            pub fn with_name(mut self, name: impl Into<String>) -> Self {
+                self.endpoint.set_name(name);
+                self
+            }
+
+            /// Replaces the timeouts and retry settings.
+            pub fn http_config(
+                mut self,
+                config: $crate::provider::http::HttpConfig,
+            ) -> Result<Self, $crate::provider::http::HttpError> {
+                self.endpoint.set_http_config(config)?;
+                Ok(self)
+            }
+
+            /// The base URL in use.
+            pub fn base_url(&self) -> &str {
+                self.endpoint.base_url()
+            }
+        }
+    };
+}
+
+pub(crate) use http_adapter;

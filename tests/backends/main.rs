@@ -1,0 +1,23 @@
+//! The store-level tests on every backend, in one test binary: the exported conformance and
+//! sweeper suites (`idemflow::conformance`) on SQLite (in memory and a WAL file), PostgreSQL,
+//! MariaDB and Redis, the SQL fault suite on PostgreSQL and MariaDB, and each backend's own
+//! tests.
+//!
+//! PostgreSQL, MariaDB and Redis need `IDEMFLOW_TEST_POSTGRES_URL`, `IDEMFLOW_TEST_MYSQL_URL` and
+//! `IDEMFLOW_TEST_REDIS_URL`; each test on them is skipped (with the reason printed) when its URL
+//! is unset, and fails when the URL is unset or unreachable under `CI=true`.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sql_faults;
+
+#[cfg(feature = "mysql")]
+mod mysql;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(feature = "sqlite")]
+mod sqlite;

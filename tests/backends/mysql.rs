@@ -1,0 +1,108 @@
+//! The conformance and sweeper suites on MariaDB / MySQL (a fresh database per test), and the
+//! SQL fault suite.
+
+use idemflow::store::mysql::MySqlStore;
+use idemflow::{KeyId, async_trait};
+use sqlx::migrate::Migrator;
+use sqlx::mysql::{MySqlConnectOptions, MySqlConnection};
+use sqlx::{AssertSqlSafe, ConnectOptions, Executor};
+
+use crate::sql_faults::SqlDatabase;
+use crate::support::mysql::{drop_database, fresh_database, pool_for};
+
+mod suite {
+    idemflow::conformance_tests!(crate::support::mysql::store);
+}
+
+mod sweeper {
+    idemflow::sweeper_tests!(crate::support::mysql::store);
+}
+
+mod faults {
+    crate::sql_faults::sql_fault_tests!(super::Database);
+}
+
+/// A test's own database.
+pub struct Database {
+    options: MySqlConnectOptions,
+    name: String,
+}
+
+#[async_trait]
+impl SqlDatabase for Database {
+    const BACKEND: &'static str = "mysql";
+    type Store = MySqlStore;
+    type Session = MySqlConnection;
+
+    async fn fresh() -> Option<Self> {
+        let (options, name) = fresh_database().await?;
+        Some(Self { options, name })
+    }
+    async fn store(&self, max: u32) -> MySqlStore {
+        MySqlStore::from_pool(pool_for(&self.options, max).await)
+    }
+    async fn session(&self) -> MySqlConnection {
+        self.options.connect().await.unwrap()
+    }
+    async fn drop(self) {
+        drop_database(&self.options, &self.name).await;
+    }
+
+    async fn run_migrator(store: &MySqlStore, migrator: &Migrator) {
+        migrator.run(store.pool()).await.unwrap();
+    }
+    async fn execute(store: &MySqlStore, sql: &str) {
+        sqlx::query(AssertSqlSafe(sql))
+            .execute(store.pool())
+            .await
+            .unwrap();
+    }
+    async fn count(store: &MySqlStore, sql: &str) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_one(store.pool())
+            .await
+            .unwrap()
+    }
+    async fn strings(store: &MySqlStore, sql: &str) -> Vec<String> {
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_all(store.pool())
+            .await
+            .unwrap()
+    }
+
+    async fn connection_id(store: &MySqlStore) -> u64 {
+        sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(store.pool())
+            .await
+            .unwrap()
+    }
+    async fn lock_row(session: &mut MySqlConnection, id: &KeyId) {
+        session.execute("BEGIN").await.unwrap();
+        sqlx::query("SELECT 1 FROM idempotency_keys WHERE scope = ? AND `key` = ? FOR UPDATE")
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .execute(&mut *session)
+            .await
+            .unwrap();
+    }
+    async fn rollback(session: &mut MySqlConnection) {
+        session.execute("ROLLBACK").await.unwrap();
+    }
+    async fn waits_on_a_lock(admin: &mut MySqlConnection, conn: u64) -> bool {
+        let info: Option<String> =
+            sqlx::query_scalar("SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?")
+                .bind(conn)
+                .fetch_optional(&mut *admin)
+                .await
+                .unwrap()
+                .flatten();
+        info.is_some_and(|q| q.starts_with("UPDATE"))
+    }
+    async fn kill(admin: &mut MySqlConnection, conn: u64) -> bool {
+        admin
+            .execute(AssertSqlSafe(format!("KILL CONNECTION {conn}")))
+            .await
+            .unwrap();
+        true
+    }
+}

@@ -1,0 +1,174 @@
+//! The conformance and sweeper suites on PostgreSQL (a fresh schema per test, found through
+//! `search_path`), the SQL fault suite, and the sweeper's plan on a big table.
+
+use std::time::Duration;
+
+use idemflow::store::TakeStale;
+use idemflow::store::postgres::{PostgresStore, TAKE_STALE_SQL};
+use idemflow::{KeyId, LeaseToken, Store, async_trait};
+use sqlx::migrate::Migrator;
+use sqlx::postgres::PgConnection;
+use sqlx::{AssertSqlSafe, Executor, Row};
+
+use crate::sql_faults::SqlDatabase;
+use crate::support::postgres::{connection_in, drop_schema, fresh_schema, pool_in};
+
+mod suite {
+    idemflow::conformance_tests!(crate::support::postgres::store);
+}
+
+mod sweeper {
+    idemflow::sweeper_tests!(crate::support::postgres::store);
+}
+
+mod faults {
+    crate::sql_faults::sql_fault_tests!(super::Schema);
+}
+
+/// A test's own schema.
+pub struct Schema {
+    url: String,
+    name: String,
+}
+
+#[async_trait]
+impl SqlDatabase for Schema {
+    const BACKEND: &'static str = "postgres";
+    type Store = PostgresStore;
+    type Session = PgConnection;
+
+    async fn fresh() -> Option<Self> {
+        let (url, name) = fresh_schema().await?;
+        Some(Self { url, name })
+    }
+    async fn store(&self, max: u32) -> PostgresStore {
+        PostgresStore::from_pool(pool_in(&self.url, &self.name, max).await)
+    }
+    async fn session(&self) -> PgConnection {
+        connection_in(&self.url, &self.name).await
+    }
+    async fn drop(self) {
+        drop_schema(&self.url, &self.name).await;
+    }
+
+    async fn run_migrator(store: &PostgresStore, migrator: &Migrator) {
+        migrator.run(store.pool()).await.unwrap();
+    }
+    async fn execute(store: &PostgresStore, sql: &str) {
+        sqlx::query(AssertSqlSafe(sql))
+            .execute(store.pool())
+            .await
+            .unwrap();
+    }
+    async fn count(store: &PostgresStore, sql: &str) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_one(store.pool())
+            .await
+            .unwrap()
+    }
+    async fn strings(store: &PostgresStore, sql: &str) -> Vec<String> {
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_all(store.pool())
+            .await
+            .unwrap()
+    }
+
+    async fn connection_id(store: &PostgresStore) -> u64 {
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        pid.try_into().unwrap()
+    }
+    async fn lock_row(session: &mut PgConnection, id: &KeyId) {
+        session.execute("BEGIN").await.unwrap();
+        sqlx::query("SELECT 1 FROM idempotency_keys WHERE scope = $1 AND key = $2 FOR UPDATE")
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .execute(&mut *session)
+            .await
+            .unwrap();
+    }
+    async fn rollback(session: &mut PgConnection) {
+        session.execute("ROLLBACK").await.unwrap();
+    }
+    async fn waits_on_a_lock(admin: &mut PgConnection, conn: u64) -> bool {
+        let w: Option<String> =
+            sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
+                .bind(i32::try_from(conn).unwrap())
+                .fetch_optional(&mut *admin)
+                .await
+                .unwrap()
+                .flatten();
+        w.as_deref() == Some("Lock")
+    }
+    async fn kill(admin: &mut PgConnection, conn: u64) -> bool {
+        sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(i32::try_from(conn).unwrap())
+            .fetch_one(&mut *admin)
+            .await
+            .unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_key_query_uses_the_partial_index_on_a_big_table() {
+    let Some((url, schema)) = fresh_schema().await else {
+        return;
+    };
+    let pool = pool_in(&url, &schema, 2).await;
+    let store = PostgresStore::from_pool(pool.clone());
+    store.migrate().await.unwrap();
+    // 100,000 done keys and 100 stale processing ones.
+    sqlx::query(
+        "INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, fingerprint, \
+           lease_token, attempts, created_at, updated_at, expires_at, retention_ms, version, \
+           last_actor) \
+         SELECT 'big', 'done-' || g, 'op', 'pk-' || g, 'done', 'v1:x', 1, 1, now(), now(), \
+           now() + interval '1 day', 86400000, 1, 'worker' \
+         FROM generate_series(1, 100000) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, fingerprint, \
+           lease_token, lease_expires_at, attempts, created_at, updated_at, retention_ms, \
+           version, last_actor) \
+         SELECT 'big', 'stale-' || g, 'op', 'pk-' || g, 'processing', 'v1:x', 1, \
+           now() - interval '1 minute', 1, now(), now(), 86400000, 1, 'worker' \
+         FROM generate_series(1, 100) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE idempotency_keys")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let rows = sqlx::query(AssertSqlSafe(format!("EXPLAIN {TAKE_STALE_SQL}")))
+        .bind("sweeper")
+        .bind(30_000i64)
+        .bind(100i64)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let plan: Vec<String> = rows.iter().map(|r| r.get::<String, _>(0)).collect();
+    let plan = plan.join("\n");
+    println!("{plan}");
+    assert!(
+        plan.contains("idempotency_keys_stale"),
+        "the sweeper must use the partial index:\n{plan}"
+    );
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "sweeper".into(),
+            lease: Duration::from_secs(30),
+            limit: 1000,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 100);
+    assert!(taken.iter().all(|r| r.lease_token == LeaseToken(2)));
+    drop_schema(&url, &schema).await;
+}

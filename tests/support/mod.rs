@@ -1,0 +1,78 @@
+//! Backend support shared by the test binaries: an isolated store per test on each backend (a
+//! fresh SQLite database, PostgreSQL schema, MariaDB database or Redis key prefix), its clean-up,
+//! and the one rule for a backend that is not there: an unset URL skips the test with a printed
+//! reason, and under `CI=true` an unset or unreachable backend is a failure.
+
+#![allow(dead_code)]
+
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Reads the env var holding a backend's URL; `None` (skip, with a printed reason) when unset,
+/// a panic when unset under `CI=true`.
+pub fn backend_url(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            if under_ci() {
+                panic!("{var} is not set and CI=true: this backend must be tested in CI");
+            }
+            eprintln!("skipping: {var} is not set");
+            None
+        }
+    }
+}
+
+/// The backend at `var` did not answer: `None` (skip, with a printed reason), a panic under
+/// `CI=true`.
+pub fn unreachable<T>(backend: &str, var: &str, e: impl std::fmt::Display) -> Option<T> {
+    if under_ci() {
+        panic!("{backend} at {var} is unreachable and CI=true: {e}");
+    }
+    eprintln!("skipping: {backend} at {var} is unreachable: {e}");
+    None
+}
+
+fn under_ci() -> bool {
+    std::env::var("CI").as_deref() == Ok("true")
+}
+
+/// The prefix of every schema or database the tests create.
+pub const PREFIX: &str = "idemflow_t_";
+static NAMES: AtomicU64 = AtomicU64::new(0);
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// A schema or database name no other test (or process) uses: the prefix, the creation time,
+/// the process and a counter.
+pub fn fresh_name() -> String {
+    format!(
+        "{PREFIX}{}_{}_{}",
+        now_secs(),
+        std::process::id(),
+        NAMES.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Whether `name` (from [`fresh_name`]) was created more than an hour ago: left behind by an
+/// earlier run, safe to drop.
+pub fn left_behind(name: &str) -> bool {
+    let born: Option<u64> = name
+        .strip_prefix(PREFIX)
+        .and_then(|rest| rest.split('_').next())
+        .and_then(|s| s.parse().ok());
+    born.is_some_and(|b| b + 3600 < now_secs())
+}
