@@ -23,20 +23,16 @@
 mod backends;
 #[path = "simulation/checks.rs"]
 mod checks;
-#[allow(unused_imports)]
-#[path = "conformance/mod.rs"]
-mod conformance;
 #[path = "simulation/gate.rs"]
 mod gate;
-#[cfg(feature = "postgres")]
-#[path = "pg_support/mod.rs"]
-mod pg_support;
 #[path = "simulation/provider.rs"]
 mod provider;
 #[path = "simulation/rng.rs"]
 mod rng;
 #[path = "simulation/store.rs"]
 mod store;
+#[path = "support/mod.rs"]
+mod support;
 #[path = "simulation/world.rs"]
 mod world;
 
@@ -277,7 +273,7 @@ async fn sqlite_memory() {
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres() {
-    let Some(url) = conformance::backend_url("IDEMFLOW_TEST_POSTGRES_URL") else {
+    let Some(url) = support::backend_url("IDEMFLOW_TEST_POSTGRES_URL") else {
         return;
     };
     simulate(Backend::Postgres(url), 300, 16).await;
@@ -286,7 +282,7 @@ async fn postgres() {
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql() {
-    let Some(url) = conformance::backend_url("IDEMFLOW_TEST_MYSQL_URL") else {
+    let Some(url) = support::backend_url("IDEMFLOW_TEST_MYSQL_URL") else {
         return;
     };
     simulate(Backend::MySql(url), 300, 16).await;
@@ -295,7 +291,7 @@ async fn mysql() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis() {
-    let Some(url) = conformance::backend_url("IDEMFLOW_TEST_REDIS_URL") else {
+    let Some(url) = support::backend_url("IDEMFLOW_TEST_REDIS_URL") else {
         return;
     };
     simulate(Backend::Redis(url), 300, 16).await;

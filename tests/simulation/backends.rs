@@ -53,7 +53,7 @@ impl Backend {
             Backend::MySql(url) => my::store(url).await,
             #[cfg(feature = "redis")]
             Backend::Redis(url) => {
-                let prefix = crate::conformance::unique("idemflow-sim");
+                let prefix = idemflow::conformance::unique("idemflow-sim");
                 let cfg = idemflow::store::redis::RedisConfig::new(url.clone()).prefix(prefix);
                 let s = idemflow::store::redis::RedisStore::connect_with(cfg)
                     .await
@@ -71,7 +71,7 @@ impl Backend {
 #[cfg(feature = "postgres")]
 mod pg {
     use super::*;
-    use crate::pg_support::{drop_schema, pool_in};
+    use crate::support::postgres::{drop_schema, pool_in};
     use sqlx::{AssertSqlSafe, Connection, Executor};
 
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

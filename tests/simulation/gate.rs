@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
-use idemflow::{KeyState, Response};
+use idemflow::{KeyState, StoredResponse};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::checks::{Check, Violation};
@@ -87,7 +87,7 @@ pub struct Effect {
     /// The key label (`scope/key`) and its generation when the provider acted.
     pub label: String,
     pub generation: u32,
-    pub response: Response,
+    pub response: StoredResponse,
     /// System clock (the databases under test run on this machine).
     pub at: chrono::DateTime<chrono::Utc>,
 }
@@ -112,7 +112,7 @@ pub struct Shared {
     /// Key labels purged since their last grant.
     pub purged_since_grant: BTreeSet<String>,
     /// (key label, generation) -> the first response a client got.
-    pub responses: BTreeMap<(String, u32), Response>,
+    pub responses: BTreeMap<(String, u32), StoredResponse>,
     /// Faults are off (final sweeps).
     pub healthy: bool,
     pub violations: Vec<Violation>,

@@ -9,8 +9,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use idemflow::provider::KeyTransport;
-use idemflow::{CallOutcome, KeySpec, Lookup, Outcome, Provider, Response, async_trait};
+use idemflow::{CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait};
 
 use crate::gate::{Effect, SharedRef, current_actor, park};
 use crate::rng::Rng;
@@ -106,7 +105,7 @@ impl SimProvider {
             .cloned()
     }
 
-    fn outcome_of(response: Response, replayed: bool) -> CallOutcome {
+    fn outcome_of(response: StoredResponse, replayed: bool) -> CallOutcome {
         if response.status() < 300 {
             CallOutcome::Succeeded { response, replayed }
         } else {
@@ -124,7 +123,6 @@ impl Provider for SimProvider {
     fn key_spec(&self) -> KeySpec {
         match self.window {
             Some(w) => KeySpec {
-                transport: KeyTransport::Header("Idempotency-Key".into()),
                 max_len: 255,
                 retention: Some(w),
                 replays_same_key: true,
@@ -189,12 +187,12 @@ impl Provider for SimProvider {
             sh.check_acting_lease(&label);
             let amt = amount(request);
             let response = if amt.is_multiple_of(5) {
-                Response::json(
+                StoredResponse::json(
                     402,
                     &serde_json::json!({"error": "declined", "effect": n, "pk": provider_key}),
                 )
             } else {
-                Response::json(
+                StoredResponse::json(
                     201,
                     &serde_json::json!({"id": format!("eff_{n}"), "pk": provider_key, "amount": amt}),
                 )

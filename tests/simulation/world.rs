@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use idemflow::store::Finish;
 use idemflow::{
-    Actor, Error, Idempotency, IdempotencyKey, KeyId, KeyState, Provider, Providers, Request,
-    Scope, Store, StoreError, Sweeper,
+    Actor, Error, Idempotency, IdempotencyKey, IdempotentRequest, KeyId, KeyState, Provider,
+    Providers, Scope, Store, StoreError, Sweeper,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -570,7 +570,7 @@ async fn client(
     provider: Arc<SimProvider>,
     shared: SharedRef,
 ) -> (String, bool) {
-    let req = match Request::new(
+    let req = match IdempotentRequest::new(
         key.id.scope.as_str(),
         key.id.key.as_str(),
         key.operation,
@@ -630,7 +630,9 @@ async fn client(
             (format!("store error: {e}"), false)
         }
         Err(
-            e @ (Error::InFlight { .. } | Error::OutcomeUnknown { .. } | Error::Retryable { .. }),
+            e @ (Error::InFlight { .. }
+            | Error::OutcomeUnknown { .. }
+            | Error::FailedRetryable { .. }),
         ) => (format!("error: {e}"), true),
         Err(e) => (format!("error: {e}"), false),
     }
@@ -706,8 +708,8 @@ impl Shared {
         &mut self,
         label: &str,
         generation: u32,
-        resp: &idemflow::Response,
-    ) -> idemflow::Response {
+        resp: &idemflow::StoredResponse,
+    ) -> idemflow::StoredResponse {
         self.responses
             .entry((label.to_owned(), generation))
             .or_insert_with(|| resp.clone())
