@@ -40,7 +40,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use backends::Backend;
+use backends::{Backend, StorePool};
 use checks::{Check, OPEN_FINDINGS, Verdict, judge, known_findings_skipped};
 use world::{CaseResult, run_case};
 
@@ -98,26 +98,26 @@ async fn simulate_seeds(backend: Backend, seeds: Vec<u64>, verbose: bool, defaul
         );
     }
     let started = Instant::now();
-    let backend = Arc::new(backend);
+    let pool = Arc::new(StorePool::new(backend));
     let sem = Arc::new(tokio::sync::Semaphore::new(parallel as usize));
     let mut set = tokio::task::JoinSet::new();
     for seed in seeds {
         let permit = sem.clone().acquire_owned().await.unwrap();
-        let backend = backend.clone();
+        let pool = pool.clone();
         set.spawn(async move {
             let _permit = permit;
             let t0 = Instant::now();
-            let cs = match backend.store().await {
-                Ok(cs) => cs,
-                Err(e) => panic!("{}: cannot open a store: {e}", backend.name()),
+            let slot = match pool.take().await {
+                Ok(s) => s,
+                Err(e) => panic!("{}: cannot open a store: {e}", pool.name()),
             };
             let setup = t0.elapsed();
-            let r = run_case(seed, cs.store.clone()).await;
-            drop(cs.store);
-            if let Some(c) = cs.cleanup {
-                c.await;
+            let r = run_case(seed, slot.store.clone()).await;
+            let t1 = Instant::now();
+            if let Err(e) = pool.give_back(slot).await {
+                panic!("{}: cannot empty a store: {e}", pool.name());
             }
-            (r, setup)
+            (r, setup + t1.elapsed())
         });
     }
     let mut results: Vec<CaseResult> = Vec::new();
@@ -127,6 +127,7 @@ async fn simulate_seeds(backend: Backend, seeds: Vec<u64>, verbose: bool, defaul
         setup += s;
         results.push(r);
     }
+    pool.close().await;
     results.sort_by_key(|r| r.seed);
     let elapsed = started.elapsed();
     let mut failing: Vec<(&CaseResult, Verdict)> = Vec::new();
@@ -155,10 +156,11 @@ async fn simulate_seeds(backend: Backend, seeds: Vec<u64>, verbose: bool, defaul
         }
     }
     eprintln!(
-        "[sim {name}] {} schedules ({steps} steps, {effects} provider effects) in {:.1}s: {:.1} schedules/s (parallel {parallel}; opening a fresh store took {:.0} ms per schedule on average)",
+        "[sim {name}] {} schedules ({steps} steps, {effects} provider effects) in {:.1}s: {:.1} schedules/s (parallel {parallel}; {} stores opened; opening or emptying a store took {:.0} ms per schedule on average)",
         results.len(),
         elapsed.as_secs_f64(),
         results.len() as f64 / elapsed.as_secs_f64(),
+        pool.created(),
         setup.as_secs_f64() * 1000.0 / results.len().max(1) as f64
     );
     for (check, (n, seed, f)) in &known {

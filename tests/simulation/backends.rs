@@ -1,15 +1,12 @@
-//! A fresh, migrated, isolated store per schedule (`take_stale` and `purge` are table-wide):
-//! SQLite in memory, a new PostgreSQL schema, a new MariaDB/MySQL database, a new Redis prefix.
+//! Isolated stores for the schedules (`take_stale` and `purge` are table-wide, so schedules
+//! running at once never share one). SQLite in memory and Redis get a fresh store per schedule
+//! (cheap: a new in-memory database, a new key prefix). PostgreSQL and MariaDB/MySQL keep a pool
+//! of slots, one per schedule running at once: a schema or database created and migrated once per
+//! slot, emptied between schedules (both tables deleted, then checked empty), dropped at the end.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use idemflow::Store;
-
-/// A store for one schedule, and how to clean up after it.
-pub struct CaseStore {
-    pub store: Arc<dyn Store>,
-    pub cleanup: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
-}
 
 #[derive(Debug, Clone)]
 pub enum Backend {
@@ -35,22 +32,23 @@ impl Backend {
         }
     }
 
-    pub async fn store(&self) -> Result<CaseStore, String> {
+    /// A new migrated, empty store, and what to keep to empty and drop it.
+    async fn open(&self) -> Result<Slot, String> {
         match self {
             Backend::SqliteMemory => {
                 let s = idemflow::store::sqlite::SqliteStore::connect("sqlite::memory:")
                     .await
                     .map_err(|e| e.to_string())?;
                 s.migrate().await.map_err(|e| e.to_string())?;
-                Ok(CaseStore {
+                Ok(Slot {
                     store: Arc::new(s),
-                    cleanup: None,
+                    kind: SlotKind::OneShot,
                 })
             }
             #[cfg(feature = "postgres")]
-            Backend::Postgres(url) => pg::store(url).await,
+            Backend::Postgres(url) => pg::open(url).await,
             #[cfg(feature = "mysql")]
-            Backend::MySql(url) => my::store(url).await,
+            Backend::MySql(url) => my::open(url).await,
             #[cfg(feature = "redis")]
             Backend::Redis(url) => {
                 let prefix = idemflow::conformance::unique("idemflow-sim");
@@ -59,11 +57,148 @@ impl Backend {
                     .await
                     .map_err(|e| e.to_string())?;
                 s.migrate().await.map_err(|e| e.to_string())?;
-                Ok(CaseStore {
+                Ok(Slot {
                     store: Arc::new(s),
-                    cleanup: None,
+                    kind: SlotKind::OneShot,
                 })
             }
+        }
+    }
+}
+
+/// One isolated store, used by one schedule at a time.
+pub struct Slot {
+    pub store: Arc<dyn Store>,
+    kind: SlotKind,
+}
+
+enum SlotKind {
+    /// Used by one schedule, then dropped (SQLite in memory, a Redis prefix).
+    OneShot,
+    #[cfg(feature = "postgres")]
+    Postgres {
+        pool: sqlx::PgPool,
+        url: String,
+        schema: String,
+    },
+    #[cfg(feature = "mysql")]
+    MySql {
+        pool: sqlx::MySqlPool,
+        base: Box<sqlx::mysql::MySqlConnectOptions>,
+        name: String,
+    },
+}
+
+/// The slots of one backend: at most one per schedule running at once.
+pub struct StorePool {
+    backend: Backend,
+    free: Mutex<Vec<Slot>>,
+    created: std::sync::atomic::AtomicUsize,
+}
+
+impl StorePool {
+    pub fn new(backend: Backend) -> Self {
+        Self {
+            backend,
+            free: Mutex::new(Vec::new()),
+            created: Default::default(),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// Stores created so far.
+    pub fn created(&self) -> usize {
+        self.created.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// An empty store of its own: a free slot, or a new one.
+    pub async fn take(&self) -> Result<Slot, String> {
+        if let Some(slot) = self.free.lock().unwrap().pop() {
+            return Ok(slot);
+        }
+        self.created
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.backend.open().await
+    }
+
+    /// Takes a slot back after its schedule: empties it for the next one (every task of the
+    /// schedule has ended by now), or drops it when it is used once.
+    pub async fn give_back(&self, slot: Slot) -> Result<(), String> {
+        if empty(&slot.kind).await? {
+            self.free.lock().unwrap().push(slot);
+        }
+        Ok(())
+    }
+
+    /// Drops every slot's schema or database.
+    pub async fn close(&self) {
+        let slots: Vec<Slot> = std::mem::take(&mut *self.free.lock().unwrap());
+        for slot in slots {
+            drop(slot.store);
+            match slot.kind {
+                SlotKind::OneShot => {}
+                #[cfg(feature = "postgres")]
+                SlotKind::Postgres { pool, url, schema } => {
+                    pool.close().await;
+                    crate::support::postgres::drop_schema(&url, &schema).await;
+                }
+                #[cfg(feature = "mysql")]
+                SlotKind::MySql { pool, base, name } => {
+                    use sqlx::{AssertSqlSafe, ConnectOptions, Executor};
+                    pool.close().await;
+                    if let Ok(mut admin) = base.connect().await {
+                        let _ = admin
+                            .execute(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
+                            .await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The tables of the SQL stores (`migrations/*/`), events first.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+const TABLES: [&str; 2] = ["idempotency_key_events", "idempotency_keys"];
+
+/// Deletes every row of `TABLES` through `$pool` and checks none is left (the same SQL on
+/// PostgreSQL and MariaDB/MySQL, on two pool types).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+macro_rules! empty_tables {
+    ($pool:expr) => {{
+        for t in TABLES {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {t}")))
+                .execute($pool)
+                .await
+                .map_err(|e| e.to_string())?;
+            let left: i64 =
+                sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {t}")))
+                    .fetch_one($pool)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            if left != 0 {
+                return Err(format!("{t}: {left} rows left after emptying"));
+            }
+        }
+        Ok(true)
+    }};
+}
+
+/// Deletes every row of the slot's tables and checks none is left. `false`: the slot is not
+/// reusable (used once).
+async fn empty(kind: &SlotKind) -> Result<bool, String> {
+    match kind {
+        SlotKind::OneShot => Ok(false),
+        #[cfg(feature = "postgres")]
+        SlotKind::Postgres { pool, .. } => {
+            empty_tables!(pool)
+        }
+        #[cfg(feature = "mysql")]
+        SlotKind::MySql { pool, .. } => {
+            empty_tables!(pool)
         }
     }
 }
@@ -71,12 +206,12 @@ impl Backend {
 #[cfg(feature = "postgres")]
 mod pg {
     use super::*;
-    use crate::support::postgres::{drop_schema, pool_in};
+    use crate::support::postgres::pool_in;
     use sqlx::{AssertSqlSafe, Connection, Executor};
 
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-    pub async fn store(url: &str) -> Result<CaseStore, String> {
+    pub async fn open(url: &str) -> Result<Slot, String> {
         let schema = format!(
             "idemflow_sim_{}_{}",
             std::process::id(),
@@ -93,12 +228,15 @@ mod pg {
             .map_err(|e| e.to_string())?;
         let _ = admin.close().await;
         let pool = pool_in(url, &schema, 2).await;
-        let s = idemflow::store::postgres::PostgresStore::from_pool(pool);
+        let s = idemflow::store::postgres::PostgresStore::from_pool(pool.clone());
         s.migrate().await.map_err(|e| e.to_string())?;
-        let url = url.to_owned();
-        Ok(CaseStore {
+        Ok(Slot {
             store: Arc::new(s),
-            cleanup: Some(Box::pin(async move { drop_schema(&url, &schema).await })),
+            kind: SlotKind::Postgres {
+                pool,
+                url: url.to_owned(),
+                schema,
+            },
         })
     }
 }
@@ -112,7 +250,7 @@ mod my {
 
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-    pub async fn store(url: &str) -> Result<CaseStore, String> {
+    pub async fn open(url: &str) -> Result<Slot, String> {
         let name = format!(
             "idemflow_sim_{}_{}",
             std::process::id(),
@@ -150,17 +288,15 @@ mod my {
             .connect_with(options)
             .await
             .map_err(|e| e.to_string())?;
-        let s = idemflow::store::mysql::MySqlStore::from_pool(pool);
+        let s = idemflow::store::mysql::MySqlStore::from_pool(pool.clone());
         s.migrate().await.map_err(|e| e.to_string())?;
-        Ok(CaseStore {
+        Ok(Slot {
             store: Arc::new(s),
-            cleanup: Some(Box::pin(async move {
-                if let Ok(mut admin) = base.connect().await {
-                    let _ = admin
-                        .execute(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
-                        .await;
-                }
-            })),
+            kind: SlotKind::MySql {
+                pool,
+                base: Box::new(base),
+                name,
+            },
         })
     }
 }

@@ -818,8 +818,11 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>) -> CaseResult {
         Ok(()) => w.quiesce().await,
         Err(e) => Err(e),
     };
+    // Abort and wait for every actor left, so none touches the store after the schedule (the
+    // store is emptied and reused by the next schedule on this slot).
     for slot in w.slots.drain(..) {
         slot.handle.abort();
+        let _ = slot.handle.await;
     }
     if let Err(e) = outcome {
         w.violate(Check::NoStoreErrors, "-", format!("scheduler: {e}"));
