@@ -478,6 +478,7 @@ async fn a_lost_lease_is_visible_to_the_operation_and_its_result_is_not_stored()
                 error: None,
                 actor: Actor::Operator,
                 reason: "operator settled it".to_owned(),
+                expect_token: None,
             };
             s.finish(&oid, None, &finish).await.unwrap();
             tokio::time::timeout(Duration::from_secs(5), ctx.lost())
