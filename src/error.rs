@@ -94,6 +94,15 @@ pub enum Error {
     /// The request body is not valid JSON (HTTP 400).
     #[error("request body is not valid JSON: {0}")]
     InvalidJson(#[source] serde_json::Error),
+    /// The request body names an object member twice (HTTP 400); it is refused, never read
+    /// last-wins.
+    #[error(
+        "request body names the JSON object member {name:?} more than once; send each member once"
+    )]
+    DuplicateJsonKey {
+        /// The repeated member name.
+        name: String,
+    },
     /// The canonical request is larger than the configured cap (HTTP 413).
     #[error("request of {size} bytes exceeds the cap of {limit} bytes")]
     RequestTooLarge {
@@ -186,6 +195,17 @@ impl From<StoreError> for Error {
     }
 }
 
+impl From<crate::fingerprint::JsonError> for Error {
+    fn from(e: crate::fingerprint::JsonError) -> Self {
+        match e {
+            crate::fingerprint::JsonError::DuplicateKey { name } => {
+                Error::DuplicateJsonKey { name }
+            }
+            crate::fingerprint::JsonError::Syntax(e) => Error::InvalidJson(e),
+        }
+    }
+}
+
 /// How an [`Error`] is answered over HTTP: status, `Retry-After` and the problem kind. This is
 /// the one error-to-HTTP mapping: [`Error::http_status`] and [`Error::retry_after`] read it, and
 /// the axum layer answers every executor error with it (as `application/problem+json`).
@@ -237,6 +257,12 @@ impl Error {
                 (400, None, "operation-invalid", "Operation name invalid")
             }
             Error::InvalidJson(_) => (400, None, "body-invalid", "Request body invalid"),
+            Error::DuplicateJsonKey { .. } => (
+                400,
+                None,
+                "body-duplicate-key",
+                "Request body names a member twice",
+            ),
             Error::RequestTooLarge { .. } => (413, None, "body-too-large", "Request too large"),
             Error::FingerprintMismatch { .. } => (
                 422,

@@ -126,6 +126,7 @@ mod tests {
             Error::InvalidScope(KeyError::Empty { what: "scope" }),
             Error::InvalidOperation(KeyError::Empty { what: "operation" }),
             Error::InvalidJson(serde_json::from_str::<u8>("{").unwrap_err()),
+            Error::DuplicateJsonKey { name: "a".into() },
             Error::RequestTooLarge { size: 2, limit: 1 },
             Error::FingerprintMismatch {
                 key: "a/k".into(),
@@ -160,6 +161,7 @@ mod tests {
                 | Error::InvalidScope(_)
                 | Error::InvalidOperation(_)
                 | Error::InvalidJson(_)
+                | Error::DuplicateJsonKey { .. }
                 | Error::RequestTooLarge { .. }
                 | Error::FingerprintMismatch { .. }
                 | Error::InFlight { .. }

@@ -131,7 +131,7 @@ pub(super) fn refusal(id: &KeyId, presented: Option<LeaseToken>, reply: &[Value]
 /// Decodes a key hash. Fields: op, prov, pk, st, rt, fp, req, rs (status), rh (headers JSON),
 /// rb (body), err, tok, own, lex (lease expiry), att, cat, uat, exp, nca (next check), ret
 /// (retention ms), hs (last history sequence). Times are ms since the epoch.
-fn record_of(
+pub(super) fn record_of(
     scope: &str,
     key: &str,
     mut f: HashMap<String, Vec<u8>>,
