@@ -227,6 +227,7 @@ mod tests {
                 (400, None, "scope-invalid"),
                 (400, None, "operation-invalid"),
                 (400, None, "body-invalid"),
+                (400, None, "body-duplicate-key"),
                 (413, None, "body-too-large"),
                 (422, None, "key-reused"),
                 (409, Some(1500), "request-in-flight"),

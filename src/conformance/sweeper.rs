@@ -507,7 +507,8 @@ pub async fn declined_charge_settles_as_permanent_failure(store: Arc<dyn Store>)
 /// A lagging search: an empty result is not trusted until the lag has passed.
 pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
     let mail = FakeProvider::no_keys("mail");
-    mail.lookup_lag(Duration::from_millis(600));
+    // A lag far longer than a loaded database takes to claim, take over and look up.
+    mail.lookup_lag(Duration::from_millis(3000));
     let scope = unique("lag");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 100), &mail);
@@ -527,7 +528,7 @@ pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
     assert_eq!(last_event(&h).actor, Actor::Sweeper);
     assert!(last_event(&h).reason.as_deref().unwrap().contains("lag"));
 
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(3000)).await;
     let second = sw.run_once().await.unwrap();
     assert_eq!(second.retryable, 1, "{second:?}");
     assert!(second.is_clean());
