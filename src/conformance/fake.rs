@@ -79,7 +79,7 @@ impl FakeProvider {
     }
 
     /// Search results appear only `lag` after the effect; an empty result is authoritative only
-    /// `lag` after the first send.
+    /// `lag` after the `last_attempt_at` the caller passes (as a real search adapter judges).
     pub fn lookup_lag(&self, lag: Duration) {
         self.lock().lookup_lag = lag;
     }
@@ -215,7 +215,7 @@ impl Provider for FakeProvider {
         &self,
         provider_key: &str,
         _request: &serde_json::Value,
-        first_sent_at: DateTime<Utc>,
+        last_attempt_at: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Lookup {
         if self.hangs() {
@@ -235,11 +235,10 @@ impl Provider for FakeProvider {
             } else {
                 Outcome::Succeeded(e.response.clone())
             }),
-            Some(_) => Lookup::NotFound {
-                authoritative: false,
-            },
-            None => {
-                let age = (now - first_sent_at).to_std().unwrap_or_default();
+            // As a real search: an effect the index has not caught up with is invisible, and the
+            // empty result's authority is judged from the key's latest attempt alone.
+            _ => {
+                let age = (now - last_attempt_at).to_std().unwrap_or_default();
                 Lookup::NotFound {
                     authoritative: age >= lag,
                 }

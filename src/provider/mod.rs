@@ -179,15 +179,17 @@ pub trait Provider: Debug + Send + Sync + 'static {
     /// Sends `request` (the canonical JSON stored in the key row) with `provider_key`.
     async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallOutcome;
 
-    /// Asks the provider what happened to the request sent with `provider_key`, first sent at
-    /// `first_sent_at`. `now` is the database clock when the caller took the key: adapters judge
-    /// ages (search lag, the provider's retention) as `now - first_sent_at`, never by the
-    /// application's clock.
+    /// Asks the provider what happened to the request sent with `provider_key`, whose latest
+    /// attempt may have reached the provider at `last_attempt_at` (`KeyRecord::last_attempt_at`,
+    /// not the key's creation: a reclaim or a takeover sends again later). `now` is the database
+    /// clock when the caller took the key: adapters judge ages (search lag, the provider's
+    /// retention) as `now - last_attempt_at`, never by the application's clock. An empty search
+    /// is authoritative only once the search lag has passed since `last_attempt_at`.
     async fn lookup(
         &self,
         provider_key: &str,
         request: &serde_json::Value,
-        first_sent_at: DateTime<Utc>,
+        last_attempt_at: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Lookup;
 }

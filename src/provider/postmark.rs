@@ -171,7 +171,7 @@ impl Provider for Postmark {
         &self,
         provider_key: &str,
         _request: &Value,
-        first_sent_at: DateTime<Utc>,
+        last_attempt_at: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Lookup {
         let param = format!("metadata_{METADATA_KEY}");
@@ -186,7 +186,7 @@ impl Provider for Postmark {
             search_lag: self.search_lag,
             retention: Some(MESSAGE_RETENTION),
         }
-        .run(&self.endpoint, first_sent_at, now, Self::found)
+        .run(&self.endpoint, last_attempt_at, now, Self::found)
         .await
     }
 }

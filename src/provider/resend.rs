@@ -121,10 +121,10 @@ impl Provider for Resend {
         &self,
         provider_key: &str,
         request: &Value,
-        first_sent_at: DateTime<Utc>,
+        last_attempt_at: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Lookup {
-        let age = (now - first_sent_at).to_std().unwrap_or_default();
+        let age = (now - last_attempt_at).to_std().unwrap_or_default();
         if age + self.redrive_margin >= RETENTION {
             // Resend may have forgotten the key: a re-send could send a second email, and
             // Resend cannot be searched by our key.

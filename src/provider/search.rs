@@ -36,13 +36,13 @@ pub struct MetadataSearch<'a> {
 }
 
 impl MetadataSearch<'_> {
-    /// Runs the search on `endpoint` for a request first sent at `first_sent_at`, judged at
+    /// Runs the search on `endpoint` for a request last sent at `last_attempt_at`, judged at
     /// `now` (both from the database clock); `found` rebuilds the provider's answer from the
     /// first match.
     pub async fn run(
         &self,
         endpoint: &Endpoint,
-        first_sent_at: DateTime<Utc>,
+        last_attempt_at: DateTime<Utc>,
         now: DateTime<Utc>,
         found: impl FnOnce(&Value) -> Outcome,
     ) -> Lookup {
@@ -72,7 +72,7 @@ impl MetadataSearch<'_> {
             Some(m) => Lookup::Found(found(m)),
             None => Lookup::NotFound {
                 authoritative: empty_result_is_authoritative(
-                    first_sent_at,
+                    last_attempt_at,
                     now,
                     self.search_lag,
                     self.retention,
@@ -83,15 +83,15 @@ impl MetadataSearch<'_> {
 }
 
 /// Whether an empty search result proves the provider never acted: the search has caught up
-/// (`search_lag` has passed since `first_sent_at`) and the provider still keeps what it would
+/// (`search_lag` has passed since `last_attempt_at`) and the provider still keeps what it would
 /// have found (`retention`, if any, has not).
 pub fn empty_result_is_authoritative(
-    first_sent_at: DateTime<Utc>,
+    last_attempt_at: DateTime<Utc>,
     now: DateTime<Utc>,
     search_lag: Duration,
     retention: Option<Duration>,
 ) -> bool {
-    let age = (now - first_sent_at).to_std().unwrap_or_default();
+    let age = (now - last_attempt_at).to_std().unwrap_or_default();
     age >= search_lag && retention.is_none_or(|kept| age < kept)
 }
 

@@ -248,7 +248,7 @@ impl Provider for Stripe {
         &self,
         provider_key: &str,
         _request: &Value,
-        first_sent_at: DateTime<Utc>,
+        last_attempt_at: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Lookup {
         let query = Self::search_query(provider_key);
@@ -259,7 +259,7 @@ impl Provider for Stripe {
             search_lag: self.search_lag,
             retention: None,
         }
-        .run(&self.endpoint, first_sent_at, now, Self::found)
+        .run(&self.endpoint, last_attempt_at, now, Self::found)
         .await
     }
 }

@@ -44,14 +44,17 @@ pub(super) const GET: &str = concat!(
 pub(super) const CLAIM: &str = concat!(
     "INSERT INTO idempotency_keys (scope, `key`, operation, provider, provider_key, state, \
        retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
-       created_at, updated_at, retention_ms, version, last_actor, last_reason, claim_nonce) \
+       created_at, updated_at, retention_ms, version, last_actor, last_reason, claim_nonce, \
+       last_attempt_at, may_have_acted) \
      VALUES (?, ?, ?, ?, ?, 'processing', FALSE, ?, ?, 1, ?, ",
     now!(),
     " + INTERVAL ? MICROSECOND, 1, ",
     now!(),
     ", ",
     now!(),
-    ", ?, 1, 'worker', 'claimed', ?) \
+    ", ?, 1, 'worker', 'claimed', ?, ",
+    now!(),
+    ", FALSE) \
      ON DUPLICATE KEY UPDATE \
        claim_nonce = IF(IFNULL(fingerprint = VALUES(fingerprint) AND ( \
            (state = 'failed' AND retryable) \
@@ -60,6 +63,12 @@ pub(super) const CLAIM: &str = concat!(
     " AND created_at > ",
     now!(),
     " - INTERVAL ? MICROSECOND)), FALSE), VALUES(claim_nonce), claim_nonce), \
+       may_have_acted = IF(",
+    won!(),
+    ", IF(state = 'failed', may_have_acted, TRUE), may_have_acted), \
+       last_attempt_at = IF(",
+    won!(),
+    ", VALUES(last_attempt_at), last_attempt_at), \
        last_reason = IF(",
     won!(),
     ", IF(state = 'failed', 'reclaimed after a retryable failure', \
@@ -117,13 +126,14 @@ pub(super) const CLAIM: &str = concat!(
     ", version + 1, version)"
 );
 
-/// Parameters: state, retryable, status, headers, body, error, token, actor, reason, scope,
-/// key, token, token.
+/// Parameters: retryable, state, retryable, status, headers, body, error, token, actor, reason,
+/// scope, key, token, token.
 pub(super) const FINISH: &str = concat!(
-    "UPDATE idempotency_keys SET state = ?, retryable = ?, response_status = ?, \
+    "UPDATE idempotency_keys SET may_have_acted = IF(?, FALSE, may_have_acted), state = ?, retryable = ?, response_status = ?, \
        response_headers = ?, response_body = ?, error = ?, \
        lease_token = IF(? IS NULL, lease_token + 1, lease_token), \
-       lease_owner = NULL, lease_expires_at = NULL, updated_at = ",
+       lease_owner = NULL, lease_expires_at = NULL, \
+       updated_at = ",
     now!(),
     ", expires_at = ",
     now!(),
@@ -132,7 +142,7 @@ pub(super) const FINISH: &str = concat!(
      WHERE scope = ? AND `key` = ? AND (? IS NULL OR (state = 'processing' AND lease_token = ?))"
 );
 
-/// Parameters: recheck µs or NULL, error, actor, reason, scope, key, token.
+/// Parameters: recheck µs or NULL, error, actor, reason, actor, actor, scope, key, token.
 pub(super) const RELEASE: &str = concat!(
     "UPDATE idempotency_keys SET lease_owner = NULL, \
        lease_expires_at = LEAST(lease_expires_at, ",
@@ -141,8 +151,20 @@ pub(super) const RELEASE: &str = concat!(
     now!(),
     " + INTERVAL ? MICROSECOND, error = COALESCE(?, error), updated_at = ",
     now!(),
-    ", version = version + 1, last_actor = ?, last_reason = ? \
+    ", version = version + 1, last_actor = ?, last_reason = ?, \
+       last_attempt_at = IF(? = 'worker', ",
+    now!(),
+    ", last_attempt_at), may_have_acted = (may_have_acted OR ? = 'worker') \
      WHERE scope = ? AND `key` = ? AND state = 'processing' AND lease_token = ?"
+);
+
+/// Parameters: scope, key, token.
+pub(super) const MARK_ATTEMPT: &str = concat!(
+    "UPDATE idempotency_keys SET last_attempt_at = ",
+    now!(),
+    ", may_have_acted = TRUE, updated_at = ",
+    now!(),
+    " WHERE scope = ? AND `key` = ? AND state = 'processing' AND lease_token = ?"
 );
 
 /// Parameters: lease µs, scope, key, token.
@@ -168,7 +190,9 @@ pub(super) const PICK_STALE: &str = concat!(
 
 /// Followed by `(scope, key) IN (..)`. Parameters: owner, lease µs.
 pub(super) const TAKE_PICKED: &str = concat!(
-    "UPDATE idempotency_keys SET lease_token = lease_token + 1, lease_owner = ?, \
+    "UPDATE idempotency_keys SET last_attempt_at = IF(lease_owner IS NULL, last_attempt_at, \
+         GREATEST(COALESCE(last_attempt_at, created_at), lease_expires_at)), \
+       may_have_acted = TRUE, lease_token = lease_token + 1, lease_owner = ?, \
        lease_expires_at = ",
     now!(),
     " + INTERVAL ? MICROSECOND, attempts = attempts + 1, updated_at = ",
