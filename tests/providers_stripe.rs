@@ -545,3 +545,29 @@ async fn stripe_lookup_replays_a_decline_only_when_stripe_recorded_one() {
     assert_eq!(body["error"]["code"], "card_declined");
     assert_eq!(body["error"]["payment_intent"], cases[2].1);
 }
+
+/// Issue 11, finding 2: a 409 "request in progress" means a request with this key may be acting
+/// (an earlier try of this very call, whose answer we lost); a later 429 cannot undo that. The
+/// call's final outcome is `Unknown`, never `Retryable`.
+#[tokio::test]
+async fn stripe_409_then_429_is_unknown_not_retryable() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(409).set_body_json(
+            json!({"error": {"type": "invalid_request_error", "code": "idempotency_key_in_use"}}),
+        ))
+        .up_to_n_times(1)
+        .mount(&server)
+        .await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(429).set_body_json(
+            json!({"error": {"type": "invalid_request_error", "code": "rate_limit"}}),
+        ))
+        .mount(&server)
+        .await;
+    let out = stripe(&server.uri(), 2)
+        .call("idf_409_429", &charge())
+        .await;
+    assert!(matches!(out, CallOutcome::Unknown { .. }), "{out:?}");
+    assert_eq!(server.received_requests().await.unwrap().len(), 2);
+}
