@@ -54,6 +54,7 @@ fn finish() -> Finish {
         error: None,
         actor: Actor::Worker,
         reason: "ok".into(),
+        expect_token: None,
     }
 }
 

@@ -94,6 +94,15 @@ pub enum Error {
     /// The request body is not valid JSON (HTTP 400).
     #[error("request body is not valid JSON: {0}")]
     InvalidJson(#[source] serde_json::Error),
+    /// The request body names an object member twice (HTTP 400); it is refused, never read
+    /// last-wins.
+    #[error(
+        "request body names the JSON object member {name:?} more than once; send each member once"
+    )]
+    DuplicateJsonKey {
+        /// The repeated member name.
+        name: String,
+    },
     /// The canonical request is larger than the configured cap (HTTP 413).
     #[error("request of {size} bytes exceeds the cap of {limit} bytes")]
     RequestTooLarge {
@@ -168,7 +177,9 @@ pub enum Error {
     },
     /// This worker's lease was taken over before it stored its result; its result was not
     /// written (the provider key made both attempts the same operation).
-    #[error("lease lost: {0}")]
+    #[error(
+        "lease lost: another process took the key over while this attempt ran; this attempt's result was not stored over the new owner's: {0}"
+    )]
     LeaseLost(#[source] StoreError),
     /// The store failed.
     #[error("store: {0}")]
@@ -180,6 +191,17 @@ impl From<StoreError> for Error {
         match e {
             e @ StoreError::LeaseLost { .. } => Error::LeaseLost(e),
             e => Error::Store(e),
+        }
+    }
+}
+
+impl From<crate::fingerprint::JsonError> for Error {
+    fn from(e: crate::fingerprint::JsonError) -> Self {
+        match e {
+            crate::fingerprint::JsonError::DuplicateKey { name } => {
+                Error::DuplicateJsonKey { name }
+            }
+            crate::fingerprint::JsonError::Syntax(e) => Error::InvalidJson(e),
         }
     }
 }
@@ -235,6 +257,12 @@ impl Error {
                 (400, None, "operation-invalid", "Operation name invalid")
             }
             Error::InvalidJson(_) => (400, None, "body-invalid", "Request body invalid"),
+            Error::DuplicateJsonKey { .. } => (
+                400,
+                None,
+                "body-duplicate-key",
+                "Request body names a member twice",
+            ),
             Error::RequestTooLarge { .. } => (413, None, "body-too-large", "Request too large"),
             Error::FingerprintMismatch { .. } => (
                 422,

@@ -4,12 +4,17 @@
 //! insignificant whitespace, strings with the minimal JSON escapes, and numbers normalised so that
 //! `1`, `1.0` and `1e0` are the same value. Two documents that differ only in member order,
 //! whitespace or number spelling have the same fingerprint; any change of a value changes it.
+//! A document that names one member twice in an object is refused ([`parse_json`]), never
+//! read last-wins: `{"amount":1,"amount":900}` is not the request `{"amount":900}`.
 //!
 //! The stored form is `v1:<64 hex digits>`. The version lets a later algorithm live beside keys
 //! already in flight: a fingerprint is only ever compared with one of the same version.
 
+use std::cell::RefCell;
+use std::collections::HashSet;
 use std::fmt;
 
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -64,6 +69,117 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
         out.push(char::from(DIGITS[usize::from(b & 0x0F)]));
     }
     out
+}
+
+/// Why bytes are not a JSON document that can be fingerprinted.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum JsonError {
+    /// Not JSON (syntax, trailing data, nesting deeper than 128, a number out of range).
+    #[error(transparent)]
+    Syntax(#[from] serde_json::Error),
+    /// An object names the member `name` more than once (after unescaping).
+    #[error("the JSON object member {name:?} appears more than once")]
+    DuplicateKey {
+        /// The repeated member name.
+        name: String,
+    },
+}
+
+/// Parses a JSON document, refusing any object that names a member twice.
+///
+/// ```
+/// use idemflow::fingerprint::{JsonError, parse_json};
+/// assert!(parse_json(br#"{"a":1,"b":{"a":2}}"#).is_ok());
+/// assert!(matches!(parse_json(br#"{"a":1,"a":2}"#), Err(JsonError::DuplicateKey { name }) if name == "a"));
+/// assert!(matches!(parse_json(b"{"), Err(JsonError::Syntax(_))));
+/// ```
+pub fn parse_json(bytes: &[u8]) -> Result<Value, JsonError> {
+    let value: Value = serde_json::from_slice(bytes)?;
+    let repeated = RefCell::new(None);
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    if let Err(e) = Unique(&repeated).deserialize(&mut de) {
+        return Err(match repeated.into_inner() {
+            Some(name) => JsonError::DuplicateKey { name },
+            None => JsonError::Syntax(e),
+        });
+    }
+    Ok(value)
+}
+
+/// Walks a document and fails at the first object member named twice (its name is left in
+/// the cell). serde_json's recursion limit applies, as for [`Value`].
+struct Unique<'a>(&'a RefCell<Option<String>>);
+
+impl<'de> DeserializeSeed<'de> for Unique<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Unique<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i128<E>(self, _: i128) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u128<E>(self, _: u128) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_none<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(Unique(self.0))?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut seen = HashSet::new();
+        while let Some(name) = map.next_key::<String>()? {
+            if seen.contains(&name) {
+                let msg = format!("duplicate object member {name:?}");
+                *self.0.borrow_mut() = Some(name);
+                return Err(de::Error::custom(msg));
+            }
+            map.next_value_seed(Unique(self.0))?;
+            seen.insert(name);
+        }
+        Ok(())
+    }
 }
 
 /// Writes `value` in canonical form.

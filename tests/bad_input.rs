@@ -73,6 +73,68 @@ async fn invalid_json_body_is_refused() {
 }
 
 #[tokio::test]
+async fn duplicate_json_object_keys_are_refused_not_last_wins() {
+    // serde_json keeps the last of two equal member names: `{"amount":1,"amount":900}` used to
+    // fingerprint as `{"amount":900}`, the same request as a body that never named 1.
+    for body in [
+        &br#"{"amount": 1, "amount": 900}"#[..],
+        br#"{"a": {"x": 1, "y": 2, "x": 1}}"#,
+        br#"[{"k": null}, {"k": 1, "\u006b": 2}]"#,
+    ] {
+        let err =
+            IdempotentRequest::from_json_bytes("acct", "k1", "payments.create", body).unwrap_err();
+        assert!(
+            matches!(&err, Error::DuplicateJsonKey { .. }),
+            "{}: {err:?}",
+            String::from_utf8_lossy(body)
+        );
+        assert_eq!(err.http_status(), 400);
+        assert!(err.to_string().contains("more than once"), "{err}");
+    }
+    let Err(Error::DuplicateJsonKey { name }) = IdempotentRequest::from_json_bytes(
+        "acct",
+        "k1",
+        "payments.create",
+        br#"{"amount": 1, "amount": 900}"#,
+    ) else {
+        panic!("expected DuplicateJsonKey");
+    };
+    assert_eq!(name, "amount");
+    // The same name in different objects is fine.
+    let ok = IdempotentRequest::from_json_bytes(
+        "acct",
+        "k1",
+        "payments.create",
+        br#"{"a": {"x": 1}, "b": {"x": 1}, "x": [{"x": 2}]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        ok.canonical_body(),
+        r#"{"a":{"x":1},"b":{"x":1},"x":[{"x":2}]}"#
+    );
+}
+
+#[tokio::test]
+async fn serialised_bodies_with_duplicate_members_are_refused() {
+    // A `#[serde(flatten)]` map can emit a member its struct already wrote.
+    #[derive(serde::Serialize)]
+    struct Body {
+        amount: u32,
+        #[serde(flatten)]
+        extra: std::collections::BTreeMap<String, u32>,
+    }
+    let body = Body {
+        amount: 1,
+        extra: [("amount".to_owned(), 900)].into_iter().collect(),
+    };
+    let err = IdempotentRequest::new("acct", "k1", "payments.create", &body).unwrap_err();
+    assert!(
+        matches!(err, Error::DuplicateJsonKey { ref name } if name == "amount"),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
 async fn oversized_request_leaves_no_row() {
     let store = memory().await;
     let idem = Idempotency::new(store.clone()).max_request_bytes(100);

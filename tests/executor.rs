@@ -400,3 +400,98 @@ async fn expired_keys_are_purged_and_history_says_so() {
         ]
     );
 }
+
+/// Finding 10 of issue 11: the lease was fixed, so an operation that outlived it was taken over
+/// while still running. With default settings, an operation longer than the lease keeps its key.
+#[tokio::test]
+async fn a_live_operation_longer_than_the_default_lease_is_not_taken_over() {
+    let store = file().await;
+    let idem = Idempotency::new(store.clone());
+    let lease = idem.config().lease;
+    let s = store.clone();
+    let done = idem
+        .execute(req("acct", "long", 500), |ctx| async move {
+            tokio::time::sleep(lease + Duration::from_secs(2)).await;
+            // Past the first lease, still alive: no sweeper may take the key.
+            let taken = s
+                .take_stale(&TakeStale {
+                    owner: "sweeper".into(),
+                    lease: Duration::from_secs(60),
+                    limit: 10,
+                })
+                .await
+                .unwrap();
+            assert!(taken.is_empty(), "a live operation was taken over");
+            assert!(!ctx.lease_lost());
+            assert!(ctx.lease_expires_at() > chrono::Utc::now());
+            Outcome::Succeeded(StoredResponse::new(201))
+        })
+        .await
+        .unwrap();
+    assert!(!done.is_replay());
+    let id = req("acct", "long", 500).id().clone();
+    assert_eq!(store.get(&id).await.unwrap().unwrap().state, KeyState::Done);
+}
+
+/// The same with a short lease, so that it runs fast: renewed every third of the lease, the key
+/// is never stale while the operation runs.
+#[tokio::test]
+async fn the_lease_is_renewed_while_the_operation_runs() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(300));
+    let s = store.clone();
+    let done = idem
+        .execute(req("acct", "renewed", 500), |_ctx| async move {
+            for _ in 0..10 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let taken = s
+                    .take_stale(&TakeStale {
+                        owner: "sweeper".into(),
+                        lease: Duration::from_secs(60),
+                        limit: 10,
+                    })
+                    .await
+                    .unwrap();
+                assert!(taken.is_empty(), "a live operation was taken over");
+            }
+            Outcome::Succeeded(StoredResponse::new(201))
+        })
+        .await
+        .unwrap();
+    assert!(!done.is_replay());
+}
+
+/// When another process takes the key over (here an operator override), the next renewal is
+/// refused: the operation sees it, and its result is not stored over the new owner's.
+#[tokio::test]
+async fn a_lost_lease_is_visible_to_the_operation_and_its_result_is_not_stored() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(300));
+    let id = req("acct", "overridden", 500).id().clone();
+    let (s, oid) = (store.clone(), id.clone());
+    let err = idem
+        .execute(req("acct", "overridden", 500), |ctx| async move {
+            assert!(!ctx.lease_lost());
+            let finish = idemflow::store::Finish {
+                to: KeyState::Failed { retryable: false },
+                response: Some(StoredResponse::new(409).with_body(&b"operator"[..])),
+                error: None,
+                actor: Actor::Operator,
+                reason: "operator settled it".to_owned(),
+                expect_token: None,
+            };
+            s.finish(&oid, None, &finish).await.unwrap();
+            tokio::time::timeout(Duration::from_secs(5), ctx.lost())
+                .await
+                .expect("the lost lease is signalled");
+            assert!(ctx.lease_lost());
+            Outcome::Succeeded(StoredResponse::new(201).with_body(&b"late"[..]))
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::LeaseLost(_)), "{err}");
+    assert!(err.to_string().contains("not stored"), "{err}");
+    let row = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Failed { retryable: false });
+    assert_eq!(row.response.unwrap().body(), b"operator");
+}

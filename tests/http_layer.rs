@@ -449,6 +449,28 @@ async fn body_over_the_cap_is_413() {
 }
 
 #[tokio::test]
+async fn json_body_with_duplicate_member_names_is_400() {
+    let (app, c, store) = app().await;
+    let dup = r#"{"amount": 1, "currency": "usd", "amount": 500}"#;
+    let a = send(&app, post_req("/payments", Some("k-dup"), "acct_1", dup)).await;
+    assert_eq!(a.status, 400);
+    assert_eq!(a.problem_type(), "urn:idemflow:problem:body-duplicate-key");
+    assert!(a.json()["detail"].as_str().unwrap().contains("amount"));
+    assert_eq!(c.runs.load(Ordering::SeqCst), 0);
+    // Nothing was claimed; the last-wins reading of the body is not a replay of it either.
+    let id = idemflow::KeyId::new(
+        idemflow::Scope::new("acct_1").unwrap(),
+        idemflow::IdempotencyKey::new("k-dup").unwrap(),
+    );
+    assert!(store.get(&id).await.unwrap().is_none());
+    let ok = send(&app, post_req("/payments", Some("k-dup"), "acct_1", BODY)).await;
+    assert_eq!(ok.status, 201);
+    let again = send(&app, post_req("/payments", Some("k-dup"), "acct_1", dup)).await;
+    assert_eq!(again.status, 400);
+    assert_eq!(c.runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
 async fn scopes_are_separate() {
     let (app, c, _) = app().await;
     let a = send(&app, post_req("/payments", Some("shared"), "acct_a", BODY)).await;

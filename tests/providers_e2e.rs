@@ -5,8 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemflow::provider::http::HttpConfig;
-use idemflow::provider::{Postmark, Provider, Resend, Stripe};
+use idemflow::provider::{Postmark, Provider, Providers, Resend, Stripe};
 use idemflow::store::sqlite::SqliteStore;
+use idemflow::sweeper::{Sweeper, Unresolved};
 use idemflow::testkit::{FakePostmark, FakeResend, FakeStripe};
 use idemflow::{
     Error, Execution, Idempotency, IdempotentRequest, KeyState, Lookup, Outcome, Store,
@@ -107,6 +108,50 @@ async fn resend_email_once_despite_lost_response() {
 }
 
 #[tokio::test]
+async fn resend_key_without_stored_request_is_left_for_an_operator() {
+    // The request is not stored; the send's answer is lost. The sweeper cannot re-send what it
+    // does not have: the key must stay processing for an operator, never end failed{permanent}
+    // (it did: Resend's lookup re-sent `null` and read the 400 as a refusal of the email).
+    let fake = FakeResend::start().await.unwrap();
+    let resend = Resend::with_base_url(fake.base_url(), FakeResend::API_KEY)
+        .unwrap()
+        .http_config(once())
+        .unwrap();
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    store.migrate().await.unwrap();
+    let store: Arc<dyn Store> = Arc::new(store);
+    let idem = Idempotency::new(store.clone())
+        .store_request(false)
+        .lease(Duration::from_millis(100));
+    let body = json!({"from": "a@x.test", "to": ["b@y.test"], "subject": "Welcome", "text": "Hi"});
+    let req = IdempotentRequest::new("app", "welcome-2", "email.welcome", &body).unwrap();
+    let id = req.id().clone();
+    fake.faults().lose_next_response();
+    assert!(matches!(
+        idem.call(req, &resend).await,
+        Err(Error::OutcomeUnknown { .. })
+    ));
+    assert_eq!(fake.ledger().len(), 1);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let sweeper = Sweeper::new(
+        store.clone(),
+        Providers::new().with(Arc::new(resend) as Arc<dyn Provider>),
+    );
+    let report = sweeper.run_once().await.unwrap();
+    assert_eq!(report.taken, 1, "{report:?}");
+    let row = store.get(&id).await.unwrap().expect("row");
+    assert_eq!(row.state, KeyState::Processing, "{report:?}");
+    assert_eq!(fake.requests().len(), 1, "nothing re-sent: {report:?}");
+    assert_eq!(report.unresolved.len(), 1, "{report:?}");
+    assert_eq!(
+        report.unresolved[0].kind,
+        Unresolved::NeedsOperator,
+        "{report:?}"
+    );
+}
+
+#[tokio::test]
 async fn postmark_unknown_is_left_for_the_sweeper_and_lookup_settles_it() {
     let fake = FakePostmark::start().await.unwrap();
     let postmark = Postmark::with_base_url(fake.base_url(), FakePostmark::API_KEY).unwrap();
@@ -135,7 +180,7 @@ async fn postmark_unknown_is_left_for_the_sweeper_and_lookup_settles_it() {
         .lookup(
             &row.provider_key,
             &stored,
-            row.created_at,
+            idemflow::Attempts::new(row.created_at, row.last_attempt_at),
             chrono::Utc::now(),
         )
         .await;

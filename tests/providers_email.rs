@@ -173,8 +173,14 @@ async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
         r.call("idf_l", &email()).await,
         CallOutcome::Unknown { .. }
     ));
-    let Lookup::Found(Outcome::Succeeded(resp)) =
-        r.lookup("idf_l", &email(), Utc::now(), Utc::now()).await
+    let Lookup::Found(Outcome::Succeeded(resp)) = r
+        .lookup(
+            "idf_l",
+            &email(),
+            idemflow::Attempts::once(Utc::now()),
+            Utc::now(),
+        )
+        .await
     else {
         panic!("not found")
     };
@@ -183,13 +189,112 @@ async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
         fake.ledger().entries()[0].id.as_str()
     );
     assert_eq!(fake.ledger().len(), 1);
-    // Past Resend's 24 h window a re-send could send twice: Unknown, nothing sent.
+    // Past Resend's 24 h window a re-send could send twice, and Resend cannot be searched by
+    // our key: nothing sent, the key needs an operator (it deferred forever as `Unknown`).
     let old = Utc::now() - chrono::Duration::hours(24);
-    assert_eq!(
-        r.lookup("idf_l", &email(), old, chrono::Utc::now()).await,
-        Lookup::Unknown { retry_after: None }
-    );
+    let past = r
+        .lookup(
+            "idf_l",
+            &email(),
+            idemflow::Attempts::once(old),
+            chrono::Utc::now(),
+        )
+        .await;
+    assert!(matches!(past, Lookup::NeedsOperator { .. }), "{past:?}");
     assert_eq!(fake.requests().len(), 2);
+}
+
+#[tokio::test]
+async fn resend_lookup_judges_the_window_from_the_first_send_not_the_latest_attempt() {
+    // First sent 25 h ago, past Resend's 24 h key window; a takeover attempted again 10 min
+    // ago. The window counts from the first send: Resend may have forgotten the key, so a
+    // re-send could send a second email. Judged from the latest attempt, it re-sent.
+    let fake = FakeResend::start().await.unwrap();
+    let r = resend(fake.base_url(), 1);
+    let now = Utc::now();
+    let attempts = idemflow::Attempts::new(
+        now - chrono::Duration::hours(25),
+        now - chrono::Duration::minutes(10),
+    );
+    let found = r.lookup("idf_w", &email(), attempts, now).await;
+    assert_eq!(fake.requests().len(), 0, "{found:?}");
+    assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
+}
+
+#[tokio::test]
+async fn resend_lookup_keeps_the_sweepers_redrive_margin() {
+    // 23 h 30 min after the first send: inside Resend's 24 h window, but within the sweeper's
+    // default re-drive margin (1 h) of its end. The sweeper chose a lookup because a re-send is
+    // no longer safe; the lookup must not re-send either (it did, keeping only 15 min).
+    let fake = FakeResend::start().await.unwrap();
+    let r = resend(fake.base_url(), 1);
+    let sent_at = Utc::now() - chrono::Duration::minutes(23 * 60 + 30);
+    let found = r
+        .lookup(
+            "idf_m",
+            &email(),
+            idemflow::Attempts::once(sent_at),
+            Utc::now(),
+        )
+        .await;
+    assert_eq!(fake.requests().len(), 0, "{found:?}");
+    assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
+    // The adapter's margin is the sweeper's default, and still its own setting.
+    assert_eq!(
+        idemflow::provider::resend::DEFAULT_REDRIVE_MARGIN,
+        idemflow::provider::DEFAULT_REDRIVE_MARGIN
+    );
+    let found = r
+        .redrive_margin(Duration::from_secs(15 * 60))
+        .lookup(
+            "idf_m",
+            &email(),
+            idemflow::Attempts::once(sent_at),
+            Utc::now(),
+        )
+        .await;
+    assert!(matches!(found, Lookup::Found(_)), "{found:?}");
+    assert_eq!(fake.ledger().len(), 1);
+}
+
+#[tokio::test]
+async fn resend_lookup_of_a_key_held_for_another_payload_needs_an_operator() {
+    // Waiting does not change a key conflict: an operator, not a deferral forever.
+    let fake = FakeResend::start().await.unwrap();
+    let r = resend(fake.base_url(), 1);
+    assert!(matches!(
+        r.call("idf_c", &email()).await,
+        CallOutcome::Succeeded { .. }
+    ));
+    let other = json!({"from": "shop@example.test", "to": ["bob@example.test"], "subject": "Receipt", "text": "Thanks"});
+    let found = r
+        .lookup(
+            "idf_c",
+            &other,
+            idemflow::Attempts::once(Utc::now()),
+            Utc::now(),
+        )
+        .await;
+    assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
+    assert_eq!(fake.ledger().len(), 1);
+}
+
+#[tokio::test]
+async fn resend_lookup_without_the_stored_request_sends_nothing() {
+    // The sweeper passes `Null` when the request was not stored: re-sending `null` drew a 400
+    // that was read as a permanent refusal of the email.
+    let fake = FakeResend::start().await.unwrap();
+    let r = resend(fake.base_url(), 1);
+    let found = r
+        .lookup(
+            "idf_n",
+            &Value::Null,
+            idemflow::Attempts::once(Utc::now()),
+            Utc::now(),
+        )
+        .await;
+    assert_eq!(fake.requests().len(), 0, "{found:?}");
+    assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
 }
 
 // ---- Postmark -------------------------------------------------------------------------------
@@ -228,7 +333,12 @@ async fn postmark_puts_our_key_in_metadata_and_searches_by_it() {
     assert_eq!(sent["Subject"], "Receipt");
     assert!(reqs[0].headers.get("idempotency-key").is_none());
     let recent = p
-        .lookup("idf_p1", &pm_email(), Utc::now(), Utc::now())
+        .lookup(
+            "idf_p1",
+            &pm_email(),
+            idemflow::Attempts::once(Utc::now()),
+            Utc::now(),
+        )
         .await;
     assert_eq!(
         recent,
@@ -252,7 +362,12 @@ async fn postmark_lost_response_is_never_resent_and_lookup_finds_it() {
         "no key: an unknown outcome is never re-sent"
     );
     let Lookup::Found(Outcome::Succeeded(resp)) = p
-        .lookup("idf_pl", &pm_email(), sent_at, chrono::Utc::now())
+        .lookup(
+            "idf_pl",
+            &pm_email(),
+            idemflow::Attempts::once(sent_at),
+            chrono::Utc::now(),
+        )
         .await
     else {
         panic!("not found")
@@ -327,22 +442,37 @@ async fn postmark_search_lag_and_authority() {
         CallOutcome::Succeeded { .. }
     ));
     assert_eq!(
-        p.lookup("idf_s", &pm_email(), now, chrono::Utc::now())
-            .await,
+        p.lookup(
+            "idf_s",
+            &pm_email(),
+            idemflow::Attempts::once(now),
+            chrono::Utc::now()
+        )
+        .await,
         Lookup::NotFound {
             authoritative: false
         }
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(matches!(
-        p.lookup("idf_s", &pm_email(), now, chrono::Utc::now())
-            .await,
+        p.lookup(
+            "idf_s",
+            &pm_email(),
+            idemflow::Attempts::once(now),
+            chrono::Utc::now()
+        )
+        .await,
         Lookup::Found(_)
     ));
     let old = Utc::now() - chrono::Duration::minutes(10);
     assert_eq!(
-        p.lookup("idf_none", &pm_email(), old, chrono::Utc::now())
-            .await,
+        p.lookup(
+            "idf_none",
+            &pm_email(),
+            idemflow::Attempts::once(old),
+            chrono::Utc::now()
+        )
+        .await,
         Lookup::NotFound {
             authoritative: true
         }
@@ -350,8 +480,13 @@ async fn postmark_search_lag_and_authority() {
     // Beyond Postmark's 45-day retention an absence proves nothing.
     let ancient = Utc::now() - chrono::Duration::days(46);
     assert_eq!(
-        p.lookup("idf_none", &pm_email(), ancient, chrono::Utc::now())
-            .await,
+        p.lookup(
+            "idf_none",
+            &pm_email(),
+            idemflow::Attempts::once(ancient),
+            chrono::Utc::now()
+        )
+        .await,
         Lookup::NotFound {
             authoritative: false
         }

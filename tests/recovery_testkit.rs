@@ -10,6 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use idemflow::conformance::sweeper::{cut_when, hang_after};
 use idemflow::provider::http::HttpConfig;
 use idemflow::provider::{Postmark, Provider, Stripe};
 use idemflow::store::sqlite::SqliteStore;
@@ -117,14 +118,15 @@ async fn crash_after_claim_before_the_call_is_redriven_to_one_charge(
     let pk = stripe
         .key_spec()
         .derive(&req.id().scope, &req.id().key, req.operation());
-    let crashed = idem.execute(req.with_provider("stripe").with_provider_key(pk), |_ctx| {
-        std::future::pending::<Outcome>()
-    });
-    assert!(
-        tokio::time::timeout(Duration::from_millis(50), crashed)
-            .await
-            .is_err()
-    );
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(
+        idem.execute(
+            req.with_provider("stripe").with_provider_key(pk),
+            hang_after(at),
+        ),
+        reached,
+    )
+    .await;
     assert!(fake.ledger().is_empty());
     tokio::time::sleep(Duration::from_millis(150)).await;
 
@@ -248,17 +250,15 @@ async fn process_died_after_the_provider_answered_is_settled_with_one_charge(
 
     // The worker sends the charge, gets the answer, and dies before storing it.
     let s = stripe.clone();
+    let (at, reached) = tokio::sync::oneshot::channel();
     let died = idem.execute(charge("died-1").with_provider("stripe"), |ctx| async move {
         let body: Value = serde_json::from_str(ctx.request()).unwrap();
         let answer = s.call(ctx.provider_key(), &body).await;
         assert!(matches!(answer, idemflow::CallOutcome::Succeeded { .. }));
+        let _ = at.send(());
         std::future::pending::<Outcome>().await
     });
-    assert!(
-        tokio::time::timeout(Duration::from_millis(500), died)
-            .await
-            .is_err()
-    );
+    cut_when(died, reached).await;
     assert_eq!(fake.ledger().len(), 1);
     tokio::time::sleep(Duration::from_millis(250)).await; // the lease runs out
 
@@ -292,14 +292,12 @@ async fn crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_o
     let req = || IdempotentRequest::new("shop-1", "mail-1", "email.send", &email).unwrap();
 
     // Claimed, then the worker dies before sending anything.
-    let crashed = idem.execute(req().with_provider(postmark.name()), |_ctx| {
-        std::future::pending::<Outcome>()
-    });
-    assert!(
-        tokio::time::timeout(Duration::from_millis(50), crashed)
-            .await
-            .is_err()
-    );
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(
+        idem.execute(req().with_provider(postmark.name()), hang_after(at)),
+        reached,
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(150)).await;
 
     let report = sweeper(store.clone(), postmark.clone())

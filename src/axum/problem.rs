@@ -126,6 +126,7 @@ mod tests {
             Error::InvalidScope(KeyError::Empty { what: "scope" }),
             Error::InvalidOperation(KeyError::Empty { what: "operation" }),
             Error::InvalidJson(serde_json::from_str::<u8>("{").unwrap_err()),
+            Error::DuplicateJsonKey { name: "a".into() },
             Error::RequestTooLarge { size: 2, limit: 1 },
             Error::FingerprintMismatch {
                 key: "a/k".into(),
@@ -160,6 +161,7 @@ mod tests {
                 | Error::InvalidScope(_)
                 | Error::InvalidOperation(_)
                 | Error::InvalidJson(_)
+                | Error::DuplicateJsonKey { .. }
                 | Error::RequestTooLarge { .. }
                 | Error::FingerprintMismatch { .. }
                 | Error::InFlight { .. }
@@ -225,6 +227,7 @@ mod tests {
                 (400, None, "scope-invalid"),
                 (400, None, "operation-invalid"),
                 (400, None, "body-invalid"),
+                (400, None, "body-duplicate-key"),
                 (413, None, "body-too-large"),
                 (422, None, "key-reused"),
                 (409, Some(1500), "request-in-flight"),

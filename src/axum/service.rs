@@ -20,7 +20,7 @@ use tracing::Instrument;
 use super::context::{IdempotencyContext, NothingHappened};
 use super::problem::{Problem, retry_after_value};
 use super::{REPLAYED_HEADER, Settings, parse_key_header};
-use crate::fingerprint::{Fingerprint, canonical_json, hex};
+use crate::fingerprint::{Fingerprint, JsonError, canonical_json, hex, parse_json};
 use crate::{Error, Execution, IdempotentRequest, KeyId, Outcome, Scope, StoredResponse};
 
 /// The service [`IdempotencyLayer`](super::IdempotencyLayer) wraps around an inner service.
@@ -162,15 +162,24 @@ where
         Ok(b) => b,
         Err(resp) => return Ok(resp),
     };
+    // JSON bodies are fingerprinted as canonical JSON, others by their bytes; JSON that names a
+    // member twice is refused (400), never read last-wins.
+    let json = match parse_json(&bytes) {
+        Ok(v) => Some(v),
+        Err(JsonError::DuplicateKey { name }) => {
+            return Ok(error_response(&Error::DuplicateJsonKey { name }));
+        }
+        Err(_) => None,
+    };
     let operation = operation_name(&settings, &parts);
     let stored = match &settings.stored_request {
         Some(f) => match f(&parts, &bytes) {
             Ok(v) => v,
             Err(resp) => return Ok(resp),
         },
-        None => default_stored(&bytes),
+        None => body_value(&bytes, json.as_ref()),
     };
-    let fingerprint = fingerprint(&operation, &parts, &bytes);
+    let fingerprint = fingerprint(&operation, &parts, &bytes, json.as_ref());
     let id = KeyId::new(scope, key);
     let request = IdempotentRequest::with_fingerprint(
         id,
@@ -349,13 +358,14 @@ fn operation_name(settings: &Settings, parts: &Parts) -> String {
     name
 }
 
-/// JSON when the body is JSON, a string when it is UTF-8, its SHA-256 otherwise.
-fn body_value(bytes: &Bytes) -> Value {
+/// The stored request by default: the body's JSON (`json`, parsed once by the caller) when it
+/// is JSON, a string when it is UTF-8, its SHA-256 otherwise.
+fn body_value(bytes: &Bytes, json: Option<&Value>) -> Value {
     if bytes.is_empty() {
         return Value::Null;
     }
-    if let Ok(v) = serde_json::from_slice::<Value>(bytes) {
-        return v;
+    if let Some(v) = json {
+        return v.clone();
     }
     match std::str::from_utf8(bytes) {
         Ok(s) => Value::String(s.to_owned()),
@@ -363,19 +373,15 @@ fn body_value(bytes: &Bytes) -> Value {
     }
 }
 
-fn default_stored(bytes: &Bytes) -> Value {
-    body_value(bytes)
-}
-
 /// The fingerprint: operation, method, path, query and body (JSON bodies as canonical JSON,
 /// other bodies by the SHA-256 of their bytes).
-fn fingerprint(operation: &str, parts: &Parts, bytes: &Bytes) -> Fingerprint {
+fn fingerprint(operation: &str, parts: &Parts, bytes: &Bytes, json: Option<&Value>) -> Fingerprint {
     let body = if bytes.is_empty() {
         Value::Null
     } else {
-        match serde_json::from_slice::<Value>(bytes) {
-            Ok(v) => json!({ "json": v }),
-            Err(_) => json!({ "sha256": hex(&Sha256::digest(bytes)) }),
+        match json {
+            Some(v) => json!({ "json": v }),
+            None => json!({ "sha256": hex(&Sha256::digest(bytes)) }),
         }
     };
     let doc = json!({

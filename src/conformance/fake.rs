@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::{CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait};
+use crate::{
+    Attempts, CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait,
+};
 use chrono::{DateTime, Utc};
 
 /// One thing the provider did (a charge, or a declined attempt).
@@ -215,7 +217,7 @@ impl Provider for FakeProvider {
         &self,
         provider_key: &str,
         _request: &serde_json::Value,
-        last_attempt_at: DateTime<Utc>,
+        attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
         if self.hangs() {
@@ -238,7 +240,9 @@ impl Provider for FakeProvider {
             // As a real search: an effect the index has not caught up with is invisible, and the
             // empty result's authority is judged from the key's latest attempt alone.
             _ => {
-                let age = (now - last_attempt_at).to_std().unwrap_or_default();
+                let age = (now - attempts.last_attempt_at)
+                    .to_std()
+                    .unwrap_or_default();
                 Lookup::NotFound {
                     authoritative: age >= lag,
                 }

@@ -121,6 +121,7 @@ pub fn done(response: StoredResponse) -> Finish {
         error: None,
         actor: Actor::Worker,
         reason: "ok".into(),
+        expect_token: None,
     }
 }
 
@@ -132,6 +133,7 @@ pub fn fail(retryable: bool) -> Finish {
         error: Some("card declined".into()),
         actor: Actor::Worker,
         reason: "failed".into(),
+        expect_token: None,
     }
 }
 
@@ -163,7 +165,10 @@ macro_rules! conformance_tests {
             retry_takeover_only_inside_the_window,
             leases_use_the_database_clock,
             stats_count_every_state,
-            history_survives_purge_and_is_ordered
+            history_survives_purge_and_is_ordered,
+            huge_durations_are_capped_and_read_back_sane,
+            operator_write_is_a_compare_and_set_on_the_token_read,
+            tokens_only_grow_across_purge
         );
     };
     (@each $factory:path, $suite:ident; $($name:ident),* $(,)?) => {
@@ -204,7 +209,8 @@ macro_rules! sweeper_tests {
             two_sweepers_handle_each_of_1000_keys_once,
             search_lag_counts_from_the_latest_attempt,
             retryable_after_an_attempt_that_may_have_acted_is_unknown,
-            retryable_after_attempts_that_did_nothing_stays_retryable
+            retryable_after_attempts_that_did_nothing_stays_retryable,
+            sweeper_renews_its_whole_batch
         );
     };
 }

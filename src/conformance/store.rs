@@ -22,8 +22,13 @@ const LEASE: Duration = Duration::from_secs(30);
 
 pub async fn claim_new_key_grants_first_token_and_history(store: Arc<dyn Store>) {
     let id = id(&unique("claim"), "k1");
+    let before = store.now().await.unwrap();
     let lease = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
-    assert_eq!(lease.token, LeaseToken(1));
+    // A new row's first token is the database clock in µs: tokens only grow across purge.
+    assert!(
+        lease.token.0 >= before.timestamp_millis() * 1000,
+        "{lease:?}"
+    );
     assert_eq!(lease.attempts, 1);
     assert_eq!(lease.transition, Transition::Claim);
     assert_eq!(lease.provider_key, "pk-k1");
@@ -39,12 +44,12 @@ pub async fn claim_new_key_grants_first_token_and_history(store: Arc<dyn Store>)
 
 pub async fn second_claim_sees_the_key_in_flight(store: Arc<dyn Store>) {
     let id = id(&unique("inflight"), "k1");
-    claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let first = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
     match store.claim(&claim_for(&id, "{}", LEASE)).await.unwrap() {
         ClaimOutcome::Existing { record, now } => {
             assert_eq!(record.state, KeyState::Processing);
             assert!(record.lease_expires_at.unwrap() > now);
-            assert_eq!(record.lease_token, LeaseToken(1));
+            assert_eq!(record.lease_token, first.token);
         }
         other => panic!("second claim must not win: {other:?}"),
     }
@@ -117,7 +122,8 @@ pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>
         .await
         .unwrap();
     assert_eq!(taken.len(), 1);
-    assert_eq!(taken[0].lease_token, LeaseToken(2));
+    let second = LeaseToken(first.token.0 + 1);
+    assert_eq!(taken[0].lease_token, second);
     let before = store.get(&id).await.unwrap().unwrap();
     let err = store
         .finish(&id, Some(first.token), &done(StoredResponse::new(201)))
@@ -132,7 +138,7 @@ pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>
         } => {
             assert_eq!(
                 (presented, current, state),
-                (LeaseToken(1), LeaseToken(2), KeyState::Processing)
+                (first.token, second, KeyState::Processing)
             );
         }
         other => panic!("expected LeaseLost, got {other}"),
@@ -142,7 +148,7 @@ pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>
     assert_eq!(store.history(&id).await.unwrap().len(), 2);
     // The new holder can finish.
     store
-        .finish(&id, Some(LeaseToken(2)), &done(StoredResponse::new(201)))
+        .finish(&id, Some(second), &done(StoredResponse::new(201)))
         .await
         .unwrap();
 }
@@ -154,7 +160,10 @@ pub async fn scopes_are_isolated(store: Arc<dyn Store>) {
     let la = claimed(&store, &claim_for(&ia, "{\"x\":1}", LEASE)).await;
     // Another scope with the same key and even another body is an independent key.
     let lb = claimed(&store, &claim_for(&ib, "{\"x\":2}", LEASE)).await;
-    assert_eq!((la.token, lb.token), (LeaseToken(1), LeaseToken(1)));
+    assert_eq!(
+        (la.transition, lb.transition),
+        (Transition::Claim, Transition::Claim)
+    );
     store
         .finish(
             &ia,
@@ -199,7 +208,7 @@ pub async fn retryable_failure_is_reclaimed_by_the_same_request(store: Arc<dyn S
     again.provider_key = "something-else".into();
     let l2 = claimed(&store, &again).await;
     assert_eq!(l2.transition, Transition::Reclaim);
-    assert_eq!(l2.token, LeaseToken(2));
+    assert_eq!(l2.token, LeaseToken(l.token.0 + 1));
     assert_eq!(l2.attempts, 2);
     assert_eq!(l2.provider_key, "pk-k1", "the stored provider key is kept");
     let r = store.get(&id).await.unwrap().unwrap();
@@ -458,6 +467,7 @@ pub async fn operator_override_fences_running_workers(store: Arc<dyn Store>) {
         error: Some("operator: provider shows no charge".into()),
         actor: Actor::Operator,
         reason: "checked the dashboard".into(),
+        expect_token: None,
     };
     let r = store.finish(&id, None, &decision).await.unwrap();
     assert_eq!(r.state, KeyState::Failed { retryable: true });
@@ -490,6 +500,7 @@ pub async fn finishing_into_processing_is_refused(store: Arc<dyn Store>) {
         error: None,
         actor: Actor::Worker,
         reason: "x".into(),
+        expect_token: None,
     };
     assert!(matches!(
         store.finish(&id, Some(l.token), &bad).await,
@@ -546,7 +557,7 @@ pub async fn limits_round_trip_exactly(store: Arc<dyn Store>) {
 
 pub async fn retry_takeover_only_inside_the_window(store: Arc<dyn Store>) {
     let id = id(&unique("takeover"), "k1");
-    claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    let first = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
     // Without a window: the retry sees the key, it does not take it.
     assert!(matches!(
         store.claim(&claim_for(&id, "{}", LEASE)).await.unwrap(),
@@ -573,7 +584,7 @@ pub async fn retry_takeover_only_inside_the_window(store: Arc<dyn Store>) {
     let l = claimed(&store, &ok).await;
     assert_eq!(
         (l.transition, l.token, l.attempts),
-        (Transition::Takeover, LeaseToken(2), 2)
+        (Transition::Takeover, LeaseToken(first.token.0 + 1), 2)
     );
     // A live lease is never taken over.
     assert!(matches!(
@@ -672,18 +683,24 @@ pub async fn race_claims_across(stores: &[Arc<dyn Store>], n: usize) {
         tasks.push(tokio::spawn(async move { store.claim(&c).await }));
     }
     let mut winners = 0;
+    let mut tokens = HashSet::new();
     for t in tasks {
         match t.await.unwrap().unwrap() {
             ClaimOutcome::Claimed(l) => {
-                assert_eq!(l.token, LeaseToken(1));
+                tokens.insert(l.token);
                 winners += 1;
             }
             ClaimOutcome::Existing { record, .. } => {
                 assert_eq!(record.state, KeyState::Processing);
-                assert_eq!(record.lease_token, LeaseToken(1));
+                tokens.insert(record.lease_token);
             }
         }
     }
+    assert_eq!(
+        tokens.len(),
+        1,
+        "every loser sees the winner's token: {tokens:?}"
+    );
     assert_eq!(winners, 1, "exactly one of {n} claims wins");
     for store in stores {
         assert_eq!(store.history(&id).await.unwrap().len(), 1);
@@ -739,4 +756,143 @@ pub async fn sweepers_take_each_key_once_across(stores: &[Arc<dyn Store>]) {
 
 pub async fn concurrent_sweepers_take_each_key_once(store: Arc<dyn Store>) {
     sweepers_take_each_key_once_across(&[store]).await;
+}
+
+/// Durations are capped (at about 100 years) on every backend: `Duration::MAX` as a lease,
+/// retention or window is accepted and reads back as sane, far-future times.
+pub async fn huge_durations_are_capped_and_read_back_sane(store: Arc<dyn Store>) {
+    let id = id(&unique("huge"), "k1");
+    let now = store.now().await.unwrap();
+    let far = now + chrono::Duration::days(366 * 101);
+    let mut c = claim_for(&id, "{}", Duration::MAX);
+    c.retention = Duration::MAX;
+    c.takeover_window = Some(Duration::MAX);
+    let l = claimed(&store, &c).await;
+    assert!(
+        l.expires_at > now + chrono::Duration::days(365 * 99),
+        "{l:?}"
+    );
+    assert!(l.expires_at < far, "{l:?}");
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(r.lease_expires_at, Some(l.expires_at));
+    let extended = store.extend(&id, l.token, Duration::MAX).await.unwrap();
+    assert!(extended >= l.expires_at && extended < far, "{extended}");
+    let rec = store
+        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+        .await
+        .unwrap();
+    let exp = rec.expires_at.expect("expires_at");
+    assert!(
+        exp > now + chrono::Duration::days(365 * 99) && exp < far,
+        "{exp}"
+    );
+    let again = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(again.expires_at, Some(exp));
+    assert_eq!(store.count_expired().await.unwrap(), 0);
+}
+
+/// An operator's conditional write (`idemflow resolve` without `--force`): it reads the key,
+/// then writes with `expect_token` = the token it read. A worker that finished in between keeps
+/// its result: the write is `LeaseLost` and changes nothing. A takeover in between too.
+pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dyn Store>) {
+    let id = id(&unique("cas"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let read = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(read.lease_token, l.token);
+    // The worker finishes between the operator's read and write.
+    store
+        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+        .await
+        .unwrap();
+    let decision = Finish {
+        to: KeyState::Failed { retryable: true },
+        response: None,
+        error: Some("operator: provider shows no charge".into()),
+        actor: Actor::Operator,
+        reason: "checked the dashboard".into(),
+        expect_token: Some(read.lease_token),
+    };
+    let err = store.finish(&id, None, &decision).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::LeaseLost {
+                state: KeyState::Done,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let after = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(after.state, KeyState::Done);
+    assert_eq!(after.response.unwrap().status(), 201);
+    assert_eq!(store.history(&id).await.unwrap().len(), 2);
+
+    // A takeover between read and write moves the token: refused as well.
+    let id2 = crate::conformance::id(&unique("cas"), "k2");
+    let l2 = claimed(&store, &claim_for(&id2, "{}", Duration::ZERO)).await;
+    let mut retry = claim_for(&id2, "{}", LEASE);
+    retry.takeover_window = Some(Duration::from_secs(3600));
+    let taken = claimed(&store, &retry).await;
+    assert!(taken.token > l2.token);
+    let stale = Finish {
+        expect_token: Some(l2.token),
+        ..decision.clone()
+    };
+    assert!(matches!(
+        store.finish(&id2, None, &stale).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    // With the token still current, the operator's write goes through and fences the worker.
+    let current = Finish {
+        expect_token: Some(taken.token),
+        ..decision
+    };
+    let r = store.finish(&id2, None, &current).await.unwrap();
+    assert_eq!(r.state, KeyState::Failed { retryable: true });
+    assert!(r.lease_token > taken.token);
+}
+
+/// Lease tokens only grow, across purge (and Redis expiry): a key re-created after its row was
+/// purged gets a token greater than any its earlier life handed out, so a worker stalled past
+/// lease + retention cannot finish the new row with its old token.
+pub async fn tokens_only_grow_across_purge(store: Arc<dyn Store>) {
+    let id = id(&unique("regrow"), "k1");
+    let mut c = claim_for(&id, "{}", Duration::ZERO);
+    c.retention = Duration::ZERO;
+    let first = claimed(&store, &c).await;
+    // A retry takes the expired lease over (+1), then finishes; the first worker stalls.
+    let mut retry = c.clone();
+    retry.takeover_window = Some(Duration::from_secs(3600));
+    let second = claimed(&store, &retry).await;
+    assert_eq!(second.token, LeaseToken(first.token.0 + 1));
+    store
+        .finish(&id, Some(second.token), &done(StoredResponse::new(201)))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    while store.purge_expired(100).await.unwrap() > 0 {}
+    assert!(store.get(&id).await.unwrap().is_none(), "purged");
+    // The key is re-created by another request.
+    let mut again = claim_for(&id, "{\"new\":1}", LEASE);
+    again.retention = Duration::from_secs(3600);
+    let third = claimed(&store, &again).await;
+    assert_eq!(third.transition, Transition::Claim);
+    assert!(
+        third.token > second.token && third.token > first.token,
+        "{third:?} after {second:?}"
+    );
+    // The stalled workers' finishes are fenced out of the new row.
+    for stale in [first.token, second.token] {
+        assert!(matches!(
+            store
+                .finish(&id, Some(stale), &done(StoredResponse::new(299)))
+                .await,
+            Err(StoreError::LeaseLost { .. })
+        ));
+    }
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(r.state, KeyState::Processing);
+    assert_eq!(r.lease_token, third.token);
+    assert_eq!(r.request.as_deref(), Some("{\"new\":1}"));
 }

@@ -79,6 +79,32 @@ fn charge_of(r: &KeyRecord) -> String {
     body["charge"].as_str().unwrap().to_owned()
 }
 
+/// Runs `run` until the operation signals through `reached` that it got to its crash point, then
+/// drops it there: the process "dies" mid-flight. A slow database is waited for (up to 10 s), not
+/// mistaken for a crash before the claim; `run` finishing on its own fails the test.
+pub async fn cut_when<F: std::future::Future>(run: F, reached: tokio::sync::oneshot::Receiver<()>) {
+    tokio::select! {
+        _ = run => panic!("the worker must be cut off mid-flight, but its operation finished"),
+        r = tokio::time::timeout(Duration::from_secs(10), reached) => {
+            r.expect("the worker reached its crash point within 10 s")
+                .expect("the operation signals its crash point");
+        }
+    }
+}
+
+/// A hanging operation that first signals `at`: the worker is then claimed and mid-call.
+pub fn hang_after(
+    at: tokio::sync::oneshot::Sender<()>,
+) -> impl FnOnce(crate::Context) -> std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>
+{
+    move |_ctx| {
+        Box::pin(async move {
+            let _ = at.send(());
+            std::future::pending::<Outcome>().await
+        })
+    }
+}
+
 fn last_event(h: &[KeyEvent]) -> &KeyEvent {
     h.last().expect("history")
 }
@@ -90,12 +116,8 @@ pub async fn crash_after_claim_before_call_is_redriven_once(store: Arc<dyn Store
     let scope = unique("crash-a");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 500), &cards);
-    let crashed = tokio::time::timeout(
-        Duration::from_millis(30),
-        idem.execute(req.clone(), |_ctx| std::future::pending::<Outcome>()),
-    )
-    .await;
-    assert!(crashed.is_err(), "the worker must be cut off mid-flight");
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
     assert!(cards.effects().is_empty());
     wait_stale().await;
 
@@ -130,11 +152,8 @@ pub async fn crash_after_claim_before_call_without_keys_turns_retryable(store: A
     let scope = unique("crash-a-nokeys");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 700), &mail);
-    let _ = tokio::time::timeout(
-        Duration::from_millis(30),
-        idem.execute(req.clone(), |_ctx| std::future::pending::<Outcome>()),
-    )
-    .await;
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
     wait_stale().await;
 
     let report = sweeper(&store, &mail).run_once().await.unwrap();
@@ -219,18 +238,19 @@ pub async fn died_before_storing_is_redriven_to_the_same_charge(store: Arc<dyn S
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 900), &cards);
     let p = cards.clone();
-    let cut = tokio::time::timeout(
-        Duration::from_millis(50),
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(
         idem.execute(req.clone(), |ctx| async move {
             use crate::Provider;
             let body: serde_json::Value = serde_json::from_str(ctx.request()).unwrap();
             let _answer = p.call(ctx.provider_key(), &body).await;
             // The process dies here, answer in hand.
+            let _ = at.send(());
             std::future::pending::<Outcome>().await
         }),
+        reached,
     )
     .await;
-    assert!(cut.is_err());
     assert_eq!(cards.effects().len(), 1);
     wait_stale().await;
 
@@ -250,6 +270,7 @@ pub async fn died_before_storing_is_redriven_to_the_same_charge(store: Arc<dyn S
 pub struct FailingFinish {
     inner: Arc<dyn Store>,
     fail_worker_finishes: AtomicU32,
+    fail_extends: bool,
 }
 
 impl FailingFinish {
@@ -258,7 +279,15 @@ impl FailingFinish {
         Self {
             inner,
             fail_worker_finishes: AtomicU32::new(n),
+            fail_extends: false,
         }
+    }
+
+    /// Also fails every lease renewal, as a network partition or a paused process would: the
+    /// worker's lease runs out while it is stalled.
+    pub fn partitioned(mut self) -> Self {
+        self.fail_extends = true;
+        self
     }
 }
 
@@ -307,6 +336,9 @@ impl Store for FailingFinish {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
+        if self.fail_extends {
+            return Err(StoreError::database("test", "injected: partitioned"));
+        }
         self.inner.extend(id, token, lease).await
     }
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
@@ -339,6 +371,7 @@ pub async fn failed_completion_is_settled_by_the_sweeper(store: Arc<dyn Store>) 
     let flaky: Arc<dyn Store> = Arc::new(FailingFinish {
         inner: store.clone(),
         fail_worker_finishes: AtomicU32::new(1),
+        fail_extends: false,
     });
     let err = worker(&flaky)
         .call(pay(&scope, "k1", 400), &*cards)
@@ -368,7 +401,9 @@ pub async fn failed_completion_is_settled_by_the_sweeper(store: Arc<dyn Store>) 
 pub async fn zombie_worker_gets_lease_lost_and_changes_nothing(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", DAY);
     let scope = unique("zombie");
-    let idem = worker(&store);
+    // Stalled by a partition: its lease renewals fail, so its lease runs out.
+    let partitioned: Arc<dyn Store> = Arc::new(FailingFinish::new(store.clone(), 0).partitioned());
+    let idem = worker(&partitioned);
     let req = as_call(pay(&scope, "k1", 250), &cards);
     let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
     let (called_tx, called_rx) = tokio::sync::oneshot::channel::<()>();
@@ -479,11 +514,8 @@ pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
     let scope = unique("lag");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 100), &mail);
-    let _ = tokio::time::timeout(
-        Duration::from_millis(30),
-        idem.execute(req.clone(), |_ctx| std::future::pending::<Outcome>()),
-    )
-    .await;
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
     wait_stale().await;
     let sw = sweeper(&store, &mail).backoff(Duration::from_millis(10), Duration::from_millis(10));
     let first = sw.run_once().await.unwrap();
@@ -682,6 +714,7 @@ pub async fn unregistered_or_missing_provider_needs_an_operator(store: Arc<dyn S
                 error: Some("checked ghost-pay's dashboard: never charged".into()),
                 actor: Actor::Operator,
                 reason: "manual: not charged".into(),
+                expect_token: None,
             },
         )
         .await
@@ -857,13 +890,14 @@ pub async fn stuck_keys_and_expired_counts_for_operators(store: Arc<dyn Store>) 
     })
     .await
     .unwrap();
-    tokio::time::sleep(Duration::from_millis(120)).await;
+    // Wide margins: "young" must stay younger than the alert age however slow the database is.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
     let _ = idem
         .execute(pay(&scope, "young", 1), |_ctx| async {
             Outcome::unknown("timeout")
         })
         .await;
-    let stuck = store.stuck(Duration::from_millis(100), 1).await.unwrap();
+    let stuck = store.stuck(Duration::from_millis(1000), 1).await.unwrap();
     assert_eq!(stuck.count, 2);
     assert_eq!(stuck.oldest.len(), 1);
     assert_eq!(stuck.oldest[0].key.as_str(), "old1");
@@ -896,4 +930,53 @@ pub async fn hanging_provider_is_deferred_after_the_call_timeout(store: Arc<dyn 
     );
     let id = pay(&scope, "k1", 100).id().clone();
     assert_eq!(row(&store, &id).await.state, KeyState::Processing);
+}
+
+/// Issue 11, finding 10: the sweeper extended only the key in hand, so while one key of a batch
+/// waited on a slow provider, the rest of the batch expired and another sweeper took it. Every
+/// key of the batch is renewed while the sweeper works through it.
+pub async fn sweeper_renews_its_whole_batch(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    cards.hang(true);
+    let scope = unique("batch-renew");
+    let idem = worker(&store);
+    for key in ["k1", "k2", "k3"] {
+        let req = as_call(pay(&scope, key, 500), &cards);
+        let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
+        let run = idem.execute(req, |_ctx| async move {
+            let _ = started_tx.send(());
+            std::future::pending::<Outcome>().await
+        });
+        // The worker is cut off mid-flight, once its operation runs.
+        tokio::select! {
+            _ = run => panic!("the operation never returns"),
+            _ = started => {}
+        }
+    }
+    wait_stale().await;
+    let lease = Duration::from_millis(450);
+    let sweeper = sweeper(&store, &cards)
+        .lease(lease)
+        .call_timeout(Duration::from_millis(1200))
+        .batch_size(3);
+    let other = async {
+        // The first key still hangs; the whole batch is past its first lease.
+        tokio::time::sleep(lease + Duration::from_millis(300)).await;
+        store
+            .take_stale(&TakeStale {
+                owner: "other-sweeper".into(),
+                lease: Duration::from_secs(60),
+                limit: 10,
+            })
+            .await
+            .unwrap()
+    };
+    let (report, stolen) = tokio::join!(sweeper.run_once(), other);
+    assert!(
+        stolen.is_empty(),
+        "keys of a batch in work were taken by another sweeper: {stolen:?}"
+    );
+    let report = report.unwrap();
+    assert_eq!(report.taken, 3, "{report:?}");
+    assert_eq!(report.lease_lost, 0, "{report:?}");
 }

@@ -12,6 +12,7 @@ use crate::record::{Actor, KeyRecord};
 use crate::state::{KeyState, RetryEvidence, may_become_retryable};
 use crate::store::{ClaimOutcome, Finish, NewClaim, Release, Store};
 
+mod heartbeat;
 mod outcome;
 mod provider_call;
 mod request;
@@ -26,7 +27,11 @@ pub use request::IdempotentRequest;
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ExecutorConfig {
-    /// How long a claim holds the key before a sweeper may take it over. Default 30 s.
+    /// How long a claim holds the key before a sweeper (or a retry within the takeover window)
+    /// may take it over. `execute` renews it every third of the lease while the operation runs,
+    /// so a live operation keeps its key however long it takes, and a key orphaned by a crash
+    /// is free again within one lease. Default 9 s: three renewals per lease, each with about
+    /// 3 s to get through before the next one is due.
     pub lease: Duration,
     /// How long a finished key is kept and replayed. Default 24 h.
     pub retention: Duration,
@@ -54,7 +59,7 @@ pub struct ExecutorConfig {
 impl ExecutorConfig {
     fn defaults() -> Self {
         Self {
-            lease: Duration::from_secs(30),
+            lease: Duration::from_secs(9),
             retention: Duration::from_secs(24 * 3600),
             owner: format!("worker-{}", std::process::id()),
             store_request: true,
@@ -182,8 +187,13 @@ impl Idempotency {
     /// Runs `op` at most once for the request's (scope, key) and returns its response, or
     /// replays the stored one.
     ///
-    /// Cancel-safe: if this future is dropped while `op` runs, the key stays `processing` under
-    /// its lease, and the sweeper (or, within the takeover window, a retry) settles it.
+    /// While `op` runs, its lease is renewed every third of [`ExecutorConfig::lease`] (in this
+    /// task, concurrently with `op`); if renewal is refused, [`Context::lease_lost`] turns true
+    /// and the result is not stored over the new owner's ([`Error::LeaseLost`]).
+    ///
+    /// Cancel-safe: if this future is dropped while `op` runs, renewal stops with it, the key
+    /// stays `processing` until its lease runs out (at most one lease), and the sweeper (or,
+    /// within the takeover window, a retry) settles it.
     pub async fn execute<F, Fut>(
         &self,
         request: IdempotentRequest,
@@ -246,15 +256,18 @@ impl Idempotency {
             ClaimOutcome::Claimed(lease) => lease,
         };
         let id = request.id.clone();
+        let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at);
         let ctx = Context {
             id: id.clone(),
             provider_key: lease.provider_key.clone(),
             token: lease.token,
             attempt: lease.attempts,
-            lease_expires_at: lease.expires_at,
+            lease: watch,
             request: request.canonical,
         };
-        let outcome = op(ctx).await;
+        // The lease is renewed while the operation runs (same task, stops with it).
+        let renew = heartbeat::renew(&*self.store, &id, lease.token, cfg.lease, &held);
+        let outcome = heartbeat::alongside(op(ctx), renew).await;
         let (to, mut resp) = match outcome {
             Outcome::Succeeded(resp) => (KeyState::Done, resp),
             Outcome::Rejected(resp) => (KeyState::Failed { retryable: false }, resp),
@@ -290,6 +303,7 @@ impl Idempotency {
                     error: Some(reason.clone()),
                     actor: Actor::Worker,
                     reason: "the provider surely did nothing; a retry runs it again".to_owned(),
+                    expect_token: None,
                 };
                 self.store.finish(&id, Some(lease.token), &finish).await?;
                 return Err(Error::FailedRetryable {
@@ -331,6 +345,7 @@ impl Idempotency {
                 error: Some(detail.clone()),
                 actor: Actor::Worker,
                 reason: detail,
+                expect_token: None,
             };
             self.store.finish(&id, Some(lease.token), &finish).await?;
             return Err(Error::ResponseTooLarge {
@@ -356,6 +371,7 @@ impl Idempotency {
             } else {
                 "operation refused permanently".to_owned()
             },
+            expect_token: None,
         };
         let record = self.store.finish(&id, Some(lease.token), &finish).await?;
         let stored = record.response.or(finish.response).ok_or_else(|| {

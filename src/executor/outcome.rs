@@ -3,6 +3,7 @@
 
 use chrono::{DateTime, Utc};
 
+use super::heartbeat::LeaseWatch;
 use crate::record::LeaseToken;
 use crate::{KeyId, StoredResponse};
 
@@ -51,7 +52,7 @@ pub struct Context {
     pub(crate) provider_key: String,
     pub(crate) token: LeaseToken,
     pub(crate) attempt: i32,
-    pub(crate) lease_expires_at: DateTime<Utc>,
+    pub(crate) lease: LeaseWatch,
     pub(crate) request: String,
 }
 
@@ -77,9 +78,26 @@ impl Context {
         self.attempt
     }
 
-    /// When the lease ends (database clock). Past it, a sweeper may take the key over.
+    /// When the lease ends (database clock), as last renewed. `execute` renews it every third
+    /// of the lease while the operation runs; past it, a sweeper may take the key over.
     pub fn lease_expires_at(&self) -> DateTime<Utc> {
-        self.lease_expires_at
+        self.lease.state().expires_at
+    }
+
+    /// Whether this attempt has lost its lease: another process took the key over (renewal was
+    /// refused), or the store could not be reached until the lease ran out. The operation should
+    /// stop as soon as it can; whatever it returns is only stored if the key is still held
+    /// under this attempt's token (else `execute` returns [`Error::LeaseLost`]).
+    ///
+    /// [`Error::LeaseLost`]: crate::Error::LeaseLost
+    pub fn lease_lost(&self) -> bool {
+        self.lease.state().lost
+    }
+
+    /// Resolves when this attempt loses its lease (see [`lease_lost`](Self::lease_lost)); never
+    /// while the lease is held. Use it in a `tokio::select!` to stop a long operation.
+    pub async fn lost(&self) {
+        self.lease.lost().await;
     }
 
     /// The canonical JSON request.

@@ -4,7 +4,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::Error;
-use crate::fingerprint::{Fingerprint, canonical_json};
+use crate::fingerprint::{Fingerprint, canonical_json, parse_json};
 use crate::key::{IdempotencyKey, KeyError, KeyId, Scope};
 
 /// A validated request: scope, key, operation, canonical body and its fingerprint.
@@ -45,26 +45,28 @@ fn validate_operation(operation: &str) -> Result<(), Error> {
 }
 
 impl IdempotentRequest {
-    /// Builds a request from any serialisable body.
+    /// Builds a request from any serialisable body. A body that serialises an object member
+    /// twice (e.g. through `#[serde(flatten)]`) is [`Error::DuplicateJsonKey`].
     pub fn new<B: Serialize + ?Sized>(
         scope: &str,
         key: &str,
         operation: &str,
         body: &B,
     ) -> Result<Self, Error> {
-        let value = serde_json::to_value(body).map_err(Error::InvalidJson)?;
-        Self::from_value(scope, key, operation, &value)
+        // Through the bytes, not `to_value`: a `Value` keeps the last of two equal names.
+        let bytes = serde_json::to_vec(body).map_err(Error::InvalidJson)?;
+        Self::from_json_bytes(scope, key, operation, &bytes)
     }
 
     /// Builds a request from raw JSON bytes (an HTTP body); invalid JSON is
-    /// [`Error::InvalidJson`].
+    /// [`Error::InvalidJson`], an object naming a member twice [`Error::DuplicateJsonKey`].
     pub fn from_json_bytes(
         scope: &str,
         key: &str,
         operation: &str,
         body: &[u8],
     ) -> Result<Self, Error> {
-        let value: Value = serde_json::from_slice(body).map_err(Error::InvalidJson)?;
+        let value = parse_json(body).map_err(Error::from)?;
         Self::from_value(scope, key, operation, &value)
     }
 

@@ -22,6 +22,11 @@ pub struct ProviderConfig {
     /// For search-based lookups: how long an empty search result is not trusted.
     #[serde(default, with = "opt_secs")]
     pub search_lag: Option<Duration>,
+    /// For resend (whose lookup is a same-key re-send): the margin kept before the end of its
+    /// 24 h key window. Keep it at least the sweeper's `redrive_margin`; the CLI sets it to
+    /// `[sweeper] redrive_margin` when it is not given.
+    #[serde(default, with = "opt_secs")]
+    pub redrive_margin: Option<Duration>,
 }
 
 mod opt_secs {
@@ -156,6 +161,12 @@ fn build_http(
             .clone()
             .unwrap_or_else(|| default.to_owned())
     };
+    if config.redrive_margin.is_some() && config.kind != "resend" {
+        return Err(ProviderConfigError::Invalid {
+            provider: name,
+            detail: "redrive_margin applies to resend only (its lookup is a re-send); the sweeper's [sweeper] redrive_margin governs re-drives".to_owned(),
+        });
+    }
     match config.kind.as_str() {
         "stripe" => {
             let mut p = Stripe::with_base_url(&base(stripe::DEFAULT_BASE_URL), api_key)
@@ -182,9 +193,12 @@ fn build_http(
                     detail: "search_lag does not apply to resend (its lookup is a same-key re-send, not a search)".to_owned(),
                 });
             }
-            let p = Resend::with_base_url(&base(resend::DEFAULT_BASE_URL), api_key)
+            let mut p = Resend::with_base_url(&base(resend::DEFAULT_BASE_URL), api_key)
                 .map_err(http)?
                 .with_name(name.clone());
+            if let Some(margin) = config.redrive_margin {
+                p = p.redrive_margin(margin);
+            }
             Ok(Arc::new(p))
         }
         other => Err(ProviderConfigError::UnknownKind {
@@ -205,6 +219,7 @@ mod tests {
             base_url: None,
             api_key_env: "IDEMFLOW_TEST_KEY".to_owned(),
             search_lag: None,
+            redrive_margin: None,
         }
     }
 
@@ -239,6 +254,15 @@ mod tests {
         let e = build_with_env(&c, env).unwrap_err();
         assert!(matches!(e, ProviderConfigError::Http { .. }), "{e}");
         assert!(std::error::Error::source(&e).is_some());
+        let mut c = cfg("stripe");
+        c.redrive_margin = Some(std::time::Duration::from_secs(1));
+        assert!(matches!(
+            build_with_env(&c, env).unwrap_err(),
+            ProviderConfigError::Invalid { .. }
+        ));
+        let mut c = cfg("resend");
+        c.redrive_margin = Some(std::time::Duration::from_secs(7200));
+        assert!(build_with_env(&c, env).is_ok());
         let mut c = cfg("resend");
         c.search_lag = Some(std::time::Duration::from_secs(1));
         assert!(matches!(

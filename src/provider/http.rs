@@ -62,6 +62,22 @@ impl Default for HttpConfig {
     }
 }
 
+impl HttpConfig {
+    /// The longest one adapter call can take, all tries included: `max_attempts` x
+    /// (`connect_timeout` + `request_timeout`) plus, between tries, the longest wait
+    /// (`max_backoff` or `max_retry_after`, whichever is larger). With the defaults:
+    /// 3 x 35 s + 2 x 30 s = 165 s, well inside the sweeper's default re-drive margin (1 h), so
+    /// a call cannot still be live when the provider's dedup window closes.
+    pub fn total_deadline(&self) -> Duration {
+        let tries = self.max_attempts.max(1);
+        let per_try = self.connect_timeout.saturating_add(self.request_timeout);
+        let wait = self.max_backoff.max(self.max_retry_after);
+        per_try
+            .saturating_mul(tries)
+            .saturating_add(wait.saturating_mul(tries - 1))
+    }
+}
+
 /// Why an HTTP provider could not be built.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -429,6 +445,14 @@ pub fn body_snippet(body: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn total_deadline_is_documented_and_inside_the_redrive_margin() {
+        let c = HttpConfig::default();
+        assert_eq!(c.total_deadline(), Duration::from_secs(165));
+        // The sweeper's default re-drive margin (`SweeperConfig::redrive_margin`).
+        assert!(c.total_deadline() < Duration::from_secs(3600));
+    }
 
     #[test]
     fn retry_after_forms() {

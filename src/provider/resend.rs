@@ -15,9 +15,13 @@
 //!
 //! Resend keeps keys for 24 h and answers a same-key, same-payload re-send with the first
 //! result "without actually sending", so the adapter's retry loop re-sends after an unknown
-//! outcome, and `lookup` is a re-send while the key is still remembered (24 h minus
-//! [`Resend::redrive_margin`]). Past that, Resend offers no way to find an email by our key:
-//! `lookup` answers `Unknown { retry_after: None }` and the key needs an operator.
+//! outcome, and `lookup` is a re-send while the key is still remembered: younger than 24 h
+//! minus [`Resend::redrive_margin`] (default [`DEFAULT_REDRIVE_MARGIN`], the sweeper's default
+//! `redrive_margin`; keep the two equal, or this one larger). Resend offers no way to find an
+//! email by our key, so `lookup` answers [`Lookup::NeedsOperator`] without sending anything when
+//! the key is within that margin of the window's end or past it, or when the request to re-send
+//! was not stored (the sweeper passes `Null`), or when Resend holds the key for another
+//! payload: the sweeper reports the key for an operator.
 
 use std::time::Duration;
 
@@ -27,15 +31,16 @@ use serde_json::Value;
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
-use super::{CallOutcome, KeySpec, Lookup, Provider};
+use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
 use crate::Outcome;
 
 /// Resend's API base.
 pub const DEFAULT_BASE_URL: &str = "https://api.resend.com";
 /// How long Resend remembers a key.
 pub const RETENTION: Duration = Duration::from_secs(24 * 3600);
-/// Default margin kept before the end of [`RETENTION`] when re-sending as a lookup.
-pub const DEFAULT_REDRIVE_MARGIN: Duration = Duration::from_secs(15 * 60);
+/// Default margin kept before the end of [`RETENTION`] when re-sending as a lookup: the
+/// sweeper's default (`provider::DEFAULT_REDRIVE_MARGIN`, 1 h).
+pub const DEFAULT_REDRIVE_MARGIN: Duration = super::DEFAULT_REDRIVE_MARGIN;
 
 /// Resend transactional email.
 #[derive(Debug, Clone)]
@@ -54,7 +59,8 @@ http_adapter!(Resend {
 
 impl Resend {
     /// Sets the margin kept before the end of Resend's 24 h key window: `lookup` re-sends only
-    /// while `age + margin < 24 h`.
+    /// while `age + margin < 24 h`. Keep it at least the sweeper's `redrive_margin` (both
+    /// default to 1 h): the sweeper looks a key up once it judges a re-send unsafe.
     pub fn redrive_margin(mut self, margin: Duration) -> Self {
         self.redrive_margin = margin;
         self
@@ -121,14 +127,28 @@ impl Provider for Resend {
         &self,
         provider_key: &str,
         request: &Value,
-        last_attempt_at: DateTime<Utc>,
+        attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
-        let age = (now - last_attempt_at).to_std().unwrap_or_default();
-        if age + self.redrive_margin >= RETENTION {
+        if request.is_null() {
+            // Re-sending `null` draws a 400 that would read as a refusal of the email.
+            return Lookup::NeedsOperator {
+                reason: "the request was not stored, so it cannot be re-sent, and Resend cannot be searched by our key".to_owned(),
+            };
+        }
+        // Resend's key window counts from the first send, not from a later attempt: a re-send
+        // near or past it could send a second email.
+        let age = (now - attempts.first_sent_at).to_std().unwrap_or_default();
+        if age.saturating_add(self.redrive_margin) >= RETENTION {
             // Resend may have forgotten the key: a re-send could send a second email, and
-            // Resend cannot be searched by our key.
-            return Lookup::Unknown { retry_after: None };
+            // Resend cannot be searched by our key. Waiting does not help.
+            return Lookup::NeedsOperator {
+                reason: format!(
+                    "first sent {}s ago, within {}s of the end of Resend's 24 h key window or past it: a re-send could send a second email, and Resend cannot be searched by our key",
+                    age.as_secs(),
+                    self.redrive_margin.as_secs()
+                ),
+            };
         }
         match self.call(provider_key, request).await {
             CallOutcome::Succeeded { response, .. } => Lookup::Found(Outcome::Succeeded(response)),
@@ -136,10 +156,9 @@ impl Provider for Resend {
             CallOutcome::Retryable { retry_after, .. } | CallOutcome::InFlight { retry_after } => {
                 Lookup::Unknown { retry_after }
             }
-            CallOutcome::KeyConflict { detail } => {
-                tracing::warn!(%detail, "resend holds this key for another payload");
-                Lookup::Unknown { retry_after: None }
-            }
+            CallOutcome::KeyConflict { detail } => Lookup::NeedsOperator {
+                reason: format!("Resend holds this key for another payload: {detail}"),
+            },
             CallOutcome::Unknown { reason } => {
                 tracing::warn!(%reason, "resend re-send outcome unknown");
                 Lookup::Unknown { retry_after: None }

@@ -108,6 +108,10 @@ pub struct Finish {
     pub actor: Actor,
     /// Why, for history.
     pub reason: String,
+    /// A compare-and-set condition for an operator's write (`token: None`): with `Some(t)`,
+    /// the store changes the row only while it is still processing under token `t` (the lease
+    /// the operator read), else [`StoreError::LeaseLost`]. `None`: unconditional (`--force`).
+    pub expect_token: Option<LeaseToken>,
 }
 
 impl Finish {
@@ -196,7 +200,8 @@ pub trait Store: Debug + Send + Sync + 'static {
 
     /// Finishes a key. With `Some(token)`: only if the key is processing under that token
     /// (else [`StoreError::LeaseLost`]). With `None`: an operator override from any state, which
-    /// also moves the token on so that any worker still running is fenced out.
+    /// also moves the token on so that any worker still running is fenced out; with
+    /// [`Finish::expect_token`] set, only while the key is still processing under that token.
     async fn finish(
         &self,
         id: &KeyId,
@@ -281,9 +286,17 @@ pub async fn refused_write<S: Store + ?Sized>(
     }
 }
 
-/// Milliseconds of a duration, saturating (for SQL parameters).
+/// The longest duration any store keeps, in ms: about 100 years, so that `now + d` stays a valid
+/// timestamp on every backend and exact in Lua's doubles (and never turns SQLite's integer
+/// arithmetic into floating point).
+pub const MAX_DURATION_MS: i64 = 100 * 366 * 24 * 3600 * 1000;
+
+/// Milliseconds of a duration, capped at [`MAX_DURATION_MS`]: the one place every store caps
+/// durations (leases, retention, windows, recheck delays).
 pub fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(d.as_millis())
+        .unwrap_or(i64::MAX)
+        .min(MAX_DURATION_MS)
 }
 
 /// Checks `finish.to` against the state machine for a fenced (`Some`) or override (`None`) write.
@@ -336,6 +349,7 @@ pub(crate) fn assert_claim_reasons(statement: &str) {
         "worker",
         "subsec",
         "1 millisecond",
+        "1970-01-01 00:00:00",
     ];
     let literals: BTreeSet<&str> = statement.split('\'').skip(1).step_by(2).collect();
     let reasons: BTreeSet<&str> = Transition::CLAIM_REASONS.iter().map(|(_, r)| *r).collect();

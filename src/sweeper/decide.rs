@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | no provider recorded, or provider not registered | none | needs an operator (long recheck) |
 //! | provider dedupes by key, inside its window (with margin), request stored | re-drive (`call`) | see [`after_call`] |
-//! | anything else (outside the window, no keys, request missing) | `lookup` | see [`after_lookup`] |
+//! | anything else (outside the window, no keys, request missing) | `lookup` | see [`after_lookup`] (`Lookup::NeedsOperator`: needs an operator) |
 
 use std::time::Duration;
 
@@ -227,6 +227,11 @@ pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
             reason: format!("{provider} could not say what happened"),
             retry_after,
         },
+        Lookup::NeedsOperator { reason } => Decision::NeedsOperator {
+            reason: format!(
+                "{provider} cannot settle the key ({why}): {reason}; an operator must decide (idemflow resolve)"
+            ),
+        },
     }
 }
 
@@ -429,6 +434,20 @@ mod tests {
                 reason: "p could not say what happened".into(),
                 retry_after: Some(Duration::from_secs(9))
             }
+        );
+        // A provider that cannot be asked (window closing, no stored request): an operator.
+        let Decision::NeedsOperator { reason } = after_lookup(
+            "p",
+            "why",
+            Lookup::NeedsOperator {
+                reason: "closed".into(),
+            },
+        ) else {
+            panic!("not for an operator")
+        };
+        assert!(
+            reason.contains("why") && reason.contains("closed"),
+            "{reason}"
         );
     }
 

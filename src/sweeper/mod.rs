@@ -42,12 +42,13 @@ use tokio::sync::watch;
 use tracing::{Instrument, info_span};
 
 use crate::error::StoreError;
-use crate::provider::{CallOutcome, Lookup, Providers};
+use crate::provider::{Attempts, CallOutcome, Lookup, Providers};
 use crate::record::{Actor, KeyRecord};
 use crate::store::{Finish, Release, Store, TakeStale};
 use crate::{KeyId, KeyState};
 
 pub mod decide;
+mod renew;
 mod report;
 
 pub use decide::{Decision, Plan};
@@ -65,8 +66,8 @@ use report::ms;
 pub struct SweeperConfig {
     /// Keys taken per batch. Default 100.
     pub batch_size: u32,
-    /// The lease each taken key gets; the sweeper extends it when a batch runs long. Default
-    /// 5 min.
+    /// The lease each taken key gets; while the sweeper works through a batch it renews the
+    /// lease of every key of the batch not yet handled every third of it. Default 5 min.
     pub lease: Duration,
     /// Name recorded as the lease owner. Default `sweeper-<pid>`.
     pub owner: String,
@@ -95,7 +96,7 @@ impl SweeperConfig {
             backoff_base: Duration::from_secs(30),
             backoff_cap: Duration::from_secs(3600),
             operator_recheck: Duration::from_secs(6 * 3600),
-            redrive_margin: Duration::from_secs(3600),
+            redrive_margin: crate::provider::DEFAULT_REDRIVE_MARGIN,
             max_keys_per_run: 10_000,
             call_timeout: Duration::from_secs(120),
         }
@@ -329,7 +330,14 @@ impl Sweeper {
             report.batches += 1;
             report.taken += batch.len() as u64;
             let full = batch.len() as u32 == limit;
+            // Every key of the batch keeps its lease while the batch is worked through.
+            let held: Vec<_> = batch
+                .iter()
+                .map(|r| (KeyId::new(r.scope.clone(), r.key.clone()), r.lease_token))
+                .collect();
+            let mut renewed_at = taken_at;
             let mut keys = batch.into_iter();
+            let mut at = 0;
             while let Some(record) = keys.next() {
                 if *stop.borrow() {
                     report.shut_down = true;
@@ -351,10 +359,18 @@ impl Sweeper {
                     attempt = record.attempts,
                     decision = tracing::field::Empty,
                 );
-                let result = self
+                let work = self
                     .handle(record, now, taken_at, &mut report)
-                    .instrument(span)
-                    .await;
+                    .instrument(span);
+                let result = renew::while_working(
+                    &*self.store,
+                    &held[at..],
+                    cfg.lease,
+                    &mut renewed_at,
+                    work,
+                )
+                .await;
+                at += 1;
                 match result {
                     Ok(r) => Self::count(&mut report, r),
                     Err(e) => return Err(fail(e, report)),
@@ -450,7 +466,12 @@ impl Sweeper {
                 tracing::Span::current().record("decision", "lookup");
                 // Search lag counts from the latest attempt that may have reached the provider
                 // (the re-drive window above counts from the first use: `created_at`).
-                let lookup = p.lookup(&record.provider_key, &request, record.last_attempt_at, now);
+                let lookup = p.lookup(
+                    &record.provider_key,
+                    &request,
+                    Attempts::new(record.created_at, record.last_attempt_at),
+                    now,
+                );
                 let found = tokio::time::timeout(self.config.call_timeout, lookup)
                     .await
                     .unwrap_or(Lookup::Unknown { retry_after: None });
@@ -484,6 +505,7 @@ impl Sweeper {
                     error,
                     actor: Actor::Sweeper,
                     reason,
+                    expect_token: None,
                 };
                 tracing::info!(to = %to, reason = %finish.reason, "sweeper settled key");
                 return match self

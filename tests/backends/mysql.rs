@@ -106,3 +106,87 @@ impl SqlDatabase for Database {
         true
     }
 }
+
+/// Issue 11, finding 3: the claim must not depend on `ON DUPLICATE KEY UPDATE` assigning left
+/// to right. With `SIMULTANEOUS_ASSIGNMENT` in the session's `sql_mode` (a server-wide setting
+/// sqlx inherits), a retry's takeover of an expired key must still move the token on and fence
+/// the zombie holder out.
+mod simultaneous_assignment {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use idemflow::conformance::{self, claim_for, claimed, done, id, unique};
+    use idemflow::store::mysql::MySqlStore;
+    use idemflow::{LeaseToken, Store, StoreError, StoredResponse};
+    use sqlx::Executor;
+    use sqlx::mysql::MySqlPoolOptions;
+
+    use crate::support::mysql::fresh_database;
+
+    async fn store() -> Option<Arc<dyn Store>> {
+        let (options, _) = fresh_database().await?;
+        let pool = MySqlPoolOptions::new()
+            .max_connections(5)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute(
+                        "SET SESSION sql_mode = CONCAT(@@sql_mode, ',SIMULTANEOUS_ASSIGNMENT')",
+                    )
+                    .await?;
+                    Ok(())
+                })
+            })
+            .connect_with(options)
+            .await
+            .unwrap();
+        let store = MySqlStore::from_pool(pool);
+        store.migrate().await.unwrap();
+        Some(Arc::new(store))
+    }
+
+    #[test]
+    fn takeover_moves_the_token_and_fences_the_zombie() {
+        conformance::run(async {
+            let Some(store) = store().await else { return };
+            let id = id(&unique("simul"), "k1");
+            let zombie = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+            let mut retry = claim_for(&id, "{}", Duration::from_secs(30));
+            retry.takeover_window = Some(Duration::from_secs(3600));
+            let winner = claimed(&store, &retry).await;
+            assert_eq!(
+                winner.token,
+                LeaseToken(zombie.token.0 + 1),
+                "two holders with one token"
+            );
+            let r = store.get(&id).await.unwrap().unwrap();
+            assert_eq!(r.lease_token, winner.token);
+            assert!(r.lease_expires_at.unwrap() > store.now().await.unwrap());
+            assert!(matches!(
+                store
+                    .finish(&id, Some(zombie.token), &done(StoredResponse::new(299)))
+                    .await,
+                Err(StoreError::LeaseLost { .. })
+            ));
+            store
+                .finish(&id, Some(winner.token), &done(StoredResponse::new(201)))
+                .await
+                .unwrap();
+        });
+    }
+
+    #[test]
+    fn conformance_takeover_case() {
+        conformance::run(async {
+            let Some(store) = store().await else { return };
+            conformance::store::retry_takeover_only_inside_the_window(store).await;
+        });
+    }
+
+    #[test]
+    fn conformance_reclaim_case() {
+        conformance::run(async {
+            let Some(store) = store().await else { return };
+            conformance::store::retryable_failure_is_reclaimed_by_the_same_request(store).await;
+        });
+    }
+}

@@ -506,6 +506,7 @@ async fn resolve(cli: &Cli, store: &Arc<dyn Store>, args: &ResolveArgs) -> anyho
         error: Some(format!("resolved by an operator: {}", args.reason)),
         actor: Actor::Operator,
         reason: format!("operator: {}", args.reason),
+        expect_token: (!args.force).then_some(current.lease_token),
     };
     let record = store.finish(&id, None, &finish).await.map_err(store_err)?;
     out(

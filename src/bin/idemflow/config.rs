@@ -8,7 +8,7 @@ use anyhow::{Context as _, anyhow, bail};
 use serde::{Deserialize, Deserializer};
 
 use idemflow::provider::Providers;
-use idemflow::provider::config::{ProviderConfig, build};
+use idemflow::provider::config::{ProviderConfig, build_with_env};
 use idemflow::store::Store;
 use idemflow::sweeper::Sweeper;
 
@@ -120,6 +120,15 @@ pub fn load(path: Option<&Path>) -> anyhow::Result<FileConfig> {
 
 /// Builds the providers the file names, refusing duplicates and unknown kinds.
 pub fn providers(config: &FileConfig, path: Option<&PathBuf>) -> anyhow::Result<Providers> {
+    providers_with_env(config, path, |var| std::env::var(var).ok())
+}
+
+/// Like [`providers`], with the environment given as a function.
+fn providers_with_env(
+    config: &FileConfig,
+    path: Option<&PathBuf>,
+    env: impl Fn(&str) -> Option<String>,
+) -> anyhow::Result<Providers> {
     let file = path.map_or_else(|| "(none)".to_owned(), |p| p.display().to_string());
     let mut reg = Providers::new();
     for (i, pc) in config.providers.iter().enumerate() {
@@ -127,7 +136,25 @@ pub fn providers(config: &FileConfig, path: Option<&PathBuf>) -> anyhow::Result<
         if reg.get(&name).is_some() {
             bail!("config file {file}: provider {name:?} is configured twice");
         }
-        let p = build(pc).map_err(|e| {
+        // Resend's lookup re-sends: it keeps at least the sweeper's margin.
+        let sweeper_margin = config
+            .sweeper
+            .redrive_margin
+            .unwrap_or(idemflow::provider::DEFAULT_REDRIVE_MARGIN);
+        let mut pc = pc.clone();
+        if pc.kind == "resend" {
+            match pc.redrive_margin {
+                None => pc.redrive_margin = Some(sweeper_margin),
+                Some(m) if m < sweeper_margin => bail!(
+                    "config file {file}: [[providers]] entry {} ({name:?}): redrive_margin ({}s) is smaller than the sweeper's ({}s); its lookup could re-send after the sweeper judged a re-send unsafe",
+                    i + 1,
+                    m.as_secs(),
+                    sweeper_margin.as_secs()
+                ),
+                Some(_) => {}
+            }
+        }
+        let p = build_with_env(&pc, &env).map_err(|e| {
             anyhow!(
                 "config file {file}: [[providers]] entry {} ({name:?}): {e}",
                 i + 1
@@ -255,5 +282,45 @@ mod tests {
         assert_eq!(s.backoff_cap, Duration::from_secs(5400));
         assert!(toml::from_str::<FileConfig>("[sweeper]\nlease = \"soon\"\n").is_err());
         assert!(toml::from_str::<FileConfig>("[sweeper]\nbogus = 1\n").is_err());
+    }
+
+    /// The sweeper looks a Resend key up once its own margin says a re-send is unsafe: with
+    /// `[sweeper] redrive_margin = "2h"`, Resend's lookup must not re-send at 22 h 30 min (it
+    /// did, keeping its own 1 h default).
+    #[cfg(feature = "testkit")]
+    #[tokio::test]
+    async fn resend_gets_the_sweepers_redrive_margin() {
+        use idemflow::Lookup;
+        use idemflow::testkit::FakeResend;
+
+        let fake = FakeResend::start().await.unwrap();
+        let c: FileConfig = toml::from_str(&format!(
+            "[[providers]]\nkind = \"resend\"\napi_key_env = \"RESEND_KEY\"\nbase_url = \"{}\"\n\n[sweeper]\nredrive_margin = \"2h\"\n",
+            fake.base_url()
+        ))
+        .unwrap();
+        let env = |var: &str| (var == "RESEND_KEY").then(|| FakeResend::API_KEY.to_owned());
+        let reg = providers_with_env(&c, None, env).unwrap();
+        let resend = reg.get("resend").unwrap();
+        let now = chrono::Utc::now();
+        let sent_at = now - chrono::Duration::minutes(22 * 60 + 30);
+        let email = serde_json::json!({"from": "a@x.test", "to": ["b@y.test"], "subject": "s", "text": "t"});
+        let found = resend
+            .lookup("idf_cli", &email, idemflow::Attempts::once(sent_at), now)
+            .await;
+        assert_eq!(fake.requests().len(), 0, "{found:?}");
+        assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
+        // Younger keys are still looked up by a same-key re-send.
+        let found = resend
+            .lookup("idf_cli", &email, idemflow::Attempts::once(now), now)
+            .await;
+        assert!(matches!(found, Lookup::Found(_)), "{found:?}");
+        // A resend margin smaller than the sweeper's is refused.
+        let small: FileConfig = toml::from_str(
+            "[[providers]]\nkind = \"resend\"\napi_key_env = \"RESEND_KEY\"\nredrive_margin = 600\n",
+        )
+        .unwrap();
+        let e = providers_with_env(&small, None, env).unwrap_err();
+        assert!(e.to_string().contains("smaller than the sweeper's"), "{e}");
     }
 }

@@ -42,9 +42,6 @@ const BACKEND: &str = "mysql";
 /// table is never touched.
 pub const MIGRATIONS_TABLE: &str = "_idemflow_migrations";
 
-/// Durations are capped at 1,000 years so that `now + duration` stays a valid `DATETIME`.
-const MAX_MS: i64 = 1000 * 366 * 24 * 3600 * 1000;
-
 /// The most keys one sweep or purge batch takes (two placeholders each, well under MySQL's
 /// 65,535).
 const MAX_BATCH: u32 = 10_000;
@@ -53,7 +50,7 @@ const MAX_BATCH: u32 = 10_000;
 const CLAIM_ATTEMPTS: usize = 5;
 
 fn micros(d: Duration) -> i64 {
-    millis(d).min(MAX_MS) * 1000
+    millis(d) * 1000
 }
 
 /// idemflow's MariaDB / MySQL migrations, recorded in [`MIGRATIONS_TABLE`].
@@ -158,21 +155,24 @@ impl MySqlStore {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let res = sqlx::query(sql::CLAIM)
-                .bind(claim.id.scope.as_str())
-                .bind(claim.id.key.as_str())
-                .bind(&claim.operation)
-                .bind(claim.provider.as_deref())
-                .bind(&claim.provider_key)
-                .bind(claim.fingerprint.as_str())
-                .bind(claim.request.as_deref())
-                .bind(&claim.owner)
-                .bind(micros(claim.lease))
-                .bind(millis(claim.retention).min(MAX_MS))
-                .bind(nonce)
-                .bind(claim.takeover_window.map(micros))
-                .execute(&self.pool)
-                .await;
+            let mut q = sqlx::query(sql::CLAIM);
+            for p in sql::CLAIM_PARAMS {
+                q = match p {
+                    sql::ClaimParam::Scope => q.bind(claim.id.scope.as_str()),
+                    sql::ClaimParam::Key => q.bind(claim.id.key.as_str()),
+                    sql::ClaimParam::Operation => q.bind(&claim.operation),
+                    sql::ClaimParam::Provider => q.bind(claim.provider.as_deref()),
+                    sql::ClaimParam::ProviderKey => q.bind(&claim.provider_key),
+                    sql::ClaimParam::Fingerprint => q.bind(claim.fingerprint.as_str()),
+                    sql::ClaimParam::Request => q.bind(claim.request.as_deref()),
+                    sql::ClaimParam::Owner => q.bind(&claim.owner),
+                    sql::ClaimParam::LeaseMicros => q.bind(micros(claim.lease)),
+                    sql::ClaimParam::RetentionMs => q.bind(millis(claim.retention)),
+                    sql::ClaimParam::Nonce => q.bind(nonce),
+                    sql::ClaimParam::WindowMicros => q.bind(claim.takeover_window.map(micros)),
+                };
+            }
+            let res = q.execute(&self.pool).await;
             match res {
                 Ok(_) => return Ok(()),
                 Err(e) if attempt < CLAIM_ATTEMPTS && is_retryable_lock_error(&e) => {
@@ -332,12 +332,14 @@ impl Store for MySqlStore {
             .bind(id.key.as_str())
             .bind(token_value)
             .bind(token_value)
+            .bind(finish.expect_token.map(|t| t.0))
+            .bind(finish.expect_token.map(|t| t.0))
             .execute(&mut *tx)
             .await
             .map_err(db)?;
         if done.rows_affected() != 1 {
             tx.rollback().await.map_err(db)?;
-            return Err(refused_write(self, id, token).await);
+            return Err(refused_write(self, id, token.or(finish.expect_token)).await);
         }
         let row = sqlx::query(sql::GET)
             .bind(id.scope.as_str())

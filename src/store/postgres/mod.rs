@@ -44,11 +44,8 @@ pub const MIGRATIONS_TABLE: &str = "_idemflow_migrations";
 /// `EXPLAIN` checks. Parameters: `$1` owner, `$2` lease in ms, `$3` batch limit.
 pub const TAKE_STALE_SQL: &str = sql::TAKE_STALE;
 
-/// Durations are capped at 1,000 years so that `now + duration` stays a valid timestamp.
-const MAX_MS: i64 = 1000 * 366 * 24 * 3600 * 1000;
-
 fn ms(d: Duration) -> i64 {
-    millis(d).min(MAX_MS)
+    millis(d)
 }
 
 /// idemflow's PostgreSQL migrations, recorded in [`MIGRATIONS_TABLE`].
@@ -224,12 +221,13 @@ impl Store for PostgresStore {
             .bind(token.map(|t| t.0))
             .bind(finish.actor.as_str())
             .bind(&finish.reason)
+            .bind(finish.expect_token.map(|t| t.0))
             .fetch_optional(&self.pool)
             .await
             .map_err(db)?;
         match row {
             Some(row) => decode_record(&row),
-            None => Err(refused_write(self, id, token).await),
+            None => Err(refused_write(self, id, token.or(finish.expect_token)).await),
         }
     }
 

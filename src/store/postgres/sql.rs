@@ -69,7 +69,9 @@ pub(super) const CLAIM: &str = concat!(
          created_at, updated_at, retention_ms, version, last_actor, last_reason, \
          last_attempt_at, may_have_acted) \
        SELECT $1::text, $2::text, $3::text, $4::text, $5::text, 'processing', false, $6::text, \
-         $7::text, 1, $8::text, ",
+         $7::text, (extract(epoch from ",
+    now!(),
+    ") * 1000000)::bigint, $8::text, ",
     now!(),
     " + $9::bigint * interval '1 millisecond', 1, ",
     now!(),
@@ -126,6 +128,7 @@ pub(super) const FINISH: &str = concat!(
        last_actor = $10::text, last_reason = $11::text \
      WHERE scope = $1::text AND key = $2::text \
        AND ($9::bigint IS NULL OR (state = 'processing' AND lease_token = $9::bigint)) \
+       AND ($12::bigint IS NULL OR (state = 'processing' AND lease_token = $12::bigint)) \
      RETURNING ",
     cols!("")
 );

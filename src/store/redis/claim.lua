@@ -19,10 +19,13 @@ local now = now_ms()
 local cur = redis.call('HMGET', h, 'st', 'rt', 'fp', 'lex', 'cat', 'pk', 'tok', 'att', 'hs', 'mha')
 
 if not cur[1] then
+  -- A new key's first token is the clock in µs: tokens only grow across purge and expiry.
+  local t = redis.call('TIME')
+  local tok = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local lex = now + lease
   local seq, had_history = last_seq(hist)
   seq = seq + 1
-  local f = {'op', op, 'pk', pk, 'st', 'processing', 'rt', '0', 'fp', fp, 'tok', '1',
+  local f = {'op', op, 'pk', pk, 'st', 'processing', 'rt', '0', 'fp', fp, 'tok', s(tok),
     'own', owner, 'lex', s(lex), 'att', '1', 'cat', s(now), 'uat', s(now),
     'ret', s(retention), 'hs', s(seq), 'lat', s(now), 'mha', '0'}
   if provider then f[#f + 1] = 'prov'; f[#f + 1] = provider end
@@ -33,10 +36,10 @@ if not cur[1] then
   redis.call('ZREM', idx.fr, m)
   redis.call('ZREM', idx.fp, m)
   index_processing(idx, m, lex, nil, now)
-  record_event(hist, seq, nil, nil, 'processing', '0', 1, 'worker', CLAIMED, now)
+  record_event(hist, seq, nil, nil, 'processing', '0', tok, 'worker', CLAIMED, now)
   -- A history left by a purged or expired key has a TTL; a new one has none.
   if had_history then redis.call('PERSIST', hist) end
-  return {'claimed', 1, lex, 1, pk, CLAIMED, '0'}
+  return {'claimed', tok, lex, 1, pk, CLAIMED, '0'}
 end
 
 local st, rt, cfp, clex, ccat, cpk = cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]

@@ -132,7 +132,7 @@ pub(super) fn refusal(id: &KeyId, presented: Option<LeaseToken>, reply: &[Value]
 /// rb (body), err, tok, own, lex (lease expiry), att, cat, uat, exp, nca (next check), ret
 /// (retention ms), hs (last history sequence), lat (last attempt), mha (may have acted: `1`).
 /// Times are ms since the epoch.
-fn record_of(
+pub(super) fn record_of(
     scope: &str,
     key: &str,
     mut f: HashMap<String, Vec<u8>>,

@@ -1,13 +1,15 @@
 -- finish: done / failed, fenced by the token (the key must be processing under it), or, with no
--- token, an operator override from any state that bumps the token to fence running workers.
+-- token, an operator override from any state that bumps the token to fence running workers
+-- (with an expected token: only while the key is still processing under it).
 -- KEYS: hash, history, then the bucket's six indexes.
 -- ARGV[6..]: member, to_state, to_retryable, status?, headers?, body?, error?, token?, actor,
--- reason
+-- reason, expected token?
 local idx = idx_from(3)
 local h, hist = KEYS[1], KEYS[2]
 local m, to_st, to_rt = ARGV[6], ARGV[7], ARGV[8]
 local status, headers, body, err = opt(ARGV[9]), opt(ARGV[10]), opt(ARGV[11]), opt(ARGV[12])
 local token, actor, reason = opt(ARGV[13]), ARGV[14], ARGV[15]
+local expect = opt(ARGV[16])
 
 local to_set = fin_set(idx, to_st, to_rt)
 if not to_set then return redis.error_reply('idemflow: finish into ' .. to_st) end
@@ -15,6 +17,9 @@ if not to_set then return redis.error_reply('idemflow: finish into ' .. to_st) e
 local cur = redis.call('HMGET', h, 'st', 'rt', 'tok', 'ret', 'hs')
 if not cur[1] then return {'notfound'} end
 local st, rt, tok = cur[1], cur[2], tonumber(cur[3])
+if expect and (st ~= 'processing' or tok ~= tonumber(expect)) then
+  return {'lost', tok, st, rt}
+end
 if token then
   if st ~= 'processing' or tok ~= tonumber(token) then
     return {'lost', tok, st, rt}

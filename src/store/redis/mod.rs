@@ -53,6 +53,29 @@ mod store;
 pub use config::RedisConfig;
 pub use store::RedisStore;
 
+/// The decoders, reachable for the fuzz targets and property tests (not a stable API).
+#[doc(hidden)]
+pub mod fuzzing {
+    use std::collections::HashMap;
+
+    use crate::error::StoreError;
+    use crate::record::{KeyEvent, KeyRecord};
+
+    /// Decodes one history list entry (`seq|from|from_rt|to|to_rt|token|at|#actor|actor[|reason]`).
+    pub fn decode_history_entry(raw: &str) -> Result<KeyEvent, StoreError> {
+        super::decode::event(raw)
+    }
+
+    /// Decodes a key hash given as field -> bytes.
+    pub fn decode_key_hash(
+        scope: &str,
+        key: &str,
+        fields: HashMap<String, Vec<u8>>,
+    ) -> Result<KeyRecord, StoreError> {
+        super::decode::record_of(scope, key, fields)
+    }
+}
+
 use crate::error::StoreError;
 
 const BACKEND: &str = "redis";

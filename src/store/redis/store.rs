@@ -25,9 +25,6 @@ use crate::store::{
     claimable, millis,
 };
 
-/// Durations are capped at about 100 years (in ms) so `now + d` stays exact in Lua's doubles.
-const MAX_MS: i64 = 100 * 366 * 24 * 3600 * 1000;
-
 /// The claims a claim script makes, in the order it takes their history reasons as arguments.
 const CLAIMS: [Transition; 3] = [Transition::Claim, Transition::Reclaim, Transition::Takeover];
 
@@ -94,7 +91,7 @@ fn opt(v: Option<&[u8]>) -> Vec<u8> {
 }
 
 fn ms(d: Duration) -> i64 {
-    millis(d).min(MAX_MS)
+    millis(d)
 }
 
 /// A [`Store`] on Redis (feature `redis`).
@@ -387,6 +384,7 @@ impl Store for RedisStore {
             None => (None, None),
         };
         let token_arg = token.map(|t| t.0.to_string());
+        let expect_arg = finish.expect_token.map(|t| t.0.to_string());
         let mut inv = self.per_key(&SCRIPTS.finish, &k);
         inv.arg(&m)
             .arg(finish.to.as_str())
@@ -397,12 +395,13 @@ impl Store for RedisStore {
             .arg(opt(finish.error.as_deref().map(str::as_bytes)))
             .arg(opt(token_arg.as_deref().map(str::as_bytes)))
             .arg(finish.actor.as_str())
-            .arg(&finish.reason);
+            .arg(&finish.reason)
+            .arg(opt(expect_arg.as_deref().map(str::as_bytes)));
         let mut reply = array(self.invoke(&inv).await?)?;
         if text(reply.first()).as_deref() == Some("ok") && reply.len() == 2 {
             return record(id, reply.swap_remove(1));
         }
-        Err(refusal(id, token, &reply))
+        Err(refusal(id, token.or(finish.expect_token), &reply))
     }
 
     #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]

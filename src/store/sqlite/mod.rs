@@ -303,12 +303,13 @@ impl Store for SqliteStore {
             .bind(token.map(|t| t.0))
             .bind(finish.actor.as_str())
             .bind(&finish.reason)
+            .bind(finish.expect_token.map(|t| t.0))
             .fetch_optional(&self.writer)
             .await
             .map_err(db)?;
         match row {
             Some(row) => decode_record(&row),
-            None => Err(refused_write(self, id, token).await),
+            None => Err(refused_write(self, id, token.or(finish.expect_token)).await),
         }
     }
 

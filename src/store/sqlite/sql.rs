@@ -7,6 +7,14 @@ macro_rules! now {
     };
 }
 
+/// A new row's first lease token: the clock in microseconds since the epoch (ms resolution
+/// here), so tokens only grow across purge.
+macro_rules! now_us {
+    () => {
+        "(CAST(unixepoch('subsec') * 1000 AS INTEGER) * 1000)"
+    };
+}
+
 use crate::store::rows::{event_columns, key_columns};
 
 macro_rules! cols {
@@ -40,7 +48,9 @@ pub(super) const CLAIM: &str = concat!(
        fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, created_at, \
        updated_at, retention_ms, version, last_actor, last_reason, last_attempt_at, \
        may_have_acted) \
-     VALUES (?1, ?2, ?3, ?4, ?5, 'processing', 0, ?6, ?7, 1, ?8, ",
+     VALUES (?1, ?2, ?3, ?4, ?5, 'processing', 0, ?6, ?7, ",
+    now_us!(),
+    ", ?8, ",
     now!(),
     " + ?9, 1, ",
     now!(),
@@ -82,6 +92,7 @@ pub(super) const FINISH: &str = concat!(
     " + retention_ms, next_check_at = NULL, version = version + 1, \
        last_actor = ?10, last_reason = ?11 \
      WHERE scope = ?1 AND key = ?2 AND (?9 IS NULL OR (state = 'processing' AND lease_token = ?9)) \
+       AND (?12 IS NULL OR (state = 'processing' AND lease_token = ?12)) \
      RETURNING ",
     cols!()
 );

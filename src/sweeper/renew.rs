@@ -1,0 +1,54 @@
+//! Keeps the leases of a whole taken batch while the sweeper works through it: every third of
+//! the lease, each key of the batch not yet handled (the one in hand included) is extended with
+//! its token. A key whose renewal is refused was settled elsewhere; its own write will say so
+//! (the fenced finish or release returns `LeaseLost`), so refusals are not acted on here.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use crate::KeyId;
+use crate::record::LeaseToken;
+use crate::store::Store;
+
+/// The keys of a batch with the token each was taken under.
+pub(super) type Held = [(KeyId, LeaseToken)];
+
+/// Runs `work` while renewing the leases of `held` every third of `lease`. `renewed_at` is when
+/// they were last renewed (or taken), kept across keys so that a batch of many quick keys is
+/// renewed on time too.
+pub(super) async fn while_working<T>(
+    store: &dyn Store,
+    held: &Held,
+    lease: Duration,
+    renewed_at: &mut Instant,
+    work: impl Future<Output = T>,
+) -> T {
+    let renew = renew_forever(store, held, lease, renewed_at);
+    tokio::pin!(work);
+    tokio::pin!(renew);
+    tokio::select! {
+        biased;
+        out = &mut work => out,
+        never = &mut renew => match never {},
+    }
+}
+
+async fn renew_forever(
+    store: &dyn Store,
+    held: &Held,
+    lease: Duration,
+    renewed_at: &mut Instant,
+) -> Infallible {
+    let every = (lease / 3).max(Duration::from_millis(1));
+    loop {
+        let due = *renewed_at + every;
+        tokio::time::sleep_until(due.into()).await;
+        *renewed_at = Instant::now();
+        for (id, token) in held {
+            if let Err(e) = store.extend(id, *token, lease).await {
+                tracing::debug!(key = %id, error = %e, "sweeper could not renew a batch lease");
+            }
+        }
+    }
+}

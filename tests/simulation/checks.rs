@@ -1,0 +1,157 @@
+//! The invariants, each a named check, and the open findings of issue 11 they are tied to.
+//!
+//! A check tied to an open finding is skipped while `KNOWN_FINDINGS` is on (the default; set
+//! `IDEMFLOW_SIM_KNOWN_FINDINGS=0` to enforce every check): its violations are tallied and
+//! printed with a seed, not failed, and so are violations of core checks on the same key later in
+//! the same schedule (they are that finding's consequences, e.g. the double charge that follows a
+//! key made retryable after its effect). Remove a finding from [`OPEN_FINDINGS`] when it is fixed.
+
+/// The findings of issue 11 that are still open: their checks are skipped (and reported).
+pub const OPEN_FINDINGS: &[u8] = &[1, 2, 4, 5, 10];
+
+/// Whether known findings are skipped: `IDEMFLOW_SIM_KNOWN_FINDINGS` (default on; `0`/`false`
+/// enforces every check).
+pub fn known_findings_skipped() -> bool {
+    !matches!(
+        std::env::var("IDEMFLOW_SIM_KNOWN_FINDINGS").as_deref(),
+        Ok("0" | "false" | "off" | "no")
+    )
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Check {
+    /// The provider acted at most once per provider key (and key generation, see purge).
+    AtMostOneEffect,
+    /// A `done` / `failed{permanent}` key stores, byte for byte, an answer the provider gave.
+    DoneMatchesAnEffect,
+    /// Every client of a key got the same response, byte for byte.
+    ReplaysIdentical,
+    /// A client never sees another scope's key (response or fingerprint).
+    ScopesIsolated,
+    /// Within one generation of a key, each new lease has a larger token than the last.
+    TokensStrictlyGrow,
+    /// A key re-created after purge gets tokens larger than any before it (finding 4).
+    TokensGrowAcrossPurge,
+    /// No lease is granted (takeover, reclaim, override) while a provider call of the key's
+    /// previous holder is still running (finding 10: fixed leases).
+    NoTakeoverDuringLiveCall,
+    /// The provider only acts for an actor whose lease is live and current (finding 10).
+    NoEffectOutsideLease,
+    /// No sweeper makes a key retryable after the provider acted on it (finding 1).
+    SweeperNeverRetryableAfterEffect,
+    /// No worker makes a key retryable after the provider acted on it (finding 2).
+    WorkerNeverRetryableAfterEffect,
+    /// No operator makes a key retryable after the provider acted on it (finding 5).
+    OperatorNeverRetryableAfterEffect,
+    /// `resolve` never overwrites a key decided between its read and its write (finding 5).
+    ResolveNeverOverwritesADecision,
+    /// After the final healthy sweeps, every key the provider acted on is settled with its answer.
+    EffectSettlesAtQuiescence,
+    /// Stores and sweeps return no error other than a fenced-out write.
+    NoStoreErrors,
+}
+
+impl Check {
+    pub fn name(self) -> &'static str {
+        match self {
+            Check::AtMostOneEffect => "at_most_one_effect",
+            Check::DoneMatchesAnEffect => "done_matches_an_effect",
+            Check::ReplaysIdentical => "replays_identical",
+            Check::ScopesIsolated => "scopes_isolated",
+            Check::TokensStrictlyGrow => "tokens_strictly_grow",
+            Check::TokensGrowAcrossPurge => "tokens_grow_across_purge",
+            Check::NoTakeoverDuringLiveCall => "no_takeover_during_live_call",
+            Check::NoEffectOutsideLease => "no_effect_outside_lease",
+            Check::SweeperNeverRetryableAfterEffect => "sweeper_never_retryable_after_effect",
+            Check::WorkerNeverRetryableAfterEffect => "worker_never_retryable_after_effect",
+            Check::OperatorNeverRetryableAfterEffect => "operator_never_retryable_after_effect",
+            Check::ResolveNeverOverwritesADecision => "resolve_never_overwrites_a_decision",
+            Check::EffectSettlesAtQuiescence => "effect_settles_at_quiescence",
+            Check::NoStoreErrors => "no_store_errors",
+        }
+    }
+
+    /// The issue-11 finding this check exposes, if it is tied to one.
+    pub fn finding(self) -> Option<u8> {
+        match self {
+            Check::SweeperNeverRetryableAfterEffect => Some(1),
+            Check::WorkerNeverRetryableAfterEffect => Some(2),
+            Check::TokensGrowAcrossPurge => Some(4),
+            Check::OperatorNeverRetryableAfterEffect | Check::ResolveNeverOverwritesADecision => {
+                Some(5)
+            }
+            Check::NoTakeoverDuringLiveCall | Check::NoEffectOutsideLease => Some(10),
+            _ => None,
+        }
+    }
+
+    pub fn finding_title(n: u8) -> &'static str {
+        match n {
+            1 => "search lag judged from the key's creation, not the latest send",
+            2 => "a retryable answer after an unknown attempt makes the key retryable",
+            3 => "MariaDB claim relies on left-to-right assignment",
+            4 => "fencing tokens restart at 1 after purge",
+            5 => "resolve reads, checks, then writes without a condition",
+            10 => "leases are fixed, not renewed",
+            _ => "?",
+        }
+    }
+
+    pub const ALL: [Check; 14] = [
+        Check::AtMostOneEffect,
+        Check::DoneMatchesAnEffect,
+        Check::ReplaysIdentical,
+        Check::ScopesIsolated,
+        Check::TokensStrictlyGrow,
+        Check::TokensGrowAcrossPurge,
+        Check::NoTakeoverDuringLiveCall,
+        Check::NoEffectOutsideLease,
+        Check::SweeperNeverRetryableAfterEffect,
+        Check::WorkerNeverRetryableAfterEffect,
+        Check::OperatorNeverRetryableAfterEffect,
+        Check::ResolveNeverOverwritesADecision,
+        Check::EffectSettlesAtQuiescence,
+        Check::NoStoreErrors,
+    ];
+}
+
+/// One broken invariant.
+#[derive(Debug, Clone)]
+pub struct Violation {
+    pub check: Check,
+    /// The key label (`scope/key`), or `-`.
+    pub key: String,
+    pub step: usize,
+    pub detail: String,
+}
+
+/// How a case's violations are judged.
+#[derive(Debug, Default, Clone)]
+pub struct Verdict {
+    /// Violations that fail the run.
+    pub failing: Vec<Violation>,
+    /// Violations of checks tied to open findings (skipped).
+    pub known: Vec<Violation>,
+    /// Core violations on a key that already broke a known finding's check (its consequence).
+    pub consequences: Vec<(Violation, u8)>,
+}
+
+/// Splits `violations` (in the order found) into failing, known and consequences. The first
+/// open finding seen on a key is its cause: later violations on that key, of any check, are
+/// counted as its consequences.
+pub fn judge(violations: &[Violation], skip_known: bool) -> Verdict {
+    let mut v = Verdict::default();
+    let mut tainted: Vec<(String, u8)> = Vec::new();
+    for x in violations {
+        let cause = tainted.iter().find(|(k, _)| *k == x.key).map(|(_, f)| *f);
+        match (x.check.finding(), cause) {
+            (_, Some(f)) if skip_known => v.consequences.push((x.clone(), f)),
+            (Some(f), None) if skip_known && OPEN_FINDINGS.contains(&f) => {
+                tainted.push((x.key.clone(), f));
+                v.known.push(x.clone());
+            }
+            _ => v.failing.push(x.clone()),
+        }
+    }
+    v
+}

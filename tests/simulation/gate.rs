@@ -1,0 +1,240 @@
+//! Await points the scheduler controls, and what the simulation observes at them.
+//!
+//! Every actor (client, sweeper, operator, purge) runs in its own task, inside [`ACTOR`]. Each
+//! store call and each provider call parks the actor before and after it ([`park`]) and waits for
+//! the scheduler: only one actor runs at a time, so a seed fixes the order of every store and
+//! provider call. Dropping a parked actor's task is a crash at that point: before a store write
+//! (the write never happens) or after it (it happened, the answer is lost). Calls made outside
+//! an actor (the scheduler's own reads, the final sweeps) pass straight through.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+
+use idemflow::{KeyState, StoredResponse};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::checks::{Check, Violation};
+
+/// Where an actor stopped.
+#[derive(Debug, Clone)]
+pub struct Point {
+    /// `store.claim`, `provider.call`, ...
+    pub what: &'static str,
+    /// `before`, `after`, `in_flight` (the provider has the request but has not acted), `acted`.
+    pub phase: &'static str,
+    /// The key label or provider key concerned, if one.
+    pub on: String,
+}
+
+impl std::fmt::Display for Point {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}({})", self.what, self.phase, self.on)
+    }
+}
+
+/// What an actor tells the scheduler.
+pub enum Event {
+    Parked {
+        point: Point,
+        resume: oneshot::Sender<()>,
+    },
+    Done(String),
+}
+
+#[derive(Clone)]
+pub struct ActorCtx {
+    pub id: usize,
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+tokio::task_local! {
+    pub static ACTOR: ActorCtx;
+}
+
+/// The running actor's id (`None` for the scheduler itself).
+pub fn current_actor() -> Option<usize> {
+    ACTOR.try_with(|a| a.id).ok()
+}
+
+/// Parks the running actor at `point` until the scheduler resumes it; never returns if the
+/// scheduler crashes it instead. Outside an actor: returns at once.
+pub async fn park(what: &'static str, phase: &'static str, on: impl Into<String>) {
+    let Ok(ctx) = ACTOR.try_with(Clone::clone) else {
+        return;
+    };
+    let (tx, rx) = oneshot::channel();
+    let point = Point {
+        what,
+        phase,
+        on: on.into(),
+    };
+    if ctx
+        .events
+        .send(Event::Parked { point, resume: tx })
+        .is_err()
+        || rx.await.is_err()
+    {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// One time the provider acted.
+#[derive(Debug, Clone)]
+pub struct Effect {
+    pub n: u64,
+    pub provider: String,
+    pub provider_key: String,
+    /// The key label (`scope/key`) and its generation when the provider acted.
+    pub label: String,
+    pub generation: u32,
+    pub response: StoredResponse,
+    /// System clock (the databases under test run on this machine).
+    pub at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Everything the actors share with the scheduler. Locked only briefly, never across an await.
+#[derive(Debug, Default)]
+pub struct Shared {
+    pub step: usize,
+    pub ledger: Vec<Effect>,
+    /// Provider key -> key label.
+    pub labels: BTreeMap<String, String>,
+    /// Key label -> generation (bumped when the key is purged).
+    pub generations: BTreeMap<String, u32>,
+    /// Provider key -> actors inside a provider call for it.
+    pub live: BTreeMap<String, BTreeSet<usize>>,
+    /// Provider key -> requests the provider is processing (its own "in flight").
+    pub processing: BTreeMap<String, u32>,
+    /// Key label -> (generation, token) of every lease granted, in order.
+    pub grants: BTreeMap<String, Vec<(u32, i64)>>,
+    /// (actor, key label) -> the lease that actor holds: token and expiry (database clock).
+    pub holding: BTreeMap<(usize, String), (i64, chrono::DateTime<chrono::Utc>)>,
+    /// Key labels purged since their last grant.
+    pub purged_since_grant: BTreeSet<String>,
+    /// (key label, generation) -> the first response a client got.
+    pub responses: BTreeMap<(String, u32), StoredResponse>,
+    /// Faults are off (final sweeps).
+    pub healthy: bool,
+    pub violations: Vec<Violation>,
+    pub trace: Vec<String>,
+}
+
+pub type SharedRef = Arc<Mutex<Shared>>;
+
+impl Shared {
+    pub fn violate(&mut self, check: Check, key: &str, detail: String) {
+        let step = self.step;
+        self.trace
+            .push(format!("  !! {} on {key}: {detail}", check.name()));
+        self.violations.push(Violation {
+            check,
+            key: key.to_owned(),
+            step,
+            detail,
+        });
+    }
+
+    pub fn generation(&self, label: &str) -> u32 {
+        self.generations.get(label).copied().unwrap_or(0)
+    }
+
+    /// Records a lease granted on `label` (whose provider key is `pk`) with `token` by `how`,
+    /// checking the token order and that no other actor is inside a provider call for the key.
+    pub fn granted(
+        &mut self,
+        label: &str,
+        pk: &str,
+        token: i64,
+        expires: Option<chrono::DateTime<chrono::Utc>>,
+        how: &str,
+    ) {
+        let generation = self.generation(label);
+        let me = current_actor();
+        if let (Some(a), Some(exp)) = (me, expires) {
+            self.holding.insert((a, label.to_owned()), (token, exp));
+        }
+        self.trace
+            .push(format!("    {label}: {how} granted token {token}"));
+        let across_purge = self.purged_since_grant.remove(label);
+        let last = self.grants.get(label).and_then(|g| g.last().copied());
+        if let Some((_, prev)) = last
+            && token <= prev
+        {
+            let check = if across_purge {
+                Check::TokensGrowAcrossPurge
+            } else {
+                Check::TokensStrictlyGrow
+            };
+            self.violate(
+                check,
+                label,
+                format!("{how} granted token {token} after token {prev} was granted"),
+            );
+        }
+        self.grants
+            .entry(label.to_owned())
+            .or_default()
+            .push((generation, token));
+        let others: Vec<usize> = self
+            .live
+            .get(pk)
+            .map(|s| s.iter().copied().filter(|a| Some(*a) != me).collect())
+            .unwrap_or_default();
+        if !others.is_empty() {
+            self.violate(
+                Check::NoTakeoverDuringLiveCall,
+                label,
+                format!(
+                    "{how} granted token {token} while actor(s) {others:?} still run a provider call for it"
+                ),
+            );
+        }
+    }
+
+    /// Called when the provider acts for `label` on behalf of the running actor: that actor's
+    /// lease must still be live and current (finding 10: a call may outlive a fixed lease).
+    pub fn check_acting_lease(&mut self, label: &str) {
+        let Some(a) = current_actor() else { return };
+        let Some((token, exp)) = self.holding.get(&(a, label.to_owned())).copied() else {
+            return;
+        };
+        let now = chrono::Utc::now();
+        let latest = self
+            .grants
+            .get(label)
+            .and_then(|g| g.last())
+            .map(|(_, t)| *t);
+        if exp < now {
+            let late = (now - exp).num_milliseconds();
+            self.violate(
+                Check::NoEffectOutsideLease,
+                label,
+                format!(
+                    "the provider acted for a{a} {late} ms after its lease (token {token}) expired"
+                ),
+            );
+        } else if latest != Some(token) {
+            self.violate(
+                Check::NoEffectOutsideLease,
+                label,
+                format!("the provider acted for a{a} holding token {token} after token {latest:?} was granted"),
+            );
+        }
+    }
+
+    /// The effects on `pk` in generation `generation`.
+    pub fn effects(&self, pk: &str, generation: u32) -> Vec<&Effect> {
+        self.ledger
+            .iter()
+            .filter(|e| e.provider_key == pk && e.generation == generation)
+            .collect()
+    }
+}
+
+/// Whether a state holds a final answer.
+pub fn decided(state: KeyState) -> bool {
+    matches!(
+        state,
+        KeyState::Done | KeyState::Failed { retryable: false }
+    )
+}

@@ -1,0 +1,926 @@
+//! One schedule: the world a seed describes (keys, providers, executors, sweepers, an operator,
+//! purge) and the scheduler that runs it one await point at a time, checking the invariants
+//! after every step and at quiescence.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idemflow::store::Finish;
+use idemflow::{
+    Actor, Error, Idempotency, IdempotencyKey, IdempotentRequest, KeyId, KeyState, Provider,
+    Providers, Scope, Store, StoreError, Sweeper,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::checks::Check;
+use crate::gate::{ACTOR, ActorCtx, Event, Point, Shared, SharedRef, decided, park};
+use crate::provider::{Faults, SimProvider};
+use crate::rng::Rng;
+use crate::store::GatedStore;
+
+/// How long one actor may run before the scheduler calls it stuck.
+const STUCK_AFTER: Duration = Duration::from_secs(30);
+
+/// One idempotency key of the schedule.
+#[derive(Debug, Clone)]
+pub struct KeyDef {
+    pub label: String,
+    pub id: KeyId,
+    pub operation: &'static str,
+    pub body: serde_json::Value,
+    /// Index into the providers (0: keyed, 1: keyless).
+    pub provider: usize,
+    pub pk: String,
+}
+
+/// The schedule's settings, all drawn from the seed.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub lease: Duration,
+    pub sweeper_lease: Duration,
+    pub retention: Duration,
+    pub window: Duration,
+    pub pay_lag: Duration,
+    pub mail_lag: Duration,
+    pub margin: Duration,
+    pub takeover: bool,
+    /// Emulate the heartbeat of issue 11: the scheduler renews every lease a parked (not
+    /// crashed) actor holds after each step and during each clock advance, so only crashes
+    /// orphan keys. Off: leases are fixed, as today.
+    pub heartbeat: bool,
+    pub steps: usize,
+    pub max_actors: usize,
+    pub pay_faults: Faults,
+    pub mail_faults: Faults,
+}
+
+impl Settings {
+    fn draw(rng: &mut Rng) -> Self {
+        let ms = Duration::from_millis;
+        Self {
+            lease: ms(rng.range(120, 250)),
+            sweeper_lease: ms(rng.range(120, 250)),
+            retention: ms(rng.range(50, 600)),
+            window: ms(rng.range(700, 1400)),
+            pay_lag: ms(rng.range(0, 150)),
+            mail_lag: ms(rng.range(80, 400)),
+            margin: ms(rng.range(40, 120)),
+            takeover: rng.chance(500),
+            heartbeat: rng.chance(500),
+            steps: rng.range(15, 60) as usize,
+            max_actors: rng.range(3, 6) as usize,
+            pay_faults: Faults::draw(rng),
+            mail_faults: Faults::draw(rng),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    /// A client of key `.0` that tries up to `.1` times in a row while the answer is "in flight",
+    /// "unknown" or "retryable".
+    Client(usize, u32),
+    Sweeper,
+    Operator(usize),
+    Purge,
+}
+
+struct Slot {
+    id: usize,
+    kind: Kind,
+    events: mpsc::UnboundedReceiver<Event>,
+    handle: JoinHandle<()>,
+    parked: Option<(Point, oneshot::Sender<()>)>,
+}
+
+/// What a schedule ended with.
+pub struct CaseResult {
+    pub seed: u64,
+    pub violations: Vec<crate::checks::Violation>,
+    pub trace: Vec<String>,
+    pub effects: usize,
+    pub steps: usize,
+}
+
+struct World {
+    rng: Rng,
+    settings: Settings,
+    keys: Vec<KeyDef>,
+    shared: SharedRef,
+    inner: Arc<dyn Store>,
+    gated: Arc<dyn Store>,
+    providers: [Arc<SimProvider>; 2],
+    registry: Providers,
+    executors: [Idempotency; 2],
+    slots: Vec<Slot>,
+    next_id: usize,
+    /// Key labels that existed at the last check (to see purges).
+    existed: BTreeSet<String>,
+    /// (actor, key label, token) whose emulated heartbeat failed: not renewed again.
+    lost_leases: BTreeSet<(usize, String, i64)>,
+    /// Key label -> its state and token at the last check (traced when it changes).
+    states: std::collections::BTreeMap<String, String>,
+    /// (check, label, generation) already reported, so a state is reported once.
+    reported: BTreeSet<(Check, String, u32)>,
+}
+
+fn key_id(scope: &str, key: &str) -> KeyId {
+    KeyId::new(
+        Scope::new(scope).expect("scope"),
+        IdempotencyKey::new(key).expect("key"),
+    )
+}
+
+impl World {
+    fn trace(&self, line: String) {
+        self.shared.lock().unwrap().trace.push(line);
+    }
+
+    fn violate(&self, check: Check, key: &str, detail: String) {
+        self.shared.lock().unwrap().violate(check, key, detail);
+    }
+
+    fn describe(&self, kind: Kind) -> String {
+        match kind {
+            Kind::Client(k, tries) => {
+                format!("client {} (up to {tries} tries)", self.keys[k].label)
+            }
+            Kind::Sweeper => "sweeper".into(),
+            Kind::Operator(k) => format!("operator {}", self.keys[k].label),
+            Kind::Purge => "purge".into(),
+        }
+    }
+
+    fn spawn(&mut self, kind: Kind) -> usize {
+        let id = self.next_id;
+        self.next_id += 1;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let ctx = ActorCtx {
+            id,
+            events: tx.clone(),
+        };
+        let body = self.actor_body(kind);
+        let handle = tokio::spawn(ACTOR.scope(ctx, async move {
+            let summary = body.await;
+            let _ = tx.send(Event::Done(summary));
+        }));
+        self.slots.push(Slot {
+            id,
+            kind,
+            events: rx,
+            handle,
+            parked: None,
+        });
+        id
+    }
+
+    fn actor_body(&self, kind: Kind) -> std::pin::Pin<Box<dyn Future<Output = String> + Send>> {
+        match kind {
+            Kind::Client(k, tries) => {
+                let exec = self.executors[self.keys[k].provider].clone();
+                let key = self.keys[k].clone();
+                let provider = self.providers[self.keys[k].provider].clone();
+                let shared = self.shared.clone();
+                Box::pin(async move {
+                    let mut said = Vec::new();
+                    for _ in 0..tries {
+                        let (summary, again) =
+                            client(exec.clone(), key.clone(), provider.clone(), shared.clone())
+                                .await;
+                        said.push(summary);
+                        if !again {
+                            break;
+                        }
+                    }
+                    said.join("; ")
+                })
+            }
+            Kind::Sweeper => {
+                let sweeper = self.sweeper(self.gated.clone(), "sweeper");
+                let shared = self.shared.clone();
+                Box::pin(async move {
+                    match sweeper.run_once().await {
+                        Ok(r) => format!("sweep: {}", r.summary()),
+                        Err(e) => {
+                            shared.lock().unwrap().violate(
+                                Check::NoStoreErrors,
+                                "-",
+                                format!("sweep: {e}"),
+                            );
+                            format!("sweep failed: {e}")
+                        }
+                    }
+                })
+            }
+            Kind::Operator(k) => Box::pin(operator(
+                self.gated.clone(),
+                self.keys[k].clone(),
+                self.shared.clone(),
+            )),
+            Kind::Purge => {
+                let store = self.gated.clone();
+                let shared = self.shared.clone();
+                Box::pin(async move {
+                    match store.purge_expired(100).await {
+                        Ok(n) => format!("purged {n}"),
+                        Err(e) => {
+                            shared.lock().unwrap().violate(
+                                Check::NoStoreErrors,
+                                "-",
+                                format!("purge: {e}"),
+                            );
+                            format!("purge failed: {e}")
+                        }
+                    }
+                })
+            }
+        }
+    }
+
+    fn sweeper(&self, store: Arc<dyn Store>, owner: &str) -> Sweeper {
+        let s = &self.settings;
+        Sweeper::new(store, self.registry.clone())
+            .owner(owner)
+            .batch_size(2)
+            .lease(s.sweeper_lease)
+            .backoff(Duration::from_millis(5), Duration::from_millis(20))
+            .operator_recheck(Duration::from_millis(20))
+            .redrive_margin(s.margin)
+            .call_timeout(Duration::from_secs(60))
+    }
+
+    /// Lets actor `id` run to its next park point (or to its end).
+    async fn run_actor(&mut self, idx: usize) -> Result<(), String> {
+        let slot = &mut self.slots[idx];
+        if let Some((_, resume)) = slot.parked.take() {
+            let _ = resume.send(());
+        }
+        let ev = tokio::time::timeout(STUCK_AFTER, slot.events.recv()).await;
+        let line = match ev {
+            Ok(Some(Event::Parked { point, resume })) => {
+                let l = format!("    a{} parked at {point}", slot.id);
+                slot.parked = Some((point, resume));
+                l
+            }
+            Ok(Some(Event::Done(summary))) => {
+                let l = format!("    a{} done: {summary}", slot.id);
+                let id = slot.id;
+                self.shared
+                    .lock()
+                    .unwrap()
+                    .holding
+                    .retain(|(a, _), _| *a != id);
+                let slot = self.slots.remove(idx);
+                let _ = slot.handle.await;
+                l
+            }
+            Ok(None) => {
+                let slot = self.slots.remove(idx);
+                let r = slot.handle.await;
+                format!("    a{} ended without a word: {r:?}", slot.id)
+            }
+            Err(_) => {
+                return Err(format!(
+                    "actor a{} ran {STUCK_AFTER:?} without reaching an await point",
+                    slot.id
+                ));
+            }
+        };
+        self.trace(line);
+        Ok(())
+    }
+
+    async fn crash(&mut self, idx: usize) {
+        let slot = self.slots.remove(idx);
+        slot.handle.abort();
+        let _ = slot.handle.await;
+        let id = slot.id;
+        self.shared
+            .lock()
+            .unwrap()
+            .holding
+            .retain(|(a, _), _| *a != id);
+        let at = slot
+            .parked
+            .as_ref()
+            .map_or_else(|| "?".to_owned(), |(p, _)| p.to_string());
+        self.trace(format!("    a{} crashed at {at}", slot.id));
+    }
+
+    /// The emulated heartbeat: renews every lease a live actor holds.
+    async fn heartbeat(&mut self) {
+        if !self.settings.heartbeat {
+            return;
+        }
+        let holdings: Vec<((usize, String), i64)> = {
+            let sh = self.shared.lock().unwrap();
+            sh.holding
+                .iter()
+                .map(|(k, (t, _))| (k.clone(), *t))
+                .collect()
+        };
+        for ((actor, label), token) in holdings {
+            if self.lost_leases.contains(&(actor, label.clone(), token)) {
+                continue;
+            }
+            let Some(slot) = self.slots.iter().find(|s| s.id == actor) else {
+                continue;
+            };
+            let lease = match slot.kind {
+                Kind::Sweeper => self.settings.sweeper_lease,
+                _ => self.settings.lease,
+            };
+            let Some(key) = self.keys.iter().find(|k| k.label == label) else {
+                continue;
+            };
+            let r = self
+                .inner
+                .extend(&key.id, idemflow::LeaseToken(token), lease)
+                .await;
+            // A failed renewal keeps the holding as it was: if the actor's provider call still
+            // acts, `no_effect_outside_lease` names the lost lease.
+            if let Ok(exp) = r {
+                let mut sh = self.shared.lock().unwrap();
+                sh.holding.insert((actor, label.clone()), (token, exp));
+            } else {
+                self.trace(format!(
+                    "    heartbeat of a{actor} on {label} failed: {r:?}"
+                ));
+                self.lost_leases.insert((actor, label, token));
+            }
+        }
+    }
+
+    /// Sleeps `d`, renewing leases along the way when the heartbeat is emulated.
+    async fn advance(&mut self, d: Duration) {
+        let chunk = (self.settings.lease.min(self.settings.sweeper_lease) / 3)
+            .max(Duration::from_millis(5));
+        let mut left = d;
+        while !left.is_zero() {
+            let now = left.min(chunk);
+            tokio::time::sleep(now).await;
+            left -= now;
+            self.heartbeat().await;
+        }
+    }
+
+    /// The invariants that hold after every step.
+    async fn check(&mut self) {
+        for k in 0..self.keys.len() {
+            let key = self.keys[k].clone();
+            let rec = match self.inner.get(&key.id).await {
+                Ok(r) => r,
+                Err(e) => {
+                    self.violate(Check::NoStoreErrors, &key.label, format!("get: {e}"));
+                    continue;
+                }
+            };
+            let Some(rec) = rec else {
+                if self.existed.remove(&key.label) {
+                    self.states.remove(&key.label);
+                    let mut sh = self.shared.lock().unwrap();
+                    *sh.generations.entry(key.label.clone()).or_default() += 1;
+                    sh.purged_since_grant.insert(key.label.clone());
+                    sh.trace.push(format!("    {} purged", key.label));
+                }
+                continue;
+            };
+            self.existed.insert(key.label.clone());
+            let now_state = format!("{} token {}", rec.state, rec.lease_token);
+            if self.states.get(&key.label) != Some(&now_state) {
+                self.trace(format!("    {} is {now_state}", key.label));
+                self.states.insert(key.label.clone(), now_state);
+            }
+            let (generation, effects, any) = {
+                let sh = self.shared.lock().unwrap();
+                let g = sh.generation(&key.label);
+                let eff: Vec<_> = sh.effects(&key.pk, g).into_iter().cloned().collect();
+                let any: Vec<_> = sh
+                    .ledger
+                    .iter()
+                    .filter(|e| e.provider_key == key.pk)
+                    .cloned()
+                    .collect();
+                (g, eff, any)
+            };
+            if effects.len() > 1 {
+                self.report(
+                    Check::AtMostOneEffect,
+                    &key.label,
+                    generation,
+                    format!(
+                        "the provider acted {} times: effects {:?}",
+                        effects.len(),
+                        effects
+                            .iter()
+                            .map(|e| format!("#{} for {}", e.n, e.label))
+                            .collect::<Vec<_>>()
+                    ),
+                );
+            }
+            if decided(rec.state) {
+                match &rec.response {
+                    Some(r) if any.iter().any(|e| &e.response == r) => {}
+                    Some(r) => self.report(
+                        Check::DoneMatchesAnEffect,
+                        &key.label,
+                        generation,
+                        format!(
+                            "{} stores {} {} which no effect answered",
+                            rec.state,
+                            r.status(),
+                            String::from_utf8_lossy(r.body())
+                        ),
+                    ),
+                    None => self.report(
+                        Check::DoneMatchesAnEffect,
+                        &key.label,
+                        generation,
+                        format!("{} without a stored response", rec.state),
+                    ),
+                }
+            }
+            if rec.state == (KeyState::Failed { retryable: true }) && !effects.is_empty() {
+                let by = match self.inner.history(&key.id).await {
+                    Ok(h) => h
+                        .iter()
+                        .rev()
+                        .find(|e| e.to == Some(KeyState::Failed { retryable: true }))
+                        .map(|e| (e.actor, e.reason.clone().unwrap_or_default())),
+                    Err(_) => None,
+                };
+                let (check, why) = match by {
+                    Some((Actor::Sweeper, r)) => (Check::SweeperNeverRetryableAfterEffect, r),
+                    Some((Actor::Operator, r)) => (Check::OperatorNeverRetryableAfterEffect, r),
+                    Some((_, r)) => (Check::WorkerNeverRetryableAfterEffect, r),
+                    None => (Check::WorkerNeverRetryableAfterEffect, String::new()),
+                };
+                self.report(
+                    check,
+                    &key.label,
+                    generation,
+                    format!(
+                        "failed{{retryable}} although effect #{} happened: {why}",
+                        effects[0].n
+                    ),
+                );
+            }
+        }
+    }
+
+    fn report(&mut self, check: Check, label: &str, generation: u32, detail: String) {
+        if self.reported.insert((check, label.to_owned(), generation)) {
+            self.violate(check, label, detail);
+        }
+    }
+
+    /// The final invariants: after the hangs end, the provider heals and sweepers settle.
+    async fn quiesce(&mut self) -> Result<(), String> {
+        // End every hang: resume to completion, or crash.
+        while !self.slots.is_empty() {
+            if self.rng.chance(500) {
+                self.trace(format!("end: crash a{}", self.slots[0].id));
+                self.crash(0).await;
+            } else {
+                let id = self.slots[0].id;
+                self.trace(format!("end: run a{id} to completion"));
+                let mut n = 0;
+                while self.slots.first().is_some_and(|s| s.id == id) {
+                    self.run_actor(0).await?;
+                    self.heartbeat().await;
+                    n += 1;
+                    if n > 500 {
+                        return Err(format!("a{id} did not finish in 500 steps"));
+                    }
+                }
+            }
+            self.check().await;
+        }
+        self.shared.lock().unwrap().healthy = true;
+        let s = &self.settings;
+        let wait =
+            s.lease.max(s.sweeper_lease) + s.pay_lag.max(s.mail_lag) + Duration::from_millis(10);
+        self.trace(format!(
+            "end: provider healthy; sleep {wait:?}, then sweep until settled"
+        ));
+        tokio::time::sleep(wait).await;
+        let sweeper = self.sweeper(self.gated.clone(), "final-sweeper");
+        for _ in 0..60 {
+            if let Err(e) = sweeper.run_once().await {
+                self.violate(Check::NoStoreErrors, "-", format!("final sweep: {e}"));
+            }
+            self.check().await;
+            let mut open = false;
+            for k in &self.keys {
+                if let Ok(Some(r)) = self.inner.get(&k.id).await {
+                    open |= r.state == KeyState::Processing;
+                }
+            }
+            if !open {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Every client retries once more.
+        for k in 0..self.keys.len() {
+            let key = self.keys[k].clone();
+            let (summary, _) = client(
+                self.executors[key.provider].clone(),
+                key.clone(),
+                self.providers[key.provider].clone(),
+                self.shared.clone(),
+            )
+            .await;
+            self.trace(format!("end: client {} retries: {summary}", key.label));
+        }
+        self.check().await;
+        for k in 0..self.keys.len() {
+            let key = self.keys[k].clone();
+            let Ok(Some(rec)) = self.inner.get(&key.id).await else {
+                continue;
+            };
+            let generation = self.shared.lock().unwrap().generation(&key.label);
+            let acted = !self
+                .shared
+                .lock()
+                .unwrap()
+                .effects(&key.pk, generation)
+                .is_empty();
+            if acted && !decided(rec.state) {
+                self.report(
+                    Check::EffectSettlesAtQuiescence,
+                    &key.label,
+                    generation,
+                    format!("the provider acted but the key ends {}", rec.state),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A client: runs the key's request through its provider once. Returns what it got and
+/// whether a client would try again.
+async fn client(
+    exec: Idempotency,
+    key: KeyDef,
+    provider: Arc<SimProvider>,
+    shared: SharedRef,
+) -> (String, bool) {
+    let req = match IdempotentRequest::new(
+        key.id.scope.as_str(),
+        key.id.key.as_str(),
+        key.operation,
+        &key.body,
+    ) {
+        Ok(r) => r,
+        Err(e) => return (format!("bad request: {e}"), false),
+    };
+    let r = exec.call(req, provider.as_ref() as &dyn Provider).await;
+    let mut sh = shared.lock().unwrap();
+    match r {
+        Ok(ex) => {
+            let resp = ex.response().clone();
+            let pk = resp
+                .body_json::<serde_json::Value>()
+                .ok()
+                .and_then(|v| v.get("pk").and_then(|p| p.as_str().map(str::to_owned)));
+            if pk.as_deref() != Some(key.pk.as_str()) {
+                sh.violate(
+                    Check::ScopesIsolated,
+                    &key.label,
+                    format!("got a response for provider key {pk:?}"),
+                );
+            }
+            let g = sh.generation(&key.label);
+            let first = sh.first_response(&key.label, g, &resp);
+            if first != resp {
+                sh.violate(
+                    Check::ReplaysIdentical,
+                    &key.label,
+                    format!(
+                        "got {} {} after {} {}",
+                        resp.status(),
+                        String::from_utf8_lossy(resp.body()),
+                        first.status(),
+                        String::from_utf8_lossy(first.body())
+                    ),
+                );
+            }
+            let said = format!(
+                "{} {}",
+                if ex.is_replay() {
+                    "replayed"
+                } else {
+                    "executed"
+                },
+                resp.status()
+            );
+            (said, false)
+        }
+        Err(e @ Error::FingerprintMismatch { .. }) => {
+            sh.violate(Check::ScopesIsolated, &key.label, e.to_string());
+            (format!("error: {e}"), false)
+        }
+        Err(Error::Store(e)) if !fenced(&e) => {
+            sh.violate(Check::NoStoreErrors, &key.label, e.to_string());
+            (format!("store error: {e}"), false)
+        }
+        Err(
+            e @ (Error::InFlight { .. }
+            | Error::OutcomeUnknown { .. }
+            | Error::FailedRetryable { .. }),
+        ) => (format!("error: {e}"), true),
+        Err(e) => (format!("error: {e}"), false),
+    }
+}
+
+fn fenced(e: &StoreError) -> bool {
+    matches!(
+        e,
+        StoreError::LeaseLost { .. } | StoreError::NotFound { .. }
+    )
+}
+
+/// An operator resolving a stuck key as `idemflow resolve` does (read, check, write), deciding
+/// from the provider's dashboard (the ledger, without search lag): done with its answer, or
+/// failed{retryable} when it shows nothing.
+async fn operator(store: Arc<dyn Store>, key: KeyDef, shared: SharedRef) -> String {
+    let current = match store.get(&key.id).await {
+        Ok(Some(r)) => r,
+        Ok(None) => return "no such key".into(),
+        Err(e) => return format!("get failed: {e}"),
+    };
+    let expired = current
+        .lease_expires_at
+        .is_some_and(|e| e <= chrono::Utc::now());
+    if current.state != KeyState::Processing || !expired {
+        return format!("left alone ({}, lease expired: {expired})", current.state);
+    }
+    let seen = {
+        let sh = shared.lock().unwrap();
+        let g = sh.generation(&key.label);
+        sh.effects(&key.pk, g).first().map(|e| e.response.clone())
+    };
+    let (to, response) = match seen {
+        Some(r) if r.status() < 300 => (KeyState::Done, Some(r)),
+        Some(r) => (KeyState::Failed { retryable: false }, Some(r)),
+        None => (KeyState::Failed { retryable: true }, None),
+    };
+    let finish = Finish {
+        to,
+        response,
+        error: Some("resolved by an operator: sim".into()),
+        actor: Actor::Operator,
+        reason: "operator: sim".into(),
+        // As `idemflow resolve` does (issue 11, finding 5): only while the key is still as read.
+        expect_token: Some(current.lease_token),
+    };
+    park("operator.resolve", "decided", &key.label).await;
+    match store.finish(&key.id, None, &finish).await {
+        Ok(rec) => {
+            let from = store
+                .history(&key.id)
+                .await
+                .ok()
+                .and_then(|h| h.into_iter().rev().find(|e| e.actor == Actor::Operator))
+                .and_then(|e| e.from);
+            if from.is_some_and(|f| f != KeyState::Processing) {
+                shared.lock().unwrap().violate(
+                    Check::ResolveNeverOverwritesADecision,
+                    &key.label,
+                    format!(
+                        "resolve read processing, then overwrote {} with {to}",
+                        from.map_or("-".into(), |f| f.to_string())
+                    ),
+                );
+            }
+            format!("resolved -> {}", rec.state)
+        }
+        Err(e) => format!("resolve failed: {e}"),
+    }
+}
+
+impl Shared {
+    /// The first response a client of (label, generation) got, recording `resp` if none yet.
+    pub fn first_response(
+        &mut self,
+        label: &str,
+        generation: u32,
+        resp: &idemflow::StoredResponse,
+    ) -> idemflow::StoredResponse {
+        self.responses
+            .entry((label.to_owned(), generation))
+            .or_insert_with(|| resp.clone())
+            .clone()
+    }
+}
+
+/// Runs the schedule `seed` against `store` (migrated, empty, used by this schedule only).
+pub async fn run_case(seed: u64, store: Arc<dyn Store>) -> CaseResult {
+    let mut rng = Rng::new(seed);
+    let settings = Settings::draw(&mut rng);
+    let shared: SharedRef = Arc::new(Mutex::new(Shared::default()));
+    let pay = Arc::new(SimProvider {
+        name: "simpay",
+        window: Some(settings.window),
+        search_lag: settings.pay_lag,
+        faults: settings.pay_faults,
+        rng: Mutex::new(rng.fork()),
+        shared: shared.clone(),
+    });
+    let mail = Arc::new(SimProvider {
+        name: "simmail",
+        window: None,
+        search_lag: settings.mail_lag,
+        faults: settings.mail_faults,
+        rng: Mutex::new(rng.fork()),
+        shared: shared.clone(),
+    });
+    let registry = Providers::new()
+        .with(pay.clone() as Arc<dyn Provider>)
+        .with(mail.clone() as Arc<dyn Provider>);
+    // Few keys, two scopes that reuse key names.
+    let mut keys: Vec<KeyDef> = Vec::new();
+    let n_keys = rng.range(2, 4) as usize;
+    while keys.len() < n_keys {
+        let scope = ["a", "b"][rng.below(2) as usize];
+        let key = format!("k{}", rng.range(1, 2));
+        let label = format!("{scope}/{key}");
+        if keys.iter().any(|k| k.label == label) {
+            continue;
+        }
+        let provider = rng.below(2) as usize;
+        let operation = ["charge", "email.send"][provider];
+        let id = key_id(scope, &key);
+        let spec = [&pay, &mail][provider].key_spec();
+        let pk = spec.derive(&id.scope, &id.key, operation);
+        keys.push(KeyDef {
+            label,
+            id,
+            operation,
+            body: serde_json::json!({"amount": rng.range(1, 12)}),
+            provider,
+            pk,
+        });
+    }
+    {
+        let mut sh = shared.lock().unwrap();
+        for k in &keys {
+            sh.labels.insert(k.pk.clone(), k.label.clone());
+        }
+    }
+    let gated: Arc<dyn Store> = Arc::new(GatedStore {
+        inner: store.clone(),
+        shared: shared.clone(),
+    });
+    let exec = |takeover: Option<Duration>, owner: &str| {
+        Idempotency::new(gated.clone())
+            .lease(settings.lease)
+            .retention(settings.retention)
+            .retry_takeover_window(takeover)
+            .owner(owner)
+    };
+    let takeover = settings
+        .takeover
+        .then(|| settings.window.saturating_sub(settings.margin));
+    let executors = [exec(takeover, "worker-pay"), exec(None, "worker-mail")];
+    let mut w = World {
+        rng,
+        settings: settings.clone(),
+        keys,
+        shared: shared.clone(),
+        inner: store.clone(),
+        gated,
+        providers: [pay, mail],
+        registry,
+        executors,
+        slots: Vec::new(),
+        next_id: 1,
+        existed: BTreeSet::new(),
+        states: std::collections::BTreeMap::new(),
+        lost_leases: BTreeSet::new(),
+        reported: BTreeSet::new(),
+    };
+    w.trace(format!("seed {seed}: {settings:?}"));
+    for k in &w.keys {
+        w.trace(format!(
+            "key {} via {} body {} (provider key {})",
+            k.label,
+            ["simpay (keyed)", "simmail (keyless)"][k.provider],
+            k.body,
+            k.pk
+        ));
+    }
+    let outcome = run_steps(&mut w).await;
+    let outcome = match outcome {
+        Ok(()) => w.quiesce().await,
+        Err(e) => Err(e),
+    };
+    // Abort and wait for every actor left, so none touches the store after the schedule (the
+    // store is emptied and reused by the next schedule on this slot).
+    for slot in w.slots.drain(..) {
+        slot.handle.abort();
+        let _ = slot.handle.await;
+    }
+    if let Err(e) = outcome {
+        w.violate(Check::NoStoreErrors, "-", format!("scheduler: {e}"));
+    }
+    let mut sh = shared.lock().unwrap();
+    CaseResult {
+        seed,
+        violations: std::mem::take(&mut sh.violations),
+        trace: std::mem::take(&mut sh.trace),
+        effects: sh.ledger.len(),
+        steps: settings.steps,
+    }
+}
+
+async fn run_steps(w: &mut World) -> Result<(), String> {
+    for step in 0..w.settings.steps {
+        w.shared.lock().unwrap().step = step;
+        let parked = w.slots.len();
+        let can_spawn = parked < w.settings.max_actors;
+        // spawn client, sweeper, operator, purge, resume, crash, advance time, sweep at once
+        let weights = [
+            if can_spawn { 30 } else { 0 },
+            if can_spawn { 6 } else { 0 },
+            if can_spawn { 2 } else { 0 },
+            if can_spawn { 3 } else { 0 },
+            if parked > 0 { 40 } else { 0 },
+            if parked > 0 { 7 } else { 0 },
+            8,
+            4,
+        ];
+        match w.rng.weighted(&weights) {
+            7 => {
+                let id = w.next_id;
+                w.trace(format!("#{step} start a{id}: sweeper, run to completion"));
+                w.spawn(Kind::Sweeper);
+                let mut n = 0;
+                while w.slots.last().is_some_and(|s| s.id == id) {
+                    let idx = w.slots.len() - 1;
+                    w.run_actor(idx).await?;
+                    w.heartbeat().await;
+                    n += 1;
+                    if n > 500 {
+                        return Err(format!("a{id} did not finish in 500 steps"));
+                    }
+                }
+            }
+            a @ 0..=3 => {
+                let kind = match a {
+                    0 => Kind::Client(
+                        w.rng.below(w.keys.len() as u64) as usize,
+                        w.rng.range(1, 3) as u32,
+                    ),
+                    1 => Kind::Sweeper,
+                    2 => Kind::Operator(w.rng.below(w.keys.len() as u64) as usize),
+                    _ => Kind::Purge,
+                };
+                let id = w.next_id;
+                w.trace(format!("#{step} start a{id}: {}", w.describe(kind)));
+                w.spawn(kind);
+                let idx = w.slots.len() - 1;
+                w.run_actor(idx).await?;
+            }
+            4 => {
+                let idx = w.rng.below(parked as u64) as usize;
+                w.trace(format!(
+                    "#{step} resume a{} ({})",
+                    w.slots[idx].id,
+                    w.describe(w.slots[idx].kind)
+                ));
+                w.run_actor(idx).await?;
+            }
+            5 => {
+                let idx = w.rng.below(parked as u64) as usize;
+                w.trace(format!(
+                    "#{step} crash a{} ({})",
+                    w.slots[idx].id,
+                    w.describe(w.slots[idx].kind)
+                ));
+                w.crash(idx).await;
+            }
+            _ => {
+                let s = &w.settings;
+                let choices = [
+                    s.lease + Duration::from_millis(5),
+                    s.pay_lag.max(s.mail_lag) + Duration::from_millis(5),
+                    s.retention + Duration::from_millis(5),
+                    s.window.saturating_sub(s.margin),
+                    Duration::from_millis(10),
+                ];
+                let d = choices[w.rng.weighted(&[40, 20, 15, 5, 20])];
+                w.trace(format!("#{step} advance {d:?}"));
+                w.advance(d).await;
+            }
+        }
+        w.heartbeat().await;
+        w.check().await;
+    }
+    Ok(())
+}
