@@ -107,7 +107,7 @@ pub use error::{Error, HttpAnswer, StoreError};
 pub use executor::{Context, Execution, ExecutorConfig, Idempotency, IdempotentRequest, Outcome};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KeyId, Scope};
-pub use provider::{CallOutcome, KeySpec, Lookup, Provider, Providers};
+pub use provider::{Attempts, CallOutcome, KeySpec, Lookup, Provider, Providers};
 pub use record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 pub use response::StoredResponse;
 pub use state::KeyState;

@@ -87,6 +87,15 @@ pub struct KeyRecord {
     pub attempts: i32,
     /// First claim (database clock).
     pub created_at: DateTime<Utc>,
+    /// The latest time (database clock) at which an attempt may have reached the provider: set
+    /// by every claim, reclaim and takeover, by a release with an unknown outcome and by
+    /// [`Store::mark_attempt`](crate::Store::mark_attempt); a sweeper takeover of an expired
+    /// lease moves it to that lease's end. Lookups judge the provider's search lag from it.
+    pub last_attempt_at: DateTime<Utc>,
+    /// Whether some earlier attempt may have reached the provider without its outcome being
+    /// recorded. Once set, only [`state::may_become_retryable`](crate::state::may_become_retryable)
+    /// with authoritative evidence lets the key become `failed{retryable}` (which clears it).
+    pub may_have_acted: bool,
     /// Last write (database clock).
     pub updated_at: DateTime<Utc>,
     /// When a finished key may be purged (database clock).

@@ -188,9 +188,57 @@ pub fn transition(
     Ok(to)
 }
 
+/// Why a key would become `failed{retryable}` (the client's next retry runs the operation again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RetryEvidence {
+    /// This attempt's answer says it surely did nothing (a 429, a refused connection, a
+    /// `Retryable` outcome). It says nothing about earlier attempts.
+    ThisAttemptDidNothing,
+    /// The provider authoritatively has no record of the request: a lookup made after the latest
+    /// attempt's search lag (the lookup adapter judges that from `last_attempt_at`).
+    AuthoritativeNotFound,
+    /// The provider confirmed that the request was voided (where a provider offers one).
+    ConfirmedVoid,
+}
+
+/// The one rule for "no double effect": whether a key may become `failed{retryable}` given
+/// whether an earlier attempt may have acted (`KeyRecord::may_have_acted`,
+/// `Lease::may_have_acted`) and the evidence at hand. Once an attempt may have acted, only
+/// authoritative evidence about the provider's side (an authoritative not-found, a confirmed
+/// void) may make the key retryable; an attempt that merely did nothing itself may not, because
+/// the earlier one may have charged. The executor, the axum layer (through the executor) and the
+/// sweeper all ask it; when it says no, the key is released as unknown for the sweeper.
+///
+/// ```
+/// use idemflow::state::{may_become_retryable, RetryEvidence};
+/// assert!(may_become_retryable(false, RetryEvidence::ThisAttemptDidNothing));
+/// assert!(!may_become_retryable(true, RetryEvidence::ThisAttemptDidNothing));
+/// assert!(may_become_retryable(true, RetryEvidence::AuthoritativeNotFound));
+/// ```
+pub fn may_become_retryable(may_have_acted: bool, evidence: RetryEvidence) -> bool {
+    match evidence {
+        RetryEvidence::ThisAttemptDidNothing => !may_have_acted,
+        RetryEvidence::AuthoritativeNotFound | RetryEvidence::ConfirmedVoid => true,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_authoritative_evidence_makes_an_acted_key_retryable() {
+        use RetryEvidence as E;
+        for acted in [false, true] {
+            assert_eq!(
+                may_become_retryable(acted, E::ThisAttemptDidNothing),
+                !acted
+            );
+            assert!(may_become_retryable(acted, E::AuthoritativeNotFound));
+            assert!(may_become_retryable(acted, E::ConfirmedVoid));
+        }
+    }
 
     const STATES: [Option<KeyState>; 5] = [
         None,

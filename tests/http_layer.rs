@@ -655,3 +655,50 @@ async fn scope_header_named_in_mixed_case_works() {
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(c.runs.load(Ordering::SeqCst), 1);
 }
+
+/// Issue 11, finding 2, through the layer: the first run's outcome is unknown (a 502 after
+/// sending); a retry takes the key over and the handler marks its answer `NothingHappened` (a
+/// 429 upstream). The first run may have acted, so the key must not become retryable: it stays
+/// for the sweeper and a third retry does not run the handler again.
+#[tokio::test]
+async fn retryable_marker_after_an_unknown_run_does_not_make_the_key_retryable() {
+    let s = store().await;
+    let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let r = runs.clone();
+    let handler = move || {
+        let r = r.clone();
+        async move {
+            if r.fetch_add(1, Ordering::SeqCst) == 0 {
+                (StatusCode::BAD_GATEWAY, "provider timed out").into_response()
+            } else {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Extension(NothingHappened),
+                    "rate limited upstream",
+                )
+                    .into_response()
+            }
+        }
+    };
+    let idem = Idempotency::new(s.clone())
+        .lease(Duration::from_secs(30))
+        .retry_takeover_window(Some(Duration::from_secs(3600)));
+    let app = Router::new().route("/acted", post(handler)).layer(
+        IdempotencyLayer::new(idem).scope_from_header(HeaderName::from_static("x-account-id")),
+    );
+    let first = send(&app, post_req("/acted", Some("k-acted"), "acct_1", "{}")).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+    let second = send(&app, post_req("/acted", Some("k-acted"), "acct_1", "{}")).await;
+    assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the retry took the key over"
+    );
+    let id = idemflow::KeyId::new("acct_1".parse().unwrap(), "k-acted".parse().unwrap());
+    let rec = s.get(&id).await.unwrap().unwrap();
+    assert_eq!(rec.state, KeyState::Processing, "must not become retryable");
+    let _third = send(&app, post_req("/acted", Some("k-acted"), "acct_1", "{}")).await;
+    let rec = s.get(&id).await.unwrap().unwrap();
+    assert_eq!(rec.state, KeyState::Processing);
+}

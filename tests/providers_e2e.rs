@@ -180,7 +180,7 @@ async fn postmark_unknown_is_left_for_the_sweeper_and_lookup_settles_it() {
         .lookup(
             &row.provider_key,
             &stored,
-            row.created_at,
+            idemflow::Attempts::new(row.created_at, row.last_attempt_at),
             chrono::Utc::now(),
         )
         .await;

@@ -173,8 +173,14 @@ async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
         r.call("idf_l", &email()).await,
         CallOutcome::Unknown { .. }
     ));
-    let Lookup::Found(Outcome::Succeeded(resp)) =
-        r.lookup("idf_l", &email(), Utc::now(), Utc::now()).await
+    let Lookup::Found(Outcome::Succeeded(resp)) = r
+        .lookup(
+            "idf_l",
+            &email(),
+            idemflow::Attempts::once(Utc::now()),
+            Utc::now(),
+        )
+        .await
     else {
         panic!("not found")
     };
@@ -186,9 +192,33 @@ async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
     // Past Resend's 24 h window a re-send could send twice, and Resend cannot be searched by
     // our key: nothing sent, the key needs an operator (it deferred forever as `Unknown`).
     let old = Utc::now() - chrono::Duration::hours(24);
-    let past = r.lookup("idf_l", &email(), old, chrono::Utc::now()).await;
+    let past = r
+        .lookup(
+            "idf_l",
+            &email(),
+            idemflow::Attempts::once(old),
+            chrono::Utc::now(),
+        )
+        .await;
     assert!(matches!(past, Lookup::NeedsOperator { .. }), "{past:?}");
     assert_eq!(fake.requests().len(), 2);
+}
+
+#[tokio::test]
+async fn resend_lookup_judges_the_window_from_the_first_send_not_the_latest_attempt() {
+    // First sent 25 h ago, past Resend's 24 h key window; a takeover attempted again 10 min
+    // ago. The window counts from the first send: Resend may have forgotten the key, so a
+    // re-send could send a second email. Judged from the latest attempt, it re-sent.
+    let fake = FakeResend::start().await.unwrap();
+    let r = resend(fake.base_url(), 1);
+    let now = Utc::now();
+    let attempts = idemflow::Attempts::new(
+        now - chrono::Duration::hours(25),
+        now - chrono::Duration::minutes(10),
+    );
+    let found = r.lookup("idf_w", &email(), attempts, now).await;
+    assert_eq!(fake.requests().len(), 0, "{found:?}");
+    assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
 }
 
 #[tokio::test]
@@ -199,7 +229,14 @@ async fn resend_lookup_keeps_the_sweepers_redrive_margin() {
     let fake = FakeResend::start().await.unwrap();
     let r = resend(fake.base_url(), 1);
     let sent_at = Utc::now() - chrono::Duration::minutes(23 * 60 + 30);
-    let found = r.lookup("idf_m", &email(), sent_at, Utc::now()).await;
+    let found = r
+        .lookup(
+            "idf_m",
+            &email(),
+            idemflow::Attempts::once(sent_at),
+            Utc::now(),
+        )
+        .await;
     assert_eq!(fake.requests().len(), 0, "{found:?}");
     assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
     // The adapter's margin is the sweeper's default, and still its own setting.
@@ -209,7 +246,12 @@ async fn resend_lookup_keeps_the_sweepers_redrive_margin() {
     );
     let found = r
         .redrive_margin(Duration::from_secs(15 * 60))
-        .lookup("idf_m", &email(), sent_at, Utc::now())
+        .lookup(
+            "idf_m",
+            &email(),
+            idemflow::Attempts::once(sent_at),
+            Utc::now(),
+        )
         .await;
     assert!(matches!(found, Lookup::Found(_)), "{found:?}");
     assert_eq!(fake.ledger().len(), 1);
@@ -225,7 +267,14 @@ async fn resend_lookup_of_a_key_held_for_another_payload_needs_an_operator() {
         CallOutcome::Succeeded { .. }
     ));
     let other = json!({"from": "shop@example.test", "to": ["bob@example.test"], "subject": "Receipt", "text": "Thanks"});
-    let found = r.lookup("idf_c", &other, Utc::now(), Utc::now()).await;
+    let found = r
+        .lookup(
+            "idf_c",
+            &other,
+            idemflow::Attempts::once(Utc::now()),
+            Utc::now(),
+        )
+        .await;
     assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
     assert_eq!(fake.ledger().len(), 1);
 }
@@ -237,7 +286,12 @@ async fn resend_lookup_without_the_stored_request_sends_nothing() {
     let fake = FakeResend::start().await.unwrap();
     let r = resend(fake.base_url(), 1);
     let found = r
-        .lookup("idf_n", &Value::Null, Utc::now(), Utc::now())
+        .lookup(
+            "idf_n",
+            &Value::Null,
+            idemflow::Attempts::once(Utc::now()),
+            Utc::now(),
+        )
         .await;
     assert_eq!(fake.requests().len(), 0, "{found:?}");
     assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
@@ -279,7 +333,12 @@ async fn postmark_puts_our_key_in_metadata_and_searches_by_it() {
     assert_eq!(sent["Subject"], "Receipt");
     assert!(reqs[0].headers.get("idempotency-key").is_none());
     let recent = p
-        .lookup("idf_p1", &pm_email(), Utc::now(), Utc::now())
+        .lookup(
+            "idf_p1",
+            &pm_email(),
+            idemflow::Attempts::once(Utc::now()),
+            Utc::now(),
+        )
         .await;
     assert_eq!(
         recent,
@@ -303,7 +362,12 @@ async fn postmark_lost_response_is_never_resent_and_lookup_finds_it() {
         "no key: an unknown outcome is never re-sent"
     );
     let Lookup::Found(Outcome::Succeeded(resp)) = p
-        .lookup("idf_pl", &pm_email(), sent_at, chrono::Utc::now())
+        .lookup(
+            "idf_pl",
+            &pm_email(),
+            idemflow::Attempts::once(sent_at),
+            chrono::Utc::now(),
+        )
         .await
     else {
         panic!("not found")
@@ -378,22 +442,37 @@ async fn postmark_search_lag_and_authority() {
         CallOutcome::Succeeded { .. }
     ));
     assert_eq!(
-        p.lookup("idf_s", &pm_email(), now, chrono::Utc::now())
-            .await,
+        p.lookup(
+            "idf_s",
+            &pm_email(),
+            idemflow::Attempts::once(now),
+            chrono::Utc::now()
+        )
+        .await,
         Lookup::NotFound {
             authoritative: false
         }
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(matches!(
-        p.lookup("idf_s", &pm_email(), now, chrono::Utc::now())
-            .await,
+        p.lookup(
+            "idf_s",
+            &pm_email(),
+            idemflow::Attempts::once(now),
+            chrono::Utc::now()
+        )
+        .await,
         Lookup::Found(_)
     ));
     let old = Utc::now() - chrono::Duration::minutes(10);
     assert_eq!(
-        p.lookup("idf_none", &pm_email(), old, chrono::Utc::now())
-            .await,
+        p.lookup(
+            "idf_none",
+            &pm_email(),
+            idemflow::Attempts::once(old),
+            chrono::Utc::now()
+        )
+        .await,
         Lookup::NotFound {
             authoritative: true
         }
@@ -401,8 +480,13 @@ async fn postmark_search_lag_and_authority() {
     // Beyond Postmark's 45-day retention an absence proves nothing.
     let ancient = Utc::now() - chrono::Duration::days(46);
     assert_eq!(
-        p.lookup("idf_none", &pm_email(), ancient, chrono::Utc::now())
-            .await,
+        p.lookup(
+            "idf_none",
+            &pm_email(),
+            idemflow::Attempts::once(ancient),
+            chrono::Utc::now()
+        )
+        .await,
         Lookup::NotFound {
             authoritative: false
         }

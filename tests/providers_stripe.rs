@@ -399,15 +399,25 @@ async fn stripe_lookup_respects_search_lag() {
     ));
     // Not yet visible, and too early to trust an empty result.
     assert_eq!(
-        s.lookup("idf_look", &charge(), sent_at, chrono::Utc::now())
-            .await,
+        s.lookup(
+            "idf_look",
+            &charge(),
+            idemflow::Attempts::once(sent_at),
+            chrono::Utc::now()
+        )
+        .await,
         Lookup::NotFound {
             authoritative: false
         }
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
     let Lookup::Found(Outcome::Succeeded(resp)) = s
-        .lookup("idf_look", &charge(), sent_at, chrono::Utc::now())
+        .lookup(
+            "idf_look",
+            &charge(),
+            idemflow::Attempts::once(sent_at),
+            chrono::Utc::now(),
+        )
         .await
     else {
         panic!("not found")
@@ -417,8 +427,13 @@ async fn stripe_lookup_respects_search_lag() {
     // Never sent, long ago: an authoritative absence.
     let long_ago = Utc::now() - chrono::Duration::minutes(5);
     assert_eq!(
-        s.lookup("idf_never", &charge(), long_ago, chrono::Utc::now())
-            .await,
+        s.lookup(
+            "idf_never",
+            &charge(),
+            idemflow::Attempts::once(long_ago),
+            chrono::Utc::now()
+        )
+        .await,
         Lookup::NotFound {
             authoritative: true
         }
@@ -429,7 +444,12 @@ async fn stripe_lookup_respects_search_lag() {
     s.call("idf_look_d", &declined).await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     let found = s
-        .lookup("idf_look_d", &declined, sent_at, chrono::Utc::now())
+        .lookup(
+            "idf_look_d",
+            &declined,
+            idemflow::Attempts::once(sent_at),
+            chrono::Utc::now(),
+        )
         .await;
     assert!(
         matches!(found, Lookup::Found(Outcome::Rejected(ref r)) if r.status() == 402),
@@ -442,8 +462,13 @@ async fn stripe_lookup_respects_search_lag() {
     };
     let down = stripe(&format!("http://127.0.0.1:{port}"), 1);
     assert!(matches!(
-        down.lookup("idf_look", &charge(), long_ago, chrono::Utc::now())
-            .await,
+        down.lookup(
+            "idf_look",
+            &charge(),
+            idemflow::Attempts::once(long_ago),
+            chrono::Utc::now()
+        )
+        .await,
         Lookup::Unknown { .. }
     ));
 }
@@ -527,7 +552,14 @@ async fn stripe_lookup_replays_a_decline_only_when_stripe_recorded_one() {
     let s = stripe(&server.uri(), 1);
     let long_ago = Utc::now() - chrono::Duration::minutes(5);
     for (key, intent) in &cases[..2] {
-        let found = s.lookup(key, &charge(), long_ago, Utc::now()).await;
+        let found = s
+            .lookup(
+                key,
+                &charge(),
+                idemflow::Attempts::once(long_ago),
+                Utc::now(),
+            )
+            .await;
         let Lookup::Found(Outcome::Succeeded(resp)) = &found else {
             panic!("{key}: replayed as {found:?}");
         };
@@ -535,7 +567,12 @@ async fn stripe_lookup_replays_a_decline_only_when_stripe_recorded_one() {
         assert_eq!(&resp.body_json::<Value>().unwrap(), intent, "{key}");
     }
     let found = s
-        .lookup("idf_declined", &charge(), long_ago, Utc::now())
+        .lookup(
+            "idf_declined",
+            &charge(),
+            idemflow::Attempts::once(long_ago),
+            Utc::now(),
+        )
         .await;
     let Lookup::Found(Outcome::Rejected(resp)) = &found else {
         panic!("a recorded decline replayed as {found:?}");
@@ -544,4 +581,30 @@ async fn stripe_lookup_replays_a_decline_only_when_stripe_recorded_one() {
     let body: Value = resp.body_json().unwrap();
     assert_eq!(body["error"]["code"], "card_declined");
     assert_eq!(body["error"]["payment_intent"], cases[2].1);
+}
+
+/// Issue 11, finding 2: a 409 "request in progress" means a request with this key may be acting
+/// (an earlier try of this very call, whose answer we lost); a later 429 cannot undo that. The
+/// call's final outcome is `Unknown`, never `Retryable`.
+#[tokio::test]
+async fn stripe_409_then_429_is_unknown_not_retryable() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(409).set_body_json(
+            json!({"error": {"type": "invalid_request_error", "code": "idempotency_key_in_use"}}),
+        ))
+        .up_to_n_times(1)
+        .mount(&server)
+        .await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(429).set_body_json(
+            json!({"error": {"type": "invalid_request_error", "code": "rate_limit"}}),
+        ))
+        .mount(&server)
+        .await;
+    let out = stripe(&server.uri(), 2)
+        .call("idf_409_429", &charge())
+        .await;
+    assert!(matches!(out, CallOutcome::Unknown { .. }), "{out:?}");
+    assert_eq!(server.received_requests().await.unwrap().len(), 2);
 }

@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::{CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait};
+use crate::{
+    Attempts, CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait,
+};
 use chrono::{DateTime, Utc};
 
 /// One thing the provider did (a charge, or a declined attempt).
@@ -79,7 +81,7 @@ impl FakeProvider {
     }
 
     /// Search results appear only `lag` after the effect; an empty result is authoritative only
-    /// `lag` after the first send.
+    /// `lag` after the `last_attempt_at` the caller passes (as a real search adapter judges).
     pub fn lookup_lag(&self, lag: Duration) {
         self.lock().lookup_lag = lag;
     }
@@ -215,7 +217,7 @@ impl Provider for FakeProvider {
         &self,
         provider_key: &str,
         _request: &serde_json::Value,
-        first_sent_at: DateTime<Utc>,
+        attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
         if self.hangs() {
@@ -235,11 +237,12 @@ impl Provider for FakeProvider {
             } else {
                 Outcome::Succeeded(e.response.clone())
             }),
-            Some(_) => Lookup::NotFound {
-                authoritative: false,
-            },
-            None => {
-                let age = (now - first_sent_at).to_std().unwrap_or_default();
+            // As a real search: an effect the index has not caught up with is invisible, and the
+            // empty result's authority is judged from the key's latest attempt alone.
+            _ => {
+                let age = (now - attempts.last_attempt_at)
+                    .to_std()
+                    .unwrap_or_default();
                 Lookup::NotFound {
                     authoritative: age >= lag,
                 }

@@ -327,6 +327,9 @@ impl Store for FailingFinish {
     async fn release(&self, id: &KeyId, token: LeaseToken, r: &Release) -> Result<(), StoreError> {
         self.inner.release(id, token, r).await
     }
+    async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
+        self.inner.mark_attempt(id, token).await
+    }
     async fn extend(
         &self,
         id: &KeyId,
@@ -537,6 +540,112 @@ pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
         KeyState::Failed { retryable: true }
     );
     assert_eq!(mail.calls(), 0);
+}
+
+/// Issue 11, finding 1 (Postmark-like: no keys, a lagging search). Claimed, 429 ->
+/// `failed{retryable}`; retried well after the search lag, the email is sent but the response is
+/// lost -> unknown; the sweeper looks it up at once: the search has not caught up with the second
+/// send, so the empty result must not be trusted (search lag counts from the latest attempt, not
+/// from the key's creation). The client's next retry must not send a second email.
+pub async fn search_lag_counts_from_the_latest_attempt(store: Arc<dyn Store>) {
+    const LAG: Duration = Duration::from_millis(500);
+    let mail = FakeProvider::no_keys("mail");
+    mail.lookup_lag(LAG);
+    let scope = unique("lag-latest");
+    let idem = worker(&store);
+    let req = as_call(pay(&scope, "k1", 100), &mail);
+    let first = idem
+        .execute(req.clone(), |_ctx| async {
+            Outcome::retryable("429 Too Many Requests")
+        })
+        .await;
+    assert!(
+        matches!(first, Err(Error::FailedRetryable { .. })),
+        "{first:?}"
+    );
+    // Much later than the search lag (the issue's "10 minutes later").
+    tokio::time::sleep(LAG + Duration::from_millis(300)).await;
+    mail.lose_next(1);
+    let second = idem.call(pay(&scope, "k1", 100), &*mail).await;
+    assert!(
+        matches!(second, Err(Error::OutcomeUnknown { .. })),
+        "{second:?}"
+    );
+    assert_eq!(mail.effects().len(), 1, "the second try sent the email");
+    let r = row(&store, req.id()).await;
+    assert!(r.may_have_acted);
+    assert!(r.last_attempt_at > r.created_at + chrono::Duration::milliseconds(500));
+
+    let sw = sweeper(&store, &mail).backoff(Duration::from_millis(10), Duration::from_millis(10));
+    let report = sw.run_once().await.unwrap();
+    assert_eq!((report.lookups, report.retryable), (1, 0), "{report:?}");
+    assert_eq!(row(&store, req.id()).await.state, KeyState::Processing);
+    // The client's next retry must not send again.
+    assert!(idem.call(pay(&scope, "k1", 100), &*mail).await.is_err());
+    assert_eq!(mail.effects().len(), 1, "a second email was sent");
+
+    // Once the search caught up, the sweeper finds the email.
+    tokio::time::sleep(LAG + Duration::from_millis(100)).await;
+    let report = sw.run_once().await.unwrap();
+    assert_eq!(report.done, 1, "{report:?}");
+    let r = row(&store, req.id()).await;
+    assert_eq!(charge_of(&r), mail.effects()[0].charge);
+}
+
+/// Issue 11, finding 2 (Stripe-like). The first send charges and its response is lost ->
+/// unknown; a retry takes the key over and its re-send gets a 429: the key must not become
+/// retryable (a retry after the provider's window would charge again). It stays for the
+/// sweeper, which settles it with the first charge.
+pub async fn retryable_after_an_attempt_that_may_have_acted_is_unknown(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    let scope = unique("acted-then-429");
+    let idem = worker(&store).retry_takeover_window(Some(DAY));
+    let req = as_call(pay(&scope, "k1", 700), &cards);
+    cards.lose_next(1);
+    let first = idem.call(pay(&scope, "k1", 700), &*cards).await;
+    assert!(
+        matches!(first, Err(Error::OutcomeUnknown { .. })),
+        "{first:?}"
+    );
+    assert_eq!(cards.effects().len(), 1, "the first send charged");
+
+    // The retry takes the released key over; its re-send is refused with a 429.
+    let retry = idem
+        .execute(req.clone(), |_ctx| async {
+            Outcome::retryable("429 Too Many Requests")
+        })
+        .await;
+    assert!(
+        matches!(retry, Err(Error::OutcomeUnknown { .. })),
+        "{retry:?}"
+    );
+    let r = row(&store, req.id()).await;
+    assert_eq!(r.state, KeyState::Processing, "must not become retryable");
+    assert!(r.may_have_acted);
+
+    let report = sweeper(&store, &cards).run_once().await.unwrap();
+    assert_eq!(report.done, 1, "{report:?}");
+    let r = row(&store, req.id()).await;
+    assert_eq!(r.state, KeyState::Done);
+    assert_eq!(charge_of(&r), cards.effects()[0].charge);
+    assert_eq!(cards.effects().len(), 1, "one charge");
+}
+
+/// A retryable answer on a key whose earlier attempts surely did nothing still makes it
+/// retryable (the rule only bites once an attempt may have acted), and clears the mark.
+pub async fn retryable_after_attempts_that_did_nothing_stays_retryable(store: Arc<dyn Store>) {
+    let scope = unique("nothing-twice");
+    let idem = worker(&store);
+    let req = pay(&scope, "k1", 100);
+    for _ in 0..2 {
+        let r = idem
+            .execute(req.clone(), |_ctx| async { Outcome::retryable("429") })
+            .await;
+        assert!(matches!(r, Err(Error::FailedRetryable { .. })), "{r:?}");
+        let row = row(&store, req.id()).await;
+        assert_eq!(row.state, KeyState::Failed { retryable: true });
+        assert!(!row.may_have_acted);
+    }
 }
 
 /// `Lookup::Unknown { retry_after }` backs off at least that long (and exponentially).

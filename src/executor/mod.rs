@@ -9,7 +9,7 @@ use tracing::{Instrument, info_span};
 use crate::error::{Error, StoreError};
 use crate::provider_key;
 use crate::record::{Actor, KeyRecord};
-use crate::state::KeyState;
+use crate::state::{KeyState, RetryEvidence, may_become_retryable};
 use crate::store::{ClaimOutcome, Finish, NewClaim, Release, Store};
 
 mod heartbeat;
@@ -271,6 +271,30 @@ impl Idempotency {
         let (to, mut resp) = match outcome {
             Outcome::Succeeded(resp) => (KeyState::Done, resp),
             Outcome::Rejected(resp) => (KeyState::Failed { retryable: false }, resp),
+            Outcome::Retryable { reason }
+                if !may_become_retryable(
+                    lease.may_have_acted,
+                    RetryEvidence::ThisAttemptDidNothing,
+                ) =>
+            {
+                // This attempt did nothing, but an earlier one may have acted: the key must not
+                // become retryable (a retry could act twice). The sweeper finds out.
+                tracing::Span::current().record("outcome", "unknown");
+                let release = Release {
+                    actor: Actor::Worker,
+                    reason: "retryable answer after an earlier attempt that may have acted; \
+                             outcome unknown, left for the sweeper"
+                        .to_owned(),
+                    error: Some(reason.clone()),
+                    recheck_after: None,
+                };
+                self.store.release(&id, lease.token, &release).await?;
+                return Err(Error::OutcomeUnknown {
+                    key: id.to_string(),
+                    reason: format!("an earlier attempt may have acted; this one: {reason}"),
+                    retry_after: cfg.unknown_retry_after,
+                });
+            }
             Outcome::Retryable { reason } => {
                 tracing::Span::current().record("outcome", "retryable");
                 let finish = Finish {

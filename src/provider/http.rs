@@ -10,8 +10,9 @@
 //! | 429                                             | `Retryable { retry_after }`              |
 //! | 5xx                                             | `Unknown` (unless the adapter knows more) |
 //!
-//! Once one attempt of a call ended `Unknown`, a later attempt's `Retryable` is reported as
-//! `Unknown`: the first attempt may have acted, so "the provider surely did nothing" no longer
+//! Once one attempt of a call may have acted (it ended `Unknown`: a timeout after sending, a 5xx;
+//! or `InFlight`: a 409 "request in progress"), a later attempt's `Retryable` is reported as
+//! `Unknown`: the earlier attempt may have acted, so "the provider surely did nothing" no longer
 //! holds.
 //!
 //! Adapters for other providers can reuse [`HttpClient`]: build each attempt's request with
@@ -342,8 +343,12 @@ impl HttpClient {
             };
             let outcome = classified.outcome;
             let hint = match &outcome {
-                CallOutcome::Retryable { retry_after, .. }
-                | CallOutcome::InFlight { retry_after } => Some(*retry_after),
+                CallOutcome::Retryable { retry_after, .. } => Some(*retry_after),
+                // A request with this key is in progress: maybe an earlier try of this call.
+                CallOutcome::InFlight { retry_after } => {
+                    maybe_acted = true;
+                    Some(*retry_after)
+                }
                 CallOutcome::Unknown { .. } => {
                     maybe_acted = true;
                     (retry_unknown == RetryUnknown::SameKeyReplays).then_some(None)

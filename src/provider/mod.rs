@@ -190,17 +190,49 @@ pub trait Provider: Debug + Send + Sync + 'static {
     /// Sends `request` (the canonical JSON stored in the key row) with `provider_key`.
     async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallOutcome;
 
-    /// Asks the provider what happened to the request sent with `provider_key`, first sent at
-    /// `first_sent_at`. `now` is the database clock when the caller took the key: adapters judge
-    /// ages (search lag, the provider's retention) as `now - first_sent_at`, never by the
-    /// application's clock.
+    /// Asks the provider what happened to the request sent with `provider_key`. `attempts` says
+    /// when it was first sent (`KeyRecord::created_at`) and when its latest attempt may have
+    /// reached the provider (`KeyRecord::last_attempt_at`: a reclaim or a takeover sends again
+    /// later). `now` is the database clock when the caller took the key: adapters judge ages as
+    /// `now - ..`, never by the application's clock. Search lag counts from
+    /// `attempts.last_attempt_at` (an empty search is authoritative only once it has passed);
+    /// the provider's retention and key windows count from `attempts.first_sent_at`.
     async fn lookup(
         &self,
         provider_key: &str,
         request: &serde_json::Value,
-        first_sent_at: DateTime<Utc>,
+        attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup;
+}
+
+/// When a key's request was sent: first, and by the latest attempt that may have reached the
+/// provider. [`Provider::lookup`] judges search lag from the latter, the provider's retention and
+/// key windows from the former.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Attempts {
+    /// When the request was first sent (`KeyRecord::created_at`).
+    pub first_sent_at: DateTime<Utc>,
+    /// When the latest attempt may have reached the provider (`KeyRecord::last_attempt_at`);
+    /// never before `first_sent_at`.
+    pub last_attempt_at: DateTime<Utc>,
+}
+
+impl Attempts {
+    /// First sent at `first_sent_at`, last at `last_attempt_at` (taken as `first_sent_at` if
+    /// earlier).
+    pub fn new(first_sent_at: DateTime<Utc>, last_attempt_at: DateTime<Utc>) -> Self {
+        Self {
+            first_sent_at,
+            last_attempt_at: last_attempt_at.max(first_sent_at),
+        }
+    }
+
+    /// Sent once, at `at`.
+    pub fn once(at: DateTime<Utc>) -> Self {
+        Self::new(at, at)
+    }
 }
 
 /// Providers by name, for the executor and the sweeper.

@@ -29,7 +29,7 @@ use serde_json::{Value, json};
 use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
 use super::search::MetadataSearch;
-use super::{CallOutcome, KeySpec, Lookup, Provider};
+use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
 use crate::{Outcome, StoredResponse};
 
 /// Postmark's API base.
@@ -171,7 +171,7 @@ impl Provider for Postmark {
         &self,
         provider_key: &str,
         _request: &Value,
-        first_sent_at: DateTime<Utc>,
+        attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
         let param = format!("metadata_{METADATA_KEY}");
@@ -186,7 +186,7 @@ impl Provider for Postmark {
             search_lag: self.search_lag,
             retention: Some(MESSAGE_RETENTION),
         }
-        .run(&self.endpoint, first_sent_at, now, Self::found)
+        .run(&self.endpoint, attempts, now, Self::found)
         .await
     }
 }

@@ -31,7 +31,7 @@ use serde_json::Value;
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
-use super::{CallOutcome, KeySpec, Lookup, Provider};
+use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
 use crate::Outcome;
 
 /// Resend's API base.
@@ -127,7 +127,7 @@ impl Provider for Resend {
         &self,
         provider_key: &str,
         request: &Value,
-        first_sent_at: DateTime<Utc>,
+        attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
         if request.is_null() {
@@ -136,7 +136,9 @@ impl Provider for Resend {
                 reason: "the request was not stored, so it cannot be re-sent, and Resend cannot be searched by our key".to_owned(),
             };
         }
-        let age = (now - first_sent_at).to_std().unwrap_or_default();
+        // Resend's key window counts from the first send, not from a later attempt: a re-send
+        // near or past it could send a second email.
+        let age = (now - attempts.first_sent_at).to_std().unwrap_or_default();
         if age.saturating_add(self.redrive_margin) >= RETENTION {
             // Resend may have forgotten the key: a re-send could send a second email, and
             // Resend cannot be searched by our key. Waiting does not help.

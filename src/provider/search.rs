@@ -15,7 +15,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 
-use super::Lookup;
+use super::{Attempts, Lookup};
 use super::endpoint::Endpoint;
 use super::http::body_snippet;
 use crate::Outcome;
@@ -36,13 +36,13 @@ pub struct MetadataSearch<'a> {
 }
 
 impl MetadataSearch<'_> {
-    /// Runs the search on `endpoint` for a request first sent at `first_sent_at`, judged at
-    /// `now` (both from the database clock); `found` rebuilds the provider's answer from the
+    /// Runs the search on `endpoint` for a request sent at `attempts`, judged at `now` (all from
+    /// the database clock); `found` rebuilds the provider's answer from the
     /// first match.
     pub async fn run(
         &self,
         endpoint: &Endpoint,
-        first_sent_at: DateTime<Utc>,
+        attempts: Attempts,
         now: DateTime<Utc>,
         found: impl FnOnce(&Value) -> Outcome,
     ) -> Lookup {
@@ -72,7 +72,7 @@ impl MetadataSearch<'_> {
             Some(m) => Lookup::Found(found(m)),
             None => Lookup::NotFound {
                 authoritative: empty_result_is_authoritative(
-                    first_sent_at,
+                    attempts,
                     now,
                     self.search_lag,
                     self.retention,
@@ -83,16 +83,17 @@ impl MetadataSearch<'_> {
 }
 
 /// Whether an empty search result proves the provider never acted: the search has caught up
-/// (`search_lag` has passed since `first_sent_at`) and the provider still keeps what it would
-/// have found (`retention`, if any, has not).
+/// (`search_lag` has passed since the latest attempt) and the provider still keeps what it would
+/// have found (`retention`, if any, has not passed since the first send).
 pub fn empty_result_is_authoritative(
-    first_sent_at: DateTime<Utc>,
+    attempts: Attempts,
     now: DateTime<Utc>,
     search_lag: Duration,
     retention: Option<Duration>,
 ) -> bool {
-    let age = (now - first_sent_at).to_std().unwrap_or_default();
-    age >= search_lag && retention.is_none_or(|kept| age < kept)
+    let age = |at: DateTime<Utc>| (now - at).to_std().unwrap_or_default();
+    age(attempts.last_attempt_at) >= search_lag
+        && retention.is_none_or(|kept| age(attempts.first_sent_at) < kept)
 }
 
 #[cfg(test)]
@@ -103,12 +104,18 @@ mod tests {
     fn authority_needs_the_lag_passed_and_the_retention_not() {
         let t0 = DateTime::<Utc>::UNIX_EPOCH;
         let at = |secs| t0 + chrono::Duration::seconds(secs);
+        let once = Attempts::once(t0);
         let lag = Duration::from_secs(60);
-        assert!(!empty_result_is_authoritative(t0, at(59), lag, None));
-        assert!(empty_result_is_authoritative(t0, at(60), lag, None));
-        assert!(!empty_result_is_authoritative(t0, at(-5), lag, None));
+        assert!(!empty_result_is_authoritative(once, at(59), lag, None));
+        assert!(empty_result_is_authoritative(once, at(60), lag, None));
+        assert!(!empty_result_is_authoritative(once, at(-5), lag, None));
         let kept = Some(Duration::from_secs(100));
-        assert!(empty_result_is_authoritative(t0, at(99), lag, kept));
-        assert!(!empty_result_is_authoritative(t0, at(100), lag, kept));
+        assert!(empty_result_is_authoritative(once, at(99), lag, kept));
+        assert!(!empty_result_is_authoritative(once, at(100), lag, kept));
+        // Lag counts from the latest attempt, retention from the first send.
+        let twice = Attempts::new(t0, at(50));
+        assert!(!empty_result_is_authoritative(twice, at(100), lag, None));
+        assert!(empty_result_is_authoritative(twice, at(110), lag, None));
+        assert!(!empty_result_is_authoritative(twice, at(110), lag, kept));
     }
 }

@@ -46,7 +46,7 @@ use serde_json::{Value, json};
 use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
 use super::search::MetadataSearch;
-use super::{CallOutcome, KeySpec, Lookup, Provider};
+use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
 use crate::{Outcome, StoredResponse};
 
 /// Stripe's API base.
@@ -248,7 +248,7 @@ impl Provider for Stripe {
         &self,
         provider_key: &str,
         _request: &Value,
-        first_sent_at: DateTime<Utc>,
+        attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
         let query = Self::search_query(provider_key);
@@ -259,7 +259,7 @@ impl Provider for Stripe {
             search_lag: self.search_lag,
             retention: None,
         }
-        .run(&self.endpoint, first_sent_at, now, Self::found)
+        .run(&self.endpoint, attempts, now, Self::found)
         .await
     }
 }

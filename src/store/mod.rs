@@ -73,6 +73,11 @@ pub struct Lease {
     /// Which transition granted it: [`Transition::Claim`], [`Transition::Reclaim`] or
     /// [`Transition::Takeover`].
     pub transition: Transition,
+    /// Whether an earlier attempt may have reached the provider without its outcome being
+    /// recorded (the key's `may_have_acted` as this attempt starts: always `true` after a
+    /// takeover). When `true`, a retryable answer to this attempt cannot make the key retryable
+    /// (see [`crate::state::may_become_retryable`]).
+    pub may_have_acted: bool,
 }
 
 /// What a claim found.
@@ -204,13 +209,21 @@ pub trait Store: Debug + Send + Sync + 'static {
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError>;
 
-    /// Gives the lease back early; the key stays processing for the sweeper.
+    /// Gives the lease back early; the key stays processing for the sweeper. A release by a
+    /// worker ([`Actor::Worker`]: the outcome of its attempt is unknown) also sets
+    /// `last_attempt_at` to now and `may_have_acted`; a sweeper's release (a deferred check)
+    /// leaves both as they are.
     async fn release(
         &self,
         id: &KeyId,
         token: LeaseToken,
         release: &Release,
     ) -> Result<(), StoreError>;
+
+    /// Records that the holder of `token` is about to send (again) to the provider: sets
+    /// `last_attempt_at` to now (database clock) and `may_have_acted`. Fenced like
+    /// [`release`](Store::release). The sweeper calls it right before a re-drive.
+    async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError>;
 
     /// Extends the lease of a processing key held under `token`; returns the new expiry.
     async fn extend(

@@ -42,6 +42,9 @@ pub struct RawRecord {
     pub expires_at: Option<DateTime<Utc>>,
     pub next_check_at: Option<DateTime<Utc>>,
     pub retention_ms: i64,
+    /// `None` only on rows written before the column existed: read as `created_at`.
+    pub last_attempt_at: Option<DateTime<Utc>>,
+    pub may_have_acted: bool,
 }
 
 fn corrupt(backend: &'static str, detail: impl Into<String>) -> StoreError {
@@ -98,6 +101,8 @@ impl RawRecord {
             lease_expires_at: self.lease_expires_at,
             attempts: self.attempts,
             created_at: self.created_at,
+            last_attempt_at: self.last_attempt_at.unwrap_or(self.created_at),
+            may_have_acted: self.may_have_acted,
             updated_at: self.updated_at,
             expires_at: self.expires_at,
             next_check_at: self.next_check_at,
@@ -162,7 +167,8 @@ macro_rules! key_columns {
             $($request)*, ", ", $t, "response_status, ", $t, "response_headers, ",
             $t, "response_body, ", $t, "error, ", $t, "lease_token, ", $t, "lease_owner, ",
             $t, "lease_expires_at, ", $t, "attempts, ", $t, "created_at, ", $t, "updated_at, ",
-            $t, "expires_at, ", $t, "next_check_at, ", $t, "retention_ms"
+            $t, "expires_at, ", $t, "next_check_at, ", $t, "retention_ms, ",
+            $t, "last_attempt_at, ", $t, "may_have_acted"
         )
     };
 }
@@ -266,6 +272,8 @@ mod sql {
             expires_at: row.time("expires_at")?,
             next_check_at: row.time("next_check_at")?,
             retention_ms: get(row, "retention_ms")?,
+            last_attempt_at: row.time("last_attempt_at")?,
+            may_have_acted: get(row, "may_have_acted")?,
         }
         .into_record(R::BACKEND)
     }
@@ -293,12 +301,13 @@ mod sql {
     }
 
     /// Decodes the lease a claim granted from the claimed row: its `lease_token`,
-    /// `lease_expires_at`, `attempts`, `provider_key`, and `last_reason` (one of
+    /// `lease_expires_at`, `attempts`, `provider_key`, `may_have_acted`, and `last_reason` (one of
     /// [`Transition::CLAIM_REASONS`], which says which transition it was).
     pub(crate) fn decode_lease<R>(row: &R) -> Result<Lease, StoreError>
     where
         R: SqlRow,
         for<'c> &'c str: ColumnIndex<R>,
+        bool: Plain<R::Database>,
         i32: Plain<R::Database>,
         i64: Plain<R::Database>,
     {
@@ -313,6 +322,7 @@ mod sql {
             attempts: get(row, "attempts")?,
             provider_key: not_null(R::BACKEND, "provider_key", row.text("provider_key")?)?,
             transition,
+            may_have_acted: get(row, "may_have_acted")?,
         })
     }
 

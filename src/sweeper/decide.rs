@@ -13,6 +13,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use crate::provider::{CallOutcome, KeySpec, Lookup};
+use crate::state::{RetryEvidence, may_become_retryable};
 use crate::{KeyRecord, KeyState, Outcome, StoredResponse};
 
 /// What to do with a stale key before asking the provider anything.
@@ -203,9 +204,12 @@ pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
                 retry_after: None,
             }
         }
+        // The lookup adapter judged the search lag from the key's latest attempt, so an
+        // authoritative absence holds whatever earlier attempts did: the one rule allows it even
+        // when an attempt may have acted.
         Lookup::NotFound {
             authoritative: true,
-        } => Decision::Finish {
+        } if may_become_retryable(true, RetryEvidence::AuthoritativeNotFound) => Decision::Finish {
             to: KeyState::Failed { retryable: true },
             response: None,
             error: Some(format!("{provider} has no record of this request")),
@@ -213,9 +217,7 @@ pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
                 "sweeper looked the key up at {provider} ({why}): authoritatively not found, so it never ran; the client's next retry runs it"
             ),
         },
-        Lookup::NotFound {
-            authoritative: false,
-        } => Decision::Defer {
+        Lookup::NotFound { .. } => Decision::Defer {
             reason: format!(
                 "lookup at {provider} found nothing yet, but its search may lag; looking again later"
             ),
@@ -276,6 +278,8 @@ mod tests {
             lease_expires_at: Some(now),
             attempts: 2,
             created_at: now - chrono::Duration::seconds(age_s),
+            last_attempt_at: now - chrono::Duration::seconds(age_s),
+            may_have_acted: true,
             updated_at: now,
             expires_at: None,
             next_check_at: None,

@@ -42,7 +42,7 @@ use tokio::sync::watch;
 use tracing::{Instrument, info_span};
 
 use crate::error::StoreError;
-use crate::provider::{CallOutcome, Lookup, Providers};
+use crate::provider::{Attempts, CallOutcome, Lookup, Providers};
 use crate::record::{Actor, KeyRecord};
 use crate::store::{Finish, Release, Store, TakeStale};
 use crate::{KeyId, KeyState};
@@ -438,6 +438,11 @@ impl Sweeper {
             (Plan::Redrive { request }, Some(p)) => {
                 report.redrives += 1;
                 tracing::Span::current().record("decision", "redrive");
+                // The re-drive may reach the provider: record it before sending, so a later
+                // lookup judges the search lag from this send.
+                if let Err(e) = self.store.mark_attempt(&id, record.lease_token).await {
+                    return lost_or(e, &record);
+                }
                 let call = p.call(&record.provider_key, &request);
                 let outcome = tokio::time::timeout(self.config.call_timeout, call)
                     .await
@@ -447,12 +452,26 @@ impl Sweeper {
                             self.config.call_timeout
                         ),
                     });
-                decide::after_call(&name, outcome)
+                let decision = decide::after_call(&name, outcome);
+                if !matches!(decision, Decision::Finish { .. }) {
+                    // Not settled: the re-drive may have reached the provider until its answer.
+                    if let Err(e) = self.store.mark_attempt(&id, record.lease_token).await {
+                        return lost_or(e, &record);
+                    }
+                }
+                decision
             }
             (Plan::Lookup { request, why }, Some(p)) => {
                 report.lookups += 1;
                 tracing::Span::current().record("decision", "lookup");
-                let lookup = p.lookup(&record.provider_key, &request, record.created_at, now);
+                // Search lag counts from the latest attempt that may have reached the provider
+                // (the re-drive window above counts from the first use: `created_at`).
+                let lookup = p.lookup(
+                    &record.provider_key,
+                    &request,
+                    Attempts::new(record.created_at, record.last_attempt_at),
+                    now,
+                );
                 let found = tokio::time::timeout(self.config.call_timeout, lookup)
                     .await
                     .unwrap_or(Lookup::Unknown { retry_after: None });

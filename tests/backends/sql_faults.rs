@@ -171,7 +171,7 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
     let app_rows = D::count(&store, "SELECT COUNT(*) FROM _sqlx_migrations").await;
     let ours = D::strings(&store, "SELECT description FROM _idemflow_migrations").await;
     assert_eq!(app_rows, 1);
-    assert_eq!(ours, ["idempotency keys"]);
+    assert_eq!(ours, ["idempotency keys", "attempt history"]);
     D::execute(&store, "INSERT INTO app_users VALUES (1, 'a')").await;
     let s: Arc<dyn Store> = Arc::new(store);
     claimed(

@@ -9,7 +9,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use idemflow::{CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait};
+use idemflow::{
+    Attempts, CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait,
+};
 
 use crate::gate::{Effect, SharedRef, current_actor, park};
 use crate::rng::Rng;
@@ -238,7 +240,7 @@ impl Provider for SimProvider {
         &self,
         provider_key: &str,
         _request: &serde_json::Value,
-        first_sent_at: DateTime<Utc>,
+        attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
         park("provider.lookup", "before", provider_key).await;
@@ -265,7 +267,9 @@ impl Provider for SimProvider {
             // As the adapters do: the absence is trusted once the age the caller gives is past
             // the search lag.
             None => Lookup::NotFound {
-                authoritative: (now - first_sent_at).to_std().unwrap_or_default()
+                authoritative: (now - attempts.last_attempt_at)
+                    .to_std()
+                    .unwrap_or_default()
                     >= self.search_lag,
             },
         }

@@ -56,6 +56,14 @@ impl Store for GatedStore {
         r
     }
 
+    async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
+        let l = label(id);
+        park("store.mark_attempt", "before", &l).await;
+        let r = self.inner.mark_attempt(id, token).await;
+        park("store.mark_attempt", "after", &l).await;
+        r
+    }
+
     async fn finish(
         &self,
         id: &KeyId,

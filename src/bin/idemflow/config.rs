@@ -305,11 +305,15 @@ mod tests {
         let now = chrono::Utc::now();
         let sent_at = now - chrono::Duration::minutes(22 * 60 + 30);
         let email = serde_json::json!({"from": "a@x.test", "to": ["b@y.test"], "subject": "s", "text": "t"});
-        let found = resend.lookup("idf_cli", &email, sent_at, now).await;
+        let found = resend
+            .lookup("idf_cli", &email, idemflow::Attempts::once(sent_at), now)
+            .await;
         assert_eq!(fake.requests().len(), 0, "{found:?}");
         assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
         // Younger keys are still looked up by a same-key re-send.
-        let found = resend.lookup("idf_cli", &email, now, now).await;
+        let found = resend
+            .lookup("idf_cli", &email, idemflow::Attempts::once(now), now)
+            .await;
         assert!(matches!(found, Lookup::Found(_)), "{found:?}");
         // A resend margin smaller than the sweeper's is refused.
         let small: FileConfig = toml::from_str(

@@ -318,6 +318,7 @@ impl Store for MySqlStore {
         // written (the update's row lock is held until commit).
         let mut tx = self.pool.begin().await.map_err(db)?;
         let done = sqlx::query(sql::FINISH)
+            .bind(finish.to.is_retryable())
             .bind(finish.to.as_str())
             .bind(finish.to.is_retryable())
             .bind(status)
@@ -362,6 +363,24 @@ impl Store for MySqlStore {
             .bind(release.error.as_deref())
             .bind(release.actor.as_str())
             .bind(&release.reason)
+            .bind(release.actor.as_str())
+            .bind(release.actor.as_str())
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .bind(token.0)
+            .execute(&self.pool)
+            .await
+            .map_err(db)?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(refused_write(self, id, Some(token)).await)
+        }
+    }
+
+    #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
+    async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
+        let done = sqlx::query(sql::MARK_ATTEMPT)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .bind(token.0)

@@ -88,7 +88,8 @@ pub(super) const GET: &str = concat!(
 pub(super) const CLAIM: &str = concat!(
     "INSERT INTO idempotency_keys (scope, `key`, operation, provider, provider_key, state, \
        retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
-       created_at, updated_at, retention_ms, version, last_actor, last_reason, claim_nonce) \
+       created_at, updated_at, retention_ms, version, last_actor, last_reason, claim_nonce, \
+       last_attempt_at, may_have_acted) \
      VALUES (?, ?, ?, ?, ?, 'processing', FALSE, ?, ?, \
        TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', ",
     now!(),
@@ -98,7 +99,9 @@ pub(super) const CLAIM: &str = concat!(
     now!(),
     ", ",
     now!(),
-    ", ?, 1, 'worker', 'claimed', ?) \
+    ", ?, 1, 'worker', 'claimed', ?, ",
+    now!(),
+    ", FALSE) \
      ON DUPLICATE KEY UPDATE \
        claim_nonce = IF(",
     claimable!(),
@@ -151,6 +154,14 @@ pub(super) const CLAIM: &str = concat!(
        version = IF(",
     won!(),
     ", version + 1, version), \
+       may_have_acted = IF(",
+    won!(),
+    ", IF(state = 'failed', may_have_acted, TRUE), may_have_acted), \
+       last_attempt_at = IF(",
+    won!(),
+    ", ",
+    now!(),
+    ", last_attempt_at), \
        lease_expires_at = IF(",
     won!(),
     ", ",
@@ -167,7 +178,7 @@ pub(super) const CLAIM: &str = concat!(
 /// The parameters of [`CLAIM`], in statement order (a unit test counts the placeholders).
 pub(super) const CLAIM_PARAMS: &[ClaimParam] = &concat_params();
 
-const fn concat_params() -> [ClaimParam; 72] {
+const fn concat_params() -> [ClaimParam; 78] {
     let head = [
         P::Scope,
         P::Key,
@@ -186,7 +197,7 @@ const fn concat_params() -> [ClaimParam; 72] {
         P::Nonce,
     ];
     // After each won!(): the assignment's own parameter, if any.
-    let own: [Option<ClaimParam>; 18] = [
+    let own: [Option<ClaimParam>; 20] = [
         None,                 // last_reason
         Some(P::Request),     // request
         None,                 // lease_token
@@ -202,11 +213,13 @@ const fn concat_params() -> [ClaimParam; 72] {
         Some(P::RetentionMs), // retention_ms
         None,                 // last_actor
         None,                 // version
+        None,                 // may_have_acted
+        None,                 // last_attempt_at
         Some(P::LeaseMicros), // lease_expires_at
         None,                 // retryable
         None,                 // state
     ];
-    let mut out = [P::Scope; 72];
+    let mut out = [P::Scope; 78];
     let mut n = 0;
     while n < head.len() {
         out[n] = head[n];
@@ -214,7 +227,7 @@ const fn concat_params() -> [ClaimParam; 72] {
     }
     let won = won_params!();
     let mut i = 0;
-    while i < 18 {
+    while i < 20 {
         let mut j = 0;
         while j < won.len() {
             out[n] = won[j];
@@ -227,17 +240,19 @@ const fn concat_params() -> [ClaimParam; 72] {
         }
         i += 1;
     }
-    assert!(n == 72);
+    assert!(n == 78);
     out
 }
 
-/// Parameters: state, retryable, status, headers, body, error, token, actor, reason, scope,
-/// key, token, token, expected token, expected token.
+/// Parameters: retryable (clears `may_have_acted` when the outcome says nothing happened), state,
+/// retryable, status, headers, body, error, token, actor, reason, scope, key, token, token,
+/// expected token, expected token.
 pub(super) const FINISH: &str = concat!(
-    "UPDATE idempotency_keys SET state = ?, retryable = ?, response_status = ?, \
+    "UPDATE idempotency_keys SET may_have_acted = IF(?, FALSE, may_have_acted), state = ?, retryable = ?, response_status = ?, \
        response_headers = ?, response_body = ?, error = ?, \
        lease_token = IF(? IS NULL, lease_token + 1, lease_token), \
-       lease_owner = NULL, lease_expires_at = NULL, updated_at = ",
+       lease_owner = NULL, lease_expires_at = NULL, \
+       updated_at = ",
     now!(),
     ", expires_at = ",
     now!(),
@@ -247,7 +262,7 @@ pub(super) const FINISH: &str = concat!(
        AND (? IS NULL OR (state = 'processing' AND lease_token = ?))"
 );
 
-/// Parameters: recheck µs or NULL, error, actor, reason, scope, key, token.
+/// Parameters: recheck µs or NULL, error, actor, reason, actor, actor, scope, key, token.
 pub(super) const RELEASE: &str = concat!(
     "UPDATE idempotency_keys SET lease_owner = NULL, \
        lease_expires_at = LEAST(lease_expires_at, ",
@@ -256,8 +271,20 @@ pub(super) const RELEASE: &str = concat!(
     now!(),
     " + INTERVAL ? MICROSECOND, error = COALESCE(?, error), updated_at = ",
     now!(),
-    ", version = version + 1, last_actor = ?, last_reason = ? \
+    ", version = version + 1, last_actor = ?, last_reason = ?, \
+       last_attempt_at = IF(? = 'worker', ",
+    now!(),
+    ", last_attempt_at), may_have_acted = (may_have_acted OR ? = 'worker') \
      WHERE scope = ? AND `key` = ? AND state = 'processing' AND lease_token = ?"
+);
+
+/// Parameters: scope, key, token.
+pub(super) const MARK_ATTEMPT: &str = concat!(
+    "UPDATE idempotency_keys SET last_attempt_at = ",
+    now!(),
+    ", may_have_acted = TRUE, updated_at = ",
+    now!(),
+    " WHERE scope = ? AND `key` = ? AND state = 'processing' AND lease_token = ?"
 );
 
 /// Parameters: lease µs, scope, key, token.
@@ -283,7 +310,9 @@ pub(super) const PICK_STALE: &str = concat!(
 
 /// Followed by `(scope, key) IN (..)`. Parameters: owner, lease µs.
 pub(super) const TAKE_PICKED: &str = concat!(
-    "UPDATE idempotency_keys SET lease_token = lease_token + 1, lease_owner = ?, \
+    "UPDATE idempotency_keys SET last_attempt_at = IF(lease_owner IS NULL, last_attempt_at, \
+         GREATEST(COALESCE(last_attempt_at, created_at), lease_expires_at)), \
+       may_have_acted = TRUE, lease_token = lease_token + 1, lease_owner = ?, \
        lease_expires_at = ",
     now!(),
     " + INTERVAL ? MICROSECOND, attempts = attempts + 1, updated_at = ",

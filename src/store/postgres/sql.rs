@@ -66,7 +66,8 @@ pub(super) const CLAIM: &str = concat!(
      ins AS ( \
        INSERT INTO idempotency_keys AS k (scope, key, operation, provider, provider_key, state, \
          retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
-         created_at, updated_at, retention_ms, version, last_actor, last_reason) \
+         created_at, updated_at, retention_ms, version, last_actor, last_reason, \
+         last_attempt_at, may_have_acted) \
        SELECT $1::text, $2::text, $3::text, $4::text, $5::text, 'processing', false, $6::text, \
          $7::text, (extract(epoch from ",
     now!(),
@@ -76,7 +77,9 @@ pub(super) const CLAIM: &str = concat!(
     now!(),
     ", ",
     now!(),
-    ", $10::bigint, 1, 'worker', 'claimed' \
+    ", $10::bigint, 1, 'worker', 'claimed', ",
+    now!(),
+    ", false \
        WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE NOT ",
     claimable!("e"),
     ") \
@@ -88,6 +91,8 @@ pub(super) const CLAIM: &str = concat!(
          updated_at = excluded.updated_at, expires_at = NULL, next_check_at = NULL, error = NULL, \
          response_status = NULL, response_headers = NULL, response_body = NULL, \
          retention_ms = excluded.retention_ms, version = k.version + 1, last_actor = 'worker', \
+         last_attempt_at = excluded.last_attempt_at, \
+         may_have_acted = CASE WHEN k.state = 'failed' THEN k.may_have_acted ELSE true END, \
          last_reason = CASE WHEN k.state = 'failed' \
            THEN 'reclaimed after a retryable failure' ELSE 'retry took over an expired lease' END \
        WHERE ",
@@ -114,7 +119,8 @@ pub(super) const FINISH: &str = concat!(
        response_status = $5::integer, response_headers = $6::text, response_body = $7::bytea, \
        error = $8::text, \
        lease_token = CASE WHEN $9::bigint IS NULL THEN lease_token + 1 ELSE lease_token END, \
-       lease_owner = NULL, lease_expires_at = NULL, updated_at = ",
+       lease_owner = NULL, lease_expires_at = NULL, \
+       may_have_acted = CASE WHEN $4::boolean THEN false ELSE may_have_acted END, updated_at = ",
     now!(),
     ", expires_at = ",
     now!(),
@@ -136,8 +142,21 @@ pub(super) const RELEASE: &str = concat!(
     " + $4::bigint * interval '1 millisecond' END, error = COALESCE($5::text, error), \
        updated_at = ",
     now!(),
-    ", version = version + 1, last_actor = $6::text, last_reason = $7::text \
+    ", last_attempt_at = CASE WHEN $6::text = 'worker' THEN ",
+    now!(),
+    " ELSE last_attempt_at END, \
+       may_have_acted = may_have_acted OR $6::text = 'worker', \
+       version = version + 1, last_actor = $6::text, last_reason = $7::text \
      WHERE scope = $1::text AND key = $2::text AND state = 'processing' \
+       AND lease_token = $3::bigint"
+);
+
+pub(super) const MARK_ATTEMPT: &str = concat!(
+    "UPDATE idempotency_keys SET last_attempt_at = ",
+    now!(),
+    ", may_have_acted = true, updated_at = ",
+    now!(),
+    " WHERE scope = $1::text AND key = $2::text AND state = 'processing' \
        AND lease_token = $3::bigint"
 );
 
@@ -160,7 +179,9 @@ pub(super) const TAKE_STALE: &str = concat!(
     now!(),
     ") ORDER BY lease_expires_at LIMIT $3::bigint FOR UPDATE SKIP LOCKED) \
      UPDATE idempotency_keys k SET lease_token = k.lease_token + 1, lease_owner = $1::text, \
-       lease_expires_at = ",
+       last_attempt_at = CASE WHEN k.lease_owner IS NULL THEN k.last_attempt_at \
+         ELSE GREATEST(COALESCE(k.last_attempt_at, k.created_at), k.lease_expires_at) END, \
+       may_have_acted = true, lease_expires_at = ",
     now!(),
     " + $2::bigint * interval '1 millisecond', attempts = k.attempts + 1, updated_at = ",
     now!(),

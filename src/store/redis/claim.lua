@@ -16,7 +16,7 @@ if window then window = tonumber(window) end
 local CLAIMED, RECLAIMED, TAKEN_OVER = ARGV[16], ARGV[17], ARGV[18]
 
 local now = now_ms()
-local cur = redis.call('HMGET', h, 'st', 'rt', 'fp', 'lex', 'cat', 'pk', 'tok', 'att', 'hs')
+local cur = redis.call('HMGET', h, 'st', 'rt', 'fp', 'lex', 'cat', 'pk', 'tok', 'att', 'hs', 'mha')
 
 if not cur[1] then
   -- A new key's first token is the clock in µs: tokens only grow across purge and expiry.
@@ -27,7 +27,7 @@ if not cur[1] then
   seq = seq + 1
   local f = {'op', op, 'pk', pk, 'st', 'processing', 'rt', '0', 'fp', fp, 'tok', s(tok),
     'own', owner, 'lex', s(lex), 'att', '1', 'cat', s(now), 'uat', s(now),
-    'ret', s(retention), 'hs', s(seq)}
+    'ret', s(retention), 'hs', s(seq), 'lat', s(now), 'mha', '0'}
   if provider then f[#f + 1] = 'prov'; f[#f + 1] = provider end
   if request then f[#f + 1] = 'req'; f[#f + 1] = request end
   redis.call('HSET', h, unpack(f))
@@ -39,7 +39,7 @@ if not cur[1] then
   record_event(hist, seq, nil, nil, 'processing', '0', tok, 'worker', CLAIMED, now)
   -- A history left by a purged or expired key has a TTL; a new one has none.
   if had_history then redis.call('PERSIST', hist) end
-  return {'claimed', tok, lex, 1, pk, CLAIMED}
+  return {'claimed', tok, lex, 1, pk, CLAIMED, '0'}
 end
 
 local st, rt, cfp, clex, ccat, cpk = cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]
@@ -60,8 +60,12 @@ local tok = tonumber(cur[7]) + 1
 local att = tonumber(cur[8]) + 1
 local seq = tonumber(cur[9]) + 1
 local lex = now + lease
+-- A reclaim keeps what the key knew (a failed{retryable} key has nothing that may have acted);
+-- a takeover's previous holder never recorded its outcome.
+local mha = '1'
+if st == 'failed' then mha = cur[10] or '0' end
 local f = {'st', 'processing', 'rt', '0', 'own', owner, 'lex', s(lex), 'uat', s(now),
-  'ret', s(retention), 'tok', s(tok), 'att', s(att), 'hs', s(seq)}
+  'ret', s(retention), 'tok', s(tok), 'att', s(att), 'hs', s(seq), 'lat', s(now), 'mha', mha}
 if request then f[#f + 1] = 'req'; f[#f + 1] = request end
 redis.call('HSET', h, unpack(f))
 redis.call('HDEL', h, 'exp', 'nca', 'err', 'rs', 'rh', 'rb')
@@ -70,4 +74,4 @@ unindex(idx, m, st, rt)
 index_processing(idx, m, lex, nil, tonumber(ccat))
 record_event(hist, seq, st, rt, 'processing', '0', tok, 'worker', reason, now)
 redis.call('PERSIST', hist)
-return {'claimed', tok, lex, att, cpk, reason}
+return {'claimed', tok, lex, att, cpk, reason, mha}

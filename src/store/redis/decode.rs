@@ -130,7 +130,8 @@ pub(super) fn refusal(id: &KeyId, presented: Option<LeaseToken>, reply: &[Value]
 
 /// Decodes a key hash. Fields: op, prov, pk, st, rt, fp, req, rs (status), rh (headers JSON),
 /// rb (body), err, tok, own, lex (lease expiry), att, cat, uat, exp, nca (next check), ret
-/// (retention ms), hs (last history sequence). Times are ms since the epoch.
+/// (retention ms), hs (last history sequence), lat (last attempt), mha (may have acted: `1`).
+/// Times are ms since the epoch.
 pub(super) fn record_of(
     scope: &str,
     key: &str,
@@ -185,6 +186,8 @@ pub(super) fn record_of(
         expires_at: t(&mut f, "exp")?,
         next_check_at: t(&mut f, "nca")?,
         retention_ms: need(n(&mut f, "ret")?, "ret")?,
+        last_attempt_at: t(&mut f, "lat")?,
+        may_have_acted: s(&mut f, "mha")?.as_deref() == Some("1"),
     }
     .into_record(BACKEND)
 }

@@ -34,6 +34,8 @@ local seq = tonumber(cur[5]) + 1
 -- One HSET of the fields that change, one HDEL of those that go.
 local set = {'st', to_st, 'rt', to_rt, 'uat', s(now), 'exp', s(exp), 'hs', s(seq)}
 if not token then set[#set + 1] = 'tok'; set[#set + 1] = s(tok) end
+-- failed{retryable}: nothing that may have acted remains (the one rule decided so).
+if to_rt == '1' then set[#set + 1] = 'mha'; set[#set + 1] = '0' end
 local del = {'own', 'lex', 'nca'}
 local function put(field, v)
   if v then

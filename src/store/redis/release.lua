@@ -18,6 +18,8 @@ if lex > now then lex = now end
 local nca = nil
 if recheck then nca = now + tonumber(recheck) end
 redis.call('HSET', h, 'lex', s(lex), 'uat', s(now))
+-- A worker's release: its attempt may have reached the provider until now.
+if actor == 'worker' then redis.call('HSET', h, 'lat', s(now), 'mha', '1') end
 redis.call('HDEL', h, 'own')
 if nca then redis.call('HSET', h, 'nca', s(nca)) else redis.call('HDEL', h, 'nca') end
 if err then redis.call('HSET', h, 'err', err) end

@@ -39,6 +39,7 @@ struct Scripts {
     finish: Script,
     release: Script,
     extend: Script,
+    mark_attempt: Script,
     take_stale: Script,
     purge: Script,
     stats: Script,
@@ -47,12 +48,13 @@ struct Scripts {
 }
 
 impl Scripts {
-    fn all(&self) -> [&Script; 9] {
+    fn all(&self) -> [&Script; 10] {
         [
             &self.claim,
             &self.finish,
             &self.release,
             &self.extend,
+            &self.mark_attempt,
             &self.take_stale,
             &self.purge,
             &self.stats,
@@ -67,6 +69,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     finish: script!("finish.lua"),
     release: script!("release.lua"),
     extend: script!("extend.lua"),
+    mark_attempt: script!("mark_attempt.lua"),
     take_stale: script!("take_stale.lua"),
     purge: script!("purge.lua"),
     stats: script!("stats.lua"),
@@ -251,7 +254,7 @@ impl RedisStore {
         Ok((maybe_record(id, row)?, now))
     }
 
-    /// The lease of a `{'claimed', tok, lex, att, pk, reason}` claim reply.
+    /// The lease of a `{'claimed', tok, lex, att, pk, reason, may_have_acted}` claim reply.
     fn lease(reply: &[Value]) -> Result<Lease, StoreError> {
         let reason = text(reply.get(5));
         let transition = reason
@@ -266,6 +269,7 @@ impl RedisStore {
             attempts: i32::try_from(get(3)?).map_err(|_| corrupt("attempts"))?,
             provider_key: text(reply.get(4)).ok_or_else(|| corrupt("claim reply"))?,
             transition,
+            may_have_acted: text(reply.get(6)).as_deref() == Some("1"),
         })
     }
 }
@@ -417,6 +421,19 @@ impl Store for RedisStore {
             .arg(opt(release.error.as_deref().map(str::as_bytes)))
             .arg(release.actor.as_str())
             .arg(&release.reason);
+        let reply = array(self.invoke(&inv).await?)?;
+        if text(reply.first()).as_deref() == Some("ok") {
+            return Ok(());
+        }
+        Err(refusal(id, Some(token), &reply))
+    }
+
+    #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
+    async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
+        let m = member(id);
+        let k = self.layout.keys(&m);
+        let mut inv = self.per_key(&SCRIPTS.mark_attempt, &k);
+        inv.arg(&m).arg(token.0);
         let reply = array(self.invoke(&inv).await?)?;
         if text(reply.first()).as_deref() == Some("ok") {
             return Ok(());

@@ -12,7 +12,7 @@ local out = {}
 local members = redis.call('ZRANGEBYSCORE', idx.due, '-inf', s(now), 'LIMIT', 0, limit)
 for _, m in ipairs(members) do
   local h, hist = HASH_PREFIX .. m, HIST_PREFIX .. m
-  local cur = redis.call('HMGET', h, 'st', 'lex', 'nca')
+  local cur = redis.call('HMGET', h, 'st', 'lex', 'nca', 'own', 'lat', 'cat')
   if cur[1] ~= 'processing' then
     -- An index entry without a processing key behind it: drop it.
     redis.call('ZREM', idx.due, m)
@@ -22,7 +22,10 @@ for _, m in ipairs(members) do
     local tok = redis.call('HINCRBY', h, 'tok', 1)
     redis.call('HINCRBY', h, 'att', 1)
     local lex = now + lease
-    redis.call('HSET', h, 'own', owner, 'lex', s(lex), 'uat', s(now))
+    -- The previous holder (unless it released the key) may have sent until its lease ended.
+    local lat = tonumber(cur[5] or cur[6])
+    if cur[4] and tonumber(cur[2]) > lat then lat = tonumber(cur[2]) end
+    redis.call('HSET', h, 'own', owner, 'lex', s(lex), 'uat', s(now), 'lat', s(lat), 'mha', '1')
     index_processing(idx, m, lex, tonumber(cur[3]), nil)
     local seq = redis.call('HINCRBY', h, 'hs', 1)
     record_event(hist, seq, 'processing', '0', 'processing', '0', tok, 'sweeper',

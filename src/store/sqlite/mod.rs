@@ -338,6 +338,22 @@ impl Store for SqliteStore {
         }
     }
 
+    #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
+    async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
+        let done = sqlx::query(sql::MARK_ATTEMPT)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .bind(token.0)
+            .execute(&self.writer)
+            .await
+            .map_err(db)?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(refused_write(self, id, Some(token)).await)
+        }
+    }
+
     #[instrument(name = "idemflow.extend", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn extend(
         &self,

@@ -46,7 +46,8 @@ pub(super) const CLAIM_READ: &str = concat!(
 pub(super) const CLAIM: &str = concat!(
     "INSERT INTO idempotency_keys (scope, key, operation, provider, provider_key, state, retryable, \
        fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, created_at, \
-       updated_at, retention_ms, version, last_actor, last_reason) \
+       updated_at, retention_ms, version, last_actor, last_reason, last_attempt_at, \
+       may_have_acted) \
      VALUES (?1, ?2, ?3, ?4, ?5, 'processing', 0, ?6, ?7, ",
     now_us!(),
     ", ?8, ",
@@ -55,7 +56,9 @@ pub(super) const CLAIM: &str = concat!(
     now!(),
     ", ",
     now!(),
-    ", ?10, 1, 'worker', 'claimed') \
+    ", ?10, 1, 'worker', 'claimed', ",
+    now!(),
+    ", 0) \
      ON CONFLICT (scope, key) DO UPDATE SET \
        state = 'processing', retryable = 0, \
        request = COALESCE(excluded.request, idempotency_keys.request), \
@@ -64,7 +67,9 @@ pub(super) const CLAIM: &str = concat!(
        updated_at = excluded.updated_at, expires_at = NULL, next_check_at = NULL, error = NULL, \
        response_status = NULL, response_headers = NULL, response_body = NULL, \
        retention_ms = excluded.retention_ms, version = idempotency_keys.version + 1, \
-       last_actor = 'worker', \
+       last_actor = 'worker', last_attempt_at = excluded.last_attempt_at, \
+       may_have_acted = CASE WHEN idempotency_keys.state = 'failed' \
+         THEN idempotency_keys.may_have_acted ELSE 1 END, \
        last_reason = CASE WHEN idempotency_keys.state = 'failed' \
          THEN 'reclaimed after a retryable failure' ELSE 'retry took over an expired lease' END \
      WHERE idempotency_keys.fingerprint = excluded.fingerprint AND ( \
@@ -72,14 +77,15 @@ pub(super) const CLAIM: &str = concat!(
        OR (?11 IS NOT NULL AND idempotency_keys.state = 'processing' \
            AND idempotency_keys.lease_expires_at <= excluded.updated_at \
            AND idempotency_keys.created_at > excluded.updated_at - ?11)) \
-     RETURNING lease_token, lease_expires_at, attempts, provider_key, last_reason"
+     RETURNING lease_token, lease_expires_at, attempts, provider_key, may_have_acted, last_reason"
 );
 
 pub(super) const FINISH: &str = concat!(
     "UPDATE idempotency_keys SET state = ?3, retryable = ?4, response_status = ?5, \
        response_headers = ?6, response_body = ?7, error = ?8, \
        lease_token = CASE WHEN ?9 IS NULL THEN lease_token + 1 ELSE lease_token END, \
-       lease_owner = NULL, lease_expires_at = NULL, updated_at = ",
+       lease_owner = NULL, lease_expires_at = NULL, \
+       may_have_acted = CASE WHEN ?4 THEN 0 ELSE may_have_acted END, updated_at = ",
     now!(),
     ", expires_at = ",
     now!(),
@@ -99,8 +105,20 @@ pub(super) const RELEASE: &str = concat!(
     now!(),
     " + ?4 END, error = COALESCE(?5, error), updated_at = ",
     now!(),
-    ", version = version + 1, last_actor = ?6, last_reason = ?7 \
+    ", last_attempt_at = CASE WHEN ?6 = 'worker' THEN ",
+    now!(),
+    " ELSE last_attempt_at END, \
+       may_have_acted = CASE WHEN ?6 = 'worker' THEN 1 ELSE may_have_acted END, \
+       version = version + 1, last_actor = ?6, last_reason = ?7 \
      WHERE scope = ?1 AND key = ?2 AND state = 'processing' AND lease_token = ?3"
+);
+
+pub(super) const MARK_ATTEMPT: &str = concat!(
+    "UPDATE idempotency_keys SET last_attempt_at = ",
+    now!(),
+    ", may_have_acted = 1, updated_at = ",
+    now!(),
+    " WHERE scope = ?1 AND key = ?2 AND state = 'processing' AND lease_token = ?3"
 );
 
 pub(super) const EXTEND: &str = concat!(
@@ -112,7 +130,9 @@ pub(super) const EXTEND: &str = concat!(
 
 pub(super) const TAKE_STALE: &str = concat!(
     "UPDATE idempotency_keys SET lease_token = lease_token + 1, lease_owner = ?1, \
-       lease_expires_at = ",
+       last_attempt_at = CASE WHEN lease_owner IS NULL THEN last_attempt_at \
+         ELSE MAX(COALESCE(last_attempt_at, created_at), lease_expires_at) END, \
+       may_have_acted = 1, lease_expires_at = ",
     now!(),
     " + ?2, attempts = attempts + 1, updated_at = ",
     now!(),
