@@ -260,6 +260,21 @@ pub trait Store: Debug + Send + Sync + 'static {
     async fn count_expired(&self) -> Result<u64, StoreError>;
 }
 
+/// The result of a fenced write that should have changed exactly one row: `Ok` when it did,
+/// else the [`refused_write`] error for the row as it is now.
+pub async fn fenced_write<S: Store + ?Sized>(
+    store: &S,
+    id: &KeyId,
+    token: LeaseToken,
+    rows_affected: u64,
+) -> Result<(), StoreError> {
+    if rows_affected == 1 {
+        Ok(())
+    } else {
+        Err(refused_write(store, id, Some(token)).await)
+    }
+}
+
 /// The error for a fenced write that changed nothing, from the row as it is now: the key is
 /// gone ([`StoreError::NotFound`]) or someone else holds it ([`StoreError::LeaseLost`]). An
 /// override (`presented: None`) is refused only when the key is gone, so the row is not read.

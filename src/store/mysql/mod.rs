@@ -28,7 +28,7 @@ use tracing::instrument;
 use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 use super::{
     ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
-    claimable, millis, refused_write,
+    claimable, fenced_write, millis, refused_write,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -371,11 +371,7 @@ impl Store for MySqlStore {
             .execute(&self.pool)
             .await
             .map_err(db)?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(refused_write(self, id, Some(token)).await)
-        }
+        fenced_write(self, id, token, done.rows_affected()).await
     }
 
     #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
@@ -387,11 +383,7 @@ impl Store for MySqlStore {
             .execute(&self.pool)
             .await
             .map_err(db)?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(refused_write(self, id, Some(token)).await)
-        }
+        fenced_write(self, id, token, done.rows_affected()).await
     }
 
     #[instrument(name = "idemflow.extend", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]

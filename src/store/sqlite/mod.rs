@@ -23,7 +23,7 @@ use tracing::instrument;
 use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats, ms_to_time};
 use super::{
     ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
-    claimable, millis, refused_write,
+    claimable, fenced_write, millis, refused_write,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -331,11 +331,7 @@ impl Store for SqliteStore {
             .execute(&self.writer)
             .await
             .map_err(db)?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(refused_write(self, id, Some(token)).await)
-        }
+        fenced_write(self, id, token, done.rows_affected()).await
     }
 
     #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
@@ -347,11 +343,7 @@ impl Store for SqliteStore {
             .execute(&self.writer)
             .await
             .map_err(db)?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(refused_write(self, id, Some(token)).await)
-        }
+        fenced_write(self, id, token, done.rows_affected()).await
     }
 
     #[instrument(name = "idemflow.extend", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
