@@ -22,6 +22,10 @@ use crate::store::Store;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LeaseState {
     pub(crate) expires_at: DateTime<Utc>,
+    /// Until when the lease is surely held, on this process's monotonic clock: the instant the
+    /// claim (or the last successful renewal) was *sent*, plus the lease. The database granted
+    /// at least that much, whatever the network and a paused process did since.
+    pub(crate) held_until: Instant,
     pub(crate) lost: bool,
 }
 
@@ -30,9 +34,13 @@ pub(crate) struct LeaseState {
 pub(crate) struct LeaseWatch(watch::Receiver<LeaseState>);
 
 impl LeaseWatch {
-    pub(crate) fn new(expires_at: DateTime<Utc>) -> (watch::Sender<LeaseState>, Self) {
+    pub(crate) fn new(
+        expires_at: DateTime<Utc>,
+        held_until: Instant,
+    ) -> (watch::Sender<LeaseState>, Self) {
         let (tx, rx) = watch::channel(LeaseState {
             expires_at,
+            held_until,
             lost: false,
         });
         (tx, Self(rx))
@@ -75,8 +83,11 @@ pub(crate) async fn renew(
     }
     let every = period(lease);
     // Local deadline of the lease as last renewed; a renewal counts from when it was sent.
-    let mut held_until = Instant::now() + lease;
-    let mut wait = every;
+    let mut held_until = tx.borrow().held_until;
+    // The first renewal is due a period after the claim was sent, not after the operation
+    // started: a claim whose answer was slow has less of its lease left.
+    let mut wait = every
+        .saturating_sub(lease.saturating_sub(held_until.saturating_duration_since(Instant::now())));
     loop {
         tokio::time::sleep(wait).await;
         let sent = Instant::now();
@@ -84,7 +95,10 @@ pub(crate) async fn renew(
             Ok(expires_at) => {
                 held_until = sent + lease;
                 wait = every;
-                tx.send_modify(|s| s.expires_at = expires_at);
+                tx.send_modify(|s| {
+                    s.expires_at = expires_at;
+                    s.held_until = held_until;
+                });
             }
             Err(e @ (StoreError::LeaseLost { .. } | StoreError::NotFound { .. })) => {
                 tracing::warn!(key = %id, error = %e, "lease lost while the operation runs");

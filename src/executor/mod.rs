@@ -249,6 +249,8 @@ impl Idempotency {
             retention: cfg.retention,
             takeover_window: cfg.retry_takeover_window,
         };
+        // Sent before the claim: the lease the database grants runs at least `lease` from here.
+        let asked = tokio::time::Instant::now();
         let lease = match self.store.claim(&claim).await? {
             ClaimOutcome::Existing { record, now } => {
                 return self.existing(&request, *record, now);
@@ -256,13 +258,14 @@ impl Idempotency {
             ClaimOutcome::Claimed(lease) => lease,
         };
         let id = request.id.clone();
-        let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at);
+        let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at, asked + cfg.lease);
         let ctx = Context {
             id: id.clone(),
             provider_key: lease.provider_key.clone(),
             token: lease.token,
             attempt: lease.attempts,
             lease: watch,
+            send_by: takeover_send_by(&lease, cfg, asked),
             request: request.canonical,
         };
         // The lease is renewed while the operation runs (same task, stops with it).
@@ -444,4 +447,26 @@ impl Idempotency {
             }),
         }
     }
+}
+
+/// The local instant by which a takeover must have sent: the takeover window counted from the
+/// key's first claim (database clock), moved onto this process's clock from the claim, which was
+/// sent at `asked` and answered with the database time `expires_at - lease` (no earlier than
+/// `asked`, so the instant is never late). `None` for a first claim or a reclaim: no earlier
+/// send is being deduplicated.
+fn takeover_send_by(
+    lease: &crate::store::Lease,
+    cfg: &ExecutorConfig,
+    asked: tokio::time::Instant,
+) -> Option<tokio::time::Instant> {
+    if lease.transition != crate::state::Transition::Takeover {
+        return None;
+    }
+    let window = chrono::Duration::from_std(cfg.retry_takeover_window?).ok()?;
+    let lease_len = chrono::Duration::from_std(cfg.lease).unwrap_or(chrono::TimeDelta::MAX);
+    let db_now = lease.expires_at.checked_sub_signed(lease_len)?;
+    // A window too large to add is no deadline at all (the store caps durations at 100 years).
+    let closes = lease.created_at.checked_add_signed(window)?;
+    let left = (closes - db_now).to_std().unwrap_or_default();
+    asked.checked_add(left)
 }

@@ -2,6 +2,7 @@
 //! returns ([`Execution`]).
 
 use chrono::{DateTime, Utc};
+use tokio::time::Instant;
 
 use super::heartbeat::LeaseWatch;
 use crate::record::LeaseToken;
@@ -53,6 +54,9 @@ pub struct Context {
     pub(crate) token: LeaseToken,
     pub(crate) attempt: i32,
     pub(crate) lease: LeaseWatch,
+    /// After a takeover: the end of the window in which the provider still dedupes the first
+    /// send (the takeover window counted from the key's first claim), on this process's clock.
+    pub(crate) send_by: Option<Instant>,
     pub(crate) request: String,
 }
 
@@ -98,6 +102,44 @@ impl Context {
     /// while the lease is held. Use it in a `tokio::select!` to stop a long operation.
     pub async fn lost(&self) {
         self.lease.lost().await;
+    }
+
+    /// Whether this attempt may still send the request that acts, judged now on this process's
+    /// monotonic clock:
+    ///
+    /// * its lease is surely held: not lost, and not run out since the claim or the last
+    ///   renewal was *sent* (a process paused past its lease, say by a long GC pause or a
+    ///   suspended VM, cannot see that from the lease it last heard of, but this can);
+    /// * after a takeover ([`ExecutorConfig::retry_takeover_window`]), the window is still
+    ///   open: the provider dedupes the re-send only inside it, counted from the key's first
+    ///   claim.
+    ///
+    /// Check it immediately before the call that acts, and do not send when it is `false`:
+    /// [`Idempotency::call`] does exactly that (the attempt then ends as "nothing sent", and a
+    /// key that an earlier attempt may have acted on is left to the sweeper). What it cannot
+    /// cover is a pause *between* this check and the request reaching the provider: the
+    /// provider re-drive margin and the adapters' search lag are sized for that
+    /// (`docs/reliability.md`, "What the guarantee assumes").
+    ///
+    /// [`ExecutorConfig::retry_takeover_window`]: crate::ExecutorConfig::retry_takeover_window
+    /// [`Idempotency::call`]: crate::Idempotency::call
+    pub fn may_send(&self) -> bool {
+        self.send_refusal().is_none()
+    }
+
+    /// Why this attempt must not send now, if it must not (see [`may_send`](Self::may_send)).
+    pub(crate) fn send_refusal(&self) -> Option<&'static str> {
+        let lease = self.lease.state();
+        let now = Instant::now();
+        if lease.lost {
+            Some("the lease was lost before sending")
+        } else if now >= lease.held_until {
+            Some("the lease ran out before sending (the process was paused or the store slow)")
+        } else if self.send_by.is_some_and(|by| now >= by) {
+            Some("the provider's dedup window closed before the takeover could re-send")
+        } else {
+            None
+        }
     }
 
     /// The canonical JSON request.

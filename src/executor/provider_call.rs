@@ -28,6 +28,11 @@ impl Idempotency {
                 // unless memory is corrupt, and then nothing was sent.
                 Err(e) => return crate::Outcome::retryable(format!("request is not JSON: {e}")),
             };
+            // The last check before the request leaves: a paused process, a lost lease or a
+            // closed takeover window sends nothing (see Context::may_send).
+            if let Some(why) = ctx.send_refusal() {
+                return crate::Outcome::retryable(format!("not sent: {why}"));
+            }
             provider
                 .call(ctx.provider_key(), &body)
                 .await

@@ -78,6 +78,10 @@ pub struct Lease {
     /// takeover). When `true`, a retryable answer to this attempt cannot make the key retryable
     /// (see [`crate::state::may_become_retryable`]).
     pub may_have_acted: bool,
+    /// When the key was first claimed (database clock). A provider's dedup window counts from
+    /// it, so a takeover inside [`NewClaim::takeover_window`] must send before
+    /// `created_at + takeover_window`.
+    pub created_at: DateTime<Utc>,
 }
 
 /// What a claim found.

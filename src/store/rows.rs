@@ -323,6 +323,7 @@ mod sql {
             provider_key: not_null(R::BACKEND, "provider_key", row.text("provider_key")?)?,
             transition,
             may_have_acted: get(row, "may_have_acted")?,
+            created_at: row.time_at("created_at")?,
         })
     }
 

@@ -405,6 +405,7 @@ impl Sweeper {
         taken_at: Instant,
         report: &mut SweepReport,
     ) -> Result<KeyResult, StoreError> {
+        let handled = Instant::now();
         let id = KeyId::new(record.scope.clone(), record.key.clone());
         // A long batch: keep the lease so no other sweeper takes the key while we ask.
         if taken_at.elapsed() > self.config.lease / 2 {
@@ -438,10 +439,44 @@ impl Sweeper {
             (Plan::Redrive { request }, Some(p)) => {
                 report.redrives += 1;
                 tracing::Span::current().record("decision", "redrive");
-                // The re-drive may reach the provider: record it before sending, so a later
+                // The re-drive may act: hold the key for a full lease from here (the batch
+                // lease may have run out while this process was paused, and a fenced write
+                // alone does not renew it), then record the attempt before sending, so a later
                 // lookup judges the search lag from this send.
+                let asked = Instant::now();
+                if let Err(e) = self
+                    .store
+                    .extend(&id, record.lease_token, self.config.lease)
+                    .await
+                {
+                    return lost_or(e, &record);
+                }
                 if let Err(e) = self.store.mark_attempt(&id, record.lease_token).await {
                     return lost_or(e, &record);
+                }
+                // The last checks before the re-send leaves, on this process's clock: the
+                // lease renewed above has not run out, and the provider's window (less the
+                // margin) has not closed while the store answered.
+                let send_now =
+                    now + chrono::Duration::from_std(handled.elapsed()).unwrap_or_default();
+                let refusal = if asked.elapsed() >= self.config.lease {
+                    Some("the lease ran out before the re-drive could be sent".to_owned())
+                } else if !spec.as_ref().is_some_and(|s| {
+                    s.may_redrive(record.created_at, send_now, self.config.redrive_margin)
+                }) {
+                    Some(format!(
+                        "{name}'s dedup window (less the re-drive margin) closed before the \
+                         re-drive could be sent"
+                    ))
+                } else {
+                    None
+                };
+                if let Some(why) = refusal {
+                    let decision = Decision::Defer {
+                        reason: format!("{why}; nothing sent, the key is checked again later"),
+                        retry_after: None,
+                    };
+                    return self.apply(&id, &record, decision).await;
                 }
                 let call = p.call(&record.provider_key, &request);
                 let outcome = tokio::time::timeout(self.config.call_timeout, call)

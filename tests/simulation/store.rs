@@ -42,6 +42,11 @@ impl Store for GatedStore {
         let l = label(&claim.id);
         park("store.claim", "before", &l).await;
         let r = self.inner.claim(claim).await;
+        if let (Ok(_), Some(a)) = (&r, crate::gate::current_actor()) {
+            let mut sh = self.shared.lock().unwrap();
+            let g = sh.generation(&l);
+            sh.claimed_in.insert(a, g);
+        }
         if let Ok(ClaimOutcome::Claimed(lease)) = &r {
             let how = format!("claim ({:?})", lease.transition);
             self.shared.lock().unwrap().granted(

@@ -94,6 +94,8 @@ struct Slot {
     events: mpsc::UnboundedReceiver<Event>,
     handle: JoinHandle<()>,
     parked: Option<(Point, oneshot::Sender<()>)>,
+    /// When it parked there.
+    parked_since: std::time::Instant,
 }
 
 /// What a schedule ended with.
@@ -173,6 +175,7 @@ impl World {
             events: rx,
             handle,
             parked: None,
+            parked_since: std::time::Instant::now(),
         });
         id
     }
@@ -263,6 +266,7 @@ impl World {
             Ok(Some(Event::Parked { point, resume })) => {
                 let l = format!("    a{} parked at {point}", slot.id);
                 slot.parked = Some((point, resume));
+                slot.parked_since = std::time::Instant::now();
                 l
             }
             Ok(Some(Event::Done(summary))) => {
@@ -354,8 +358,35 @@ impl World {
         }
     }
 
-    /// Sleeps `d`, renewing leases along the way when the heartbeat is emulated.
-    async fn advance(&mut self, d: Duration) {
+    /// Requests in transit reach the provider before the clock moves: an actor parked at
+    /// `provider.call:before` (its last check passed, the request not yet at the provider) is
+    /// resumed first. This is the one timing the simulation assumes: the time from an actor's
+    /// last check (`Context::may_send`, the sweeper's window check) to the provider receiving
+    /// the request is shorter than the margins sized for it (re-drive margin, search lag); see
+    /// docs/reliability.md, "What the guarantee assumes". A crash can still lose the request.
+    ///
+    /// Before a clock advance every request in transit is delivered; at the start of every
+    /// other step, those in transit for [`MAX_TRANSIT`] or more (steps take real time too).
+    async fn deliver_in_transit(&mut self, older_than: Duration) -> Result<(), String> {
+        while let Some(idx) = self.slots.iter().position(|s| {
+            s.parked_since.elapsed() >= older_than
+                && s.parked
+                    .as_ref()
+                    .is_some_and(|(p, _)| p.what == "provider.call" && p.phase == "before")
+        }) {
+            let id = self.slots[idx].id;
+            self.trace(format!(
+                "    a{id}'s request reaches the provider before the clock moves"
+            ));
+            self.run_actor(idx).await?;
+        }
+        Ok(())
+    }
+
+    /// Sleeps `d` (after delivering requests in transit), renewing leases along the way when
+    /// the heartbeat is emulated.
+    async fn advance(&mut self, d: Duration) -> Result<(), String> {
+        self.deliver_in_transit(Duration::ZERO).await?;
         let chunk = (self.settings.lease.min(self.settings.sweeper_lease) / 3)
             .max(Duration::from_millis(5));
         let mut left = d;
@@ -365,6 +396,7 @@ impl World {
             left -= now;
             self.heartbeat().await;
         }
+        Ok(())
     }
 
     /// The invariants that hold after every step.
@@ -595,7 +627,9 @@ async fn client(
                     format!("got a response for provider key {pk:?}"),
                 );
             }
-            let g = sh.generation(&key.label);
+            let g = crate::gate::current_actor()
+                .and_then(|a| sh.claimed_in.get(&a).copied())
+                .unwrap_or_else(|| sh.generation(&key.label));
             let first = sh.first_response(&key.label, g, &resp);
             if first != resp {
                 sh.violate(
@@ -839,9 +873,14 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>) -> CaseResult {
     }
 }
 
+/// The longest a request stays in transit while other steps run: below the smallest re-drive
+/// margin (40 ms) and the keyless provider's smallest search lag (80 ms).
+const MAX_TRANSIT: Duration = Duration::from_millis(20);
+
 async fn run_steps(w: &mut World) -> Result<(), String> {
     for step in 0..w.settings.steps {
         w.shared.lock().unwrap().step = step;
+        w.deliver_in_transit(MAX_TRANSIT).await?;
         let parked = w.slots.len();
         let can_spawn = parked < w.settings.max_actors;
         // spawn client, sweeper, operator, purge, resume, crash, advance time, sweep at once
@@ -916,7 +955,7 @@ async fn run_steps(w: &mut World) -> Result<(), String> {
                 ];
                 let d = choices[w.rng.weighted(&[40, 20, 15, 5, 20])];
                 w.trace(format!("#{step} advance {d:?}"));
-                w.advance(d).await;
+                w.advance(d).await?;
             }
         }
         w.heartbeat().await;

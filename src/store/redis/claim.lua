@@ -39,7 +39,7 @@ if not cur[1] then
   record_event(hist, seq, nil, nil, 'processing', '0', tok, 'worker', CLAIMED, now)
   -- A history left by a purged or expired key has a TTL; a new one has none.
   if had_history then redis.call('PERSIST', hist) end
-  return {'claimed', tok, lex, 1, pk, CLAIMED, '0'}
+  return {'claimed', tok, lex, 1, pk, CLAIMED, '0', now}
 end
 
 local st, rt, cfp, clex, ccat, cpk = cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]
@@ -74,4 +74,4 @@ unindex(idx, m, st, rt)
 index_processing(idx, m, lex, nil, tonumber(ccat))
 record_event(hist, seq, st, rt, 'processing', '0', tok, 'worker', reason, now)
 redis.call('PERSIST', hist)
-return {'claimed', tok, lex, att, cpk, reason, mha}
+return {'claimed', tok, lex, att, cpk, reason, mha, tonumber(ccat)}

@@ -254,7 +254,8 @@ impl RedisStore {
         Ok((maybe_record(id, row)?, now))
     }
 
-    /// The lease of a `{'claimed', tok, lex, att, pk, reason, may_have_acted}` claim reply.
+    /// The lease of a `{'claimed', tok, lex, att, pk, reason, may_have_acted, created_at}` claim
+    /// reply.
     fn lease(reply: &[Value]) -> Result<Lease, StoreError> {
         let reason = text(reply.get(5));
         let transition = reason
@@ -270,6 +271,7 @@ impl RedisStore {
             provider_key: text(reply.get(4)).ok_or_else(|| corrupt("claim reply"))?,
             transition,
             may_have_acted: text(reply.get(6)).as_deref() == Some("1"),
+            created_at: ms_to_time(BACKEND, get(7)?)?,
         })
     }
 }

@@ -8,16 +8,17 @@
 //! connection to `:memory:` is its own database).
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use sqlx::Row;
 use sqlx::migrate::Migrator;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
-    SqliteSynchronous,
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteRow, SqliteSynchronous,
 };
+use sqlx::{ConnectOptions, Row};
 use tracing::instrument;
 
 use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats, ms_to_time};
@@ -107,6 +108,24 @@ impl SqliteConfig {
 pub struct SqliteStore {
     writer: SqlitePool,
     reader: SqlitePool,
+    /// For `sqlite::memory:`: one more connection to the same database, never used, so the
+    /// database outlives its pooled connection (see [`MemoryKeeper`]).
+    _keeper: Option<MemoryKeeper>,
+}
+
+/// Keeps an in-memory database alive. sqlx names each `sqlite::memory:` database and opens it
+/// in shared-cache mode; such a database is dropped when its last connection closes, and sqlx
+/// closes a pooled connection whose command was cancelled halfway (a dropped future: a client
+/// that disconnected, a lease renewal stopped with its operation). Without a second connection
+/// the pool then reopened a fresh, empty database. This one runs no command, so nothing
+/// cancels it, and it closes with the last clone of the store.
+#[derive(Clone)]
+struct MemoryKeeper(#[allow(dead_code)] Arc<tokio::sync::Mutex<SqliteConnection>>);
+
+impl std::fmt::Debug for MemoryKeeper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MemoryKeeper")
+    }
 }
 
 fn is_memory(url: &str) -> bool {
@@ -132,6 +151,8 @@ impl SqliteStore {
             .busy_timeout(config.busy_timeout)
             .foreign_keys(true);
         if is_memory(&config.url) {
+            // First, so the database exists as long as the store does.
+            let keeper = base.connect().await.map_err(db)?;
             let pool = SqlitePoolOptions::new()
                 .max_connections(1)
                 .min_connections(1)
@@ -140,7 +161,9 @@ impl SqliteStore {
                 .connect_with(base)
                 .await
                 .map_err(db)?;
-            return Ok(Self::from_pools(pool.clone(), pool));
+            let mut store = Self::from_pools(pool.clone(), pool);
+            store._keeper = Some(MemoryKeeper(Arc::new(tokio::sync::Mutex::new(keeper))));
+            return Ok(store);
         }
         let file = base
             .create_if_missing(true)
@@ -162,7 +185,11 @@ impl SqliteStore {
     /// Uses pools you manage: `writer` should have one connection, `reader` may have several
     /// (pass the same pool twice for a single pool).
     pub fn from_pools(writer: SqlitePool, reader: SqlitePool) -> Self {
-        Self { writer, reader }
+        Self {
+            writer,
+            reader,
+            _keeper: None,
+        }
     }
 
     /// The writer pool (for tests and tools that need raw access).

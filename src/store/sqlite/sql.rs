@@ -77,7 +77,8 @@ pub(super) const CLAIM: &str = concat!(
        OR (?11 IS NOT NULL AND idempotency_keys.state = 'processing' \
            AND idempotency_keys.lease_expires_at <= excluded.updated_at \
            AND idempotency_keys.created_at > excluded.updated_at - ?11)) \
-     RETURNING lease_token, lease_expires_at, attempts, provider_key, may_have_acted, last_reason"
+     RETURNING lease_token, lease_expires_at, attempts, provider_key, may_have_acted, last_reason, \
+       created_at"
 );
 
 pub(super) const FINISH: &str = concat!(
