@@ -153,7 +153,7 @@ async fn failed_completion_is_settled_with_one_charge(store: Arc<dyn Store>, _ur
     let stripe = stripe(&fake);
     // The charge succeeds, then storing the answer fails (the database connection drops).
     let flaky: Arc<dyn Store> =
-        Arc::new(idemflow::conformance::FailingFinish::new(store.clone(), 1));
+        Arc::new(idemflow::conformance::FaultyStore::new(store.clone()).fail_worker_finishes(1));
     let err = Idempotency::new(flaky)
         .lease(Duration::from_millis(100))
         .call(charge("complete-1"), stripe.as_ref())

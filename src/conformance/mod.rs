@@ -52,7 +52,7 @@ use std::time::Duration;
 
 pub use fake::FakeProvider;
 pub use store::{race_claims_across, sweepers_take_each_key_once_across};
-pub use sweeper::FailingFinish;
+pub use sweeper::FaultyStore;
 
 use crate::store::{ClaimOutcome, Finish, Lease, NewClaim};
 use crate::{Actor, Fingerprint, IdempotencyKey, KeyId, KeyState, Scope, Store, StoredResponse};
@@ -210,7 +210,11 @@ macro_rules! sweeper_tests {
             search_lag_counts_from_the_latest_attempt,
             retryable_after_an_attempt_that_may_have_acted_is_unknown,
             retryable_after_attempts_that_did_nothing_stays_retryable,
-            sweeper_renews_its_whole_batch
+            sweeper_renews_its_whole_batch,
+            paused_past_the_lease_after_claim_sends_nothing,
+            takeover_answered_after_its_window_sends_nothing,
+            sweeper_paused_past_its_lease_renews_before_redriving,
+            redrive_window_closing_before_the_send_sends_nothing
         );
     };
 }

@@ -265,34 +265,66 @@ pub async fn died_before_storing_is_redriven_to_the_same_charge(store: Arc<dyn S
     assert_eq!(retry.response(), &effects[0].response);
 }
 
-/// A store whose next `n` worker `finish` calls fail (crash point (d): during completion).
+/// A store with injected faults: failed worker finishes (crash point (d): during completion),
+/// failed renewals (a partition), and answers that arrive late (the database acted, then the
+/// process was paused or the network slow before the caller heard of it).
 #[derive(Debug)]
-pub struct FailingFinish {
+pub struct FaultyStore {
     inner: Arc<dyn Store>,
     fail_worker_finishes: AtomicU32,
     fail_extends: bool,
+    late_claims: Duration,
+    late_take_stale: Duration,
+    late_mark_attempts: Duration,
 }
 
-impl FailingFinish {
-    /// Wraps `inner`, failing the next `n` worker finishes as a lost connection would.
-    pub fn new(inner: Arc<dyn Store>, n: u32) -> Self {
+impl FaultyStore {
+    /// Wraps `inner`, with no fault yet.
+    pub fn new(inner: Arc<dyn Store>) -> Self {
         Self {
             inner,
-            fail_worker_finishes: AtomicU32::new(n),
+            fail_worker_finishes: AtomicU32::new(0),
             fail_extends: false,
+            late_claims: Duration::ZERO,
+            late_take_stale: Duration::ZERO,
+            late_mark_attempts: Duration::ZERO,
         }
     }
 
-    /// Also fails every lease renewal, as a network partition or a paused process would: the
+    /// Fails the next `n` worker finishes, as a lost connection would.
+    pub fn fail_worker_finishes(self, n: u32) -> Self {
+        self.fail_worker_finishes.store(n, Ordering::SeqCst);
+        self
+    }
+
+    /// Fails every lease renewal, as a network partition or a paused process would: the
     /// worker's lease runs out while it is stalled.
     pub fn partitioned(mut self) -> Self {
         self.fail_extends = true;
         self
     }
+
+    /// Answers every claim `late` after the database granted it.
+    pub fn answer_claims_late(mut self, late: Duration) -> Self {
+        self.late_claims = late;
+        self
+    }
+
+    /// Answers every `take_stale` `late` after the database granted it.
+    pub fn answer_take_stale_late(mut self, late: Duration) -> Self {
+        self.late_take_stale = late;
+        self
+    }
+
+    /// Answers every `mark_attempt` `late` after the database recorded it.
+    pub fn answer_mark_attempts_late(mut self, late: Duration) -> Self {
+        self.late_mark_attempts = late;
+        self
+    }
 }
 
 #[async_trait]
-impl Store for FailingFinish {
+impl Store for FaultyStore {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
@@ -303,7 +335,9 @@ impl Store for FailingFinish {
         self.inner.now().await
     }
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
-        self.inner.claim(claim).await
+        let r = self.inner.claim(claim).await;
+        tokio::time::sleep(self.late_claims).await;
+        r
     }
     async fn finish(
         &self,
@@ -328,7 +362,9 @@ impl Store for FailingFinish {
         self.inner.release(id, token, r).await
     }
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
-        self.inner.mark_attempt(id, token).await
+        let r = self.inner.mark_attempt(id, token).await;
+        tokio::time::sleep(self.late_mark_attempts).await;
+        r
     }
     async fn extend(
         &self,
@@ -348,7 +384,9 @@ impl Store for FailingFinish {
         self.inner.history(id).await
     }
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
-        self.inner.take_stale(take).await
+        let r = self.inner.take_stale(take).await;
+        tokio::time::sleep(self.late_take_stale).await;
+        r
     }
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         self.inner.purge_expired(batch).await
@@ -368,11 +406,7 @@ impl Store for FailingFinish {
 pub async fn failed_completion_is_settled_by_the_sweeper(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", DAY);
     let scope = unique("crash-d");
-    let flaky: Arc<dyn Store> = Arc::new(FailingFinish {
-        inner: store.clone(),
-        fail_worker_finishes: AtomicU32::new(1),
-        fail_extends: false,
-    });
+    let flaky: Arc<dyn Store> = Arc::new(FaultyStore::new(store.clone()).fail_worker_finishes(1));
     let err = worker(&flaky)
         .call(pay(&scope, "k1", 400), &*cards)
         .await
@@ -402,7 +436,7 @@ pub async fn zombie_worker_gets_lease_lost_and_changes_nothing(store: Arc<dyn St
     let cards = FakeProvider::keyed("cards", DAY);
     let scope = unique("zombie");
     // Stalled by a partition: its lease renewals fail, so its lease runs out.
-    let partitioned: Arc<dyn Store> = Arc::new(FailingFinish::new(store.clone(), 0).partitioned());
+    let partitioned: Arc<dyn Store> = Arc::new(FaultyStore::new(store.clone()).partitioned());
     let idem = worker(&partitioned);
     let req = as_call(pay(&scope, "k1", 250), &cards);
     let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
@@ -981,4 +1015,185 @@ pub async fn sweeper_renews_its_whole_batch(store: Arc<dyn Store>) {
     let report = report.unwrap();
     assert_eq!(report.taken, 3, "{report:?}");
     assert_eq!(report.lease_lost, 0, "{report:?}");
+}
+
+/// A worker whose claim was answered only after its lease had run out (a paused process, a slow
+/// network) sends nothing: `Context::may_send` judges the lease from when the claim was sent.
+/// Found by the simulation (a client paused after its claim, then charged while a sweeper held
+/// the key). The key is failed{retryable} (nothing was ever sent) and a retry charges once.
+pub async fn paused_past_the_lease_after_claim_sends_nothing(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    let scope = unique("paused-claim");
+    let slow: Arc<dyn Store> = Arc::new(
+        FaultyStore::new(store.clone()).answer_claims_late(LEASE + Duration::from_millis(100)),
+    );
+    let err = worker(&slow)
+        .call(pay(&scope, "k1", 500), &*cards)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::FailedRetryable { .. }), "{err}");
+    assert!(err.to_string().contains("not sent"), "{err}");
+    assert_eq!(cards.calls(), 0, "nothing may be sent past the lease");
+    let id = pay(&scope, "k1", 500).id().clone();
+    assert_eq!(
+        row(&store, &id).await.state,
+        KeyState::Failed { retryable: true }
+    );
+    let retry = worker(&store)
+        .call(pay(&scope, "k1", 500), &*cards)
+        .await
+        .unwrap();
+    assert!(!retry.is_replay());
+    assert_eq!(cards.effects().len(), 1);
+}
+
+/// A retry that took over an expired key inside the takeover window, but heard of it only once
+/// the window had closed, sends nothing: the provider no longer dedupes the first send. Found by
+/// the simulation (seed 1477: a takeover's re-send landed past the dedup window and charged
+/// again). The key is left to the sweeper, which looks the first send up.
+pub async fn takeover_answered_after_its_window_sends_nothing(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    let scope = unique("late-takeover");
+    let window = Duration::from_millis(1000);
+    let req = as_call(pay(&scope, "k1", 500), &cards);
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
+    wait_stale().await;
+    // The takeover is granted inside the window, and answered after it.
+    let slow: Arc<dyn Store> = Arc::new(FaultyStore::new(store.clone()).answer_claims_late(window));
+    // A lease long enough that only the window can refuse the send.
+    let err = worker(&slow)
+        .lease(Duration::from_secs(10))
+        .retry_takeover_window(Some(window))
+        .call(pay(&scope, "k1", 500), &*cards)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+    assert_eq!(
+        cards.calls(),
+        0,
+        "a re-send past the window could charge twice"
+    );
+    let history = store.history(req.id()).await.unwrap();
+    assert!(
+        history.iter().any(|e| e
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.contains("retry took over"))),
+        "the takeover was granted: {history:?}"
+    );
+    let r = row(&store, req.id()).await;
+    assert_eq!(r.state, KeyState::Processing, "left for the sweeper");
+    assert!(
+        r.error
+            .as_deref()
+            .is_some_and(|e| e.contains("window closed")),
+        "{:?}",
+        r.error
+    );
+}
+
+/// A provider that notes, at each call, whether the key's lease was unexpired on the database
+/// clock: the sweeper must only send while it holds the key.
+#[derive(Debug)]
+struct LeaseWitness {
+    inner: Arc<FakeProvider>,
+    store: Arc<dyn Store>,
+    id: KeyId,
+    held: std::sync::Mutex<Vec<bool>>,
+}
+
+#[async_trait]
+impl crate::Provider for LeaseWitness {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn key_spec(&self) -> crate::provider::KeySpec {
+        self.inner.key_spec()
+    }
+    async fn call(&self, pk: &str, request: &serde_json::Value) -> crate::provider::CallOutcome {
+        let rec = self.store.get(&self.id).await.unwrap().expect("key row");
+        let now = self.store.now().await.unwrap();
+        let held = rec.lease_expires_at.is_some_and(|exp| exp > now);
+        self.held.lock().unwrap().push(held);
+        self.inner.call(pk, request).await
+    }
+    async fn lookup(
+        &self,
+        pk: &str,
+        request: &serde_json::Value,
+        attempts: crate::Attempts,
+        now: DateTime<Utc>,
+    ) -> crate::provider::Lookup {
+        self.inner.lookup(pk, request, attempts, now).await
+    }
+}
+
+/// A sweeper that heard of its batch only after the batch's lease had run out (paused, or a slow
+/// network) renews the key before re-driving it: the re-drive is sent under a held lease. Found
+/// by the simulation (`no_effect_outside_lease`: a re-drive sent 20 ms after the sweeper's lease
+/// expired; `mark_attempt` is fenced by the token, not by the lease's expiry).
+pub async fn sweeper_paused_past_its_lease_renews_before_redriving(store: Arc<dyn Store>) {
+    let cards = FakeProvider::keyed("cards", DAY);
+    let scope = unique("paused-sweeper");
+    let req = as_call(pay(&scope, "k1", 500), &cards);
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
+    wait_stale().await;
+    let lease = Duration::from_millis(300);
+    let slow: Arc<dyn Store> = Arc::new(
+        FaultyStore::new(store.clone()).answer_take_stale_late(lease + Duration::from_millis(200)),
+    );
+    let witness = Arc::new(LeaseWitness {
+        inner: cards.clone(),
+        store: store.clone(),
+        id: req.id().clone(),
+        held: std::sync::Mutex::default(),
+    });
+    let report = Sweeper::new(slow, Providers::new().with(witness.clone()))
+        .owner("paused-sweeper")
+        .lease(lease)
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(report.done, 1, "{report:?}");
+    assert_eq!(
+        *witness.held.lock().unwrap(),
+        vec![true],
+        "re-driven under a held lease"
+    );
+    assert_eq!(cards.effects().len(), 1);
+}
+
+/// The re-drive window is checked again right before the re-send leaves: a sweeper that planned a
+/// re-drive inside the window but could send only after it closed (the store answered late)
+/// sends nothing and checks the key again later.
+pub async fn redrive_window_closing_before_the_send_sends_nothing(store: Arc<dyn Store>) {
+    // Re-driven until 1 s after the first claim (a 1.2 s window less a 200 ms margin).
+    let cards = FakeProvider::keyed("cards", Duration::from_millis(1200));
+    let scope = unique("late-redrive");
+    let req = as_call(pay(&scope, "k1", 500), &cards);
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
+    wait_stale().await;
+    let slow: Arc<dyn Store> = Arc::new(
+        FaultyStore::new(store.clone()).answer_mark_attempts_late(Duration::from_millis(1000)),
+    );
+    let report = sweeper(&slow, &cards)
+        .redrive_margin(Duration::from_millis(200))
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(report.redrives, 1, "planned as a re-drive: {report:?}");
+    assert_eq!(report.deferred, 1, "{report:?}");
+    assert_eq!(cards.calls(), 0, "nothing sent past the window");
+    let r = row(&store, req.id()).await;
+    assert_eq!(r.state, KeyState::Processing);
+    assert!(
+        r.error
+            .as_deref()
+            .is_some_and(|e| e.contains("closed before the re-drive")),
+        "{:?}",
+        r.error
+    );
 }
