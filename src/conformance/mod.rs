@@ -168,7 +168,8 @@ macro_rules! conformance_tests {
             history_survives_purge_and_is_ordered,
             huge_durations_are_capped_and_read_back_sane,
             operator_write_is_a_compare_and_set_on_the_token_read,
-            tokens_only_grow_across_purge
+            tokens_only_grow_across_purge,
+            cancelled_calls_leave_the_store_usable
         );
     };
     (@each $factory:path, $suite:ident; $($name:ident),* $(,)?) => {

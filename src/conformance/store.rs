@@ -896,3 +896,52 @@ pub async fn tokens_only_grow_across_purge(store: Arc<dyn Store>) {
     assert_eq!(r.lease_token, third.token);
     assert_eq!(r.request.as_deref(), Some("{\"new\":1}"));
 }
+
+/// Store calls dropped at every point of their execution (a client that disconnects drops its
+/// request's future; a lease renewal is dropped when its operation ends) leave the store usable
+/// and every row whole, its state and token matching its last history event. Found by the
+/// simulation: an in-memory SQLite database lost its tables (its only connection was closed),
+/// and a MariaDB connection came back from the pool inside a transaction that a dropped `BEGIN`
+/// had opened, failing every later `take_stale`.
+pub async fn cancelled_calls_leave_the_store_usable(store: Arc<dyn Store>) {
+    let scope = unique("cancelled");
+    let lease = Duration::from_millis(20);
+    let take = TakeStale {
+        owner: "cancel-sweeper".into(),
+        lease,
+        limit: 5,
+    };
+    let mut ids = Vec::new();
+    for i in 0..200u64 {
+        // 0 to 2 ms: before, during and after a round trip to a local database.
+        let cut = Duration::from_micros(i % 50 * 40);
+        let k = id(&scope, &format!("k{i}"));
+        let _ = tokio::time::timeout(cut, store.claim(&claim_for(&k, "{}", lease))).await;
+        let _ = tokio::time::timeout(cut, store.take_stale(&take)).await;
+        if let Some(prev) = ids.last() {
+            let _ = tokio::time::timeout(cut, store.extend(prev, LeaseToken(1), lease)).await;
+        }
+        ids.push(k);
+    }
+    store
+        .take_stale(&take)
+        .await
+        .expect("take_stale still works");
+    let after = id(&scope, "after");
+    claimed(&store, &claim_for(&after, "{}", lease)).await;
+    for k in &ids {
+        let Some(rec) = store.get(k).await.expect("get still works") else {
+            assert!(
+                store.history(k).await.unwrap().is_empty(),
+                "{k}: history without a row"
+            );
+            continue;
+        };
+        let history = store.history(k).await.unwrap();
+        let last = history
+            .last()
+            .unwrap_or_else(|| panic!("{k}: a row without history"));
+        assert_eq!(last.to, Some(rec.state), "{k}: row and history disagree");
+        assert_eq!(last.lease_token, Some(rec.lease_token), "{k}");
+    }
+}

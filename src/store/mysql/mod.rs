@@ -13,6 +13,7 @@
 //! - idemflow's migrations are recorded in [`MIGRATIONS_TABLE`], never in the host app's
 //!   `_sqlx_migrations`.
 
+use std::future::Future;
 use std::hash::BuildHasher;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,7 +24,7 @@ use chrono::{DateTime, NaiveDateTime, Utc};
 use sqlx::migrate::Migrator;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlRow};
 use sqlx::{AssertSqlSafe, Executor, Row};
-use tracing::instrument;
+use tracing::{Instrument, instrument};
 
 use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 use super::{
@@ -244,6 +245,145 @@ impl SqlRow for MySqlRow {
     }
 }
 
+/// The transactional writes, run by the `Store` methods of the same name in a task of their own
+/// (see [`MySqlStore::detached`]).
+impl MySqlStore {
+    /// Runs `f` on a clone of the store in a task of its own, so that dropping the caller's
+    /// future (a client that disconnected, a renewal stopped with its operation) never cuts a
+    /// transaction in half. A `BEGIN` cut off on the wire leaves the pooled connection inside a
+    /// transaction sqlx does not know of; the next autocommit write on that connection then
+    /// stays uncommitted, invisible and holding its row locks (found by the simulation: every
+    /// `take_stale` failed, then the pool ran dry behind the locks).
+    async fn detached<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(MySqlStore) -> Fut,
+        Fut: Future<Output = Result<T, StoreError>> + Send + 'static,
+    {
+        let task = tokio::spawn(f(self.clone()).in_current_span());
+        match task.await {
+            Ok(r) => r,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => Err(StoreError::database(
+                BACKEND,
+                format!("store task ended: {e}"),
+            )),
+        }
+    }
+
+    async fn finish_now(
+        &self,
+        id: &KeyId,
+        token: Option<LeaseToken>,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        check_finish(token, finish.to)?;
+        let (status, headers, body) = finish.response_columns();
+        let token_value = token.map(|t| t.0);
+        // The update and the read-back share a transaction, so the row returned is the one
+        // written (the update's row lock is held until commit).
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        let done = sqlx::query(sql::FINISH)
+            .bind(finish.to.is_retryable())
+            .bind(finish.to.as_str())
+            .bind(finish.to.is_retryable())
+            .bind(status)
+            .bind(headers)
+            .bind(body)
+            .bind(finish.error.as_deref())
+            .bind(token_value)
+            .bind(finish.actor.as_str())
+            .bind(&finish.reason)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .bind(token_value)
+            .bind(token_value)
+            .bind(finish.expect_token.map(|t| t.0))
+            .bind(finish.expect_token.map(|t| t.0))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        if done.rows_affected() != 1 {
+            tx.rollback().await.map_err(db)?;
+            return Err(refused_write(self, id, token.or(finish.expect_token)).await);
+        }
+        let row = sqlx::query(sql::GET)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        decode_record(&row)
+    }
+    async fn extend_now(
+        &self,
+        id: &KeyId,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<DateTime<Utc>, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        let done = sqlx::query(sql::EXTEND)
+            .bind(micros(lease))
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .bind(token.0)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        if done.rows_affected() != 1 {
+            tx.rollback().await.map_err(db)?;
+            return Err(refused_write(self, id, Some(token)).await);
+        }
+        let exp: Option<NaiveDateTime> = sqlx::query_scalar(sql::LEASE_OF)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        exp.map(|t| t.and_utc())
+            .ok_or_else(|| corrupt(format!("extended key {id} has no lease")))
+    }
+    async fn take_stale_now(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
+        let lease = micros(take.lease);
+        let taken = self
+            .with_picked(sql::PICK_STALE, take.limit, async |tx, picked| {
+                let update = with_in_list(sql::TAKE_PICKED, picked.len());
+                let mut update = sqlx::query(update).bind(&take.owner).bind(lease);
+                for (scope, key) in picked {
+                    update = update.bind(scope).bind(key);
+                }
+                update.execute(&mut *tx).await.map_err(db)?;
+                let read = with_in_list(sql::READ_PICKED, picked.len());
+                let mut read = sqlx::query(read);
+                for (scope, key) in picked {
+                    read = read.bind(scope).bind(key);
+                }
+                let rows = read.fetch_all(&mut *tx).await.map_err(db)?;
+                rows.iter()
+                    .map(decode_record)
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .await?;
+        Ok(taken.unwrap_or_default())
+    }
+    async fn purge_expired_now(&self, batch: u32) -> Result<u64, StoreError> {
+        let deleted = self
+            .with_picked(sql::PICK_EXPIRED, batch, async |tx, picked| {
+                let delete = with_in_list(sql::DELETE_PICKED, picked.len());
+                let mut delete = sqlx::query(delete);
+                for (scope, key) in picked {
+                    delete = delete.bind(scope).bind(key);
+                }
+                let done = delete.execute(&mut *tx).await.map_err(db)?;
+                Ok(done.rows_affected())
+            })
+            .await?;
+        Ok(deleted.unwrap_or(0))
+    }
+}
+
 #[async_trait]
 impl Store for MySqlStore {
     fn backend(&self) -> &'static str {
@@ -311,44 +451,9 @@ impl Store for MySqlStore {
         token: Option<LeaseToken>,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        check_finish(token, finish.to)?;
-        let (status, headers, body) = finish.response_columns();
-        let token_value = token.map(|t| t.0);
-        // The update and the read-back share a transaction, so the row returned is the one
-        // written (the update's row lock is held until commit).
-        let mut tx = self.pool.begin().await.map_err(db)?;
-        let done = sqlx::query(sql::FINISH)
-            .bind(finish.to.is_retryable())
-            .bind(finish.to.as_str())
-            .bind(finish.to.is_retryable())
-            .bind(status)
-            .bind(headers)
-            .bind(body)
-            .bind(finish.error.as_deref())
-            .bind(token_value)
-            .bind(finish.actor.as_str())
-            .bind(&finish.reason)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(token_value)
-            .bind(token_value)
-            .bind(finish.expect_token.map(|t| t.0))
-            .bind(finish.expect_token.map(|t| t.0))
-            .execute(&mut *tx)
+        let (id, finish) = (id.clone(), finish.clone());
+        self.detached(move |s| async move { s.finish_now(&id, token, &finish).await })
             .await
-            .map_err(db)?;
-        if done.rows_affected() != 1 {
-            tx.rollback().await.map_err(db)?;
-            return Err(refused_write(self, id, token.or(finish.expect_token)).await);
-        }
-        let row = sqlx::query(sql::GET)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        decode_record(&row)
     }
 
     #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]
@@ -393,28 +498,9 @@ impl Store for MySqlStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
-        let mut tx = self.pool.begin().await.map_err(db)?;
-        let done = sqlx::query(sql::EXTEND)
-            .bind(micros(lease))
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(token.0)
-            .execute(&mut *tx)
+        let id = id.clone();
+        self.detached(move |s| async move { s.extend_now(&id, token, lease).await })
             .await
-            .map_err(db)?;
-        if done.rows_affected() != 1 {
-            tx.rollback().await.map_err(db)?;
-            return Err(refused_write(self, id, Some(token)).await);
-        }
-        let exp: Option<NaiveDateTime> = sqlx::query_scalar(sql::LEASE_OF)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        exp.map(|t| t.and_utc())
-            .ok_or_else(|| corrupt(format!("extended key {id} has no lease")))
     }
 
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
@@ -433,43 +519,15 @@ impl Store for MySqlStore {
 
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
-        let lease = micros(take.lease);
-        let taken = self
-            .with_picked(sql::PICK_STALE, take.limit, async |tx, picked| {
-                let update = with_in_list(sql::TAKE_PICKED, picked.len());
-                let mut update = sqlx::query(update).bind(&take.owner).bind(lease);
-                for (scope, key) in picked {
-                    update = update.bind(scope).bind(key);
-                }
-                update.execute(&mut *tx).await.map_err(db)?;
-                let read = with_in_list(sql::READ_PICKED, picked.len());
-                let mut read = sqlx::query(read);
-                for (scope, key) in picked {
-                    read = read.bind(scope).bind(key);
-                }
-                let rows = read.fetch_all(&mut *tx).await.map_err(db)?;
-                rows.iter()
-                    .map(decode_record)
-                    .collect::<Result<Vec<_>, _>>()
-            })
-            .await?;
-        Ok(taken.unwrap_or_default())
+        let take = take.clone();
+        self.detached(move |s| async move { s.take_stale_now(&take).await })
+            .await
     }
 
     #[instrument(name = "idemflow.purge", skip(self), fields(backend = BACKEND), err)]
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        let deleted = self
-            .with_picked(sql::PICK_EXPIRED, batch, async |tx, picked| {
-                let delete = with_in_list(sql::DELETE_PICKED, picked.len());
-                let mut delete = sqlx::query(delete);
-                for (scope, key) in picked {
-                    delete = delete.bind(scope).bind(key);
-                }
-                let done = delete.execute(&mut *tx).await.map_err(db)?;
-                Ok(done.rows_affected())
-            })
-            .await?;
-        Ok(deleted.unwrap_or(0))
+        self.detached(move |s| async move { s.purge_expired_now(batch).await })
+            .await
     }
 
     async fn stats(&self) -> Result<Stats, StoreError> {
