@@ -35,7 +35,8 @@ pub enum Check {
     /// No lease is granted (takeover, reclaim, override) while a provider call of the key's
     /// previous holder is still running (finding 10: fixed leases).
     NoTakeoverDuringLiveCall,
-    /// The provider only acts for an actor whose lease is live and current (finding 10).
+    /// An actor sends only while its lease is unexpired and current, and the provider acts only
+    /// for an actor whose lease is still current (finding 10).
     NoEffectOutsideLease,
     /// No sweeper makes a key retryable after the provider acted on it (finding 1).
     SweeperNeverRetryableAfterEffect,

@@ -196,8 +196,21 @@ impl Shared {
     }
 
     /// Called when the provider acts for `label` on behalf of the running actor: that actor's
-    /// lease must still be live and current (finding 10: a call may outlive a fixed lease).
+    /// lease must still be current (finding 10: a call may outlive a fixed lease, and then
+    /// someone else took the key over).
     pub fn check_acting_lease(&mut self, label: &str) {
+        self.check_lease(label, false);
+    }
+
+    /// Checks, as the request leaves the actor, that it holds the key's lease: unexpired on the
+    /// database clock and current. (Once sent, a request may be acted on after the lease ran
+    /// out, if the store was too slow to renew it; what must never happen then is that someone
+    /// else holds the key, which `check_acting_lease` and `no_takeover_during_live_call` see.)
+    pub fn check_sending_lease(&mut self, label: &str) {
+        self.check_lease(label, true);
+    }
+
+    fn check_lease(&mut self, label: &str, sending: bool) {
         let Some(a) = current_actor() else { return };
         let Some((token, exp)) = self.holding.get(&(a, label.to_owned())).copied() else {
             return;
@@ -208,20 +221,23 @@ impl Shared {
             .get(label)
             .and_then(|g| g.last())
             .map(|(_, t)| *t);
-        if exp < now {
+        if sending && exp < now {
             let late = (now - exp).num_milliseconds();
             self.violate(
                 Check::NoEffectOutsideLease,
                 label,
-                format!(
-                    "the provider acted for a{a} {late} ms after its lease (token {token}) expired"
-                ),
+                format!("a{a} sent its request {late} ms after its lease (token {token}) expired"),
             );
         } else if latest != Some(token) {
+            let what = if sending {
+                "sent a request"
+            } else {
+                "the provider acted"
+            };
             self.violate(
                 Check::NoEffectOutsideLease,
                 label,
-                format!("the provider acted for a{a} holding token {token} after token {latest:?} was granted"),
+                format!("{what} for a{a} holding token {token} after token {latest:?} was granted"),
             );
         }
     }

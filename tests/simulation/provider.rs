@@ -144,6 +144,15 @@ impl Provider for SimProvider {
                     .insert(a);
             }
         }
+        {
+            let label = {
+                let sh = self.shared.lock().unwrap();
+                sh.labels.get(provider_key).cloned()
+            };
+            if let Some(label) = label {
+                self.shared.lock().unwrap().check_sending_lease(&label);
+            }
+        }
         let mut guard = LiveGuard {
             shared: &self.shared,
             pk: provider_key.to_owned(),

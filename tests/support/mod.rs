@@ -41,7 +41,8 @@ pub fn unreachable<T>(backend: &str, var: &str, e: impl std::fmt::Display) -> Op
     None
 }
 
-fn under_ci() -> bool {
+/// Whether this run is CI (`CI=true`): backends must answer, and soaks run their CI size.
+pub fn under_ci() -> bool {
     std::env::var("CI").as_deref() == Ok("true")
 }
 

@@ -47,8 +47,9 @@ pub const MIGRATIONS_TABLE: &str = "_idemflow_migrations";
 /// 65,535).
 const MAX_BATCH: u32 = 10_000;
 
-/// How often a claim is retried after InnoDB chose it as a deadlock victim.
-const CLAIM_ATTEMPTS: usize = 5;
+/// How often a claim, a `take_stale` or a purge runs when InnoDB keeps choosing it as a deadlock
+/// victim.
+const LOCK_ATTEMPTS: usize = 5;
 
 fn micros(d: Duration) -> i64 {
     millis(d) * 1000
@@ -78,6 +79,16 @@ fn is_retryable_lock_error(e: &sqlx::Error) -> bool {
         sqlx::Error::Database(d) => d
             .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
             .is_some_and(|m| matches!(m.number(), 1213 | 1205)),
+        _ => false,
+    }
+}
+
+/// Whether a store error is a lock conflict the server resolved by rolling the transaction back.
+fn is_lock_conflict(e: &StoreError) -> bool {
+    match e {
+        StoreError::Database { source, .. } => source
+            .downcast_ref::<sqlx::Error>()
+            .is_some_and(is_retryable_lock_error),
         _ => false,
     }
 }
@@ -176,7 +187,7 @@ impl MySqlStore {
             let res = q.execute(&self.pool).await;
             match res {
                 Ok(_) => return Ok(()),
-                Err(e) if attempt < CLAIM_ATTEMPTS && is_retryable_lock_error(&e) => {
+                Err(e) if attempt < LOCK_ATTEMPTS && is_retryable_lock_error(&e) => {
                     tracing::debug!(error = %e, "claim retried after a lock conflict");
                 }
                 Err(e) => return Err(db(e)),
@@ -210,6 +221,26 @@ impl MySqlStore {
         let out = then(&mut tx, &picked).await?;
         tx.commit().await.map_err(db)?;
         Ok(Some(out))
+    }
+}
+
+/// Runs the transaction `once` makes again when the server chose it as a deadlock victim (or
+/// timed it out on a lock): it was rolled back whole. Claims have always done this; a sweep's
+/// `take_stale` and a purge did not, and a sweep stopped on "Deadlock found" while claims and
+/// renewals ran on the same keys (found by the simulation).
+async fn retry_lock_conflicts<T, Fut>(mut once: impl FnMut() -> Fut) -> Result<T, StoreError>
+where
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match once().await {
+            Err(e) if attempt < LOCK_ATTEMPTS && is_lock_conflict(&e) => {
+                tracing::debug!(error = %e, "transaction retried after a lock conflict");
+            }
+            done => return done,
+        }
     }
 }
 
@@ -346,6 +377,10 @@ impl MySqlStore {
             .ok_or_else(|| corrupt(format!("extended key {id} has no lease")))
     }
     async fn take_stale_now(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
+        retry_lock_conflicts(|| self.take_stale_once(take)).await
+    }
+
+    async fn take_stale_once(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         let lease = micros(take.lease);
         let taken = self
             .with_picked(sql::PICK_STALE, take.limit, async |tx, picked| {
@@ -369,6 +404,10 @@ impl MySqlStore {
         Ok(taken.unwrap_or_default())
     }
     async fn purge_expired_now(&self, batch: u32) -> Result<u64, StoreError> {
+        retry_lock_conflicts(|| self.purge_expired_once(batch)).await
+    }
+
+    async fn purge_expired_once(&self, batch: u32) -> Result<u64, StoreError> {
         let deleted = self
             .with_picked(sql::PICK_EXPIRED, batch, async |tx, picked| {
                 let delete = with_in_list(sql::DELETE_PICKED, picked.len());
