@@ -3,9 +3,10 @@
 //! runs) is killed with payments stopped at three crash points, restarted at once on the same
 //! store and the same fake Stripe, with `idemflow reconcile --every 5s` running (the real binary,
 //! default sweeper settings; on Redis the same sweeper in-process, see below), and a client per
-//! payment retrying it with the same `Idempotency-Key` every second. Every payment must get its
-//! final answer (201, or 402 for the declined card) within 15 s of the restart, with the
-//! PaymentIntent the fake recorded for it, and the fake must have charged each payment once.
+//! payment retrying it with the same `Idempotency-Key` every second (the nine clients' retries
+//! spread over the second: each retries a connection error after 0.1 to 0.9 s). Every payment
+//! must get its final answer (201, or 402 for the declined card) within 15 s of the restart, with
+//! the PaymentIntent the fake recorded for it, and the fake must have charged each payment once.
 //!
 //! Crash points, three payments each (two cards, one declined card):
 //!
@@ -33,8 +34,9 @@
 //! its own store connections; killing it is `Runtime::shutdown_background`: the server task,
 //! every request future in flight (with the heartbeats running inside them) and the store's
 //! connections are dropped where they stand. Nothing is finished or released; the store's rows
-//! stay as written. Not a process kill: `cargo test` builds no example binaries for this test
-//! binary, and the crash points need a hook inside the service (the store decorator).
+//! stay as written. Not a process kill: the crash points need a hook inside the service (the
+//! store decorator), which the example binary does not offer (`tests/card_service.rs` kills that
+//! binary with SIGKILL mid-load, at no chosen point, and reconciles with `--once`).
 //!
 //! **The reconciler** is `idemflow reconcile --every 5s --config <file naming the fake as
 //! stripe>` against the run's `DATABASE_URL` (a SQLite file, a fresh PostgreSQL schema through
@@ -128,6 +130,9 @@ struct Payment {
     point: Point,
     amount: u64,
     declined: bool,
+    /// The client's retry after a connection error (the crash) comes this soon, so that the
+    /// clients' retries are spread over the second instead of all in step with the crash.
+    phase: Duration,
 }
 
 impl Payment {
@@ -145,7 +150,8 @@ impl Payment {
     }
 }
 
-/// Nine payments: three per crash point, the third of each with the declined card.
+/// Nine payments: three per crash point, the third of each with the declined card; the clients'
+/// retry phases spread over the second.
 fn payments() -> Vec<Payment> {
     let mut out = Vec::new();
     for (n, (letter, point)) in [
@@ -162,6 +168,8 @@ fn payments() -> Vec<Payment> {
                 point,
                 amount: 1000 + 100 * n as u64 + i,
                 declined: i == 3,
+                // a1 0.1 s, b1 0.2 s, c1 0.3 s, a2 0.4 s, ..., c3 0.9 s.
+                phase: Duration::from_millis(100 * (3 * (i - 1) + n as u64 + 1)),
             });
         }
     }
@@ -537,7 +545,8 @@ struct Answer {
 }
 
 /// Sends the payment with its key until an answer other than 409 / 503 comes (or `give_up`),
-/// waiting `Retry-After` capped at 1 s between tries (1 s after a connection error).
+/// waiting `Retry-After` capped at 1 s between tries (the payment's phase, under 1 s, after a
+/// connection error).
 async fn pay_until_final(
     http: reqwest::Client,
     base: watch::Receiver<String>,
@@ -590,7 +599,7 @@ async fn pay_until_final(
                     }
                     .into(),
                 );
-                RETRY_CAP
+                p.phase
             }
         };
         if give_up.borrow().is_some_and(|g| Instant::now() + wait > g) {
@@ -628,7 +637,7 @@ fn squeeze(trail: &[String]) -> String {
 }
 
 fn secs(d: Duration) -> String {
-    format!("{:.1} s", d.as_secs_f64())
+    format!("{:.2} s", d.as_secs_f64())
 }
 
 fn rel(at: Instant, crash: Instant) -> String {
