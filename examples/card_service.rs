@@ -16,8 +16,11 @@
 //! * `DATABASE_URL` (default `sqlite://card_service.db`): where idemflow keeps its keys.
 //! * `LISTEN_ADDR` (default `127.0.0.1:3000`; port 0 picks one). The bound address is printed
 //!   as `card_service listening on http://ADDR`.
-//! * `IDEMFLOW_LEASE_SECS` (default 30): how long a charge in flight holds its key before the
+//! * `IDEMFLOW_LEASE_SECS` (default: the library's [`ExecutorConfig::lease`], 9 s, renewed every
+//!   third of it while a charge runs): how long a key orphaned by a crash stays held before the
 //!   sweeper may settle it.
+//!
+//! [`ExecutorConfig::lease`]: idemflow::ExecutorConfig::lease
 //!
 //! Answers: 201 `{"payment_id", "provider_id", "status", "amount", "currency"}`; 402 with the
 //! decline (stored and replayed); 400 naming the invalid field (not stored: fix the body and
@@ -43,7 +46,7 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem};
 use idemflow::provider::{Provider, Stripe};
-use idemflow::{CallOutcome, Idempotency};
+use idemflow::{CallOutcome, Idempotency, Store};
 use serde_json::{Map, Value, json};
 
 /// The service's settings, from the environment.
@@ -57,8 +60,8 @@ pub struct Settings {
     pub stripe_base: String,
     /// The Stripe secret key.
     pub stripe_key: String,
-    /// The key lease.
-    pub lease: Duration,
+    /// The key lease (`None`: the library's default, [`idemflow::ExecutorConfig::lease`]).
+    pub lease: Option<Duration>,
 }
 
 impl Settings {
@@ -69,15 +72,15 @@ impl Settings {
             "STRIPE_API_KEY is not set: export your Stripe secret key (sk_test_... or sk_live_...)",
         )?;
         let lease = match var("IDEMFLOW_LEASE_SECS") {
-            None => Duration::from_secs(30),
-            Some(v) => Duration::from_secs_f64(
+            None => None,
+            Some(v) => Some(Duration::from_secs_f64(
                 v.parse::<f64>()
                     .ok()
                     .filter(|s| s.is_finite() && *s > 0.0)
                     .ok_or(format!(
                         "IDEMFLOW_LEASE_SECS={v:?} is not a positive number"
                     ))?,
-            ),
+            )),
         };
         Ok(Self {
             database_url: var("DATABASE_URL").unwrap_or_else(|| "sqlite://card_service.db".into()),
@@ -97,7 +100,19 @@ pub async fn connect(
     // Any backend this build has: sqlite:, postgres://, mysql:// or redis://.
     let store = idemflow::store::connect(&settings.database_url).await?;
     store.migrate().await?;
-    let idem = Idempotency::new(store).lease(settings.lease);
+    with_store(settings, store)
+}
+
+/// The executor over a store already open (with the settings' lease, else the library's
+/// default) and the Stripe adapter.
+pub fn with_store(
+    settings: &Settings,
+    store: Arc<dyn Store>,
+) -> Result<(Idempotency, Arc<Stripe>), Box<dyn std::error::Error>> {
+    let mut idem = Idempotency::new(store);
+    if let Some(lease) = settings.lease {
+        idem = idem.lease(lease);
+    }
     let stripe = Stripe::with_base_url(&settings.stripe_base, settings.stripe_key.clone())?;
     Ok((idem, Arc::new(stripe)))
 }
@@ -308,7 +323,9 @@ pub async fn serve(settings: Settings) -> Result<(), Box<dyn std::error::Error>>
     println!("card_service listening on http://{addr}");
     eprintln!(
         "card_service: keys in {}, Stripe at {}, lease {:?}",
-        settings.database_url, settings.stripe_base, settings.lease
+        settings.database_url,
+        settings.stripe_base,
+        idem.config().lease
     );
     axum::serve(listener, router(idem, stripe))
         .with_graceful_shutdown(async {

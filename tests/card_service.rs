@@ -37,7 +37,7 @@ async fn start(fake: &FakeStripe, lease: Duration) -> Service {
         listen_addr: "127.0.0.1:0".into(),
         stripe_base: fake.base_url().to_owned(),
         stripe_key: FakeStripe::API_KEY.into(),
-        lease,
+        lease: Some(lease),
     };
     let (idem, stripe) = card_service::connect(&settings).await.unwrap();
     let store = idem.store().clone();

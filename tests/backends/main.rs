@@ -13,6 +13,10 @@ mod support;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql_faults;
 
+// Issue 11's fast-recovery test: the card service killed mid-request, restarted, reconciled.
+#[cfg(all(feature = "axum", feature = "testkit", feature = "cli"))]
+mod fast_recovery;
+
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
