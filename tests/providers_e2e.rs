@@ -122,7 +122,7 @@ async fn resend_key_without_stored_request_is_left_for_an_operator() {
     let store: Arc<dyn Store> = Arc::new(store);
     let idem = Idempotency::new(store.clone())
         .store_request(false)
-        .lease(Duration::from_millis(100));
+        .lease(Duration::from_millis(400));
     let body = json!({"from": "a@x.test", "to": ["b@y.test"], "subject": "Welcome", "text": "Hi"});
     let req = IdempotentRequest::new("app", "welcome-2", "email.welcome", &body).unwrap();
     let id = req.id().clone();

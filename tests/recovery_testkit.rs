@@ -154,8 +154,9 @@ async fn failed_completion_is_settled_with_one_charge(store: Arc<dyn Store>, _ur
     // The charge succeeds, then storing the answer fails (the database connection drops).
     let flaky: Arc<dyn Store> =
         Arc::new(idemflow::conformance::FaultyStore::new(store.clone()).fail_worker_finishes(1));
+    // A lease a loaded database's claim cannot outlast: `call` sends only while it is surely held.
     let err = Idempotency::new(flaky)
-        .lease(Duration::from_millis(100))
+        .lease(Duration::from_millis(400))
         .call(charge("complete-1"), stripe.as_ref())
         .await
         .unwrap_err();
@@ -163,7 +164,7 @@ async fn failed_completion_is_settled_with_one_charge(store: Arc<dyn Store>, _ur
     assert_eq!(fake.ledger().len(), 1);
     let row = store.get(charge("complete-1").id()).await.unwrap().unwrap();
     assert_eq!(row.state, KeyState::Processing, "nothing half-written");
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    tokio::time::sleep(Duration::from_millis(450)).await;
 
     let report = sweeper(store.clone(), stripe.clone())
         .run_once()
@@ -287,7 +288,7 @@ async fn crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_o
             .unwrap()
             .search_lag(Duration::ZERO),
     );
-    let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(100));
+    let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(400));
     let email = json!({"From": "shop@x.test", "To": "ana@y.test", "Subject": "Receipt", "TextBody": "Thanks"});
     let req = || IdempotentRequest::new("shop-1", "mail-1", "email.send", &email).unwrap();
 
@@ -298,7 +299,7 @@ async fn crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_o
         reached,
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    tokio::time::sleep(Duration::from_millis(450)).await;
 
     let report = sweeper(store.clone(), postmark.clone())
         .run_once()

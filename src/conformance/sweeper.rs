@@ -24,8 +24,10 @@ use chrono::{DateTime, Utc};
 use super::fake::FakeProvider;
 use super::unique;
 
-/// The lease workers take in these tests: short, so keys go stale quickly.
-pub const LEASE: Duration = Duration::from_millis(150);
+/// The lease workers take in these tests: short, so keys go stale quickly, and long enough that
+/// a claim answered slowly by a loaded database still leaves the worker time to send
+/// (`Context::may_send` refuses to send once the lease may have run out).
+pub const LEASE: Duration = Duration::from_millis(400);
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
 pub fn worker(store: &Arc<dyn Store>) -> Idempotency {
@@ -1054,7 +1056,7 @@ pub async fn paused_past_the_lease_after_claim_sends_nothing(store: Arc<dyn Stor
 pub async fn takeover_answered_after_its_window_sends_nothing(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", DAY);
     let scope = unique("late-takeover");
-    let window = Duration::from_millis(1000);
+    let window = Duration::from_millis(2000);
     let req = as_call(pay(&scope, "k1", 500), &cards);
     let (at, reached) = tokio::sync::oneshot::channel();
     cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
@@ -1169,15 +1171,15 @@ pub async fn sweeper_paused_past_its_lease_renews_before_redriving(store: Arc<dy
 /// re-drive inside the window but could send only after it closed (the store answered late)
 /// sends nothing and checks the key again later.
 pub async fn redrive_window_closing_before_the_send_sends_nothing(store: Arc<dyn Store>) {
-    // Re-driven until 1 s after the first claim (a 1.2 s window less a 200 ms margin).
-    let cards = FakeProvider::keyed("cards", Duration::from_millis(1200));
+    // Re-driven until 2 s after the first claim (a 2.2 s window less a 200 ms margin).
+    let cards = FakeProvider::keyed("cards", Duration::from_millis(2200));
     let scope = unique("late-redrive");
     let req = as_call(pay(&scope, "k1", 500), &cards);
     let (at, reached) = tokio::sync::oneshot::channel();
     cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
     wait_stale().await;
     let slow: Arc<dyn Store> = Arc::new(
-        FaultyStore::new(store.clone()).answer_mark_attempts_late(Duration::from_millis(1000)),
+        FaultyStore::new(store.clone()).answer_mark_attempts_late(Duration::from_millis(2000)),
     );
     let report = sweeper(&slow, &cards)
         .redrive_margin(Duration::from_millis(200))
