@@ -16,9 +16,9 @@
 //! * `DATABASE_URL` (default `sqlite://card_service.db`): where idemflow keeps its keys.
 //! * `LISTEN_ADDR` (default `127.0.0.1:3000`; port 0 picks one). The bound address is printed
 //!   as `card_service listening on http://ADDR`.
-//! * `IDEMFLOW_LEASE_SECS` (default: the library's [`ExecutorConfig::lease`], 9 s, renewed every
-//!   third of it while a charge runs): how long a key orphaned by a crash stays held before the
-//!   sweeper may settle it.
+//! * `IDEMFLOW_LEASE_SECS` (default: the library's [`ExecutorConfig::lease`], 6 s, renewed every
+//!   third of it, 2 s, while a charge runs): how long a key orphaned by a crash stays held before
+//!   the sweeper may settle it.
 //!
 //! [`ExecutorConfig::lease`]: idemflow::ExecutorConfig::lease
 //!

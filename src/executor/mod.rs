@@ -30,8 +30,10 @@ pub struct ExecutorConfig {
     /// How long a claim holds the key before a sweeper (or a retry within the takeover window)
     /// may take it over. `execute` renews it every third of the lease while the operation runs,
     /// so a live operation keeps its key however long it takes, and a key orphaned by a crash
-    /// is free again within one lease. Default 9 s: three renewals per lease, each with about
-    /// 3 s to get through before the next one is due.
+    /// is free again within one lease. Default 6 s: a renewal every 2 s, each with about 2 s to
+    /// get through before the next is due and two that may fail before the lease runs out; an
+    /// orphaned key is free within 6 s, so a sweep every 5 s answers it within about 12 s of a
+    /// crash (`docs/reliability.md`, "Crash matrix").
     pub lease: Duration,
     /// How long a finished key is kept and replayed. Default 24 h.
     pub retention: Duration,
@@ -59,7 +61,7 @@ pub struct ExecutorConfig {
 impl ExecutorConfig {
     fn defaults() -> Self {
         Self {
-            lease: Duration::from_secs(9),
+            lease: Duration::from_secs(6),
             retention: Duration::from_secs(24 * 3600),
             owner: format!("worker-{}", std::process::id()),
             store_request: true,

@@ -1,5 +1,5 @@
 //! Fast recovery with default settings (issue 11), on every backend: the card service
-//! (`examples/card_service.rs`, library defaults: a 9 s lease renewed every 3 s while a charge
+//! (`examples/card_service.rs`, library defaults: a 6 s lease renewed every 2 s while a charge
 //! runs) is killed with payments stopped at three crash points, restarted at once on the same
 //! store and the same fake Stripe, with `idemflow reconcile --every 5s` running (the real binary,
 //! default sweeper settings; on Redis the same sweeper in-process, see below), and a client per
@@ -10,23 +10,23 @@
 //!
 //! Crash points, three payments each (two cards, one declined card):
 //!
-//! * `a` **claimed, not sent**: the key is claimed (processing, 9 s lease), the charge has not
+//! * `a` **claimed, not sent**: the key is claimed (processing, 6 s lease), the charge has not
 //!   left for Stripe (the store decorator holds the claim's answer: the heartbeat never starts).
 //! * `b` **charged, answer lost**: the fake charged and saved its idempotent answer but never
 //!   answers (`Faults::hang_next_response`); the service is killed right after the first
-//!   heartbeat renewal of these keys, so their lease has nearly 9 s left: the worst case.
+//!   heartbeat renewal of these keys, so their lease has nearly 6 s left: the worst case.
 //! * `c` **answered, not finished**: Stripe's answer reached the handler, the layer built the
 //!   response, and the decorator holds the executor's `finish` (the heartbeat has stopped with
 //!   the operation, as in the real code).
 //!
 //! **Timeline.** The reconciler runs from the start, like a deployment's. `b` is sent so that the
 //! kill, right after `b`'s first renewal (a third of the lease later), comes
-//! `IDEMFLOW_FAST_RECOVERY_SWEEP_AT` seconds (default 1.5) before one of the reconciler's sweeps;
-//! `a` and `c` are sent 1 s before that renewal, so the kill leaves them about 8 s of lease and
-//! `b` 9 s. The restart follows at once (a few ms). Over all phases of the reconciler the `b` keys
-//! are settled 9 to 14 s after the crash (a sweep just before their lease runs out misses them
+//! `IDEMFLOW_FAST_RECOVERY_SWEEP_AT` seconds (default 3.5) before one of the reconciler's sweeps;
+//! `a` and `c` are sent 1 s before that renewal, so the kill leaves them about 5 s of lease and
+//! `b` 6 s. The restart follows at once (a few ms). Over all phases of the reconciler the `b` keys
+//! are settled 6 to 11 s after the crash (a sweep just before their lease runs out misses them
 //! and the next comes 5 s later), then a client sees the answer at its next retry, up to 1 s
-//! later. The default phase is the median case; `IDEMFLOW_FAST_RECOVERY_SWEEP_AT=3.97` puts a
+//! later. The default phase is the median case; `IDEMFLOW_FAST_RECOVERY_SWEEP_AT=0.97` puts a
 //! sweep just before the `b` leases run out: the worst case (docs/reliability.md, "Crash
 //! matrix").
 //!
@@ -515,9 +515,9 @@ fn start_in_process(store: Arc<dyn Store>, fake: &FakeStripe) -> Reconciler {
 }
 
 /// When the reconciler's first sweep after the crash comes, after the crash:
-/// `IDEMFLOW_FAST_RECOVERY_SWEEP_AT` seconds (0 to 5), default 1.5 (the median case: over all
-/// phases the `b` keys are settled 9 to 14 s after the crash, here at 11.5 s; and no wait for
-/// the alignment).
+/// `IDEMFLOW_FAST_RECOVERY_SWEEP_AT` seconds (0 to 5), default 3.5 (the median case with the
+/// default 6 s lease: over all phases the `b` keys are settled 6 to 11 s after the crash, here at
+/// 8.5 s).
 fn sweep_at() -> Duration {
     match std::env::var("IDEMFLOW_FAST_RECOVERY_SWEEP_AT") {
         Ok(v) if !v.is_empty() => {
@@ -530,7 +530,7 @@ fn sweep_at() -> Duration {
             );
             Duration::from_secs_f64(s)
         }
-        _ => Duration::from_millis(1500),
+        _ => Duration::from_millis(3500),
     }
 }
 
