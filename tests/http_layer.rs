@@ -702,3 +702,46 @@ async fn retryable_marker_after_an_unknown_run_does_not_make_the_key_retryable()
     let rec = s.get(&id).await.unwrap().unwrap();
     assert_eq!(rec.state, KeyState::Processing);
 }
+
+/// A server paused past its lease between the claim and the handler (a long GC pause, a
+/// suspended VM) runs nothing when it wakes: the layer checks `may_send` before the handler, as
+/// `Idempotency::call` does before the provider call. The key is left retryable (nothing ran) and
+/// the client's retry runs the handler once.
+#[tokio::test]
+async fn a_claim_answered_after_its_lease_runs_no_handler() {
+    let inner = store().await;
+    let lease = Duration::from_millis(300);
+    let paused: Arc<dyn Store> = Arc::new(
+        idemflow::conformance::FaultyStore::new(inner.clone())
+            .answer_claims_late(lease + Duration::from_millis(200)),
+    );
+    let c = App::default();
+    let layer = IdempotencyLayer::new(Idempotency::new(paused).lease(lease))
+        .scope_from_header(HeaderName::from_static("x-account-id"));
+    let slow_app = Router::new()
+        .route("/payments", post(create))
+        .layer(layer)
+        .with_state(c.clone());
+    let a = send(
+        &slow_app,
+        post_req("/payments", Some("k-paused"), "acct_1", BODY),
+    )
+    .await;
+    assert!(a.status.is_server_error(), "{:?} {:?}", a.status, a.body);
+    assert_eq!(c.runs.load(Ordering::SeqCst), 0, "the handler must not run");
+    let id = idemflow::KeyId::new(
+        idemflow::Scope::new("acct_1").unwrap(),
+        idemflow::IdempotencyKey::new("k-paused").unwrap(),
+    );
+    let row = inner.get(&id).await.unwrap().expect("key row");
+    assert_eq!(row.state, KeyState::Failed { retryable: true });
+
+    let app = router(inner, c.clone(), |l| l);
+    let retry = send(
+        &app,
+        post_req("/payments", Some("k-paused"), "acct_1", BODY),
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(c.runs.load(Ordering::SeqCst), 1);
+}

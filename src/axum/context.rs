@@ -29,6 +29,8 @@ pub struct IdempotencyContext {
     pub(crate) attempt: i32,
     pub(crate) token: LeaseToken,
     pub(crate) request: Arc<Value>,
+    /// The executor's view of this attempt (its lease, renewed while the handler runs).
+    pub(crate) attempt_ctx: crate::Context,
 }
 
 impl IdempotencyContext {
@@ -66,6 +68,20 @@ impl IdempotencyContext {
     /// The fencing token of this attempt.
     pub fn lease_token(&self) -> LeaseToken {
         self.token
+    }
+
+    /// Whether this attempt may still send the request that acts: its lease is surely held and,
+    /// after a takeover, the provider's window is still open (see [`crate::Context::may_send`]).
+    /// The layer checks it before running the handler; a handler that waits before calling the
+    /// provider (a queue, a slow lock) should check it again right before the call, and answer
+    /// with [`NothingHappened`](super::NothingHappened) when it is `false`.
+    pub fn may_send(&self) -> bool {
+        self.attempt_ctx.may_send()
+    }
+
+    /// Whether this attempt has lost its lease (see [`crate::Context::lease_lost`]).
+    pub fn lease_lost(&self) -> bool {
+        self.attempt_ctx.lease_lost()
     }
 
     /// The stored request (see

@@ -208,6 +208,11 @@ where
                 let Some(parts) = parts_slot.take() else {
                     return Outcome::unknown("the request head was already used");
                 };
+                // The last check the layer can make before the handler acts: a process paused
+                // past its lease since the claim, or a takeover past its window, runs nothing.
+                if let Some(why) = ctx.send_refusal() {
+                    return Outcome::retryable(format!("handler not run: {why}"));
+                }
                 let handler_ctx = IdempotencyContext {
                     id: ctx.id().clone(),
                     operation,
@@ -215,6 +220,7 @@ where
                     attempt: ctx.attempt(),
                     token: ctx.lease_token(),
                     request: Arc::new(serde_json::from_str(ctx.request()).unwrap_or(Value::Null)),
+                    attempt_ctx: ctx.clone(),
                 };
                 let mut req = Request::from_parts(parts, Body::from(bytes));
                 req.extensions_mut().insert(handler_ctx);
