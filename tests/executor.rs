@@ -495,3 +495,39 @@ async fn a_lost_lease_is_visible_to_the_operation_and_its_result_is_not_stored()
     assert_eq!(row.state, KeyState::Failed { retryable: false });
     assert_eq!(row.response.unwrap().body(), b"operator");
 }
+
+/// Settings are user input: the largest lease a `Duration` can hold is capped as the stores cap
+/// it (100 years), not added to a local `Instant` as is (which panics on overflow).
+#[tokio::test]
+async fn a_huge_lease_is_capped_not_a_panic() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone())
+        .lease(Duration::MAX)
+        .retry_takeover_window(Some(Duration::MAX));
+    let out = idem
+        .execute(req("s", "huge-lease", 100), |ctx| async move {
+            assert!(ctx.may_send(), "a 100-year lease is held");
+            Outcome::Succeeded(StoredResponse::json(201, &serde_json::json!({"ok": true})).unwrap())
+        })
+        .await
+        .unwrap();
+    assert_eq!(out.response().status(), 201);
+}
+
+/// The same for the sweeper: a huge lease does not panic (its batch renewal caps it as well).
+#[tokio::test]
+async fn a_huge_sweeper_lease_is_capped_not_a_panic() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone()).lease(Duration::ZERO);
+    let _ = idem
+        .execute(req("s", "orphan", 100), |_ctx| async {
+            Outcome::unknown("lost")
+        })
+        .await;
+    let report = idemflow::Sweeper::new(store.clone(), idemflow::Providers::new())
+        .lease(Duration::MAX)
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(report.taken, 1, "{report:?}");
+}

@@ -81,6 +81,8 @@ pub(crate) async fn renew(
         // A zero lease is stale from the start by choice: there is nothing to keep.
         return std::future::pending().await;
     }
+    // What the store grants (leases are capped at 100 years); local instants use the same.
+    let lease = crate::store::capped(lease);
     let every = period(lease);
     // Local deadline of the lease as last renewed; a renewal counts from when it was sent.
     let mut held_until = tx.borrow().held_until;

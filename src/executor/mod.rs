@@ -260,7 +260,8 @@ impl Idempotency {
             ClaimOutcome::Claimed(lease) => lease,
         };
         let id = request.id.clone();
-        let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at, asked + cfg.lease);
+        let held_until = asked + crate::store::capped(cfg.lease);
+        let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
         let ctx = Context {
             id: id.clone(),
             provider_key: lease.provider_key.clone(),
@@ -465,7 +466,7 @@ fn takeover_send_by(
         return None;
     }
     let window = chrono::Duration::from_std(cfg.retry_takeover_window?).ok()?;
-    let lease_len = chrono::Duration::from_std(cfg.lease).unwrap_or(chrono::TimeDelta::MAX);
+    let lease_len = chrono::Duration::from_std(crate::store::capped(cfg.lease)).ok()?;
     let db_now = lease.expires_at.checked_sub_signed(lease_len)?;
     // A window too large to add is no deadline at all (the store caps durations at 100 years).
     let closes = lease.created_at.checked_add_signed(window)?;

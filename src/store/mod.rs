@@ -318,6 +318,13 @@ pub fn millis(d: Duration) -> i64 {
         .min(MAX_DURATION_MS)
 }
 
+/// A duration capped as [`millis`] caps it: what a store actually grants for `d`. Local clocks
+/// must use it too (`Instant + Duration::MAX` would panic, and a lease the store capped must not
+/// be believed longer locally).
+pub fn capped(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(millis(d)).unwrap_or(0))
+}
+
 /// Checks `finish.to` against the state machine for a fenced (`Some`) or override (`None`) write.
 pub fn check_finish(token: Option<LeaseToken>, to: KeyState) -> Result<Transition, StoreError> {
     let t = match (token, to) {

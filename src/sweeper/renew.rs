@@ -40,7 +40,8 @@ async fn renew_forever(
     lease: Duration,
     renewed_at: &mut Instant,
 ) -> Infallible {
-    let every = (lease / 3).max(Duration::from_millis(1));
+    // Capped as the store caps it: `Instant + Duration::MAX` would panic.
+    let every = (crate::store::capped(lease) / 3).max(Duration::from_millis(1));
     loop {
         let due = *renewed_at + every;
         tokio::time::sleep_until(due.into()).await;
