@@ -60,6 +60,11 @@ impl LeaseWatch {
     }
 }
 
+/// Until when a lease of `lease` asked for at `sent` is surely held, on this process's clock.
+pub(crate) fn held_from(sent: Instant, lease: Duration) -> Instant {
+    sent + crate::store::surely_held_for(lease)
+}
+
 /// How often a lease of `lease` is renewed: every third of it (at least every millisecond).
 pub(crate) fn period(lease: Duration) -> Duration {
     (lease / 3).max(Duration::from_millis(1))
@@ -95,7 +100,7 @@ pub(crate) async fn renew(
         let sent = Instant::now();
         match store.extend(id, token, lease).await {
             Ok(expires_at) => {
-                held_until = sent + lease;
+                held_until = held_from(sent, lease);
                 wait = every;
                 tx.send_modify(|s| {
                     s.expires_at = expires_at;

@@ -260,7 +260,7 @@ impl Idempotency {
             ClaimOutcome::Claimed(lease) => lease,
         };
         let id = request.id.clone();
-        let held_until = asked + crate::store::capped(cfg.lease);
+        let held_until = heartbeat::held_from(asked, cfg.lease);
         let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
         let ctx = Context {
             id: id.clone(),

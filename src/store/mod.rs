@@ -325,6 +325,13 @@ pub fn capped(d: Duration) -> Duration {
     Duration::from_millis(u64::try_from(millis(d)).unwrap_or(0))
 }
 
+/// How long a lease of `lease` is surely held, counted on the caller's clock from when it was
+/// asked for: [`capped`], less a millisecond, the grain of the coarsest store clock (SQLite and
+/// Redis read milliseconds, so a lease granted at `t` may end up to 1 ms before `t + lease`).
+pub fn surely_held_for(lease: Duration) -> Duration {
+    capped(lease).saturating_sub(Duration::from_millis(1))
+}
+
 /// Checks `finish.to` against the state machine for a fenced (`Some`) or override (`None`) write.
 pub fn check_finish(token: Option<LeaseToken>, to: KeyState) -> Result<Transition, StoreError> {
     let t = match (token, to) {

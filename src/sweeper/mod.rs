@@ -459,7 +459,8 @@ impl Sweeper {
                 // margin) has not closed while the store answered.
                 let send_now =
                     now + chrono::Duration::from_std(handled.elapsed()).unwrap_or_default();
-                let refusal = if asked.elapsed() >= self.config.lease {
+                let refusal = if asked.elapsed() >= crate::store::surely_held_for(self.config.lease)
+                {
                     Some("the lease ran out before the re-drive could be sent".to_owned())
                 } else if !spec.as_ref().is_some_and(|s| {
                     s.may_redrive(record.created_at, send_now, self.config.redrive_margin)
