@@ -4,14 +4,17 @@
 use std::time::Duration;
 
 use idemflow::store::TakeStale;
-use idemflow::store::postgres::{PostgresStore, TAKE_STALE_SQL};
+use idemflow::store::postgres::{
+    DEFAULT_MAX_CONNECTIONS, PoolExhausted, PostgresOptions, PostgresStore, TAKE_STALE_SQL,
+};
 use idemflow::{KeyId, LeaseToken, Store, async_trait};
 use sqlx::migrate::Migrator;
 use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Executor, Row};
 
 use crate::sql_faults::SqlDatabase;
-use crate::support::postgres::{connection_in, drop_schema, fresh_schema, pool_in};
+use crate::support::backend_url;
+use crate::support::postgres::{URL_VAR, connection_in, drop_schema, fresh_schema, pool_in};
 
 mod suite {
     idemflow::conformance_tests!(crate::support::postgres::store);
@@ -171,4 +174,60 @@ async fn stale_key_query_uses_the_partial_index_on_a_big_table() {
     assert_eq!(taken.len(), 100);
     assert!(taken.iter().all(|r| r.lease_token == LeaseToken(2)));
     drop_schema(&url, &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_sizes_the_pool_for_concurrency_and_connect_with_is_honoured() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let store = PostgresStore::connect(&url).await.unwrap();
+    assert_eq!(DEFAULT_MAX_CONNECTIONS, 32);
+    assert_eq!(store.pool().options().get_max_connections(), 32);
+    assert_eq!(
+        store.pool().options().get_acquire_timeout(),
+        Duration::from_secs(5)
+    );
+
+    let options = PostgresOptions::default()
+        .max_connections(7)
+        .min_connections(2)
+        .acquire_timeout(Duration::from_millis(1500));
+    let store = PostgresStore::connect_with(&url, options).await.unwrap();
+    let o = store.pool().options();
+    assert_eq!(o.get_max_connections(), 7);
+    assert_eq!(o.get_min_connections(), 2);
+    assert_eq!(o.get_acquire_timeout(), Duration::from_millis(1500));
+
+    let zero =
+        PostgresStore::connect_with(&url, PostgresOptions::default().max_connections(0)).await;
+    assert!(
+        matches!(zero, Err(idemflow::StoreError::Config(_))),
+        "{zero:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_beyond_the_pool_wait_then_get_pool_exhausted() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let options = PostgresOptions::default()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(300));
+    let store = PostgresStore::connect_with(&url, options).await.unwrap();
+    let held = store.pool().acquire().await.unwrap();
+    let started = std::time::Instant::now();
+    let err = store.now().await.unwrap_err();
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(250), "{waited:?}");
+    assert!(waited < Duration::from_secs(3), "{waited:?}");
+    let source = std::error::Error::source(&err).expect("a source");
+    let exhausted = source
+        .downcast_ref::<PoolExhausted>()
+        .unwrap_or_else(|| panic!("not PoolExhausted: {err}"));
+    assert_eq!(exhausted.max_connections, 1);
+    assert!(err.to_string().contains("max_connections"), "{err}");
+    drop(held);
+    store.now().await.unwrap();
 }

@@ -1,8 +1,9 @@
 //! The PostgreSQL store (feature `postgres`): many app instances, workers and sweepers on one
 //! database, coordinated by row locks, `ON CONFLICT` and `FOR UPDATE SKIP LOCKED`.
 //!
-//! - A claim is one statement: a replay is one round trip and takes no lock; a new key is one
-//!   round trip (two only when a concurrent claimer commits the same key at the same moment).
+//! - A claim is one statement (a call of the `idempotency_keys_claim` function): a replay is one
+//!   round trip, one primary-key read and takes no lock; a new key is one round trip (two only
+//!   when a concurrent claimer commits the same key at the same moment).
 //! - Every time is the server's `statement_timestamp()`; the application hosts' clocks are
 //!   never used.
 //! - History rows are written by a trigger keyed on the row's `version`, inside the statement
@@ -59,6 +60,88 @@ fn db(e: sqlx::Error) -> StoreError {
     StoreError::database(BACKEND, e)
 }
 
+/// Default [`PostgresOptions::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 32;
+
+/// Default [`PostgresOptions::acquire_timeout`].
+pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How [`PostgresStore::connect_with`] sizes its pool.
+///
+/// Every store call holds one connection for one statement (a claim, a finish, a read), so the
+/// pool bounds how many calls run at once; calls beyond it queue inside the pool, in order, for
+/// at most `acquire_timeout`, then fail with [`StoreError::Database`] whose source is
+/// [`PoolExhausted`]. Size it to the number of calls you expect in flight per process (each
+/// `execute` makes two store calls, not at the same time), and keep the sum over all processes
+/// below the server's `max_connections` minus its reserved slots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PostgresOptions {
+    /// Connections at most (default [`DEFAULT_MAX_CONNECTIONS`], 32).
+    pub max_connections: u32,
+    /// Connections kept open when idle (default 0).
+    pub min_connections: u32,
+    /// How long a call waits for a free connection before failing (default
+    /// [`DEFAULT_ACQUIRE_TIMEOUT`], 5 s).
+    pub acquire_timeout: Duration,
+}
+
+impl Default for PostgresOptions {
+    fn default() -> Self {
+        Self {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            min_connections: 0,
+            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
+        }
+    }
+}
+
+impl PostgresOptions {
+    /// Connections at most (at least 1).
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// Connections kept open when idle (capped at `max_connections`).
+    pub fn min_connections(mut self, n: u32) -> Self {
+        self.min_connections = n;
+        self
+    }
+
+    /// How long a call waits for a free connection before failing.
+    pub fn acquire_timeout(mut self, d: Duration) -> Self {
+        self.acquire_timeout = d;
+        self
+    }
+}
+
+/// The source of the [`StoreError::Database`] returned when every pool connection stayed busy
+/// for the whole acquire timeout.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "all {max_connections} pool connections stayed busy for {waited:?}; raise PostgresOptions::max_connections (or the acquire timeout), or send fewer concurrent calls"
+)]
+pub struct PoolExhausted {
+    /// The pool's size.
+    pub max_connections: u32,
+    /// How long the call waited.
+    pub waited: Duration,
+}
+
+fn pool_error(max_connections: u32, waited: Duration, e: sqlx::Error) -> StoreError {
+    match e {
+        sqlx::Error::PoolTimedOut => StoreError::database(
+            BACKEND,
+            PoolExhausted {
+                max_connections,
+                waited,
+            },
+        ),
+        e => db(e),
+    }
+}
+
 /// A [`Store`] on PostgreSQL.
 ///
 /// ```no_run
@@ -75,21 +158,54 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
-    /// Connects a pool (10 connections at most) to `url`.
+    /// Connects a pool with the default [`PostgresOptions`] (32 connections at most, callers
+    /// beyond that wait up to 5 s for a connection) to `url`.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let options = PgConnectOptions::from_str(url)
+        Self::connect_with(url, PostgresOptions::default()).await
+    }
+
+    /// Connects a pool sized by `options` to `url`.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idemflow::StoreError> {
+    /// use std::time::Duration;
+    /// use idemflow::store::postgres::{PostgresOptions, PostgresStore};
+    /// let store = PostgresStore::connect_with(
+    ///     "postgres://app@db.internal/app",
+    ///     PostgresOptions::default()
+    ///         .max_connections(64)
+    ///         .acquire_timeout(Duration::from_secs(2)),
+    /// )
+    /// .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn connect_with(url: &str, options: PostgresOptions) -> Result<Self, StoreError> {
+        if options.max_connections == 0 {
+            return Err(StoreError::Config(
+                "PostgresOptions::max_connections must be at least 1".into(),
+            ));
+        }
+        let connect = PgConnectOptions::from_str(url)
             .map_err(|e| StoreError::Config(format!("bad PostgreSQL URL: {e}")))?;
         let pool = PgPoolOptions::new()
-            .max_connections(10)
-            .connect_with(options)
+            .max_connections(options.max_connections)
+            .min_connections(options.min_connections.min(options.max_connections))
+            .acquire_timeout(options.acquire_timeout)
+            .connect_with(connect)
             .await
-            .map_err(db)?;
+            .map_err(|e| pool_error(options.max_connections, options.acquire_timeout, e))?;
         Ok(Self::from_pool(pool))
     }
 
     /// Uses a pool you manage (its `search_path` decides the schema).
     pub fn from_pool(pool: PgPool) -> Self {
         Self { pool }
+    }
+
+    fn err(&self, e: sqlx::Error) -> StoreError {
+        let o = self.pool.options();
+        pool_error(o.get_max_connections(), o.get_acquire_timeout(), e)
     }
 
     /// The pool (for tests and tools that need raw access).
@@ -106,7 +222,7 @@ impl PostgresStore {
             .bind(id.key.as_str())
             .fetch_optional(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         match row {
             None => Ok(None),
             Some(row) => Ok(Some((decode_record(&row)?, row.time_at("db_now")?))),
@@ -147,7 +263,7 @@ impl Store for PostgresStore {
         sqlx::query_scalar(sql::NOW)
             .fetch_one(&self.pool)
             .await
-            .map_err(db)
+            .map_err(|e| self.err(e))
     }
 
     #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
@@ -167,7 +283,7 @@ impl Store for PostgresStore {
                 .bind(claim.takeover_window.map(ms))
                 .fetch_optional(&self.pool)
                 .await
-                .map_err(db)?;
+                .map_err(|e| self.err(e))?;
             let row = match row {
                 Some(row) => row,
                 // A concurrent claimer committed the key after this statement's snapshot: the
@@ -183,7 +299,7 @@ impl Store for PostgresStore {
                     None => continue,
                 },
             };
-            let claimed: bool = row.try_get("claimed").map_err(db)?;
+            let claimed: bool = row.try_get("claimed").map_err(|e| self.err(e))?;
             if !claimed {
                 return Ok(ClaimOutcome::Existing {
                     record: Box::new(decode_record(&row)?),
@@ -224,7 +340,7 @@ impl Store for PostgresStore {
             .bind(finish.expect_token.map(|t| t.0))
             .fetch_optional(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         match row {
             Some(row) => decode_record(&row),
             None => Err(refused_write(self, id, token.or(finish.expect_token)).await),
@@ -248,7 +364,7 @@ impl Store for PostgresStore {
             .bind(&release.reason)
             .execute(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
@@ -260,7 +376,7 @@ impl Store for PostgresStore {
             .bind(token.0)
             .execute(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
@@ -278,7 +394,7 @@ impl Store for PostgresStore {
             .bind(ms(lease))
             .fetch_optional(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         match exp {
             Some(exp) => Ok(exp),
             None => Err(refused_write(self, id, Some(token)).await),
@@ -295,7 +411,7 @@ impl Store for PostgresStore {
             .bind(id.key.as_str())
             .fetch_all(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         rows.iter().map(decode_event).collect()
     }
 
@@ -307,7 +423,7 @@ impl Store for PostgresStore {
             .bind(i64::from(take.limit))
             .fetch_all(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         rows.iter().map(decode_record).collect()
     }
 
@@ -317,7 +433,7 @@ impl Store for PostgresStore {
             .bind(i64::from(batch))
             .execute(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         Ok(done.rows_affected())
     }
 
@@ -325,7 +441,7 @@ impl Store for PostgresStore {
         let row = sqlx::query(sql::STATS)
             .fetch_one(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         decode_stats(&row)
     }
 
@@ -334,13 +450,13 @@ impl Store for PostgresStore {
             .bind(ms(older_than))
             .fetch_one(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         let rows = sqlx::query(sql::STUCK_LIST)
             .bind(ms(older_than))
             .bind(i64::from(limit))
             .fetch_all(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         Ok(Stuck {
             count,
             oldest: rows.iter().map(decode_record).collect::<Result<_, _>>()?,
@@ -351,7 +467,7 @@ impl Store for PostgresStore {
         let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
             .fetch_one(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 }

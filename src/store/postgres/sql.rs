@@ -16,33 +16,6 @@ macro_rules! cols {
     };
 }
 
-/// Whether a claim ($6 fingerprint, $11 takeover window in ms or NULL) may take row `$t`:
-/// a `failed{retryable}` row with the same fingerprint, or an expired processing row created
-/// inside the window. Never NULL.
-macro_rules! claimable {
-    ($t:literal) => {
-        concat!(
-            "COALESCE(",
-            $t,
-            ".fingerprint = $6::text AND ((",
-            $t,
-            ".state = 'failed' AND ",
-            $t,
-            ".retryable) OR ($11::bigint IS NOT NULL AND ",
-            $t,
-            ".state = 'processing' AND ",
-            $t,
-            ".lease_expires_at <= ",
-            now!(),
-            " AND ",
-            $t,
-            ".created_at > ",
-            now!(),
-            " - $11::bigint * interval '1 millisecond')), false)"
-        )
-    };
-}
-
 pub(super) const NOW: &str = concat!("SELECT ", now!());
 
 pub(super) const GET: &str = concat!(
@@ -53,66 +26,25 @@ pub(super) const GET: &str = concat!(
     " AS db_now FROM idempotency_keys WHERE scope = $1 AND key = $2"
 );
 
-/// Claim or read in one statement. `existing` reads the row in the statement's snapshot; when
-/// it is absent or claimable, the insert runs (and its `ON CONFLICT .. WHERE` judges the latest
-/// committed row version again, under its row lock). A plain replay is a read: no row lock, no
-/// write. The result is one row: `claimed = true` with the new lease, or `claimed = false` with
-/// the existing row. No row at all means a concurrent writer got there between the snapshot and
-/// the insert: the caller reads again.
+/// Claim or read in one call of `idempotency_keys_claim` (migration
+/// `20261130180001_claim_function.sql`): it reads the row by primary key and returns it when it
+/// is present and not claimable, so a replay is one indexed read (no row lock, no write, no
+/// INSERT node set up); only when the row is absent or claimable does it run `INSERT .. ON
+/// CONFLICT (scope, key) DO UPDATE .. WHERE <claimable>`, which judges the latest committed row
+/// version again under its row lock. The result is one row: `claimed = true` with the new lease,
+/// or `claimed = false` with the existing row. No row at all means a concurrent writer got there
+/// between the read and the insert: the caller reads again.
 pub(super) const CLAIM: &str = concat!(
-    "WITH existing AS (SELECT ",
+    "SELECT claimed, last_reason, ",
     cols!(""),
-    " FROM idempotency_keys WHERE scope = $1::text AND key = $2::text), \
-     ins AS ( \
-       INSERT INTO idempotency_keys AS k (scope, key, operation, provider, provider_key, state, \
-         retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
-         created_at, updated_at, retention_ms, version, last_actor, last_reason, \
-         last_attempt_at, may_have_acted) \
-       SELECT $1::text, $2::text, $3::text, $4::text, $5::text, 'processing', false, $6::text, \
-         $7::text, (extract(epoch from ",
-    now!(),
-    ") * 1000000)::bigint, $8::text, ",
-    now!(),
-    " + $9::bigint * interval '1 millisecond', 1, ",
-    now!(),
-    ", ",
-    now!(),
-    ", $10::bigint, 1, 'worker', 'claimed', ",
-    now!(),
-    ", false \
-       WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE NOT ",
-    claimable!("e"),
-    ") \
-       ON CONFLICT (scope, key) DO UPDATE SET \
-         state = 'processing', retryable = false, \
-         request = COALESCE(excluded.request, k.request), \
-         lease_token = k.lease_token + 1, lease_owner = excluded.lease_owner, \
-         lease_expires_at = excluded.lease_expires_at, attempts = k.attempts + 1, \
-         updated_at = excluded.updated_at, expires_at = NULL, next_check_at = NULL, error = NULL, \
-         response_status = NULL, response_headers = NULL, response_body = NULL, \
-         retention_ms = excluded.retention_ms, version = k.version + 1, last_actor = 'worker', \
-         last_attempt_at = excluded.last_attempt_at, \
-         may_have_acted = CASE WHEN k.state = 'failed' THEN k.may_have_acted ELSE true END, \
-         last_reason = CASE WHEN k.state = 'failed' \
-           THEN 'reclaimed after a retryable failure' ELSE 'retry took over an expired lease' END \
-       WHERE ",
-    claimable!("k"),
-    " RETURNING ",
-    cols!("k."),
-    ", k.last_reason) \
-     SELECT true AS claimed, last_reason, ",
-    cols!(""),
-    ", ",
-    now!(),
-    " AS db_now FROM ins \
-     UNION ALL \
-     SELECT false, NULL, ",
-    cols!("e."),
-    ", ",
-    now!(),
-    " FROM existing e WHERE NOT ",
-    claimable!("e")
+    ", db_now FROM idempotency_keys_claim($1::text, $2::text, $3::text, $4::text, $5::text, \
+       $6::text, $7::text, $8::text, $9::bigint, $10::bigint, $11::bigint)"
 );
+
+/// The claim function's source, for the test that checks its reason spellings.
+#[cfg(test)]
+const CLAIM_FUNCTION: &str =
+    include_str!("../../../migrations/postgres/20261130180001_claim_function.sql");
 
 pub(super) const FINISH: &str = concat!(
     "UPDATE idempotency_keys SET state = $3::text, retryable = $4::boolean, \
@@ -247,6 +179,6 @@ pub(super) const COUNT_EXPIRED: &str = concat!(
 mod tests {
     #[test]
     fn claim_spells_the_claim_reasons() {
-        crate::store::assert_claim_reasons(super::CLAIM);
+        crate::store::assert_claim_reasons(super::CLAIM_FUNCTION);
     }
 }
