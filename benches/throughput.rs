@@ -452,7 +452,10 @@ mod sqlite {
                 if ins.rows_affected() == 0 {
                     return false;
                 }
-                tokio::time::sleep(body).await;
+                if !body.is_zero() {
+                    // (not for zero: tokio's timer would round it up to its 1 ms tick)
+                    tokio::time::sleep(body).await;
+                }
                 sqlx::query(
                     "UPDATE raw_keys SET state = 'done', response = ?2 \
                      WHERE scope = 'raw' AND key = ?1",
@@ -585,7 +588,10 @@ mod pg {
                 if ins.rows_affected() == 0 {
                     return false;
                 }
-                tokio::time::sleep(body).await;
+                if !body.is_zero() {
+                    // (not for zero: tokio's timer would round it up to its 1 ms tick)
+                    tokio::time::sleep(body).await;
+                }
                 sqlx::query(
                     "UPDATE raw_keys SET state = 'done', response = $2 \
                      WHERE scope = 'raw' AND key = $1",
@@ -724,7 +730,10 @@ mod my {
                 if ins.rows_affected() == 0 {
                     return false;
                 }
-                tokio::time::sleep(body).await;
+                if !body.is_zero() {
+                    // (not for zero: tokio's timer would round it up to its 1 ms tick)
+                    tokio::time::sleep(body).await;
+                }
                 sqlx::query(
                     "UPDATE raw_keys SET state = 'done', response = ? \
                      WHERE scope = 'raw' AND `key` = ?",
@@ -864,7 +873,10 @@ mod rd {
                 if ok.is_none() {
                     return false;
                 }
-                tokio::time::sleep(body).await;
+                if !body.is_zero() {
+                    // (not for zero: tokio's timer would round it up to its 1 ms tick)
+                    tokio::time::sleep(body).await;
+                }
                 let _: () = redis::cmd("SET")
                     .arg(&key)
                     .arg(BODY)
