@@ -192,7 +192,13 @@ const CALLERS: [usize; 3] = [1, 8, 64];
 
 /// Runs every measurement on one backend. `phase(conc, tag)` connects inside the current runtime;
 /// `tag` names the phase (keys are `{tag}-{i}`).
-fn run_backend<P, Fp>(name: &str, n: usize, phase: P, bytes_label: &str) -> Measured
+fn run_backend<P, Fp>(
+    name: &str,
+    n: usize,
+    phase: P,
+    bytes_label: &str,
+    floor_name: &str,
+) -> Measured
 where
     P: Fn(usize, bool) -> Fp,
     Fp: Future<Output = Phase>,
@@ -230,7 +236,7 @@ where
                 rt_name,
                 &ours,
                 &floor,
-                "raw floor: claim + done (lean table)",
+                &format!("raw floor: {floor_name}"),
             );
             new.push((ours, floor));
             if conc == 1 {
@@ -947,6 +953,7 @@ fn main() {
             n,
             |_, bytes| sqlite::phase(&d, bytes),
             "WAL growth",
+            "INSERT ON CONFLICT + UPDATE, 1 conn",
         );
         println!("\n  SQLite targets (issue 12):");
         targets.0.push("SQLite:".into());
@@ -987,7 +994,13 @@ fn main() {
                 pg::pool_cap()
             );
             block(pg::setup(&url));
-            let m = run_backend("PostgreSQL", n, |c, _| pg::phase(&url, c), "WAL bytes");
+            let m = run_backend(
+                "PostgreSQL",
+                n,
+                |c, _| pg::phase(&url, c),
+                "WAL bytes",
+                "INSERT ON CONFLICT + UPDATE",
+            );
             block(pg::cleanup(&url));
             println!("\n  PostgreSQL targets (issue 12):");
             targets.0.push("PostgreSQL:".into());
@@ -1026,7 +1039,13 @@ fn main() {
                 block(my::describe(&url))
             );
             block(my::setup(&url));
-            let m = run_backend("MariaDB", n, |c, _| my::phase(&url, c), "bytes");
+            let m = run_backend(
+                "MariaDB",
+                n,
+                |c, _| my::phase(&url, c),
+                "bytes",
+                "INSERT IGNORE + UPDATE",
+            );
             block(my::cleanup(&url));
             println!("\n  MariaDB / MySQL targets (issue 12):");
             targets.0.push("MariaDB / MySQL:".into());
@@ -1047,7 +1066,13 @@ fn main() {
         #[cfg(feature = "redis")]
         Some(url) => {
             println!("\n== {}", block(rd::describe(&url)));
-            let m = run_backend("Redis", n, |_, _| rd::phase(&url), "used_memory");
+            let m = run_backend(
+                "Redis",
+                n,
+                |_, _| rd::phase(&url),
+                "used_memory",
+                "SET NX + SET",
+            );
             block(rd::cleanup(&url));
             println!("\n  Redis targets (issue 12):");
             targets.0.push("Redis:".into());
