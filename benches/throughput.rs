@@ -1,27 +1,54 @@
-//! Throughput figures, printed as ratios measured in one run (DESIGN section 6).
+//! Throughput against raw floors, the way users call idemflow (issue 12; method and latest
+//! figures in `docs/performance.md`).
 //!
-//! `cargo bench --bench throughput --all-features`. SQLite (file, WAL, `synchronous=FULL`) always
-//! runs; PostgreSQL and MariaDB / MySQL run when `IDEMFLOW_BENCH_POSTGRES_URL` /
-//! `IDEMFLOW_BENCH_MYSQL_URL` are set (and the `postgres` / `mysql` features are on), each in a
-//! fresh schema / database that is dropped afterwards.
+//! ```text
+//! cargo bench --bench throughput --all-features
+//! ```
 //!
-//! - `IDEMFLOW_BENCH_N`: keys per sequential measurement (default 2000).
-//! - `IDEMFLOW_BENCH_BIG`: finished keys beside the stale ones in the sweep-scaling check
-//!   (default 1,000,000); `IDEMFLOW_BENCH_BIG_MYSQL` overrides it for MariaDB / MySQL.
-//! - `IDEMFLOW_BENCH_RUNTIME`: `current_thread` (default) or `multi_thread`; printed.
+//! SQLite (file, WAL, `synchronous=FULL`) always runs; PostgreSQL, MariaDB / MySQL and Redis run
+//! when `IDEMFLOW_BENCH_POSTGRES_URL` / `IDEMFLOW_BENCH_MYSQL_URL` / `IDEMFLOW_BENCH_REDIS_URL`
+//! are set (and the matching feature is on), each in a schema / database / key prefix of its own
+//! that is dropped afterwards. `IDEMFLOW_BENCH_SQLITE=0` skips SQLite.
 //!
-//! Per backend: the raw statements a hand-rolled implementation would issue (claim insert
-//! ignoring duplicates + update to done; a primary-key read) against `execute()` on fresh keys
-//! and on replays, sequential, one caller; 1,000 concurrent duplicates of one key; and
-//! `take_stale` of 1,000 stale keys alone against beside many finished keys.
+//! - `IDEMFLOW_BENCH_N`: keys per measurement (default 10,000).
+//!
+//! Per backend: `Idempotency::execute` on new, distinct keys with 1, 8 and 64 concurrent callers
+//! (tokio `current_thread` for 1 caller, `multi_thread` for 8 and 64), replays (1 caller) and
+//! 1,000 concurrent duplicates of one key (the body must run once), each beside its raw floor
+//! measured in the same run: the statements a hand-written implementation issues on a lean table
+//! (claim insert ignoring duplicates + update to done; a primary-key read; Redis `SET NX` + `SET`
+//! and `GET`) at the same concurrency. Then bytes written per new key (SQLite WAL growth,
+//! PostgreSQL WAL from `pg_current_wal_lsn()`, Redis `used_memory`) and the issue-12 targets.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idemflow::store::TakeStale;
-use idemflow::store::sqlite::SqliteStore;
-use idemflow::{Execution, Idempotency, IdempotentRequest, Outcome, Store, StoredResponse};
+use idemflow::{Execution, Idempotency, IdempotentRequest, Outcome, StoredResponse};
+
+const BODY: &[u8] = br#"{"id":"pi_3NxYz2eZvKYlo2C0","status":"succeeded","amount":1999}"#;
+const DUPLICATES: usize = 1000;
+/// How long the body of the duplicate storm's winner takes.
+const STORM_BODY: Duration = Duration::from_millis(50);
+
+type BoxFut<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+/// A raw claim: insert ignoring duplicates; if this call inserted, (sleep `body`, then) mark
+/// done with the response. Returns whether it inserted.
+type RawNew = Arc<dyn Fn(String, Duration) -> BoxFut<bool> + Send + Sync>;
+/// A raw primary-key read; returns whether the key was found.
+type RawRead = Arc<dyn Fn(String) -> BoxFut<bool> + Send + Sync>;
+/// Bytes counter (WAL size or position, used_memory); `true` for idemflow's side.
+type Counter = Arc<dyn Fn(bool) -> BoxFut<i64> + Send + Sync>;
+
+/// What one measurement phase needs, connected inside the phase's runtime.
+struct Phase {
+    idem: Idempotency,
+    raw_new: RawNew,
+    raw_read: RawRead,
+    counter: Option<Counter>,
+}
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -30,303 +57,450 @@ fn env(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-const BODY: &[u8] = b"{\"payment_id\":1}";
-const STALE: usize = 1000;
-const DUPLICATES: usize = 1000;
-
-struct Stats {
-    ops_per_s: f64,
-    p50_us: f64,
-    p99_us: f64,
+fn url_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
-fn stats(mut lat: Vec<Duration>, total: Duration) -> Stats {
+// ---------------------------------------------------------------------------------------------
+// Measuring and printing
+
+#[derive(Clone, Copy)]
+struct Stats {
+    ops_per_s: f64,
+    p50: Duration,
+    p99: Duration,
+    max: Duration,
+}
+
+/// Runs `op(i)` for i in 0..n on `conc` spawned tasks that take the next index as they go.
+async fn measure<F>(n: usize, conc: usize, op: F) -> Stats
+where
+    F: Fn(usize) -> BoxFut<()> + Send + Sync + 'static,
+{
+    let op = Arc::new(op);
+    let next = Arc::new(AtomicUsize::new(0));
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..conc {
+        let (op, next) = (op.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    break lat;
+                }
+                let t = Instant::now();
+                op(i).await;
+                lat.push(t.elapsed());
+            }
+        }));
+    }
+    let mut lat = Vec::with_capacity(n);
+    for t in tasks {
+        lat.extend(t.await.unwrap());
+    }
+    let wall = t0.elapsed();
     lat.sort();
-    let pct = |p: f64| lat[((lat.len() as f64 - 1.0) * p) as usize].as_secs_f64() * 1e6;
+    let pct = |p: f64| lat[((lat.len() as f64 - 1.0) * p) as usize];
     Stats {
-        ops_per_s: lat.len() as f64 / total.as_secs_f64(),
-        p50_us: pct(0.50),
-        p99_us: pct(0.99),
+        ops_per_s: lat.len() as f64 / wall.as_secs_f64(),
+        p50: pct(0.50),
+        p99: pct(0.99),
+        max: lat[lat.len() - 1],
     }
 }
 
-fn line(name: &str, s: &Stats) {
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn line(label: &str, s: &Stats) {
     println!(
-        "  {name:<42} {:>9.0} ops/s   p50 {:>7.0} us   p99 {:>7.0} us",
-        s.ops_per_s, s.p50_us, s.p99_us
+        "    {label:<34} {:>9.0} ops/s  p50 {:>8.3} ms  p99 {:>8.3} ms  max {:>8.3} ms",
+        s.ops_per_s,
+        ms(s.p50),
+        ms(s.p99),
+        ms(s.max)
     );
 }
 
-fn verdict(ok: bool) -> &'static str {
-    if ok { "met" } else { "MISSED" }
+/// Prints idemflow's row, its floor's row and the ratio; returns the ratio.
+fn pair(title: &str, runtime: &str, ours: &Stats, floor: &Stats, floor_name: &str) -> f64 {
+    let ratio = ours.ops_per_s / floor.ops_per_s;
+    println!("  {title} [tokio {runtime}]");
+    line("idemflow execute()", ours);
+    line(floor_name, floor);
+    println!("    ratio idemflow / floor: {ratio:.2}x");
+    ratio
 }
 
-/// What differs between backends: how to get a fresh store, and the hand-written statements
-/// the library is compared with. Everything else is the generic [`run`].
-trait Backend {
-    type S: Store + 'static;
-
-    /// One line: server, durability settings.
-    async fn describe(&self) -> String;
-    /// A store on a fresh, migrated schema / database / file (dropped by [`Backend::cleanup`]).
-    async fn fresh(&mut self, tag: &str) -> Arc<Self::S>;
-    /// Claim insert that ignores duplicates, then the update to done: the two statements of a
-    /// hand-rolled implementation, each its own commit.
-    async fn raw_claim_complete(&self, store: &Self::S, key: &str);
-    /// A primary-key read of a stored response.
-    async fn raw_read(&self, store: &Self::S, key: &str) -> bool;
-    /// Bulk-loads `n` finished keys (scope `big`); returns how many were loaded.
-    async fn load_finished(&self, store: &Self::S, n: usize) -> usize;
-    /// Loads `n` processing keys whose lease has expired (scope `stale`), then refreshes the
-    /// planner statistics where the backend has any.
-    async fn load_stale(&self, store: &Self::S, n: usize);
-    async fn cleanup(self);
-}
-
-async fn timed<F: AsyncFnMut(usize)>(n: usize, mut op: F) -> Stats {
-    let mut lat = Vec::with_capacity(n);
-    let t0 = Instant::now();
-    for i in 0..n {
-        let t = Instant::now();
-        op(i).await;
-        lat.push(t.elapsed());
+fn runtime(conc: usize) -> (tokio::runtime::Runtime, &'static str) {
+    if conc == 1 {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        (rt, "current_thread")
+    } else {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        (rt, "multi_thread")
     }
-    stats(lat, t0.elapsed())
 }
 
-fn request(scope: &str, i: usize) -> IdempotentRequest {
+fn request(key: &str) -> IdempotentRequest {
     IdempotentRequest::new(
-        scope,
-        &format!("k{i}"),
+        "bench",
+        key,
         "payments.create",
-        &serde_json::json!({"amount": 500, "i": i}),
+        &serde_json::json!({"amount": 1999, "currency": "eur", "key": key}),
     )
     .unwrap()
 }
 
-async fn execute_fresh(idem: &Idempotency, n: usize) -> Stats {
-    timed(n, async |i| {
-        let r = idem
-            .execute(request("bench", i), |_ctx| async {
-                Outcome::Succeeded(StoredResponse::new(201).with_body(BODY))
-            })
-            .await
-            .unwrap();
-        assert!(!r.is_replay());
-    })
-    .await
+fn respond() -> Outcome {
+    Outcome::Succeeded(StoredResponse::new(201).with_body(BODY))
 }
 
-async fn execute_replay(idem: &Idempotency, n: usize) -> Stats {
-    timed(n, async |i| {
-        let r = idem
-            .execute(request("bench", i), |_ctx| async {
-                unreachable!("replay only")
-            })
-            .await
-            .unwrap();
-        assert!(r.is_replay());
-    })
-    .await
-}
+/// Targets of issue 12, filled as the backends run and printed at the end.
+struct Targets(Vec<String>);
 
-async fn duplicates(idem: &Idempotency, n: usize) -> (usize, usize) {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let mut tasks = Vec::new();
-    for _ in 0..n {
-        let idem = idem.clone();
-        let runs = runs.clone();
-        tasks.push(tokio::spawn(async move {
-            idem.execute(request("dup", 0), |_ctx| async move {
-                runs.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                Outcome::Succeeded(StoredResponse::new(201))
-            })
-            .await
-        }));
+impl Targets {
+    fn check(&mut self, what: &str, measured: String, ok: bool) {
+        self.put(what, measured, if ok { "met" } else { "missed" });
     }
-    let mut executed = 0;
-    for t in tasks {
-        if let Ok(Execution::Executed(_)) = t.await.unwrap() {
-            executed += 1;
-        }
+
+    fn put(&mut self, what: &str, measured: String, v: &str) {
+        let s = format!("  {what:<58} {measured:<28} {v}");
+        println!("{s}");
+        self.0.push(s);
     }
-    (runs.load(Ordering::SeqCst), executed)
 }
 
-/// Loads the table, then times `take_stale` (batches of 100) until no stale key is left.
-async fn sweep_time<B: Backend>(b: &B, store: &B::S, finished: usize) -> (Duration, usize) {
-    let loaded = if finished > 0 {
-        b.load_finished(store, finished).await
-    } else {
-        0
-    };
-    b.load_stale(store, STALE).await;
-    let t = Instant::now();
-    let mut taken = 0;
-    loop {
-        let batch = store
-            .take_stale(&TakeStale {
-                owner: "bench".into(),
-                lease: Duration::from_secs(600),
-                limit: 100,
+/// What a backend measured, for its targets.
+struct Measured {
+    new: [(Stats, Stats); 3],
+    replay: f64,
+    /// Bytes per new key (idemflow, floor), if the backend reports them.
+    bytes: Option<(f64, f64)>,
+}
+
+const CALLERS: [usize; 3] = [1, 8, 64];
+
+/// Runs every measurement on one backend. `phase(conc, tag)` connects inside the current runtime;
+/// `tag` names the phase (keys are `{tag}-{i}`).
+fn run_backend<P, Fp>(
+    name: &str,
+    n: usize,
+    phase: P,
+    bytes_label: &str,
+    floor_name: &str,
+) -> Measured
+where
+    P: Fn(usize, bool) -> Fp,
+    Fp: Future<Output = Phase>,
+{
+    let mut new = Vec::new();
+    let mut replay = 0.0;
+    for conc in CALLERS {
+        let (rt, rt_name) = runtime(conc);
+        rt.block_on(async {
+            let p = phase(conc, false).await;
+            let tag = format!("c{conc}");
+            let raw_new = p.raw_new.clone();
+            let t = tag.clone();
+            let floor = measure(n, conc, move |i| {
+                let f = raw_new(format!("{t}-{i}"), Duration::ZERO);
+                Box::pin(async move { assert!(f.await, "raw floor: a new key was not inserted") })
             })
-            .await
-            .unwrap();
-        if batch.is_empty() {
-            break;
-        }
-        taken += batch.len();
+            .await;
+            let idem = p.idem.clone();
+            let t = tag.clone();
+            let ours = measure(n, conc, move |i| {
+                let idem = idem.clone();
+                let key = format!("{t}-{i}");
+                Box::pin(async move {
+                    let r = idem
+                        .execute(request(&key), |_ctx| async { respond() })
+                        .await
+                        .unwrap();
+                    assert!(!r.is_replay());
+                })
+            })
+            .await;
+            pair(
+                &format!("{name}: new keys, {conc} caller(s)"),
+                rt_name,
+                &ours,
+                &floor,
+                &format!("raw floor: {floor_name}"),
+            );
+            new.push((ours, floor));
+            if conc == 1 {
+                let raw_read = p.raw_read.clone();
+                let floor = measure(n, 1, move |i| {
+                    let f = raw_read(format!("c1-{i}"));
+                    Box::pin(async move { assert!(f.await, "raw read: key missing") })
+                })
+                .await;
+                let idem = p.idem.clone();
+                let ours = measure(n, 1, move |i| {
+                    let idem = idem.clone();
+                    Box::pin(async move {
+                        let r = idem
+                            .execute(request(&format!("c1-{i}")), |_ctx| async {
+                                unreachable!("replay only")
+                            })
+                            .await
+                            .unwrap();
+                        assert!(r.is_replay());
+                    })
+                })
+                .await;
+                replay = pair(
+                    &format!("{name}: replays, 1 caller"),
+                    rt_name,
+                    &ours,
+                    &floor,
+                    "raw floor: primary-key read",
+                );
+            }
+        });
     }
-    assert_eq!(taken, STALE);
-    (t.elapsed(), loaded)
+
+    // The duplicate storm.
+    let (rt, rt_name) = runtime(DUPLICATES);
+    rt.block_on(async {
+        let p = phase(DUPLICATES, false).await;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let executed = Arc::new(AtomicUsize::new(0));
+        let (idem, r, e) = (p.idem.clone(), runs.clone(), executed.clone());
+        let ours = measure(DUPLICATES, DUPLICATES, move |_| {
+            let (idem, r, e) = (idem.clone(), r.clone(), e.clone());
+            Box::pin(async move {
+                let out = idem
+                    .execute(request("storm"), |_ctx| async move {
+                        r.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(STORM_BODY).await;
+                        respond()
+                    })
+                    .await;
+                if let Ok(Execution::Executed(_)) = out {
+                    e.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        })
+        .await;
+        let won = Arc::new(AtomicUsize::new(0));
+        let (raw_new, w) = (p.raw_new.clone(), won.clone());
+        let floor = measure(DUPLICATES, DUPLICATES, move |_| {
+            let (f, w) = (raw_new("storm".into(), STORM_BODY), w.clone());
+            Box::pin(async move {
+                if f.await {
+                    w.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        })
+        .await;
+        let (runs, executed, won) = (
+            runs.load(Ordering::SeqCst),
+            executed.load(Ordering::SeqCst),
+            won.load(Ordering::SeqCst),
+        );
+        pair(
+            &format!(
+                "{name}: {DUPLICATES} concurrent duplicates of one key (body {} ms)",
+                STORM_BODY.as_millis()
+            ),
+            rt_name,
+            &ours,
+            &floor,
+            "raw floor: claim, winner sleeps+done",
+        );
+        println!(
+            "    body ran {runs} time(s), {executed} Executed; raw: {won} insert(s) won (must be 1)"
+        );
+        assert_eq!(
+            runs, 1,
+            "{name}: the duplicate storm ran the body {runs} times"
+        );
+        assert_eq!(executed, 1, "{name}: {executed} callers got Executed");
+        assert_eq!(
+            won, 1,
+            "{name}: raw floor claimed the storm key {won} times"
+        );
+    });
+
+    // Bytes written per new key: a separate, sequential pass so the timed runs are untouched.
+    let m = n.min(2000);
+    let (rt, _) = runtime(1);
+    let bytes = rt.block_on(async {
+        let p = phase(1, true).await;
+        let counter = p.counter.clone()?;
+        let before = counter(true).await;
+        let idem = p.idem.clone();
+        measure(m, 1, move |i| {
+            let idem = idem.clone();
+            Box::pin(async move {
+                idem.execute(request(&format!("bytes-{i}")), |_ctx| async { respond() })
+                    .await
+                    .unwrap();
+            })
+        })
+        .await;
+        let ours = (counter(true).await - before) as f64 / m as f64;
+        let before = counter(false).await;
+        let raw_new = p.raw_new.clone();
+        measure(m, 1, move |i| {
+            let f = raw_new(format!("bytes-{i}"), Duration::ZERO);
+            Box::pin(async move {
+                f.await;
+            })
+        })
+        .await;
+        let raw = (counter(false).await - before) as f64 / m as f64;
+        println!(
+            "  {name}: {bytes_label} per new key over {m} keys, 1 caller: idemflow {ours:.0} B, \
+             raw floor {raw:.0} B ({:.2}x)",
+            ours / raw
+        );
+        Some((ours, raw))
+    });
+    Measured {
+        new: [new[0], new[1], new[2]],
+        replay,
+        bytes,
+    }
 }
 
-/// The four comparisons, the duplicates check and the sweep-scaling check on one backend.
-async fn run<B: Backend>(name: &str, mut b: B, n: usize, big: usize) {
-    println!("\n== {name}: {}", b.describe().await);
-    let store = b.fresh("main").await;
-    let idem = Idempotency::new(store.clone());
-    let raw = timed(n, async |i| {
-        b.raw_claim_complete(&store, &format!("k{i}")).await
-    })
-    .await;
-    let ours = execute_fresh(&idem, n).await;
-    let raw_read = timed(n, async |i| {
-        assert!(b.raw_read(&store, &format!("k{i}")).await);
-    })
-    .await;
-    let replay = execute_replay(&idem, n).await;
-    line("raw claim INSERT + UPDATE done (by hand)", &raw);
-    line("execute() on fresh keys", &ours);
-    line("raw primary-key read (by hand)", &raw_read);
-    line("execute() replay", &replay);
-    let fresh_ratio = ours.ops_per_s / raw.ops_per_s;
-    let replay_ratio = replay.ops_per_s / raw_read.ops_per_s;
-    println!(
-        "  ratio fresh:  {fresh_ratio:.2}x of raw      (target >= 0.70: {})",
-        verdict(fresh_ratio >= 0.7)
-    );
-    println!(
-        "  ratio replay: {replay_ratio:.2}x of raw read (target >= 0.80: {})",
-        verdict(replay_ratio >= 0.8)
-    );
-    let (runs, executed) = duplicates(&idem, DUPLICATES).await;
-    println!(
-        "  {DUPLICATES} concurrent duplicates of one key: body ran {runs} time(s), {executed} Executed (target 1: {})",
-        verdict(runs == 1 && executed == 1)
-    );
-
-    let small = b.fresh("sweep_small").await;
-    let (t_small, _) = sweep_time(&b, &small, 0).await;
-    let large = b.fresh("sweep_large").await;
-    let (t_large, loaded) = sweep_time(&b, &large, big).await;
-    let growth = t_large.as_secs_f64() / t_small.as_secs_f64();
-    println!(
-        "  take_stale of {STALE} stale keys: {:.1} ms alone, {:.1} ms beside {loaded} finished keys ({growth:.2}x, target < 1.5x: {})",
-        t_small.as_secs_f64() * 1e3,
-        t_large.as_secs_f64() * 1e3,
-        verdict(growth < 1.5)
-    );
-    drop((idem, store, small, large));
-    b.cleanup().await;
+fn ratio(m: &Measured, i: usize) -> f64 {
+    m.new[i].0.ops_per_s / m.new[i].1.ops_per_s
 }
 
 // ---------------------------------------------------------------------------------------------
 // SQLite
 
-struct Sqlite {
-    dir: tempfile::TempDir,
-}
+mod sqlite {
+    use std::path::{Path, PathBuf};
+    use std::sync::Arc;
+    use std::time::Duration;
 
-impl Backend for Sqlite {
-    type S = SqliteStore;
+    use idemflow::store::sqlite::SqliteStore;
+    use idemflow::{Idempotency, Store};
+    use sqlx::sqlite::{
+        SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
+    };
 
-    async fn describe(&self) -> String {
-        "SQLite file, WAL, synchronous=FULL, 1 writer connection".into()
+    use super::{BODY, Counter, Phase, RawNew, RawRead};
+
+    pub const LEAN: &str = "CREATE TABLE IF NOT EXISTS raw_keys (scope TEXT NOT NULL, \
+        key TEXT NOT NULL, state TEXT NOT NULL, fingerprint TEXT NOT NULL, response BLOB, \
+        expires_at INTEGER NOT NULL, PRIMARY KEY (scope, key))";
+
+    pub async fn phase(dir: &Path, bytes: bool) -> Phase {
+        let ours_path: PathBuf = dir.join("idemflow.db");
+        let raw_path: PathBuf = dir.join("raw.db");
+        let store = SqliteStore::connect(&format!("sqlite://{}", ours_path.display()))
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        // The raw floor: one connection, as a hand-written SQLite implementation would have.
+        let raw = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(
+                SqliteConnectOptions::new()
+                    .filename(&raw_path)
+                    .create_if_missing(true)
+                    .journal_mode(SqliteJournalMode::Wal)
+                    .synchronous(SqliteSynchronous::Full)
+                    .busy_timeout(Duration::from_secs(5)),
+            )
+            .await
+            .unwrap();
+        sqlx::query(LEAN).execute(&raw).await.unwrap();
+        let mut counter = None;
+        if bytes {
+            // WAL growth is only the bytes written if nothing checkpoints (and rewinds the WAL)
+            // meanwhile: start from an empty WAL, automatic checkpoints off for this pass.
+            for pool in [store.writer_pool(), &raw] {
+                sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+                    .execute(pool)
+                    .await
+                    .unwrap();
+                sqlx::query("PRAGMA wal_autocheckpoint = 0")
+                    .execute(pool)
+                    .await
+                    .unwrap();
+            }
+            let (o, r) = (wal(&ours_path), wal(&raw_path));
+            let c: Counter = Arc::new(move |ours| {
+                let p = if ours { o.clone() } else { r.clone() };
+                Box::pin(async move { std::fs::metadata(&p).map_or(0, |m| m.len() as i64) })
+            });
+            counter = Some(c);
+        }
+        let pool = raw.clone();
+        let raw_new: RawNew = Arc::new(move |key, body| {
+            let pool = pool.clone();
+            Box::pin(async move {
+                let ins = sqlx::query(
+                    "INSERT INTO raw_keys (scope, key, state, fingerprint, expires_at) \
+                     VALUES ('raw', ?1, 'processing', 'v1:x', 4102444800000) \
+                     ON CONFLICT DO NOTHING",
+                )
+                .bind(&key)
+                .execute(&pool)
+                .await
+                .unwrap();
+                if ins.rows_affected() == 0 {
+                    return false;
+                }
+                if !body.is_zero() {
+                    // (not for zero: tokio's timer would round it up to its 1 ms tick)
+                    tokio::time::sleep(body).await;
+                }
+                sqlx::query(
+                    "UPDATE raw_keys SET state = 'done', response = ?2 \
+                     WHERE scope = 'raw' AND key = ?1",
+                )
+                .bind(&key)
+                .bind(BODY)
+                .execute(&pool)
+                .await
+                .unwrap();
+                true
+            })
+        });
+        let pool = raw.clone();
+        let raw_read: RawRead = Arc::new(move |key| {
+            let pool = pool.clone();
+            Box::pin(async move {
+                let row: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
+                    "SELECT state, response FROM raw_keys WHERE scope = 'raw' AND key = ?1",
+                )
+                .bind(&key)
+                .fetch_optional(&pool)
+                .await
+                .unwrap();
+                row.is_some()
+            })
+        });
+        Phase {
+            idem: Idempotency::new(Arc::new(store)),
+            raw_new,
+            raw_read,
+            counter,
+        }
     }
 
-    async fn fresh(&mut self, tag: &str) -> Arc<SqliteStore> {
-        let url = format!("sqlite://{}", self.dir.path().join(tag).display());
-        let s = SqliteStore::connect(&url).await.unwrap();
-        s.migrate().await.unwrap();
-        Arc::new(s)
+    fn wal(db: &Path) -> PathBuf {
+        let mut s = db.as_os_str().to_owned();
+        s.push("-wal");
+        PathBuf::from(s)
     }
-
-    async fn raw_claim_complete(&self, store: &SqliteStore, key: &str) {
-        let pool = store.writer_pool();
-        sqlx::query(
-            "INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, fingerprint, \
-             request, lease_token, lease_owner, lease_expires_at, attempts, created_at, updated_at, \
-             retention_ms, version, last_actor, last_reason) VALUES ('raw', ?1, 'op', 'pk', \
-             'processing', 'v1:x', '{}', 1, 'w', 0, 1, 0, 0, 86400000, 1, 'worker', 'claimed') \
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(key)
-        .execute(pool)
-        .await
-        .unwrap();
-        sqlx::query(
-            "UPDATE idempotency_keys SET state = 'done', response_status = 201, \
-             response_headers = '[]', response_body = ?2, lease_expires_at = NULL, \
-             expires_at = 86400000, version = version + 1 \
-             WHERE scope = 'raw' AND key = ?1 AND lease_token = 1",
-        )
-        .bind(key)
-        .bind(BODY)
-        .execute(pool)
-        .await
-        .unwrap();
-    }
-
-    async fn raw_read(&self, store: &SqliteStore, key: &str) -> bool {
-        let row: Option<(i64, Vec<u8>)> = sqlx::query_as(
-            "SELECT response_status, response_body FROM idempotency_keys WHERE scope = 'raw' AND key = ?1",
-        )
-        .bind(key)
-        .fetch_optional(store.writer_pool())
-        .await
-        .unwrap();
-        row.is_some()
-    }
-
-    async fn load_finished(&self, store: &SqliteStore, n: usize) -> usize {
-        sqlx::query(
-            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1) \
-             INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, fingerprint, \
-             lease_token, attempts, created_at, updated_at, expires_at, retention_ms, version, \
-             last_actor) SELECT 'big', 'k' || i, 'op', 'pk', 'done', 'v1:x', 1, 1, 0, 0, \
-             4102444800000, 86400000, 1, 'worker' FROM n",
-        )
-        .bind(n as i64)
-        .execute(store.writer_pool())
-        .await
-        .unwrap();
-        n
-    }
-
-    async fn load_stale(&self, store: &SqliteStore, n: usize) {
-        sqlx::query(
-            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1) \
-             INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, fingerprint, \
-             lease_token, lease_expires_at, attempts, created_at, updated_at, retention_ms, version, \
-             last_actor) SELECT 'stale', 'k' || i, 'op', 'pk', 'processing', 'v1:x', 1, 0, 1, 0, 0, \
-             86400000, 1, 'worker' FROM n",
-        )
-        .bind(n as i64)
-        .execute(store.writer_pool())
-        .await
-        .unwrap();
-    }
-
-    async fn cleanup(self) {
-        drop(self.dir);
-    }
-}
-
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-fn bench_name(tag: &str) -> String {
-    format!("idemflow_bench_{}_{tag}", std::process::id())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -337,144 +511,137 @@ mod pg {
     use std::str::FromStr;
     use std::sync::Arc;
 
-    use idemflow::Store;
     use idemflow::store::postgres::PostgresStore;
+    use idemflow::{Idempotency, Store};
     use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
     use sqlx::{AssertSqlSafe, Connection, Executor};
 
-    use super::{BODY, Backend, bench_name};
+    use super::{BODY, Counter, Phase, RawNew, RawRead};
 
-    pub struct Postgres {
-        pub url: String,
-        pub schemas: Vec<String>,
+    pub fn schema() -> String {
+        format!("idemflow_bench_{}", std::process::id())
     }
 
-    impl Postgres {
-        async fn admin(&self) -> PgConnection {
-            PgConnection::connect(&self.url).await.unwrap()
-        }
+    pub async fn describe(url: &str) -> String {
+        let mut c = PgConnection::connect(url).await.unwrap();
+        let (v, sc): (String, String) = sqlx::query_as(
+            "SELECT current_setting('server_version'), current_setting('synchronous_commit')",
+        )
+        .fetch_one(&mut c)
+        .await
+        .unwrap();
+        format!("PostgreSQL {v}, synchronous_commit={sc}")
     }
 
-    impl Backend for Postgres {
-        type S = PostgresStore;
-
-        async fn describe(&self) -> String {
-            let mut c = self.admin().await;
-            let (v, sc): (String, String) = sqlx::query_as(
-                "SELECT current_setting('server_version'), current_setting('synchronous_commit')",
-            )
-            .fetch_one(&mut c)
+    pub async fn setup(url: &str) {
+        let s = schema();
+        let mut c = PgConnection::connect(url).await.unwrap();
+        c.execute(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {s} CASCADE")))
             .await
             .unwrap();
-            format!("PostgreSQL {v}, synchronous_commit={sc}, pool of 10")
-        }
-
-        async fn fresh(&mut self, tag: &str) -> Arc<PostgresStore> {
-            let schema = bench_name(tag);
-            let mut c = self.admin().await;
-            c.execute(AssertSqlSafe(format!(
-                "DROP SCHEMA IF EXISTS {schema} CASCADE"
-            )))
+        c.execute(AssertSqlSafe(format!("CREATE SCHEMA {s}")))
             .await
             .unwrap();
-            c.execute(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        c.execute(AssertSqlSafe(format!(
+            "CREATE TABLE {s}.raw_keys (scope TEXT NOT NULL, key TEXT NOT NULL, \
+             state TEXT NOT NULL, fingerprint TEXT NOT NULL, response BYTEA, \
+             expires_at TIMESTAMPTZ NOT NULL, PRIMARY KEY (scope, key))"
+        )))
+        .await
+        .unwrap();
+    }
+
+    pub async fn cleanup(url: &str) {
+        let mut c = PgConnection::connect(url).await.unwrap();
+        c.execute(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", schema())))
+            .await
+            .unwrap();
+    }
+
+    /// idemflow and the floor each get a pool of `conc` connections, at most
+    /// `IDEMFLOW_BENCH_PG_POOL` (default 24: both pools must fit the server's `max_connections`
+    /// beside its other clients).
+    pub fn pool_cap() -> usize {
+        super::env("IDEMFLOW_BENCH_PG_POOL", 24)
+    }
+
+    pub async fn phase(url: &str, conc: usize) -> Phase {
+        let size = conc.min(pool_cap()) as u32;
+        let options = PgConnectOptions::from_str(url)
+            .unwrap()
+            .options([("search_path", schema().as_str())]);
+        let pool = || {
+            PgPoolOptions::new()
+                .max_connections(size)
+                .connect_with(options.clone())
+        };
+        let store = PostgresStore::from_pool(pool().await.unwrap());
+        store.migrate().await.unwrap();
+        let raw = pool().await.unwrap();
+        let p = raw.clone();
+        let raw_new: RawNew = Arc::new(move |key, body| {
+            let pool = p.clone();
+            Box::pin(async move {
+                let ins = sqlx::query(
+                    "INSERT INTO raw_keys (scope, key, state, fingerprint, expires_at) \
+                     VALUES ('raw', $1, 'processing', 'v1:x', now() + interval '1 day') \
+                     ON CONFLICT DO NOTHING",
+                )
+                .bind(&key)
+                .execute(&pool)
                 .await
                 .unwrap();
-            self.schemas.push(schema.clone());
-            let options = PgConnectOptions::from_str(&self.url)
-                .unwrap()
-                .options([("search_path", schema.as_str())]);
-            let pool = PgPoolOptions::new()
-                .max_connections(10)
-                .connect_with(options)
+                if ins.rows_affected() == 0 {
+                    return false;
+                }
+                if !body.is_zero() {
+                    // (not for zero: tokio's timer would round it up to its 1 ms tick)
+                    tokio::time::sleep(body).await;
+                }
+                sqlx::query(
+                    "UPDATE raw_keys SET state = 'done', response = $2 \
+                     WHERE scope = 'raw' AND key = $1",
+                )
+                .bind(&key)
+                .bind(BODY)
+                .execute(&pool)
                 .await
                 .unwrap();
-            let s = PostgresStore::from_pool(pool);
-            s.migrate().await.unwrap();
-            Arc::new(s)
-        }
-
-        async fn raw_claim_complete(&self, store: &PostgresStore, key: &str) {
-            sqlx::query(
-                "INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, \
-                 fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
-                 created_at, updated_at, retention_ms, version, last_actor, last_reason) \
-                 VALUES ('raw', $1, 'op', 'pk', 'processing', 'v1:x', '{}', 1, 'w', \
-                 now() + interval '1 minute', 1, now(), now(), 86400000, 1, 'worker', 'claimed') \
-                 ON CONFLICT DO NOTHING",
-            )
-            .bind(key)
-            .execute(store.pool())
-            .await
-            .unwrap();
-            sqlx::query(
-                "UPDATE idempotency_keys SET state = 'done', response_status = 201, \
-                 response_headers = '[]', response_body = $2, lease_owner = NULL, \
-                 lease_expires_at = NULL, expires_at = now() + interval '1 day', \
-                 updated_at = now(), version = version + 1 \
-                 WHERE scope = 'raw' AND key = $1 AND lease_token = 1",
-            )
-            .bind(key)
-            .bind(BODY)
-            .execute(store.pool())
-            .await
-            .unwrap();
-        }
-
-        async fn raw_read(&self, store: &PostgresStore, key: &str) -> bool {
-            let row: Option<(i32, Vec<u8>)> = sqlx::query_as(
-                "SELECT response_status, response_body FROM idempotency_keys \
-                 WHERE scope = 'raw' AND key = $1",
-            )
-            .bind(key)
-            .fetch_optional(store.pool())
-            .await
-            .unwrap();
-            row.is_some()
-        }
-
-        async fn load_finished(&self, store: &PostgresStore, n: usize) -> usize {
-            sqlx::query(
-                "INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, \
-                 fingerprint, lease_token, attempts, created_at, updated_at, expires_at, \
-                 retention_ms, version, last_actor) \
-                 SELECT 'big', 'k' || i, 'op', 'pk', 'done', 'v1:x', 1, 1, now(), now(), \
-                 now() + interval '1 day', 86400000, 1, 'worker' \
-                 FROM generate_series(1, $1::bigint) AS i",
-            )
-            .bind(n as i64)
-            .execute(store.pool())
-            .await
-            .unwrap();
-            n
-        }
-
-        async fn load_stale(&self, store: &PostgresStore, n: usize) {
-            sqlx::query(
-                "INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, \
-                 fingerprint, lease_token, lease_owner, lease_expires_at, attempts, created_at, \
-                 updated_at, retention_ms, version, last_actor) \
-                 SELECT 'stale', 'k' || i, 'op', 'pk', 'processing', 'v1:x', 1, 'w', \
-                 now() - interval '1 minute', 1, now(), now(), 86400000, 1, 'worker' \
-                 FROM generate_series(1, $1::bigint) AS i",
-            )
-            .bind(n as i64)
-            .execute(store.pool())
-            .await
-            .unwrap();
-            sqlx::query("ANALYZE idempotency_keys")
-                .execute(store.pool())
+                true
+            })
+        });
+        let p = raw.clone();
+        let raw_read: RawRead = Arc::new(move |key| {
+            let pool = p.clone();
+            Box::pin(async move {
+                let row: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
+                    "SELECT state, response FROM raw_keys WHERE scope = 'raw' AND key = $1",
+                )
+                .bind(&key)
+                .fetch_optional(&pool)
                 .await
                 .unwrap();
-        }
-
-        async fn cleanup(self) {
-            let mut c = self.admin().await;
-            for s in &self.schemas {
-                c.execute(AssertSqlSafe(format!("DROP SCHEMA {s} CASCADE")))
-                    .await
-                    .unwrap();
-            }
+                row.is_some()
+            })
+        });
+        let p = raw.clone();
+        // Server-wide WAL position: other clients of the same server add to it.
+        let counter: Counter = Arc::new(move |_| {
+            let pool = p.clone();
+            Box::pin(async move {
+                let (lsn,): (i64,) =
+                    sqlx::query_as("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint")
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap();
+                lsn
+            })
+        });
+        Phase {
+            idem: Idempotency::new(Arc::new(store)),
+            raw_new,
+            raw_read,
+            counter: Some(counter),
         }
     }
 }
@@ -486,247 +653,465 @@ mod pg {
 mod my {
     use std::str::FromStr;
     use std::sync::Arc;
-    use std::time::Instant;
 
-    use idemflow::Store;
     use idemflow::store::mysql::MySqlStore;
+    use idemflow::{Idempotency, Store};
     use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPoolOptions};
     use sqlx::{AssertSqlSafe, ConnectOptions, Executor};
 
-    use super::{BODY, Backend, bench_name};
+    use super::{BODY, Phase, RawNew, RawRead};
 
-    pub struct MySql {
-        pub url: String,
-        pub databases: Vec<String>,
+    pub fn database() -> String {
+        format!("idemflow_bench_{}", std::process::id())
     }
 
-    impl MySql {
-        async fn admin(&self) -> MySqlConnection {
-            MySqlConnectOptions::from_str(&self.url)
-                .unwrap()
-                .connect()
+    async fn admin(url: &str) -> MySqlConnection {
+        MySqlConnectOptions::from_str(url)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+
+    pub async fn describe(url: &str) -> String {
+        let mut c = admin(url).await;
+        let (v, flush): (String, i64) =
+            sqlx::query_as("SELECT VERSION(), CAST(@@innodb_flush_log_at_trx_commit AS SIGNED)")
+                .fetch_one(&mut c)
                 .await
-                .unwrap()
-        }
+                .unwrap();
+        format!("{v}, innodb_flush_log_at_trx_commit={flush}")
     }
 
-    /// Rows per bulk-load statement (one commit each).
-    const CHUNK: usize = 100_000;
-
-    /// 0..100,000 as column `i`: a cross join of a ten-row digits table.
-    const NUMBERS: &str = "(SELECT a.d + 10 * b.d + 100 * c.d + 1000 * e.d + 10000 * f.d AS i \
-         FROM bench_digits a, bench_digits b, bench_digits c, bench_digits e, bench_digits f) n";
-
-    async fn digits(store: &MySqlStore) {
-        let pool = store.pool();
-        pool.execute("CREATE TABLE IF NOT EXISTS bench_digits (d INT PRIMARY KEY)")
+    pub async fn setup(url: &str) {
+        let d = database();
+        let mut c = admin(url).await;
+        c.execute(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {d}")))
             .await
             .unwrap();
-        pool.execute(
-            "INSERT IGNORE INTO bench_digits VALUES (0),(1),(2),(3),(4),(5),(6),(7),(8),(9)",
-        )
+        c.execute(AssertSqlSafe(format!("CREATE DATABASE {d}")))
+            .await
+            .unwrap();
+        c.execute(AssertSqlSafe(format!(
+            "CREATE TABLE {d}.raw_keys (scope VARCHAR(255) NOT NULL, `key` VARCHAR(255) NOT NULL, \
+             state VARCHAR(16) NOT NULL, fingerprint VARCHAR(80) NOT NULL, response BLOB, \
+             expires_at DATETIME(6) NOT NULL, PRIMARY KEY (scope, `key`))"
+        )))
         .await
         .unwrap();
     }
 
-    impl Backend for MySql {
-        type S = MySqlStore;
-
-        async fn describe(&self) -> String {
-            let mut c = self.admin().await;
-            let (v, flush): (String, i64) = sqlx::query_as(
-                "SELECT VERSION(), CAST(@@innodb_flush_log_at_trx_commit AS SIGNED)",
-            )
-            .fetch_one(&mut c)
+    pub async fn cleanup(url: &str) {
+        let mut c = admin(url).await;
+        c.execute(AssertSqlSafe(format!("DROP DATABASE {}", database())))
             .await
             .unwrap();
-            format!("{v}, innodb_flush_log_at_trx_commit={flush}, pool of 10")
-        }
+    }
 
-        async fn fresh(&mut self, tag: &str) -> Arc<MySqlStore> {
-            let name = bench_name(tag);
-            let mut c = self.admin().await;
-            c.execute(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
+    pub async fn phase(url: &str, conc: usize) -> Phase {
+        let size = conc.min(64) as u32;
+        let options = MySqlConnectOptions::from_str(url)
+            .unwrap()
+            .database(&database());
+        let pool = || {
+            MySqlPoolOptions::new()
+                .max_connections(size)
+                .connect_with(options.clone())
+        };
+        let store = MySqlStore::from_pool(pool().await.unwrap());
+        store.migrate().await.unwrap();
+        let raw = pool().await.unwrap();
+        let p = raw.clone();
+        let raw_new: RawNew = Arc::new(move |key, body| {
+            let pool = p.clone();
+            Box::pin(async move {
+                let ins = sqlx::query(
+                    "INSERT IGNORE INTO raw_keys (scope, `key`, state, fingerprint, expires_at) \
+                     VALUES ('raw', ?, 'processing', 'v1:x', UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
+                )
+                .bind(&key)
+                .execute(&pool)
                 .await
                 .unwrap();
-            c.execute(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                if ins.rows_affected() == 0 {
+                    return false;
+                }
+                if !body.is_zero() {
+                    // (not for zero: tokio's timer would round it up to its 1 ms tick)
+                    tokio::time::sleep(body).await;
+                }
+                sqlx::query(
+                    "UPDATE raw_keys SET state = 'done', response = ? \
+                     WHERE scope = 'raw' AND `key` = ?",
+                )
+                .bind(BODY)
+                .bind(&key)
+                .execute(&pool)
                 .await
                 .unwrap();
-            self.databases.push(name.clone());
-            let options = MySqlConnectOptions::from_str(&self.url)
-                .unwrap()
-                .database(&name);
-            let pool = MySqlPoolOptions::new()
-                .max_connections(10)
-                .connect_with(options)
+                true
+            })
+        });
+        let p = raw.clone();
+        let raw_read: RawRead = Arc::new(move |key| {
+            let pool = p.clone();
+            Box::pin(async move {
+                let row: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
+                    "SELECT state, response FROM raw_keys WHERE scope = 'raw' AND `key` = ?",
+                )
+                .bind(&key)
+                .fetch_optional(&pool)
                 .await
                 .unwrap();
-            let s = MySqlStore::from_pool(pool);
-            s.migrate().await.unwrap();
-            Arc::new(s)
+                row.is_some()
+            })
+        });
+        Phase {
+            idem: Idempotency::new(Arc::new(store)),
+            raw_new,
+            raw_read,
+            counter: None,
         }
+    }
+}
 
-        async fn raw_claim_complete(&self, store: &MySqlStore, key: &str) {
-            sqlx::query(
-                "INSERT IGNORE INTO idempotency_keys (scope, `key`, operation, provider_key, state, \
-                 fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
-                 created_at, updated_at, retention_ms, version, last_actor, last_reason) \
-                 VALUES ('raw', ?, 'op', 'pk', 'processing', 'v1:x', '{}', 1, 'w', \
-                 UTC_TIMESTAMP(6) + INTERVAL 1 MINUTE, 1, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), \
-                 86400000, 1, 'worker', 'claimed')",
-            )
-            .bind(key)
-            .execute(store.pool())
+// ---------------------------------------------------------------------------------------------
+// Redis
+
+#[cfg(feature = "redis")]
+mod rd {
+    use std::sync::Arc;
+
+    use idemflow::store::redis::{RedisConfig, RedisStore};
+    use idemflow::{Idempotency, Store};
+    use redis::aio::ConnectionManager;
+
+    use super::{BODY, Counter, Phase, RawNew, RawRead};
+
+    pub fn prefix() -> String {
+        format!("idemflow-bench-{}", std::process::id())
+    }
+
+    async fn con(url: &str) -> ConnectionManager {
+        redis::Client::open(url)
+            .unwrap()
+            .get_connection_manager()
+            .await
+            .unwrap()
+    }
+
+    pub async fn describe(url: &str) -> String {
+        let mut c = con(url).await;
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut c)
             .await
             .unwrap();
-            sqlx::query(
-                "UPDATE idempotency_keys SET state = 'done', response_status = 201, \
-                 response_headers = '[]', response_body = ?, lease_owner = NULL, \
-                 lease_expires_at = NULL, expires_at = UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
-                 updated_at = UTC_TIMESTAMP(6), version = version + 1 \
-                 WHERE scope = 'raw' AND `key` = ? AND lease_token = 1",
-            )
-            .bind(BODY)
-            .bind(key)
-            .execute(store.pool())
+        let v = info
+            .lines()
+            .find_map(|l| l.strip_prefix("redis_version:"))
+            .unwrap_or("?")
+            .trim()
+            .to_string();
+        format!("Redis {v}, one multiplexed connection each")
+    }
+
+    pub async fn used_memory(c: &mut ConnectionManager) -> i64 {
+        let info: String = redis::cmd("INFO")
+            .arg("memory")
+            .query_async(c)
             .await
             .unwrap();
-        }
+        info.lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap()
+    }
 
-        async fn raw_read(&self, store: &MySqlStore, key: &str) -> bool {
-            let row: Option<(i32, Vec<u8>)> = sqlx::query_as(
-                "SELECT response_status, response_body FROM idempotency_keys \
-                 WHERE scope = 'raw' AND `key` = ?",
-            )
-            .bind(key)
-            .fetch_optional(store.pool())
-            .await
-            .unwrap();
-            row.is_some()
-        }
-
-        /// `INSERT .. SELECT` from [`NUMBERS`], CHUNK rows per statement (history triggers on,
-        /// as in production).
-        async fn load_finished(&self, store: &MySqlStore, n: usize) -> usize {
-            let pool = store.pool();
-            digits(store).await;
-            let t = Instant::now();
-            let mut done = 0;
-            while done < n {
-                let rows = CHUNK.min(n - done);
-                sqlx::query(AssertSqlSafe(format!(
-                    "INSERT INTO idempotency_keys (scope, `key`, operation, provider_key, state, \
-                     fingerprint, lease_token, attempts, created_at, updated_at, expires_at, \
-                     retention_ms, version, last_actor) \
-                     SELECT 'big', CONCAT('k', ? + i), 'op', 'pk', 'done', 'v1:x', 1, 1, \
-                     UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
-                     86400000, 1, 'worker' FROM {NUMBERS} WHERE i < ?"
-                )))
-                .bind(done as i64)
-                .bind(rows as i64)
-                .execute(pool)
+    /// Deletes every key of this run (idemflow's prefix and the raw floor's).
+    pub async fn cleanup(url: &str) {
+        let mut c = con(url).await;
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{}*", prefix()))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut c)
                 .await
                 .unwrap();
-                done += rows;
-            }
-            println!(
-                "  (bulk load of {done} finished keys, history triggers on: {:.1} s)",
-                t.elapsed().as_secs_f64()
-            );
-            done
-        }
-
-        async fn load_stale(&self, store: &MySqlStore, n: usize) {
-            let pool = store.pool();
-            digits(store).await;
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO idempotency_keys (scope, `key`, operation, provider_key, state, \
-                 fingerprint, lease_token, lease_owner, lease_expires_at, attempts, created_at, \
-                 updated_at, retention_ms, version, last_actor) \
-                 SELECT 'stale', CONCAT('k', i), 'op', 'pk', 'processing', 'v1:x', 1, 'w', \
-                 UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE, 1, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), \
-                 86400000, 1, 'worker' FROM {NUMBERS} WHERE i < ?"
-            )))
-            .bind(n as i64)
-            .execute(pool)
-            .await
-            .unwrap();
-            pool.execute("ANALYZE TABLE idempotency_keys")
-                .await
-                .unwrap();
-        }
-
-        async fn cleanup(self) {
-            let mut c = self.admin().await;
-            for d in &self.databases {
-                c.execute(AssertSqlSafe(format!("DROP DATABASE {d}")))
+            if !keys.is_empty() {
+                let _: i64 = redis::cmd("UNLINK")
+                    .arg(&keys)
+                    .query_async(&mut c)
                     .await
                     .unwrap();
             }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+    }
+
+    pub async fn phase(url: &str) -> Phase {
+        let store = RedisStore::connect_with(RedisConfig::new(url).prefix(prefix()))
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        let raw = con(url).await;
+        let raw_prefix = format!("{}-raw", prefix());
+        let (c, rp) = (raw.clone(), raw_prefix.clone());
+        let raw_new: RawNew = Arc::new(move |key, body| {
+            let (mut c, key) = (c.clone(), format!("{rp}:{key}"));
+            Box::pin(async move {
+                let ok: Option<String> = redis::cmd("SET")
+                    .arg(&key)
+                    .arg("processing")
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(30_000)
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+                if ok.is_none() {
+                    return false;
+                }
+                if !body.is_zero() {
+                    // (not for zero: tokio's timer would round it up to its 1 ms tick)
+                    tokio::time::sleep(body).await;
+                }
+                let _: () = redis::cmd("SET")
+                    .arg(&key)
+                    .arg(BODY)
+                    .arg("PX")
+                    .arg(86_400_000)
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+                true
+            })
+        });
+        let (c, rp) = (raw.clone(), raw_prefix);
+        let raw_read: RawRead = Arc::new(move |key| {
+            let (mut c, key) = (c.clone(), format!("{rp}:{key}"));
+            Box::pin(async move {
+                let v: Option<Vec<u8>> = redis::cmd("GET")
+                    .arg(&key)
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+                v.is_some()
+            })
+        });
+        let c = raw.clone();
+        let counter: Counter = Arc::new(move |_| {
+            let mut c = c.clone();
+            Box::pin(async move { used_memory(&mut c).await })
+        });
+        Phase {
+            idem: Idempotency::new(Arc::new(store)),
+            raw_new,
+            raw_read,
+            counter: Some(counter),
         }
     }
 }
 
-fn url_var(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
+// ---------------------------------------------------------------------------------------------
+
+fn block<F: Future>(f: F) -> F::Output {
+    runtime(1).0.block_on(f)
 }
 
+#[allow(unused_variables, unused_mut)]
 fn main() {
-    let n = env("IDEMFLOW_BENCH_N", 2000);
-    let big = env("IDEMFLOW_BENCH_BIG", 1_000_000);
-    let flavour =
-        std::env::var("IDEMFLOW_BENCH_RUNTIME").unwrap_or_else(|_| "current_thread".into());
-    let rt = match flavour.as_str() {
-        "current_thread" => tokio::runtime::Builder::new_current_thread(),
-        "multi_thread" => tokio::runtime::Builder::new_multi_thread(),
-        other => panic!("IDEMFLOW_BENCH_RUNTIME: {other}? (current_thread or multi_thread)"),
-    }
-    .enable_all()
-    .build()
-    .unwrap();
+    let n = env("IDEMFLOW_BENCH_N", 10_000);
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "idemflow throughput: tokio {flavour} runtime, N={n} sequential keys (one caller), \
-         {} cores",
-        std::thread::available_parallelism().map_or(0, |p| p.get())
+        "idemflow throughput: N={n} keys per measurement, callers 1 (tokio current_thread) and \
+         8 / 64 (tokio multi_thread), {} cores, load average at start: {}",
+        std::thread::available_parallelism().map_or(0, |p| p.get()),
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
     );
-    rt.block_on(async {
-        let sqlite = Sqlite {
-            dir: tempfile::tempdir().unwrap(),
-        };
-        run("SQLite", sqlite, n, big).await;
+    let mut targets = Targets(Vec::new());
 
-        match url_var("IDEMFLOW_BENCH_POSTGRES_URL") {
-            #[cfg(feature = "postgres")]
-            Some(url) => {
-                let b = pg::Postgres {
-                    url,
-                    schemas: Vec::new(),
-                };
-                run("PostgreSQL", b, n, big).await;
-            }
-            #[cfg(not(feature = "postgres"))]
-            Some(_) => println!("\n== PostgreSQL: skipped (feature `postgres` off)"),
-            None => println!("\n== PostgreSQL: skipped (IDEMFLOW_BENCH_POSTGRES_URL unset)"),
+    if std::env::var("IDEMFLOW_BENCH_SQLITE").as_deref() != Ok("0") {
+        let dir = tempfile::tempdir().unwrap();
+        println!(
+            "\n== SQLite file, WAL, synchronous=FULL (idemflow: SqliteStore::connect, 1 writer \
+             connection; floor: 1 connection)"
+        );
+        let d = dir.path().to_path_buf();
+        let m = run_backend(
+            "SQLite",
+            n,
+            |_, bytes| sqlite::phase(&d, bytes),
+            "WAL growth",
+            "INSERT ON CONFLICT + UPDATE, 1 conn",
+        );
+        println!("\n  SQLite targets (issue 12):");
+        targets.0.push("SQLite:".into());
+        let r = ratio(&m, 0);
+        targets.check(
+            "new key, 1 caller >= 0.9x raw pair",
+            format!("{r:.2}x"),
+            r >= 0.9,
+        );
+        let r = ratio(&m, 2);
+        let p99 = m.new[2].0.p99;
+        targets.check(
+            "new key, 64 callers >= 4x raw pair at 64, p99 <= 50 ms",
+            format!("{r:.2}x, p99 {:.1} ms", ms(p99)),
+            r >= 4.0 && p99 <= Duration::from_millis(50),
+        );
+        targets.check(
+            "replay >= 2x raw read",
+            format!("{:.2}x", m.replay),
+            m.replay >= 2.0,
+        );
+        targets.check("1,000 duplicates: body ran once", "1".into(), true);
+        if let Some((o, r)) = m.bytes {
+            targets.put(
+                "WAL bytes per new key, idemflow vs floor",
+                format!("{o:.0} B vs {r:.0} B"),
+                "(info)",
+            );
         }
+    }
 
-        match url_var("IDEMFLOW_BENCH_MYSQL_URL") {
-            #[cfg(feature = "mysql")]
-            Some(url) => {
-                let b = my::MySql {
-                    url,
-                    databases: Vec::new(),
-                };
-                run(
-                    "MariaDB / MySQL",
-                    b,
-                    n,
-                    env("IDEMFLOW_BENCH_BIG_MYSQL", big),
-                )
-                .await;
+    match url_var("IDEMFLOW_BENCH_POSTGRES_URL") {
+        #[cfg(feature = "postgres")]
+        Some(url) => {
+            println!(
+                "\n== {} (a pool of min(callers, {}) connections each for idemflow and the floor)",
+                block(pg::describe(&url)),
+                pg::pool_cap()
+            );
+            block(pg::setup(&url));
+            let m = run_backend(
+                "PostgreSQL",
+                n,
+                |c, _| pg::phase(&url, c),
+                "WAL bytes",
+                "INSERT ON CONFLICT + UPDATE",
+            );
+            block(pg::cleanup(&url));
+            println!("\n  PostgreSQL targets (issue 12):");
+            targets.0.push("PostgreSQL:".into());
+            let r = ratio(&m, 0);
+            targets.check(
+                "new key, 1 caller >= 0.9x raw pair",
+                format!("{r:.2}x"),
+                r >= 0.9,
+            );
+            targets.check(
+                "replay >= 0.9x primary-key read",
+                format!("{:.2}x", m.replay),
+                m.replay >= 0.9,
+            );
+            let r = ratio(&m, 2);
+            targets.check("64 callers >= 0.9x raw at 64", format!("{r:.2}x"), r >= 0.9);
+            targets.check("1,000 duplicates: body ran once", "1".into(), true);
+            if let Some((o, r)) = m.bytes {
+                targets.put(
+                    "WAL bytes per new key, idemflow vs floor",
+                    format!("{o:.0} B vs {r:.0} B"),
+                    "(info)",
+                );
             }
-            #[cfg(not(feature = "mysql"))]
-            Some(_) => println!("\n== MariaDB / MySQL: skipped (feature `mysql` off)"),
-            None => println!("\n== MariaDB / MySQL: skipped (IDEMFLOW_BENCH_MYSQL_URL unset)"),
         }
-    });
+        #[cfg(not(feature = "postgres"))]
+        Some(_) => println!("\n== PostgreSQL: skipped (feature `postgres` off)"),
+        None => println!("\n== PostgreSQL: skipped (IDEMFLOW_BENCH_POSTGRES_URL unset)"),
+    }
+
+    match url_var("IDEMFLOW_BENCH_MYSQL_URL") {
+        #[cfg(feature = "mysql")]
+        Some(url) => {
+            println!(
+                "\n== {} (a pool of min(callers, 64) connections each for idemflow and the floor)",
+                block(my::describe(&url))
+            );
+            block(my::setup(&url));
+            let m = run_backend(
+                "MariaDB",
+                n,
+                |c, _| my::phase(&url, c),
+                "bytes",
+                "INSERT IGNORE + UPDATE",
+            );
+            block(my::cleanup(&url));
+            println!("\n  MariaDB / MySQL targets (issue 12):");
+            targets.0.push("MariaDB / MySQL:".into());
+            let r = ratio(&m, 0);
+            targets.check(
+                "new key, 1 caller >= 0.8x raw pair",
+                format!("{r:.2}x"),
+                r >= 0.8,
+            );
+            targets.check("1,000 duplicates: body ran once", "1".into(), true);
+        }
+        #[cfg(not(feature = "mysql"))]
+        Some(_) => println!("\n== MariaDB / MySQL: skipped (feature `mysql` off)"),
+        None => println!("\n== MariaDB / MySQL: skipped (IDEMFLOW_BENCH_MYSQL_URL unset)"),
+    }
+
+    match url_var("IDEMFLOW_BENCH_REDIS_URL") {
+        #[cfg(feature = "redis")]
+        Some(url) => {
+            println!("\n== {}", block(rd::describe(&url)));
+            let m = run_backend(
+                "Redis",
+                n,
+                |_, _| rd::phase(&url),
+                "used_memory",
+                "SET NX + SET",
+            );
+            block(rd::cleanup(&url));
+            println!("\n  Redis targets (issue 12):");
+            targets.0.push("Redis:".into());
+            let r = ratio(&m, 0);
+            targets.check(
+                "new key, 1 caller >= 0.8x SET NX + SET",
+                format!("{r:.2}x"),
+                r >= 0.8,
+            );
+            let r = ratio(&m, 2);
+            targets.check(
+                "64 callers >= 0.35x raw at 64",
+                format!("{r:.2}x"),
+                r >= 0.35,
+            );
+            targets.check("1,000 duplicates: body ran once", "1".into(), true);
+            if let Some((o, r)) = m.bytes {
+                targets.check(
+                    "memory per finished key <= 1,200 B (used_memory)",
+                    format!("{o:.0} B (raw SET {r:.0} B)"),
+                    o <= 1200.0,
+                );
+            }
+        }
+        #[cfg(not(feature = "redis"))]
+        Some(_) => println!("\n== Redis: skipped (feature `redis` off)"),
+        None => println!("\n== Redis: skipped (IDEMFLOW_BENCH_REDIS_URL unset)"),
+    }
+
+    println!("\n== Issue 12 targets, this run");
+    for t in &targets.0 {
+        println!("{t}");
+    }
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "load average at end: {}",
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
 }
