@@ -96,6 +96,7 @@ pub mod sweeper;
 #[cfg(feature = "testkit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;
+pub mod workflow;
 
 /// The README's code blocks, compiled as doctests.
 #[cfg(doctest)]
@@ -113,3 +114,4 @@ pub use response::StoredResponse;
 pub use state::KeyState;
 pub use store::Store;
 pub use sweeper::{SweepError, SweepReport, Sweeper, SweeperConfig};
+pub use workflow::Step;

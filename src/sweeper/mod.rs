@@ -50,6 +50,7 @@ use crate::{KeyId, KeyState};
 pub mod decide;
 mod renew;
 mod report;
+mod workflow;
 
 pub use decide::{Decision, Plan};
 pub use report::{LostKey, RunSummary, SweepReport, Unresolved, UnresolvedKey};
@@ -134,6 +135,7 @@ pub struct Sweeper {
     store: Arc<dyn Store>,
     providers: Providers,
     config: SweeperConfig,
+    resumers: crate::workflow::Resumers,
 }
 
 /// What happened to one key.
@@ -151,7 +153,29 @@ impl Sweeper {
             store,
             providers,
             config: SweeperConfig::defaults(),
+            resumers: Default::default(),
         }
+    }
+
+    /// Registers the operation of the workflows named `operation`, so this sweeper pushes a
+    /// stale one to its end without waiting for a client retry: once its steps are settled,
+    /// `resume` runs under the sweeper's lease through `executor` (the executor the workflow
+    /// runs with: its lease and retention apply), its finished steps replay and the rest run
+    /// (`docs/workflows.md`, "Resumption"). Pass the same closure the application gives
+    /// [`Idempotency::execute`](crate::Idempotency::execute).
+    pub fn resumer<F, Fut>(
+        mut self,
+        operation: impl Into<String>,
+        executor: crate::Idempotency,
+        resume: F,
+    ) -> Self
+    where
+        F: Fn(crate::Context) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = crate::Outcome> + Send + 'static,
+    {
+        let resume: crate::workflow::Resume = Arc::new(move |ctx| Box::pin(resume(ctx)));
+        self.resumers.0.insert(operation.into(), (executor, resume));
+        self
     }
 
     /// Sets the batch size (at least 1).
@@ -417,6 +441,9 @@ impl Sweeper {
                 Ok(_) => {}
                 Err(e) => return lost_or(e, &record),
             }
+        }
+        if record.provider.as_deref() == Some(crate::workflow::WORKFLOW_PROVIDER) {
+            return self.handle_workflow(&id, record, now, report).await;
         }
         let provider = record
             .provider
