@@ -84,6 +84,13 @@ impl IdempotencyContext {
         self.attempt_ctx.lease_lost()
     }
 
+    /// The executor's context of this attempt: what a workflow's operation takes, so the same
+    /// function can serve the handler and the sweeper's resumer
+    /// ([`Sweeper::resumer`](crate::Sweeper::resumer)).
+    pub fn context(&self) -> &crate::Context {
+        &self.attempt_ctx
+    }
+
     /// Runs the next step of this request's workflow at most once (see
     /// [`crate::Context::step`]; the layer must be declared with
     /// [`IdempotencyLayer::workflow`](super::IdempotencyLayer::workflow)).
