@@ -566,3 +566,110 @@ mod postgres {
             .unwrap();
     }
 }
+
+/// A workflow left unfinished after its first step: `reconcile` (which cannot run application
+/// code) reports it as waiting for a resumer, and `inspect` lists its steps, their provider keys
+/// and the recovery point.
+#[tokio::test]
+async fn reconcile_reports_waiting_workflows_and_inspect_shows_their_steps() {
+    let db = migrated().await;
+    let store = db.store().await;
+    let req = IdempotentRequest::new(
+        "acct_1",
+        "order-9",
+        "checkout",
+        &serde_json::json!({"n": 9}),
+    )
+    .unwrap()
+    .workflow();
+    let err = Idempotency::new(store.clone())
+        .execute(req, |ctx| async move {
+            let charge = idemflow::Step::new("charge", &serde_json::json!({"amount": 5})).unwrap();
+            let paid = ctx
+                .step(charge, |_| async {
+                    Outcome::Succeeded(
+                        StoredResponse::json(201, &serde_json::json!({"charge": "ch_1"})).unwrap(),
+                    )
+                })
+                .await;
+            assert!(paid.is_ok(), "{paid:?}");
+            let email = idemflow::Step::new("email", &serde_json::json!({"to": "a@b.c"})).unwrap();
+            match ctx
+                .step(email, |_| async {
+                    Outcome::unknown("connection reset after sending")
+                })
+                .await
+            {
+                Ok(_) => Outcome::unknown("unexpected"),
+                Err(e) => Outcome::from_step_error(&e),
+            }
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err:?}");
+
+    let o = db.run(&["--json", "inspect", "acct_1", "order-9"]);
+    expect(&o, 0);
+    let j = json(&o);
+    assert_eq!(j["key"]["provider"], "idemflow.workflow");
+    assert_eq!(j["recovery_point"]["position"], 0);
+    assert_eq!(j["recovery_point"]["name"], "charge");
+    let steps = j["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 2);
+    assert_eq!(
+        (steps[0]["name"].as_str(), steps[0]["state"].as_str()),
+        (Some("charge"), Some("done"))
+    );
+    assert_eq!(
+        (steps[1]["name"].as_str(), steps[1]["state"].as_str()),
+        (Some("email"), Some("processing"))
+    );
+    assert_ne!(steps[0]["provider_key"], steps[1]["provider_key"]);
+    let o = db.run(&["inspect", "acct_1", "order-9"]);
+    expect(&o, 0);
+    assert!(
+        stdout(&o).contains("recovery point step 0 (charge)"),
+        "{}",
+        stdout(&o)
+    );
+
+    // The email step has no provider: it needs an operator; once it is resolved, the
+    // workflow itself waits for a resumer (or the client's retry).
+    let config = db.dir().join("idemflow.toml");
+    std::fs::write(
+        &config,
+        "[sweeper]\nbackoff_base = \"0s\"\nbackoff_cap = \"0s\"\n",
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let o = db.run(&["--json", "reconcile", "--once", "--config", config]);
+    expect(&o, 3);
+    let o = db.run(&[
+        "resolve",
+        "acct_1",
+        "order-9#step:1",
+        "--done",
+        "--status",
+        "202",
+        "--body",
+        "{}",
+        "--reason",
+        "the email went out (seen in the provider's log)",
+    ]);
+    expect(&o, 0);
+    let mut waiting = 0;
+    for _ in 0..3 {
+        let o = db.run(&["--json", "reconcile", "--once", "--config", config]);
+        let j = json(&o);
+        waiting += j["report"]["waiting_for_resumer"].as_u64().unwrap_or(0);
+        if waiting > 0 {
+            assert!(
+                stderr(&o).contains("order-9") || stdout(&o).contains("order-9"),
+                "{}",
+                stderr(&o)
+            );
+            break;
+        }
+    }
+    assert_eq!(waiting, 1);
+}

@@ -14,7 +14,6 @@ use super::{KeyResult, Sweeper, lost_or, unresolved};
 use crate::error::{Error, StoreError};
 use crate::record::{Actor, KeyRecord};
 use crate::store::Release;
-use crate::workflow::{MAX_STEPS, step_key};
 use crate::{KeyId, KeyState};
 
 impl Sweeper {
@@ -26,21 +25,21 @@ impl Sweeper {
         report: &mut SweepReport,
     ) -> Result<KeyResult, StoreError> {
         // Steps first: each is settled as a key of its own (in this batch or a later one).
-        for position in 0..MAX_STEPS {
-            let Some(step) = self.store.get(&step_key(id, position)).await? else {
-                break;
+        let steps = crate::workflow::steps(&*self.store, id).await?;
+        if let Some((position, step)) = steps
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.state == KeyState::Processing)
+        {
+            tracing::Span::current().record("decision", "wait_for_step");
+            let decision = Decision::Defer {
+                reason: format!(
+                    "workflow waits for its step {position} ({}) to be settled",
+                    step.operation
+                ),
+                retry_after: None,
             };
-            if step.state == KeyState::Processing {
-                tracing::Span::current().record("decision", "wait_for_step");
-                let decision = Decision::Defer {
-                    reason: format!(
-                        "workflow waits for its step {position} ({}) to be settled",
-                        step.operation
-                    ),
-                    retry_after: None,
-                };
-                return self.apply(id, &record, decision).await;
-            }
+            return self.apply(id, &record, decision).await;
         }
         let Some((executor, resume)) = self.resumers.0.get(&record.operation).cloned() else {
             tracing::Span::current().record("decision", "wait_for_resumer");

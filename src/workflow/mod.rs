@@ -72,6 +72,40 @@ pub fn step_key(parent: &KeyId, position: u32) -> KeyId {
     KeyId::new(parent.scope.clone(), key)
 }
 
+/// The step rows of the workflow `id`, in order (positions `0..`, up to the first missing one).
+/// The last finished one (`done` or `failed{permanent}`) is the workflow's recovery point
+/// ([`recovery_point`]).
+pub async fn steps(
+    store: &dyn crate::Store,
+    id: &KeyId,
+) -> Result<Vec<crate::KeyRecord>, crate::StoreError> {
+    let mut steps = Vec::new();
+    for position in 0..MAX_STEPS {
+        match store.get(&step_key(id, position)).await? {
+            Some(step) => steps.push(step),
+            None => break,
+        }
+    }
+    Ok(steps)
+}
+
+/// The recovery point of a workflow whose step rows are `steps` (as [`steps`] returns them):
+/// the position and name of the last step of the finished prefix, `None` before any step
+/// finished. Steps after it are still running, unknown, or retryable.
+pub fn recovery_point(steps: &[crate::KeyRecord]) -> Option<(u32, &str)> {
+    let finished = steps
+        .iter()
+        .take_while(|s| {
+            matches!(
+                s.state,
+                crate::KeyState::Done | crate::KeyState::Failed { retryable: false }
+            )
+        })
+        .count();
+    let last = finished.checked_sub(1)?;
+    Some((u32::try_from(last).ok()?, steps[last].operation.as_str()))
+}
+
 /// One named step of a workflow, with the request it acts on (its fingerprint guards the step
 /// like a request guards a key: the same step with a different request is refused).
 ///

@@ -398,11 +398,62 @@ async fn inspect(cli: &Cli, store: &Arc<dyn Store>, id: &KeyId) -> anyhow::Resul
     if record.is_none() && history.is_empty() {
         bail!("no idempotency key {id} (and no history for it)");
     }
-    let j = json!({
+    let is_workflow = record
+        .as_ref()
+        .is_some_and(|r| r.provider.as_deref() == Some(idemflow::workflow::WORKFLOW_PROVIDER));
+    let steps = if is_workflow {
+        idemflow::workflow::steps(&**store, id)
+            .await
+            .map_err(store_err)?
+    } else {
+        Vec::new()
+    };
+    let recovery = idemflow::workflow::recovery_point(&steps);
+    let mut j = json!({
         "key": record.as_ref().map(record_json),
         "history": history,
     });
-    out(cli, j, || human_record(id, record.as_ref(), &history));
+    if is_workflow {
+        j["steps"] = steps
+            .iter()
+            .enumerate()
+            .map(|(position, s)| {
+                json!({
+                    "position": position, "name": s.operation, "key": s.key, "state": s.state,
+                    "provider": s.provider, "provider_key": s.provider_key,
+                    "attempts": s.attempts, "error": s.error,
+                    "response": s.response.as_ref().map(response_json),
+                })
+            })
+            .collect();
+        j["recovery_point"] =
+            recovery.map_or(Value::Null, |(p, n)| json!({"position": p, "name": n}));
+    }
+    out(cli, j, || {
+        let mut t = human_record(id, record.as_ref(), &history);
+        if is_workflow {
+            t.push_str(&format!(
+                "\nrecovery point {}",
+                recovery.map_or_else(
+                    || "none (no step finished yet)".to_owned(),
+                    |(p, n)| format!("step {p} ({n})")
+                )
+            ));
+            t.push_str("\nsteps:");
+            for (position, s) in steps.iter().enumerate() {
+                t.push_str(&format!(
+                    "\n  {position:<3} {:<16} {:<20} provider {} (provider key {})  attempts {}  {}",
+                    s.operation,
+                    s.state.to_string(),
+                    s.provider.as_deref().unwrap_or("-"),
+                    s.provider_key,
+                    s.attempts,
+                    s.error.as_deref().unwrap_or("")
+                ));
+            }
+        }
+        t
+    });
     Ok(Exit::Ok)
 }
 
