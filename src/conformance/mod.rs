@@ -225,7 +225,8 @@ macro_rules! sweeper_tests {
             a_crash_after_a_step_resumes_from_the_next,
             renamed_or_removed_steps_are_refused,
             steps_outside_a_workflow_are_refused,
-            sweeper_settles_steps_then_resumes_the_workflow
+            sweeper_settles_steps_then_resumes_the_workflow,
+            keyless_steps_are_never_taken_over
         );
     };
 }

@@ -509,3 +509,49 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     assert_eq!(Some(retry.response()), r.response.as_ref());
     assert_eq!((cards.effects().len(), mail.effects().len()), (1, 1));
 }
+
+/// An executor with a retry takeover window still never takes over a step whose provider does
+/// not replay same-key re-sends: a retry of the workflow after the email step's answer was lost
+/// does not send it again (the sweeper settles it by lookup). A keyed step is taken over only
+/// inside the provider's window.
+pub async fn keyless_steps_are_never_taken_over(store: Arc<dyn Store>) {
+    let mail = FakeProvider::no_keys("mail");
+    let scope = unique("wf-takeover");
+    let idem = worker(&store).retry_takeover_window(Some(Duration::from_secs(60)));
+    let op = {
+        let mail = mail.clone();
+        move |ctx: crate::Context| {
+            let mail = mail.clone();
+            async move {
+                let email = Step::new("email", &serde_json::json!({"amount": 1})).unwrap();
+                match ctx.call_step(email, &*mail).await {
+                    Ok(_) => ok(serde_json::json!({"sent": true})),
+                    Err(e) => Outcome::from_step_error(&e),
+                }
+            }
+        }
+    };
+    mail.lose_next(1);
+    let first = idem.execute(checkout(&scope, "o1"), op.clone()).await;
+    assert!(
+        matches!(first, Err(Error::OutcomeUnknown { .. })),
+        "{first:?}"
+    );
+    assert_eq!(mail.effects().len(), 1);
+    wait_stale().await;
+    let retry = idem.execute(checkout(&scope, "o1"), op).await;
+    assert!(
+        matches!(retry, Err(Error::OutcomeUnknown { .. })),
+        "{retry:?}"
+    );
+    assert_eq!(
+        mail.effects().len(),
+        1,
+        "the keyless step was not sent again"
+    );
+    let id = checkout(&scope, "o1").id().clone();
+    assert_eq!(
+        row(&store, &step_key(&id, 0)).await.state,
+        KeyState::Processing
+    );
+}

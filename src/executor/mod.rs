@@ -266,17 +266,20 @@ impl Idempotency {
             owner: cfg.owner.clone(),
             lease: cfg.lease,
             retention: cfg.retention,
-            takeover_window: self.takeover_window(request.is_workflow()),
+            takeover_window: self.takeover_window(request),
         }
     }
 
     /// The window after a key's first claim in which a retry may take over its expired lease.
     /// A workflow acts only through its steps, each deduplicated by its own key, so it may be
     /// taken over for as long as its steps' records are surely kept: its retention, less one
-    /// lease (`docs/workflows.md`).
-    fn takeover_window(&self, workflow: bool) -> Option<Duration> {
+    /// lease (`docs/workflows.md`). A step takes the window its workflow's run chose for it
+    /// (`StepOf::takeover`); any other key, [`ExecutorConfig::retry_takeover_window`].
+    fn takeover_window(&self, request: &IdempotentRequest) -> Option<Duration> {
         let cfg = &*self.config;
-        if workflow {
+        if let Some(of) = &request.step {
+            of.takeover
+        } else if request.is_workflow() {
             Some(cfg.retention.saturating_sub(cfg.lease))
         } else {
             cfg.retry_takeover_window
@@ -299,7 +302,7 @@ impl Idempotency {
     {
         let cfg = &*self.config;
         let id = request.id.clone();
-        let window = self.takeover_window(request.is_workflow());
+        let window = self.takeover_window(&request);
         let held_until = heartbeat::held_from(asked, cfg.lease);
         let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
         let workflow = request.is_workflow().then(|| {

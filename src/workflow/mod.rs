@@ -159,6 +159,10 @@ impl Step {
 pub(crate) struct StepOf {
     pub(crate) workflow: KeyId,
     pub(crate) position: u32,
+    /// The step's takeover window: the executor's `retry_takeover_window` for a step of any
+    /// code; for a provider step, only when the provider replays a same-key re-send, and never
+    /// longer than its dedup window (a step of a keyless provider is never taken over).
+    pub(crate) takeover: Option<std::time::Duration>,
 }
 
 /// The fields of an [`Error::StepChanged`], kept by the running workflow.
@@ -242,7 +246,11 @@ impl Workflow {
 }
 
 impl Context {
-    fn workflow_for_step(&self, step: &Step) -> Result<(&Arc<Workflow>, StepOf), Error> {
+    fn workflow_for_step(
+        &self,
+        step: &Step,
+        provider: Option<&crate::KeySpec>,
+    ) -> Result<(&Arc<Workflow>, StepOf), Error> {
         let wf = self.workflow.as_ref().ok_or_else(|| Error::NotAWorkflow {
             key: self.id.to_string(),
         })?;
@@ -263,11 +271,21 @@ impl Context {
             wf.keep(&e);
             return Err(e);
         }
+        let window = wf.executor.config().retry_takeover_window;
+        let takeover = match provider {
+            None => window,
+            Some(spec) if spec.replays_same_key => match (window, spec.retention) {
+                (Some(w), Some(r)) => Some(w.min(r)),
+                _ => None,
+            },
+            Some(_) => None,
+        };
         Ok((
             wf,
             StepOf {
                 workflow: self.id.clone(),
                 position,
+                takeover,
             },
         ))
     }
@@ -299,7 +317,7 @@ impl Context {
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Outcome>,
     {
-        let (wf, of) = self.workflow_for_step(&step)?;
+        let (wf, of) = self.workflow_for_step(&step, None)?;
         let executor = wf.executor.clone();
         wf.note(executor.execute(Self::step_request(step, of), op).await)
     }
@@ -308,7 +326,8 @@ impl Context {
     /// ([`Idempotency::call`] for the step's key, whose provider key is derived within the
     /// provider's limits from the step's key and name). See [`step`](Self::step).
     pub async fn call_step(&self, step: Step, provider: &dyn Provider) -> Result<Execution, Error> {
-        let (wf, of) = self.workflow_for_step(&step)?;
+        let spec = provider.key_spec();
+        let (wf, of) = self.workflow_for_step(&step, Some(&spec))?;
         let executor = wf.executor.clone();
         wf.note(executor.call(Self::step_request(step, of), provider).await)
     }
