@@ -625,6 +625,9 @@ async fn reconcile_reports_waiting_workflows_and_inspect_shows_their_steps() {
         (Some("email"), Some("processing"))
     );
     assert_ne!(steps[0]["provider_key"], steps[1]["provider_key"]);
+    // Each step's transitions are listed with it.
+    let charge_history = steps[0]["history"].as_array().unwrap();
+    assert_eq!(charge_history.last().unwrap()["to"], "done");
     let o = db.run(&["inspect", "acct_1", "order-9"]);
     expect(&o, 0);
     assert!(

@@ -409,6 +409,11 @@ async fn inspect(cli: &Cli, store: &Arc<dyn Store>, id: &KeyId) -> anyhow::Resul
         Vec::new()
     };
     let recovery = idemflow::workflow::recovery_point(&steps);
+    let mut step_histories = Vec::with_capacity(steps.len());
+    for s in &steps {
+        let step_id = KeyId::new(s.scope.clone(), s.key.clone());
+        step_histories.push(store.history(&step_id).await.map_err(store_err)?);
+    }
     let mut j = json!({
         "key": record.as_ref().map(record_json),
         "history": history,
@@ -416,13 +421,15 @@ async fn inspect(cli: &Cli, store: &Arc<dyn Store>, id: &KeyId) -> anyhow::Resul
     if is_workflow {
         j["steps"] = steps
             .iter()
+            .zip(&step_histories)
             .enumerate()
-            .map(|(position, s)| {
+            .map(|(position, (s, history))| {
                 json!({
                     "position": position, "name": s.operation, "key": s.key, "state": s.state,
                     "provider": s.provider, "provider_key": s.provider_key,
                     "attempts": s.attempts, "error": s.error,
                     "response": s.response.as_ref().map(response_json),
+                    "history": history,
                 })
             })
             .collect();
@@ -440,7 +447,7 @@ async fn inspect(cli: &Cli, store: &Arc<dyn Store>, id: &KeyId) -> anyhow::Resul
                 )
             ));
             t.push_str("\nsteps:");
-            for (position, s) in steps.iter().enumerate() {
+            for (position, (s, history)) in steps.iter().zip(&step_histories).enumerate() {
                 t.push_str(&format!(
                     "\n  {position:<3} {:<16} {:<20} provider {} (provider key {})  attempts {}  {}",
                     s.operation,
@@ -450,6 +457,17 @@ async fn inspect(cli: &Cli, store: &Arc<dyn Store>, id: &KeyId) -> anyhow::Resul
                     s.attempts,
                     s.error.as_deref().unwrap_or("")
                 ));
+                for e in history {
+                    t.push_str(&format!(
+                        "\n        #{:<4} {}  {:<8} {} -> {}  {}",
+                        e.seq,
+                        e.at.to_rfc3339(),
+                        e.actor.as_str(),
+                        state_name(e.from),
+                        state_name(e.to),
+                        e.reason.as_deref().unwrap_or("")
+                    ));
+                }
             }
         }
         t
