@@ -466,6 +466,67 @@ impl Idempotency {
         Ok((to, stored))
     }
 
+    /// Runs an atomic-phase step (`Context::atomic_step`): claims `request`'s key, then lets
+    /// `phase` write the application's rows and finish the key in one transaction, renewing the
+    /// lease meanwhile.
+    pub(crate) async fn run_atomic(
+        &self,
+        request: IdempotentRequest,
+        phase: Box<dyn crate::workflow::AtomicPhase>,
+    ) -> Result<Execution, Error> {
+        use crate::workflow::PhaseError;
+        let cfg = &*self.config;
+        let claim = self.new_claim(&request);
+        let asked = tokio::time::Instant::now();
+        let lease = match self.store.claim(&claim).await? {
+            ClaimOutcome::Existing { record, now } => {
+                return self.existing(&request, *record, now);
+            }
+            ClaimOutcome::Claimed(lease) => lease,
+        };
+        let id = request.id.clone();
+        let span = info_span!(
+            "idemflow.atomic_step",
+            scope = %id.scope,
+            key = %id.key,
+            step = %request.operation,
+        );
+        let held_until = heartbeat::held_from(asked, cfg.lease);
+        let (held, _watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
+        let renew = heartbeat::renew(&*self.store, &id, lease.token, cfg.lease, &held);
+        let committed = heartbeat::alongside(phase.commit(&id, lease.token), renew)
+            .instrument(span)
+            .await;
+        match committed {
+            Ok(resp) => Ok(Execution::Executed(resp)),
+            Err(PhaseError::Writes(e)) => {
+                // Rolled back: nothing happened, so a retry may run the step again.
+                let reason = format!("the step's writes failed and were rolled back: {e}");
+                let finish = Finish {
+                    to: KeyState::Failed { retryable: true },
+                    response: None,
+                    error: Some(reason.clone()),
+                    actor: Actor::Worker,
+                    reason: "atomic phase rolled back; a retry runs it again".to_owned(),
+                    expect_token: None,
+                };
+                self.store.finish(&id, Some(lease.token), &finish).await?;
+                Err(Error::FailedRetryable {
+                    key: id.to_string(),
+                    reason,
+                })
+            }
+            Err(PhaseError::LeaseLost) => Err(Error::LeaseLost(
+                crate::store::refused_write(&*self.store, &id, Some(lease.token)).await,
+            )),
+            Err(PhaseError::Store(e)) => {
+                // A failed commit may have committed: the row says. If it did not, the step
+                // stays processing and the sweeper makes it retryable once its lease runs out.
+                Err(Error::Store(e))
+            }
+        }
+    }
+
     /// After a workflow's operation ended well: the step recorded at the position after the
     /// last one it ran, if any (the code dropped a step that already ran or was started).
     async fn dropped_step(&self, id: &KeyId, steps_run: u32) -> Result<Option<Error>, Error> {

@@ -445,6 +445,20 @@ impl Sweeper {
         if record.provider.as_deref() == Some(crate::workflow::WORKFLOW_PROVIDER) {
             return self.handle_workflow(&id, record, now, report).await;
         }
+        if record.provider.as_deref() == Some(crate::workflow::LOCAL_PROVIDER) {
+            // An atomic phase's record commits with its writes: still processing with its
+            // lease run out, its transaction never committed, so it surely did nothing.
+            tracing::Span::current().record("decision", "local_rolled_back");
+            let decision = Decision::Finish {
+                to: KeyState::Failed { retryable: true },
+                response: None,
+                error: Some("the atomic phase's transaction never committed".to_owned()),
+                reason: "atomic phase still processing after its lease: its writes and record \
+                         commit together, so nothing was written; retryable"
+                    .to_owned(),
+            };
+            return self.apply(&id, &record, decision).await;
+        }
         let provider = record
             .provider
             .as_deref()

@@ -35,6 +35,10 @@ use crate::fingerprint::{Fingerprint, canonical_json, hex, parse_json};
 use crate::key::{IdempotencyKey, KeyError, KeyId, MAX_LEN};
 use crate::provider::Provider;
 
+mod atomic;
+
+pub use atomic::{AtomicPhase, LOCAL_PROVIDER, PhaseError, WritesError};
+
 /// The provider name that marks a key as a workflow (set by [`IdempotentRequest::workflow`]).
 pub const WORKFLOW_PROVIDER: &str = "idemflow.workflow";
 
@@ -204,7 +208,7 @@ impl Workflow {
     }
 
     /// Keeps the first `StepChanged` a step met (see `changed`).
-    fn note(&self, result: Result<Execution, Error>) -> Result<Execution, Error> {
+    pub(crate) fn note(&self, result: Result<Execution, Error>) -> Result<Execution, Error> {
         if let Err(e) = &result {
             self.keep(e);
         }
@@ -246,7 +250,7 @@ impl Workflow {
 }
 
 impl Context {
-    fn workflow_for_step(
+    pub(crate) fn workflow_for_step(
         &self,
         step: &Step,
         provider: Option<&crate::KeySpec>,
@@ -290,7 +294,7 @@ impl Context {
         ))
     }
 
-    fn step_request(step: Step, of: StepOf) -> IdempotentRequest {
+    pub(crate) fn step_request(step: Step, of: StepOf) -> IdempotentRequest {
         IdempotentRequest {
             id: step_key(&of.workflow, of.position),
             operation: step.name,
