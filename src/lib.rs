@@ -93,6 +93,7 @@ pub mod response;
 pub mod state;
 pub mod store;
 pub mod sweeper;
+pub mod telemetry;
 #[cfg(feature = "testkit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;

@@ -676,3 +676,96 @@ async fn reconcile_reports_waiting_workflows_and_inspect_shows_their_steps() {
     }
     assert_eq!(waiting, 1);
 }
+
+/// `GET /metrics` of `addr` (plain HTTP/1.0), or `None` while nothing answers.
+fn scrape(addr: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    Some(body)
+}
+
+/// The value of the sample `name{labels}` (labels written as Prometheus prints them).
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// `reconcile --every .. --metrics-addr` serves the metrics in Prometheus text format: after
+/// two keys stuck without a provider, the sweeper's decisions, the key gauges and the store
+/// latency histogram read what happened.
+#[tokio::test]
+async fn reconcile_serves_prometheus_metrics() {
+    let db = migrated().await;
+    let store = db.store().await;
+    stuck_key(&store, "acct_5", "k1", None).await;
+    stuck_key(&store, "acct_5", "k2", None).await;
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let child = bin()
+        .args(["reconcile", "--every", "100ms", "--metrics-addr", &addr])
+        .env("DATABASE_URL", db.url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut text = String::new();
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if let Some(t) = scrape(&addr)
+            && t.contains("idemflow_sweeper_decisions_total")
+        {
+            text = t;
+            break;
+        }
+    }
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let o = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        stderr(&o).contains(&format!("metrics at http://{addr}/metrics")),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"idemflow_sweeper_decisions_total{decision="needs_operator"}"#
+        ),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "idemflow_processing_keys"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(sample(&text, "idemflow_stale_keys"), Some(2.0), "{text}");
+    assert!(
+        sample(&text, "idemflow_oldest_processing_age_seconds").is_some_and(|a| a >= 0.0),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            r#"idemflow_store_duration_seconds_count{backend="sqlite",call="take_stale"}"#
+        ) || text.contains(r#"idemflow_store_duration_seconds{backend="sqlite",call="take_stale""#),
+        "{text}"
+    );
+    assert!(
+        text.contains("# HELP idemflow_sweeper_decisions_total"),
+        "{text}"
+    );
+}

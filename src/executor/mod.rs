@@ -214,7 +214,11 @@ impl Idempotency {
             operation = %request.operation,
             outcome = tracing::field::Empty,
         );
-        self.execute_inner(request, op).instrument(span).await
+        let operation = request.operation.clone();
+        let started = std::time::Instant::now();
+        let result = self.execute_inner(request, op).instrument(span).await;
+        record_result(&operation, &result, started.elapsed());
+        result
     }
 
     async fn execute_inner<F, Fut>(
@@ -236,12 +240,16 @@ impl Idempotency {
         let claim = self.new_claim(&request);
         // Sent before the claim: the lease the database grants runs at least `lease` from here.
         let asked = tokio::time::Instant::now();
-        let lease = match self.store.claim(&claim).await? {
+        let claimed =
+            crate::telemetry::timed(self.store.backend(), "claim", self.store.claim(&claim))
+                .await?;
+        let lease = match claimed {
             ClaimOutcome::Existing { record, now } => {
                 return self.existing(&request, *record, now);
             }
             ClaimOutcome::Claimed(lease) => lease,
         };
+        crate::telemetry::claim(&request.operation, lease.transition);
         let (_, stored) = self.run_claimed(request, lease, asked, op).await?;
         Ok(Execution::Executed(stored))
     }
@@ -302,6 +310,7 @@ impl Idempotency {
     {
         let cfg = &*self.config;
         let id = request.id.clone();
+        let request_operation = request.operation.clone();
         let window = self.takeover_window(&request);
         let held_until = heartbeat::held_from(asked, cfg.lease);
         let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
@@ -351,6 +360,15 @@ impl Idempotency {
                 return Err(e);
             }
         }
+        crate::telemetry::outcome(
+            &request_operation,
+            match &outcome {
+                Outcome::Succeeded(_) => "succeeded",
+                Outcome::Rejected(_) => "rejected",
+                Outcome::Retryable { .. } => "retryable",
+                Outcome::Unknown { .. } => "unknown",
+            },
+        );
         let (to, mut resp) = match outcome {
             Outcome::Succeeded(resp) => (KeyState::Done, resp),
             Outcome::Rejected(resp) => (KeyState::Failed { retryable: false }, resp),
@@ -456,7 +474,12 @@ impl Idempotency {
             },
             expect_token: None,
         };
-        let record = self.store.finish(&id, Some(lease.token), &finish).await?;
+        let record = crate::telemetry::timed(
+            self.store.backend(),
+            "finish",
+            self.store.finish(&id, Some(lease.token), &finish),
+        )
+        .await?;
         let stored = record.response.or(finish.response).ok_or_else(|| {
             Error::Store(StoreError::Corrupt {
                 backend: self.store.backend(),
@@ -698,4 +721,17 @@ fn window_closes(
     let closes = lease.created_at.checked_add_signed(window)?;
     let left = (closes - db_now).to_std().unwrap_or_default();
     asked.checked_add(left)
+}
+
+/// The counters of one `execute` (`crate::telemetry`): what the caller was told.
+fn record_result(operation: &str, result: &Result<Execution, Error>, took: Duration) {
+    use crate::telemetry as t;
+    match result {
+        Ok(Execution::Replayed(_)) => t::replay(operation),
+        Ok(Execution::Executed(_)) => t::operation_time(operation, took),
+        Err(Error::InFlight { .. }) => t::in_flight(operation),
+        Err(Error::FingerprintMismatch { .. }) => t::fingerprint_mismatch(operation),
+        Err(Error::LeaseLost(_)) => t::lease_lost("worker"),
+        Err(_) => {}
+    }
 }

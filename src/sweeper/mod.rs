@@ -129,6 +129,10 @@ impl SweepError {
     }
 }
 
+/// How often [`Sweeper::run`] refreshes the key gauges (`idemflow_processing_keys`, ...) with a
+/// [`Store::stats`] query: after its first sweep, then at most once a minute.
+const GAUGE_INTERVAL: Duration = Duration::from_secs(60);
+
 /// The recovery sweeper. Cheap to clone; share one per process, or run several processes.
 #[derive(Debug, Clone)]
 pub struct Sweeper {
@@ -270,6 +274,7 @@ impl Sweeper {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut stopping = false;
         let mut summary = RunSummary::default();
+        let mut gauges_due: Option<Instant> = None;
         loop {
             let result = {
                 let sweep = self.sweep(&rx, |_| {});
@@ -283,6 +288,14 @@ impl Sweeper {
                     }
                 }
             };
+            if gauges_due.is_none_or(|at: Instant| at.elapsed() >= GAUGE_INTERVAL) {
+                gauges_due = Some(Instant::now());
+                let counting = self.store.stats();
+                match crate::telemetry::timed(self.store.backend(), "stats", counting).await {
+                    Ok(stats) => crate::telemetry::key_gauges(&stats),
+                    Err(e) => tracing::warn!(error = %e, "could not count keys for the gauges"),
+                }
+            }
             match &result {
                 Ok(report) => {
                     summary.runs += 1;
@@ -339,10 +352,12 @@ impl Sweeper {
                 lease: cfg.lease,
                 limit,
             };
-            let batch = match self.store.take_stale(&take).await {
-                Ok(b) => b,
-                Err(e) => return Err(fail(e, report)),
-            };
+            let taking = self.store.take_stale(&take);
+            let batch =
+                match crate::telemetry::timed(self.store.backend(), "take_stale", taking).await {
+                    Ok(b) => b,
+                    Err(e) => return Err(fail(e, report)),
+                };
             if batch.is_empty() {
                 break;
             }
@@ -411,10 +426,24 @@ impl Sweeper {
     }
 
     fn count(report: &mut SweepReport, r: KeyResult) {
+        use crate::telemetry as t;
         match r {
-            KeyResult::Finished(to) => report.count_finish(to),
-            KeyResult::Unresolved(u) => report.push_unresolved(u),
+            KeyResult::Finished(to) => {
+                t::sweeper_finish(to);
+                report.count_finish(to);
+            }
+            KeyResult::Unresolved(u) => {
+                t::sweeper(match u.kind {
+                    Unresolved::Deferred => "deferred",
+                    Unresolved::NeedsOperator => "needs_operator",
+                    Unresolved::Released => "released",
+                    Unresolved::WaitingForResumer => "waiting_for_resumer",
+                });
+                report.push_unresolved(u);
+            }
             KeyResult::Lost(l) => {
+                t::sweeper("lease_lost");
+                t::lease_lost("sweeper");
                 report.lease_lost += 1;
                 report.lost.push(l);
             }
@@ -479,6 +508,7 @@ impl Sweeper {
             }
             (Plan::Redrive { request }, Some(p)) => {
                 report.redrives += 1;
+                crate::telemetry::sweeper("redrive");
                 tracing::Span::current().record("decision", "redrive");
                 // The re-drive may act: hold the key for a full lease from here (the batch
                 // lease may have run out while this process was paused, and a fenced write
@@ -540,6 +570,7 @@ impl Sweeper {
             }
             (Plan::Lookup { request, why }, Some(p)) => {
                 report.lookups += 1;
+                crate::telemetry::sweeper("lookup");
                 tracing::Span::current().record("decision", "lookup");
                 // Search lag counts from the latest attempt that may have reached the provider
                 // (the re-drive window above counts from the first use: `created_at`).

@@ -70,6 +70,7 @@ impl Sweeper {
         }
         tracing::Span::current().record("decision", "resume");
         report.resumed += 1;
+        crate::telemetry::sweeper("resume");
         match executor.resume(&record, resume).await {
             Ok(to) => Ok(KeyResult::Finished(to)),
             Err(Error::FailedRetryable { .. }) => {

@@ -122,6 +122,9 @@ async fn reconcile(cli: &Cli, url: &str, args: &ReconcileArgs) -> anyhow::Result
             "idemflow: no --config given: no providers are registered, so every key that names a provider is left for an operator"
         );
     }
+    if let Some(addr) = args.metrics_addr {
+        serve_metrics(addr)?;
+    }
     let store = connect_store(url, false).await?;
     let mut sweeper = file.sweeper.apply(Sweeper::new(store.clone(), providers));
     if let Some(b) = args.batch {
@@ -176,6 +179,18 @@ async fn reconcile(cli: &Cli, url: &str, args: &ReconcileArgs) -> anyhow::Result
             })
         }
     }
+}
+
+/// Installs the Prometheus exporter, serving `GET /metrics` on `addr` (the library only
+/// records through the `metrics` facade).
+fn serve_metrics(addr: std::net::SocketAddr) -> anyhow::Result<()> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .with_context(|| format!("cannot serve metrics on {addr}"))?;
+    idemflow::telemetry::describe();
+    eprintln!("idemflow: metrics at http://{addr}/metrics");
+    Ok(())
 }
 
 async fn finish_sweep(
