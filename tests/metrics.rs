@@ -126,3 +126,32 @@ fn executor_counters_follow_a_known_sequence() {
         "{text}"
     );
 }
+
+/// `docs/operations.md` lists every metric, and the Grafana dashboard parses and graphs them.
+#[test]
+fn the_docs_list_every_metric_and_the_dashboard_parses() {
+    let ops = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+        .unwrap();
+    let dash: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/docs/grafana-dashboard.json"
+        ))
+        .unwrap(),
+    )
+    .expect("the dashboard is JSON");
+    let exprs: Vec<String> = dash["panels"]
+        .as_array()
+        .expect("panels")
+        .iter()
+        .flat_map(|p| p["targets"].as_array().cloned().unwrap_or_default())
+        .map(|t| t["expr"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    for name in idemflow::telemetry::ALL {
+        assert!(ops.contains(&format!("`{name}`")), "operations.md does not list {name}");
+        assert!(
+            exprs.iter().any(|e| e.contains(name)),
+            "the dashboard does not graph {name}"
+        );
+    }
+}
