@@ -148,7 +148,10 @@ fn the_docs_list_every_metric_and_the_dashboard_parses() {
         .map(|t| t["expr"].as_str().unwrap_or_default().to_owned())
         .collect();
     for name in idemflow::telemetry::ALL {
-        assert!(ops.contains(&format!("`{name}`")), "operations.md does not list {name}");
+        assert!(
+            ops.contains(&format!("`{name}`")),
+            "operations.md does not list {name}"
+        );
         assert!(
             exprs.iter().any(|e| e.contains(name)),
             "the dashboard does not graph {name}"

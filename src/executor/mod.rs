@@ -58,6 +58,23 @@ pub struct ExecutorConfig {
     pub in_flight_retry_after: Duration,
     /// `Retry-After` given when the outcome is unknown. Default 5 s.
     pub unknown_retry_after: Duration,
+    /// Applied to every response before it is stored (and so to what every caller, the first
+    /// included, gets back): masks the application's own secret fields. Default none. The
+    /// providers' secret fields are masked whatever this is ([`Provider::secret_fields`]).
+    ///
+    /// [`Provider::secret_fields`]: crate::Provider::secret_fields
+    pub redact: Option<Redactor>,
+}
+
+/// A function that masks secrets in a response before it is stored
+/// ([`Idempotency::redact_with`]).
+#[derive(Clone)]
+pub struct Redactor(std::sync::Arc<dyn Fn(StoredResponse) -> StoredResponse + Send + Sync>);
+
+impl std::fmt::Debug for Redactor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Redactor(..)")
+    }
 }
 
 impl ExecutorConfig {
@@ -73,6 +90,7 @@ impl ExecutorConfig {
             retry_takeover_window: None,
             in_flight_retry_after: Duration::from_secs(1),
             unknown_retry_after: Duration::from_secs(5),
+            redact: None,
         }
     }
 }
@@ -176,6 +194,28 @@ impl Idempotency {
     /// ([`ExecutorConfig::unknown_retry_after`]).
     pub fn unknown_retry_after(self, after: Duration) -> Self {
         self.set(|c| c.unknown_retry_after = after)
+    }
+
+    /// Masks the application's own secrets in every response before it is stored
+    /// ([`ExecutorConfig::redact`]); [`provider::secrets::mask_fields`] masks JSON members by name:
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// use idemflow::provider::secrets::mask_fields;
+    /// # fn store() -> Arc<dyn idemflow::Store> { unimplemented!() }
+    /// # fn _f() {
+    /// let idem = idemflow::Idempotency::new(store())
+    ///     .redact_with(|resp| mask_fields(resp, &["card_number", "api_token"]));
+    /// # }
+    /// ```
+    ///
+    /// [`provider::secrets::mask_fields`]: crate::provider::secrets::mask_fields
+    pub fn redact_with(
+        self,
+        redact: impl Fn(StoredResponse) -> StoredResponse + Send + Sync + 'static,
+    ) -> Self {
+        let redact = Redactor(std::sync::Arc::new(redact));
+        self.set(|c| c.redact = Some(redact))
     }
 
     /// The settings.
@@ -430,6 +470,9 @@ impl Idempotency {
         };
         if let Some(allow) = &cfg.stored_headers {
             resp.retain_headers(allow);
+        }
+        if let Some(Redactor(redact)) = &cfg.redact {
+            resp = redact(resp);
         }
         let size = resp.stored_size();
         if size > cfg.max_response_bytes {

@@ -16,6 +16,7 @@ use chrono::{DateTime, Utc};
 use crate::{IdempotencyKey, Outcome, Scope, StoredResponse, provider_key};
 
 pub mod config;
+pub mod secrets;
 
 /// Declares the modules of the HTTP adapters, all behind the feature `http`.
 macro_rules! http_modules {
@@ -186,6 +187,13 @@ pub trait Provider: Debug + Send + Sync + 'static {
 
     /// How the provider handles idempotency keys.
     fn key_spec(&self) -> KeySpec;
+
+    /// Names of the members of this provider's JSON answers that are secret (Stripe's
+    /// `client_secret`): masked at any depth before an answer is stored
+    /// ([`secrets::mask_fields`]). Default: none.
+    fn secret_fields(&self) -> &[&str] {
+        &[]
+    }
 
     /// Sends `request` (the canonical JSON stored in the key row) with `provider_key`.
     async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallOutcome;

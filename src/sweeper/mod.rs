@@ -494,6 +494,9 @@ impl Sweeper {
             .and_then(|name| self.providers.get(name))
             .cloned();
         let spec = provider.as_ref().map(|p| p.key_spec());
+        let provider_secrets: Option<Vec<String>> = provider
+            .as_ref()
+            .map(|p| p.secret_fields().iter().map(|f| (*f).to_owned()).collect());
         let name = record.provider.clone().unwrap_or_default();
         let plan = decide::plan(
             &record,
@@ -589,6 +592,27 @@ impl Sweeper {
             (_, None) => Decision::NeedsOperator {
                 reason: format!("provider {name:?} is not registered with this sweeper"),
             },
+        };
+        // The provider's secrets never reach the store, whoever settles the key.
+        let decision = match (decision, &provider_secrets) {
+            (
+                Decision::Finish {
+                    to,
+                    response: Some(r),
+                    error,
+                    reason,
+                },
+                Some(fields),
+            ) => Decision::Finish {
+                to,
+                response: Some(crate::provider::secrets::mask_fields(
+                    r,
+                    &fields.iter().map(String::as_str).collect::<Vec<_>>(),
+                )),
+                error,
+                reason,
+            },
+            (d, _) => d,
         };
         self.apply(&id, &record, decision).await
     }
