@@ -46,6 +46,21 @@ pub enum StoreError {
         #[source]
         source: BoxError,
     },
+    /// The store could not connect: the cause named, the URL with its password masked. A
+    /// first connection is tried with a short timeout, so this comes in seconds.
+    #[error("{backend}: cannot connect to {url}: {cause}: {source}")]
+    Connect {
+        /// Which backend.
+        backend: &'static str,
+        /// The URL, its password masked
+        /// ([`redact_url`](crate::store::connect_error::redact_url)).
+        url: String,
+        /// Why, as far as the driver's error tells.
+        cause: crate::store::connect_error::ConnectCause,
+        /// The driver's error.
+        #[source]
+        source: BoxError,
+    },
     /// Applying idemflow's migrations failed.
     #[error("{backend} migration failed: {source}")]
     Migrate {

@@ -29,6 +29,7 @@ pub mod sqlite;
 
 mod connect;
 mod rows;
+pub mod connect_error;
 pub use connect::connect;
 pub use rows::{RawEvent, RawRecord};
 
