@@ -159,7 +159,7 @@ async fn leases_and_creation_use_the_redis_clock() {
         return;
     };
     let mut con = store.connection();
-    let time = |con: &mut redis::aio::ConnectionManager| {
+    let time = |con: &mut idemflow::store::redis::RedisConnection| {
         let mut con = con.clone();
         async move {
             let (s, us): (i64, i64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
@@ -178,13 +178,15 @@ async fn leases_and_creation_use_the_redis_clock() {
     );
     assert_eq!(l.expires_at.timestamp_millis(), created + 30_000);
     // The raw hash holds the same instant the record reports.
-    let raw: String = redis::cmd("HGET")
+    let raw: Vec<u8> = redis::cmd("GET")
         .arg(store.record_key(&id))
-        .arg("lex")
         .query_async(&mut con)
         .await
         .unwrap();
-    assert_eq!(raw, (created + 30_000).to_string());
+    let raw = idemflow::store::redis::fuzzing::decode_record(id.scope.as_str(), id.key.as_str(), &raw)
+        .unwrap()
+        .unwrap();
+    assert_eq!(raw.lease_expires_at.unwrap().timestamp_millis(), created + 30_000);
     let extended = store
         .extend(&id, l.token, Duration::from_secs(60))
         .await
@@ -230,7 +232,7 @@ async fn purge_keeps_history_with_its_own_ttl() {
     let mut c = claim_for(&id, "{}", LEASE);
     c.retention = Duration::ZERO;
     let l = claimed_on(&store, &c).await;
-    let mut con = store.connection();
+    let con = store.connection();
     let base = con.clone();
     let pttl = |key: String| {
         let mut con = base.clone();
@@ -244,7 +246,7 @@ async fn purge_keeps_history_with_its_own_ttl() {
         }
     };
     assert_eq!(
-        pttl(store.history_key(&id)).await,
+        pttl(store.record_key(&id)).await,
         -1,
         "no expiry while processing"
     );
@@ -256,13 +258,8 @@ async fn purge_keeps_history_with_its_own_ttl() {
     assert!(hash_ttl > 3_500_000, "backstop after the grace: {hash_ttl}");
     tokio::time::sleep(Duration::from_millis(5)).await;
     assert_eq!(store.purge_expired(10).await.unwrap(), 1);
-    let exists: i64 = redis::cmd("EXISTS")
-        .arg(store.record_key(&id))
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    assert_eq!(exists, 0);
-    let t = pttl(store.history_key(&id)).await;
+    assert!(store.get(&id).await.unwrap().is_none(), "purged");
+    let t = pttl(store.record_key(&id)).await;
     assert!(t > 590_000 && t <= 600_000, "history TTL {t}");
     let h = store.history(&id).await.unwrap();
     assert_eq!(h.len(), 3);
@@ -274,7 +271,7 @@ async fn purge_keeps_history_with_its_own_ttl() {
     assert!(again.token > l.token, "{again:?} after {l:?}");
     let h = store.history(&id).await.unwrap();
     assert_eq!(h.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4]);
-    assert_eq!(pttl(store.history_key(&id)).await, -1);
+    assert_eq!(pttl(store.record_key(&id)).await, -1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
