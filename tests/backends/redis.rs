@@ -1,5 +1,5 @@
 //! The conformance and sweeper suites on Redis, each test on its own key prefix, with one
-//! bucket and with four; plus racing claims from two connection managers, fencing, concurrent
+//! bucket and with four, and on a Redis Cluster (six buckets over three shards); plus racing claims from two connection managers, fencing, concurrent
 //! sweepers, the server clock, prefix isolation, history retention and the native expiry
 //! backstop.
 
@@ -13,7 +13,9 @@ use idemflow::store::{ClaimOutcome, Finish, Release, TakeStale};
 use idemflow::{Actor, KeyState, LeaseToken, Store, StoreError, StoredResponse};
 
 use crate::support::backend_url;
-use crate::support::redis::{URL_VAR, store_with};
+use crate::support::redis::{
+    CLUSTER_BUCKETS, CLUSTER_URL_VAR, URL_VAR, cluster_store_with, store_with,
+};
 
 mod single {
     idemflow::conformance_tests!(crate::support::redis::one_bucket);
@@ -29,6 +31,16 @@ mod sweeper {
 
 mod sweeper_bucketed {
     idemflow::sweeper_tests!(crate::support::redis::four_buckets);
+}
+
+/// On a Redis Cluster (`IDEMFLOW_TEST_REDIS_CLUSTER_URL`): every key's scripts run on the shard
+/// of its bucket, the bucket-wide operations visit the buckets on every shard.
+mod cluster {
+    idemflow::conformance_tests!(crate::support::redis::cluster);
+}
+
+mod sweeper_cluster {
+    idemflow::sweeper_tests!(crate::support::redis::cluster);
 }
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -335,4 +347,92 @@ async fn another_data_format_on_the_prefix_is_refused() {
         .await
         .unwrap();
     assert!(matches!(store.migrate().await, Err(StoreError::Config(_))));
+}
+
+/// A second store, with its own cluster connection, on `a`'s prefix.
+async fn second_cluster_store(a: &RedisStore) -> RedisStore {
+    let url = backend_url(CLUSTER_URL_VAR).unwrap();
+    RedisStore::connect_with(
+        RedisConfig::new(url)
+            .cluster(true)
+            .prefix(a.prefix())
+            .buckets(CLUSTER_BUCKETS),
+    )
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_claimers_and_sweepers_on_two_connections() {
+    let Some(a) = cluster_store_with(|c| c).await else {
+        return;
+    };
+    let b = second_cluster_store(&a).await;
+    let (a, b): (Arc<dyn Store>, Arc<dyn Store>) = (Arc::new(a), Arc::new(b));
+    conformance::race_claims_across(&[a, b.clone()], 200).await;
+    assert_eq!(b.stats().await.unwrap().processing, 1);
+    // Two cluster connections, six buckets on three shards: each key still goes to one sweeper.
+    let c = cluster_store_with(|c| c).await.unwrap();
+    let d = second_cluster_store(&c).await;
+    conformance::sweepers_take_each_key_once_across(&[Arc::new(c), Arc::new(d)]).await;
+}
+
+/// The buckets' hash tags put them on more than one shard, and a sweep visits every one: keys
+/// made stale in every bucket are all taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_buckets_spread_over_the_shards_and_all_are_swept() {
+    let Some(store) = cluster_store_with(|c| c).await else {
+        return;
+    };
+    let mut con = store.connection();
+    let scope = unique("spread");
+    let mut nodes = std::collections::BTreeSet::new();
+    let mut ids = Vec::new();
+    for i in 0..60 {
+        let id = id(&scope, &format!("k{i}"));
+        claimed_on(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(store.record_key(&id))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        nodes.insert(shard_of(&mut con, slot).await);
+        ids.push(id);
+    }
+    assert!(nodes.len() >= 2, "buckets on one shard only: {nodes:?}");
+    // One sweep takes them all, whichever shard their bucket is on.
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "sweeper".into(),
+            lease: LEASE,
+            limit: 100,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), ids.len());
+    assert_eq!(store.stats().await.unwrap().processing, 60);
+}
+
+/// The port of the primary serving `slot` (from `CLUSTER SLOTS`).
+async fn shard_of(con: &mut idemflow::store::redis::RedisConnection, slot: i64) -> i64 {
+    let ranges: Vec<redis::Value> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(con)
+        .await
+        .unwrap();
+    for r in ranges {
+        let redis::Value::Array(r) = r else { continue };
+        let (Some(redis::Value::Int(lo)), Some(redis::Value::Int(hi)), Some(redis::Value::Array(node))) =
+            (r.first(), r.get(1), r.get(2))
+        else {
+            continue;
+        };
+        if (*lo..=*hi).contains(&slot)
+            && let Some(redis::Value::Int(port)) = node.get(1)
+        {
+            return *port;
+        }
+    }
+    panic!("slot {slot} is served by no shard");
 }
