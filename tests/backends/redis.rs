@@ -195,10 +195,14 @@ async fn leases_and_creation_use_the_redis_clock() {
         .query_async(&mut con)
         .await
         .unwrap();
-    let raw = idemflow::store::redis::fuzzing::decode_record(id.scope.as_str(), id.key.as_str(), &raw)
-        .unwrap()
-        .unwrap();
-    assert_eq!(raw.lease_expires_at.unwrap().timestamp_millis(), created + 30_000);
+    let raw =
+        idemflow::store::redis::fuzzing::decode_record(id.scope.as_str(), id.key.as_str(), &raw)
+            .unwrap()
+            .unwrap();
+    assert_eq!(
+        raw.lease_expires_at.unwrap().timestamp_millis(),
+        created + 30_000
+    );
     let extended = store
         .extend(&id, l.token, Duration::from_secs(60))
         .await
@@ -423,8 +427,11 @@ async fn shard_of(con: &mut idemflow::store::redis::RedisConnection, slot: i64) 
         .unwrap();
     for r in ranges {
         let redis::Value::Array(r) = r else { continue };
-        let (Some(redis::Value::Int(lo)), Some(redis::Value::Int(hi)), Some(redis::Value::Array(node))) =
-            (r.first(), r.get(1), r.get(2))
+        let (
+            Some(redis::Value::Int(lo)),
+            Some(redis::Value::Int(hi)),
+            Some(redis::Value::Array(node)),
+        ) = (r.first(), r.get(1), r.get(2))
         else {
             continue;
         };

@@ -19,7 +19,7 @@ pub const CLUSTER_BUCKETS: u32 = 6;
 /// A migrated store on a fresh prefix; `None` (skip) when Redis is not configured or not
 /// reachable, a panic in either case under `CI=true`.
 pub async fn store_with(config: impl FnOnce(RedisConfig) -> RedisConfig) -> Option<RedisStore> {
-    store_at(URL_VAR, |c| config(c)).await
+    store_at(URL_VAR, config).await
 }
 
 /// A migrated store on a fresh prefix on the Redis Cluster, with [`CLUSTER_BUCKETS`] buckets;
@@ -28,7 +28,10 @@ pub async fn store_with(config: impl FnOnce(RedisConfig) -> RedisConfig) -> Opti
 pub async fn cluster_store_with(
     config: impl FnOnce(RedisConfig) -> RedisConfig,
 ) -> Option<RedisStore> {
-    store_at(CLUSTER_URL_VAR, |c| config(c.cluster(true).buckets(CLUSTER_BUCKETS))).await
+    store_at(CLUSTER_URL_VAR, |c| {
+        config(c.cluster(true).buckets(CLUSTER_BUCKETS))
+    })
+    .await
 }
 
 async fn store_at(

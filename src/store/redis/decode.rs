@@ -147,7 +147,9 @@ impl<'a> Fields<'a> {
         let mut r = Reader { buf: raw, pos: 0 };
         match r.value(0) {
             Some(Mp::Array(a)) if r.pos == raw.len() && a.len() >= 4 => Ok(Self(a)),
-            _ => Err(corrupt("record is not a MessagePack array of 4 or more values")),
+            _ => Err(corrupt(
+                "record is not a MessagePack array of 4 or more values",
+            )),
         }
     }
 
@@ -505,7 +507,15 @@ mod tests {
         let h = history_of(&processing_record()).unwrap();
         assert_eq!((h.len(), h[0].seq), (1, 1));
         use E::*;
-        let tomb = encoded(&A(vec![F, I(7), I(2), A(vec![S("1|||done|0|7|5|5|purge"), S("2|done|0||||5|5|purge")])]));
+        let tomb = encoded(&A(vec![
+            F,
+            I(7),
+            I(2),
+            A(vec![
+                S("1|||done|0|7|5|5|purge"),
+                S("2|done|0||||5|5|purge"),
+            ]),
+        ]));
         assert_eq!(record_of("s", "k", &tomb).unwrap(), None);
         assert_eq!(history_of(&tomb).unwrap().len(), 2);
         for bad in [

@@ -69,7 +69,11 @@ pub mod fuzzing {
     }
 
     /// Decodes a stored record (a MessagePack array; `None`: a purged key's tombstone).
-    pub fn decode_record(scope: &str, key: &str, raw: &[u8]) -> Result<Option<KeyRecord>, StoreError> {
+    pub fn decode_record(
+        scope: &str,
+        key: &str,
+        raw: &[u8],
+    ) -> Result<Option<KeyRecord>, StoreError> {
         super::decode::record_of(scope, key, raw)
     }
 

@@ -674,7 +674,10 @@ impl Store for RedisStore {
                 .query_async(&mut con)
                 .await
                 .map_err(db)?;
-            if let Some(r) = raw.map(|raw| record_of(&scope, &key, &raw)).transpose()?.flatten()
+            if let Some(r) = raw
+                .map(|raw| record_of(&scope, &key, &raw))
+                .transpose()?
+                .flatten()
                 && r.state == KeyState::Processing
             {
                 oldest.push(r);
