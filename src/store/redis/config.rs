@@ -6,7 +6,7 @@ use std::time::Duration;
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
     /// `redis://host:port/db` (or `rediss://` when the crate's TLS features are enabled). With
-    /// [`cluster`](Self::cluster): one or more seed nodes of the cluster, separated by commas
+    /// [`cluster`](Self::cluster()): one or more seed nodes of the cluster, separated by commas
     /// (`redis://10.0.0.1:7000/,redis://10.0.0.2:7000/`); the client learns the rest.
     pub url: String,
     /// Connect to a Redis Cluster (default `false`: one server). Every key of a bucket carries
@@ -60,8 +60,8 @@ impl RedisConfig {
         }
     }
 
-    /// Connects to a Redis Cluster: `url` lists seed nodes, separated by commas (see
-    /// [`cluster`](Self::cluster)).
+    /// With `true`, connects to a Redis Cluster: `url` lists seed nodes, separated by commas
+    /// (see the field of the same name).
     pub fn cluster(mut self, cluster: bool) -> Self {
         self.cluster = cluster;
         self

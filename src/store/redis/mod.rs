@@ -27,7 +27,7 @@
 //! and `stuck` read the processing keys themselves, page by page: they are the in-flight ones.
 //!
 //! Both keys carry the hash tag `{b}`, so every script touches exactly one hash slot: on Redis
-//! Cluster ([`RedisConfig::cluster`]), a bucket lives on one shard, per-key scripts run on the
+//! Cluster ([`RedisConfig::cluster()`]), a bucket lives on one shard, per-key scripts run on the
 //! shard of their bucket, and the bucket-wide operations (`take_stale`, `purge_expired`,
 //! `stats`, `stuck`, `count_expired`) run one script per bucket, each routed to the bucket's
 //! shard. Use more buckets than shards (e.g. 16 per primary) so buckets spread; the number must

@@ -143,7 +143,7 @@ impl ConnectionLike for RedisConnection {
 }
 
 /// A [`Store`] on Redis (feature `redis`), on one server or on a Redis Cluster
-/// ([`RedisConfig::cluster`]).
+/// ([`RedisConfig::cluster()`]).
 ///
 /// ```no_run
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idemflow::StoreError> {
@@ -192,7 +192,7 @@ impl RedisStore {
         Self::connect_with(RedisConfig::new(url).prefix(prefix)).await
     }
 
-    /// Connects with explicit options: to one server, or with [`RedisConfig::cluster`] to a
+    /// Connects with explicit options: to one server, or with [`RedisConfig::cluster()`] to a
     /// Redis Cluster through its seed nodes. The connection reconnects on its own; a command
     /// that failed with the connection is not retried (a script may or may not have run).
     pub async fn connect_with(config: RedisConfig) -> Result<Self, StoreError> {
