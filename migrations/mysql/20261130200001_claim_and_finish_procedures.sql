@@ -12,6 +12,26 @@
 -- order in which multi-column SET clauses are assigned (see `won` below), so it is right with or
 -- without SIMULTANEOUS_ASSIGNMENT.
 
+-- The history row of an update is now written by `INSERT .. VALUES` inside `IF`, not by
+-- `INSERT .. SELECT .. FROM DUAL WHERE`: InnoDB (innodb_autoinc_lock_mode = 1, the MariaDB
+-- default) treats an `INSERT .. SELECT` as a bulk insert and takes the history table's AUTO-INC
+-- lock at table level for it, so every transition of every key queued on one lock; a simple
+-- `INSERT .. VALUES` takes the lightweight counter mutex. Same rows, same statement (the
+-- trigger still runs inside the transition's statement).
+DROP TRIGGER idempotency_keys_history_update;
+
+CREATE TRIGGER idempotency_keys_history_update AFTER UPDATE ON idempotency_keys FOR EACH ROW
+BEGIN
+    IF NEW.version <> OLD.version THEN
+        INSERT INTO idempotency_key_events
+            (scope, `key`, from_state, from_retryable, to_state, to_retryable, lease_token, actor,
+             reason, at)
+        VALUES
+            (NEW.scope, NEW.`key`, OLD.state, OLD.retryable, NEW.state, NEW.retryable,
+             NEW.lease_token, NEW.last_actor, NEW.last_reason, NEW.updated_at);
+    END IF;
+END;
+
 -- The claim. The existing row is read first (a consistent read, no lock): present and not
 -- claimable, it is returned as it is, nothing is written. Otherwise the same INSERT .. ON
 -- DUPLICATE KEY UPDATE as before decides atomically under the row lock: a claimable row is taken

@@ -173,7 +173,12 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
     assert_eq!(app_rows, 1);
     // Then each backend's issue-12 migrations.
     let expected: &[&str] = if D::BACKEND == "postgres" {
-        &["idempotency keys", "attempt history", "claim function"]
+        &[
+            "idempotency keys",
+            "attempt history",
+            "claim function",
+            "lean history",
+        ]
     } else {
         &[
             "idempotency keys",

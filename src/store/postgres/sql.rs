@@ -26,19 +26,36 @@ pub(super) const GET: &str = concat!(
     " AS db_now FROM idempotency_keys WHERE scope = $1 AND key = $2"
 );
 
-/// Claim or read in one call of `idempotency_keys_claim` (migration
-/// `20261130180001_claim_function.sql`): it reads the row by primary key and returns it when it
-/// is present and not claimable, so a replay is one indexed read (no row lock, no write, no
-/// INSERT node set up); only when the row is absent or claimable does it run `INSERT .. ON
-/// CONFLICT (scope, key) DO UPDATE .. WHERE <claimable>`, which judges the latest committed row
-/// version again under its row lock. The result is one row: `claimed = true` with the new lease,
-/// or `claimed = false` with the existing row. No row at all means a concurrent writer got there
-/// between the read and the insert: the caller reads again.
+/// Claim or read in one statement. A replay is the primary-key read in `r` and nothing else:
+/// the row is present and not claimable, so it is returned as it is (`claimed = false`) and the
+/// second branch's one-time filter (`NOT EXISTS (SELECT 1 FROM r)`) skips the function call
+/// (`EXPLAIN ANALYZE` shows it "never executed"). Only when the row is absent or claimable does
+/// the statement call `idempotency_keys_claim` (migration `20261130180001_claim_function.sql`),
+/// which reads the row again and runs `INSERT .. ON CONFLICT (scope, key) DO UPDATE .. WHERE
+/// <claimable>`, judging the latest committed row version under its row lock. The claimable
+/// rule below is the function's, spelled the same way. The result is one row: `claimed = true`
+/// with the new lease, or `claimed = false` with the existing row. No row at all means a
+/// concurrent writer got there between the read and the insert: the caller reads again.
+/// Before, every replay ran the plpgsql function (a call, an SPI query, a tuplestore).
 pub(super) const CLAIM: &str = concat!(
-    "SELECT claimed, last_reason, ",
+    "WITH r AS MATERIALIZED (SELECT false AS claimed, last_reason, ",
+    cols!(""),
+    ", ",
+    now!(),
+    " AS db_now FROM idempotency_keys WHERE scope = $1::text AND key = $2::text \
+       AND NOT COALESCE(fingerprint = $6::text AND ((state = 'failed' AND retryable) \
+         OR ($11::bigint IS NOT NULL AND state = 'processing' AND lease_expires_at <= ",
+    now!(),
+    " AND created_at > ",
+    now!(),
+    " - $11::bigint * interval '1 millisecond')), false)) \
+     SELECT * FROM r \
+     UNION ALL \
+     SELECT claimed, last_reason, ",
     cols!(""),
     ", db_now FROM idempotency_keys_claim($1::text, $2::text, $3::text, $4::text, $5::text, \
-       $6::text, $7::text, $8::text, $9::bigint, $10::bigint, $11::bigint)"
+       $6::text, $7::text, $8::text, $9::bigint, $10::bigint, $11::bigint) \
+     WHERE NOT EXISTS (SELECT 1 FROM r)"
 );
 
 /// The claim function's source, for the test that checks its reason spellings.
