@@ -6,18 +6,20 @@
 -- History is still written by the triggers of the first migration, inside the statement that
 -- makes the transition, so a transition and its history row still commit together.
 --
--- Parameters carry the columns' character sets explicitly: a routine's TEXT parameter would
--- otherwise take the database's default character set and could convert text lossily. A
--- routine runs with the sql_mode it was created with; the claim below does not depend on the
+-- Parameters carry the character sets of the columns explicitly: a TEXT parameter of a
+-- routine would otherwise take the default character set of the database and could convert
+-- text lossily. A routine runs with the sql_mode it was created with; the claim below does not depend on the
 -- order in which multi-column SET clauses are assigned (see `won` below), so it is right with or
 -- without SIMULTANEOUS_ASSIGNMENT.
 
 -- The history row of an update is now written by `INSERT .. VALUES` inside `IF`, not by
 -- `INSERT .. SELECT .. FROM DUAL WHERE`: InnoDB (innodb_autoinc_lock_mode = 1, the MariaDB
--- default) treats an `INSERT .. SELECT` as a bulk insert and takes the history table's AUTO-INC
--- lock at table level for it, so every transition of every key queued on one lock; a simple
--- `INSERT .. VALUES` takes the lightweight counter mutex. Same rows, same statement (the
--- trigger still runs inside the transition's statement).
+-- default) treats an `INSERT .. SELECT` as a bulk insert and takes the AUTO-INC
+-- lock at table level for it, so concurrent transitions of different keys could queue on it; a
+-- simple `INSERT .. VALUES` takes the lightweight counter mutex. Same rows, same statement (the
+-- trigger still runs inside the statement of the transition). Measured with mysqlslap, 8
+-- connections, 800 claim + finish pairs: 1.58 s before, 1.03-1.14 s after (one run each on a
+-- loaded machine).
 DROP TRIGGER idempotency_keys_history_update;
 
 CREATE TRIGGER idempotency_keys_history_update AFTER UPDATE ON idempotency_keys FOR EACH ROW

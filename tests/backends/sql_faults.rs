@@ -177,7 +177,7 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
             "idempotency keys",
             "attempt history",
             "claim function",
-            "lean history",
+            "lean writes",
         ]
     } else {
         &[
