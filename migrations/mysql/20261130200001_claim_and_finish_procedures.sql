@@ -35,8 +35,9 @@ BEGIN
 END;
 
 -- The claim. The existing row is read first (a consistent read, no lock): present and not
--- claimable, it is returned as it is, nothing is written. Otherwise the same INSERT .. ON
--- DUPLICATE KEY UPDATE as before decides atomically under the row lock: a claimable row is taken
+-- claimable, it is returned as it is, nothing is written, and that is the only statement a
+-- replay runs. Otherwise (the caller gets an empty first result set, then the row) the same
+-- INSERT .. ON DUPLICATE KEY UPDATE as before decides atomically under the row lock: a claimable row is taken
 -- only by the claim that sets `claim_nonce` to its own random value (first assignment); every
 -- later assignment asks "won" = (claim_nonce <=> p_nonce OR claimable), which is right whether
 -- the server assigns left to right (claim_nonce already holds the nonce when it won; nothing
@@ -57,12 +58,18 @@ CREATE PROCEDURE idempotency_keys_claim(
     IN p_window_us    BIGINT,
     IN p_nonce        BIGINT)
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM idempotency_keys
-            WHERE scope = p_scope AND `key` = p_key
-              AND NOT IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable)
-                  OR (state = 'processing' AND lease_expires_at <= UTC_TIMESTAMP(6)
-                      AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)),
-                  FALSE)) THEN
+    -- A present row that is not claimable: returned as it is (a replay ends here).
+    SELECT scope, `key`, operation, provider, provider_key, state, retryable, fingerprint,
+        request, response_status, response_headers, response_body, error, lease_token,
+        lease_owner, lease_expires_at, attempts, created_at, updated_at, expires_at,
+        next_check_at, retention_ms, last_attempt_at, may_have_acted, claim_nonce, last_reason,
+        UTC_TIMESTAMP(6) AS db_now
+    FROM idempotency_keys
+    WHERE scope = p_scope AND `key` = p_key
+      AND NOT IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable)
+          OR (state = 'processing' AND lease_expires_at <= UTC_TIMESTAMP(6)
+              AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE);
+    IF FOUND_ROWS() = 0 THEN
         INSERT INTO idempotency_keys (scope, `key`, operation, provider, provider_key, state,
             retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts,
             created_at, updated_at, retention_ms, version, last_actor, last_reason, claim_nonce,
@@ -119,13 +126,13 @@ BEGIN
                 FALSE, retryable),
             state = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable) OR (state = 'processing' AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                 'processing', state);
-    END IF;
-    SELECT scope, `key`, operation, provider, provider_key, state, retryable, fingerprint,
+        SELECT scope, `key`, operation, provider, provider_key, state, retryable, fingerprint,
         request, response_status, response_headers, response_body, error, lease_token,
         lease_owner, lease_expires_at, attempts, created_at, updated_at, expires_at,
         next_check_at, retention_ms, last_attempt_at, may_have_acted, claim_nonce, last_reason,
         UTC_TIMESTAMP(6) AS db_now
-    FROM idempotency_keys WHERE scope = p_scope AND `key` = p_key;
+        FROM idempotency_keys WHERE scope = p_scope AND `key` = p_key;
+    END IF;
 END;
 
 -- The finish: the fenced UPDATE and the read of the row it wrote, in one transaction (the row
