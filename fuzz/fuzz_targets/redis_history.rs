@@ -1,15 +1,13 @@
-//! The Redis decoders: no panic on any history entry or key hash (corrupt data is
-//! `StoreError::Corrupt`).
+//! The Redis decoders: no panic on any history entry or stored record (corrupt data is
+//! `StoreError::Corrupt`). A record is a MessagePack array holding the row and its history.
 #![no_main]
 
-use std::collections::HashMap;
-
-use idemflow::store::redis::fuzzing::{decode_history_entry, decode_key_hash};
+use idemflow::store::redis::fuzzing::{decode_history, decode_history_entry, decode_record};
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|input: (&str, Vec<(String, Vec<u8>)>)| {
-    let (entry, fields) = input;
+fuzz_target!(|input: (&str, &[u8])| {
+    let (entry, record) = input;
     let _ = decode_history_entry(entry);
-    let fields: HashMap<String, Vec<u8>> = fields.into_iter().collect();
-    let _ = decode_key_hash("scope", "key", fields);
+    let _ = decode_record("scope", "key", record);
+    let _ = decode_history(record);
 });

@@ -190,3 +190,132 @@ mod simultaneous_assignment {
         });
     }
 }
+
+/// Issue 12: a new key costs two round trips (the claim, the finish) and a replay one; before,
+/// seven and one. Counted with the session's `Questions` status (statements sent by the client,
+/// not those run inside the procedures) on a pool of one connection, after a first key has
+/// prepared every statement.
+mod round_trips {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use idemflow::conformance::{claim_for, claimed, done, id, unique};
+    use idemflow::store::ClaimOutcome;
+    use idemflow::store::mysql::MySqlStore;
+    use idemflow::{Store, StoredResponse};
+
+    use crate::support::mysql::{drop_database, fresh_database, pool_for};
+
+    async fn questions(store: &MySqlStore) -> i64 {
+        let (_, v): (String, String) = sqlx::query_as("SHOW SESSION STATUS LIKE 'Questions'")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        v.parse().unwrap()
+    }
+
+    async fn new_key(store: &Arc<dyn Store>, key: &idemflow::KeyId) {
+        let lease = claimed(store, &claim_for(key, "{}", Duration::from_secs(30))).await;
+        store
+            .finish(key, Some(lease.token), &done(StoredResponse::new(201)))
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn new_key_takes_two_round_trips_and_a_replay_one() {
+        let Some((options, name)) = fresh_database().await else {
+            return;
+        };
+        let mysql = MySqlStore::from_pool(pool_for(&options, 1).await);
+        mysql.migrate().await.unwrap();
+        let store: Arc<dyn Store> = Arc::new(mysql.clone());
+        let scope = unique("rt");
+        // Warm-up: prepares the statements on the one connection.
+        new_key(&store, &id(&scope, "warm")).await;
+        let replay = store
+            .claim(&claim_for(
+                &id(&scope, "warm"),
+                "{}",
+                Duration::from_secs(30),
+            ))
+            .await
+            .unwrap();
+        assert!(matches!(replay, ClaimOutcome::Existing { .. }));
+
+        let before = questions(&mysql).await;
+        new_key(&store, &id(&scope, "k1")).await;
+        let after = questions(&mysql).await;
+        assert_eq!(after - before - 1, 2, "round trips for a new key");
+
+        let before = questions(&mysql).await;
+        let replay = store
+            .claim(&claim_for(&id(&scope, "k1"), "{}", Duration::from_secs(30)))
+            .await
+            .unwrap();
+        let after = questions(&mysql).await;
+        assert!(matches!(replay, ClaimOutcome::Existing { .. }));
+        assert_eq!(after - before - 1, 1, "round trips for a replay");
+        drop_database(&options, &name).await;
+    }
+}
+
+mod pool {
+    use std::time::Duration;
+
+    use idemflow::StoreError;
+    use idemflow::store::mysql::{
+        DEFAULT_MAX_CONNECTIONS, MySqlOptions, MySqlStore, PoolExhausted,
+    };
+
+    use crate::support::backend_url;
+    use crate::support::mysql::URL_VAR;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connect_sizes_the_pool_for_concurrency_and_connect_with_is_honoured() {
+        let Some(url) = backend_url(URL_VAR) else {
+            return;
+        };
+        let store = MySqlStore::connect(&url).await.unwrap();
+        assert_eq!(DEFAULT_MAX_CONNECTIONS, 32);
+        assert_eq!(store.pool().options().get_max_connections(), 32);
+        assert_eq!(
+            store.pool().options().get_acquire_timeout(),
+            Duration::from_secs(5)
+        );
+
+        let options = MySqlOptions::default()
+            .max_connections(7)
+            .min_connections(2)
+            .acquire_timeout(Duration::from_millis(1500));
+        let store = MySqlStore::connect_with(&url, options).await.unwrap();
+        let o = store.pool().options();
+        assert_eq!(o.get_max_connections(), 7);
+        assert_eq!(o.get_min_connections(), 2);
+        assert_eq!(o.get_acquire_timeout(), Duration::from_millis(1500));
+
+        let zero = MySqlStore::connect_with(&url, MySqlOptions::default().max_connections(0)).await;
+        assert!(matches!(zero, Err(StoreError::Config(_))), "{zero:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn callers_beyond_the_pool_wait_then_get_pool_exhausted() {
+        let Some(url) = backend_url(URL_VAR) else {
+            return;
+        };
+        let options = MySqlOptions::default()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_millis(300));
+        let store = MySqlStore::connect_with(&url, options).await.unwrap();
+        let held = store.pool().acquire().await.unwrap();
+        let err = idemflow::Store::now(&store).await.unwrap_err();
+        let source = std::error::Error::source(&err).expect("a source");
+        let exhausted = source
+            .downcast_ref::<PoolExhausted>()
+            .unwrap_or_else(|| panic!("not PoolExhausted: {err}"));
+        assert_eq!(exhausted.max_connections, 1);
+        assert!(err.to_string().contains("max_connections"), "{err}");
+        drop(held);
+        idemflow::Store::now(&store).await.unwrap();
+    }
+}

@@ -1,5 +1,5 @@
 //! The conformance and sweeper suites on Redis, each test on its own key prefix, with one
-//! bucket and with four; plus racing claims from two connection managers, fencing, concurrent
+//! bucket and with four, and on a Redis Cluster (six buckets over three shards); plus racing claims from two connection managers, fencing, concurrent
 //! sweepers, the server clock, prefix isolation, history retention and the native expiry
 //! backstop.
 
@@ -13,7 +13,9 @@ use idemflow::store::{ClaimOutcome, Finish, Release, TakeStale};
 use idemflow::{Actor, KeyState, LeaseToken, Store, StoreError, StoredResponse};
 
 use crate::support::backend_url;
-use crate::support::redis::{URL_VAR, store_with};
+use crate::support::redis::{
+    CLUSTER_BUCKETS, CLUSTER_URL_VAR, URL_VAR, cluster_store_with, store_with,
+};
 
 mod single {
     idemflow::conformance_tests!(crate::support::redis::one_bucket);
@@ -29,6 +31,16 @@ mod sweeper {
 
 mod sweeper_bucketed {
     idemflow::sweeper_tests!(crate::support::redis::four_buckets);
+}
+
+/// On a Redis Cluster (`IDEMFLOW_TEST_REDIS_CLUSTER_URL`): every key's scripts run on the shard
+/// of its bucket, the bucket-wide operations visit the buckets on every shard.
+mod cluster {
+    idemflow::conformance_tests!(crate::support::redis::cluster);
+}
+
+mod sweeper_cluster {
+    idemflow::sweeper_tests!(crate::support::redis::cluster);
 }
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -159,7 +171,7 @@ async fn leases_and_creation_use_the_redis_clock() {
         return;
     };
     let mut con = store.connection();
-    let time = |con: &mut redis::aio::ConnectionManager| {
+    let time = |con: &mut idemflow::store::redis::RedisConnection| {
         let mut con = con.clone();
         async move {
             let (s, us): (i64, i64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
@@ -178,13 +190,19 @@ async fn leases_and_creation_use_the_redis_clock() {
     );
     assert_eq!(l.expires_at.timestamp_millis(), created + 30_000);
     // The raw hash holds the same instant the record reports.
-    let raw: String = redis::cmd("HGET")
+    let raw: Vec<u8> = redis::cmd("GET")
         .arg(store.record_key(&id))
-        .arg("lex")
         .query_async(&mut con)
         .await
         .unwrap();
-    assert_eq!(raw, (created + 30_000).to_string());
+    let raw =
+        idemflow::store::redis::fuzzing::decode_record(id.scope.as_str(), id.key.as_str(), &raw)
+            .unwrap()
+            .unwrap();
+    assert_eq!(
+        raw.lease_expires_at.unwrap().timestamp_millis(),
+        created + 30_000
+    );
     let extended = store
         .extend(&id, l.token, Duration::from_secs(60))
         .await
@@ -230,7 +248,7 @@ async fn purge_keeps_history_with_its_own_ttl() {
     let mut c = claim_for(&id, "{}", LEASE);
     c.retention = Duration::ZERO;
     let l = claimed_on(&store, &c).await;
-    let mut con = store.connection();
+    let con = store.connection();
     let base = con.clone();
     let pttl = |key: String| {
         let mut con = base.clone();
@@ -244,7 +262,7 @@ async fn purge_keeps_history_with_its_own_ttl() {
         }
     };
     assert_eq!(
-        pttl(store.history_key(&id)).await,
+        pttl(store.record_key(&id)).await,
         -1,
         "no expiry while processing"
     );
@@ -256,13 +274,8 @@ async fn purge_keeps_history_with_its_own_ttl() {
     assert!(hash_ttl > 3_500_000, "backstop after the grace: {hash_ttl}");
     tokio::time::sleep(Duration::from_millis(5)).await;
     assert_eq!(store.purge_expired(10).await.unwrap(), 1);
-    let exists: i64 = redis::cmd("EXISTS")
-        .arg(store.record_key(&id))
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    assert_eq!(exists, 0);
-    let t = pttl(store.history_key(&id)).await;
+    assert!(store.get(&id).await.unwrap().is_none(), "purged");
+    let t = pttl(store.record_key(&id)).await;
     assert!(t > 590_000 && t <= 600_000, "history TTL {t}");
     let h = store.history(&id).await.unwrap();
     assert_eq!(h.len(), 3);
@@ -274,7 +287,7 @@ async fn purge_keeps_history_with_its_own_ttl() {
     assert!(again.token > l.token, "{again:?} after {l:?}");
     let h = store.history(&id).await.unwrap();
     assert_eq!(h.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4]);
-    assert_eq!(pttl(store.history_key(&id)).await, -1);
+    assert_eq!(pttl(store.record_key(&id)).await, -1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -338,4 +351,95 @@ async fn another_data_format_on_the_prefix_is_refused() {
         .await
         .unwrap();
     assert!(matches!(store.migrate().await, Err(StoreError::Config(_))));
+}
+
+/// A second store, with its own cluster connection, on `a`'s prefix.
+async fn second_cluster_store(a: &RedisStore) -> RedisStore {
+    let url = backend_url(CLUSTER_URL_VAR).unwrap();
+    RedisStore::connect_with(
+        RedisConfig::new(url)
+            .cluster(true)
+            .prefix(a.prefix())
+            .buckets(CLUSTER_BUCKETS),
+    )
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_claimers_and_sweepers_on_two_connections() {
+    let Some(a) = cluster_store_with(|c| c).await else {
+        return;
+    };
+    let b = second_cluster_store(&a).await;
+    let (a, b): (Arc<dyn Store>, Arc<dyn Store>) = (Arc::new(a), Arc::new(b));
+    conformance::race_claims_across(&[a, b.clone()], 200).await;
+    assert_eq!(b.stats().await.unwrap().processing, 1);
+    // Two cluster connections, six buckets on three shards: each key still goes to one sweeper.
+    let c = cluster_store_with(|c| c).await.unwrap();
+    let d = second_cluster_store(&c).await;
+    conformance::sweepers_take_each_key_once_across(&[Arc::new(c), Arc::new(d)]).await;
+}
+
+/// The buckets' hash tags put them on more than one shard, and a sweep visits every one: keys
+/// made stale in every bucket are all taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_buckets_spread_over_the_shards_and_all_are_swept() {
+    let Some(store) = cluster_store_with(|c| c).await else {
+        return;
+    };
+    let mut con = store.connection();
+    let scope = unique("spread");
+    let mut nodes = std::collections::BTreeSet::new();
+    let mut ids = Vec::new();
+    for i in 0..60 {
+        let id = id(&scope, &format!("k{i}"));
+        claimed_on(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(store.record_key(&id))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        nodes.insert(shard_of(&mut con, slot).await);
+        ids.push(id);
+    }
+    assert!(nodes.len() >= 2, "buckets on one shard only: {nodes:?}");
+    // One sweep takes them all, whichever shard their bucket is on.
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "sweeper".into(),
+            lease: LEASE,
+            limit: 100,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), ids.len());
+    assert_eq!(store.stats().await.unwrap().processing, 60);
+}
+
+/// The port of the primary serving `slot` (from `CLUSTER SLOTS`).
+async fn shard_of(con: &mut idemflow::store::redis::RedisConnection, slot: i64) -> i64 {
+    let ranges: Vec<redis::Value> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(con)
+        .await
+        .unwrap();
+    for r in ranges {
+        let redis::Value::Array(r) = r else { continue };
+        let (
+            Some(redis::Value::Int(lo)),
+            Some(redis::Value::Int(hi)),
+            Some(redis::Value::Array(node)),
+        ) = (r.first(), r.get(1), r.get(2))
+        else {
+            continue;
+        };
+        if (*lo..=*hi).contains(&slot)
+            && let Some(redis::Value::Int(port)) = node.get(1)
+        {
+            return *port;
+        }
+    }
+    panic!("slot {slot} is served by no shard");
 }

@@ -171,11 +171,20 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
     let app_rows = D::count(&store, "SELECT COUNT(*) FROM _sqlx_migrations").await;
     let ours = D::strings(&store, "SELECT description FROM _idemflow_migrations").await;
     assert_eq!(app_rows, 1);
-    // PostgreSQL has one more: the claim function (issue 12).
+    // Then each backend's issue-12 migrations.
     let expected: &[&str] = if D::BACKEND == "postgres" {
-        &["idempotency keys", "attempt history", "claim function"]
+        &[
+            "idempotency keys",
+            "attempt history",
+            "claim function",
+            "lean writes",
+        ]
     } else {
-        &["idempotency keys", "attempt history"]
+        &[
+            "idempotency keys",
+            "attempt history",
+            "claim and finish procedures",
+        ]
     };
     assert_eq!(ours, expected);
     D::execute(&store, "INSERT INTO app_users VALUES (1, 'a')").await;

@@ -1,4 +1,5 @@
-//! Redis: a fresh key prefix per test. Needs `IDEMFLOW_TEST_REDIS_URL`.
+//! Redis: a fresh key prefix per test. Needs `IDEMFLOW_TEST_REDIS_URL` (one server) and
+//! `IDEMFLOW_TEST_REDIS_CLUSTER_URL` (a Redis Cluster's seed nodes, comma-separated).
 
 use std::sync::Arc;
 
@@ -9,18 +10,42 @@ use idemflow::store::redis::{RedisConfig, RedisStore};
 use super::{backend_url, unreachable};
 
 pub const URL_VAR: &str = "IDEMFLOW_TEST_REDIS_URL";
+pub const CLUSTER_URL_VAR: &str = "IDEMFLOW_TEST_REDIS_CLUSTER_URL";
+
+/// Buckets of the cluster stores: twice the three primaries of `.ci/run`'s cluster, so that the
+/// bucket-wide operations visit every shard.
+pub const CLUSTER_BUCKETS: u32 = 6;
 
 /// A migrated store on a fresh prefix; `None` (skip) when Redis is not configured or not
 /// reachable, a panic in either case under `CI=true`.
 pub async fn store_with(config: impl FnOnce(RedisConfig) -> RedisConfig) -> Option<RedisStore> {
-    let url = backend_url(URL_VAR)?;
+    store_at(URL_VAR, config).await
+}
+
+/// A migrated store on a fresh prefix on the Redis Cluster, with [`CLUSTER_BUCKETS`] buckets;
+/// `None` (skip) when the cluster is not configured or not reachable, a panic in either case
+/// under `CI=true`.
+pub async fn cluster_store_with(
+    config: impl FnOnce(RedisConfig) -> RedisConfig,
+) -> Option<RedisStore> {
+    store_at(CLUSTER_URL_VAR, |c| {
+        config(c.cluster(true).buckets(CLUSTER_BUCKETS))
+    })
+    .await
+}
+
+async fn store_at(
+    var: &str,
+    config: impl FnOnce(RedisConfig) -> RedisConfig,
+) -> Option<RedisStore> {
+    let url = backend_url(var)?;
     let cfg = config(RedisConfig::new(url).prefix(unique("idemflow-test")));
     match RedisStore::connect_with(cfg).await {
         Ok(store) => {
             store.migrate().await.unwrap();
             Some(store)
         }
-        Err(e) => unreachable("Redis", URL_VAR, e),
+        Err(e) => unreachable("Redis", var, e),
     }
 }
 
@@ -32,4 +57,9 @@ pub async fn one_bucket() -> Option<Arc<dyn Store>> {
 /// A migrated store on a fresh prefix with four buckets, for the suites.
 pub async fn four_buckets() -> Option<Arc<dyn Store>> {
     Some(Arc::new(store_with(|c| c.buckets(4)).await?))
+}
+
+/// A migrated store on a fresh prefix on the Redis Cluster, for the suites.
+pub async fn cluster() -> Option<Arc<dyn Store>> {
+    Some(Arc::new(cluster_store_with(|c| c).await?))
 }

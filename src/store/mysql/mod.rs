@@ -2,10 +2,12 @@
 //! database, coordinated by InnoDB row locks, `ON DUPLICATE KEY UPDATE` and
 //! `FOR UPDATE SKIP LOCKED` (MariaDB >= 10.6, MySQL >= 8.0.1).
 //!
-//! - A replay is one round trip (a primary-key read, no lock). A new claim is three: the read,
-//!   one `INSERT .. ON DUPLICATE KEY UPDATE` that decides atomically, and a read-back (there is
-//!   no `RETURNING` on MySQL; a random `claim_nonce` written by the winning claim tells the
-//!   claimer it won).
+//! - A claim is one round trip, a call of the `idempotency_keys_claim` procedure: a replay is a
+//!   primary-key read inside it (no lock, no write); a new key runs one `INSERT .. ON DUPLICATE
+//!   KEY UPDATE` that decides atomically, then the read-back (there is no `RETURNING` on MySQL;
+//!   a random `claim_nonce` written by the winning claim tells the claimer it won).
+//! - A finish and a renewal are one round trip each (procedures that update and read back in
+//!   one transaction), so a new key costs two round trips in all.
 //! - Every time is the server's `UTC_TIMESTAMP(6)` (independent of the session time zone); the
 //!   application hosts' clocks are never used.
 //! - History rows are written by triggers keyed on the row's `version`, inside the statement
@@ -29,7 +31,7 @@ use tracing::{Instrument, instrument};
 use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 use super::{
     ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
-    claimable, fenced_write, millis, refused_write,
+    fenced_write, millis, refused_write,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -105,6 +107,88 @@ fn nonce() -> i64 {
     i64::from_ne_bytes(h.to_ne_bytes())
 }
 
+/// Default [`MySqlOptions::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 32;
+
+/// Default [`MySqlOptions::acquire_timeout`].
+pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How [`MySqlStore::connect_with`] sizes its pool.
+///
+/// Every store call holds one connection for one round trip (a claim, a finish, a read), so the
+/// pool bounds how many calls run at once; calls beyond it queue inside the pool, in order, for
+/// at most `acquire_timeout`, then fail with [`StoreError::Database`] whose source is
+/// [`PoolExhausted`]. Size it to the number of calls you expect in flight per process (each
+/// `execute` makes two store calls, not at the same time), and keep the sum over all processes
+/// below the server's `max_connections`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MySqlOptions {
+    /// Connections at most (default [`DEFAULT_MAX_CONNECTIONS`], 32).
+    pub max_connections: u32,
+    /// Connections kept open when idle (default 0).
+    pub min_connections: u32,
+    /// How long a call waits for a free connection before failing (default
+    /// [`DEFAULT_ACQUIRE_TIMEOUT`], 5 s).
+    pub acquire_timeout: Duration,
+}
+
+impl Default for MySqlOptions {
+    fn default() -> Self {
+        Self {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            min_connections: 0,
+            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
+        }
+    }
+}
+
+impl MySqlOptions {
+    /// Connections at most (at least 1).
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// Connections kept open when idle (capped at `max_connections`).
+    pub fn min_connections(mut self, n: u32) -> Self {
+        self.min_connections = n;
+        self
+    }
+
+    /// How long a call waits for a free connection before failing.
+    pub fn acquire_timeout(mut self, d: Duration) -> Self {
+        self.acquire_timeout = d;
+        self
+    }
+}
+
+/// The source of the [`StoreError::Database`] returned when every pool connection stayed busy
+/// for the whole acquire timeout.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "all {max_connections} pool connections stayed busy for {waited:?}; raise MySqlOptions::max_connections (or the acquire timeout), or send fewer concurrent calls"
+)]
+pub struct PoolExhausted {
+    /// The pool's size.
+    pub max_connections: u32,
+    /// How long the call waited.
+    pub waited: Duration,
+}
+
+fn pool_error(max_connections: u32, waited: Duration, e: sqlx::Error) -> StoreError {
+    match e {
+        sqlx::Error::PoolTimedOut => StoreError::database(
+            BACKEND,
+            PoolExhausted {
+                max_connections,
+                waited,
+            },
+        ),
+        e => db(e),
+    }
+}
+
 /// A [`Store`] on MariaDB or MySQL (InnoDB).
 ///
 /// ```no_run
@@ -121,16 +205,49 @@ pub struct MySqlStore {
 }
 
 impl MySqlStore {
-    /// Connects a pool (10 connections at most) to `url`.
+    /// Connects a pool with the default [`MySqlOptions`] (32 connections at most, callers
+    /// beyond that wait up to 5 s for a connection) to `url`.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let options = MySqlConnectOptions::from_str(url)
+        Self::connect_with(url, MySqlOptions::default()).await
+    }
+
+    /// Connects a pool sized by `options` to `url`.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idemflow::StoreError> {
+    /// use std::time::Duration;
+    /// use idemflow::store::mysql::{MySqlOptions, MySqlStore};
+    /// let store = MySqlStore::connect_with(
+    ///     "mysql://app@db.internal/app",
+    ///     MySqlOptions::default()
+    ///         .max_connections(64)
+    ///         .acquire_timeout(Duration::from_secs(2)),
+    /// )
+    /// .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn connect_with(url: &str, options: MySqlOptions) -> Result<Self, StoreError> {
+        if options.max_connections == 0 {
+            return Err(StoreError::Config(
+                "MySqlOptions::max_connections must be at least 1".into(),
+            ));
+        }
+        let connect = MySqlConnectOptions::from_str(url)
             .map_err(|e| StoreError::Config(format!("bad MySQL URL: {e}")))?;
         let pool = MySqlPoolOptions::new()
-            .max_connections(10)
-            .connect_with(options)
+            .max_connections(options.max_connections)
+            .min_connections(options.min_connections.min(options.max_connections))
+            .acquire_timeout(options.acquire_timeout)
+            .connect_with(connect)
             .await
-            .map_err(db)?;
+            .map_err(|e| pool_error(options.max_connections, options.acquire_timeout, e))?;
         Ok(Self::from_pool(pool))
+    }
+
+    fn err(&self, e: sqlx::Error) -> StoreError {
+        let o = self.pool.options();
+        pool_error(o.get_max_connections(), o.get_acquire_timeout(), e)
     }
 
     /// Uses a pool you manage.
@@ -149,7 +266,7 @@ impl MySqlStore {
             .bind(id.key.as_str())
             .fetch_optional(&self.pool)
             .await
-            .map_err(db)
+            .map_err(|e| self.err(e))
     }
 
     async fn read_with_now(
@@ -162,35 +279,38 @@ impl MySqlStore {
         }
     }
 
-    /// Runs the ON DUPLICATE KEY claim, retrying deadlock victims.
-    async fn claim_write(&self, claim: &NewClaim, nonce: i64) -> Result<(), StoreError> {
+    /// Calls the claim procedure, retrying deadlock victims (each statement inside it is its own
+    /// autocommit transaction, rolled back whole when chosen as a victim). Returns the row.
+    async fn claim_call(
+        &self,
+        claim: &NewClaim,
+        nonce: i64,
+    ) -> Result<Option<MySqlRow>, StoreError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let mut q = sqlx::query(sql::CLAIM);
-            for p in sql::CLAIM_PARAMS {
-                q = match p {
-                    sql::ClaimParam::Scope => q.bind(claim.id.scope.as_str()),
-                    sql::ClaimParam::Key => q.bind(claim.id.key.as_str()),
-                    sql::ClaimParam::Operation => q.bind(&claim.operation),
-                    sql::ClaimParam::Provider => q.bind(claim.provider.as_deref()),
-                    sql::ClaimParam::ProviderKey => q.bind(&claim.provider_key),
-                    sql::ClaimParam::Fingerprint => q.bind(claim.fingerprint.as_str()),
-                    sql::ClaimParam::Request => q.bind(claim.request.as_deref()),
-                    sql::ClaimParam::Owner => q.bind(&claim.owner),
-                    sql::ClaimParam::LeaseMicros => q.bind(micros(claim.lease)),
-                    sql::ClaimParam::RetentionMs => q.bind(millis(claim.retention)),
-                    sql::ClaimParam::Nonce => q.bind(nonce),
-                    sql::ClaimParam::WindowMicros => q.bind(claim.takeover_window.map(micros)),
-                };
-            }
-            let res = q.execute(&self.pool).await;
+            let res = sqlx::query(sql::CLAIM)
+                .bind(claim.id.scope.as_str())
+                .bind(claim.id.key.as_str())
+                .bind(&claim.operation)
+                .bind(claim.provider.as_deref())
+                .bind(&claim.provider_key)
+                .bind(claim.fingerprint.as_str())
+                .bind(claim.request.as_deref())
+                .bind(&claim.owner)
+                .bind(micros(claim.lease))
+                .bind(millis(claim.retention))
+                .bind(claim.takeover_window.map(micros))
+                .bind(nonce)
+                // All of it: the procedure's result set, then its status.
+                .fetch_all(&self.pool)
+                .await;
             match res {
-                Ok(_) => return Ok(()),
+                Ok(rows) => return Ok(rows.into_iter().next()),
                 Err(e) if attempt < LOCK_ATTEMPTS && is_retryable_lock_error(&e) => {
                     tracing::debug!(error = %e, "claim retried after a lock conflict");
                 }
-                Err(e) => return Err(db(e)),
+                Err(e) => return Err(self.err(e)),
             }
         }
     }
@@ -206,7 +326,7 @@ impl MySqlStore {
             &[(Vec<u8>, Vec<u8>)],
         ) -> Result<T, StoreError>,
     ) -> Result<Option<T>, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(db)?;
+        let mut conn = self.pool.acquire().await.map_err(|e| self.err(e))?;
         conn.execute(sql::READ_COMMITTED).await.map_err(db)?;
         let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(db)?;
         let picked: Vec<(Vec<u8>, Vec<u8>)> = sqlx::query_as(pick)
@@ -310,42 +430,28 @@ impl MySqlStore {
     ) -> Result<KeyRecord, StoreError> {
         check_finish(token, finish.to)?;
         let (status, headers, body) = finish.response_columns();
-        let token_value = token.map(|t| t.0);
-        // The update and the read-back share a transaction, so the row returned is the one
-        // written (the update's row lock is held until commit).
-        let mut tx = self.pool.begin().await.map_err(db)?;
-        let done = sqlx::query(sql::FINISH)
-            .bind(finish.to.is_retryable())
+        // The update and the read-back share a transaction inside the procedure, so the row
+        // returned is the one written (the update's row lock is held until commit).
+        let rows = sqlx::query(sql::FINISH)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
             .bind(finish.to.as_str())
             .bind(finish.to.is_retryable())
             .bind(status)
             .bind(headers)
             .bind(body)
             .bind(finish.error.as_deref())
-            .bind(token_value)
+            .bind(token.map(|t| t.0))
             .bind(finish.actor.as_str())
             .bind(&finish.reason)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(token_value)
-            .bind(token_value)
             .bind(finish.expect_token.map(|t| t.0))
-            .bind(finish.expect_token.map(|t| t.0))
-            .execute(&mut *tx)
+            .fetch_all(&self.pool)
             .await
-            .map_err(db)?;
-        if done.rows_affected() != 1 {
-            tx.rollback().await.map_err(db)?;
-            return Err(refused_write(self, id, token.or(finish.expect_token)).await);
+            .map_err(|e| self.err(e))?;
+        match rows.first() {
+            Some(row) => decode_record(row),
+            None => Err(refused_write(self, id, token.or(finish.expect_token)).await),
         }
-        let row = sqlx::query(sql::GET)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        decode_record(&row)
     }
     async fn extend_now(
         &self,
@@ -353,28 +459,22 @@ impl MySqlStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
-        let mut tx = self.pool.begin().await.map_err(db)?;
-        let done = sqlx::query(sql::EXTEND)
-            .bind(micros(lease))
+        let exp: Option<Option<NaiveDateTime>> = sqlx::query_scalar(sql::EXTEND)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .bind(token.0)
-            .execute(&mut *tx)
+            .bind(micros(lease))
+            .fetch_all(&self.pool)
             .await
-            .map_err(db)?;
-        if done.rows_affected() != 1 {
-            tx.rollback().await.map_err(db)?;
-            return Err(refused_write(self, id, Some(token)).await);
+            .map_err(|e| self.err(e))?
+            .into_iter()
+            .next();
+        match exp {
+            Some(exp) => exp
+                .map(|t| t.and_utc())
+                .ok_or_else(|| corrupt(format!("extended key {id} has no lease"))),
+            None => Err(refused_write(self, id, Some(token)).await),
         }
-        let exp: Option<NaiveDateTime> = sqlx::query_scalar(sql::LEASE_OF)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        exp.map(|t| t.and_utc())
-            .ok_or_else(|| corrupt(format!("extended key {id} has no lease")))
     }
     async fn take_stale_now(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         retry_lock_conflicts(|| self.take_stale_once(take)).await
@@ -444,25 +544,15 @@ impl Store for MySqlStore {
         let t: NaiveDateTime = sqlx::query_scalar(sql::NOW)
             .fetch_one(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         Ok(t.and_utc())
     }
 
     #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
-        // Read first, without a lock: replays and in-flight duplicates are one round trip.
-        if let Some((record, now)) = self.read_with_now(&claim.id).await?
-            && !claimable(claim, &record, now)
-        {
-            return Ok(ClaimOutcome::Existing {
-                record: Box::new(record),
-                now,
-            });
-        }
         for _ in 0..3 {
             let nonce = nonce();
-            self.claim_write(claim, nonce).await?;
-            let Some(row) = self.read(&claim.id).await? else {
+            let Some(row) = self.claim_call(claim, nonce).await? else {
                 // Purged between the write and the read: try again.
                 continue;
             };
@@ -514,7 +604,7 @@ impl Store for MySqlStore {
             .bind(token.0)
             .execute(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
@@ -526,7 +616,7 @@ impl Store for MySqlStore {
             .bind(token.0)
             .execute(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
@@ -552,7 +642,7 @@ impl Store for MySqlStore {
             .bind(id.key.as_str())
             .fetch_all(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         rows.iter().map(decode_event).collect()
     }
 
@@ -573,7 +663,7 @@ impl Store for MySqlStore {
         let row = sqlx::query(sql::STATS)
             .fetch_one(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         decode_stats(&row)
     }
 
@@ -582,13 +672,13 @@ impl Store for MySqlStore {
             .bind(micros(older_than))
             .fetch_one(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         let rows = sqlx::query(sql::STUCK_LIST)
             .bind(micros(older_than))
             .bind(i64::from(limit))
             .fetch_all(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         Ok(Stuck {
             count,
             oldest: rows.iter().map(decode_record).collect::<Result<_, _>>()?,
@@ -599,7 +689,7 @@ impl Store for MySqlStore {
         let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
             .fetch_one(&self.pool)
             .await
-            .map_err(db)?;
+            .map_err(|e| self.err(e))?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 }

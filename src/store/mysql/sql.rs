@@ -17,58 +17,6 @@ macro_rules! cols {
     };
 }
 
-/// Inside `CLAIM`'s `ON DUPLICATE KEY UPDATE`: whether the existing row is claimable, judged
-/// from its columns as they were before the statement (parameters: fingerprint, window µs).
-macro_rules! claimable {
-    () => {
-        concat!(
-            "IFNULL(fingerprint = ? AND ((state = 'failed' AND retryable) \
-               OR (state = 'processing' AND lease_expires_at <= ",
-            now!(),
-            " AND created_at > ",
-            now!(),
-            " - INTERVAL ? MICROSECOND)), FALSE)"
-        )
-    };
-}
-
-/// Inside `CLAIM`'s `ON DUPLICATE KEY UPDATE`: whether this claim won the row (parameters:
-/// nonce, fingerprint, window µs). Right whichever order the server assigns in: assigning left
-/// to right, `claim_nonce` (assigned first) already holds this claim's nonce when it won, and
-/// no column changed when it lost, so [`claimable!`] still sees the old row; with
-/// `SIMULTANEOUS_ASSIGNMENT`, every expression sees the old row and [`claimable!`] decides.
-macro_rules! won {
-    () => {
-        concat!("(claim_nonce <=> ? OR ", claimable!(), ")")
-    };
-}
-
-/// One parameter of [`CLAIM`], in statement order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum ClaimParam {
-    Scope,
-    Key,
-    Operation,
-    Provider,
-    ProviderKey,
-    Fingerprint,
-    Request,
-    Owner,
-    LeaseMicros,
-    RetentionMs,
-    Nonce,
-    WindowMicros,
-}
-
-use ClaimParam as P;
-
-/// The parameters of [`won!`], in order.
-macro_rules! won_params {
-    () => {
-        [P::Nonce, P::Fingerprint, P::WindowMicros]
-    };
-}
-
 pub(super) const NOW: &str = concat!("SELECT ", now!());
 
 pub(super) const GET: &str = concat!(
@@ -79,188 +27,29 @@ pub(super) const GET: &str = concat!(
     " AS db_now FROM idempotency_keys WHERE scope = ? AND `key` = ?"
 );
 
-/// Insert, or take the existing row when it is claimable: a `failed{retryable}` row with the same
-/// fingerprint, or an expired processing row created inside the takeover window (NULL: none).
-/// The first assignment records the verdict in `claim_nonce`; every later assignment asks
-/// [`won!`], which does not depend on the order the server assigns in (`sql_mode`
-/// `SIMULTANEOUS_ASSIGNMENT` or not). No `VALUES()` (deprecated in MySQL 8.0.20): the new values
-/// are bound again. Parameters: [`CLAIM_PARAMS`].
-pub(super) const CLAIM: &str = concat!(
-    "INSERT INTO idempotency_keys (scope, `key`, operation, provider, provider_key, state, \
-       retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
-       created_at, updated_at, retention_ms, version, last_actor, last_reason, claim_nonce, \
-       last_attempt_at, may_have_acted) \
-     VALUES (?, ?, ?, ?, ?, 'processing', FALSE, ?, ?, \
-       TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', ",
-    now!(),
-    "), ?, ",
-    now!(),
-    " + INTERVAL ? MICROSECOND, 1, ",
-    now!(),
-    ", ",
-    now!(),
-    ", ?, 1, 'worker', 'claimed', ?, ",
-    now!(),
-    ", FALSE) \
-     ON DUPLICATE KEY UPDATE \
-       claim_nonce = IF(",
-    claimable!(),
-    ", ?, claim_nonce), \
-       last_reason = IF(",
-    won!(),
-    ", IF(state = 'failed', 'reclaimed after a retryable failure', \
-           'retry took over an expired lease'), last_reason), \
-       request = IF(",
-    won!(),
-    ", COALESCE(?, request), request), \
-       lease_token = IF(",
-    won!(),
-    ", lease_token + 1, lease_token), \
-       lease_owner = IF(",
-    won!(),
-    ", ?, lease_owner), \
-       attempts = IF(",
-    won!(),
-    ", attempts + 1, attempts), \
-       updated_at = IF(",
-    won!(),
-    ", ",
-    now!(),
-    ", updated_at), \
-       expires_at = IF(",
-    won!(),
-    ", NULL, expires_at), \
-       next_check_at = IF(",
-    won!(),
-    ", NULL, next_check_at), \
-       error = IF(",
-    won!(),
-    ", NULL, error), \
-       response_status = IF(",
-    won!(),
-    ", NULL, response_status), \
-       response_headers = IF(",
-    won!(),
-    ", NULL, response_headers), \
-       response_body = IF(",
-    won!(),
-    ", NULL, response_body), \
-       retention_ms = IF(",
-    won!(),
-    ", ?, retention_ms), \
-       last_actor = IF(",
-    won!(),
-    ", 'worker', last_actor), \
-       version = IF(",
-    won!(),
-    ", version + 1, version), \
-       may_have_acted = IF(",
-    won!(),
-    ", IF(state = 'failed', may_have_acted, TRUE), may_have_acted), \
-       last_attempt_at = IF(",
-    won!(),
-    ", ",
-    now!(),
-    ", last_attempt_at), \
-       lease_expires_at = IF(",
-    won!(),
-    ", ",
-    now!(),
-    " + INTERVAL ? MICROSECOND, lease_expires_at), \
-       retryable = IF(",
-    won!(),
-    ", FALSE, retryable), \
-       state = IF(",
-    won!(),
-    ", 'processing', state)"
-);
+/// The claim, one round trip: a call of the `idempotency_keys_claim` procedure (migration
+/// `20261130200001_claim_and_finish_procedures.sql`). It reads the row and returns it untouched
+/// when it is present and not claimable (a replay writes nothing); otherwise it runs the
+/// `INSERT .. ON DUPLICATE KEY UPDATE` that decides atomically and returns the row read back.
+/// The claimer won when the returned `claim_nonce` is its own nonce. No row: purged between the
+/// write and the read-back. Parameters: scope, key, operation, provider, provider key,
+/// fingerprint, request, owner, lease µs, retention ms, takeover window µs or NULL, nonce.
+pub(super) const CLAIM: &str = "CALL idempotency_keys_claim(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
 
-/// The parameters of [`CLAIM`], in statement order (a unit test counts the placeholders).
-pub(super) const CLAIM_PARAMS: &[ClaimParam] = &concat_params();
+/// The claim procedure's source, for the test that checks its reason spellings.
+#[cfg(test)]
+const CLAIM_PROCEDURE: &str =
+    include_str!("../../../migrations/mysql/20261130200001_claim_and_finish_procedures.sql");
 
-const fn concat_params() -> [ClaimParam; 78] {
-    let head = [
-        P::Scope,
-        P::Key,
-        P::Operation,
-        P::Provider,
-        P::ProviderKey,
-        P::Fingerprint,
-        P::Request,
-        P::Owner,
-        P::LeaseMicros,
-        P::RetentionMs,
-        P::Nonce,
-        // claim_nonce = IF(claimable, nonce, ..)
-        P::Fingerprint,
-        P::WindowMicros,
-        P::Nonce,
-    ];
-    // After each won!(): the assignment's own parameter, if any.
-    let own: [Option<ClaimParam>; 20] = [
-        None,                 // last_reason
-        Some(P::Request),     // request
-        None,                 // lease_token
-        Some(P::Owner),       // lease_owner
-        None,                 // attempts
-        None,                 // updated_at
-        None,                 // expires_at
-        None,                 // next_check_at
-        None,                 // error
-        None,                 // response_status
-        None,                 // response_headers
-        None,                 // response_body
-        Some(P::RetentionMs), // retention_ms
-        None,                 // last_actor
-        None,                 // version
-        None,                 // may_have_acted
-        None,                 // last_attempt_at
-        Some(P::LeaseMicros), // lease_expires_at
-        None,                 // retryable
-        None,                 // state
-    ];
-    let mut out = [P::Scope; 78];
-    let mut n = 0;
-    while n < head.len() {
-        out[n] = head[n];
-        n += 1;
-    }
-    let won = won_params!();
-    let mut i = 0;
-    while i < 20 {
-        let mut j = 0;
-        while j < won.len() {
-            out[n] = won[j];
-            n += 1;
-            j += 1;
-        }
-        if let Some(p) = own[i] {
-            out[n] = p;
-            n += 1;
-        }
-        i += 1;
-    }
-    assert!(n == 78);
-    out
-}
+/// The finish, one round trip: the fenced `UPDATE` and the read of the row it wrote, in one
+/// transaction inside the `idempotency_keys_finish` procedure. No row: the fence refused it and
+/// nothing was written. Parameters: scope, key, state, retryable, status, headers, body, error,
+/// token or NULL, actor, reason, expected token or NULL.
+pub(super) const FINISH: &str = "CALL idempotency_keys_finish(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
 
-/// Parameters: retryable (clears `may_have_acted` when the outcome says nothing happened), state,
-/// retryable, status, headers, body, error, token, actor, reason, scope, key, token, token,
-/// expected token, expected token.
-pub(super) const FINISH: &str = concat!(
-    "UPDATE idempotency_keys SET may_have_acted = IF(?, FALSE, may_have_acted), state = ?, retryable = ?, response_status = ?, \
-       response_headers = ?, response_body = ?, error = ?, \
-       lease_token = IF(? IS NULL, lease_token + 1, lease_token), \
-       lease_owner = NULL, lease_expires_at = NULL, \
-       updated_at = ",
-    now!(),
-    ", expires_at = ",
-    now!(),
-    " + INTERVAL (retention_ms * 1000) MICROSECOND, next_check_at = NULL, \
-       version = version + 1, last_actor = ?, last_reason = ?, claim_nonce = NULL \
-     WHERE scope = ? AND `key` = ? AND (? IS NULL OR (state = 'processing' AND lease_token = ?)) \
-       AND (? IS NULL OR (state = 'processing' AND lease_token = ?))"
-);
+/// The lease renewal, one round trip (`idempotency_keys_extend`): the new expiry, or no row when
+/// the fence refused it. Parameters: scope, key, token, lease µs.
+pub(super) const EXTEND: &str = "CALL idempotency_keys_extend(?, ?, ?, ?)";
 
 /// Parameters: recheck µs or NULL, error, actor, reason, actor, actor, scope, key, token.
 pub(super) const RELEASE: &str = concat!(
@@ -286,17 +75,6 @@ pub(super) const MARK_ATTEMPT: &str = concat!(
     now!(),
     " WHERE scope = ? AND `key` = ? AND state = 'processing' AND lease_token = ?"
 );
-
-/// Parameters: lease µs, scope, key, token.
-pub(super) const EXTEND: &str = concat!(
-    "UPDATE idempotency_keys SET lease_expires_at = ",
-    now!(),
-    " + INTERVAL ? MICROSECOND \
-     WHERE scope = ? AND `key` = ? AND state = 'processing' AND lease_token = ?"
-);
-
-pub(super) const LEASE_OF: &str =
-    "SELECT lease_expires_at FROM idempotency_keys WHERE scope = ? AND `key` = ?";
 
 /// Picks stale keys, locking them and skipping keys another sweeper holds.
 pub(super) const PICK_STALE: &str = concat!(
@@ -388,12 +166,6 @@ pub(super) const COUNT_EXPIRED: &str = concat!(
 mod tests {
     #[test]
     fn claim_spells_the_claim_reasons() {
-        crate::store::assert_claim_reasons(super::CLAIM);
-    }
-
-    #[test]
-    fn claim_binds_one_parameter_per_placeholder_and_no_values() {
-        assert_eq!(super::CLAIM.matches('?').count(), super::CLAIM_PARAMS.len());
-        assert!(!super::CLAIM.contains("VALUES("), "VALUES() is deprecated");
+        crate::store::assert_claim_reasons(super::CLAIM_PROCEDURE);
     }
 }

@@ -1,9 +1,10 @@
 //! The PostgreSQL store (feature `postgres`): many app instances, workers and sweepers on one
 //! database, coordinated by row locks, `ON CONFLICT` and `FOR UPDATE SKIP LOCKED`.
 //!
-//! - A claim is one statement (a call of the `idempotency_keys_claim` function): a replay is one
-//!   round trip, one primary-key read and takes no lock; a new key is one round trip (two only
-//!   when a concurrent claimer commits the same key at the same moment).
+//! - A claim is one statement: a replay is one round trip, one primary-key read (the
+//!   `idempotency_keys_claim` function is not called) and takes no lock; a new key is one round
+//!   trip through that function (two only when a concurrent claimer commits the same key at the
+//!   same moment). A finish is one more: a new key is two statements in all.
 //! - Every time is the server's `statement_timestamp()`; the application hosts' clocks are
 //!   never used.
 //! - History rows are written by a trigger keyed on the row's `version`, inside the statement

@@ -1,25 +1,53 @@
 -- idemflow: helpers prepended to every script.
 --
--- ARGV[1..5] are the same for every script: history cap, history TTL (ms), native-expiry grace
--- (ms, negative: none), and the key-name prefixes of key hashes and histories in this bucket
--- (used by the bucket scripts, which find members in an index). Script arguments start at ARGV[6].
+-- ARGV[1..4] are the same for every script: history cap, history TTL (ms), native-expiry grace
+-- (ms, negative: none), and the key-name prefix of the records in this bucket (used by the
+-- bucket scripts, which find members in the index). Script arguments start at ARGV[5].
 --
--- Times are Redis `TIME` in integer milliseconds; every number written is formatted with %d so
--- that it is never rendered in exponent form.
+-- Times are Redis `TIME` in integer milliseconds; every number written into a command is
+-- formatted with %d so that it is never rendered in exponent form.
+--
+-- A key's record is ONE string value, a MessagePack array (cmsgpack, built into Redis) at fixed
+-- positions (F_* below; `false` stands for an absent value, so the table stays an array). Its
+-- history is the array at F_HIST, one compact entry per transition (see record_event). A purged
+-- key leaves a tombstone: {false, last token, last seq, history}, which only history() and the
+-- next claim read.
+--
+-- The bucket's index is ONE sorted set of members, one entry per key, whose score carries the
+-- state in its band (Q = 2^50 ms, far beyond any time this crate stores):
+--   processing        max(lease_expires_at, next_check_at) - Q   (negative)
+--   done              expires_at
+--   failed{retryable} expires_at + Q
+--   failed{permanent} expires_at + 2Q
+-- Every transition is one ZADD of the member (its state and time change together).
 
 local CAP = tonumber(ARGV[1])
 local HIST_TTL = tonumber(ARGV[2])
 local GRACE = tonumber(ARGV[3])
-local HASH_PREFIX = ARGV[4]
-local HIST_PREFIX = ARGV[5]
+local KEY_PREFIX = ARGV[4]
+
+local Q = 1125899906842624
+
+local F_ST, F_TOK, F_HS, F_HIST = 1, 2, 3, 4
+local F_OP, F_PROV, F_PK, F_FP, F_REQ = 5, 6, 7, 8, 9
+local F_RS, F_RH, F_RB, F_ERR = 10, 11, 12, 13
+local F_OWN, F_LEX, F_ATT, F_CAT, F_UAT = 14, 15, 16, 17, 18
+local F_EXP, F_NCA, F_RET, F_LAT, F_MHA = 19, 20, 21, 22, 23
+
+-- State codes (F_ST): 0 processing, 1 done, 2 failed{retryable}, 3 failed{permanent}.
+local ST_NAME = {[0] = 'processing', [1] = 'done', [2] = 'failed', [3] = 'failed'}
+local ST_RT = {[0] = '0', [1] = '0', [2] = '1', [3] = '0'}
+local BAND = {[0] = -Q, [1] = 0, [2] = Q, [3] = 2 * Q}
 
 local function s(n)
   return string.format('%d', n)
 end
 
-local function now_ms()
+-- The Redis clock in µs and in ms.
+local function clock()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return us, math.floor(us / 1000)
 end
 
 -- Optional arguments come as '0' (absent) or '1' followed by the value.
@@ -30,74 +58,64 @@ local function opt(a)
   return nil
 end
 
--- The bucket's indexes, from KEYS[base .. base+5].
-local function idx_from(base)
-  return {
-    due = KEYS[base],          -- processing keys by max(lease expiry, next check): the sweeper's
-    lease = KEYS[base + 1],    -- processing keys by lease expiry (stats: stale)
-    created = KEYS[base + 2],  -- processing keys by creation (stats: oldest)
-    done = KEYS[base + 3],     -- done keys by expires_at (purge)
-    fr = KEYS[base + 4],       -- failed{retryable} keys by expires_at
-    fp = KEYS[base + 5],       -- failed{permanent} keys by expires_at
-  }
+-- The record (a table) behind a raw value, or nil.
+local function unpack_record(raw)
+  if not raw then return nil end
+  return cmsgpack.unpack(raw)
 end
 
-local function fin_set(idx, st, rt)
-  if st == 'done' then
-    return idx.done
-  elseif st == 'failed' then
-    if rt == '1' then return idx.fr end
-    return idx.fp
-  end
-  return nil
+-- The {'lost', token, state, retryable} refusal for a record.
+local function lost(r)
+  return {'lost', r[F_TOK], ST_NAME[r[F_ST]], ST_RT[r[F_ST]]}
 end
 
-local function unindex(idx, m, st, rt)
-  if st == 'processing' then
-    redis.call('ZREM', idx.due, m)
-    redis.call('ZREM', idx.lease, m)
-    redis.call('ZREM', idx.created, m)
-  else
-    local z = fin_set(idx, st, rt)
-    if z then redis.call('ZREM', z, m) end
-  end
+-- When the sweeper may look at a processing key: max(lease expiry, next check).
+local function due_of(r)
+  local d = r[F_LEX]
+  if r[F_NCA] and r[F_NCA] > d then d = r[F_NCA] end
+  return d
 end
 
-local function index_processing(idx, m, lex, nca, created)
-  local due = lex
-  if nca and nca > due then due = nca end
-  redis.call('ZADD', idx.due, s(due), m)
-  redis.call('ZADD', idx.lease, s(lex), m)
-  if created then redis.call('ZADD', idx.created, s(created), m) end
+-- Puts the member at its state's band: `at` is the due time (processing) or expires_at.
+local function index(idx, m, code, at)
+  redis.call('ZADD', idx, s(at + BAND[code]), m)
 end
 
--- The last history sequence number of a key (0 when it has none) and whether it has a history.
--- The sequence number leads each entry (see record_event); should the last entry not start with
--- one (never written so), the list's length stands in for it.
-local function last_seq(hist)
-  local last = redis.call('LINDEX', hist, -1)
-  if not last then return 0, false end
-  return tonumber(string.match(last, '^(%d+)|')) or redis.call('LLEN', hist), true
-end
-
--- Appends one history entry (and caps the list). The entry is a fixed-field string:
+-- Appends one history entry to the record (and caps the history). The entry is a fixed-field
+-- string:
 --   seq|from_state|from_retryable|to_state|to_retryable|token|at|#actor|actor[|reason]
 -- nil fields are empty; the actor is length-prefixed and the reason, last, is the rest of the
--- entry, so neither needs escaping. A missing reason leaves out its '|'.
-local function record_event(hist, seq, from_st, from_rt, to_st, to_rt, tok, actor, reason, at)
-  local e = s(seq) .. '|' .. (from_st or '') .. '|' .. (from_rt or '') .. '|' .. (to_st or '')
-    .. '|' .. (to_rt or '') .. '|' .. (tok and s(tok) or '') .. '|' .. s(at) .. '|' .. #actor
-    .. '|' .. actor
+-- entry, so neither needs escaping. A missing reason leaves out its '|'. `from` / `to` are state
+-- codes or nil.
+local function record_event(r, from, to, tok, actor, reason, at)
+  local seq = r[F_HS] + 1
+  r[F_HS] = seq
+  local e = s(seq) .. '|' .. (from and ST_NAME[from] or '') .. '|' .. (from and ST_RT[from] or '')
+    .. '|' .. (to and ST_NAME[to] or '') .. '|' .. (to and ST_RT[to] or '') .. '|'
+    .. (tok and s(tok) or '') .. '|' .. s(at) .. '|' .. #actor .. '|' .. actor
   if reason then e = e .. '|' .. reason end
-  local len = redis.call('RPUSH', hist, e)
-  if CAP > 0 and len > CAP then redis.call('LTRIM', hist, -CAP, -1) end
+  local h = r[F_HIST]
+  h[#h + 1] = e
+  if CAP > 0 and #h > CAP then
+    local kept = {}
+    for i = #h - CAP + 1, #h do kept[#kept + 1] = h[i] end
+    r[F_HIST] = kept
+  end
 end
 
--- A finished key's hash: Redis deletes it GRACE after expires_at unless purge_expired did first.
-local function expire_finished(h, exp)
-  if GRACE >= 0 then
-    redis.call('PEXPIREAT', h, s(exp + GRACE))
+-- Writes the record; `pxat` (ms) sets its native expiry, nil clears any.
+local function save(k, r, pxat)
+  local raw = cmsgpack.pack(r)
+  if pxat then
+    redis.call('SET', k, raw, 'PXAT', s(pxat))
   else
-    redis.call('PERSIST', h)
+    redis.call('SET', k, raw)
   end
+  return raw
+end
+
+-- A finished record: Redis deletes it GRACE after expires_at unless purge_expired did first.
+local function save_finished(k, r)
+  if GRACE >= 0 then return save(k, r, r[F_EXP] + GRACE) end
+  return save(k, r, nil)
 end

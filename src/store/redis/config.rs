@@ -5,8 +5,15 @@ use std::time::Duration;
 /// Options for [`RedisStore::connect_with`](super::RedisStore::connect_with).
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
-    /// `redis://host:port/db` (or `rediss://` when the crate's TLS features are enabled).
+    /// `redis://host:port/db` (or `rediss://` when the crate's TLS features are enabled). With
+    /// [`cluster`](Self::cluster()): one or more seed nodes of the cluster, separated by commas
+    /// (`redis://10.0.0.1:7000/,redis://10.0.0.2:7000/`); the client learns the rest.
     pub url: String,
+    /// Connect to a Redis Cluster (default `false`: one server). Every key of a bucket carries
+    /// the bucket's hash tag, so each script runs on the shard of its bucket's slot; give the
+    /// store several buckets per primary ([`buckets`](Self::buckets)) so that the buckets, and
+    /// the load, spread over the shards.
+    pub cluster: bool,
     /// Prefix of every Redis key this store writes (default `idemflow`). Visible ASCII without
     /// `{` or `}`. Stores with different prefixes never see each other's keys.
     pub prefix: String,
@@ -15,17 +22,18 @@ pub struct RedisConfig {
     pub buckets: u32,
     /// History entries kept per key (default 100; the oldest are trimmed; 0: unlimited).
     pub history_cap: u32,
-    /// How long a key's history outlives its `expires_at` (default 7 days).
+    /// How long a key's history outlives its purge (default 7 days): the purge leaves the
+    /// history behind, and Redis deletes it this long after.
     pub history_ttl: Duration,
-    /// Redis deletes a finished key's hash this long after its `expires_at` if
+    /// Redis deletes a finished key (with its history) this long after its `expires_at` if
     /// [`Store::purge_expired`](crate::Store::purge_expired) has not (default 1 hour; `None`:
-    /// never, purge only).
+    /// never, purge only). The next purge records that Redis expired it, in a new history.
     pub expiry_grace: Option<Duration>,
     /// Timeout of one command (default 5 s).
     pub response_timeout: Duration,
     /// Slots of the per-store hint of keys known to exist (default 65,536, 8 bytes each; 0: no
     /// hint). A claim of a key the hint knows (this store claimed, finished or found it) first
-    /// reads it without a script (`MULTI TIME HGETALL EXEC`, one round trip) and runs the claim
+    /// reads it without a script (`MULTI TIME GET EXEC`, one round trip) and runs the claim
     /// script only if it is missing or claimable; any other claim runs the script at once. So a
     /// replay costs one round trip either way (without Lua when known), and claim + finish on a
     /// fresh key stays at two. The hint is never trusted for a decision: a wrong one costs one
@@ -40,6 +48,7 @@ impl RedisConfig {
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
+            cluster: false,
             prefix: "idemflow".into(),
             buckets: 1,
             history_cap: 100,
@@ -49,6 +58,13 @@ impl RedisConfig {
             known_keys: 1 << 16,
             connection_timeout: Duration::from_secs(2),
         }
+    }
+
+    /// With `true`, connects to a Redis Cluster: `url` lists seed nodes, separated by commas
+    /// (see the field of the same name).
+    pub fn cluster(mut self, cluster: bool) -> Self {
+        self.cluster = cluster;
+        self
     }
 
     /// Sets the key prefix.

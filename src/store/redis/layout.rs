@@ -68,12 +68,10 @@ pub(super) fn validate_prefix(prefix: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// The Redis keys of one member: its hash, its history and its bucket's indexes (in the order
-/// `idx_from` in `common.lua` reads them).
+/// The Redis keys of one member: its record and its bucket's index.
 pub(super) struct Keys {
-    pub(super) hash: String,
-    pub(super) hist: String,
-    pub(super) idx: [String; 6],
+    pub(super) rec: String,
+    pub(super) idx: String,
 }
 
 /// The key names of one prefix split into `buckets` hash-tag buckets.
@@ -115,26 +113,22 @@ impl Layout {
         format!("{}:{{{bucket}}}", self.prefix)
     }
 
-    /// The bucket's six indexes.
-    pub(super) fn bucket_indexes(&self, bucket: u32) -> [String; 6] {
-        let t = self.tag(bucket);
-        ["due", "lease", "created", "done", "failed_r", "failed_p"].map(|n| format!("{t}:{n}"))
+    /// `P:{b}:idx`: the bucket's index (one sorted set, see `common.lua`).
+    pub(super) fn bucket_index(&self, bucket: u32) -> String {
+        format!("{}:idx", self.tag(bucket))
     }
 
-    /// The prefixes of the key hashes and the histories in `bucket`: a member appended to them
-    /// gives its keys (the bucket scripts build them so from an index member).
-    pub(super) fn member_prefixes(&self, bucket: u32) -> (String, String) {
-        let t = self.tag(bucket);
-        (format!("{t}:k:"), format!("{t}:h:"))
+    /// `P:{b}:k:`: the prefix of the records in `bucket`; a member appended to it gives its
+    /// record (the bucket scripts build them so from an index member).
+    pub(super) fn record_prefix(&self, bucket: u32) -> String {
+        format!("{}:k:", self.tag(bucket))
     }
 
     pub(super) fn keys(&self, member: &str) -> Keys {
         let b = self.bucket_of(member);
-        let (hash, hist) = self.member_prefixes(b);
         Keys {
-            hash: hash + member,
-            hist: hist + member,
-            idx: self.bucket_indexes(b),
+            rec: self.record_prefix(b) + member,
+            idx: self.bucket_index(b),
         }
     }
 }
@@ -176,10 +170,9 @@ mod tests {
     fn a_member_and_its_bucket_share_one_hash_tag() {
         let layout = Layout::new("p".into(), 4);
         let k = layout.keys("s:k");
-        let tag = &k.hash[..k.hash.find('}').unwrap() + 1];
+        let tag = &k.rec[..k.rec.find('}').unwrap() + 1];
         assert!(tag.starts_with("p:{"));
-        assert!(k.hist.starts_with(tag) && k.idx.iter().all(|i| i.starts_with(tag)));
-        assert_eq!(k.hash, format!("{tag}:k:s:k"));
-        assert_eq!(k.hist, format!("{tag}:h:s:k"));
+        assert_eq!(k.rec, format!("{tag}:k:s:k"));
+        assert_eq!(k.idx, format!("{tag}:idx"));
     }
 }

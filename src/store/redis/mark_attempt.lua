@@ -1,15 +1,15 @@
 -- mark_attempt: the holder of the token is about to send to the provider (again): the latest
 -- attempt starts now and may act. Not a transition: no history.
--- KEYS: hash, history, then the bucket's six indexes.
--- ARGV[6..]: member, token
-local h = KEYS[1]
-local token = tonumber(ARGV[7])
+-- KEYS: record, bucket index.
+-- ARGV[5..]: member, token
+local k = KEYS[1]
+local token = tonumber(ARGV[6])
 
-local cur = redis.call('HMGET', h, 'st', 'rt', 'tok')
-if not cur[1] then return {'notfound'} end
-local tok = tonumber(cur[3])
-if cur[1] ~= 'processing' or tok ~= token then return {'lost', tok, cur[1], cur[2]} end
+local r = unpack_record(redis.call('GET', k))
+if not r or not r[F_ST] then return {'notfound'} end
+if r[F_ST] ~= 0 or r[F_TOK] ~= token then return lost(r) end
 
-local now = now_ms()
-redis.call('HSET', h, 'lat', s(now), 'mha', '1', 'uat', s(now))
+local _, now = clock()
+r[F_LAT], r[F_MHA], r[F_UAT] = now, true, now
+save(k, r, nil)
 return {'ok'}

@@ -1,37 +1,45 @@
 -- purge (one bucket): deletes up to `batch` finished keys whose expires_at has passed, earliest
--- first, and records each deletion in the key's history (which outlives the key by the history
--- TTL). A key that Redis already expired natively (the backstop) is recorded here too.
--- KEYS: the bucket's six indexes. ARGV[6..]: batch
-local idx = idx_from(1)
-local batch = tonumber(ARGV[6])
+-- first, and records each deletion in the key's history: the record is replaced by a tombstone
+-- holding its history and last token, which expires HIST_TTL after the purge. A key that Redis
+-- already expired natively (the backstop, which takes its history along) is recorded here too,
+-- in a new history.
+-- KEYS: the bucket's index. ARGV[5..]: batch
+local idx = KEYS[1]
+local batch = tonumber(ARGV[5])
 
-local now = now_ms()
+local _, now = clock()
 local cands = {}
-for _, z in ipairs({{idx.done, 'done', '0'}, {idx.fr, 'failed', '1'}, {idx.fp, 'failed', '0'}}) do
-  local r = redis.call('ZRANGEBYSCORE', z[1], '-inf', s(now), 'WITHSCORES', 'LIMIT', 0, batch)
+for code = 1, 3 do
+  local b = BAND[code]
+  local r = redis.call('ZRANGEBYSCORE', idx, s(b), s(b + now), 'WITHSCORES', 'LIMIT', 0, batch)
   for i = 1, #r, 2 do
-    cands[#cands + 1] = {m = r[i], score = tonumber(r[i + 1]), z = z}
+    cands[#cands + 1] = {m = r[i], at = tonumber(r[i + 1]) - b, code = code}
   end
 end
-table.sort(cands, function(a, b) return a.score < b.score end)
+table.sort(cands, function(a, b) return a.at < b.at end)
 
 local n = 0
 for i = 1, math.min(batch, #cands) do
   local c = cands[i]
-  local h, hist = HASH_PREFIX .. c.m, HIST_PREFIX .. c.m
-  redis.call('ZREM', c.z[1], c.m)
-  local cur = redis.call('HMGET', h, 'st', 'rt', 'tok', 'exp', 'hs')
-  if not cur[1] then
-    record_event(hist, last_seq(hist) + 1, c.z[2], c.z[3], nil, nil, nil, 'purge',
-      'expired by Redis before purge', now)
-    redis.call('PEXPIREAT', hist, s(now + HIST_TTL))
+  local k = KEY_PREFIX .. c.m
+  local r = unpack_record(redis.call('GET', k))
+  if not r or not r[F_ST] then
+    redis.call('ZREM', idx, c.m)
+    local t = r or {false, 0, 0, {}}
+    record_event(t, c.code, nil, nil, 'purge', 'expired by Redis before purge', now)
+    save(k, t, now + HIST_TTL)
     n = n + 1
-  elseif cur[1] ~= 'processing' and cur[4] and tonumber(cur[4]) <= now then
-    redis.call('DEL', h)
-    record_event(hist, tonumber(cur[5]) + 1, cur[1], cur[2], nil, nil, tonumber(cur[3]),
-      'purge', 'retention expired', now)
-    redis.call('PEXPIREAT', hist, s(now + HIST_TTL))
+  elseif r[F_ST] ~= 0 and r[F_EXP] <= now then
+    redis.call('ZREM', idx, c.m)
+    local t = {false, r[F_TOK], r[F_HS], r[F_HIST]}
+    record_event(t, r[F_ST], nil, r[F_TOK], 'purge', 'retention expired', now)
+    save(k, t, now + HIST_TTL)
     n = n + 1
+  elseif r[F_ST] == 0 then
+    -- A wrong score (should not happen): put it right.
+    index(idx, c.m, 0, due_of(r))
+  else
+    index(idx, c.m, r[F_ST], r[F_EXP])
   end
 end
 return n

@@ -1,29 +1,24 @@
 -- release: the lease holder gives the lease back; the key stays processing, due for the sweeper
 -- at once or after recheck_ms (next_check_at).
--- KEYS: hash, history, then the bucket's six indexes.
--- ARGV[6..]: member, token, recheck_ms?, error?, actor, reason
-local idx = idx_from(3)
-local h, hist = KEYS[1], KEYS[2]
-local m, token, recheck, err = ARGV[6], tonumber(ARGV[7]), opt(ARGV[8]), opt(ARGV[9])
-local actor, reason = ARGV[10], ARGV[11]
+-- KEYS: record, bucket index.
+-- ARGV[5..]: member, token, recheck_ms?, error?, actor, reason
+local k, idx = KEYS[1], KEYS[2]
+local m, token, recheck, err = ARGV[5], tonumber(ARGV[6]), opt(ARGV[7]), opt(ARGV[8])
+local actor, reason = ARGV[9], ARGV[10]
 
-local cur = redis.call('HMGET', h, 'st', 'rt', 'tok', 'lex')
-if not cur[1] then return {'notfound'} end
-local tok = tonumber(cur[3])
-if cur[1] ~= 'processing' or tok ~= token then return {'lost', tok, cur[1], cur[2]} end
+local r = unpack_record(redis.call('GET', k))
+if not r or not r[F_ST] then return {'notfound'} end
+if r[F_ST] ~= 0 or r[F_TOK] ~= token then return lost(r) end
 
-local now = now_ms()
-local lex = tonumber(cur[4])
-if lex > now then lex = now end
-local nca = nil
-if recheck then nca = now + tonumber(recheck) end
-redis.call('HSET', h, 'lex', s(lex), 'uat', s(now))
+local _, now = clock()
+if r[F_LEX] > now then r[F_LEX] = now end
+r[F_UAT], r[F_OWN] = now, false
 -- A worker's release: its attempt may have reached the provider until now.
-if actor == 'worker' then redis.call('HSET', h, 'lat', s(now), 'mha', '1') end
-redis.call('HDEL', h, 'own')
-if nca then redis.call('HSET', h, 'nca', s(nca)) else redis.call('HDEL', h, 'nca') end
-if err then redis.call('HSET', h, 'err', err) end
-index_processing(idx, m, lex, nca, nil)
-local seq = redis.call('HINCRBY', h, 'hs', 1)
-record_event(hist, seq, 'processing', '0', 'processing', '0', tok, actor, reason, now)
+if actor == 'worker' then r[F_LAT], r[F_MHA] = now, true end
+r[F_NCA] = false
+if recheck then r[F_NCA] = now + tonumber(recheck) end
+if err then r[F_ERR] = err end
+record_event(r, 0, 0, r[F_TOK], actor, reason, now)
+save(k, r, nil)
+index(idx, m, 0, due_of(r))
 return {'ok'}

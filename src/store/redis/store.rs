@@ -7,17 +7,22 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Script, ScriptInvocation, Value};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Script, ScriptInvocation, Value};
 use tracing::instrument;
 
-use super::decode::{array, event, int, maybe_record, member_records, record, refusal, text};
+use super::decode::{
+    array, history_of, int, maybe_record, member_records, record, record_of, refusal, text,
+};
 use super::hint::KnownKeys;
-use super::layout::{Keys, Layout, member, validate_prefix};
+use super::layout::{Keys, Layout, member, unmember, validate_prefix};
 use super::{BACKEND, FORMAT_VERSION, RedisConfig, corrupt, db};
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
+use crate::state::KeyState;
 use crate::state::Transition;
 use crate::store::rows::ms_to_time;
 use crate::store::{
@@ -42,13 +47,12 @@ struct Scripts {
     mark_attempt: Script,
     take_stale: Script,
     purge: Script,
-    stats: Script,
-    stuck: Script,
+    scan: Script,
     count_expired: Script,
 }
 
 impl Scripts {
-    fn all(&self) -> [&Script; 10] {
+    fn all(&self) -> [&Script; 9] {
         [
             &self.claim,
             &self.finish,
@@ -57,8 +61,7 @@ impl Scripts {
             &self.mark_attempt,
             &self.take_stale,
             &self.purge,
-            &self.stats,
-            &self.stuck,
+            &self.scan,
             &self.count_expired,
         ]
     }
@@ -72,10 +75,16 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     mark_attempt: script!("mark_attempt.lua"),
     take_stale: script!("take_stale.lua"),
     purge: script!("purge.lua"),
-    stats: script!("stats.lua"),
-    stuck: script!("stuck.lua"),
+    scan: script!("scan.lua"),
     count_expired: script!("count_expired.lua"),
 });
+
+/// What `scan.lua` returns for one bucket.
+struct Scan {
+    now: i64,
+    counts: [i64; 4],
+    keys: Vec<(String, i64, i64)>,
+}
 
 /// `'0'` for an absent optional argument, `'1' + value` for a present one.
 fn opt(v: Option<&[u8]>) -> Vec<u8> {
@@ -94,7 +103,47 @@ fn ms(d: Duration) -> i64 {
     millis(d)
 }
 
-/// A [`Store`] on Redis (feature `redis`).
+/// A connection to a single Redis server (a [`ConnectionManager`]) or to a Redis Cluster (a
+/// [`ClusterConnection`], which routes each command by its key's hash slot). Cheap to clone: the
+/// clones share one multiplexed connection (per node).
+#[derive(Clone)]
+pub enum RedisConnection {
+    /// One Redis server.
+    Single(ConnectionManager),
+    /// A Redis Cluster.
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for RedisConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// A [`Store`] on Redis (feature `redis`), on one server or on a Redis Cluster
+/// ([`RedisConfig::cluster()`]).
 ///
 /// ```no_run
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idemflow::StoreError> {
@@ -107,7 +156,7 @@ fn ms(d: Duration) -> i64 {
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
-    con: ConnectionManager,
+    con: RedisConnection,
     layout: Layout,
     /// The first three common script arguments (history cap, history TTL, grace).
     cap: i64,
@@ -124,9 +173,13 @@ impl fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("prefix", &self.layout.prefix())
             .field("buckets", &self.layout.buckets())
+            .field("cluster", &matches!(self.con, RedisConnection::Cluster(_)))
             .finish_non_exhaustive()
     }
 }
+
+/// Processing keys read per `scan.lua` call (stats, stuck).
+const SCAN_PAGE: i64 = 1000;
 
 impl RedisStore {
     /// Connects to `url` with the default prefix `idemflow` and the defaults of [`RedisConfig`].
@@ -139,24 +192,46 @@ impl RedisStore {
         Self::connect_with(RedisConfig::new(url).prefix(prefix)).await
     }
 
-    /// Connects with explicit options. The connection manager reconnects on its own; a command
+    /// Connects with explicit options: to one server, or with [`RedisConfig::cluster()`] to a
+    /// Redis Cluster through its seed nodes. The connection reconnects on its own; a command
     /// that failed with the connection is not retried (a script may or may not have run).
     pub async fn connect_with(config: RedisConfig) -> Result<Self, StoreError> {
         validate_prefix(&config.prefix)?;
-        let client = redis::Client::open(config.url.as_str())
-            .map_err(|e| StoreError::Config(format!("bad Redis URL: {e}")))?;
-        let cm = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(config.response_timeout))
-            .set_connection_timeout(Some(config.connection_timeout))
-            .set_number_of_retries(2);
-        let con = ConnectionManager::new_with_config(client, cm)
-            .await
-            .map_err(db)?;
-        Ok(Self::from_manager(con, config))
+        let con = if config.cluster {
+            let seeds: Vec<&str> = config
+                .url
+                .split(',')
+                .map(str::trim)
+                .filter(|u| !u.is_empty())
+                .collect();
+            if seeds.is_empty() {
+                return Err(StoreError::Config("no Redis Cluster seed URL".into()));
+            }
+            let client = ClusterClientBuilder::new(seeds)
+                .response_timeout(config.response_timeout)
+                .connection_timeout(config.connection_timeout)
+                .retries(2)
+                .build()
+                .map_err(|e| StoreError::Config(format!("bad Redis Cluster URL: {e}")))?;
+            RedisConnection::Cluster(client.get_async_connection().await.map_err(db)?)
+        } else {
+            let client = redis::Client::open(config.url.as_str())
+                .map_err(|e| StoreError::Config(format!("bad Redis URL: {e}")))?;
+            let cm = ConnectionManagerConfig::new()
+                .set_response_timeout(Some(config.response_timeout))
+                .set_connection_timeout(Some(config.connection_timeout))
+                .set_number_of_retries(2);
+            RedisConnection::Single(
+                ConnectionManager::new_with_config(client, cm)
+                    .await
+                    .map_err(db)?,
+            )
+        };
+        Ok(Self::from_connection(con, config))
     }
 
-    /// Uses a connection manager you built; the URL in `config` is ignored.
-    pub fn from_manager(con: ConnectionManager, config: RedisConfig) -> Self {
+    /// Uses a connection you built; the URL and the `cluster` switch in `config` are ignored.
+    pub fn from_connection(con: RedisConnection, config: RedisConfig) -> Self {
         Self {
             con,
             layout: Layout::new(config.prefix, config.buckets),
@@ -168,8 +243,8 @@ impl RedisStore {
         }
     }
 
-    /// The connection manager (for tests and tools that need raw access).
-    pub fn connection(&self) -> ConnectionManager {
+    /// The connection (for tests and tools that need raw access).
+    pub fn connection(&self) -> RedisConnection {
         self.con.clone()
     }
 
@@ -178,44 +253,34 @@ impl RedisStore {
         self.layout.prefix()
     }
 
-    /// The Redis key of the hash holding `id`'s row (for inspection, e.g. `MEMORY USAGE`).
+    /// The Redis key of the string holding `id`'s record and history (for inspection, e.g.
+    /// `MEMORY USAGE`).
     pub fn record_key(&self, id: &KeyId) -> String {
-        self.layout.keys(&member(id)).hash
+        self.layout.keys(&member(id)).rec
     }
 
-    /// The Redis key of the list holding `id`'s history.
-    pub fn history_key(&self, id: &KeyId) -> String {
-        self.layout.keys(&member(id)).hist
-    }
-
-    /// Sets the five common arguments (see `common.lua`); the last two, the key-name prefixes
-    /// of the bucket, only bucket scripts use.
-    fn common_args(&self, inv: &mut ScriptInvocation<'_>, prefixes: (String, String)) {
+    /// Sets the four common arguments (see `common.lua`); the last, the record-name prefix of
+    /// the bucket, only bucket scripts use.
+    fn common_args(&self, inv: &mut ScriptInvocation<'_>, record_prefix: String) {
         inv.arg(self.cap)
             .arg(self.history_ttl)
             .arg(self.grace)
-            .arg(prefixes.0)
-            .arg(prefixes.1);
+            .arg(record_prefix);
     }
 
     /// A per-key script invocation with KEYS and the common ARGV filled in.
     fn per_key<'a>(&self, script: &'a Script, k: &Keys) -> ScriptInvocation<'a> {
         let mut inv = script.prepare_invoke();
-        inv.key(&k.hash).key(&k.hist);
-        for i in &k.idx {
-            inv.key(i);
-        }
-        self.common_args(&mut inv, (String::new(), String::new()));
+        inv.key(&k.rec).key(&k.idx);
+        self.common_args(&mut inv, String::new());
         inv
     }
 
     /// A bucket-wide script invocation.
     fn per_bucket<'a>(&self, script: &'a Script, bucket: u32) -> ScriptInvocation<'a> {
         let mut inv = script.prepare_invoke();
-        for i in self.layout.bucket_indexes(bucket) {
-            inv.key(i);
-        }
-        self.common_args(&mut inv, self.layout.member_prefixes(bucket));
+        inv.key(self.layout.bucket_index(bucket));
+        self.common_args(&mut inv, self.layout.record_prefix(bucket));
         inv
     }
 
@@ -231,19 +296,19 @@ impl RedisStore {
         inv.invoke_async(&mut con).await.map_err(db)
     }
 
-    /// The key's row and the Redis clock, read atomically (`MULTI TIME HGETALL EXEC`: one round
+    /// The key's record and the Redis clock, read atomically (`MULTI TIME GET EXEC`: one round
     /// trip, no script).
     async fn snapshot(
         &self,
         id: &KeyId,
-        hash: &str,
+        rec: &str,
     ) -> Result<(Option<KeyRecord>, DateTime<Utc>), StoreError> {
         let mut con = self.con.clone();
-        let (time, row): (Vec<i64>, Value) = redis::pipe()
+        let (time, raw): (Vec<i64>, Value) = redis::pipe()
             .atomic()
             .cmd("TIME")
-            .cmd("HGETALL")
-            .arg(hash)
+            .cmd("GET")
+            .arg(rec)
             .query_async(&mut con)
             .await
             .map_err(db)?;
@@ -251,7 +316,47 @@ impl RedisStore {
             return Err(corrupt("TIME reply"));
         };
         let now = ms_to_time(BACKEND, sec * 1000 + usec / 1000)?;
-        Ok((maybe_record(id, row)?, now))
+        Ok((maybe_record(id, raw)?, now))
+    }
+
+    /// One bucket's counts and a page of its processing keys (`scan.lua`): (now, [processing,
+    /// done, failed_retryable, failed_permanent], [(member, lease expiry, created)]).
+    async fn scan(&self, bucket: u32, offset: i64, count: i64) -> Result<Scan, StoreError> {
+        let mut inv = self.per_bucket(&SCRIPTS.scan, bucket);
+        inv.arg(offset).arg(count);
+        let r = array(self.invoke(&inv).await?)?;
+        let bad = || corrupt("scan reply");
+        let get = |i: usize| int(r.get(i)).ok_or_else(bad);
+        let counts = [get(1)?, get(2)?, get(3)?, get(4)?];
+        let now = get(0)?;
+        let page = array(r.into_iter().nth(5).ok_or_else(bad)?)?;
+        let mut keys = Vec::with_capacity(page.len() / 3);
+        for t in page.chunks(3) {
+            let [m, lex, cat] = t else { return Err(bad()) };
+            let m = text(Some(m)).ok_or_else(bad)?;
+            keys.push((
+                m,
+                int(Some(lex)).ok_or_else(bad)?,
+                int(Some(cat)).ok_or_else(bad)?,
+            ));
+        }
+        Ok(Scan { now, counts, keys })
+    }
+
+    /// Every processing key of `bucket` (member, lease expiry, created), page by page, with the
+    /// counts and clock of the first page.
+    async fn scan_all(&self, bucket: u32) -> Result<Scan, StoreError> {
+        let mut all = self.scan(bucket, 0, SCAN_PAGE).await?;
+        let mut offset = SCAN_PAGE;
+        while offset < all.counts[0] {
+            let next = self.scan(bucket, offset, SCAN_PAGE).await?;
+            if next.keys.is_empty() {
+                break;
+            }
+            all.keys.extend(next.keys);
+            offset += SCAN_PAGE;
+        }
+        Ok(all)
     }
 
     /// The lease of a `{'claimed', tok, lex, att, pk, reason, may_have_acted, created_at}` claim
@@ -325,7 +430,7 @@ impl Store for RedisStore {
         if self.known.contains(&m) {
             // The script decides again, atomically; this read only spares it for keys that
             // exist and are not claimable (replays, in-flight keys, other requests).
-            if let (Some(record), now) = self.snapshot(&claim.id, &k.hash).await?
+            if let (Some(record), now) = self.snapshot(&claim.id, &k.rec).await?
                 && !claimable(claim, &record, now)
             {
                 return Ok(ClaimOutcome::Existing {
@@ -388,9 +493,14 @@ impl Store for RedisStore {
         let token_arg = token.map(|t| t.0.to_string());
         let expect_arg = finish.expect_token.map(|t| t.0.to_string());
         let mut inv = self.per_key(&SCRIPTS.finish, &k);
+        let code = match finish.to {
+            KeyState::Processing => 0,
+            KeyState::Done => 1,
+            KeyState::Failed { retryable: true } => 2,
+            KeyState::Failed { retryable: false } => 3,
+        };
         inv.arg(&m)
-            .arg(finish.to.as_str())
-            .arg(if finish.to.is_retryable() { "1" } else { "0" })
+            .arg(code)
             .arg(opt(status.as_deref().map(str::as_bytes)))
             .arg(opt(headers.as_deref().map(str::as_bytes)))
             .arg(opt(finish.response.as_ref().map(|r| r.body())))
@@ -464,24 +574,22 @@ impl Store for RedisStore {
 
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
         let mut con = self.con.clone();
-        let hash: Value = redis::cmd("HGETALL")
+        let raw: Value = redis::cmd("GET")
             .arg(self.record_key(id))
             .query_async(&mut con)
             .await
             .map_err(db)?;
-        maybe_record(id, hash)
+        maybe_record(id, raw)
     }
 
     async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
         let mut con = self.con.clone();
-        let entries: Vec<String> = redis::cmd("LRANGE")
-            .arg(self.history_key(id))
-            .arg(0)
-            .arg(-1)
+        let raw: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(self.record_key(id))
             .query_async(&mut con)
             .await
             .map_err(db)?;
-        entries.iter().map(|e| event(e)).collect()
+        raw.map_or(Ok(Vec::new()), |raw| history_of(&raw))
     }
 
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
@@ -515,44 +623,65 @@ impl Store for RedisStore {
         Ok(total)
     }
 
+    /// Per bucket: the counts from the index bands, and the processing keys read page by page
+    /// (`stale` and the oldest creation need each key's lease and creation time).
     async fn stats(&self) -> Result<Stats, StoreError> {
         let mut st = Stats::default();
         let mut oldest: Option<i64> = None;
         let mut now = 0i64;
         for bucket in 0..self.layout.buckets() {
-            let inv = self.per_bucket(&SCRIPTS.stats, bucket);
-            let r = array(self.invoke(&inv).await?)?;
-            let get = |i: usize| int(r.get(i)).ok_or_else(|| corrupt("stats reply"));
-            st.processing += get(0)?;
-            st.stale += get(1)?;
-            st.done += get(2)?;
-            st.failed_retryable += get(3)?;
-            st.failed_permanent += get(4)?;
-            let o = get(5)?;
-            if o >= 0 {
-                oldest = Some(oldest.map_or(o, |x| x.min(o)));
+            let scan = self.scan_all(bucket).await?;
+            st.processing += scan.counts[0];
+            st.done += scan.counts[1];
+            st.failed_retryable += scan.counts[2];
+            st.failed_permanent += scan.counts[3];
+            for &(_, lex, cat) in &scan.keys {
+                if lex <= scan.now {
+                    st.stale += 1;
+                }
+                oldest = Some(oldest.map_or(cat, |o| o.min(cat)));
             }
-            now = now.max(get(6)?);
+            now = now.max(scan.now);
         }
         st.oldest_processing_created_at = oldest.map(|ms| ms_to_time(BACKEND, ms)).transpose()?;
         st.now = ms_to_time(BACKEND, now)?;
         Ok(st)
     }
 
-    /// Per bucket: the count from the `created` index and its oldest `limit` members; the
-    /// buckets' lists are merged by creation time.
+    /// Per bucket: the processing keys read page by page; the oldest `limit` of those old
+    /// enough are then read whole (those finished meanwhile are left out).
     async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
         let mut count = 0i64;
-        let mut oldest = Vec::new();
+        let mut found: Vec<(i64, String, u32)> = Vec::new();
         for bucket in 0..self.layout.buckets() {
-            let mut inv = self.per_bucket(&SCRIPTS.stuck, bucket);
-            inv.arg(ms(older_than)).arg(limit);
-            let mut reply = array(self.invoke(&inv).await?)?.into_iter();
-            let (Some(n), Some(list)) = (reply.next(), reply.next()) else {
-                return Err(corrupt("stuck reply"));
-            };
-            count += int(Some(&n)).ok_or_else(|| corrupt("stuck reply"))?;
-            oldest.extend(member_records(list, "stuck")?);
+            let scan = self.scan_all(bucket).await?;
+            let cutoff = scan.now - ms(older_than);
+            for (m, _, cat) in scan.keys {
+                if cat <= cutoff {
+                    count += 1;
+                    found.push((cat, m, bucket));
+                }
+            }
+        }
+        found.sort();
+        let mut oldest = Vec::new();
+        let mut con = self.con.clone();
+        for (_, m, bucket) in found.into_iter().take(limit as usize) {
+            let (scope, key) =
+                unmember(&m).ok_or_else(|| corrupt(format!("index member {m:?}")))?;
+            let raw: Option<Vec<u8>> = redis::cmd("GET")
+                .arg(self.layout.record_prefix(bucket) + &m)
+                .query_async(&mut con)
+                .await
+                .map_err(db)?;
+            if let Some(r) = raw
+                .map(|raw| record_of(&scope, &key, &raw))
+                .transpose()?
+                .flatten()
+                && r.state == KeyState::Processing
+            {
+                oldest.push(r);
+            }
         }
         oldest.sort_by(|a: &KeyRecord, b: &KeyRecord| {
             (a.created_at, a.scope.as_str(), a.key.as_str()).cmp(&(
@@ -561,7 +690,6 @@ impl Store for RedisStore {
                 b.key.as_str(),
             ))
         });
-        oldest.truncate(limit as usize);
         Ok(Stuck { count, oldest })
     }
 
