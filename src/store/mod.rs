@@ -28,8 +28,8 @@ pub mod redis;
 pub mod sqlite;
 
 mod connect;
-mod rows;
 pub mod connect_error;
+mod rows;
 pub use connect::connect;
 pub use rows::{RawEvent, RawRecord};
 

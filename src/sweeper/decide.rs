@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::provider::{CallOutcome, KeySpec, Lookup};
+use crate::provider::{CallOutcome, KeySpec, Lookup, VoidOutcome};
 use crate::state::{RetryEvidence, may_become_retryable};
 use crate::{KeyRecord, KeyState, Outcome, StoredResponse};
 
@@ -235,6 +235,37 @@ pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
     }
 }
 
+/// What a void by key's answer means, before any lookup: `Some` settles or defers the key,
+/// `None` goes on to the lookup (the provider has no void by key, or refused it because a
+/// payment stands under the key). A confirmed void is the authoritative evidence that makes even
+/// a key that may have acted retryable: nothing stands charged under its provider key.
+pub fn after_void(provider: &str, void: VoidOutcome) -> Option<Decision> {
+    match void {
+        VoidOutcome::Voided { detail }
+            if may_become_retryable(true, RetryEvidence::ConfirmedVoid) =>
+        {
+            Some(Decision::Finish {
+                to: KeyState::Failed { retryable: true },
+                response: None,
+                error: Some(format!(
+                    "{provider} voided the request by key: nothing charged"
+                )),
+                reason: format!(
+                    "sweeper voided the key at {provider} ({detail}); nothing stands charged, so the client's next retry runs it"
+                ),
+            })
+        }
+        VoidOutcome::Unknown {
+            reason,
+            retry_after,
+        } => Some(Decision::Defer {
+            reason: format!("void by key at {provider} has an unknown outcome: {reason}"),
+            retry_after,
+        }),
+        VoidOutcome::Voided { .. } | VoidOutcome::Refused { .. } | VoidOutcome::Unsupported => None,
+    }
+}
+
 /// The recheck delay after the `attempts`-th claim/takeover: `base * 2^(takeovers - 1)`, capped
 /// at `cap`, and never earlier than the provider's `retry_after`.
 pub fn backoff(
@@ -449,6 +480,46 @@ mod tests {
             reason.contains("why") && reason.contains("closed"),
             "{reason}"
         );
+    }
+
+    #[test]
+    fn voids_settle_defer_or_go_on_to_the_lookup() {
+        assert!(matches!(
+            after_void(
+                "p",
+                VoidOutcome::Voided {
+                    detail: "ok".into()
+                }
+            ),
+            Some(Decision::Finish {
+                to: KeyState::Failed { retryable: true },
+                response: None,
+                ..
+            })
+        ));
+        assert!(matches!(
+            after_void(
+                "p",
+                VoidOutcome::Unknown {
+                    reason: "503".into(),
+                    retry_after: Some(Duration::from_secs(3))
+                }
+            ),
+            Some(Decision::Defer {
+                retry_after: Some(_),
+                ..
+            })
+        ));
+        assert_eq!(
+            after_void(
+                "p",
+                VoidOutcome::Refused {
+                    reason: "completed".into()
+                }
+            ),
+            None
+        );
+        assert_eq!(after_void("p", VoidOutcome::Unsupported), None);
     }
 
     #[test]

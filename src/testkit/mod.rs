@@ -46,13 +46,19 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+mod adyen;
+mod paypal;
 mod postmark;
 mod resend;
 mod server;
+mod square;
 mod stripe;
 
+pub use adyen::FakeAdyen;
+pub use paypal::FakePayPal;
 pub use postmark::FakePostmark;
 pub use resend::FakeResend;
+pub use square::FakeSquare;
 pub use stripe::FakeStripe;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -116,6 +122,13 @@ impl Ledger {
 
     pub(crate) fn push(&self, effect: Effect) {
         lock(&self.inner).push(effect);
+    }
+
+    /// Sets the status of the effect with this id (a payment voided, an order captured).
+    pub(crate) fn set_status(&self, id: &str, status: &str) {
+        for e in lock(&self.inner).iter_mut().filter(|e| e.id == id) {
+            e.status = status.to_owned();
+        }
     }
 }
 
