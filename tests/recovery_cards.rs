@@ -27,22 +27,22 @@ mod support;
 
 type Backend = Arc<dyn Store>;
 
-async fn sqlite_store() -> Option<Backend> {
+async fn sqlite_store() -> Option<(Backend, String)> {
     let dir = tempfile::tempdir().unwrap().keep();
     let url = format!("sqlite://{}", dir.join("recovery_cards.db").display());
     let store = SqliteStore::connect(&url).await.unwrap();
     store.migrate().await.unwrap();
-    Some(Arc::new(store))
+    Some((Arc::new(store), url))
 }
 
 #[cfg(feature = "postgres")]
-async fn postgres_store() -> Option<Backend> {
+async fn postgres_store() -> Option<(Backend, String)> {
     let (url, schema) = support::postgres::fresh_schema().await?;
     let store = idemflow::store::postgres::PostgresStore::from_pool(
         support::postgres::pool_in(&url, &schema, 5).await,
     );
     store.migrate().await.unwrap();
-    Some(Arc::new(store))
+    Some((Arc::new(store), support::postgres::url_in(&url, &schema)))
 }
 
 macro_rules! recovery_tests {
@@ -50,8 +50,8 @@ macro_rules! recovery_tests {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
-                let Some(store) = $factory().await else { return };
-                super::$name(store).await;
+                let Some((store, url)) = $factory().await else { return };
+                super::$name(store, url).await;
             }
         )*
     };
@@ -68,6 +68,8 @@ macro_rules! recovery_tests {
             paypal_lost_response_is_settled_with_the_orders_current_state,
             paypal_died_after_the_answer_is_settled_with_one_order,
         );
+        #[cfg(feature = "cli")]
+        recovery_tests!($factory; cli_reconcile_once_settles_each_card_processor_from_a_config_file);
     };
 }
 
@@ -94,6 +96,7 @@ struct Card {
     ledger: Ledger,
     faults: Faults,
     body: Value,
+    base_url: String,
     _fake: Box<dyn std::any::Any + Send>,
 }
 
@@ -108,6 +111,7 @@ impl Card {
             provider: Arc::new(provider),
             ledger: fake.ledger(),
             faults: fake.faults(),
+            base_url: fake.base_url().to_owned(),
             body: json!({
                 "amount": {"currency": "EUR", "value": 1500},
                 "reference": "order-7",
@@ -128,6 +132,7 @@ impl Card {
             provider: Arc::new(provider),
             ledger: fake.ledger(),
             faults: fake.faults(),
+            base_url: fake.base_url().to_owned(),
             body,
             _fake: Box::new(fake),
         }
@@ -147,6 +152,7 @@ impl Card {
             provider: Arc::new(provider),
             ledger: fake.ledger(),
             faults: fake.faults(),
+            base_url: fake.base_url().to_owned(),
             body: json!({
                 "intent": "CAPTURE",
                 "purchase_units": [{"reference_id": "order-7",
@@ -176,13 +182,13 @@ impl Card {
         cut_when(
             idem.execute(
                 req.with_provider(self.provider.name())
-                    .with_provider_key(pk),
+                    .with_provider_key(pk.clone()),
                 hang_after(at),
             ),
             reached,
         )
         .await;
-        assert!(self.ledger.is_empty());
+        assert_eq!(self.ledger.count_for_key(&pk), 0, "nothing was sent");
     }
 
     /// Sends `key`'s payment, gets the answer, and dies before storing it.
@@ -252,7 +258,10 @@ const LEASE: Duration = Duration::from_millis(400);
 
 // ---- Adyen: replay inside the 31-day window ---------------------------------------------------
 
-async fn adyen_crash_after_claim_before_the_call_is_redriven_to_one_payment(store: Backend) {
+async fn adyen_crash_after_claim_before_the_call_is_redriven_to_one_payment(
+    store: Backend,
+    _url: String,
+) {
     let card = Card::adyen().await;
     let idem = Idempotency::new(store.clone()).lease(LEASE);
     card.crash_before_the_call(&idem, "before-1").await;
@@ -263,7 +272,7 @@ async fn adyen_crash_after_claim_before_the_call_is_redriven_to_one_payment(stor
     assert_eq!(body["resultCode"], "Authorised");
 }
 
-async fn adyen_lost_response_is_replayed_by_the_sweeper(store: Backend) {
+async fn adyen_lost_response_is_replayed_by_the_sweeper(store: Backend, _url: String) {
     let card = Card::adyen().await;
     let idem = Idempotency::new(store.clone()).lease(LEASE);
     card.lose_the_answer(&idem, "lost-1").await;
@@ -275,7 +284,7 @@ async fn adyen_lost_response_is_replayed_by_the_sweeper(store: Backend) {
     assert_eq!(body["pspReference"], card.ledger.entries()[0].id.as_str());
 }
 
-async fn adyen_died_after_the_answer_is_settled_with_one_payment(store: Backend) {
+async fn adyen_died_after_the_answer_is_settled_with_one_payment(store: Backend, _url: String) {
     let card = Card::adyen().await;
     let idem = Idempotency::new(store.clone()).lease(LEASE);
     card.die_after_the_answer(&idem, "died-1").await;
@@ -287,7 +296,10 @@ async fn adyen_died_after_the_answer_is_settled_with_one_payment(store: Backend)
 
 // ---- Square: void by key ------------------------------------------------------------------------
 
-async fn square_crash_after_claim_before_the_call_is_voided_then_charged_once(store: Backend) {
+async fn square_crash_after_claim_before_the_call_is_voided_then_charged_once(
+    store: Backend,
+    _url: String,
+) {
     let card = Card::square(Card::square_payment()).await;
     let idem = Idempotency::new(store.clone()).lease(LEASE);
     card.crash_before_the_call(&idem, "before-1").await;
@@ -320,7 +332,7 @@ async fn square_crash_after_claim_before_the_call_is_voided_then_charged_once(st
     assert_eq!(card.ledger.entries()[0].status, "COMPLETED");
 }
 
-async fn square_lost_response_is_looked_up_after_the_void_is_refused(store: Backend) {
+async fn square_lost_response_is_looked_up_after_the_void_is_refused(store: Backend, _url: String) {
     let card = Card::square(Card::square_payment()).await;
     let idem = Idempotency::new(store.clone()).lease(LEASE);
     card.lose_the_answer(&idem, "lost-1").await;
@@ -333,7 +345,7 @@ async fn square_lost_response_is_looked_up_after_the_void_is_refused(store: Back
     assert_eq!(body["payment"]["id"], card.ledger.entries()[0].id.as_str());
 }
 
-async fn square_lost_delayed_capture_is_looked_up_not_voided(store: Backend) {
+async fn square_lost_delayed_capture_is_looked_up_not_voided(store: Backend, _url: String) {
     let mut body = Card::square_payment();
     body["autocomplete"] = json!(false);
     let card = Card::square(body).await;
@@ -351,7 +363,7 @@ async fn square_lost_delayed_capture_is_looked_up_not_voided(store: Backend) {
     assert_eq!(body["payment"]["status"], "APPROVED");
 }
 
-async fn square_died_after_the_answer_is_settled_with_one_payment(store: Backend) {
+async fn square_died_after_the_answer_is_settled_with_one_payment(store: Backend, _url: String) {
     let card = Card::square(Card::square_payment()).await;
     let idem = Idempotency::new(store.clone()).lease(LEASE);
     card.die_after_the_answer(&idem, "died-1").await;
@@ -363,7 +375,10 @@ async fn square_died_after_the_answer_is_settled_with_one_payment(store: Backend
 
 // ---- PayPal: a same-id re-send returns the order's current state -----------------------------
 
-async fn paypal_crash_after_claim_before_the_call_is_redriven_to_one_order(store: Backend) {
+async fn paypal_crash_after_claim_before_the_call_is_redriven_to_one_order(
+    store: Backend,
+    _url: String,
+) {
     let (card, _fake) = Card::paypal().await;
     let idem = Idempotency::new(store.clone()).lease(LEASE);
     card.crash_before_the_call(&idem, "before-1").await;
@@ -374,7 +389,10 @@ async fn paypal_crash_after_claim_before_the_call_is_redriven_to_one_order(store
     assert_eq!(body["status"], "CREATED");
 }
 
-async fn paypal_lost_response_is_settled_with_the_orders_current_state(store: Backend) {
+async fn paypal_lost_response_is_settled_with_the_orders_current_state(
+    store: Backend,
+    _url: String,
+) {
     let (card, fake) = Card::paypal().await;
     let idem = Idempotency::new(store.clone()).lease(LEASE);
     card.lose_the_answer(&idem, "lost-1").await;
@@ -388,7 +406,7 @@ async fn paypal_lost_response_is_settled_with_the_orders_current_state(store: Ba
     assert_eq!(body["id"], card.ledger.entries()[0].id.as_str());
 }
 
-async fn paypal_died_after_the_answer_is_settled_with_one_order(store: Backend) {
+async fn paypal_died_after_the_answer_is_settled_with_one_order(store: Backend, _url: String) {
     let (card, _fake) = Card::paypal().await;
     let idem = Idempotency::new(store.clone()).lease(LEASE);
     card.die_after_the_answer(&idem, "died-1").await;
@@ -396,4 +414,68 @@ async fn paypal_died_after_the_answer_is_settled_with_one_order(store: Backend) 
     let report = card.sweeper(&store).run_once().await.unwrap();
     assert_eq!((report.done, report.redrives), (1, 1), "{report:?}");
     card.assert_done_once(&store, &idem, "died-1").await;
+}
+
+#[cfg(feature = "cli")]
+async fn cli_reconcile_once_settles_each_card_processor_from_a_config_file(
+    store: Backend,
+    url: String,
+) {
+    let adyen = Card::adyen().await;
+    let square = Card::square(Card::square_payment()).await;
+    let (paypal, pp_fake) = Card::paypal().await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    adyen.lose_the_answer(&idem, "cli-a").await;
+    square.lose_the_answer(&idem, "cli-s").await;
+    paypal.lose_the_answer(&idem, "cli-p").await;
+    pp_fake.set_order_status(&paypal.ledger.entries()[0].id, "COMPLETED");
+    // Crashed before its call: Square voids it by key.
+    square.crash_before_the_call(&idem, "cli-s2").await;
+    stale(LEASE).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idemflow.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[providers]]\nkind = \"adyen\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_ADYEN_KEY\"\n\n\
+             [[providers]]\nkind = \"square\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_SQUARE_KEY\"\n\n\
+             [[providers]]\nkind = \"paypal\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_PAYPAL_TOKEN\"\n",
+            adyen.base_url, square.base_url, paypal.base_url,
+        ),
+    )
+    .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["--json", "reconcile", "--once"])
+        .env("DATABASE_URL", &url)
+        .env("IDEMFLOW_CONFIG", &config)
+        .env("FAKE_ADYEN_KEY", FakeAdyen::API_KEY)
+        .env("FAKE_SQUARE_KEY", FakeSquare::API_KEY)
+        .env("FAKE_PAYPAL_TOKEN", FakePayPal::API_KEY)
+        .env_remove("IDEMFLOW_LOG")
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(report["report"]["done"], 3, "{report}");
+    assert_eq!(report["report"]["retryable"], 1, "{report}");
+    adyen.assert_done_once(&store, &idem, "cli-a").await;
+    square.assert_done_once(&store, &idem, "cli-s").await;
+    let order = paypal.assert_done_once(&store, &idem, "cli-p").await;
+    assert_eq!(order["status"], "COMPLETED");
+    let row = store
+        .get(square.request("cli-s2").id())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.state, KeyState::Failed { retryable: true });
+    assert_eq!(square.ledger.len(), 1, "the voided key charged nothing");
 }
