@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | no provider recorded, or provider not registered | none | needs an operator (long recheck) |
 //! | provider dedupes by key, inside its window (with margin), request stored | re-drive (`call`) | see [`after_call`] |
-//! | anything else (outside the window, no keys, request missing) | `lookup` | see [`after_lookup`] (`Lookup::NeedsOperator`: needs an operator) |
+//! | anything else (outside the window, no keys, no documented window, request missing) | `void_by_key`, then `lookup` | see [`after_void`]: a confirmed void settles the key retryable; otherwise [`after_lookup`] (`Lookup::NeedsOperator`: needs an operator) |
 
 use std::time::Duration;
 
@@ -102,10 +102,18 @@ pub fn plan(
             why: "the request was not stored, so it can only be looked up".to_owned(),
         };
     }
-    if !spec.replays_same_key || spec.retention.is_none() {
+    if !spec.replays_same_key {
         return Plan::Lookup {
             request,
             why: format!("{name} does not dedupe by key, so it is never re-driven"),
+        };
+    }
+    if spec.retention.is_none() {
+        return Plan::Lookup {
+            request,
+            why: format!(
+                "{name} documents no key window, so a re-send is never known to be deduped; it is never re-driven"
+            ),
         };
     }
     if spec.may_redrive(record.created_at, now, margin) {
