@@ -113,12 +113,7 @@ pub(crate) fn sqlx_cause(e: &sqlx::Error) -> ConnectCause {
             // PostgreSQL: invalid_catalog_name.
             Some("3D000") => ConnectCause::DatabaseMissing,
             // MySQL / MariaDB report SQLSTATE 42000 for an unknown database (error 1049).
-            Some("42000")
-                if db
-                    .message()
-                    .to_ascii_lowercase()
-                    .contains("unknown database") =>
-            {
+            Some("42000") if db.message().to_ascii_lowercase().contains("unknown database") => {
                 ConnectCause::DatabaseMissing
             }
             _ if db.message().to_ascii_lowercase().contains("access denied") => {
@@ -143,7 +138,8 @@ pub(crate) fn redis_cause(e: &redis::RedisError) -> ConnectCause {
         return ConnectCause::AuthenticationFailed;
     }
     let text = e.to_string().to_ascii_lowercase();
-    if text.contains("wrongpass") || text.contains("noauth") || text.contains("invalid password") {
+    if text.contains("wrongpass") || text.contains("noauth") || text.contains("invalid password")
+    {
         ConnectCause::AuthenticationFailed
     } else if text.contains("lookup address") || text.contains("name or service not known") {
         ConnectCause::UnknownHost
@@ -163,16 +159,10 @@ mod tests {
         for (url, want) in [
             ("postgres://u:p@h/db", "postgres://u:***@h/db"),
             ("postgres://u@h/db", "postgres://u@h/db"),
-            (
-                "postgres://u:p%40x@h:1/db?sslmode=require",
-                "postgres://u:***@h:1/db?sslmode=require",
-            ),
+            ("postgres://u:p%40x@h:1/db?sslmode=require", "postgres://u:***@h:1/db?sslmode=require"),
             ("mysql://u:pa:ss@h/db", "mysql://u:***@h/db"),
             ("rediss://default:tok@h:6380", "rediss://default:***@h:6380"),
-            (
-                "postgres://h/db?user=u&password=p",
-                "postgres://h/db?user=u&password=***",
-            ),
+            ("postgres://h/db?user=u&password=p", "postgres://h/db?user=u&password=***"),
             ("sqlite::memory:", "sqlite::memory:"),
         ] {
             assert_eq!(redact_url(url), want, "{url}");
@@ -183,9 +173,7 @@ mod tests {
     fn io_errors_name_their_cause() {
         let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
         assert_eq!(io_cause(&refused), ConnectCause::Refused);
-        let dns = std::io::Error::other(
-            "failed to lookup address information: Name or service not known",
-        );
+        let dns = std::io::Error::other("failed to lookup address information: Name or service not known");
         assert_eq!(io_cause(&dns), ConnectCause::UnknownHost);
         assert_eq!(ConnectCause::Refused.to_string(), "connection refused");
     }

@@ -28,8 +28,8 @@ pub mod redis;
 pub mod sqlite;
 
 mod connect;
-pub mod connect_error;
 mod rows;
+pub mod connect_error;
 pub use connect::connect;
 pub use rows::{RawEvent, RawRecord};
 
