@@ -330,6 +330,67 @@ async fn usage_errors_exit_2() {
 }
 
 #[tokio::test]
+async fn reconcile_config_accepts_the_card_processor_kinds() {
+    let db = migrated().await;
+    let path = db.dir().join("cards.toml");
+    std::fs::write(
+        &path,
+        "[[providers]]\nkind = \"adyen\"\napi_key_env = \"ADYEN_KEY\"\nredrive_margin = 7200\n\n\
+         [[providers]]\nkind = \"square\"\napi_key_env = \"SQUARE_KEY\"\n\n\
+         [[providers]]\nkind = \"paypal\"\napi_key_env = \"PAYPAL_TOKEN\"\nretention = 259200\n\n\
+         [sweeper]\nredrive_margin = \"2h\"\n",
+    )
+    .unwrap();
+    let keys = [
+        ("ADYEN_KEY", "AQE_k"),
+        ("SQUARE_KEY", "EAAA_k"),
+        ("PAYPAL_TOKEN", "A21AA_k"),
+    ];
+    let mut env = vec![("DATABASE_URL", db.url())];
+    env.extend(keys.iter().map(|(k, v)| (*k, (*v).to_owned())));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let o = run_with_env(
+        &["reconcile", "--config", path.to_str().unwrap(), "--once"],
+        &env,
+    );
+    expect(&o, 0);
+
+    // Settings that do not apply to a kind are refused, naming the entry.
+    let cases = [
+        (
+            "square-margin.toml",
+            "[[providers]]\nkind = \"square\"\napi_key_env = \"SQUARE_KEY\"\nredrive_margin = 7200\n",
+            "redrive_margin applies to",
+        ),
+        (
+            "adyen-retention.toml",
+            "[[providers]]\nkind = \"adyen\"\napi_key_env = \"ADYEN_KEY\"\nretention = 60\n",
+            "retention applies to paypal only",
+        ),
+        (
+            "paypal-small-margin.toml",
+            "[[providers]]\nkind = \"paypal\"\napi_key_env = \"PAYPAL_TOKEN\"\nredrive_margin = 60\n",
+            "smaller than the sweeper's",
+        ),
+        (
+            "adyen-no-key.toml",
+            "[[providers]]\nkind = \"adyen\"\napi_key_env = \"UNSET_ADYEN_KEY\"\n",
+            "UNSET_ADYEN_KEY",
+        ),
+    ];
+    for (name, text, needle) in cases {
+        let path = db.dir().join(name);
+        std::fs::write(&path, text).unwrap();
+        let o = run_with_env(
+            &["reconcile", "--config", path.to_str().unwrap(), "--once"],
+            &env,
+        );
+        expect(&o, 1);
+        assert!(stderr(&o).contains(needle), "{name}: {}", stderr(&o));
+    }
+}
+
+#[tokio::test]
 async fn bad_configuration_exits_1_naming_the_problem() {
     let db = migrated().await;
     let missing = db.dir().join("missing.toml");

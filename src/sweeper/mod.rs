@@ -575,6 +575,24 @@ impl Sweeper {
                 report.lookups += 1;
                 crate::telemetry::sweeper("lookup");
                 tracing::Span::current().record("decision", "lookup");
+                // A provider that voids by key turns "unknown" into "surely not charged"
+                // before anything is looked up (Square's CancelPaymentByIdempotencyKey).
+                let void = tokio::time::timeout(
+                    self.config.call_timeout,
+                    p.void_by_key(&record.provider_key, &request),
+                )
+                .await
+                .unwrap_or_else(|_| crate::provider::VoidOutcome::Unknown {
+                    reason: format!(
+                        "no answer within {:?} (sweeper call timeout)",
+                        self.config.call_timeout
+                    ),
+                    retry_after: None,
+                });
+                if let Some(decision) = decide::after_void(&name, void) {
+                    tracing::Span::current().record("decision", "void_by_key");
+                    return self.apply(&id, &record, decision).await;
+                }
                 // Search lag counts from the latest attempt that may have reached the provider
                 // (the re-drive window above counts from the first use: `created_at`).
                 let lookup = p.lookup(
