@@ -5,6 +5,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::error::StoreError;
+
 /// How long a store's first connection may take by default before `connect` gives up.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -78,6 +80,35 @@ pub fn redact_url(url: &str) -> String {
         out = format!("{head}{}", query.join("&"));
     }
     out
+}
+
+/// Runs a store's first connection `attempt` for at most `timeout`, turning its failure into
+/// [`StoreError::Connect`] with the cause `cause` finds and the URL redacted.
+pub(crate) async fn within<T, E>(
+    backend: &'static str,
+    url: &str,
+    timeout: Duration,
+    attempt: impl std::future::Future<Output = Result<T, E>>,
+    cause: impl Fn(&E) -> ConnectCause,
+) -> Result<T, StoreError>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    match tokio::time::timeout(timeout, attempt).await {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => Err(StoreError::Connect {
+            backend,
+            url: redact_url(url),
+            cause: cause(&e),
+            source: Box::new(e),
+        }),
+        Err(_) => Err(StoreError::Connect {
+            backend,
+            url: redact_url(url),
+            cause: ConnectCause::TimedOut,
+            source: format!("no connection within {timeout:?}").into(),
+        }),
+    }
 }
 
 /// The cause behind an I/O error of a connection attempt.

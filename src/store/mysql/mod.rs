@@ -235,6 +235,17 @@ impl MySqlStore {
         }
         let connect = MySqlConnectOptions::from_str(url)
             .map_err(|e| StoreError::Config(format!("bad MySQL URL: {e}")))?;
+        // One connection first, within the acquire timeout: a failure is named at once (see
+        // `PostgresStore::connect_with`).
+        let first = super::connect_error::within(
+            BACKEND,
+            url,
+            options.acquire_timeout,
+            <sqlx::MySqlConnection as sqlx::Connection>::connect_with(&connect),
+            super::connect_error::sqlx_cause,
+        )
+        .await?;
+        let _ = sqlx::Connection::close(first).await;
         let pool = MySqlPoolOptions::new()
             .max_connections(options.max_connections)
             .min_connections(options.min_connections.min(options.max_connections))

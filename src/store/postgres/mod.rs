@@ -189,6 +189,18 @@ impl PostgresStore {
         }
         let connect = PgConnectOptions::from_str(url)
             .map_err(|e| StoreError::Config(format!("bad PostgreSQL URL: {e}")))?;
+        // One connection first, within the acquire timeout, so a server that is down, a wrong
+        // password or a missing database is named at once (a pool would retry until its
+        // timeout and report only that it timed out).
+        let first = super::connect_error::within(
+            BACKEND,
+            url,
+            options.acquire_timeout,
+            <sqlx::PgConnection as sqlx::Connection>::connect_with(&connect),
+            super::connect_error::sqlx_cause,
+        )
+        .await?;
+        let _ = sqlx::Connection::close(first).await;
         let pool = PgPoolOptions::new()
             .max_connections(options.max_connections)
             .min_connections(options.min_connections.min(options.max_connections))

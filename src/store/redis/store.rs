@@ -24,6 +24,7 @@ use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 use crate::state::KeyState;
 use crate::state::Transition;
+use crate::store::connect_error::{redis_cause, within};
 use crate::store::rows::ms_to_time;
 use crate::store::{
     ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
@@ -213,7 +214,16 @@ impl RedisStore {
                 .retries(2)
                 .build()
                 .map_err(|e| StoreError::Config(format!("bad Redis Cluster URL: {e}")))?;
-            RedisConnection::Cluster(client.get_async_connection().await.map_err(db)?)
+            RedisConnection::Cluster(
+                within(
+                    BACKEND,
+                    &config.url,
+                    config.connection_timeout + Duration::from_secs(1),
+                    client.get_async_connection(),
+                    redis_cause,
+                )
+                .await?,
+            )
         } else {
             let client = redis::Client::open(config.url.as_str())
                 .map_err(|e| StoreError::Config(format!("bad Redis URL: {e}")))?;
@@ -222,9 +232,14 @@ impl RedisStore {
                 .set_connection_timeout(Some(config.connection_timeout))
                 .set_number_of_retries(2);
             RedisConnection::Single(
-                ConnectionManager::new_with_config(client, cm)
-                    .await
-                    .map_err(db)?,
+                within(
+                    BACKEND,
+                    &config.url,
+                    config.connection_timeout + Duration::from_secs(1),
+                    ConnectionManager::new_with_config(client, cm),
+                    redis_cause,
+                )
+                .await?,
             )
         };
         Ok(Self::from_connection(con, config))
