@@ -2,7 +2,7 @@
 //! one database transaction with the step's record (`docs/workflows.md`, "Atomic phases").
 //!
 //! The SQL stores hand out an [`AtomicPhase`] for the application's writes
-//! (`PostgresStore::atomic_phase`, `MySqlStore::atomic_phase`, `SqliteStore::atomic_phase`);
+//! (`PostgresStore::atomic_phase`, `MySqlStore::atomic_phase`);
 //! [`Context::atomic_step`] claims the step, then the phase begins a transaction, runs the
 //! writes, finishes the step `done` (fenced by the step's lease token, its history row
 //! included) and commits. So the writes and the step's record are both there or both absent:
@@ -31,6 +31,15 @@ pub const LOCAL_PROVIDER: &str = "idemflow.local";
 /// An error from the application's writes inside an atomic phase.
 pub type WritesError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The future of an atomic phase's writes, borrowing the transaction's connection.
+pub type WritesFuture<'c> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<StoredResponse, WritesError>> + Send + 'c>,
+>;
+
+/// What a step's answer goes through before it is stored (the executor's header filter and
+/// redaction), given to [`AtomicPhase::commit`].
+pub type Prepare<'a> = &'a (dyn Fn(StoredResponse) -> StoredResponse + Send + Sync);
+
 /// Why an atomic phase did not commit.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -53,11 +62,13 @@ pub enum PhaseError {
 #[async_trait]
 pub trait AtomicPhase: Send {
     /// Begins a transaction, runs the writes, finishes `step` (held under `token`) `done` with
-    /// the response the writes return, its history row included, and commits.
+    /// the response the writes return (after `prepare`), its history row included, and
+    /// commits. Returns the stored response.
     async fn commit(
         self: Box<Self>,
         step: &KeyId,
         token: LeaseToken,
+        prepare: Prepare<'_>,
     ) -> Result<StoredResponse, PhaseError>;
 }
 

@@ -37,7 +37,7 @@ use crate::provider::Provider;
 
 mod atomic;
 
-pub use atomic::{AtomicPhase, LOCAL_PROVIDER, PhaseError, WritesError};
+pub use atomic::{AtomicPhase, LOCAL_PROVIDER, PhaseError, Prepare, WritesError, WritesFuture};
 
 /// The provider name that marks a key as a workflow (set by [`IdempotentRequest::workflow`]).
 pub const WORKFLOW_PROVIDER: &str = "idemflow.workflow";

@@ -34,6 +34,7 @@ use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 
+mod atomic;
 mod sql;
 
 const BACKEND: &str = "postgres";
@@ -243,6 +244,31 @@ impl PostgresStore {
     }
 }
 
+/// The finish statement of `id` (fenced by `token`), for the pool or an atomic phase's
+/// transaction.
+fn finish_query<'q>(
+    id: &'q KeyId,
+    token: Option<LeaseToken>,
+    finish: &'q Finish,
+    status: Option<i32>,
+    headers: Option<String>,
+    body: Option<&'q [u8]>,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql::FINISH)
+        .bind(id.scope.as_str())
+        .bind(id.key.as_str())
+        .bind(finish.to.as_str())
+        .bind(finish.to.is_retryable())
+        .bind(status)
+        .bind(headers)
+        .bind(body)
+        .bind(finish.error.as_deref())
+        .bind(token.map(|t| t.0))
+        .bind(finish.actor.as_str())
+        .bind(&finish.reason)
+        .bind(finish.expect_token.map(|t| t.0))
+}
+
 impl SqlRow for PgRow {
     const BACKEND: &'static str = BACKEND;
 
@@ -338,19 +364,7 @@ impl Store for PostgresStore {
     ) -> Result<KeyRecord, StoreError> {
         check_finish(token, finish.to)?;
         let (status, headers, body) = finish.response_columns();
-        let row = sqlx::query(sql::FINISH)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(finish.to.as_str())
-            .bind(finish.to.is_retryable())
-            .bind(status)
-            .bind(headers)
-            .bind(body)
-            .bind(finish.error.as_deref())
-            .bind(token.map(|t| t.0))
-            .bind(finish.actor.as_str())
-            .bind(&finish.reason)
-            .bind(finish.expect_token.map(|t| t.0))
+        let row = finish_query(id, token, finish, status, headers, body)
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
