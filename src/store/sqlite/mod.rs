@@ -40,7 +40,7 @@ use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 mod sql;
 mod writer;
 
-pub use writer::{BatchFailed, BoxFut};
+pub use writer::{BatchFailed, BoxFut, WriterStats};
 use writer::{Writer, job};
 
 const BACKEND: &str = "sqlite";
@@ -260,9 +260,16 @@ impl SqliteStore {
         &self.writer_pool
     }
 
-    /// Runs `statement` (one statement; reads around it are free) on the writer connection as a
-    /// job of the group-committing writer: batched with concurrent writes, answered once
-    /// committed. For tests and tools; the store's own writes all go this way.
+    /// What the writer task has done so far: commits, the writes they carried, writes queued.
+    pub fn writer_stats(&self) -> WriterStats {
+        self.writer.stats()
+    }
+
+    /// Runs `f` on the writer connection as a job of the group-committing writer, batched with
+    /// concurrent writes and answered once committed, as the store's own writes are. `f` must
+    /// write with at most one statement (reads around it are free): a lone job runs in autocommit
+    /// mode. It may run more than once if its batch is rolled back for another job's error.
+    /// For tests and tools.
     #[doc(hidden)]
     pub async fn write_job<T, F>(&self, f: F) -> Result<T, StoreError>
     where

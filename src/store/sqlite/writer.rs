@@ -28,6 +28,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use sqlx::{Executor, SqliteConnection, SqlitePool};
 use tokio::sync::{mpsc, oneshot};
@@ -147,10 +148,33 @@ fn may_end_transaction(e: &StoreError) -> bool {
     }
 }
 
+/// Counts kept by a store's writer task, from [`SqliteStore::writer_stats`](super::SqliteStore::writer_stats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriterStats {
+    /// Transactions the writer committed (a lone write in autocommit mode counts as one).
+    pub commits: u64,
+    /// Writes (jobs) those transactions carried: `writes / commits` is the mean batch size.
+    pub writes: u64,
+    /// Batches rolled back because one write's error may have ended their transaction (the
+    /// other writes of such a batch run again in the next one).
+    pub rolled_back: u64,
+    /// Writes sent and not yet taken into a batch.
+    pub queued: usize,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    commits: AtomicU64,
+    writes: AtomicU64,
+    rolled_back: AtomicU64,
+    queued: AtomicUsize,
+}
+
 /// The sending side of a store's writer task (cloned with the store).
 #[derive(Clone)]
 pub(super) struct Writer {
     tx: mpsc::UnboundedSender<Box<dyn Job>>,
+    counters: Arc<Counters>,
 }
 
 impl std::fmt::Debug for Writer {
@@ -164,8 +188,18 @@ impl Writer {
     /// clone of the returned handle is dropped.
     pub(super) fn spawn(pool: SqlitePool) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(pool, rx));
-        Self { tx }
+        let counters = Arc::new(Counters::default());
+        tokio::spawn(run(pool, rx, counters.clone()));
+        Self { tx, counters }
+    }
+
+    pub(super) fn stats(&self) -> WriterStats {
+        WriterStats {
+            commits: self.counters.commits.load(Ordering::Relaxed),
+            writes: self.counters.writes.load(Ordering::Relaxed),
+            rolled_back: self.counters.rolled_back.load(Ordering::Relaxed),
+            queued: self.counters.queued.load(Ordering::Relaxed),
+        }
     }
 
     /// Runs `f` on the writer connection, batched with other callers' jobs; returns its result
@@ -184,7 +218,11 @@ impl Writer {
             tx,
             runs: 0,
         });
-        self.tx.send(job).map_err(|_| stopped())?;
+        self.counters.queued.fetch_add(1, Ordering::Relaxed);
+        if self.tx.send(job).is_err() {
+            self.counters.queued.fetch_sub(1, Ordering::Relaxed);
+            return Err(stopped());
+        }
         rx.await.map_err(|_| stopped())?
     }
 }
@@ -196,18 +234,26 @@ fn stopped() -> StoreError {
     )
 }
 
-async fn run(pool: SqlitePool, mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>) {
+async fn run(
+    pool: SqlitePool,
+    mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>,
+    counters: Arc<Counters>,
+) {
+    let take = |job| {
+        counters.queued.fetch_sub(1, Ordering::Relaxed);
+        job
+    };
     let mut pending: VecDeque<Box<dyn Job>> = VecDeque::new();
     loop {
         if pending.is_empty() {
             match rx.recv().await {
-                Some(job) => pending.push_back(job),
+                Some(job) => pending.push_back(take(job)),
                 None => return,
             }
         }
         while pending.len() < MAX_BATCH {
             match rx.try_recv() {
-                Ok(job) => pending.push_back(job),
+                Ok(job) => pending.push_back(take(job)),
                 Err(_) => break,
             }
         }
@@ -226,6 +272,8 @@ async fn run(pool: SqlitePool, mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>) {
         if batch.len() == 1 {
             for mut job in batch {
                 job.run(&mut conn).await;
+                counters.commits.fetch_add(1, Ordering::Relaxed);
+                counters.writes.fetch_add(1, Ordering::Relaxed);
                 job.answer(Ok(()));
             }
             continue;
@@ -242,6 +290,7 @@ async fn run(pool: SqlitePool, mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>) {
                 // Roll back whatever is left of the transaction; this job keeps its own error,
                 // the others run again.
                 let _ = conn.execute("ROLLBACK").await;
+                counters.rolled_back.fetch_add(1, Ordering::Relaxed);
                 job.answer(Ok(()));
                 broken = true;
                 break;
@@ -263,6 +312,10 @@ async fn run(pool: SqlitePool, mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>) {
         }
         match conn.execute("COMMIT").await {
             Ok(_) => {
+                counters.commits.fetch_add(1, Ordering::Relaxed);
+                counters
+                    .writes
+                    .fetch_add(done.len() as u64, Ordering::Relaxed);
                 for job in done {
                     job.answer(Ok(()));
                 }
