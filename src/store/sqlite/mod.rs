@@ -232,8 +232,11 @@ impl SqliteStore {
             .connect_with(file.clone())
             .await
             .map_err(db)?;
+        // No ping before each read: a local file connection has no network to lose, and the
+        // ping is a round trip to the connection's thread, as long as the read itself.
         let reader = SqlitePoolOptions::new()
             .max_connections(config.readers.max(1))
+            .test_before_acquire(false)
             .connect_with(file.read_only(true))
             .await
             .map_err(db)?;
