@@ -438,3 +438,42 @@ async fn a_caller_that_leaves_mid_batch_breaks_nothing() {
         }
     }
 }
+
+/// `SqliteStore::from_pools` is not async and may be called outside a tokio runtime (the writer
+/// task starts with the first write, on that write's runtime): it must not panic, and the store
+/// must then write and read through the task.
+#[test]
+fn from_pools_outside_a_runtime_starts_the_writer_on_first_write() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let path = tempfile::tempdir().unwrap().keep().join("pools.db");
+    let url = format!("sqlite://{}?mode=rwc", path.display());
+    let (writer, reader) = rt.block_on(async {
+        let w = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect(&url)
+            .await
+            .unwrap();
+        let r = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(2)
+            .connect(&url)
+            .await
+            .unwrap();
+        (w, r)
+    });
+    // No runtime is entered here.
+    let store = SqliteStore::from_pools(writer, reader);
+    rt.block_on(async {
+        store.migrate().await.unwrap();
+        let k = id(scope(), "from-pools");
+        let ClaimOutcome::Claimed(lease) = store.claim(&claim_for(&k, "{}", LEASE)).await.unwrap()
+        else {
+            panic!("a new key was not claimed");
+        };
+        store
+            .finish(&k, Some(lease.token), &done(StoredResponse::new(201)))
+            .await
+            .unwrap();
+        assert_eq!(store.get(&k).await.unwrap().unwrap().state, KeyState::Done);
+        assert_eq!(store.writer_stats().commits, 2);
+    });
+}

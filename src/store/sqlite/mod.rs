@@ -244,12 +244,12 @@ impl SqliteStore {
     }
 
     /// Uses pools you manage: `writer` should have one connection, `reader` may have several
-    /// (pass the same pool twice for a single pool). Starts the store's writer task on the
-    /// current tokio runtime (so call it inside one); the task takes a connection from `writer`
-    /// for each batch of writes.
+    /// (pass the same pool twice for a single pool). The store's writer task starts with its
+    /// first write, on that write's tokio runtime, and takes a connection from `writer` for each
+    /// batch of writes.
     pub fn from_pools(writer: SqlitePool, reader: SqlitePool) -> Self {
         Self {
-            writer: Writer::spawn(writer.clone()),
+            writer: Writer::new(writer.clone()),
             writer_pool: writer,
             reader,
             seen: Arc::new(Seen::default()),

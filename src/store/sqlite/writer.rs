@@ -27,8 +27,8 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use sqlx::{Executor, SqliteConnection, SqlitePool};
 use tokio::sync::{mpsc, oneshot};
@@ -175,7 +175,13 @@ struct Counters {
 pub(super) struct Writer {
     tx: mpsc::UnboundedSender<Box<dyn Job>>,
     counters: Arc<Counters>,
+    /// The task's inputs until the first write starts it.
+    start: Arc<OnceLock<()>>,
+    unstarted: Arc<Mutex<Option<Inputs>>>,
 }
+
+/// What the writer task runs on: the writer pool and the receiving end of the jobs.
+type Inputs = (SqlitePool, mpsc::UnboundedReceiver<Box<dyn Job>>);
 
 impl std::fmt::Debug for Writer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -184,13 +190,27 @@ impl std::fmt::Debug for Writer {
 }
 
 impl Writer {
-    /// Starts the writer task for `pool` on the current tokio runtime. It ends when the last
-    /// clone of the returned handle is dropped.
-    pub(super) fn spawn(pool: SqlitePool) -> Self {
+    /// A writer for `pool`; its task starts with the first write, on that write's tokio
+    /// runtime, and ends when the last clone of the returned handle is dropped.
+    pub(super) fn new(pool: SqlitePool) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        let counters = Arc::new(Counters::default());
-        tokio::spawn(run(pool, rx, counters.clone()));
-        Self { tx, counters }
+        Self {
+            tx,
+            counters: Arc::new(Counters::default()),
+            start: Arc::new(OnceLock::new()),
+            unstarted: Arc::new(Mutex::new(Some((pool, rx)))),
+        }
+    }
+
+    /// Starts the task on the tokio runtime of the first write (so that building a store needs
+    /// no runtime: `SqliteStore::from_pools` is not async).
+    fn ensure_started(&self) {
+        self.start.get_or_init(|| {
+            let inputs = self.unstarted.lock().ok().and_then(|mut u| u.take());
+            if let Some((pool, rx)) = inputs {
+                tokio::spawn(run(pool, rx, self.counters.clone()));
+            }
+        });
     }
 
     pub(super) fn stats(&self) -> WriterStats {
@@ -218,6 +238,7 @@ impl Writer {
             tx,
             runs: 0,
         });
+        self.ensure_started();
         self.counters.queued.fetch_add(1, Ordering::Relaxed);
         if self.tx.send(job).is_err() {
             self.counters.queued.fetch_sub(1, Ordering::Relaxed);
