@@ -1,11 +1,18 @@
 //! The SQLite store (feature `sqlite`, on by default): embedded, works on a fresh machine.
 //!
 //! File databases use WAL with `synchronous=FULL` by default (a claim must survive power loss)
-//! and a busy timeout. Writes go through **one writer connection** and reads through a small pool
-//! of reader connections: on this kind of machine, eight writer connections on one file gave a
-//! p99 of 54 ms and a 1.1 s maximum from busy-handler backoff, while one writer kept p99 near 5 ms.
-//! `sqlite::memory:` databases use a single connection that is never recycled (each SQLite
-//! connection to `:memory:` is its own database).
+//! and a busy timeout. Writes go through **one writer task** that owns the writer connection and
+//! commits the writes of concurrent callers together (group commit: one transaction and one
+//! `fsync` per batch, each caller answered only once its write is committed; see the `writer`
+//! module). Reads go through a small pool of reader connections. `sqlite::memory:` databases use
+//! a single connection that is never recycled (each SQLite connection to `:memory:` is its own
+//! database), written through the same writer task.
+//!
+//! A claim is one statement for a new key (an `INSERT .. ON CONFLICT DO UPDATE .. RETURNING`
+//! on the writer; a second one, a read on the same connection, only when the key exists and is
+//! not claimable), and a finish is one statement: two per new key. A claim of a key this store
+//! has seen before (kept as a bounded set of hashes, only a hint) reads first on a reader, so a
+//! replay is one read that never queues behind the writer.
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -31,6 +38,10 @@ use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 
 mod sql;
+mod writer;
+
+pub use writer::{BatchFailed, BoxFut, WriterStats};
+use writer::{Writer, job};
 
 const BACKEND: &str = "sqlite";
 
@@ -106,8 +117,12 @@ impl SqliteConfig {
 /// ```
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
-    writer: SqlitePool,
+    /// The writer task (group commit), which takes its connection from `writer_pool`.
+    writer: Writer,
+    writer_pool: SqlitePool,
     reader: SqlitePool,
+    /// Keys this store has claimed, finished or found: their claims read first.
+    seen: Arc<Seen>,
     /// For `sqlite::memory:`: one more connection to the same database, never used, so the
     /// database outlives its pooled connection (see [`MemoryKeeper`]).
     _keeper: Option<MemoryKeeper>,
@@ -125,6 +140,47 @@ struct MemoryKeeper(#[allow(dead_code)] Arc<tokio::sync::Mutex<SqliteConnection>
 impl std::fmt::Debug for MemoryKeeper {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("MemoryKeeper")
+    }
+}
+
+/// Hashes of the keys this store has seen exist (claimed, found or finished), at most
+/// [`Seen::CAPACITY`], oldest forgotten first. Only a hint for the claim's first statement: a
+/// seen key is read first on a reader (a replay or a duplicate is then one read), an unseen one
+/// is written first (a new key is then one statement). Both paths are correct for every key; a
+/// wrong hint (a hash collision, a key purged since, another process) costs one statement.
+#[derive(Debug, Default)]
+struct Seen(
+    std::sync::Mutex<(
+        std::collections::HashSet<u64>,
+        std::collections::VecDeque<u64>,
+    )>,
+);
+
+impl Seen {
+    const CAPACITY: usize = 65_536;
+
+    fn hash(id: &KeyId) -> u64 {
+        use std::hash::{BuildHasher, BuildHasherDefault};
+        BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(id)
+    }
+
+    fn contains(&self, id: &KeyId) -> bool {
+        let h = Self::hash(id);
+        self.0.lock().map(|s| s.0.contains(&h)).unwrap_or(false)
+    }
+
+    fn insert(&self, id: &KeyId) {
+        let h = Self::hash(id);
+        if let Ok(mut s) = self.0.lock()
+            && s.0.insert(h)
+        {
+            s.1.push_back(h);
+            if s.1.len() > Self::CAPACITY
+                && let Some(old) = s.1.pop_front()
+            {
+                s.0.remove(&old);
+            }
+        }
     }
 }
 
@@ -158,6 +214,7 @@ impl SqliteStore {
                 .min_connections(1)
                 .idle_timeout(None)
                 .max_lifetime(None)
+                .test_before_acquire(false)
                 .connect_with(base)
                 .await
                 .map_err(db)?;
@@ -171,11 +228,15 @@ impl SqliteStore {
             .synchronous(config.synchronous);
         let writer = SqlitePoolOptions::new()
             .max_connections(1)
+            .test_before_acquire(false)
             .connect_with(file.clone())
             .await
             .map_err(db)?;
+        // No ping before each read: a local file connection has no network to lose, and the
+        // ping is a round trip to the connection's thread, as long as the read itself.
         let reader = SqlitePoolOptions::new()
             .max_connections(config.readers.max(1))
+            .test_before_acquire(false)
             .connect_with(file.read_only(true))
             .await
             .map_err(db)?;
@@ -183,43 +244,182 @@ impl SqliteStore {
     }
 
     /// Uses pools you manage: `writer` should have one connection, `reader` may have several
-    /// (pass the same pool twice for a single pool).
+    /// (pass the same pool twice for a single pool). The store's writer task starts with its
+    /// first write, on that write's tokio runtime, and takes a connection from `writer` for each
+    /// batch of writes.
     pub fn from_pools(writer: SqlitePool, reader: SqlitePool) -> Self {
         Self {
-            writer,
+            writer: Writer::new(writer.clone()),
+            writer_pool: writer,
             reader,
+            seen: Arc::new(Seen::default()),
             _keeper: None,
         }
     }
 
-    /// The writer pool (for tests and tools that need raw access).
+    /// The writer pool (for tests and tools that need raw access). Its connection is shared
+    /// with the writer task, which takes it for each batch of writes.
     pub fn writer_pool(&self) -> &SqlitePool {
-        &self.writer
+        &self.writer_pool
+    }
+
+    /// What the writer task has done so far: commits, the writes they carried, writes queued.
+    pub fn writer_stats(&self) -> WriterStats {
+        self.writer.stats()
+    }
+
+    /// Runs `f` on the writer connection as a job of the group-committing writer, batched with
+    /// concurrent writes and answered once committed, as the store's own writes are. `f` must
+    /// write with at most one statement (reads around it are free): a lone job runs in autocommit
+    /// mode. It may run more than once if its batch is rolled back for another job's error.
+    /// For tests and tools.
+    #[doc(hidden)]
+    pub async fn write_job<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>>
+            + Send
+            + 'static,
+    {
+        self.writer.call(f).await
     }
 
     async fn read_with_now(
         &self,
         id: &KeyId,
     ) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
-        self.read_with(sql::GET, id).await
-    }
-
-    async fn read_with(
-        &self,
-        statement: &'static str,
-        id: &KeyId,
-    ) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
-        let row = sqlx::query(statement)
+        let row = sqlx::query(sql::GET)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .fetch_optional(&self.reader)
             .await
             .map_err(db)?;
-        match row {
-            None => Ok(None),
-            Some(row) => Ok(Some((decode_record(&row)?, row.time_at("db_now")?))),
+        row.as_ref().map(decode_with_now).transpose()
+    }
+
+    /// The claim's read on a reader (without the stored request).
+    async fn claim_read(
+        &self,
+        id: &KeyId,
+    ) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
+        let row = sqlx::query(sql::CLAIM_READ)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .fetch_optional(&self.reader)
+            .await
+            .map_err(db)?;
+        row.as_ref().map(decode_with_now).transpose()
+    }
+
+    /// The claim's write, on the writer: the upsert, and when it changed nothing, the row as it
+    /// is (read on the writer connection, inside the same batch).
+    async fn claim_write(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
+        let claim = Arc::new(claim.clone());
+        self.writer
+            .call(job(move |conn| {
+                let claim = claim.clone();
+                Box::pin(async move { claim_on(conn, &claim).await })
+            }))
+            .await
+    }
+
+    /// Runs a fenced `UPDATE` (bound to scope, key, token and `extra`) on the writer; returns
+    /// the rows it changed.
+    async fn write_execute(
+        &self,
+        statement: &'static str,
+        id: &KeyId,
+        token: LeaseToken,
+        extra: Vec<Bind>,
+    ) -> Result<u64, StoreError> {
+        let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
+        self.writer
+            .call(job(move |conn| {
+                let mut q = sqlx::query(statement)
+                    .bind(scope.clone())
+                    .bind(key.clone())
+                    .bind(token.0);
+                for b in &extra {
+                    q = b.bind_to(q);
+                }
+                Box::pin(
+                    async move { Ok(q.execute(&mut *conn).await.map_err(db)?.rows_affected()) },
+                )
+            }))
+            .await
+    }
+}
+
+/// An owned bind value for statements built inside writer jobs.
+#[derive(Debug, Clone)]
+enum Bind {
+    Int(Option<i64>),
+    Text(Option<String>),
+}
+
+impl Bind {
+    fn bind_to<'q>(
+        &self,
+        q: sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>,
+    ) -> sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments> {
+        match self {
+            Bind::Int(v) => q.bind(*v),
+            Bind::Text(v) => q.bind(v.clone()),
         }
     }
+}
+
+fn decode_with_now(row: &SqliteRow) -> Result<(KeyRecord, DateTime<Utc>), StoreError> {
+    Ok((decode_record(row)?, row.time_at("db_now")?))
+}
+
+/// The claim on one connection: the upsert, then, if it changed nothing, the row as it is. In a
+/// batch both run in one transaction; a lone job runs them in autocommit mode, where the row may
+/// be purged in between, hence the retries.
+async fn claim_on(
+    conn: &mut SqliteConnection,
+    claim: &NewClaim,
+) -> Result<ClaimOutcome, StoreError> {
+    for _ in 0..3 {
+        let row = sqlx::query(sql::CLAIM)
+            .bind(claim.id.scope.as_str())
+            .bind(claim.id.key.as_str())
+            .bind(&claim.operation)
+            .bind(claim.provider.as_deref())
+            .bind(&claim.provider_key)
+            .bind(claim.fingerprint.as_str())
+            .bind(claim.request.as_deref())
+            .bind(&claim.owner)
+            .bind(millis(claim.lease))
+            .bind(millis(claim.retention))
+            .bind(claim.takeover_window.map(millis))
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(db)?;
+        if let Some(row) = row {
+            let lease = decode_lease(&row)?;
+            tracing::debug!(transition = ?lease.transition, "key claimed");
+            return Ok(ClaimOutcome::Claimed(lease));
+        }
+        let row = sqlx::query(sql::CLAIM_READ)
+            .bind(claim.id.scope.as_str())
+            .bind(claim.id.key.as_str())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(db)?;
+        if let Some(row) = row {
+            let (record, now) = decode_with_now(&row)?;
+            return Ok(ClaimOutcome::Existing {
+                record: Box::new(record),
+                now,
+            });
+        }
+        // The row vanished between the write and the read (purged): try again.
+    }
+    Err(StoreError::Corrupt {
+        backend: BACKEND,
+        detail: format!("claim of {} neither inserted nor found a row", claim.id),
+    })
 }
 
 impl SqlRow for SqliteRow {
@@ -246,7 +446,7 @@ impl Store for SqliteStore {
     #[instrument(skip(self), err)]
     async fn migrate(&self) -> Result<(), StoreError> {
         migrator()
-            .run(&self.writer)
+            .run(&self.writer_pool)
             .await
             .map_err(|e| StoreError::Migrate {
                 backend: BACKEND,
@@ -264,9 +464,10 @@ impl Store for SqliteStore {
 
     #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
-        // Read first, on a reader connection: replays and in-flight duplicates never queue
-        // behind the single writer.
-        if let Some((record, now)) = self.read_with(sql::CLAIM_READ, &claim.id).await?
+        // A key seen before is most likely there: read first, on a reader, so replays and
+        // in-flight duplicates never queue behind the writer. Any other key: write first.
+        if self.seen.contains(&claim.id)
+            && let Some((record, now)) = self.claim_read(&claim.id).await?
             && !claimable(claim, &record, now)
         {
             return Ok(ClaimOutcome::Existing {
@@ -274,39 +475,9 @@ impl Store for SqliteStore {
                 now,
             });
         }
-        for _ in 0..3 {
-            let row = sqlx::query(sql::CLAIM)
-                .bind(claim.id.scope.as_str())
-                .bind(claim.id.key.as_str())
-                .bind(&claim.operation)
-                .bind(claim.provider.as_deref())
-                .bind(&claim.provider_key)
-                .bind(claim.fingerprint.as_str())
-                .bind(claim.request.as_deref())
-                .bind(&claim.owner)
-                .bind(millis(claim.lease))
-                .bind(millis(claim.retention))
-                .bind(claim.takeover_window.map(millis))
-                .fetch_optional(&self.writer)
-                .await
-                .map_err(db)?;
-            if let Some(row) = row {
-                let lease = decode_lease(&row)?;
-                tracing::debug!(transition = ?lease.transition, "key claimed");
-                return Ok(ClaimOutcome::Claimed(lease));
-            }
-            if let Some((record, now)) = self.read_with(sql::CLAIM_READ, &claim.id).await? {
-                return Ok(ClaimOutcome::Existing {
-                    record: Box::new(record),
-                    now,
-                });
-            }
-            // The row vanished between the write and the read (purged): try again.
-        }
-        Err(StoreError::Corrupt {
-            backend: BACKEND,
-            detail: format!("claim of {} neither inserted nor found a row", claim.id),
-        })
+        let outcome = self.claim_write(claim).await?;
+        self.seen.insert(&claim.id);
+        Ok(outcome)
     }
 
     #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
@@ -317,25 +488,41 @@ impl Store for SqliteStore {
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
         check_finish(token, finish.to)?;
-        let (status, headers, body) = finish.response_columns();
-        let row = sqlx::query(sql::FINISH)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(finish.to.as_str())
-            .bind(finish.to.is_retryable())
-            .bind(status)
-            .bind(headers)
-            .bind(body)
-            .bind(finish.error.as_deref())
-            .bind(token.map(|t| t.0))
-            .bind(finish.actor.as_str())
-            .bind(&finish.reason)
-            .bind(finish.expect_token.map(|t| t.0))
-            .fetch_optional(&self.writer)
-            .await
-            .map_err(db)?;
+        let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
+        let finish_data = Arc::new(finish.clone());
+        let row = self
+            .writer
+            .call(job(move |conn| {
+                let (scope, key, finish) = (scope.clone(), key.clone(), finish_data.clone());
+                Box::pin(async move {
+                    let (status, headers, body) = finish.response_columns();
+                    sqlx::query(sql::FINISH)
+                        .bind(scope)
+                        .bind(key)
+                        .bind(finish.to.as_str())
+                        .bind(finish.to.is_retryable())
+                        .bind(status)
+                        .bind(headers)
+                        .bind(body)
+                        .bind(finish.error.as_deref())
+                        .bind(token.map(|t| t.0))
+                        .bind(finish.actor.as_str())
+                        .bind(&finish.reason)
+                        .bind(finish.expect_token.map(|t| t.0))
+                        .fetch_optional(&mut *conn)
+                        .await
+                        .map_err(db)?
+                        .as_ref()
+                        .map(decode_record)
+                        .transpose()
+                })
+            }))
+            .await?;
         match row {
-            Some(row) => decode_record(&row),
+            Some(record) => {
+                self.seen.insert(id);
+                Ok(record)
+            }
             None => Err(refused_write(self, id, token.or(finish.expect_token)).await),
         }
     }
@@ -347,30 +534,28 @@ impl Store for SqliteStore {
         token: LeaseToken,
         release: &Release,
     ) -> Result<(), StoreError> {
-        let done = sqlx::query(sql::RELEASE)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(token.0)
-            .bind(release.recheck_after.map(millis))
-            .bind(release.error.as_deref())
-            .bind(release.actor.as_str())
-            .bind(&release.reason)
-            .execute(&self.writer)
-            .await
-            .map_err(db)?;
-        fenced_write(self, id, token, done.rows_affected()).await
+        let done = self
+            .write_execute(
+                sql::RELEASE,
+                id,
+                token,
+                vec![
+                    Bind::Int(release.recheck_after.map(millis)),
+                    Bind::Text(release.error.clone()),
+                    Bind::Text(Some(release.actor.as_str().to_owned())),
+                    Bind::Text(Some(release.reason.clone())),
+                ],
+            )
+            .await?;
+        fenced_write(self, id, token, done).await
     }
 
     #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
-        let done = sqlx::query(sql::MARK_ATTEMPT)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(token.0)
-            .execute(&self.writer)
-            .await
-            .map_err(db)?;
-        fenced_write(self, id, token, done.rows_affected()).await
+        let done = self
+            .write_execute(sql::MARK_ATTEMPT, id, token, Vec::new())
+            .await?;
+        fenced_write(self, id, token, done).await
     }
 
     #[instrument(name = "idemflow.extend", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
@@ -380,16 +565,27 @@ impl Store for SqliteStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
-        let row = sqlx::query(sql::EXTEND)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(token.0)
-            .bind(millis(lease))
-            .fetch_optional(&self.writer)
-            .await
-            .map_err(db)?;
-        match row {
-            Some(row) => row.time_at("lease_expires_at"),
+        let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
+        let lease_ms = millis(lease);
+        let expires = self
+            .writer
+            .call(job(move |conn| {
+                let q = sqlx::query(sql::EXTEND)
+                    .bind(scope.clone())
+                    .bind(key.clone())
+                    .bind(token.0)
+                    .bind(lease_ms);
+                Box::pin(async move {
+                    q.fetch_optional(&mut *conn)
+                        .await
+                        .map_err(db)?
+                        .map(|row| row.time_at("lease_expires_at"))
+                        .transpose()
+                })
+            }))
+            .await?;
+        match expires {
+            Some(at) => Ok(at),
             None => Err(refused_write(self, id, Some(token)).await),
         }
     }
@@ -410,24 +606,31 @@ impl Store for SqliteStore {
 
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
-        let rows = sqlx::query(sql::TAKE_STALE)
-            .bind(&take.owner)
-            .bind(millis(take.lease))
-            .bind(i64::from(take.limit))
-            .fetch_all(&self.writer)
+        let (owner, lease, limit) = (take.owner.clone(), millis(take.lease), take.limit);
+        self.writer
+            .call(job(move |conn| {
+                let q = sqlx::query(sql::TAKE_STALE)
+                    .bind(owner.clone())
+                    .bind(lease)
+                    .bind(i64::from(limit));
+                Box::pin(async move {
+                    let rows = q.fetch_all(&mut *conn).await.map_err(db)?;
+                    rows.iter().map(decode_record).collect()
+                })
+            }))
             .await
-            .map_err(db)?;
-        rows.iter().map(decode_record).collect()
     }
 
     #[instrument(name = "idemflow.purge", skip(self), fields(backend = BACKEND), err)]
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        let done = sqlx::query(sql::PURGE)
-            .bind(i64::from(batch))
-            .execute(&self.writer)
+        self.writer
+            .call(job(move |conn| {
+                let q = sqlx::query(sql::PURGE).bind(i64::from(batch));
+                Box::pin(
+                    async move { Ok(q.execute(&mut *conn).await.map_err(db)?.rows_affected()) },
+                )
+            }))
             .await
-            .map_err(db)?;
-        Ok(done.rows_affected())
     }
 
     async fn stats(&self) -> Result<Stats, StoreError> {

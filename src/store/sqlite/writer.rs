@@ -1,0 +1,367 @@
+//! Group commit: one writer task owns the writes of a store and commits the writes of concurrent
+//! callers together, in one transaction and one `fsync`.
+//!
+//! Callers send a [`Job`] (a closure that runs its statements on the writer connection) over a
+//! channel and wait for the answer. The task takes the first job, then every job already queued
+//! (up to [`MAX_BATCH`]), and runs them:
+//!
+//! - one job: in autocommit mode, as a caller without the writer would (no `BEGIN`/`COMMIT`
+//!   round trips for a lone caller);
+//! - several: `BEGIN IMMEDIATE`, every job in turn, `COMMIT`, and only then the answers. A job
+//!   whose statement fails gets its own error; SQLite undoes a failed statement (constraint,
+//!   `RAISE(ABORT)`, type or size errors) and keeps the transaction, so the other jobs of the
+//!   batch commit. An error that may have ended the transaction (I/O, disk full, busy, out of
+//!   memory, a trigger's `RAISE(ROLLBACK)`, a lost connection) rolls the batch back: that job gets
+//!   its error and the others run again in the next batch (they were told nothing, and none of
+//!   their work was committed). If `COMMIT` fails, every job of the batch gets the error: none
+//!   was told it succeeded.
+//!
+//! A job writes with **one** statement (reads around it are free): in autocommit mode that
+//! statement is its own transaction. A caller that stops waiting (a dropped future) does not
+//! cancel its job once the task has started it, so no statement is ever cut halfway; a job whose
+//! caller left before it started is skipped.
+//!
+//! The connection comes from the store's writer pool for each batch, so `writer_pool()` users
+//! (an application's own tables in the same database) still take turns with the task.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use sqlx::{Executor, SqliteConnection, SqlitePool};
+use tokio::sync::{mpsc, oneshot};
+
+use super::BACKEND;
+use crate::error::StoreError;
+
+/// At most this many jobs per transaction.
+pub(super) const MAX_BATCH: usize = 256;
+
+/// How many times a job runs at most when batches around it are rolled back.
+const MAX_RUNS: u8 = 3;
+
+/// A boxed future borrowing the writer connection.
+pub type BoxFut<'c, T> = Pin<Box<dyn Future<Output = T> + Send + 'c>>;
+
+/// Whether a failed job left the transaction usable for the rest of its batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// Succeeded, or failed with an error that undid only its own statement.
+    Kept,
+    /// Failed with an error that may have rolled the whole transaction back.
+    Broken,
+}
+
+/// One caller's work, as the writer task sees it.
+trait Job: Send {
+    /// Whether the caller still waits for the answer.
+    fn wanted(&self) -> bool;
+    /// Runs the statements and keeps the result.
+    fn run<'c>(&'c mut self, conn: &'c mut SqliteConnection) -> BoxFut<'c, Verdict>;
+    /// Sends the kept result (`Ok`), or the batch's error instead.
+    fn answer(self: Box<Self>, batch: Result<(), &Arc<sqlx::Error>>);
+    /// Counts a run; `false` once the job has run [`MAX_RUNS`] times.
+    fn may_run_again(&mut self) -> bool;
+}
+
+struct Call<T, F> {
+    f: F,
+    result: Option<Result<T, StoreError>>,
+    tx: oneshot::Sender<Result<T, StoreError>>,
+    runs: u8,
+}
+
+impl<T, F> Job for Call<T, F>
+where
+    T: Send + 'static,
+    F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>> + Send + 'static,
+{
+    fn wanted(&self) -> bool {
+        !self.tx.is_closed()
+    }
+
+    fn run<'c>(&'c mut self, conn: &'c mut SqliteConnection) -> BoxFut<'c, Verdict> {
+        Box::pin(async move {
+            let result = (self.f)(conn).await;
+            let verdict = match &result {
+                Err(e) if may_end_transaction(e) => Verdict::Broken,
+                _ => Verdict::Kept,
+            };
+            self.result = Some(result);
+            verdict
+        })
+    }
+
+    fn answer(self: Box<Self>, batch: Result<(), &Arc<sqlx::Error>>) {
+        let answer = match batch {
+            Ok(()) => self.result.unwrap_or_else(|| {
+                Err(StoreError::Corrupt {
+                    backend: BACKEND,
+                    detail: "the writer answered a job it did not run".into(),
+                })
+            }),
+            Err(e) => Err(StoreError::database(BACKEND, BatchFailed(e.clone()))),
+        };
+        // The caller may have stopped waiting; its answer is then dropped.
+        let _ = self.tx.send(answer);
+    }
+
+    fn may_run_again(&mut self) -> bool {
+        self.runs += 1;
+        self.runs < MAX_RUNS
+    }
+}
+
+/// The error every job of a batch gets when the batch could not begin or commit.
+#[derive(Debug, thiserror::Error)]
+#[error("the batch of writes this write was part of failed: {0}")]
+pub struct BatchFailed(#[source] pub Arc<sqlx::Error>);
+
+/// Whether `e` may have ended the transaction it happened in (SQLite rolls a transaction back by
+/// itself on some errors; see "Response To Errors Within A Transaction" in SQLite's docs). Errors
+/// that undo only their own statement: `SQLITE_ERROR` (1: SQL error), `SQLITE_TOOBIG` (18),
+/// `SQLITE_CONSTRAINT` (19) except `SQLITE_CONSTRAINT_TRIGGER` (1811, which `RAISE(ROLLBACK)`
+/// also gives), `SQLITE_MISMATCH` (20), `SQLITE_RANGE` (25); and errors raised in Rust after the
+/// statement ran (decoding, fencing). Everything else counts as having ended it.
+fn may_end_transaction(e: &StoreError) -> bool {
+    let StoreError::Database { source, .. } = e else {
+        return false;
+    };
+    let Some(e) = source.downcast_ref::<sqlx::Error>() else {
+        return true;
+    };
+    match e {
+        sqlx::Error::Database(d) => {
+            let code = d.code().and_then(|c| c.parse::<i32>().ok());
+            !matches!(code, Some(c) if c != 1811 && matches!(c & 0xff, 1 | 18 | 19 | 20 | 25))
+        }
+        sqlx::Error::RowNotFound
+        | sqlx::Error::ColumnNotFound(_)
+        | sqlx::Error::ColumnIndexOutOfBounds { .. }
+        | sqlx::Error::ColumnDecode { .. }
+        | sqlx::Error::Decode(_)
+        | sqlx::Error::Encode(_)
+        | sqlx::Error::TypeNotFound { .. } => false,
+        _ => true,
+    }
+}
+
+/// Counts kept by a store's writer task, from [`SqliteStore::writer_stats`](super::SqliteStore::writer_stats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriterStats {
+    /// Transactions the writer committed (a lone write in autocommit mode counts as one).
+    pub commits: u64,
+    /// Writes (jobs) those transactions carried: `writes / commits` is the mean batch size.
+    pub writes: u64,
+    /// Batches rolled back because one write's error may have ended their transaction (the
+    /// other writes of such a batch run again in the next one).
+    pub rolled_back: u64,
+    /// Writes sent and not yet taken into a batch.
+    pub queued: usize,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    commits: AtomicU64,
+    writes: AtomicU64,
+    rolled_back: AtomicU64,
+    queued: AtomicUsize,
+}
+
+/// The sending side of a store's writer task (cloned with the store).
+#[derive(Clone)]
+pub(super) struct Writer {
+    tx: mpsc::UnboundedSender<Box<dyn Job>>,
+    counters: Arc<Counters>,
+    /// The task's inputs until the first write starts it.
+    start: Arc<OnceLock<()>>,
+    unstarted: Arc<Mutex<Option<Inputs>>>,
+}
+
+/// What the writer task runs on: the writer pool and the receiving end of the jobs.
+type Inputs = (SqlitePool, mpsc::UnboundedReceiver<Box<dyn Job>>);
+
+impl std::fmt::Debug for Writer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Writer")
+    }
+}
+
+impl Writer {
+    /// A writer for `pool`; its task starts with the first write, on that write's tokio
+    /// runtime, and ends when the last clone of the returned handle is dropped.
+    pub(super) fn new(pool: SqlitePool) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Self {
+            tx,
+            counters: Arc::new(Counters::default()),
+            start: Arc::new(OnceLock::new()),
+            unstarted: Arc::new(Mutex::new(Some((pool, rx)))),
+        }
+    }
+
+    /// Starts the task on the tokio runtime of the first write (so that building a store needs
+    /// no runtime: `SqliteStore::from_pools` is not async).
+    fn ensure_started(&self) {
+        self.start.get_or_init(|| {
+            let inputs = self.unstarted.lock().ok().and_then(|mut u| u.take());
+            if let Some((pool, rx)) = inputs {
+                tokio::spawn(run(pool, rx, self.counters.clone()));
+            }
+        });
+    }
+
+    pub(super) fn stats(&self) -> WriterStats {
+        WriterStats {
+            commits: self.counters.commits.load(Ordering::Relaxed),
+            writes: self.counters.writes.load(Ordering::Relaxed),
+            rolled_back: self.counters.rolled_back.load(Ordering::Relaxed),
+            queued: self.counters.queued.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Runs `f` on the writer connection, batched with other callers' jobs; returns its result
+    /// once it is committed (durable as `synchronous` says).
+    pub(super) async fn call<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>>
+            + Send
+            + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        let job = Box::new(Call {
+            f,
+            result: None,
+            tx,
+            runs: 0,
+        });
+        self.ensure_started();
+        self.counters.queued.fetch_add(1, Ordering::Relaxed);
+        if self.tx.send(job).is_err() {
+            self.counters.queued.fetch_sub(1, Ordering::Relaxed);
+            return Err(stopped());
+        }
+        rx.await.map_err(|_| stopped())?
+    }
+}
+
+fn stopped() -> StoreError {
+    StoreError::database(
+        BACKEND,
+        "the SQLite writer task has stopped (its tokio runtime was shut down)",
+    )
+}
+
+async fn run(
+    pool: SqlitePool,
+    mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>,
+    counters: Arc<Counters>,
+) {
+    let take = |job| {
+        counters.queued.fetch_sub(1, Ordering::Relaxed);
+        job
+    };
+    let mut pending: VecDeque<Box<dyn Job>> = VecDeque::new();
+    loop {
+        if pending.is_empty() {
+            match rx.recv().await {
+                Some(job) => pending.push_back(take(job)),
+                None => return,
+            }
+        }
+        while pending.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(job) => pending.push_back(take(job)),
+                Err(_) => break,
+            }
+        }
+        let n = pending.len().min(MAX_BATCH);
+        let batch: Vec<Box<dyn Job>> = pending.drain(..n).filter(|j| j.wanted()).collect();
+        if batch.is_empty() {
+            continue;
+        }
+        let mut conn = match pool.acquire().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                fail_all(batch, e);
+                continue;
+            }
+        };
+        if batch.len() == 1 {
+            for mut job in batch {
+                job.run(&mut conn).await;
+                counters.commits.fetch_add(1, Ordering::Relaxed);
+                counters.writes.fetch_add(1, Ordering::Relaxed);
+                job.answer(Ok(()));
+            }
+            continue;
+        }
+        if let Err(e) = conn.execute("BEGIN IMMEDIATE").await {
+            fail_all(batch, e);
+            continue;
+        }
+        let mut done: Vec<Box<dyn Job>> = Vec::with_capacity(batch.len());
+        let mut rest = batch.into_iter();
+        let mut broken = false;
+        for mut job in rest.by_ref() {
+            if job.run(&mut conn).await == Verdict::Broken {
+                // Roll back whatever is left of the transaction; this job keeps its own error,
+                // the others run again.
+                let _ = conn.execute("ROLLBACK").await;
+                counters.rolled_back.fetch_add(1, Ordering::Relaxed);
+                job.answer(Ok(()));
+                broken = true;
+                break;
+            }
+            done.push(job);
+        }
+        if broken {
+            let again: Vec<Box<dyn Job>> = done.into_iter().chain(rest).collect();
+            for mut job in again.into_iter().rev() {
+                if job.may_run_again() {
+                    pending.push_front(job);
+                } else {
+                    job.answer(Err(&Arc::new(sqlx::Error::Protocol(
+                        "rolled back with its batch too many times".into(),
+                    ))));
+                }
+            }
+            continue;
+        }
+        match conn.execute("COMMIT").await {
+            Ok(_) => {
+                counters.commits.fetch_add(1, Ordering::Relaxed);
+                counters
+                    .writes
+                    .fetch_add(done.len() as u64, Ordering::Relaxed);
+                for job in done {
+                    job.answer(Ok(()));
+                }
+            }
+            Err(e) => {
+                // A failed COMMIT may leave the transaction open: end it.
+                let _ = conn.execute("ROLLBACK").await;
+                fail_all(done, e);
+            }
+        }
+    }
+}
+
+fn fail_all(batch: Vec<Box<dyn Job>>, e: sqlx::Error) {
+    let e = Arc::new(e);
+    for job in batch {
+        job.answer(Err(&e));
+    }
+}
+
+/// A job closure for [`Writer::call`]: `job(move |conn| Box::pin(async move { .. }))` with the
+/// higher-ranked signature spelled out, which closures do not infer by themselves.
+pub(super) fn job<T, F>(f: F) -> F
+where
+    F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>>,
+{
+    f
+}
