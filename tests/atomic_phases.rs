@@ -1,10 +1,13 @@
 //! Atomic phases: a workflow step whose effect is the application's own rows, committed in one
-//! transaction with the step's record. On PostgreSQL and MariaDB: the writes and the record are
-//! there together; a failure between the writes and the record (the step decided elsewhere
-//! meanwhile), or a crash before the commit, leaves neither; the sweeper then makes the step
-//! retryable, and the workflow's retry writes the rows exactly once.
+//! transaction with the step's record. On PostgreSQL, MariaDB and SQLite: the writes and the
+//! record are there together; a write failing after the insert leaves neither. On PostgreSQL and
+//! MariaDB also: the step decided elsewhere between the insert and the record, or a crash before
+//! the commit, leaves neither; the sweeper then makes the step retryable, and the workflow's retry
+//! writes the row exactly once. (On SQLite the phase runs inside the single writer's job, so
+//! nothing else can write in between, and a dropped caller does not stop a started job; the
+//! group-commit tests cover a killed process.)
 
-#![cfg(any(feature = "postgres", feature = "mysql"))]
+#![cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 
 mod support;
 
@@ -25,8 +28,9 @@ const LEASE: Duration = Duration::from_millis(400);
 /// One backend's handles: the store, a phase maker writing one order row, and a row counter.
 struct Backend {
     store: Arc<dyn Store>,
-    /// An atomic phase inserting the order `id`; `hook` runs between the insert and the record.
-    phase: Arc<dyn Fn(String, Hook) -> Box<dyn AtomicPhase> + Send + Sync>,
+    /// An atomic phase inserting the order `id`; `hook` runs between the insert and the record;
+    /// then the writes fail if `fail` says so.
+    phase: Arc<dyn Fn(String, Hook, bool) -> Box<dyn AtomicPhase> + Send + Sync>,
     orders: Arc<dyn Fn(String) -> futures_count::CountFuture + Send + Sync>,
 }
 
@@ -54,7 +58,17 @@ async fn run(
     order: &str,
     hook: Hook,
 ) -> Result<idemflow::Execution, Error> {
-    let phase = (b.phase)(order.to_owned(), hook);
+    run_failing(b, idem, order, hook, false).await
+}
+
+async fn run_failing(
+    b: &Backend,
+    idem: &Idempotency,
+    order: &str,
+    hook: Hook,
+    fail: bool,
+) -> Result<idemflow::Execution, Error> {
+    let phase = (b.phase)(order.to_owned(), hook, fail);
     let phase = std::sync::Mutex::new(Some(phase));
     idem.execute(checkout(order), |ctx: Context| async move {
         let Some(phase) = phase.lock().unwrap().take() else {
@@ -87,7 +101,7 @@ impl AtomicPhase for BoxedPhase {
         self: Box<Self>,
         step: &idemflow::KeyId,
         token: idemflow::LeaseToken,
-        prepare: idemflow::workflow::Prepare<'_>,
+        prepare: idemflow::workflow::Prepare,
     ) -> Result<StoredResponse, idemflow::workflow::PhaseError> {
         self.0.commit(step, token, prepare).await
     }
@@ -122,6 +136,26 @@ async fn writes_and_record_commit_together(b: Backend) {
         1,
         "the order row is written once"
     );
+}
+
+/// The writes fail after the insert: the transaction (or the phase's savepoint) rolls back, the
+/// step becomes retryable, and the workflow's retry writes the order once.
+async fn a_write_failing_after_the_insert_leaves_neither(b: Backend) {
+    let idem = Idempotency::new(b.store.clone()).lease(LEASE);
+    let r = run_failing(&b, &idem, "o-4", no_hook(), true).await;
+    assert!(matches!(r, Err(Error::FailedRetryable { .. })), "{r:?}");
+    assert_eq!((b.orders)("o-4".into()).await, 0, "the insert rolled back");
+    let step = step_key(checkout("o-4").id(), 0);
+    assert_eq!(
+        b.store.get(&step).await.unwrap().unwrap().state,
+        KeyState::Failed { retryable: true }
+    );
+    let done = run(&b, &idem, "o-4", no_hook()).await.unwrap();
+    assert!(!done.is_replay());
+    assert_eq!((b.orders)("o-4".into()).await, 1, "written once");
+    let again = run(&b, &idem, "o-4", no_hook()).await.unwrap();
+    assert!(again.is_replay());
+    assert_eq!((b.orders)("o-4".into()).await, 1);
 }
 
 /// The step is decided by an operator between the order insert and the step's record: the
@@ -204,12 +238,20 @@ async fn a_crash_before_the_commit_leaves_neither(b: Backend) {
 }
 
 macro_rules! atomic_tests {
-    ($factory:path) => {
+    ($factory:path; always) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn writes_and_record_commit_together() {
             let Some(b) = $factory().await else { return };
             super::writes_and_record_commit_together(b).await;
         }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_write_failing_after_the_insert_leaves_neither() {
+            let Some(b) = $factory().await else { return };
+            super::a_write_failing_after_the_insert_leaves_neither(b).await;
+        }
+    };
+    ($factory:path) => {
+        atomic_tests!($factory; always);
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_failure_between_the_writes_and_the_record_leaves_neither() {
             let Some(b) = $factory().await else { return };
@@ -241,7 +283,7 @@ mod postgres {
         let count_pool = pool.clone();
         Some(Backend {
             store: Arc::new(store),
-            phase: Arc::new(move |id: String, hook: Hook| {
+            phase: Arc::new(move |id: String, hook: Hook, fail: bool| {
                 Box::new(phase_store.atomic_phase(move |tx| {
                     Box::pin(async move {
                         sqlx::query("INSERT INTO orders (id, amount) VALUES ($1, 1500)")
@@ -249,6 +291,9 @@ mod postgres {
                             .execute(&mut *tx)
                             .await?;
                         hook().await;
+                        if fail {
+                            return Err("injected: the write after the insert failed".into());
+                        }
                         Ok(StoredResponse::json(201, &json!({"order": id}))?)
                     })
                 })) as Box<dyn AtomicPhase>
@@ -287,7 +332,7 @@ mod mysql {
         let count_pool = pool.clone();
         Some(Backend {
             store: Arc::new(store),
-            phase: Arc::new(move |id: String, hook: Hook| {
+            phase: Arc::new(move |id: String, hook: Hook, fail: bool| {
                 Box::new(phase_store.atomic_phase(move |tx| {
                     Box::pin(async move {
                         sqlx::query("INSERT INTO orders (id, amount) VALUES (?, 1500)")
@@ -295,6 +340,9 @@ mod mysql {
                             .execute(&mut *tx)
                             .await?;
                         hook().await;
+                        if fail {
+                            return Err("injected: the write after the insert failed".into());
+                        }
                         Ok(StoredResponse::json(201, &json!({"order": id}))?)
                     })
                 })) as Box<dyn AtomicPhase>
@@ -313,4 +361,53 @@ mod mysql {
     }
 
     atomic_tests!(backend);
+}
+
+#[cfg(feature = "sqlite")]
+mod sqlite {
+    use super::*;
+    use idemflow::store::sqlite::SqliteStore;
+
+    async fn backend() -> Option<Backend> {
+        let dir = tempfile::tempdir().unwrap().keep();
+        let url = format!("sqlite://{}", dir.join("shop.db").display());
+        let store = SqliteStore::connect(&url).await.unwrap();
+        store.migrate().await.unwrap();
+        sqlx::query("CREATE TABLE orders (id TEXT PRIMARY KEY, amount INTEGER NOT NULL)")
+            .execute(store.writer_pool())
+            .await
+            .unwrap();
+        let phase_store = store.clone();
+        let count_pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+        Some(Backend {
+            store: Arc::new(store),
+            phase: Arc::new(move |id: String, _hook: Hook, fail: bool| {
+                Box::new(phase_store.atomic_phase(move |tx| {
+                    let id = id.clone();
+                    Box::pin(async move {
+                        sqlx::query("INSERT INTO orders (id, amount) VALUES (?, 1500)")
+                            .bind(&id)
+                            .execute(&mut *tx)
+                            .await?;
+                        if fail {
+                            return Err("injected: the write after the insert failed".into());
+                        }
+                        Ok(StoredResponse::json(201, &json!({"order": id}))?)
+                    })
+                })) as Box<dyn AtomicPhase>
+            }),
+            orders: Arc::new(move |id: String| {
+                let pool = count_pool.clone();
+                Box::pin(async move {
+                    sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders WHERE id = ?")
+                        .bind(id)
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap()
+                })
+            }),
+        })
+    }
+
+    atomic_tests!(backend; always);
 }

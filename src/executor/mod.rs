@@ -560,16 +560,17 @@ impl Idempotency {
         let held_until = heartbeat::held_from(asked, cfg.lease);
         let (held, _watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
         let renew = heartbeat::renew(&*self.store, &id, lease.token, cfg.lease, &held);
-        let prepare = |mut resp: StoredResponse| {
-            if let Some(allow) = &cfg.stored_headers {
+        let prep_cfg = self.config.clone();
+        let prepare: crate::workflow::Prepare = std::sync::Arc::new(move |mut resp| {
+            if let Some(allow) = &prep_cfg.stored_headers {
                 resp.retain_headers(allow);
             }
-            match &cfg.redact {
+            match &prep_cfg.redact {
                 Some(Redactor(redact)) => redact(resp),
                 None => resp,
             }
-        };
-        let committed = heartbeat::alongside(phase.commit(&id, lease.token, &prepare), renew)
+        });
+        let committed = heartbeat::alongside(phase.commit(&id, lease.token, prepare), renew)
             .instrument(span)
             .await;
         match committed {

@@ -38,7 +38,7 @@ pub type WritesFuture<'c> = std::pin::Pin<
 
 /// What a step's answer goes through before it is stored (the executor's header filter and
 /// redaction), given to [`AtomicPhase::commit`].
-pub type Prepare<'a> = &'a (dyn Fn(StoredResponse) -> StoredResponse + Send + Sync);
+pub type Prepare = std::sync::Arc<dyn Fn(StoredResponse) -> StoredResponse + Send + Sync>;
 
 /// Why an atomic phase did not commit.
 #[derive(Debug, thiserror::Error)]
@@ -68,7 +68,7 @@ pub trait AtomicPhase: Send {
         self: Box<Self>,
         step: &KeyId,
         token: LeaseToken,
-        prepare: Prepare<'_>,
+        prepare: Prepare,
     ) -> Result<StoredResponse, PhaseError>;
 }
 

@@ -56,7 +56,7 @@ where
         self: Box<Self>,
         step: &KeyId,
         token: LeaseToken,
-        prepare: Prepare<'_>,
+        prepare: Prepare,
     ) -> Result<StoredResponse, PhaseError> {
         let PgPhase { pool, writes } = *self;
         let mut tx = pool.begin().await.map_err(|e| PhaseError::Store(db(e)))?;

@@ -37,6 +37,7 @@ use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 
+mod atomic;
 mod sql;
 mod writer;
 
