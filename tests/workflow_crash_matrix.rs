@@ -8,9 +8,10 @@
 //!   providers and reports the workflow as waiting; the client's retry continues it), and
 //! * **the application's sweeper with a resumer** (no client retry at all until the end).
 //!
-//! Every story ends with exactly one charge, one email and one notification, the workflow
-//! `done`, and the same final answer on every retry. Runs on SQLite (a file database) and on
-//! PostgreSQL (a fresh schema) when `IDEMFLOW_TEST_POSTGRES_URL` is set.
+//! Before the three steps, an atomic phase inserts the order row (`Context::atomic_step`).
+//! Every story ends with exactly one order row, one charge, one email and one notification, the
+//! workflow `done`, and the same final answer on every retry. Runs on SQLite (a file database)
+//! and on PostgreSQL (a fresh schema) when `IDEMFLOW_TEST_POSTGRES_URL` is set.
 
 #![cfg(all(feature = "testkit", feature = "sqlite"))]
 
@@ -21,6 +22,7 @@ use idemflow::provider::http::HttpConfig;
 use idemflow::provider::{Postmark, Resend, Stripe};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::testkit::{FakePostmark, FakeResend, FakeStripe};
+use idemflow::workflow::AtomicPhase;
 use idemflow::{
     Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Step, Store,
     StoredResponse, Sweeper,
@@ -32,22 +34,90 @@ mod support;
 
 const LEASE: Duration = Duration::from_millis(400);
 
-async fn sqlite_store() -> Option<Arc<dyn Store>> {
+/// The store, an atomic phase inserting the order row, and a count of an order's rows.
+#[derive(Clone)]
+struct Db {
+    store: Arc<dyn Store>,
+    insert_order: Arc<dyn Fn(String) -> Box<dyn AtomicPhase> + Send + Sync>,
+    orders: Arc<dyn Fn(String) -> Count + Send + Sync>,
+}
+
+type Count = std::pin::Pin<Box<dyn std::future::Future<Output = i64> + Send>>;
+
+async fn sqlite_store() -> Option<Db> {
     let dir = tempfile::tempdir().unwrap().keep();
     let url = format!("sqlite://{}", dir.join("workflows.db").display());
     let store = SqliteStore::connect(&url).await.unwrap();
     store.migrate().await.unwrap();
-    Some(Arc::new(store))
+    sqlx::query("CREATE TABLE orders (id TEXT NOT NULL, amount INTEGER NOT NULL)")
+        .execute(store.writer_pool())
+        .await
+        .unwrap();
+    let reads = sqlx::SqlitePool::connect(&url).await.unwrap();
+    let phases = store.clone();
+    Some(Db {
+        store: Arc::new(store),
+        insert_order: Arc::new(move |order: String| {
+            Box::new(phases.atomic_phase(move |tx| {
+                let order = order.clone();
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO orders (id, amount) VALUES (?, 1500)")
+                        .bind(&order)
+                        .execute(&mut *tx)
+                        .await?;
+                    Ok(StoredResponse::json(201, &json!({"order": order}))?)
+                })
+            })) as Box<dyn AtomicPhase>
+        }),
+        orders: Arc::new(move |order: String| {
+            let reads = reads.clone();
+            Box::pin(async move {
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders WHERE id = ?")
+                    .bind(order)
+                    .fetch_one(&reads)
+                    .await
+                    .unwrap()
+            })
+        }),
+    })
 }
 
 #[cfg(feature = "postgres")]
-async fn postgres_store() -> Option<Arc<dyn Store>> {
+async fn postgres_store() -> Option<Db> {
     let (url, schema) = support::postgres::fresh_schema().await?;
-    let store = idemflow::store::postgres::PostgresStore::from_pool(
-        support::postgres::pool_in(&url, &schema, 8).await,
-    );
+    let pool = support::postgres::pool_in(&url, &schema, 8).await;
+    // No unique constraint: a second insert of an order would show as a second row.
+    sqlx::query("CREATE TABLE orders (id text NOT NULL, amount bigint NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = idemflow::store::postgres::PostgresStore::from_pool(pool.clone());
     store.migrate().await.unwrap();
-    Some(Arc::new(store))
+    let phases = store.clone();
+    Some(Db {
+        store: Arc::new(store),
+        insert_order: Arc::new(move |order: String| {
+            Box::new(phases.atomic_phase(move |tx| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO orders (id, amount) VALUES ($1, 1500)")
+                        .bind(&order)
+                        .execute(&mut *tx)
+                        .await?;
+                    Ok(StoredResponse::json(201, &json!({"order": order}))?)
+                })
+            })) as Box<dyn AtomicPhase>
+        }),
+        orders: Arc::new(move |order: String| {
+            let pool = pool.clone();
+            Box::pin(async move {
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders WHERE id = $1")
+                    .bind(order)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+            })
+        }),
+    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,20 +240,24 @@ fn checkout(order: &str) -> IdempotentRequest {
     .workflow()
 }
 
-/// The checkout workflow: charge, email the receipt, notify the warehouse.
+/// The checkout workflow: insert the order row, charge, email the receipt, notify the warehouse.
 fn workflow(
     shop: Arc<Shop>,
+    db: Db,
 ) -> impl Fn(Context) -> std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>
 + Clone
 + Send
 + Sync
 + 'static {
     move |ctx: Context| {
-        let shop = shop.clone();
+        let (shop, db) = (shop.clone(), db.clone());
         Box::pin(async move {
             let request: serde_json::Value = serde_json::from_str(ctx.request()).unwrap();
             let order = request["order"].as_str().unwrap().to_owned();
             let steps = async {
+                let create = Step::new("create_order", &json!({"order": order}))?;
+                ctx.atomic_step(create, (db.insert_order)(order.clone()))
+                    .await?;
                 shop.maybe_die(Step3::Charge, Point::Before).await;
                 let charge = Step::new(
                     "charge",
@@ -223,13 +297,14 @@ fn workflow(
 }
 
 /// One story: a run that dies at `point` of `step`, then recovery, then the checks.
-async fn story(store: Arc<dyn Store>, step: Step3, point: Point, recovery: Recovery) {
+async fn story(db: Db, step: Step3, point: Point, recovery: Recovery) {
+    let store = db.store.clone();
     let shop = Shop::start().await;
     let order = format!("o-{step:?}-{point:?}-{recovery:?}").to_lowercase();
     let idem = Idempotency::new(store.clone())
         .lease(LEASE)
         .owner("checkout-worker");
-    let op = workflow(shop.clone());
+    let op = workflow(shop.clone(), db.clone());
 
     // The run that dies.
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -334,6 +409,11 @@ async fn story(store: Arc<dyn Store>, step: Step3, point: Point, recovery: Recov
         );
     }
     assert_eq!(shop.counts(), [1, 1, 1]);
+    assert_eq!(
+        (db.orders)(order.clone()).await,
+        1,
+        "the order row exists once"
+    );
 }
 
 macro_rules! matrix {
@@ -345,8 +425,8 @@ macro_rules! matrix {
                     super::Recovery::ClientRetriesAndOperatorSweeper,
                     super::Recovery::ResumerOnly,
                 ] {
-                    let Some(store) = $factory().await else { return };
-                    super::story(store, super::Step3::$step, super::Point::$point, recovery).await;
+                    let Some(db) = $factory().await else { return };
+                    super::story(db, super::Step3::$step, super::Point::$point, recovery).await;
                 }
             }
         )*

@@ -72,6 +72,19 @@ pub trait AtomicPhase: Send {
     ) -> Result<StoredResponse, PhaseError>;
 }
 
+/// A phase chosen at run time (`Box<dyn AtomicPhase>`, e.g. by backend) is a phase too.
+#[async_trait]
+impl AtomicPhase for Box<dyn AtomicPhase> {
+    async fn commit(
+        self: Box<Self>,
+        step: &KeyId,
+        token: LeaseToken,
+        prepare: Prepare,
+    ) -> Result<StoredResponse, PhaseError> {
+        (*self).commit(step, token, prepare).await
+    }
+}
+
 impl Context {
     /// Runs the next step of this workflow as an **atomic phase**: `phase` (from the SQL
     /// store's `atomic_phase`) writes the application's rows and the step's record in one
