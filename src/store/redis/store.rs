@@ -16,8 +16,7 @@ use tracing::instrument;
 use super::decode::{
     array, history_of, int, maybe_record, member_records, record, record_of, refusal, text,
 };
-use super::hint::KnownKeys;
-use super::layout::{Keys, Layout, member, unmember, validate_prefix};
+use super::layout::{Keys, Layout, fnv1a, member, unmember, validate_prefix};
 use super::{BACKEND, FORMAT_VERSION, RedisConfig, corrupt, db};
 use crate::KeyId;
 use crate::error::StoreError;
@@ -25,6 +24,7 @@ use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 use crate::state::KeyState;
 use crate::state::Transition;
 use crate::store::connect_error::{redis_cause, within};
+use crate::store::known_keys::KnownKeys;
 use crate::store::rows::ms_to_time;
 use crate::store::{
     ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
@@ -442,7 +442,7 @@ impl Store for RedisStore {
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         let m = member(&claim.id);
         let k = self.layout.keys(&m);
-        if self.known.contains(&m) {
+        if self.known.contains(fnv1a(&m)) {
             // The script decides again, atomically; this read only spares it for keys that
             // exist and are not claimable (replays, in-flight keys, other requests).
             if let (Some(record), now) = self.snapshot(&claim.id, &k.rec).await?
@@ -470,7 +470,7 @@ impl Store for RedisStore {
             inv.arg(t.claim_reason().unwrap_or_default());
         }
         let reply = array(self.invoke(&inv).await?)?;
-        self.known.insert(&m);
+        self.known.insert(fnv1a(&m));
         match text(reply.first()).as_deref() {
             Some("claimed") => Ok(ClaimOutcome::Claimed(Self::lease(&reply)?)),
             Some("existing") => {
