@@ -46,6 +46,21 @@ pub enum StoreError {
         #[source]
         source: BoxError,
     },
+    /// The store could not connect: the cause named, the URL with its password masked. A
+    /// first connection is tried with a short timeout, so this comes in seconds.
+    #[error("{backend}: cannot connect to {url}: {cause}: {source}")]
+    Connect {
+        /// Which backend.
+        backend: &'static str,
+        /// The URL, its password masked
+        /// ([`redact_url`](crate::store::connect_error::redact_url)).
+        url: String,
+        /// Why, as far as the driver's error tells.
+        cause: crate::store::connect_error::ConnectCause,
+        /// The driver's error.
+        #[source]
+        source: BoxError,
+    },
     /// Applying idemflow's migrations failed.
     #[error("{backend} migration failed: {source}")]
     Migrate {
@@ -184,6 +199,45 @@ pub enum Error {
     /// The store failed.
     #[error("store: {0}")]
     Store(#[source] StoreError),
+    /// The workflow's code no longer matches the steps recorded for the key: a step was renamed,
+    /// removed or reordered between deploys. Nothing was run for it and nothing is skipped: the
+    /// key stays `processing` for an operator (`docs/workflows.md`, "When the code changes").
+    #[error(
+        "workflow {key} changed: step {position} was recorded as {recorded:?} but the code {}",
+        match found { Some(f) => format!("now runs {f:?} there"), None => "ended without running it".to_owned() }
+    )]
+    StepChanged {
+        /// `scope/key` of the workflow.
+        key: String,
+        /// The step's position (0 for the first step).
+        position: u32,
+        /// The step name recorded at that position.
+        recorded: String,
+        /// The step the code runs there now (`None`: the code ended before that position).
+        found: Option<String>,
+    },
+    /// A step was run through a [`Context`](crate::Context) whose request was not declared a
+    /// workflow ([`IdempotentRequest::workflow`](crate::IdempotentRequest::workflow)), or from a
+    /// step's own context (steps do not nest). Nothing was run.
+    #[error(
+        "{key} is not a workflow: declare the request with IdempotentRequest::workflow() to run steps (steps do not nest)"
+    )]
+    NotAWorkflow {
+        /// `scope/key`.
+        key: String,
+    },
+    /// The workflow is older than the retention its finished steps are kept for, so a step's
+    /// record may already be purged; resuming could run it again, so it is not resumed. The
+    /// key stays `processing` for an operator.
+    #[error(
+        "workflow {key} was first claimed more than its retention ({retention:?}, less one lease) ago; its step records may be purged, so it is not resumed"
+    )]
+    WorkflowExpired {
+        /// `scope/key`.
+        key: String,
+        /// The retention the executor keeps finished keys for.
+        retention: Duration,
+    },
 }
 
 impl From<StoreError> for Error {
@@ -301,6 +355,18 @@ impl Error {
                 "The request was handled but its answer was not stored",
             ),
             Error::Store(_) => (500, None, "store-error", "Idempotency store error"),
+            Error::StepChanged { .. } | Error::WorkflowExpired { .. } => (
+                500,
+                None,
+                "workflow-needs-operator",
+                "The workflow cannot be resumed safely; an operator must decide",
+            ),
+            Error::NotAWorkflow { .. } => (
+                500,
+                None,
+                "not-a-workflow",
+                "Steps were run outside a workflow",
+            ),
         };
         HttpAnswer {
             status,

@@ -39,6 +39,15 @@ pub enum KeyError {
         /// Its offset in bytes.
         offset: usize,
     },
+    /// The value contains a sequence idemflow reserves (a workflow step's key is the
+    /// workflow's key + `#step:` + the step's position, so no client key may contain `#step:`).
+    #[error("{what} contains {reserved:?}, which idemflow reserves for the keys of workflow steps")]
+    Reserved {
+        /// `"idempotency key"`.
+        what: &'static str,
+        /// The reserved sequence.
+        reserved: &'static str,
+    },
 }
 
 fn validate(what: &'static str, value: &str) -> Result<(), KeyError> {

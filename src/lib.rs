@@ -93,9 +93,11 @@ pub mod response;
 pub mod state;
 pub mod store;
 pub mod sweeper;
+pub mod telemetry;
 #[cfg(feature = "testkit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;
+pub mod workflow;
 
 /// The README's code blocks, compiled as doctests.
 #[cfg(doctest)]
@@ -113,3 +115,4 @@ pub use response::StoredResponse;
 pub use state::KeyState;
 pub use store::Store;
 pub use sweeper::{SweepError, SweepReport, Sweeper, SweeperConfig};
+pub use workflow::Step;

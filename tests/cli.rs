@@ -330,6 +330,67 @@ async fn usage_errors_exit_2() {
 }
 
 #[tokio::test]
+async fn reconcile_config_accepts_the_card_processor_kinds() {
+    let db = migrated().await;
+    let path = db.dir().join("cards.toml");
+    std::fs::write(
+        &path,
+        "[[providers]]\nkind = \"adyen\"\napi_key_env = \"ADYEN_KEY\"\nredrive_margin = 7200\n\n\
+         [[providers]]\nkind = \"square\"\napi_key_env = \"SQUARE_KEY\"\n\n\
+         [[providers]]\nkind = \"paypal\"\napi_key_env = \"PAYPAL_TOKEN\"\nretention = 259200\n\n\
+         [sweeper]\nredrive_margin = \"2h\"\n",
+    )
+    .unwrap();
+    let keys = [
+        ("ADYEN_KEY", "AQE_k"),
+        ("SQUARE_KEY", "EAAA_k"),
+        ("PAYPAL_TOKEN", "A21AA_k"),
+    ];
+    let mut env = vec![("DATABASE_URL", db.url())];
+    env.extend(keys.iter().map(|(k, v)| (*k, (*v).to_owned())));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let o = run_with_env(
+        &["reconcile", "--config", path.to_str().unwrap(), "--once"],
+        &env,
+    );
+    expect(&o, 0);
+
+    // Settings that do not apply to a kind are refused, naming the entry.
+    let cases = [
+        (
+            "square-margin.toml",
+            "[[providers]]\nkind = \"square\"\napi_key_env = \"SQUARE_KEY\"\nredrive_margin = 7200\n",
+            "redrive_margin applies to",
+        ),
+        (
+            "adyen-retention.toml",
+            "[[providers]]\nkind = \"adyen\"\napi_key_env = \"ADYEN_KEY\"\nretention = 60\n",
+            "retention applies to paypal only",
+        ),
+        (
+            "paypal-small-margin.toml",
+            "[[providers]]\nkind = \"paypal\"\napi_key_env = \"PAYPAL_TOKEN\"\nredrive_margin = 60\n",
+            "smaller than the sweeper's",
+        ),
+        (
+            "adyen-no-key.toml",
+            "[[providers]]\nkind = \"adyen\"\napi_key_env = \"UNSET_ADYEN_KEY\"\n",
+            "UNSET_ADYEN_KEY",
+        ),
+    ];
+    for (name, text, needle) in cases {
+        let path = db.dir().join(name);
+        std::fs::write(&path, text).unwrap();
+        let o = run_with_env(
+            &["reconcile", "--config", path.to_str().unwrap(), "--once"],
+            &env,
+        );
+        expect(&o, 1);
+        assert!(stderr(&o).contains(needle), "{name}: {}", stderr(&o));
+    }
+}
+
+#[tokio::test]
 async fn bad_configuration_exits_1_naming_the_problem() {
     let db = migrated().await;
     let missing = db.dir().join("missing.toml");
@@ -565,4 +626,207 @@ mod postgres {
             .await
             .unwrap();
     }
+}
+
+/// A workflow left unfinished after its first step: `reconcile` (which cannot run application
+/// code) reports it as waiting for a resumer, and `inspect` lists its steps, their provider keys
+/// and the recovery point.
+#[tokio::test]
+async fn reconcile_reports_waiting_workflows_and_inspect_shows_their_steps() {
+    let db = migrated().await;
+    let store = db.store().await;
+    let req = IdempotentRequest::new(
+        "acct_1",
+        "order-9",
+        "checkout",
+        &serde_json::json!({"n": 9}),
+    )
+    .unwrap()
+    .workflow();
+    let err = Idempotency::new(store.clone())
+        .execute(req, |ctx| async move {
+            let charge = idemflow::Step::new("charge", &serde_json::json!({"amount": 5})).unwrap();
+            let paid = ctx
+                .step(charge, |_| async {
+                    Outcome::Succeeded(
+                        StoredResponse::json(201, &serde_json::json!({"charge": "ch_1"})).unwrap(),
+                    )
+                })
+                .await;
+            assert!(paid.is_ok(), "{paid:?}");
+            let email = idemflow::Step::new("email", &serde_json::json!({"to": "a@b.c"})).unwrap();
+            match ctx
+                .step(email, |_| async {
+                    Outcome::unknown("connection reset after sending")
+                })
+                .await
+            {
+                Ok(_) => Outcome::unknown("unexpected"),
+                Err(e) => Outcome::from_step_error(&e),
+            }
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err:?}");
+
+    let o = db.run(&["--json", "inspect", "acct_1", "order-9"]);
+    expect(&o, 0);
+    let j = json(&o);
+    assert_eq!(j["key"]["provider"], "idemflow.workflow");
+    assert_eq!(j["recovery_point"]["position"], 0);
+    assert_eq!(j["recovery_point"]["name"], "charge");
+    let steps = j["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 2);
+    assert_eq!(
+        (steps[0]["name"].as_str(), steps[0]["state"].as_str()),
+        (Some("charge"), Some("done"))
+    );
+    assert_eq!(
+        (steps[1]["name"].as_str(), steps[1]["state"].as_str()),
+        (Some("email"), Some("processing"))
+    );
+    assert_ne!(steps[0]["provider_key"], steps[1]["provider_key"]);
+    // Each step's transitions are listed with it.
+    let charge_history = steps[0]["history"].as_array().unwrap();
+    assert_eq!(charge_history.last().unwrap()["to"], "done");
+    let o = db.run(&["inspect", "acct_1", "order-9"]);
+    expect(&o, 0);
+    assert!(
+        stdout(&o).contains("recovery point step 0 (charge)"),
+        "{}",
+        stdout(&o)
+    );
+
+    // The email step has no provider: it needs an operator; once it is resolved, the
+    // workflow itself waits for a resumer (or the client's retry).
+    let config = db.dir().join("idemflow.toml");
+    std::fs::write(
+        &config,
+        "[sweeper]\nbackoff_base = \"0s\"\nbackoff_cap = \"0s\"\n",
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let o = db.run(&["--json", "reconcile", "--once", "--config", config]);
+    expect(&o, 3);
+    let o = db.run(&[
+        "resolve",
+        "acct_1",
+        "order-9#step:1",
+        "--done",
+        "--status",
+        "202",
+        "--body",
+        "{}",
+        "--reason",
+        "the email went out (seen in the provider's log)",
+    ]);
+    expect(&o, 0);
+    let mut waiting = 0;
+    for _ in 0..3 {
+        let o = db.run(&["--json", "reconcile", "--once", "--config", config]);
+        let j = json(&o);
+        waiting += j["report"]["waiting_for_resumer"].as_u64().unwrap_or(0);
+        if waiting > 0 {
+            assert!(
+                stderr(&o).contains("order-9") || stdout(&o).contains("order-9"),
+                "{}",
+                stderr(&o)
+            );
+            break;
+        }
+    }
+    assert_eq!(waiting, 1);
+}
+
+/// `GET /metrics` of `addr` (plain HTTP/1.0), or `None` while nothing answers.
+fn scrape(addr: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    Some(body)
+}
+
+/// The value of the sample `name{labels}` (labels written as Prometheus prints them).
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// `reconcile --every .. --metrics-addr` serves the metrics in Prometheus text format: after
+/// two keys stuck without a provider, the sweeper's decisions, the key gauges and the store
+/// latency histogram read what happened.
+#[tokio::test]
+async fn reconcile_serves_prometheus_metrics() {
+    let db = migrated().await;
+    let store = db.store().await;
+    stuck_key(&store, "acct_5", "k1", None).await;
+    stuck_key(&store, "acct_5", "k2", None).await;
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let child = bin()
+        .args(["reconcile", "--every", "100ms", "--metrics-addr", &addr])
+        .env("DATABASE_URL", db.url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut text = String::new();
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if let Some(t) = scrape(&addr)
+            && t.contains("idemflow_sweeper_decisions_total")
+        {
+            text = t;
+            break;
+        }
+    }
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let o = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        stderr(&o).contains(&format!("metrics at http://{addr}/metrics")),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"idemflow_sweeper_decisions_total{decision="needs_operator"}"#
+        ),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "idemflow_processing_keys"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(sample(&text, "idemflow_stale_keys"), Some(2.0), "{text}");
+    assert!(
+        sample(&text, "idemflow_oldest_processing_age_seconds").is_some_and(|a| a >= 0.0),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            r#"idemflow_store_duration_seconds_count{backend="sqlite",call="take_stale"}"#
+        ) || text.contains(r#"idemflow_store_duration_seconds{backend="sqlite",call="take_stale""#),
+        "{text}"
+    );
+    assert!(
+        text.contains("# HELP idemflow_sweeper_decisions_total"),
+        "{text}"
+    );
 }

@@ -3,6 +3,8 @@
 //! one store and a simulated provider, with crashes at every await point, lease expiry, search
 //! lag, lost responses, faults, hangs and purge, checking after every step and at quiescence that
 //! the provider acts at most once per key and that no effect is lost (see `docs/reliability.md`).
+//! Half the schedules also hold a workflow of two steps (a keyed charge, then a keyless email,
+//! through `Context::call_step`), whose steps are checked as keys of their own.
 //!
 //! The PRNG is our own SplitMix64 ([`rng`]), not proptest: the store under test is real (SQLite,
 //! PostgreSQL, MariaDB, Redis) and leases run on the database clock, so a schedule is a sequence
@@ -117,7 +119,7 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
             (first..first + cases).collect()
         }
     };
-    simulate_seeds(backend, seeds, single.is_some(), default_parallel).await;
+    simulate_seeds(backend, seeds, single.is_some(), default_parallel, true).await;
 }
 
 /// Runs the given schedules on `backend`; `verbose` prints every trace.
@@ -128,7 +130,14 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
 /// code. Each backend still runs its schedules many at once.
 static ONE_BACKEND_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-async fn simulate_seeds(backend: Backend, seeds: Vec<u64>, verbose: bool, default_parallel: u64) {
+/// `with_workflows`: schedules may hold a workflow (see `world::run_case`).
+async fn simulate_seeds(
+    backend: Backend,
+    seeds: Vec<u64>,
+    verbose: bool,
+    default_parallel: u64,
+    with_workflows: bool,
+) {
     let _turn = ONE_BACKEND_AT_A_TIME.lock().await;
     let name = backend.name();
     let single = verbose.then_some(());
@@ -167,7 +176,7 @@ async fn simulate_seeds(backend: Backend, seeds: Vec<u64>, verbose: bool, defaul
                 Err(e) => panic!("{}: cannot open a store: {e}", pool.name()),
             };
             let setup = t0.elapsed();
-            let r = run_case(seed, slot.store.clone()).await;
+            let r = run_case(seed, slot.store.clone(), with_workflows).await;
             let t1 = Instant::now();
             if let Err(e) = pool.give_back(slot).await {
                 panic!("{}: cannot empty a store: {e}", pool.name());
@@ -318,7 +327,7 @@ async fn simulate_seeds(backend: Backend, seeds: Vec<u64>, verbose: bool, defaul
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn regression_seeds() {
     let seeds = REGRESSION_SEEDS.iter().map(|(s, _)| *s).collect();
-    simulate_seeds(Backend::SqliteMemory, seeds, false, 8).await;
+    simulate_seeds(Backend::SqliteMemory, seeds, false, 8, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

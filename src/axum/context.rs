@@ -84,6 +84,38 @@ impl IdempotencyContext {
         self.attempt_ctx.lease_lost()
     }
 
+    /// The executor's context of this attempt: what a workflow's operation takes, so the same
+    /// function can serve the handler and the sweeper's resumer
+    /// ([`Sweeper::resumer`](crate::Sweeper::resumer)).
+    pub fn context(&self) -> &crate::Context {
+        &self.attempt_ctx
+    }
+
+    /// Runs the next step of this request's workflow at most once (see
+    /// [`crate::Context::step`]; the layer must be declared with
+    /// [`IdempotencyLayer::workflow`](super::IdempotencyLayer::workflow)).
+    pub async fn step<F, Fut>(
+        &self,
+        step: crate::Step,
+        op: F,
+    ) -> Result<crate::Execution, crate::Error>
+    where
+        F: FnOnce(crate::Context) -> Fut,
+        Fut: std::future::Future<Output = crate::Outcome>,
+    {
+        self.attempt_ctx.step(step, op).await
+    }
+
+    /// Runs the next step of this request's workflow through `provider` at most once (see
+    /// [`crate::Context::call_step`]).
+    pub async fn call_step(
+        &self,
+        step: crate::Step,
+        provider: &dyn crate::Provider,
+    ) -> Result<crate::Execution, crate::Error> {
+        self.attempt_ctx.call_step(step, provider).await
+    }
+
     /// The stored request (see
     /// [`IdempotencyLayer::stored_request`](super::IdempotencyLayer::stored_request)): what to
     /// send the provider.

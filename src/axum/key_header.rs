@@ -81,7 +81,11 @@ pub fn parse_key_bytes(raw: &[u8]) -> Result<IdempotencyKey, KeyHeaderError> {
         .into());
     }
     match String::from_utf8(key) {
-        Ok(s) => Ok(IdempotencyKey::new(s)?),
+        Ok(s) => {
+            let key = IdempotencyKey::new(s)?;
+            crate::workflow::check_client_key(&key)?;
+            Ok(key)
+        }
         Err(e) => {
             let offset = e.utf8_error().valid_up_to();
             let byte = e.as_bytes().get(offset).copied().unwrap_or(0);

@@ -270,6 +270,16 @@ impl IdempotencyLayer {
         self.set(|s| s.operation = Some(Arc::new(f)))
     }
 
+    /// Declares every covered request a **workflow** (see
+    /// [`IdempotentRequest::workflow`](crate::IdempotentRequest::workflow)): the handler acts
+    /// only through steps ([`IdempotencyContext::step`], [`IdempotencyContext::call_step`]), a
+    /// retry continues a crashed request from its first unfinished step, and the sweeper waits
+    /// for the steps, then resumes it with a resumer or reports it waiting. Replaces
+    /// [`provider`](Self::provider): a workflow's providers are its steps'.
+    pub fn workflow(self) -> Self {
+        self.provider(crate::workflow::WORKFLOW_PROVIDER)
+    }
+
     /// Records `name` as the provider of every key, so the sweeper (and `idemflow reconcile`)
     /// settles stuck keys by asking that provider, re-sending the stored request with the
     /// stored provider key. The handler must then send the provider exactly

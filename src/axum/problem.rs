@@ -154,6 +154,17 @@ mod tests {
             },
             Error::LeaseLost(StoreError::NotFound { key: "a/k".into() }),
             Error::Store(StoreError::Config("bad".into())),
+            Error::StepChanged {
+                key: "a/k".into(),
+                position: 1,
+                recorded: "charge".into(),
+                found: Some("email".into()),
+            },
+            Error::NotAWorkflow { key: "a/k".into() },
+            Error::WorkflowExpired {
+                key: "a/k".into(),
+                retention: Duration::from_secs(3600),
+            },
         ];
         for e in &errors {
             match e {
@@ -170,7 +181,10 @@ mod tests {
                 | Error::ResponseTooLarge { .. }
                 | Error::NoStoredResponse { .. }
                 | Error::LeaseLost(_)
-                | Error::Store(_) => {}
+                | Error::Store(_)
+                | Error::StepChanged { .. }
+                | Error::NotAWorkflow { .. }
+                | Error::WorkflowExpired { .. } => {}
             }
         }
         errors
@@ -237,6 +251,9 @@ mod tests {
                 (500, None, "no-stored-answer"),
                 (503, Some(1000), "settled-elsewhere"),
                 (500, None, "store-error"),
+                (500, None, "workflow-needs-operator"),
+                (500, None, "not-a-workflow"),
+                (500, None, "workflow-needs-operator"),
             ]
         );
     }

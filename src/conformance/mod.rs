@@ -5,7 +5,8 @@
 //! - [`store`]: every store-level promise (claims, fencing, leases, stale keys, purge, history,
 //!   limits, stats), run through [`conformance_tests!`](crate::conformance_tests);
 //! - [`sweeper`]: every recovery promise (the crash points settled by the sweeper against a
-//!   [`FakeProvider`]), run through [`sweeper_tests!`](crate::sweeper_tests).
+//!   [`FakeProvider`]), and [`workflow`]: every promise of workflow steps, both run through
+//!   [`sweeper_tests!`](crate::sweeper_tests).
 //!
 //! Each macro takes the path of an async factory `fn() -> Option<Arc<dyn Store>>` and expands to
 //! one `#[test]` per suite function, run on a two-worker multi-thread tokio runtime (see
@@ -44,6 +45,7 @@
 pub mod fake;
 pub mod store;
 pub mod sweeper;
+pub mod workflow;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -216,6 +218,15 @@ macro_rules! sweeper_tests {
             takeover_answered_after_its_window_sends_nothing,
             sweeper_paused_past_its_lease_renews_before_redriving,
             redrive_window_closing_before_the_send_sends_nothing
+        );
+        $crate::conformance_tests!(@each $factory, workflow;
+            finished_steps_never_run_again,
+            steps_have_distinct_stable_provider_keys,
+            a_crash_after_a_step_resumes_from_the_next,
+            renamed_or_removed_steps_are_refused,
+            steps_outside_a_workflow_are_refused,
+            sweeper_settles_steps_then_resumes_the_workflow,
+            keyless_steps_are_never_taken_over
         );
     };
 }

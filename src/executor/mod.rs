@@ -10,7 +10,8 @@ use crate::error::{Error, StoreError};
 use crate::provider_key;
 use crate::record::{Actor, KeyRecord};
 use crate::state::{KeyState, RetryEvidence, may_become_retryable};
-use crate::store::{ClaimOutcome, Finish, NewClaim, Release, Store};
+use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Store};
+use crate::{KeyId, StoredResponse};
 
 mod heartbeat;
 mod outcome;
@@ -19,6 +20,7 @@ mod request;
 
 pub use outcome::{Context, Execution, Outcome};
 pub use request::IdempotentRequest;
+pub(crate) use request::validate_operation;
 
 /// The settings of an [`Idempotency`] executor, as read back with [`Idempotency::config`].
 ///
@@ -56,6 +58,23 @@ pub struct ExecutorConfig {
     pub in_flight_retry_after: Duration,
     /// `Retry-After` given when the outcome is unknown. Default 5 s.
     pub unknown_retry_after: Duration,
+    /// Applied to every response before it is stored (and so to what every caller, the first
+    /// included, gets back): masks the application's own secret fields. Default none. The
+    /// providers' secret fields are masked whatever this is ([`Provider::secret_fields`]).
+    ///
+    /// [`Provider::secret_fields`]: crate::Provider::secret_fields
+    pub redact: Option<Redactor>,
+}
+
+/// A function that masks secrets in a response before it is stored
+/// ([`Idempotency::redact_with`]).
+#[derive(Clone)]
+pub struct Redactor(std::sync::Arc<dyn Fn(StoredResponse) -> StoredResponse + Send + Sync>);
+
+impl std::fmt::Debug for Redactor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Redactor(..)")
+    }
 }
 
 impl ExecutorConfig {
@@ -71,6 +90,7 @@ impl ExecutorConfig {
             retry_takeover_window: None,
             in_flight_retry_after: Duration::from_secs(1),
             unknown_retry_after: Duration::from_secs(5),
+            redact: None,
         }
     }
 }
@@ -176,6 +196,28 @@ impl Idempotency {
         self.set(|c| c.unknown_retry_after = after)
     }
 
+    /// Masks the application's own secrets in every response before it is stored
+    /// ([`ExecutorConfig::redact`]); [`provider::secrets::mask_fields`] masks JSON members by name:
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// use idemflow::provider::secrets::mask_fields;
+    /// # fn store() -> Arc<dyn idemflow::Store> { unimplemented!() }
+    /// # fn _f() {
+    /// let idem = idemflow::Idempotency::new(store())
+    ///     .redact_with(|resp| mask_fields(resp, &["card_number", "api_token"]));
+    /// # }
+    /// ```
+    ///
+    /// [`provider::secrets::mask_fields`]: crate::provider::secrets::mask_fields
+    pub fn redact_with(
+        self,
+        redact: impl Fn(StoredResponse) -> StoredResponse + Send + Sync + 'static,
+    ) -> Self {
+        let redact = Redactor(std::sync::Arc::new(redact));
+        self.set(|c| c.redact = Some(redact))
+    }
+
     /// The settings.
     pub fn config(&self) -> &ExecutorConfig {
         &self.config
@@ -212,7 +254,11 @@ impl Idempotency {
             operation = %request.operation,
             outcome = tracing::field::Empty,
         );
-        self.execute_inner(request, op).instrument(span).await
+        let operation = request.operation.clone();
+        let started = std::time::Instant::now();
+        let result = self.execute_inner(request, op).instrument(span).await;
+        record_result(&operation, &result, started.elapsed());
+        result
     }
 
     async fn execute_inner<F, Fut>(
@@ -231,6 +277,25 @@ impl Idempotency {
                 limit: cfg.max_request_bytes,
             });
         }
+        let claim = self.new_claim(&request);
+        // Sent before the claim: the lease the database grants runs at least `lease` from here.
+        let asked = tokio::time::Instant::now();
+        let claimed =
+            crate::telemetry::timed(self.store.backend(), "claim", self.store.claim(&claim))
+                .await?;
+        let lease = match claimed {
+            ClaimOutcome::Existing { record, now } => {
+                return self.existing(&request, *record, now);
+            }
+            ClaimOutcome::Claimed(lease) => lease,
+        };
+        crate::telemetry::claim(&request.operation, lease.transition);
+        let (_, stored) = self.run_claimed(request, lease, asked, op).await?;
+        Ok(Execution::Executed(stored))
+    }
+
+    fn new_claim(&self, request: &IdempotentRequest) -> NewClaim {
+        let cfg = &*self.config;
         let provider_key = request.provider_key.clone().unwrap_or_else(|| {
             provider_key::derive(
                 &request.id.scope,
@@ -239,7 +304,7 @@ impl Idempotency {
                 provider_key::DEFAULT_LEN,
             )
         });
-        let claim = NewClaim {
+        NewClaim {
             id: request.id.clone(),
             operation: request.operation.clone(),
             provider: request.provider.clone(),
@@ -249,31 +314,101 @@ impl Idempotency {
             owner: cfg.owner.clone(),
             lease: cfg.lease,
             retention: cfg.retention,
-            takeover_window: cfg.retry_takeover_window,
-        };
-        // Sent before the claim: the lease the database grants runs at least `lease` from here.
-        let asked = tokio::time::Instant::now();
-        let lease = match self.store.claim(&claim).await? {
-            ClaimOutcome::Existing { record, now } => {
-                return self.existing(&request, *record, now);
-            }
-            ClaimOutcome::Claimed(lease) => lease,
-        };
+            takeover_window: self.takeover_window(request),
+        }
+    }
+
+    /// The window after a key's first claim in which a retry may take over its expired lease.
+    /// A workflow acts only through its steps, each deduplicated by its own key, so it may be
+    /// taken over for as long as its steps' records are surely kept: its retention, less one
+    /// lease (`docs/workflows.md`). A step takes the window its workflow's run chose for it
+    /// (`StepOf::takeover`); any other key, [`ExecutorConfig::retry_takeover_window`].
+    fn takeover_window(&self, request: &IdempotentRequest) -> Option<Duration> {
+        let cfg = &*self.config;
+        if let Some(of) = &request.step {
+            of.takeover
+        } else if request.is_workflow() {
+            Some(cfg.retention.saturating_sub(cfg.lease))
+        } else {
+            cfg.retry_takeover_window
+        }
+    }
+
+    /// Runs `op` under `lease` (granted by a claim sent at `asked`, or held by the sweeper for a
+    /// resumer), renewing it while `op` runs, and stores the outcome. Returns the state the key
+    /// was finished in and its stored response.
+    async fn run_claimed<F, Fut>(
+        &self,
+        request: IdempotentRequest,
+        lease: Lease,
+        asked: tokio::time::Instant,
+        op: F,
+    ) -> Result<(KeyState, StoredResponse), Error>
+    where
+        F: FnOnce(Context) -> Fut,
+        Fut: Future<Output = Outcome>,
+    {
+        let cfg = &*self.config;
         let id = request.id.clone();
+        let request_operation = request.operation.clone();
+        let window = self.takeover_window(&request);
         let held_until = heartbeat::held_from(asked, cfg.lease);
         let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
+        let workflow = request.is_workflow().then(|| {
+            // No step may start once its records may be purged (see `takeover_window`); a
+            // deadline too far to represent is none.
+            let far = asked + Duration::from_secs(100 * 366 * 24 * 3600);
+            let resume_by = window_closes(&lease, cfg.lease, window, asked).unwrap_or(far);
+            crate::workflow::Workflow::new(self.clone(), resume_by)
+        });
         let ctx = Context {
             id: id.clone(),
             provider_key: lease.provider_key.clone(),
             token: lease.token,
             attempt: lease.attempts,
             lease: watch,
-            send_by: takeover_send_by(&lease, cfg, asked),
+            send_by: if lease.transition == crate::state::Transition::Takeover {
+                window_closes(&lease, cfg.lease, window, asked)
+            } else {
+                None
+            },
             request: request.canonical,
+            workflow: workflow.clone(),
         };
         // The lease is renewed while the operation runs (same task, stops with it).
         let renew = heartbeat::renew(&*self.store, &id, lease.token, cfg.lease, &held);
         let outcome = heartbeat::alongside(op(ctx), renew).await;
+        if let Some(wf) = &workflow {
+            // The code changed: a step met a recorded step of another name, or (when it ended
+            // well) a step is recorded after the last one this code ran. Never finished past it.
+            let changed = match (wf.take_changed(), &outcome) {
+                (Some(e), _) => Some(e),
+                (None, Outcome::Succeeded(_) | Outcome::Rejected(_)) => {
+                    self.dropped_step(&id, wf.steps_run()).await?
+                }
+                (None, _) => None,
+            };
+            if let Some(e) = changed {
+                tracing::Span::current().record("outcome", "workflow_changed");
+                let release = Release {
+                    actor: Actor::Worker,
+                    reason: "the workflow's code changed; left for an operator".to_owned(),
+                    error: Some(e.to_string()),
+                    recheck_after: None,
+                };
+                self.store.release(&id, lease.token, &release).await?;
+                return Err(e);
+            }
+        }
+        crate::telemetry::outcome(
+            &request_operation,
+            match &outcome {
+                Outcome::Succeeded(_) => "succeeded",
+                Outcome::Rejected(_) => "rejected",
+                Outcome::Retryable { .. } => "retryable",
+                Outcome::Unknown { .. } => "unknown",
+            },
+        );
         let (to, mut resp) = match outcome {
             Outcome::Succeeded(resp) => (KeyState::Done, resp),
             Outcome::Rejected(resp) => (KeyState::Failed { retryable: false }, resp),
@@ -336,6 +471,9 @@ impl Idempotency {
         if let Some(allow) = &cfg.stored_headers {
             resp.retain_headers(allow);
         }
+        if let Some(Redactor(redact)) = &cfg.redact {
+            resp = redact(resp);
+        }
         let size = resp.stored_size();
         if size > cfg.max_response_bytes {
             // The operation ran, so the key must not vanish (a retry would run it again): it is
@@ -379,14 +517,161 @@ impl Idempotency {
             },
             expect_token: None,
         };
-        let record = self.store.finish(&id, Some(lease.token), &finish).await?;
+        let record = crate::telemetry::timed(
+            self.store.backend(),
+            "finish",
+            self.store.finish(&id, Some(lease.token), &finish),
+        )
+        .await?;
         let stored = record.response.or(finish.response).ok_or_else(|| {
             Error::Store(StoreError::Corrupt {
                 backend: self.store.backend(),
                 detail: "finished key returned without its response".to_owned(),
             })
         })?;
-        Ok(Execution::Executed(stored))
+        Ok((to, stored))
+    }
+
+    /// Runs an atomic-phase step (`Context::atomic_step`): claims `request`'s key, then lets
+    /// `phase` write the application's rows and finish the key in one transaction, renewing the
+    /// lease meanwhile.
+    pub(crate) async fn run_atomic(
+        &self,
+        request: IdempotentRequest,
+        phase: Box<dyn crate::workflow::AtomicPhase>,
+    ) -> Result<Execution, Error> {
+        use crate::workflow::PhaseError;
+        let cfg = &*self.config;
+        let claim = self.new_claim(&request);
+        let asked = tokio::time::Instant::now();
+        let lease = match self.store.claim(&claim).await? {
+            ClaimOutcome::Existing { record, now } => {
+                return self.existing(&request, *record, now);
+            }
+            ClaimOutcome::Claimed(lease) => lease,
+        };
+        let id = request.id.clone();
+        let span = info_span!(
+            "idemflow.atomic_step",
+            scope = %id.scope,
+            key = %id.key,
+            step = %request.operation,
+        );
+        let held_until = heartbeat::held_from(asked, cfg.lease);
+        let (held, _watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
+        let renew = heartbeat::renew(&*self.store, &id, lease.token, cfg.lease, &held);
+        let prep_cfg = self.config.clone();
+        let prepare: crate::workflow::Prepare = std::sync::Arc::new(move |mut resp| {
+            if let Some(allow) = &prep_cfg.stored_headers {
+                resp.retain_headers(allow);
+            }
+            match &prep_cfg.redact {
+                Some(Redactor(redact)) => redact(resp),
+                None => resp,
+            }
+        });
+        let committed = heartbeat::alongside(phase.commit(&id, lease.token, prepare), renew)
+            .instrument(span)
+            .await;
+        match committed {
+            Ok(resp) => Ok(Execution::Executed(resp)),
+            Err(PhaseError::Writes(e)) => {
+                // Rolled back: nothing happened, so a retry may run the step again.
+                let reason = format!("the step's writes failed and were rolled back: {e}");
+                let finish = Finish {
+                    to: KeyState::Failed { retryable: true },
+                    response: None,
+                    error: Some(reason.clone()),
+                    actor: Actor::Worker,
+                    reason: "atomic phase rolled back; a retry runs it again".to_owned(),
+                    expect_token: None,
+                };
+                self.store.finish(&id, Some(lease.token), &finish).await?;
+                Err(Error::FailedRetryable {
+                    key: id.to_string(),
+                    reason,
+                })
+            }
+            Err(PhaseError::LeaseLost) => Err(Error::LeaseLost(
+                crate::store::refused_write(&*self.store, &id, Some(lease.token)).await,
+            )),
+            Err(PhaseError::Store(e)) => {
+                // A failed commit may have committed: the row says. If it did not, the step
+                // stays processing and the sweeper makes it retryable once its lease runs out.
+                Err(Error::Store(e))
+            }
+        }
+    }
+
+    /// After a workflow's operation ended well: the step recorded at the position after the
+    /// last one it ran, if any (the code dropped a step that already ran or was started).
+    async fn dropped_step(&self, id: &KeyId, steps_run: u32) -> Result<Option<Error>, Error> {
+        let next = crate::workflow::step_key(id, steps_run);
+        Ok(self
+            .store
+            .get(&next)
+            .await?
+            .map(|recorded| Error::StepChanged {
+                key: id.to_string(),
+                position: steps_run,
+                recorded: recorded.operation,
+                found: None,
+            }))
+    }
+
+    /// Runs a stale workflow's operation to its end under the lease the sweeper took it with
+    /// (`record.lease_token`, renewed here for one lease of this executor). Its finished steps
+    /// replay. Returns the state the workflow was finished in.
+    pub(crate) async fn resume(
+        &self,
+        record: &KeyRecord,
+        op: crate::workflow::Resume,
+    ) -> Result<KeyState, Error> {
+        let id = KeyId::new(record.scope.clone(), record.key.clone());
+        let asked = tokio::time::Instant::now();
+        let expires_at = self
+            .store
+            .extend(&id, record.lease_token, self.config.lease)
+            .await?;
+        let span = info_span!(
+            "idemflow.resume",
+            scope = %id.scope,
+            key = %id.key,
+            operation = %record.operation,
+            outcome = tracing::field::Empty,
+        );
+        let Some(canonical) = record.request.clone() else {
+            return Err(Error::NoStoredResponse {
+                key: id.to_string(),
+                state: record.state,
+                reason: "the workflow's request was not stored (store_request is off), so it \
+                         cannot be resumed"
+                    .to_owned(),
+            });
+        };
+        let request = IdempotentRequest {
+            id,
+            operation: record.operation.clone(),
+            canonical,
+            fingerprint: record.fingerprint.clone(),
+            provider: record.provider.clone(),
+            provider_key: Some(record.provider_key.clone()),
+            step: None,
+        };
+        let lease = Lease {
+            token: record.lease_token,
+            expires_at,
+            attempts: record.attempts,
+            provider_key: record.provider_key.clone(),
+            transition: crate::state::Transition::Takeover,
+            may_have_acted: true,
+            created_at: record.created_at,
+        };
+        let (to, _) = self
+            .run_claimed(request, lease, asked, move |ctx| op(ctx))
+            .instrument(span)
+            .await?;
+        Ok(to)
     }
 
     fn existing(
@@ -396,6 +681,17 @@ impl Idempotency {
         now: chrono::DateTime<chrono::Utc>,
     ) -> Result<Execution, Error> {
         let key = request.id.to_string();
+        if let Some(of) = &request.step
+            && record.operation != request.operation
+        {
+            tracing::Span::current().record("outcome", "workflow_changed");
+            return Err(Error::StepChanged {
+                key: of.workflow.to_string(),
+                position: of.position,
+                recorded: record.operation,
+                found: Some(request.operation.clone()),
+            });
+        }
         if record.fingerprint != request.fingerprint {
             tracing::Span::current().record("outcome", "fingerprint_mismatch");
             return Err(Error::FingerprintMismatch {
@@ -432,6 +728,14 @@ impl Idempotency {
                             .min(self.config.in_flight_retry_after)
                             .max(Duration::from_millis(100)),
                     })
+                } else if request.is_workflow() {
+                    // A workflow is taken over whenever its lease has run out, until its
+                    // retention (less a lease) has passed: the claim refused it, so it has.
+                    tracing::Span::current().record("outcome", "workflow_expired");
+                    Err(Error::WorkflowExpired {
+                        key,
+                        retention: self.config.retention,
+                    })
                 } else {
                     tracing::Span::current().record("outcome", "unknown");
                     Err(Error::OutcomeUnknown {
@@ -452,24 +756,35 @@ impl Idempotency {
     }
 }
 
-/// The local instant by which a takeover must have sent: the takeover window counted from the
-/// key's first claim (database clock), moved onto this process's clock from the claim, which was
-/// sent at `asked` and answered with the database time `expires_at - lease` (no earlier than
-/// `asked`, so the instant is never late). `None` for a first claim or a reclaim: no earlier
-/// send is being deduplicated.
-fn takeover_send_by(
-    lease: &crate::store::Lease,
-    cfg: &ExecutorConfig,
+/// The local instant at which a takeover window closes: `window` counted from the key's first
+/// claim (database clock), moved onto this process's clock from the claim, which was sent at
+/// `asked` and answered with the database time `expires_at - lease` (no earlier than `asked`, so
+/// the instant is never late). A takeover must send before it; a workflow starts no step after
+/// it. `None` without a window, or when the window is too large to add (the store caps durations
+/// at 100 years).
+fn window_closes(
+    lease: &Lease,
+    lease_len: Duration,
+    window: Option<Duration>,
     asked: tokio::time::Instant,
 ) -> Option<tokio::time::Instant> {
-    if lease.transition != crate::state::Transition::Takeover {
-        return None;
-    }
-    let window = chrono::Duration::from_std(cfg.retry_takeover_window?).ok()?;
-    let lease_len = chrono::Duration::from_std(crate::store::capped(cfg.lease)).ok()?;
+    let window = chrono::Duration::from_std(window?).ok()?;
+    let lease_len = chrono::Duration::from_std(crate::store::capped(lease_len)).ok()?;
     let db_now = lease.expires_at.checked_sub_signed(lease_len)?;
-    // A window too large to add is no deadline at all (the store caps durations at 100 years).
     let closes = lease.created_at.checked_add_signed(window)?;
     let left = (closes - db_now).to_std().unwrap_or_default();
     asked.checked_add(left)
+}
+
+/// The counters of one `execute` (`crate::telemetry`): what the caller was told.
+fn record_result(operation: &str, result: &Result<Execution, Error>, took: Duration) {
+    use crate::telemetry as t;
+    match result {
+        Ok(Execution::Replayed(_)) => t::replay(operation),
+        Ok(Execution::Executed(_)) => t::operation_time(operation, took),
+        Err(Error::InFlight { .. }) => t::in_flight(operation),
+        Err(Error::FingerprintMismatch { .. }) => t::fingerprint_mismatch(operation),
+        Err(Error::LeaseLost(_)) => t::lease_lost("worker"),
+        Err(_) => {}
+    }
 }

@@ -33,10 +33,11 @@ impl Idempotency {
             if let Some(why) = ctx.send_refusal() {
                 return crate::Outcome::retryable(format!("not sent: {why}"));
             }
-            provider
+            let outcome = provider
                 .call(ctx.provider_key(), &body)
                 .await
-                .into_outcome()
+                .into_outcome();
+            crate::provider::secrets::mask_outcome(outcome, provider.secret_fields())
         })
         .await
     }

@@ -24,9 +24,11 @@ pub struct IdempotentRequest {
     pub(crate) fingerprint: Fingerprint,
     pub(crate) provider: Option<String>,
     pub(crate) provider_key: Option<String>,
+    /// Set on the request of a workflow step: which workflow, which position.
+    pub(crate) step: Option<crate::workflow::StepOf>,
 }
 
-fn validate_operation(operation: &str) -> Result<(), Error> {
+pub(crate) fn validate_operation(operation: &str) -> Result<(), Error> {
     // Same rules as keys: visible ASCII, 1..=255 bytes.
     IdempotencyKey::new(operation).map(|_| ()).map_err(|e| {
         Error::InvalidOperation(match e {
@@ -40,6 +42,7 @@ fn validate_operation(operation: &str) -> Result<(), Error> {
                 byte,
                 offset,
             },
+            other => other,
         })
     })
 }
@@ -79,6 +82,7 @@ impl IdempotentRequest {
     ) -> Result<Self, Error> {
         let scope = Scope::new(scope).map_err(Error::InvalidScope)?;
         let key = IdempotencyKey::new(key).map_err(Error::InvalidKey)?;
+        crate::workflow::check_client_key(&key).map_err(Error::InvalidKey)?;
         validate_operation(operation)?;
         let canonical = canonical_json(body);
         let fingerprint = Fingerprint::compute(operation, &canonical);
@@ -89,6 +93,7 @@ impl IdempotentRequest {
             fingerprint,
             provider: None,
             provider_key: None,
+            step: None,
         })
     }
 
@@ -109,6 +114,7 @@ impl IdempotentRequest {
             fingerprint,
             provider: None,
             provider_key: None,
+            step: None,
         })
     }
 
@@ -116,6 +122,21 @@ impl IdempotentRequest {
     pub fn with_provider(mut self, provider: impl Into<String>) -> Self {
         self.provider = Some(provider.into());
         self
+    }
+
+    /// Declares the request a **workflow**: its operation runs named steps
+    /// ([`Context::step`](crate::Context::step), [`Context::call_step`](crate::Context::call_step)),
+    /// each recorded under its own key, and does nothing to the outside world except through
+    /// them. The key is marked with [`WORKFLOW_PROVIDER`](crate::workflow::WORKFLOW_PROVIDER)
+    /// (so the sweeper knows it), and a retry may take it over whenever its lease has run out,
+    /// within its retention: the steps it already ran replay (`docs/workflows.md`).
+    pub fn workflow(self) -> Self {
+        self.with_provider(crate::workflow::WORKFLOW_PROVIDER)
+    }
+
+    /// Whether the request was declared a workflow ([`workflow`](Self::workflow)).
+    pub fn is_workflow(&self) -> bool {
+        self.provider.as_deref() == Some(crate::workflow::WORKFLOW_PROVIDER)
     }
 
     /// Sets the provider key explicitly instead of the default derivation

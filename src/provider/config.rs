@@ -13,7 +13,7 @@ use super::Provider;
 pub struct ProviderConfig {
     /// The name stored in key rows (defaults to the kind).
     pub name: Option<String>,
-    /// `stripe`, `resend` or `postmark`.
+    /// `stripe`, `adyen`, `square`, `paypal`, `resend` or `postmark`.
     pub kind: String,
     /// The API base URL (defaults to the provider's real one).
     pub base_url: Option<String>,
@@ -22,11 +22,15 @@ pub struct ProviderConfig {
     /// For search-based lookups: how long an empty search result is not trusted.
     #[serde(default, with = "opt_secs")]
     pub search_lag: Option<Duration>,
-    /// For resend (whose lookup is a same-key re-send): the margin kept before the end of its
-    /// 24 h key window. Keep it at least the sweeper's `redrive_margin`; the CLI sets it to
-    /// `[sweeper] redrive_margin` when it is not given.
+    /// For resend, adyen and paypal (whose lookup is a same-key re-send): the margin kept before
+    /// the end of their key window. Keep it at least the sweeper's `redrive_margin`; the CLI
+    /// sets it to `[sweeper] redrive_margin` when it is not given.
     #[serde(default, with = "opt_secs")]
     pub redrive_margin: Option<Duration>,
+    /// For paypal: how long PayPal keeps a `PayPal-Request-Id` for this account, in seconds
+    /// (default 6 h; 72 h only when PayPal raised it for the account).
+    #[serde(default, with = "opt_secs")]
+    pub retention: Option<Duration>,
 }
 
 mod opt_secs {
@@ -81,12 +85,12 @@ pub enum ProviderConfigError {
     },
 }
 
-/// The provider kinds this build can construct (the `http` feature brings `stripe`, `resend`
-/// and `postmark`).
+/// The provider kinds this build can construct (the `http` feature brings `adyen`, `paypal`,
+/// `postmark`, `resend`, `square` and `stripe`).
 pub fn known_kinds() -> &'static [&'static str] {
     #[cfg(feature = "http")]
     {
-        &["postmark", "resend", "stripe"]
+        &["adyen", "paypal", "postmark", "resend", "square", "stripe"]
     }
     #[cfg(not(feature = "http"))]
     {
@@ -116,7 +120,7 @@ pub fn build_with_env(
         return Err(ProviderConfigError::UnknownKind {
             kind: config.kind.clone(),
             known: if known_kinds().is_empty() {
-                "none; build with the `http` feature for stripe, resend and postmark".to_owned()
+                "none; build with the `http` feature for stripe, adyen, square, paypal, resend and postmark".to_owned()
             } else {
                 known_kinds().join(", ")
             },
@@ -149,7 +153,10 @@ fn build_http(
     name: String,
     api_key: String,
 ) -> Result<Arc<dyn Provider>, ProviderConfigError> {
-    use super::{Postmark, Resend, Stripe, postmark, resend, stripe};
+    use super::{
+        Adyen, PayPal, Postmark, Resend, Square, Stripe, adyen, paypal, postmark, resend, square,
+        stripe,
+    };
 
     let http = |source| ProviderConfigError::Http {
         provider: name.clone(),
@@ -161,10 +168,26 @@ fn build_http(
             .clone()
             .unwrap_or_else(|| default.to_owned())
     };
-    if config.redrive_margin.is_some() && config.kind != "resend" {
+    let resends = matches!(config.kind.as_str(), "resend" | "adyen" | "paypal");
+    if config.redrive_margin.is_some() && !resends {
         return Err(ProviderConfigError::Invalid {
             provider: name,
-            detail: "redrive_margin applies to resend only (its lookup is a re-send); the sweeper's [sweeper] redrive_margin governs re-drives".to_owned(),
+            detail: "redrive_margin applies to resend, adyen and paypal only (their lookup is a re-send); the sweeper's [sweeper] redrive_margin governs re-drives".to_owned(),
+        });
+    }
+    if config.search_lag.is_some() && !matches!(config.kind.as_str(), "stripe" | "postmark") {
+        return Err(ProviderConfigError::Invalid {
+            provider: name,
+            detail: format!(
+                "search_lag does not apply to {} (its lookup is a same-key re-send, not a search)",
+                config.kind
+            ),
+        });
+    }
+    if config.retention.is_some() && config.kind != "paypal" {
+        return Err(ProviderConfigError::Invalid {
+            provider: name,
+            detail: "retention applies to paypal only (PayPal-Request-Id retention, 6 h unless PayPal raised it)".to_owned(),
         });
     }
     match config.kind.as_str() {
@@ -186,13 +209,33 @@ fn build_http(
             }
             Ok(Arc::new(p))
         }
-        "resend" => {
-            if config.search_lag.is_some() {
-                return Err(ProviderConfigError::Invalid {
-                    provider: name,
-                    detail: "search_lag does not apply to resend (its lookup is a same-key re-send, not a search)".to_owned(),
-                });
+        "adyen" => {
+            let mut p = Adyen::with_base_url(&base(adyen::DEFAULT_BASE_URL), api_key)
+                .map_err(http)?
+                .with_name(name.clone());
+            if let Some(margin) = config.redrive_margin {
+                p = p.redrive_margin(margin);
             }
+            Ok(Arc::new(p))
+        }
+        "square" => Ok(Arc::new(
+            Square::with_base_url(&base(square::DEFAULT_BASE_URL), api_key)
+                .map_err(http)?
+                .with_name(name.clone()),
+        )),
+        "paypal" => {
+            let mut p = PayPal::with_base_url(&base(paypal::DEFAULT_BASE_URL), api_key)
+                .map_err(http)?
+                .with_name(name.clone());
+            if let Some(margin) = config.redrive_margin {
+                p = p.redrive_margin(margin);
+            }
+            if let Some(retention) = config.retention {
+                p = p.retention(retention);
+            }
+            Ok(Arc::new(p))
+        }
+        "resend" => {
             let mut p = Resend::with_base_url(&base(resend::DEFAULT_BASE_URL), api_key)
                 .map_err(http)?
                 .with_name(name.clone());
@@ -220,6 +263,7 @@ mod tests {
             api_key_env: "IDEMFLOW_TEST_KEY".to_owned(),
             search_lag: None,
             redrive_margin: None,
+            retention: None,
         }
     }
 
@@ -242,8 +286,12 @@ mod tests {
 
     #[test]
     fn clear_errors() {
-        let e = build_with_env(&cfg("paypal"), env).unwrap_err();
-        assert!(e.to_string().contains("postmark, resend, stripe"), "{e}");
+        let e = build_with_env(&cfg("worldpay"), env).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("adyen, paypal, postmark, resend, square, stripe"),
+            "{e}"
+        );
         let e = build_with_env(&cfg("stripe"), |_| None).unwrap_err();
         assert!(
             matches!(e, ProviderConfigError::MissingApiKey { .. }),
@@ -269,6 +317,52 @@ mod tests {
             build_with_env(&c, env).unwrap_err(),
             ProviderConfigError::Invalid { .. }
         ));
+    }
+
+    #[test]
+    fn card_kinds_take_their_own_settings_only() {
+        for kind in ["adyen", "paypal"] {
+            let mut c = cfg(kind);
+            c.redrive_margin = Some(std::time::Duration::from_secs(7200));
+            assert!(build_with_env(&c, env).is_ok(), "{kind}");
+        }
+        let mut c = cfg("paypal");
+        c.retention = Some(std::time::Duration::from_secs(72 * 3600));
+        let p = build_with_env(&c, env).unwrap();
+        assert_eq!(
+            p.key_spec().retention,
+            Some(std::time::Duration::from_secs(72 * 3600))
+        );
+        for (kind, field) in [
+            ("square", "redrive_margin"),
+            ("adyen", "search_lag"),
+            ("square", "search_lag"),
+            ("paypal", "search_lag"),
+            ("adyen", "retention"),
+        ] {
+            let mut c = cfg(kind);
+            let d = Some(std::time::Duration::from_secs(5));
+            match field {
+                "redrive_margin" => c.redrive_margin = d,
+                "search_lag" => c.search_lag = d,
+                _ => c.retention = d,
+            }
+            assert!(
+                matches!(
+                    build_with_env(&c, env).unwrap_err(),
+                    ProviderConfigError::Invalid { .. }
+                ),
+                "{kind} {field}"
+            );
+        }
+        // Keys within each provider's limit.
+        let scope = crate::Scope::new("shop").unwrap();
+        let key = crate::IdempotencyKey::new("order-1").unwrap();
+        for (kind, max) in [("square", 45), ("adyen", 64), ("paypal", 108)] {
+            let spec = build_with_env(&cfg(kind), env).unwrap().key_spec();
+            assert_eq!(spec.max_len, max);
+            assert!(spec.derive(&scope, &key, "payments.create").len() <= max);
+        }
     }
 
     #[test]

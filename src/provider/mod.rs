@@ -16,6 +16,7 @@ use chrono::{DateTime, Utc};
 use crate::{IdempotencyKey, Outcome, Scope, StoredResponse, provider_key};
 
 pub mod config;
+pub mod secrets;
 
 /// Declares the modules of the HTTP adapters, all behind the feature `http`.
 macro_rules! http_modules {
@@ -32,16 +33,26 @@ macro_rules! http_modules {
 http_modules! {
     pub mod endpoint;
     pub mod http;
+    pub mod adyen;
+    pub mod paypal;
     pub mod postmark;
+    pub mod replay;
     pub mod resend;
     pub mod search;
+    pub mod square;
     pub mod stripe;
 }
 
 #[cfg(feature = "http")]
+pub use adyen::Adyen;
+#[cfg(feature = "http")]
+pub use paypal::PayPal;
+#[cfg(feature = "http")]
 pub use postmark::Postmark;
 #[cfg(feature = "http")]
 pub use resend::Resend;
+#[cfg(feature = "http")]
+pub use square::Square;
 #[cfg(feature = "http")]
 pub use stripe::Stripe;
 
@@ -177,6 +188,32 @@ pub enum Lookup {
     },
 }
 
+/// The answer to [`Provider::void_by_key`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VoidOutcome {
+    /// The provider confirmed that nothing stands charged under the key: no payment was made
+    /// with it, or the one made is now voided. The key may become retryable.
+    Voided {
+        /// What the provider said.
+        detail: String,
+    },
+    /// A payment stands under the key and cannot be voided (it completed, or failed): the
+    /// provider holds the key, so ask it with [`Provider::lookup`].
+    Refused {
+        /// What the provider said.
+        reason: String,
+    },
+    /// The provider could not say now (timeout, 5xx, rate limit, credentials).
+    Unknown {
+        /// Why.
+        reason: String,
+        /// When to ask again, if the provider said.
+        retry_after: Option<Duration>,
+    },
+    /// The provider offers no void by key (the default).
+    Unsupported,
+}
+
 /// An external service, used as `Arc<dyn Provider>`.
 #[async_trait]
 pub trait Provider: Debug + Send + Sync + 'static {
@@ -187,8 +224,27 @@ pub trait Provider: Debug + Send + Sync + 'static {
     /// How the provider handles idempotency keys.
     fn key_spec(&self) -> KeySpec;
 
+    /// Names of the members of this provider's JSON answers that are secret (Stripe's
+    /// `client_secret`): masked at any depth before an answer is stored
+    /// ([`secrets::mask_fields`]). Default: none.
+    fn secret_fields(&self) -> &[&str] {
+        &[]
+    }
+
     /// Sends `request` (the canonical JSON stored in the key row) with `provider_key`.
     async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallOutcome;
+
+    /// Voids whatever the request sent with `provider_key` did, identified by that key alone
+    /// (Square's `CancelPaymentByIdempotencyKey`). The sweeper tries it before
+    /// [`lookup`](Provider::lookup): a [`VoidOutcome::Voided`] turns an unknown outcome into
+    /// "surely not charged" and the key retryable. Default: [`VoidOutcome::Unsupported`].
+    /// `request` is the stored request (`Null` when it was not stored): an adapter may decline
+    /// to void a request whose effect a void would destroy rather than undo (Square: a delayed
+    /// capture), answering [`VoidOutcome::Unsupported`] so the sweeper looks it up instead.
+    async fn void_by_key(&self, provider_key: &str, request: &serde_json::Value) -> VoidOutcome {
+        let _ = (provider_key, request);
+        VoidOutcome::Unsupported
+    }
 
     /// Asks the provider what happened to the request sent with `provider_key`. `attempts` says
     /// when it was first sent (`KeyRecord::created_at`) and when its latest attempt may have

@@ -211,6 +211,12 @@ impl Provider for Stripe {
         self.endpoint.name()
     }
 
+    /// A PaymentIntent's `client_secret` lets whoever holds it confirm the payment from a
+    /// browser: never stored.
+    fn secret_fields(&self) -> &[&str] {
+        &["client_secret"]
+    }
+
     fn key_spec(&self) -> KeySpec {
         KeySpec {
             max_len: 255,

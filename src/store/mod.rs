@@ -28,6 +28,9 @@ pub mod redis;
 pub mod sqlite;
 
 mod connect;
+pub mod connect_error;
+#[cfg(any(feature = "sqlite", feature = "mysql", feature = "redis"))]
+pub(crate) mod known_keys;
 mod rows;
 pub use connect::connect;
 pub use rows::{RawEvent, RawRecord};

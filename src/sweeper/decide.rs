@@ -6,13 +6,13 @@
 //! |---|---|---|
 //! | no provider recorded, or provider not registered | none | needs an operator (long recheck) |
 //! | provider dedupes by key, inside its window (with margin), request stored | re-drive (`call`) | see [`after_call`] |
-//! | anything else (outside the window, no keys, request missing) | `lookup` | see [`after_lookup`] (`Lookup::NeedsOperator`: needs an operator) |
+//! | anything else (outside the window, no keys, no documented window, request missing) | `void_by_key`, then `lookup` | see [`after_void`]: a confirmed void settles the key retryable; otherwise [`after_lookup`] (`Lookup::NeedsOperator`: needs an operator) |
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::provider::{CallOutcome, KeySpec, Lookup};
+use crate::provider::{CallOutcome, KeySpec, Lookup, VoidOutcome};
 use crate::state::{RetryEvidence, may_become_retryable};
 use crate::{KeyRecord, KeyState, Outcome, StoredResponse};
 
@@ -102,10 +102,18 @@ pub fn plan(
             why: "the request was not stored, so it can only be looked up".to_owned(),
         };
     }
-    if !spec.replays_same_key || spec.retention.is_none() {
+    if !spec.replays_same_key {
         return Plan::Lookup {
             request,
             why: format!("{name} does not dedupe by key, so it is never re-driven"),
+        };
+    }
+    if spec.retention.is_none() {
+        return Plan::Lookup {
+            request,
+            why: format!(
+                "{name} documents no key window, so a re-send is never known to be deduped; it is never re-driven"
+            ),
         };
     }
     if spec.may_redrive(record.created_at, now, margin) {
@@ -232,6 +240,37 @@ pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
                 "{provider} cannot settle the key ({why}): {reason}; an operator must decide (idemflow resolve)"
             ),
         },
+    }
+}
+
+/// What a void by key's answer means, before any lookup: `Some` settles or defers the key,
+/// `None` goes on to the lookup (the provider has no void by key, or refused it because a
+/// payment stands under the key). A confirmed void is the authoritative evidence that makes even
+/// a key that may have acted retryable: nothing stands charged under its provider key.
+pub fn after_void(provider: &str, void: VoidOutcome) -> Option<Decision> {
+    match void {
+        VoidOutcome::Voided { detail }
+            if may_become_retryable(true, RetryEvidence::ConfirmedVoid) =>
+        {
+            Some(Decision::Finish {
+                to: KeyState::Failed { retryable: true },
+                response: None,
+                error: Some(format!(
+                    "{provider} voided the request by key: nothing charged"
+                )),
+                reason: format!(
+                    "sweeper voided the key at {provider} ({detail}); nothing stands charged, so the client's next retry runs it"
+                ),
+            })
+        }
+        VoidOutcome::Unknown {
+            reason,
+            retry_after,
+        } => Some(Decision::Defer {
+            reason: format!("void by key at {provider} has an unknown outcome: {reason}"),
+            retry_after,
+        }),
+        VoidOutcome::Voided { .. } | VoidOutcome::Refused { .. } | VoidOutcome::Unsupported => None,
     }
 }
 
@@ -449,6 +488,46 @@ mod tests {
             reason.contains("why") && reason.contains("closed"),
             "{reason}"
         );
+    }
+
+    #[test]
+    fn voids_settle_defer_or_go_on_to_the_lookup() {
+        assert!(matches!(
+            after_void(
+                "p",
+                VoidOutcome::Voided {
+                    detail: "ok".into()
+                }
+            ),
+            Some(Decision::Finish {
+                to: KeyState::Failed { retryable: true },
+                response: None,
+                ..
+            })
+        ));
+        assert!(matches!(
+            after_void(
+                "p",
+                VoidOutcome::Unknown {
+                    reason: "503".into(),
+                    retry_after: Some(Duration::from_secs(3))
+                }
+            ),
+            Some(Decision::Defer {
+                retry_after: Some(_),
+                ..
+            })
+        ));
+        assert_eq!(
+            after_void(
+                "p",
+                VoidOutcome::Refused {
+                    reason: "completed".into()
+                }
+            ),
+            None
+        );
+        assert_eq!(after_void("p", VoidOutcome::Unsupported), None);
     }
 
     #[test]

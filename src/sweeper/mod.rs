@@ -50,6 +50,7 @@ use crate::{KeyId, KeyState};
 pub mod decide;
 mod renew;
 mod report;
+mod workflow;
 
 pub use decide::{Decision, Plan};
 pub use report::{LostKey, RunSummary, SweepReport, Unresolved, UnresolvedKey};
@@ -128,12 +129,17 @@ impl SweepError {
     }
 }
 
+/// How often [`Sweeper::run`] refreshes the key gauges (`idemflow_processing_keys`, ...) with a
+/// [`Store::stats`] query: after its first sweep, then at most once a minute.
+const GAUGE_INTERVAL: Duration = Duration::from_secs(60);
+
 /// The recovery sweeper. Cheap to clone; share one per process, or run several processes.
 #[derive(Debug, Clone)]
 pub struct Sweeper {
     store: Arc<dyn Store>,
     providers: Providers,
     config: SweeperConfig,
+    resumers: crate::workflow::Resumers,
 }
 
 /// What happened to one key.
@@ -151,7 +157,29 @@ impl Sweeper {
             store,
             providers,
             config: SweeperConfig::defaults(),
+            resumers: Default::default(),
         }
+    }
+
+    /// Registers the operation of the workflows named `operation`, so this sweeper pushes a
+    /// stale one to its end without waiting for a client retry: once its steps are settled,
+    /// `resume` runs under the sweeper's lease through `executor` (the executor the workflow
+    /// runs with: its lease and retention apply), its finished steps replay and the rest run
+    /// (`docs/workflows.md`, "Resumption"). Pass the same closure the application gives
+    /// [`Idempotency::execute`](crate::Idempotency::execute).
+    pub fn resumer<F, Fut>(
+        mut self,
+        operation: impl Into<String>,
+        executor: crate::Idempotency,
+        resume: F,
+    ) -> Self
+    where
+        F: Fn(crate::Context) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = crate::Outcome> + Send + 'static,
+    {
+        let resume: crate::workflow::Resume = Arc::new(move |ctx| Box::pin(resume(ctx)));
+        self.resumers.0.insert(operation.into(), (executor, resume));
+        self
     }
 
     /// Sets the batch size (at least 1).
@@ -246,6 +274,7 @@ impl Sweeper {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut stopping = false;
         let mut summary = RunSummary::default();
+        let mut gauges_due: Option<Instant> = None;
         loop {
             let result = {
                 let sweep = self.sweep(&rx, |_| {});
@@ -259,6 +288,14 @@ impl Sweeper {
                     }
                 }
             };
+            if gauges_due.is_none_or(|at: Instant| at.elapsed() >= GAUGE_INTERVAL) {
+                gauges_due = Some(Instant::now());
+                let counting = self.store.stats();
+                match crate::telemetry::timed(self.store.backend(), "stats", counting).await {
+                    Ok(stats) => crate::telemetry::key_gauges(&stats),
+                    Err(e) => tracing::warn!(error = %e, "could not count keys for the gauges"),
+                }
+            }
             match &result {
                 Ok(report) => {
                     summary.runs += 1;
@@ -315,10 +352,12 @@ impl Sweeper {
                 lease: cfg.lease,
                 limit,
             };
-            let batch = match self.store.take_stale(&take).await {
-                Ok(b) => b,
-                Err(e) => return Err(fail(e, report)),
-            };
+            let taking = self.store.take_stale(&take);
+            let batch =
+                match crate::telemetry::timed(self.store.backend(), "take_stale", taking).await {
+                    Ok(b) => b,
+                    Err(e) => return Err(fail(e, report)),
+                };
             if batch.is_empty() {
                 break;
             }
@@ -387,10 +426,24 @@ impl Sweeper {
     }
 
     fn count(report: &mut SweepReport, r: KeyResult) {
+        use crate::telemetry as t;
         match r {
-            KeyResult::Finished(to) => report.count_finish(to),
-            KeyResult::Unresolved(u) => report.push_unresolved(u),
+            KeyResult::Finished(to) => {
+                t::sweeper_finish(to);
+                report.count_finish(to);
+            }
+            KeyResult::Unresolved(u) => {
+                t::sweeper(match u.kind {
+                    Unresolved::Deferred => "deferred",
+                    Unresolved::NeedsOperator => "needs_operator",
+                    Unresolved::Released => "released",
+                    Unresolved::WaitingForResumer => "waiting_for_resumer",
+                });
+                report.push_unresolved(u);
+            }
             KeyResult::Lost(l) => {
+                t::sweeper("lease_lost");
+                t::lease_lost("sweeper");
                 report.lease_lost += 1;
                 report.lost.push(l);
             }
@@ -418,12 +471,32 @@ impl Sweeper {
                 Err(e) => return lost_or(e, &record),
             }
         }
+        if record.provider.as_deref() == Some(crate::workflow::WORKFLOW_PROVIDER) {
+            return self.handle_workflow(&id, record, now, report).await;
+        }
+        if record.provider.as_deref() == Some(crate::workflow::LOCAL_PROVIDER) {
+            // An atomic phase's record commits with its writes: still processing with its
+            // lease run out, its transaction never committed, so it surely did nothing.
+            tracing::Span::current().record("decision", "local_rolled_back");
+            let decision = Decision::Finish {
+                to: KeyState::Failed { retryable: true },
+                response: None,
+                error: Some("the atomic phase's transaction never committed".to_owned()),
+                reason: "atomic phase still processing after its lease: its writes and record \
+                         commit together, so nothing was written; retryable"
+                    .to_owned(),
+            };
+            return self.apply(&id, &record, decision).await;
+        }
         let provider = record
             .provider
             .as_deref()
             .and_then(|name| self.providers.get(name))
             .cloned();
         let spec = provider.as_ref().map(|p| p.key_spec());
+        let provider_secrets: Option<Vec<String>> = provider
+            .as_ref()
+            .map(|p| p.secret_fields().iter().map(|f| (*f).to_owned()).collect());
         let name = record.provider.clone().unwrap_or_default();
         let plan = decide::plan(
             &record,
@@ -438,6 +511,7 @@ impl Sweeper {
             }
             (Plan::Redrive { request }, Some(p)) => {
                 report.redrives += 1;
+                crate::telemetry::sweeper("redrive");
                 tracing::Span::current().record("decision", "redrive");
                 // The re-drive may act: hold the key for a full lease from here (the batch
                 // lease may have run out while this process was paused, and a fenced write
@@ -499,7 +573,26 @@ impl Sweeper {
             }
             (Plan::Lookup { request, why }, Some(p)) => {
                 report.lookups += 1;
+                crate::telemetry::sweeper("lookup");
                 tracing::Span::current().record("decision", "lookup");
+                // A provider that voids by key turns "unknown" into "surely not charged"
+                // before anything is looked up (Square's CancelPaymentByIdempotencyKey).
+                let void = tokio::time::timeout(
+                    self.config.call_timeout,
+                    p.void_by_key(&record.provider_key, &request),
+                )
+                .await
+                .unwrap_or_else(|_| crate::provider::VoidOutcome::Unknown {
+                    reason: format!(
+                        "no answer within {:?} (sweeper call timeout)",
+                        self.config.call_timeout
+                    ),
+                    retry_after: None,
+                });
+                if let Some(decision) = decide::after_void(&name, void) {
+                    tracing::Span::current().record("decision", "void_by_key");
+                    return self.apply(&id, &record, decision).await;
+                }
                 // Search lag counts from the latest attempt that may have reached the provider
                 // (the re-drive window above counts from the first use: `created_at`).
                 let lookup = p.lookup(
@@ -517,6 +610,27 @@ impl Sweeper {
             (_, None) => Decision::NeedsOperator {
                 reason: format!("provider {name:?} is not registered with this sweeper"),
             },
+        };
+        // The provider's secrets never reach the store, whoever settles the key.
+        let decision = match (decision, &provider_secrets) {
+            (
+                Decision::Finish {
+                    to,
+                    response: Some(r),
+                    error,
+                    reason,
+                },
+                Some(fields),
+            ) => Decision::Finish {
+                to,
+                response: Some(crate::provider::secrets::mask_fields(
+                    r,
+                    &fields.iter().map(String::as_str).collect::<Vec<_>>(),
+                )),
+                error,
+                reason,
+            },
+            (d, _) => d,
         };
         self.apply(&id, &record, decision).await
     }

@@ -18,6 +18,10 @@ pub enum Unresolved {
     NeedsOperator,
     /// The sweeper was shutting down and gave the key back untouched.
     Released,
+    /// A workflow whose steps are all settled but that no resumer of this sweeper can run
+    /// (the CLI sweeper cannot run application code): the next client retry, or an
+    /// application sweeper with a resumer for its operation, continues it.
+    WaitingForResumer,
 }
 
 /// One key the sweep could not settle.
@@ -71,6 +75,10 @@ pub struct SweepReport {
     pub needs_operator: u64,
     /// Keys given back untouched at shutdown.
     pub released: u64,
+    /// Workflows waiting for a client retry or a resumer ([`Unresolved::WaitingForResumer`]).
+    pub waiting_for_resumer: u64,
+    /// Workflows a resumer ran (finished or not).
+    pub resumed: u64,
     /// Keys someone else decided first (the sweeper's write was fenced out).
     pub lease_lost: u64,
     /// Provider `call`s made (re-drives).
@@ -104,17 +112,19 @@ impl SweepReport {
     /// One human line: `taken 10: done 7, failed 1, retryable 1, deferred 1, ...`.
     pub fn summary(&self) -> String {
         format!(
-            "taken {}: done {}, failed(permanent) {}, failed(retryable) {}, deferred {}, needs operator {}, released {}, lease lost {} ({} re-drives, {} lookups, {} ms)",
+            "taken {}: done {}, failed(permanent) {}, failed(retryable) {}, deferred {}, needs operator {}, waiting for resumer {}, released {}, lease lost {} ({} re-drives, {} lookups, {} resumed, {} ms)",
             self.taken,
             self.done,
             self.failed_permanent,
             self.retryable,
             self.deferred,
             self.needs_operator,
+            self.waiting_for_resumer,
             self.released,
             self.lease_lost,
             self.redrives,
             self.lookups,
+            self.resumed,
             self.elapsed_ms
         )
     }
@@ -133,6 +143,7 @@ impl SweepReport {
             Unresolved::Deferred => self.deferred += 1,
             Unresolved::NeedsOperator => self.needs_operator += 1,
             Unresolved::Released => self.released += 1,
+            Unresolved::WaitingForResumer => self.waiting_for_resumer += 1,
         }
         self.unresolved.push(u);
     }

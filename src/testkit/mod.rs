@@ -1,5 +1,5 @@
-//! Fake provider servers for tests (feature `testkit`): in-process Stripe, Resend and Postmark
-//! look-alikes on `127.0.0.1` (port 0), following the documented idempotency behaviours, with a
+//! Fake provider servers for tests (feature `testkit`): in-process Stripe, Adyen, Square,
+//! PayPal, Resend and Postmark look-alikes on `127.0.0.1` (port 0), following the documented idempotency behaviours, with a
 //! [`Ledger`] of the real effects they performed and [`Faults`] to inject failures.
 //!
 //! Use them to test your own integration: point an adapter (or your own client) at
@@ -30,6 +30,23 @@
 //!   Validation errors (missing `amount` / `currency`) are not saved, as at Stripe.
 //!   `GET /v1/payment_intents/search?query=metadata['k']:'v'` sees a PaymentIntent only once
 //!   the search lag has passed.
+//! * [`FakeAdyen`]: `POST /v71/payments` (JSON, `X-API-Key: <FakeAdyen::API_KEY>`). Same
+//!   `Idempotency-Key` (at most 64 characters) + same body: the first answer, the key echoed.
+//!   `paymentMethod.number` = [`FakeAdyen::REFUSED_CARD`]: 200 `resultCode: Refused`. Missing
+//!   `amount` / `merchantAccount` / `paymentMethod` / `reference`: 422, not saved. Not documented
+//!   by Adyen, so chosen here: 409 while the first runs, 422 for another body under a used key.
+//! * [`FakeSquare`]: `POST /v2/payments` (JSON with `idempotency_key`, at most 45 characters;
+//!   Bearer token). Same key + same body: the payment made with it, **as it stands now**; other
+//!   body: 400 `IDEMPOTENCY_KEY_REUSED`; 409 while the first runs. `autocomplete: false` makes an
+//!   `APPROVED` payment, otherwise `COMPLETED`; `source_id` = [`FakeSquare::DECLINED_CARD`]: 402
+//!   `PAYMENT_METHOD_ERROR` / `GENERIC_DECLINE` (a `FAILED` payment; the key is not kept).
+//!   `POST /v2/payments/cancel` voids by key: `APPROVED` becomes `CANCELED` (ledger too), no
+//!   payment or an already canceled one is a 200, a `COMPLETED` or `FAILED` one a 400.
+//! * [`FakePayPal`]: `POST /v2/checkout/orders` (JSON, Bearer token, `PayPal-Request-Id` of 1 to
+//!   108 characters). Same id: 200 with the order's **current** state (move it with
+//!   [`FakePayPal::set_order_status`]); 409 while the first runs. A card `payment_source` with
+//!   intent `CAPTURE` completes at once, others are `CREATED`; card
+//!   [`FakePayPal::DECLINED_CARD`]: 422 `INSTRUMENT_DECLINED`, not saved.
 //! * [`FakeResend`]: `POST /emails` (JSON, Bearer key). Same key + same body: the first answer
 //!   (no marker); other body: 409 `invalid_idempotent_request`; while the first runs: 409
 //!   `concurrent_idempotent_requests`; key over 256 characters: 400 `invalid_idempotency_key`;
@@ -46,32 +63,39 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+mod adyen;
+mod paypal;
 mod postmark;
 mod resend;
 mod server;
+mod square;
 mod stripe;
 
+pub use adyen::FakeAdyen;
+pub use paypal::FakePayPal;
 pub use postmark::FakePostmark;
 pub use resend::FakeResend;
+pub use square::FakeSquare;
 pub use stripe::FakeStripe;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// One real effect a fake performed: a PaymentIntent created, an email sent.
+/// One real effect a fake performed: a PaymentIntent, payment or order created, an email sent.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Effect {
     /// The provider's id (`pi_...`, an email id, a Postmark `MessageID`).
     pub id: String,
-    /// `payment_intent` or `email`.
+    /// `payment_intent`, `payment` (Adyen, Square), `order` (PayPal) or `email`.
     pub kind: &'static str,
     /// The `Idempotency-Key` header it was created with, if any.
     pub idempotency_key: Option<String>,
     /// The `idemflow_key` metadata value it carries, if any.
     pub metadata_key: Option<String>,
-    /// For a PaymentIntent its status (`succeeded`, `requires_payment_method`), for an email
-    /// `sent`.
+    /// For a PaymentIntent its status (`succeeded`, `requires_payment_method`), for an Adyen
+    /// payment its `resultCode`, for a Square payment or a PayPal order its current status, for
+    /// an email `sent`.
     pub status: String,
     /// The request that caused it (form fields as a JSON object for Stripe).
     pub request: serde_json::Value,
@@ -116,6 +140,13 @@ impl Ledger {
 
     pub(crate) fn push(&self, effect: Effect) {
         lock(&self.inner).push(effect);
+    }
+
+    /// Sets the status of the effect with this id (a payment voided, an order captured).
+    pub(crate) fn set_status(&self, id: &str, status: &str) {
+        for e in lock(&self.inner).iter_mut().filter(|e| e.id == id) {
+            e.status = status.to_owned();
+        }
     }
 }
 

@@ -184,6 +184,8 @@ async fn create(
         let pi = json!({
             "id": id,
             "object": "payment_intent",
+            // As Stripe: whoever holds it can confirm the payment from a browser.
+            "client_secret": format!("{id}_secret_{:016x}", n.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
             "amount": get("amount").and_then(|a| a.parse::<u64>().ok()),
             "currency": get("currency"),
             "customer": get("customer"),

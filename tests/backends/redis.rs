@@ -335,7 +335,16 @@ async fn bad_prefix_and_unreachable_server_are_errors_not_panics() {
     let e = RedisStore::connect("redis://127.0.0.1:1/")
         .await
         .unwrap_err();
-    assert!(matches!(e, StoreError::Database { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            StoreError::Connect {
+                cause: idemflow::store::connect_error::ConnectCause::Refused,
+                ..
+            }
+        ),
+        "{e}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

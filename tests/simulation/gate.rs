@@ -114,7 +114,7 @@ pub struct Shared {
     /// Actor -> the generation of the key when its latest claim was answered: a client's
     /// response belongs to the row it claimed or found, even if a purge is seen before the
     /// client returns.
-    pub claimed_in: BTreeMap<usize, u32>,
+    pub claimed_in: BTreeMap<(usize, String), u32>,
     /// (key label, generation) -> the first response a client got.
     pub responses: BTreeMap<(String, u32), StoredResponse>,
     /// Faults are off (final sweeps).

@@ -45,7 +45,7 @@ impl Store for GatedStore {
         if let (Ok(_), Some(a)) = (&r, crate::gate::current_actor()) {
             let mut sh = self.shared.lock().unwrap();
             let g = sh.generation(&l);
-            sh.claimed_in.insert(a, g);
+            sh.claimed_in.insert((a, l.clone()), g);
         }
         if let Ok(ClaimOutcome::Claimed(lease)) = &r {
             let how = format!("claim ({:?})", lease.transition);

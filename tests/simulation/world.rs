@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use idemflow::store::Finish;
 use idemflow::{
-    Actor, Error, Idempotency, IdempotencyKey, IdempotentRequest, KeyId, KeyState, Provider,
-    Providers, Scope, Store, StoreError, Sweeper,
+    Actor, Error, Idempotency, IdempotencyKey, IdempotentRequest, KeyId, KeyState, Outcome,
+    Provider, Providers, Scope, Store, StoreError, Sweeper,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -34,6 +34,19 @@ pub struct KeyDef {
     /// Index into the providers (0: keyed, 1: keyless).
     pub provider: usize,
     pub pk: String,
+    pub role: Role,
+}
+
+/// What a key is in the schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// A single call through its provider.
+    Call,
+    /// A workflow of two steps (`Context::call_step`): a keyed charge, then a keyless email. It
+    /// never calls a provider itself; its provider index only picks its executor.
+    Workflow,
+    /// Step `.1` of the workflow key `.0` (an index into the keys).
+    Step(usize, u32),
 }
 
 /// The schedule's settings, all drawn from the seed.
@@ -117,6 +130,10 @@ struct World {
     providers: [Arc<SimProvider>; 2],
     registry: Providers,
     executors: [Idempotency; 2],
+    /// The executor of the workflow key and its steps: the schedule's lease and takeover
+    /// window, a longer retention (a workflow is resumed only within its retention less a
+    /// lease, so the schedules' 50-600 ms would rarely let one resume).
+    workflow_exec: Idempotency,
     slots: Vec<Slot>,
     next_id: usize,
     /// Key labels that existed at the last check (to see purges).
@@ -137,6 +154,29 @@ fn key_id(scope: &str, key: &str) -> KeyId {
 }
 
 impl World {
+    /// The step keys of workflow key `k`, in order (empty for any other key).
+    fn steps_of(&self, k: usize) -> Vec<KeyDef> {
+        let mut steps: Vec<KeyDef> = self
+            .keys
+            .iter()
+            .filter(|s| matches!(s.role, Role::Step(p, _) if p == k))
+            .cloned()
+            .collect();
+        steps.sort_by_key(|s| match s.role {
+            Role::Step(_, i) => i,
+            _ => 0,
+        });
+        steps
+    }
+
+    /// The key a client of key `k` runs: a step's workflow, else `k`.
+    fn client_key(&self, k: usize) -> usize {
+        match self.keys[k].role {
+            Role::Step(p, _) => p,
+            _ => k,
+        }
+    }
+
     fn trace(&self, line: String) {
         self.shared.lock().unwrap().trace.push(line);
     }
@@ -183,16 +223,31 @@ impl World {
     fn actor_body(&self, kind: Kind) -> std::pin::Pin<Box<dyn Future<Output = String> + Send>> {
         match kind {
             Kind::Client(k, tries) => {
-                let exec = self.executors[self.keys[k].provider].clone();
+                let exec = match self.keys[k].role {
+                    Role::Workflow => self.workflow_exec.clone(),
+                    _ => self.executors[self.keys[k].provider].clone(),
+                };
                 let key = self.keys[k].clone();
                 let provider = self.providers[self.keys[k].provider].clone();
                 let shared = self.shared.clone();
+                let steps = self.steps_of(k);
+                let providers = self.providers.clone();
                 Box::pin(async move {
                     let mut said = Vec::new();
                     for _ in 0..tries {
-                        let (summary, again) =
+                        let (summary, again) = if key.role == Role::Workflow {
+                            workflow_client(
+                                exec.clone(),
+                                key.clone(),
+                                steps.clone(),
+                                providers.clone(),
+                                shared.clone(),
+                            )
+                            .await
+                        } else {
                             client(exec.clone(), key.clone(), provider.clone(), shared.clone())
-                                .await;
+                                .await
+                        };
                         said.push(summary);
                         if !again {
                             break;
@@ -426,6 +481,10 @@ impl World {
                 self.trace(format!("    {} is {now_state}", key.label));
                 self.states.insert(key.label.clone(), now_state);
             }
+            if key.role == Role::Workflow {
+                // A workflow acts only through its steps, which are checked as keys of their own.
+                continue;
+            }
             let (generation, effects, any) = {
                 let sh = self.shared.lock().unwrap();
                 let g = sh.generation(&key.label);
@@ -546,7 +605,8 @@ impl World {
             }
             self.check().await;
             let mut open = false;
-            for k in &self.keys {
+            // A workflow may wait for its client's retry (the sweeper has no resumer here).
+            for k in self.keys.iter().filter(|k| k.role != Role::Workflow) {
                 if let Ok(Some(r)) = self.inner.get(&k.id).await {
                     open |= r.state == KeyState::Processing;
                 }
@@ -556,16 +616,31 @@ impl World {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        // Every client retries once more.
+        // Every client retries once more (a workflow's client for its steps).
         for k in 0..self.keys.len() {
             let key = self.keys[k].clone();
-            let (summary, _) = client(
-                self.executors[key.provider].clone(),
-                key.clone(),
-                self.providers[key.provider].clone(),
-                self.shared.clone(),
-            )
-            .await;
+            let (summary, _) = match key.role {
+                Role::Step(..) => continue,
+                Role::Workflow => {
+                    workflow_client(
+                        self.workflow_exec.clone(),
+                        key.clone(),
+                        self.steps_of(k),
+                        self.providers.clone(),
+                        self.shared.clone(),
+                    )
+                    .await
+                }
+                Role::Call => {
+                    client(
+                        self.executors[key.provider].clone(),
+                        key.clone(),
+                        self.providers[key.provider].clone(),
+                        self.shared.clone(),
+                    )
+                    .await
+                }
+            };
             self.trace(format!("end: client {} retries: {summary}", key.label));
         }
         self.check().await;
@@ -628,7 +703,7 @@ async fn client(
                 );
             }
             let g = crate::gate::current_actor()
-                .and_then(|a| sh.claimed_in.get(&a).copied())
+                .and_then(|a| sh.claimed_in.get(&(a, key.label.clone())).copied())
                 .unwrap_or_else(|| sh.generation(&key.label));
             let first = sh.first_response(&key.label, g, &resp);
             if first != resp {
@@ -654,6 +729,93 @@ async fn client(
                 resp.status()
             );
             (said, false)
+        }
+        Err(e @ Error::FingerprintMismatch { .. }) => {
+            sh.violate(Check::ScopesIsolated, &key.label, e.to_string());
+            (format!("error: {e}"), false)
+        }
+        Err(Error::Store(e)) if !fenced(&e) => {
+            sh.violate(Check::NoStoreErrors, &key.label, e.to_string());
+            (format!("store error: {e}"), false)
+        }
+        Err(
+            e @ (Error::InFlight { .. }
+            | Error::OutcomeUnknown { .. }
+            | Error::FailedRetryable { .. }),
+        ) => (format!("error: {e}"), true),
+        Err(e) => (format!("error: {e}"), false),
+    }
+}
+
+/// A workflow's client: runs the workflow (its steps through their providers with
+/// `Context::call_step`) once. Returns what it got and whether a client would try again.
+async fn workflow_client(
+    exec: Idempotency,
+    key: KeyDef,
+    steps: Vec<KeyDef>,
+    providers: [Arc<SimProvider>; 2],
+    shared: SharedRef,
+) -> (String, bool) {
+    let req = match IdempotentRequest::new(
+        key.id.scope.as_str(),
+        key.id.key.as_str(),
+        key.operation,
+        &key.body,
+    ) {
+        Ok(r) => r.workflow(),
+        Err(e) => return (format!("bad request: {e}"), false),
+    };
+    let r = exec
+        .execute(req, move |ctx| async move {
+            let mut answers = Vec::new();
+            for s in &steps {
+                let step = match idemflow::Step::new(s.operation, &s.body) {
+                    Ok(step) => step,
+                    Err(e) => return Outcome::unknown(format!("bad step: {e}")),
+                };
+                match ctx
+                    .call_step(step, providers[s.provider].as_ref() as &dyn Provider)
+                    .await
+                {
+                    Ok(ex) => {
+                        answers.push(String::from_utf8_lossy(ex.response().body()).into_owned())
+                    }
+                    Err(e) => return Outcome::from_step_error(&e),
+                }
+            }
+            match idemflow::StoredResponse::json(201, &serde_json::json!({"steps": answers})) {
+                Ok(r) => Outcome::Succeeded(r),
+                Err(e) => Outcome::unknown(format!("cannot encode: {e}")),
+            }
+        })
+        .await;
+    let mut sh = shared.lock().unwrap();
+    match r {
+        Ok(ex) => {
+            let resp = ex.response().clone();
+            let g = crate::gate::current_actor()
+                .and_then(|a| sh.claimed_in.get(&(a, key.label.clone())).copied())
+                .unwrap_or_else(|| sh.generation(&key.label));
+            let first = sh.first_response(&key.label, g, &resp);
+            if first != resp {
+                sh.violate(
+                    Check::ReplaysIdentical,
+                    &key.label,
+                    format!(
+                        "got {} {} after {} {}",
+                        resp.status(),
+                        String::from_utf8_lossy(resp.body()),
+                        first.status(),
+                        String::from_utf8_lossy(first.body())
+                    ),
+                );
+            }
+            let said = if ex.is_replay() {
+                "replayed"
+            } else {
+                "executed"
+            };
+            (format!("workflow {said} {}", resp.status()), false)
         }
         Err(e @ Error::FingerprintMismatch { .. }) => {
             sh.violate(Check::ScopesIsolated, &key.label, e.to_string());
@@ -754,7 +916,9 @@ impl Shared {
 }
 
 /// Runs the schedule `seed` against `store` (migrated, empty, used by this schedule only).
-pub async fn run_case(seed: u64, store: Arc<dyn Store>) -> CaseResult {
+/// `with_workflows`: whether the schedule may hold a workflow (the regression seeds replay the
+/// schedules they were found with, from before workflows: they run without).
+pub async fn run_case(seed: u64, store: Arc<dyn Store>, with_workflows: bool) -> CaseResult {
     let mut rng = Rng::new(seed);
     let settings = Settings::draw(&mut rng);
     let shared: SharedRef = Arc::new(Mutex::new(Shared::default()));
@@ -799,11 +963,46 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>) -> CaseResult {
             body: serde_json::json!({"amount": rng.range(1, 12)}),
             provider,
             pk,
+            role: Role::Call,
         });
+    }
+    // Half the schedules hold a workflow of two steps: a keyed charge, then a keyless email
+    // (drawn apart from the main stream, which the regression seeds replay unchanged).
+    let mut wf_rng = Rng::new(seed ^ 0x5EED_F10E);
+    let workflow_retention = Duration::from_millis(wf_rng.range(500, 1500));
+    if with_workflows && wf_rng.chance(500) {
+        let scope = ["a", "b"][rng.below(2) as usize];
+        let id = key_id(scope, "w1");
+        let parent = keys.len();
+        keys.push(KeyDef {
+            label: format!("{scope}/w1"),
+            id: id.clone(),
+            operation: "checkout",
+            body: serde_json::json!({"order": rng.range(1, 12)}),
+            provider: rng.below(2) as usize,
+            pk: String::new(),
+            role: Role::Workflow,
+        });
+        for (position, (operation, provider)) in
+            [("charge", 0), ("email.send", 1)].into_iter().enumerate()
+        {
+            let step = idemflow::workflow::step_key(&id, position as u32);
+            let spec = [&pay, &mail][provider].key_spec();
+            let pk = spec.derive(&step.scope, &step.key, operation);
+            keys.push(KeyDef {
+                label: format!("{}/{}", step.scope, step.key),
+                id: step,
+                operation,
+                body: serde_json::json!({"amount": rng.range(1, 12)}),
+                provider,
+                pk,
+                role: Role::Step(parent, position as u32),
+            });
+        }
     }
     {
         let mut sh = shared.lock().unwrap();
-        for k in &keys {
+        for k in keys.iter().filter(|k| k.role != Role::Workflow) {
             sh.labels.insert(k.pk.clone(), k.label.clone());
         }
     }
@@ -822,6 +1021,7 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>) -> CaseResult {
         .takeover
         .then(|| settings.window.saturating_sub(settings.margin));
     let executors = [exec(takeover, "worker-pay"), exec(None, "worker-mail")];
+    let workflow_exec = exec(takeover, "worker-flow").retention(workflow_retention);
     let mut w = World {
         rng,
         settings: settings.clone(),
@@ -832,6 +1032,7 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>) -> CaseResult {
         providers: [pay, mail],
         registry,
         executors,
+        workflow_exec,
         slots: Vec::new(),
         next_id: 1,
         existed: BTreeSet::new(),
@@ -912,10 +1113,10 @@ async fn run_steps(w: &mut World) -> Result<(), String> {
             }
             a @ 0..=3 => {
                 let kind = match a {
-                    0 => Kind::Client(
-                        w.rng.below(w.keys.len() as u64) as usize,
-                        w.rng.range(1, 3) as u32,
-                    ),
+                    0 => {
+                        let k = w.rng.below(w.keys.len() as u64) as usize;
+                        Kind::Client(w.client_key(k), w.rng.range(1, 3) as u32)
+                    }
                     1 => Kind::Sweeper,
                     2 => Kind::Operator(w.rng.below(w.keys.len() as u64) as usize),
                     _ => Kind::Purge,

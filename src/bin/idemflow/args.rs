@@ -67,6 +67,10 @@ pub struct ReconcileArgs {
     /// Lease owner name (overrides [sweeper] owner).
     #[arg(long)]
     pub owner: Option<String>,
+    /// Serve the metrics in Prometheus text format at http://ADDR/metrics while reconciling
+    /// (e.g. 127.0.0.1:9464; docs/operations.md lists them).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// `purge` options.

@@ -122,6 +122,9 @@ async fn reconcile(cli: &Cli, url: &str, args: &ReconcileArgs) -> anyhow::Result
             "idemflow: no --config given: no providers are registered, so every key that names a provider is left for an operator"
         );
     }
+    if let Some(addr) = args.metrics_addr {
+        serve_metrics(addr)?;
+    }
     let store = connect_store(url, false).await?;
     let mut sweeper = file.sweeper.apply(Sweeper::new(store.clone(), providers));
     if let Some(b) = args.batch {
@@ -176,6 +179,18 @@ async fn reconcile(cli: &Cli, url: &str, args: &ReconcileArgs) -> anyhow::Result
             })
         }
     }
+}
+
+/// Installs the Prometheus exporter, serving `GET /metrics` on `addr` (the library only
+/// records through the `metrics` facade).
+fn serve_metrics(addr: std::net::SocketAddr) -> anyhow::Result<()> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .with_context(|| format!("cannot serve metrics on {addr}"))?;
+    idemflow::telemetry::describe();
+    eprintln!("idemflow: metrics at http://{addr}/metrics");
+    Ok(())
 }
 
 async fn finish_sweep(
@@ -398,11 +413,80 @@ async fn inspect(cli: &Cli, store: &Arc<dyn Store>, id: &KeyId) -> anyhow::Resul
     if record.is_none() && history.is_empty() {
         bail!("no idempotency key {id} (and no history for it)");
     }
-    let j = json!({
+    let is_workflow = record
+        .as_ref()
+        .is_some_and(|r| r.provider.as_deref() == Some(idemflow::workflow::WORKFLOW_PROVIDER));
+    let steps = if is_workflow {
+        idemflow::workflow::steps(&**store, id)
+            .await
+            .map_err(store_err)?
+    } else {
+        Vec::new()
+    };
+    let recovery = idemflow::workflow::recovery_point(&steps);
+    let mut step_histories = Vec::with_capacity(steps.len());
+    for s in &steps {
+        let step_id = KeyId::new(s.scope.clone(), s.key.clone());
+        step_histories.push(store.history(&step_id).await.map_err(store_err)?);
+    }
+    let mut j = json!({
         "key": record.as_ref().map(record_json),
         "history": history,
     });
-    out(cli, j, || human_record(id, record.as_ref(), &history));
+    if is_workflow {
+        j["steps"] = steps
+            .iter()
+            .zip(&step_histories)
+            .enumerate()
+            .map(|(position, (s, history))| {
+                json!({
+                    "position": position, "name": s.operation, "key": s.key, "state": s.state,
+                    "provider": s.provider, "provider_key": s.provider_key,
+                    "attempts": s.attempts, "error": s.error,
+                    "response": s.response.as_ref().map(response_json),
+                    "history": history,
+                })
+            })
+            .collect();
+        j["recovery_point"] =
+            recovery.map_or(Value::Null, |(p, n)| json!({"position": p, "name": n}));
+    }
+    out(cli, j, || {
+        let mut t = human_record(id, record.as_ref(), &history);
+        if is_workflow {
+            t.push_str(&format!(
+                "\nrecovery point {}",
+                recovery.map_or_else(
+                    || "none (no step finished yet)".to_owned(),
+                    |(p, n)| format!("step {p} ({n})")
+                )
+            ));
+            t.push_str("\nsteps:");
+            for (position, (s, history)) in steps.iter().zip(&step_histories).enumerate() {
+                t.push_str(&format!(
+                    "\n  {position:<3} {:<16} {:<20} provider {} (provider key {})  attempts {}  {}",
+                    s.operation,
+                    s.state.to_string(),
+                    s.provider.as_deref().unwrap_or("-"),
+                    s.provider_key,
+                    s.attempts,
+                    s.error.as_deref().unwrap_or("")
+                ));
+                for e in history {
+                    t.push_str(&format!(
+                        "\n        #{:<4} {}  {:<8} {} -> {}  {}",
+                        e.seq,
+                        e.at.to_rfc3339(),
+                        e.actor.as_str(),
+                        state_name(e.from),
+                        state_name(e.to),
+                        e.reason.as_deref().unwrap_or("")
+                    ));
+                }
+            }
+        }
+        t
+    });
     Ok(Exit::Ok)
 }
 

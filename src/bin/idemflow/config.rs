@@ -136,13 +136,14 @@ fn providers_with_env(
         if reg.get(&name).is_some() {
             bail!("config file {file}: provider {name:?} is configured twice");
         }
-        // Resend's lookup re-sends: it keeps at least the sweeper's margin.
+        // Resend's, Adyen's and PayPal's lookups re-send: they keep at least the sweeper's
+        // margin.
         let sweeper_margin = config
             .sweeper
             .redrive_margin
             .unwrap_or(idemflow::provider::DEFAULT_REDRIVE_MARGIN);
         let mut pc = pc.clone();
-        if pc.kind == "resend" {
+        if matches!(pc.kind.as_str(), "resend" | "adyen" | "paypal") {
             match pc.redrive_margin {
                 None => pc.redrive_margin = Some(sweeper_margin),
                 Some(m) if m < sweeper_margin => bail!(

@@ -31,12 +31,14 @@ use tracing::{Instrument, instrument};
 use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 use super::{
     ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
-    fenced_write, millis, refused_write,
+    claimable, fenced_write, millis, refused_write,
 };
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
+use crate::store::known_keys::{self, KnownKeys};
 
+mod atomic;
 mod sql;
 
 const BACKEND: &str = "mysql";
@@ -202,6 +204,9 @@ fn pool_error(max_connections: u32, waited: Duration, e: sqlx::Error) -> StoreEr
 #[derive(Debug, Clone)]
 pub struct MySqlStore {
     pool: MySqlPool,
+    /// Keys this store has seen exist: their claims read first (a replay is one plain read,
+    /// cheaper than the claim procedure's call); any other claim calls the procedure first.
+    known: KnownKeys,
 }
 
 impl MySqlStore {
@@ -235,6 +240,17 @@ impl MySqlStore {
         }
         let connect = MySqlConnectOptions::from_str(url)
             .map_err(|e| StoreError::Config(format!("bad MySQL URL: {e}")))?;
+        // One connection first, within the acquire timeout: a failure is named at once (see
+        // `PostgresStore::connect_with`).
+        let first = super::connect_error::within(
+            BACKEND,
+            url,
+            options.acquire_timeout,
+            <sqlx::MySqlConnection as sqlx::Connection>::connect_with(&connect),
+            super::connect_error::sqlx_cause,
+        )
+        .await?;
+        let _ = sqlx::Connection::close(first).await;
         let pool = MySqlPoolOptions::new()
             .max_connections(options.max_connections)
             .min_connections(options.min_connections.min(options.max_connections))
@@ -252,7 +268,10 @@ impl MySqlStore {
 
     /// Uses a pool you manage.
     pub fn from_pool(pool: MySqlPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            known: KnownKeys::new(known_keys::DEFAULT_SLOTS),
+        }
     }
 
     /// The pool (for tests and tools that need raw access).
@@ -550,6 +569,18 @@ impl Store for MySqlStore {
 
     #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
+        // A key seen before is most likely there: a plain read settles a replay or an
+        // in-flight duplicate (the procedure decides everything else, atomically).
+        if self.known.contains(known_keys::of(&claim.id))
+            && let Some((record, now)) = self.read_with_now(&claim.id).await?
+            && !claimable(claim, &record, now)
+        {
+            return Ok(ClaimOutcome::Existing {
+                record: Box::new(record),
+                now,
+            });
+        }
+        self.known.insert(known_keys::of(&claim.id));
         for _ in 0..3 {
             let nonce = nonce();
             let Some(row) = self.claim_call(claim, nonce).await? else {

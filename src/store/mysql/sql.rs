@@ -49,6 +49,18 @@ pub(super) const FINISH: &str = "CALL idempotency_keys_finish(?, ?, ?, ?, ?, ?, 
 
 /// The lease renewal, one round trip (`idempotency_keys_extend`): the new expiry, or no row when
 /// the fence refused it. Parameters: scope, key, token, lease µs.
+/// An atomic phase's record of its step (`workflow::AtomicPhase`): the fenced finish into `done`
+/// as `idempotency_keys_finish` does it, as a plain statement inside the application's
+/// transaction (the procedure has a transaction of its own); the update trigger writes the
+/// history row. No column reads another the statement assigns, so assignment order is moot.
+pub(super) const ATOMIC_DONE: &str = "UPDATE idempotency_keys SET state = 'done', retryable = FALSE, \
+    response_status = ?, response_headers = ?, response_body = ?, error = NULL, \
+    lease_owner = NULL, lease_expires_at = NULL, updated_at = UTC_TIMESTAMP(6), \
+    expires_at = UTC_TIMESTAMP(6) + INTERVAL (retention_ms * 1000) MICROSECOND, \
+    next_check_at = NULL, version = version + 1, last_actor = 'worker', last_reason = ?, \
+    claim_nonce = NULL \
+    WHERE scope = ? AND `key` = ? AND state = 'processing' AND lease_token = ?";
+
 pub(super) const EXTEND: &str = "CALL idempotency_keys_extend(?, ?, ?, ?)";
 
 /// Parameters: recheck µs or NULL, error, actor, reason, actor, actor, scope, key, token.

@@ -34,6 +34,7 @@ use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 
+mod atomic;
 mod sql;
 
 const BACKEND: &str = "postgres";
@@ -189,6 +190,18 @@ impl PostgresStore {
         }
         let connect = PgConnectOptions::from_str(url)
             .map_err(|e| StoreError::Config(format!("bad PostgreSQL URL: {e}")))?;
+        // One connection first, within the acquire timeout, so a server that is down, a wrong
+        // password or a missing database is named at once (a pool would retry until its
+        // timeout and report only that it timed out).
+        let first = super::connect_error::within(
+            BACKEND,
+            url,
+            options.acquire_timeout,
+            <sqlx::PgConnection as sqlx::Connection>::connect_with(&connect),
+            super::connect_error::sqlx_cause,
+        )
+        .await?;
+        let _ = sqlx::Connection::close(first).await;
         let pool = PgPoolOptions::new()
             .max_connections(options.max_connections)
             .min_connections(options.min_connections.min(options.max_connections))
@@ -229,6 +242,31 @@ impl PostgresStore {
             Some(row) => Ok(Some((decode_record(&row)?, row.time_at("db_now")?))),
         }
     }
+}
+
+/// The finish statement of `id` (fenced by `token`), for the pool or an atomic phase's
+/// transaction.
+fn finish_query<'q>(
+    id: &'q KeyId,
+    token: Option<LeaseToken>,
+    finish: &'q Finish,
+    status: Option<i32>,
+    headers: Option<String>,
+    body: Option<&'q [u8]>,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql::FINISH)
+        .bind(id.scope.as_str())
+        .bind(id.key.as_str())
+        .bind(finish.to.as_str())
+        .bind(finish.to.is_retryable())
+        .bind(status)
+        .bind(headers)
+        .bind(body)
+        .bind(finish.error.as_deref())
+        .bind(token.map(|t| t.0))
+        .bind(finish.actor.as_str())
+        .bind(&finish.reason)
+        .bind(finish.expect_token.map(|t| t.0))
 }
 
 impl SqlRow for PgRow {
@@ -326,19 +364,7 @@ impl Store for PostgresStore {
     ) -> Result<KeyRecord, StoreError> {
         check_finish(token, finish.to)?;
         let (status, headers, body) = finish.response_columns();
-        let row = sqlx::query(sql::FINISH)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(finish.to.as_str())
-            .bind(finish.to.is_retryable())
-            .bind(status)
-            .bind(headers)
-            .bind(body)
-            .bind(finish.error.as_deref())
-            .bind(token.map(|t| t.0))
-            .bind(finish.actor.as_str())
-            .bind(&finish.reason)
-            .bind(finish.expect_token.map(|t| t.0))
+        let row = finish_query(id, token, finish, status, headers, body)
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| self.err(e))?;

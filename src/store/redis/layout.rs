@@ -49,11 +49,9 @@ pub(super) fn unmember(m: &str) -> Option<(String, String)> {
     Some((unescape(s)?, unescape(k)?))
 }
 
-/// FNV-1a, 64 bits: a member's bucket and its known-keys hint slot.
+/// FNV-1a, 64 bits, of a member: its bucket and its known-keys hint slot.
 pub(super) fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    crate::store::known_keys::fnv1a(s.as_bytes())
 }
 
 pub(super) fn validate_prefix(prefix: &str) -> Result<(), StoreError> {

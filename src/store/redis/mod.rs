@@ -46,11 +46,10 @@
 //! records the expiry ("expired by Redis before purge") in a new history.
 
 // One file per job: `layout` (members, buckets, key names), `decode` (replies, key hashes and
-// history entries), `hint` (the known-keys hint), `config` (`RedisConfig`) and `store` (the
+// history entries), `config` (`RedisConfig`) and `store` (the
 // `Store` impl and its script calls); `common.lua` is prepended to every `*.lua` script.
 mod config;
 mod decode;
-mod hint;
 mod layout;
 mod store;
 

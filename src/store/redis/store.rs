@@ -16,14 +16,15 @@ use tracing::instrument;
 use super::decode::{
     array, history_of, int, maybe_record, member_records, record, record_of, refusal, text,
 };
-use super::hint::KnownKeys;
-use super::layout::{Keys, Layout, member, unmember, validate_prefix};
+use super::layout::{Keys, Layout, fnv1a, member, unmember, validate_prefix};
 use super::{BACKEND, FORMAT_VERSION, RedisConfig, corrupt, db};
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 use crate::state::KeyState;
 use crate::state::Transition;
+use crate::store::connect_error::{redis_cause, within};
+use crate::store::known_keys::KnownKeys;
 use crate::store::rows::ms_to_time;
 use crate::store::{
     ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
@@ -213,7 +214,16 @@ impl RedisStore {
                 .retries(2)
                 .build()
                 .map_err(|e| StoreError::Config(format!("bad Redis Cluster URL: {e}")))?;
-            RedisConnection::Cluster(client.get_async_connection().await.map_err(db)?)
+            RedisConnection::Cluster(
+                within(
+                    BACKEND,
+                    &config.url,
+                    config.connection_timeout + Duration::from_secs(1),
+                    client.get_async_connection(),
+                    redis_cause,
+                )
+                .await?,
+            )
         } else {
             let client = redis::Client::open(config.url.as_str())
                 .map_err(|e| StoreError::Config(format!("bad Redis URL: {e}")))?;
@@ -222,9 +232,14 @@ impl RedisStore {
                 .set_connection_timeout(Some(config.connection_timeout))
                 .set_number_of_retries(2);
             RedisConnection::Single(
-                ConnectionManager::new_with_config(client, cm)
-                    .await
-                    .map_err(db)?,
+                within(
+                    BACKEND,
+                    &config.url,
+                    config.connection_timeout + Duration::from_secs(1),
+                    ConnectionManager::new_with_config(client, cm),
+                    redis_cause,
+                )
+                .await?,
             )
         };
         Ok(Self::from_connection(con, config))
@@ -427,7 +442,7 @@ impl Store for RedisStore {
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         let m = member(&claim.id);
         let k = self.layout.keys(&m);
-        if self.known.contains(&m) {
+        if self.known.contains(fnv1a(&m)) {
             // The script decides again, atomically; this read only spares it for keys that
             // exist and are not claimable (replays, in-flight keys, other requests).
             if let (Some(record), now) = self.snapshot(&claim.id, &k.rec).await?
@@ -455,7 +470,7 @@ impl Store for RedisStore {
             inv.arg(t.claim_reason().unwrap_or_default());
         }
         let reply = array(self.invoke(&inv).await?)?;
-        self.known.insert(&m);
+        self.known.insert(fnv1a(&m));
         match text(reply.first()).as_deref() {
             Some("claimed") => Ok(ClaimOutcome::Claimed(Self::lease(&reply)?)),
             Some("existing") => {

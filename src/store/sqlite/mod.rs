@@ -36,7 +36,9 @@ use super::{
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
+use crate::store::known_keys::{self, KnownKeys};
 
+mod atomic;
 mod sql;
 mod writer;
 
@@ -122,7 +124,7 @@ pub struct SqliteStore {
     writer_pool: SqlitePool,
     reader: SqlitePool,
     /// Keys this store has claimed, finished or found: their claims read first.
-    seen: Arc<Seen>,
+    seen: KnownKeys,
     /// For `sqlite::memory:`: one more connection to the same database, never used, so the
     /// database outlives its pooled connection (see [`MemoryKeeper`]).
     _keeper: Option<MemoryKeeper>,
@@ -140,47 +142,6 @@ struct MemoryKeeper(#[allow(dead_code)] Arc<tokio::sync::Mutex<SqliteConnection>
 impl std::fmt::Debug for MemoryKeeper {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("MemoryKeeper")
-    }
-}
-
-/// Hashes of the keys this store has seen exist (claimed, found or finished), at most
-/// [`Seen::CAPACITY`], oldest forgotten first. Only a hint for the claim's first statement: a
-/// seen key is read first on a reader (a replay or a duplicate is then one read), an unseen one
-/// is written first (a new key is then one statement). Both paths are correct for every key; a
-/// wrong hint (a hash collision, a key purged since, another process) costs one statement.
-#[derive(Debug, Default)]
-struct Seen(
-    std::sync::Mutex<(
-        std::collections::HashSet<u64>,
-        std::collections::VecDeque<u64>,
-    )>,
-);
-
-impl Seen {
-    const CAPACITY: usize = 65_536;
-
-    fn hash(id: &KeyId) -> u64 {
-        use std::hash::{BuildHasher, BuildHasherDefault};
-        BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(id)
-    }
-
-    fn contains(&self, id: &KeyId) -> bool {
-        let h = Self::hash(id);
-        self.0.lock().map(|s| s.0.contains(&h)).unwrap_or(false)
-    }
-
-    fn insert(&self, id: &KeyId) {
-        let h = Self::hash(id);
-        if let Ok(mut s) = self.0.lock()
-            && s.0.insert(h)
-        {
-            s.1.push_back(h);
-            if s.1.len() > Self::CAPACITY
-                && let Some(old) = s.1.pop_front()
-            {
-                s.0.remove(&old);
-            }
-        }
     }
 }
 
@@ -252,7 +213,7 @@ impl SqliteStore {
             writer: Writer::new(writer.clone()),
             writer_pool: writer,
             reader,
-            seen: Arc::new(Seen::default()),
+            seen: KnownKeys::new(known_keys::DEFAULT_SLOTS),
             _keeper: None,
         }
     }
@@ -466,7 +427,7 @@ impl Store for SqliteStore {
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         // A key seen before is most likely there: read first, on a reader, so replays and
         // in-flight duplicates never queue behind the writer. Any other key: write first.
-        if self.seen.contains(&claim.id)
+        if self.seen.contains(known_keys::of(&claim.id))
             && let Some((record, now)) = self.claim_read(&claim.id).await?
             && !claimable(claim, &record, now)
         {
@@ -476,7 +437,7 @@ impl Store for SqliteStore {
             });
         }
         let outcome = self.claim_write(claim).await?;
-        self.seen.insert(&claim.id);
+        self.seen.insert(known_keys::of(&claim.id));
         Ok(outcome)
     }
 
@@ -520,7 +481,7 @@ impl Store for SqliteStore {
             .await?;
         match row {
             Some(record) => {
-                self.seen.insert(id);
+                self.seen.insert(known_keys::of(id));
                 Ok(record)
             }
             None => Err(refused_write(self, id, token.or(finish.expect_token)).await),

@@ -1,0 +1,146 @@
+//! Adyen Checkout payments (feature `http`).
+//!
+//! `call` sends `POST /v71/payments` with the canonical JSON request as the body (Adyen's own
+//! fields: `amount`, `reference`, `paymentMethod`, `merchantAccount`, ...), `Idempotency-Key:
+//! <provider key>` (at most 64 characters, so keys are derived with `max_len` 64) and the API
+//! key in `X-API-Key`.
+//!
+//! Adyen keeps a key for at least 31 days and answers a same-key re-send with "the response to
+//! the first attempt"; it has no replay marker (the `Idempotency-Key` header it echoes is on
+//! every answer). So the adapter's retry loop re-sends after an unknown outcome, the sweeper
+//! re-drives inside the window, and `lookup` is a re-send while the key is surely remembered
+//! (younger than 31 days minus [`Adyen::redrive_margin`]): Adyen has no search by our key.
+//!
+//! | Adyen answers                                                 | [`CallOutcome`]             |
+//! |---------------------------------------------------------------|-----------------------------|
+//! | 2xx, `resultCode` `Refused`, `Cancelled` or `Error`           | `Rejected` (the answer is stored) |
+//! | 2xx, any other `resultCode` (`Authorised`, `Pending`, ...)     | `Succeeded`                 |
+//! | 400, 404, 422 (validation, unknown merchant account, ...)      | `Rejected`                  |
+//! | 401, 403 (API key or permissions: nothing was done)            | `Retryable`                 |
+//! | 409 (not documented by Adyen; treated as "a request with this key is running") | `InFlight` |
+//! | 429                                                            | `Retryable { retry_after }` |
+//! | 5xx, anything else, timeouts after sending                     | `Unknown`                   |
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+
+use super::endpoint::{Auth, Endpoint, http_adapter};
+use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::replay::ReplayLookup;
+use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
+
+/// Adyen's Checkout API base (test environment; live accounts use their own prefix URL).
+pub const DEFAULT_BASE_URL: &str = "https://checkout-test.adyen.com";
+/// The payments path.
+pub const PAYMENTS_PATH: &str = "/v71/payments";
+/// How long Adyen remembers a key (at least).
+pub const RETENTION: Duration = Duration::from_secs(31 * 24 * 3600);
+/// The longest key Adyen accepts.
+pub const KEY_MAX_LEN: usize = 64;
+/// Default margin kept before the end of [`RETENTION`] when re-sending as a lookup.
+pub const DEFAULT_REDRIVE_MARGIN: Duration = super::DEFAULT_REDRIVE_MARGIN;
+
+const KEPT_HEADERS: &[&str] = &["pspreference", "idempotency-key"];
+
+/// Adyen Checkout `/payments`.
+#[derive(Debug, Clone)]
+pub struct Adyen {
+    endpoint: Endpoint,
+    redrive_margin: Duration,
+}
+
+http_adapter!(Adyen {
+    name: "adyen",
+    key: "an API key (sent as `X-API-Key`)",
+    auth: Auth::Header("X-API-Key"),
+    headers: &[("Accept", "application/json")],
+    defaults: { redrive_margin: DEFAULT_REDRIVE_MARGIN },
+});
+
+impl Adyen {
+    /// Sets the margin kept before the end of Adyen's 31-day key window: `lookup` re-sends only
+    /// while `age + margin < 31 days`. Keep it at least the sweeper's `redrive_margin`.
+    pub fn redrive_margin(mut self, margin: Duration) -> Self {
+        self.redrive_margin = margin;
+        self
+    }
+
+    fn classify(reply: &HttpReply) -> Classified {
+        let message = reply.message("/message");
+        let status = reply.status;
+        let outcome = match status {
+            200..=299 => {
+                let result = reply.json_str("/resultCode").unwrap_or_default();
+                if matches!(result.as_str(), "Refused" | "Cancelled" | "Error") {
+                    CallOutcome::Rejected {
+                        response: reply.to_response(KEPT_HEADERS),
+                    }
+                } else {
+                    CallOutcome::Succeeded {
+                        response: reply.to_response(KEPT_HEADERS),
+                        replayed: false,
+                    }
+                }
+            }
+            401 | 403 => CallOutcome::Retryable {
+                reason: format!("Adyen refused the API key ({status}), nothing was done: {message}"),
+                retry_after: None,
+            },
+            409 => CallOutcome::InFlight {
+                retry_after: reply.retry_after(),
+            },
+            400 | 404 | 405 | 413 | 415 | 422 => CallOutcome::Rejected {
+                response: reply.to_response(KEPT_HEADERS),
+            },
+            _ => classify_status(reply),
+        };
+        Classified::new(outcome)
+    }
+}
+
+#[async_trait]
+impl Provider for Adyen {
+    fn name(&self) -> &str {
+        self.endpoint.name()
+    }
+
+    fn key_spec(&self) -> KeySpec {
+        KeySpec {
+            max_len: KEY_MAX_LEN,
+            retention: Some(RETENTION),
+            replays_same_key: true,
+        }
+    }
+
+    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
+    async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
+        self.endpoint
+            .send(
+                RetryUnknown::SameKeyReplays,
+                PAYMENTS_PATH,
+                |req| req.header("Idempotency-Key", provider_key).json(request),
+                Self::classify,
+            )
+            .await
+    }
+
+    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
+    async fn lookup(
+        &self,
+        provider_key: &str,
+        request: &Value,
+        attempts: Attempts,
+        now: DateTime<Utc>,
+    ) -> Lookup {
+        ReplayLookup {
+            provider: "Adyen",
+            window: RETENTION,
+            margin: self.redrive_margin,
+        }
+        .run(request, attempts, now, self.call(provider_key, request))
+        .await
+    }
+}

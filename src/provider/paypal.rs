@@ -1,0 +1,166 @@
+//! PayPal Orders v2 (feature `http`).
+//!
+//! `call` sends `POST /v2/checkout/orders` with the canonical JSON request as the body (PayPal's
+//! own fields: `intent`, `purchase_units`, `payment_source`, ...), `PayPal-Request-Id: <provider
+//! key>` (1 to 108 characters for Orders v2, so keys are derived with `max_len` 108) and an OAuth
+//! access token as `Authorization: Bearer` (the adapter does not fetch or refresh the token).
+//!
+//! A re-send with the same `PayPal-Request-Id` does not act again: PayPal "returns the **latest
+//! status** of the previous request", the order as it stands *now* (approved, completed,
+//! voided), not the first answer. Orders v2 keeps the id for only **6 hours** (72 h on request
+//! through an account manager: set [`PayPal::retention`]). So the adapter's retry loop re-sends
+//! after an unknown outcome, the sweeper re-drives inside the window less its margin, and
+//! `lookup` is a re-send there too: whatever the order's state, the order was created by the
+//! call, so the current order settles the key as done (`COMPLETED` -> done with the completed
+//! order, `CREATED` / `APPROVED` -> done with the order awaiting the buyer, and so on). Past the
+//! window less [`PayPal::redrive_margin`] nothing is re-sent and the key needs an operator
+//! (Transaction Search lags up to 3 h and cannot filter by our id).
+//!
+//! | PayPal answers                                                  | [`CallOutcome`]             |
+//! |-----------------------------------------------------------------|-----------------------------|
+//! | 2xx (the order, as it stands)                                    | `Succeeded`                 |
+//! | 422 `PAYPAL_REQUEST_ID_PREVIOUSLY_USED` / `DUPLICATE_REQUEST_ID` | `KeyConflict`               |
+//! | 400, 404, 422 (`INVALID_REQUEST`, `UNPROCESSABLE_ENTITY`: e.g. `INSTRUMENT_DECLINED`) | `Rejected` |
+//! | 401, 403 (token or permissions: nothing was done)                | `Retryable`                 |
+//! | 409 (two requests with one id at once: "might fail the second")  | `InFlight`                  |
+//! | 429 (`RATE_LIMIT_REACHED`)                                       | `Retryable { retry_after }` |
+//! | 5xx, anything else, timeouts after sending                       | `Unknown`                   |
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+
+use super::endpoint::{Auth, Endpoint, http_adapter};
+use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::replay::ReplayLookup;
+use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
+
+/// PayPal's REST API base (live; the sandbox is `https://api-m.sandbox.paypal.com`).
+pub const DEFAULT_BASE_URL: &str = "https://api-m.paypal.com";
+/// Create order.
+pub const ORDERS_PATH: &str = "/v2/checkout/orders";
+/// How long Orders v2 keeps a `PayPal-Request-Id` by default.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(6 * 3600);
+/// The longest `PayPal-Request-Id` Orders v2 accepts.
+pub const KEY_MAX_LEN: usize = 108;
+/// Default margin kept before the end of the retention when re-sending as a lookup.
+pub const DEFAULT_REDRIVE_MARGIN: Duration = super::DEFAULT_REDRIVE_MARGIN;
+
+const KEPT_HEADERS: &[&str] = &["paypal-debug-id"];
+
+/// PayPal Orders v2 (create order).
+#[derive(Debug, Clone)]
+pub struct PayPal {
+    endpoint: Endpoint,
+    retention: Duration,
+    redrive_margin: Duration,
+}
+
+http_adapter!(PayPal {
+    name: "paypal",
+    key: "an OAuth access token",
+    auth: Auth::Bearer,
+    headers: &[("Prefer", "return=representation")],
+    defaults: { retention: DEFAULT_RETENTION, redrive_margin: DEFAULT_REDRIVE_MARGIN },
+});
+
+impl PayPal {
+    /// Sets how long PayPal keeps a `PayPal-Request-Id` for this account (default 6 h; 72 h
+    /// when PayPal raised it). Never set it longer than PayPal confirmed.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// Sets the margin kept before the end of the retention: `lookup` re-sends only while
+    /// `age + margin < retention`. Keep it at least the sweeper's `redrive_margin`.
+    pub fn redrive_margin(mut self, margin: Duration) -> Self {
+        self.redrive_margin = margin;
+        self
+    }
+
+    fn classify(reply: &HttpReply) -> Classified {
+        let status = reply.status;
+        let name = reply.json_str("/name").unwrap_or_default();
+        let issue = reply.json_str("/details/0/issue").unwrap_or_default();
+        let message = reply.message("/message");
+        let outcome = match status {
+            200..=299 => CallOutcome::Succeeded {
+                response: reply.to_response(KEPT_HEADERS),
+                replayed: false,
+            },
+            _ if matches!(
+                issue.as_str(),
+                "PAYPAL_REQUEST_ID_PREVIOUSLY_USED" | "DUPLICATE_REQUEST_ID"
+            ) || matches!(
+                name.as_str(),
+                "PAYPAL_REQUEST_ID_PREVIOUSLY_USED" | "DUPLICATE_REQUEST_ID"
+            ) =>
+            {
+                CallOutcome::KeyConflict {
+                    detail: format!("{name} {issue}: {message}"),
+                }
+            }
+            401 | 403 => CallOutcome::Retryable {
+                reason: format!(
+                    "PayPal refused the access token ({status} {name}), nothing was done: {message}"
+                ),
+                retry_after: None,
+            },
+            409 => CallOutcome::InFlight {
+                retry_after: reply.retry_after(),
+            },
+            400 | 404 | 405 | 415 | 422 => CallOutcome::Rejected {
+                response: reply.to_response(KEPT_HEADERS),
+            },
+            _ => classify_status(reply),
+        };
+        Classified::new(outcome)
+    }
+}
+
+#[async_trait]
+impl Provider for PayPal {
+    fn name(&self) -> &str {
+        self.endpoint.name()
+    }
+
+    fn key_spec(&self) -> KeySpec {
+        KeySpec {
+            max_len: KEY_MAX_LEN,
+            retention: Some(self.retention),
+            replays_same_key: true,
+        }
+    }
+
+    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
+    async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
+        self.endpoint
+            .send(
+                RetryUnknown::SameKeyReplays,
+                ORDERS_PATH,
+                |req| req.header("PayPal-Request-Id", provider_key).json(request),
+                Self::classify,
+            )
+            .await
+    }
+
+    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
+    async fn lookup(
+        &self,
+        provider_key: &str,
+        request: &Value,
+        attempts: Attempts,
+        now: DateTime<Utc>,
+    ) -> Lookup {
+        ReplayLookup {
+            provider: "PayPal",
+            window: self.retention,
+            margin: self.redrive_margin,
+        }
+        .run(request, attempts, now, self.call(provider_key, request))
+        .await
+    }
+}

@@ -1,0 +1,120 @@
+//! Lookups by same-key re-send (feature `http`): for providers that answer a re-send with the
+//! same key inside their dedup window from their own records (Adyen, PayPal, Square) and offer
+//! no way to find a request by our key, the lookup *is* the re-send, allowed only while the key
+//! is surely still remembered.
+//!
+//! | Situation                                                   | [`Lookup`]                   |
+//! |-------------------------------------------------------------|------------------------------|
+//! | the request was not stored (`Null`)                         | `NeedsOperator`, nothing sent |
+//! | first sent `window - margin` ago or earlier                 | `NeedsOperator`, nothing sent |
+//! | re-send answered `Succeeded` / `Rejected`                   | `Found(..)`                  |
+//! | re-send answered `Retryable` / `InFlight`                   | `Unknown { retry_after }`    |
+//! | re-send answered `KeyConflict`                              | `NeedsOperator`              |
+//! | re-send outcome unknown                                     | `Unknown`                    |
+
+use std::future::Future;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+
+use super::{Attempts, CallOutcome, Lookup};
+use crate::Outcome;
+
+/// One lookup by re-send.
+#[derive(Debug, Clone, Copy)]
+pub struct ReplayLookup<'a> {
+    /// The provider's name, for messages.
+    pub provider: &'a str,
+    /// How long the provider remembers a key, counted from the first send.
+    pub window: Duration,
+    /// The margin kept before the end of `window`.
+    pub margin: Duration,
+}
+
+impl ReplayLookup<'_> {
+    /// Whether a re-send of a request first sent at `attempts.first_sent_at` is still inside
+    /// the window less the margin at `now` (database clock); `Err` holds the reason when not.
+    pub fn check(
+        &self,
+        request: &Value,
+        attempts: Attempts,
+        now: DateTime<Utc>,
+    ) -> Result<(), String> {
+        if request.is_null() {
+            return Err(format!(
+                "the request was not stored, so it cannot be re-sent, and {} cannot be searched by our key",
+                self.provider
+            ));
+        }
+        let age = (now - attempts.first_sent_at).to_std().unwrap_or_default();
+        if age.saturating_add(self.margin) >= self.window {
+            return Err(format!(
+                "first sent {}s ago, within {}s of the end of {}'s {}s key window or past it: a re-send could act twice, and {} cannot be searched by our key",
+                age.as_secs(),
+                self.margin.as_secs(),
+                self.provider,
+                self.window.as_secs(),
+                self.provider
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs the lookup: checks the window, then re-sends with `resend` and reads its answer.
+    pub async fn run<F>(
+        &self,
+        request: &Value,
+        attempts: Attempts,
+        now: DateTime<Utc>,
+        resend: F,
+    ) -> Lookup
+    where
+        F: Future<Output = CallOutcome>,
+    {
+        if let Err(reason) = self.check(request, attempts, now) {
+            return Lookup::NeedsOperator { reason };
+        }
+        answer_of_resend(self.provider, resend.await)
+    }
+}
+
+/// What a same-key re-send's answer says about the first send.
+pub fn answer_of_resend(provider: &str, outcome: CallOutcome) -> Lookup {
+    match outcome {
+        CallOutcome::Succeeded { response, .. } => Lookup::Found(Outcome::Succeeded(response)),
+        CallOutcome::Rejected { response } => Lookup::Found(Outcome::Rejected(response)),
+        CallOutcome::Retryable { retry_after, .. } | CallOutcome::InFlight { retry_after } => {
+            Lookup::Unknown { retry_after }
+        }
+        CallOutcome::KeyConflict { detail } => Lookup::NeedsOperator {
+            reason: format!("{provider} holds this key for another request: {detail}"),
+        },
+        CallOutcome::Unknown { reason } => {
+            tracing::warn!(%provider, %reason, "re-send outcome unknown");
+            Lookup::Unknown { retry_after: None }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_window_counts_from_the_first_send_and_keeps_the_margin() {
+        let t0 = DateTime::<Utc>::UNIX_EPOCH;
+        let r = ReplayLookup {
+            provider: "p",
+            window: Duration::from_secs(100),
+            margin: Duration::from_secs(10),
+        };
+        let req = serde_json::json!({"a": 1});
+        let at = |s| t0 + chrono::Duration::seconds(s);
+        assert!(r.check(&req, Attempts::once(t0), at(89)).is_ok());
+        assert!(r.check(&req, Attempts::once(t0), at(90)).is_err());
+        // A later attempt does not reopen the window.
+        assert!(r.check(&req, Attempts::new(t0, at(80)), at(95)).is_err());
+        assert!(r.check(&Value::Null, Attempts::once(t0), at(1)).is_err());
+    }
+}

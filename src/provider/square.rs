@@ -1,0 +1,237 @@
+//! Square payments (feature `http`), with **void by key**.
+//!
+//! `call` sends `POST /v2/payments` with the canonical JSON request as the body (Square's own
+//! fields: `source_id`, `amount_money`, `location_id`, `autocomplete`, ...) and our provider key
+//! as the body's `idempotency_key` (CreatePayment takes at most 45 characters, so keys are
+//! derived with `max_len` 45). A same-key, same-body re-send returns "the first successful
+//! response" and takes no second payment.
+//!
+//! | Square answers                                                  | [`CallOutcome`]             |
+//! |-----------------------------------------------------------------|-----------------------------|
+//! | 2xx with a payment `COMPLETED`, `APPROVED` or `PENDING`          | `Succeeded`                 |
+//! | 2xx with a payment `CANCELED` or `FAILED` (e.g. voided by key)   | `Rejected` (stored as answered) |
+//! | `IDEMPOTENCY_KEY_REUSED` (same key, other body)                  | `KeyConflict`               |
+//! | category `PAYMENT_METHOD_ERROR` (card declined, ...)             | `Rejected`                  |
+//! | other 400, 402, 404, 422 (invalid request)                       | `Rejected`                  |
+//! | 401, 403 (access token or permissions: nothing was done)         | `Retryable`                 |
+//! | 409 (not documented for CreatePayment; a request with this key is running) | `InFlight`        |
+//! | 429 (category `RATE_LIMIT_ERROR`)                                | `Retryable { retry_after }` |
+//! | `TEMPORARY_ERROR` ("safely retry … with the same key"), 5xx, timeouts | `Unknown` (re-sent with the same key) |
+//!
+//! **Void by key.** Square's `CancelPaymentByIdempotencyKey` (`POST /v2/payments/cancel`) is made
+//! "when the status of a CreatePayment request is unknown": it voids the payment made with the
+//! key, and succeeds when there is none. [`Square::void_by_key`] sends it; the sweeper tries it
+//! before a lookup:
+//!
+//! | CancelPaymentByIdempotencyKey answers                   | [`VoidOutcome`]                       |
+//! |---------------------------------------------------------|---------------------------------------|
+//! | 200 without `errors`                                    | `Voided`: nothing stands charged; the key turns retryable |
+//! | 400 / 404 (the payment cannot be voided: it completed or failed) | `Refused`: look it up         |
+//! | 401, 403, 429, 5xx, transport failure                   | `Unknown`                             |
+//!
+//! The void is not sent for a delayed capture (`"autocomplete": false`): it would destroy the
+//! authorisation rather than undo a charge, and Square keeps the key, so the retry could not
+//! authorise again. Such a key is looked up instead ([`VoidOutcome::Unsupported`]).
+//!
+//! `lookup` is a same-key re-send of the stored request, answered from the payment Square holds
+//! under the key. Square does not document how long it remembers a key, so the [`KeySpec`] has
+//! no retention (the sweeper never re-drives), and the sweeper looks a key up only after the void
+//! was refused, which shows Square holds a payment under the key (or for a delayed capture).
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde_json::{Value, json};
+
+use super::endpoint::{Auth, Endpoint, http_adapter};
+use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::replay::answer_of_resend;
+use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider, VoidOutcome};
+use crate::StoredResponse;
+
+/// Square's API base (production; the sandbox is `https://connect.squareupsandbox.com`).
+pub const DEFAULT_BASE_URL: &str = "https://connect.squareup.com";
+/// CreatePayment.
+pub const PAYMENTS_PATH: &str = "/v2/payments";
+/// CancelPaymentByIdempotencyKey.
+pub const CANCEL_BY_KEY_PATH: &str = "/v2/payments/cancel";
+/// The longest `idempotency_key` CreatePayment accepts.
+pub const KEY_MAX_LEN: usize = 45;
+/// The Square API version sent in `Square-Version`.
+pub const API_VERSION: &str = "2025-01-23";
+
+/// Square Payments API (CreatePayment, CancelPaymentByIdempotencyKey).
+#[derive(Debug, Clone)]
+pub struct Square {
+    endpoint: Endpoint,
+}
+
+http_adapter!(Square {
+    name: "square",
+    key: "an access token",
+    auth: Auth::Bearer,
+    headers: &[("Square-Version", API_VERSION), ("Accept", "application/json")],
+    defaults: {},
+});
+
+impl Square {
+    /// The body sent for `request` with `provider_key`: the request with `idempotency_key` set.
+    pub fn body(provider_key: &str, request: &Value) -> Result<Value, String> {
+        let Value::Object(map) = request else {
+            return Err(
+                "a Square request must be a JSON object of CreatePayment fields".to_owned(),
+            );
+        };
+        let mut map = map.clone();
+        map.insert(
+            "idempotency_key".to_owned(),
+            Value::String(provider_key.to_owned()),
+        );
+        Ok(Value::Object(map))
+    }
+
+    fn first_error(reply: &HttpReply) -> (String, String, String) {
+        let body = reply.json().unwrap_or(Value::Null);
+        let e = body.pointer("/errors/0").cloned().unwrap_or(Value::Null);
+        let s = |k: &str| e.get(k).and_then(Value::as_str).unwrap_or("").to_owned();
+        (s("category"), s("code"), s("detail"))
+    }
+
+    fn classify(reply: &HttpReply) -> Classified {
+        let status = reply.status;
+        let (category, code, detail) = Self::first_error(reply);
+        let outcome = match status {
+            200..=299 => {
+                let state = reply.json_str("/payment/status").unwrap_or_default();
+                if matches!(state.as_str(), "CANCELED" | "FAILED") {
+                    CallOutcome::Rejected {
+                        response: reply.to_response(&[]),
+                    }
+                } else {
+                    CallOutcome::Succeeded {
+                        response: reply.to_response(&[]),
+                        replayed: false,
+                    }
+                }
+            }
+            _ if code == "IDEMPOTENCY_KEY_REUSED" => CallOutcome::KeyConflict { detail },
+            _ if code == "TEMPORARY_ERROR" => CallOutcome::Unknown {
+                reason: format!("Square {status} TEMPORARY_ERROR: {detail}"),
+            },
+            _ if category == "PAYMENT_METHOD_ERROR" => CallOutcome::Rejected {
+                response: reply.to_response(&[]),
+            },
+            401 | 403 => CallOutcome::Retryable {
+                reason: format!(
+                    "Square refused the access token ({status} {code}), nothing was done: {detail}"
+                ),
+                retry_after: None,
+            },
+            409 => CallOutcome::InFlight {
+                retry_after: reply.retry_after(),
+            },
+            400 | 402 | 404 | 405 | 413 | 415 | 422 => CallOutcome::Rejected {
+                response: reply.to_response(&[]),
+            },
+            _ => classify_status(reply),
+        };
+        Classified::new(outcome)
+    }
+
+    fn classify_void(reply: &HttpReply) -> VoidOutcome {
+        let status = reply.status;
+        let (_, code, detail) = Self::first_error(reply);
+        let has_errors = reply
+            .json()
+            .and_then(|b| b.get("errors").and_then(Value::as_array).map(|a| !a.is_empty()))
+            .unwrap_or(false);
+        match status {
+            200..=299 if !has_errors => VoidOutcome::Voided {
+                detail: "Square voided the payment made with this key, or there was none"
+                    .to_owned(),
+            },
+            400 | 404 => VoidOutcome::Refused {
+                reason: format!("Square refused to void ({status} {code}): {detail}"),
+            },
+            _ => VoidOutcome::Unknown {
+                reason: format!("Square answered the void with {status} {code}: {detail}"),
+                retry_after: reply.retry_after(),
+            },
+        }
+    }
+}
+
+#[async_trait]
+impl Provider for Square {
+    fn name(&self) -> &str {
+        self.endpoint.name()
+    }
+
+    fn key_spec(&self) -> KeySpec {
+        KeySpec {
+            max_len: KEY_MAX_LEN,
+            retention: None,
+            replays_same_key: true,
+        }
+    }
+
+    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
+    async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
+        let body = match Self::body(provider_key, request) {
+            Ok(b) => b,
+            Err(detail) => {
+                return CallOutcome::Rejected {
+                    response: StoredResponse::json(
+                        400,
+                        &json!({"errors": [{"category": "INVALID_REQUEST_ERROR",
+                                            "code": "BAD_REQUEST", "detail": detail}]}),
+                    )
+                    .unwrap_or_else(|_| StoredResponse::new(400)),
+                };
+            }
+        };
+        self.endpoint
+            .send(
+                RetryUnknown::SameKeyReplays,
+                PAYMENTS_PATH,
+                |req| req.json(&body),
+                Self::classify,
+            )
+            .await
+    }
+
+    #[tracing::instrument(name = "idemflow.provider.void_by_key", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
+    async fn void_by_key(&self, provider_key: &str, request: &Value) -> VoidOutcome {
+        if request.get("autocomplete") == Some(&Value::Bool(false)) {
+            // A delayed capture: voiding would destroy the authorisation under a key Square
+            // keeps; a same-key re-send finds it instead.
+            return VoidOutcome::Unsupported;
+        }
+        let req = self
+            .endpoint
+            .request(reqwest::Method::POST, CANCEL_BY_KEY_PATH)
+            .json(&json!({ "idempotency_key": provider_key }));
+        match self.endpoint.http().send_once(req).await {
+            Ok(reply) => Self::classify_void(&reply),
+            Err(outcome) => VoidOutcome::Unknown {
+                reason: format!("the void did not get an answer: {outcome:?}"),
+                retry_after: None,
+            },
+        }
+    }
+
+    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
+    async fn lookup(
+        &self,
+        provider_key: &str,
+        request: &Value,
+        _attempts: Attempts,
+        _now: DateTime<Utc>,
+    ) -> Lookup {
+        if request.is_null() {
+            return Lookup::NeedsOperator {
+                reason: "the request was not stored, so it cannot be re-sent, and Square cannot be searched by our key".to_owned(),
+            };
+        }
+        answer_of_resend("Square", self.call(provider_key, request).await)
+    }
+}

@@ -1,0 +1,124 @@
+//! A stale workflow key: wait for its steps, then resume it or report it waiting.
+//!
+//! A workflow acts only through its steps, and each step is a key of its own that this sweeper
+//! settles from its provider like any single call. So the workflow key itself is never settled
+//! from a provider: while one of its steps is unsettled it waits (deferred); once all are
+//! settled, a resumer registered for its operation runs it to its end, or, without one, it is
+//! reported as waiting for a resumer (the next client retry continues it).
+
+use chrono::{DateTime, Utc};
+
+use super::decide::{self, Decision};
+use super::report::{SweepReport, Unresolved};
+use super::{KeyResult, Sweeper, lost_or, unresolved};
+use crate::error::{Error, StoreError};
+use crate::record::{Actor, KeyRecord};
+use crate::store::Release;
+use crate::{KeyId, KeyState};
+
+impl Sweeper {
+    pub(super) async fn handle_workflow(
+        &self,
+        id: &KeyId,
+        record: KeyRecord,
+        now: DateTime<Utc>,
+        report: &mut SweepReport,
+    ) -> Result<KeyResult, StoreError> {
+        // Steps first: each is settled as a key of its own (in this batch or a later one).
+        let steps = crate::workflow::steps(&*self.store, id).await?;
+        if let Some((position, step)) = steps
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.state == KeyState::Processing)
+        {
+            tracing::Span::current().record("decision", "wait_for_step");
+            let decision = Decision::Defer {
+                reason: format!(
+                    "workflow waits for its step {position} ({}) to be settled",
+                    step.operation
+                ),
+                retry_after: None,
+            };
+            return self.apply(id, &record, decision).await;
+        }
+        let Some((executor, resume)) = self.resumers.0.get(&record.operation).cloned() else {
+            tracing::Span::current().record("decision", "wait_for_resumer");
+            let reason = format!(
+                "workflow {:?}: every step so far is settled; the next client retry or a \
+                 sweeper with a resumer for {:?} continues it",
+                record.operation, record.operation
+            );
+            return self.wait_for_resumer(id, &record, reason).await;
+        };
+        // The same bound the executor keeps (`Idempotency::takeover_window`): past it, a step's
+        // record may be purged and resuming could run it again.
+        let cfg = executor.config();
+        let window = cfg.retention.saturating_sub(cfg.lease);
+        let closes = chrono::Duration::from_std(window)
+            .ok()
+            .and_then(|w| record.created_at.checked_add_signed(w));
+        if closes.is_some_and(|c| now >= c) {
+            tracing::Span::current().record("decision", "needs_operator");
+            let e = Error::WorkflowExpired {
+                key: id.to_string(),
+                retention: cfg.retention,
+            };
+            let decision = Decision::NeedsOperator {
+                reason: e.to_string(),
+            };
+            return self.apply(id, &record, decision).await;
+        }
+        tracing::Span::current().record("decision", "resume");
+        report.resumed += 1;
+        crate::telemetry::sweeper("resume");
+        match executor.resume(&record, resume).await {
+            Ok(to) => Ok(KeyResult::Finished(to)),
+            Err(Error::FailedRetryable { .. }) => {
+                Ok(KeyResult::Finished(KeyState::Failed { retryable: true }))
+            }
+            Err(Error::LeaseLost(e)) => lost_or(e, &record),
+            Err(Error::Store(e)) => Err(e),
+            Err(e @ (Error::StepChanged { .. } | Error::WorkflowExpired { .. })) => {
+                let decision = Decision::NeedsOperator {
+                    reason: e.to_string(),
+                };
+                self.apply(id, &record, decision).await
+            }
+            // The workflow did not finish (a step's outcome is unknown, a step is in flight):
+            // the executor released it; look again after the usual backoff.
+            Err(e) => {
+                let decision = Decision::Defer {
+                    reason: format!("resumed workflow did not finish: {e}"),
+                    retry_after: None,
+                };
+                self.apply(id, &record, decision).await
+            }
+        }
+    }
+
+    async fn wait_for_resumer(
+        &self,
+        id: &KeyId,
+        record: &KeyRecord,
+        reason: String,
+    ) -> Result<KeyResult, StoreError> {
+        let cfg = &self.config;
+        let recheck = decide::backoff(record.attempts, cfg.backoff_base, cfg.backoff_cap, None);
+        tracing::info!(reason = %reason, "workflow waits for a resumer");
+        let release = Release {
+            actor: Actor::Sweeper,
+            reason: format!("{reason}; next check in {}s", recheck.as_secs()),
+            error: Some(reason.clone()),
+            recheck_after: Some(recheck),
+        };
+        match self.store.release(id, record.lease_token, &release).await {
+            Ok(()) => Ok(KeyResult::Unresolved(unresolved(
+                record,
+                Unresolved::WaitingForResumer,
+                reason,
+                Some(recheck),
+            ))),
+            Err(e) => lost_or(e, record),
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! The fake Square (`POST /v2/payments`, `POST /v2/payments/cancel`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::extract::{Extension, State};
+use axum::http::HeaderMap;
+use axum::response::Response;
+use axum::routing::post;
+use serde_json::{Value, json};
+
+use super::server::{KillSwitch, Received, Shared, fake_handle};
+use super::{Effect, Fault, deliver, header_value, json_response, lock, retry_after_secs};
+use crate::provider::square::{CANCEL_BY_KEY_PATH, KEY_MAX_LEN, PAYMENTS_PATH};
+
+fake_handle! {
+    /// An in-process Square Payments look-alike (see the [module docs](super)).
+    pub struct FakeSquare(SquareState);
+    routes: Router::new()
+            .route(PAYMENTS_PATH, post(create))
+            .route(CANCEL_BY_KEY_PATH, post(cancel_by_key)),
+    ledger: "The payments taken, with their current status (`COMPLETED`, `APPROVED`, `CANCELED`, `FAILED`).",
+    faults: "Fault injection (on CreatePayment) and latency settings.",
+}
+
+#[derive(Debug, Clone)]
+enum KeyState {
+    Running,
+    /// The body it was first used with, and the payment made.
+    Payment {
+        params: String,
+        id: String,
+    },
+}
+
+#[derive(Debug, Default)]
+struct SquareState {
+    keys: Mutex<HashMap<String, KeyState>>,
+    payments: Mutex<HashMap<String, Value>>,
+}
+
+impl FakeSquare {
+    /// The access token the fake accepts (`Authorization: Bearer ...`).
+    pub const API_KEY: &'static str = "EAAA_test_idemflow_fake";
+    /// A `source_id` that is declined (`PAYMENT_METHOD_ERROR` / `GENERIC_DECLINE`), as
+    /// Square's sandbox test nonce of that name.
+    pub const DECLINED_CARD: &'static str = "cnon:card-nonce-declined";
+}
+
+fn square_error(status: u16, category: &str, code: &str, detail: &str) -> Response {
+    json_response(
+        status,
+        &json!({"errors": [{"category": category, "code": code, "detail": detail}]}),
+        &[],
+    )
+}
+
+fn unauthorized(headers: &HeaderMap) -> Option<Response> {
+    (header_value(headers, "authorization").as_deref()
+        != Some(&format!("Bearer {}", FakeSquare::API_KEY)))
+    .then(|| {
+        square_error(
+            401,
+            "AUTHENTICATION_ERROR",
+            "UNAUTHORIZED",
+            "This request could not be authorized.",
+        )
+    })
+}
+
+fn payment_response(payment: &Value) -> Response {
+    json_response(200, &json!({ "payment": payment }), &[])
+}
+
+async fn create(
+    State(s): State<Arc<Shared<SquareState>>>,
+    Extension(kill): Extension<KillSwitch>,
+    Received { headers, body, .. }: Received,
+) -> Response {
+    if let Some(r) = unauthorized(&headers) {
+        return r;
+    }
+    let after = match s.common.faults.next() {
+        Some(Fault::ServerError { status }) => {
+            return square_error(
+                status,
+                "API_ERROR",
+                "INTERNAL_SERVER_ERROR",
+                "injected server error (nothing executed)",
+            );
+        }
+        Some(Fault::RateLimited { retry_after }) => {
+            return json_response(
+                429,
+                &json!({"errors": [{"category": "RATE_LIMIT_ERROR", "code": "RATE_LIMITED",
+                                    "detail": "Too many requests"}]}),
+                &[("retry-after", retry_after_secs(retry_after))],
+            );
+        }
+        other => other,
+    };
+    let mut request: Value = match serde_json::from_slice(&body) {
+        Ok(v @ Value::Object(_)) => v,
+        _ => {
+            return square_error(
+                400,
+                "INVALID_REQUEST_ERROR",
+                "BAD_REQUEST",
+                "The body must be a JSON object.",
+            );
+        }
+    };
+    let key = match request.get("idempotency_key").and_then(Value::as_str) {
+        Some(k) if !k.is_empty() && k.chars().count() <= KEY_MAX_LEN => k.to_owned(),
+        Some(k) if !k.is_empty() => {
+            return square_error(
+                400,
+                "INVALID_REQUEST_ERROR",
+                "VALUE_TOO_LONG",
+                "Field `idempotency_key` must not be longer than 45 characters.",
+            );
+        }
+        _ => {
+            return square_error(
+                400,
+                "INVALID_REQUEST_ERROR",
+                "MISSING_REQUIRED_PARAMETER",
+                "Field `idempotency_key` is missing.",
+            );
+        }
+    };
+    let params = crate::fingerprint::canonical_json(&request);
+    let replay = {
+        let mut keys = lock(&s.keys);
+        match keys.get(&key) {
+            // Not documented for CreatePayment: the fake answers 409 while the first runs.
+            Some(KeyState::Running) => {
+                return square_error(
+                    409,
+                    "INVALID_REQUEST_ERROR",
+                    "CONFLICT",
+                    "A request with this idempotency key is in progress.",
+                );
+            }
+            Some(KeyState::Payment { params: p, .. }) if *p != params => {
+                return square_error(
+                    400,
+                    "INVALID_REQUEST_ERROR",
+                    "IDEMPOTENCY_KEY_REUSED",
+                    "The idempotency key can only be retried with the same request data.",
+                );
+            }
+            // The payment made with the key, as it stands now (a payment voided by key comes
+            // back `CANCELED`).
+            Some(KeyState::Payment { id, .. }) => {
+                Some(payment_response(&lock(&s.payments)[id.as_str()]))
+            }
+            None => {
+                keys.insert(key.clone(), KeyState::Running);
+                None
+            }
+        }
+    };
+    if let Some(r) = replay {
+        return deliver(after, &kill, r).await;
+    }
+    let missing = ["source_id", "amount_money"]
+        .into_iter()
+        .find(|f| request.get(*f).is_none_or(Value::is_null));
+    if let Some(field) = missing {
+        lock(&s.keys).remove(&key);
+        return square_error(
+            400,
+            "INVALID_REQUEST_ERROR",
+            "MISSING_REQUIRED_PARAMETER",
+            &format!("Field `{field}` is missing."),
+        );
+    }
+
+    let task_state = s.clone();
+    let exec = tokio::spawn(async move {
+        let s = task_state;
+        tokio::time::sleep(s.common.faults.latency()).await;
+        let n = s.common.next_id();
+        let id = format!("fake_sq_pay_{n:06}");
+        let declined =
+            request.get("source_id").and_then(Value::as_str) == Some(FakeSquare::DECLINED_CARD);
+        let status = if declined {
+            "FAILED"
+        } else if request.get("autocomplete") == Some(&Value::Bool(false)) {
+            "APPROVED"
+        } else {
+            "COMPLETED"
+        };
+        let payment = json!({
+            "id": id,
+            "status": status,
+            "amount_money": request.get("amount_money").cloned().unwrap_or(Value::Null),
+            "source_type": "CARD",
+            "created_at": chrono::Utc::now().to_rfc3339(),
+        });
+        if let Value::Object(m) = &mut request {
+            m.remove("idempotency_key");
+        }
+        s.common.ledger.push(Effect {
+            id: id.clone(),
+            kind: "payment",
+            idempotency_key: Some(key.clone()),
+            metadata_key: None,
+            status: status.to_owned(),
+            request,
+        });
+        lock(&s.payments).insert(id.clone(), payment.clone());
+        if declined {
+            // Only a successful answer is kept for the key: a decline can be retried.
+            lock(&s.keys).remove(&key);
+            square_error(
+                402,
+                "PAYMENT_METHOD_ERROR",
+                "GENERIC_DECLINE",
+                "Authorization error: 'GENERIC_DECLINE'",
+            )
+        } else {
+            lock(&s.keys).insert(key, KeyState::Payment { params, id });
+            payment_response(&payment)
+        }
+    });
+    let Ok(response) = exec.await else {
+        return square_error(500, "API_ERROR", "INTERNAL_SERVER_ERROR", "fake failed");
+    };
+    deliver(after, &kill, response).await
+}
+
+async fn cancel_by_key(
+    State(s): State<Arc<Shared<SquareState>>>,
+    Received { headers, body, .. }: Received,
+) -> Response {
+    if let Some(r) = unauthorized(&headers) {
+        return r;
+    }
+    let key = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|b| b.get("idempotency_key")?.as_str().map(str::to_owned));
+    let Some(key) = key else {
+        return square_error(
+            400,
+            "INVALID_REQUEST_ERROR",
+            "MISSING_REQUIRED_PARAMETER",
+            "Field `idempotency_key` is missing.",
+        );
+    };
+    let id = match lock(&s.keys).get(&key) {
+        Some(KeyState::Payment { id, .. }) => id.clone(),
+        Some(KeyState::Running) => {
+            return square_error(
+                409,
+                "INVALID_REQUEST_ERROR",
+                "CONFLICT",
+                "The CreatePayment request with this key is in progress.",
+            );
+        }
+        // "If no payment with the specified idempotency key is found, no action is taken and
+        // the endpoint returns successfully."
+        None => return json_response(200, &json!({}), &[]),
+    };
+    let mut payments = lock(&s.payments);
+    let Some(payment) = payments.get_mut(&id) else {
+        return json_response(200, &json!({}), &[]);
+    };
+    match payment["status"].as_str() {
+        Some("APPROVED") => {
+            payment["status"] = json!("CANCELED");
+            s.common.ledger.set_status(&id, "CANCELED");
+            json_response(200, &json!({}), &[])
+        }
+        Some("CANCELED") => json_response(200, &json!({}), &[]),
+        other => square_error(
+            400,
+            "INVALID_REQUEST_ERROR",
+            "BAD_REQUEST",
+            &format!(
+                "Payment {id} is {} and cannot be canceled.",
+                other.unwrap_or("unknown")
+            ),
+        ),
+    }
+}

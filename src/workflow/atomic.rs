@@ -1,0 +1,110 @@
+//! Atomic phases: a workflow step whose effect is the application's own writes, committed in
+//! one database transaction with the step's record (`docs/workflows.md`, "Atomic phases").
+//!
+//! The SQL stores hand out an [`AtomicPhase`] for the application's writes
+//! (`PostgresStore::atomic_phase`, `MySqlStore::atomic_phase`);
+//! [`Context::atomic_step`] claims the step, then the phase begins a transaction, runs the
+//! writes, finishes the step `done` (fenced by the step's lease token, its history row
+//! included) and commits. So the writes and the step's record are both there or both absent:
+//!
+//! * the writes fail: the transaction rolls back and the step becomes `failed{retryable}`;
+//! * the step was taken over meanwhile (the fenced finish matches no row): it rolls back;
+//! * the process dies before the commit: nothing was written, and the sweeper, seeing the step
+//!   still `processing` once its lease ran out, makes it `failed{retryable}` (a step of
+//!   [`LOCAL_PROVIDER`] is `processing` only while its transaction has not committed);
+//! * when the workflow runs again, a committed step replays its answer and its writes are not
+//!   made again.
+
+use async_trait::async_trait;
+
+use crate::error::{Error, StoreError};
+use crate::executor::{Context, Execution};
+use crate::record::LeaseToken;
+use crate::{KeyId, StoredResponse};
+
+use super::Step;
+
+/// The provider name recorded for atomic-phase steps: their effect is local, and their record
+/// commits with it.
+pub const LOCAL_PROVIDER: &str = "idemflow.local";
+
+/// An error from the application's writes inside an atomic phase.
+pub type WritesError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The future of an atomic phase's writes, borrowing the transaction's connection.
+pub type WritesFuture<'c> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<StoredResponse, WritesError>> + Send + 'c>,
+>;
+
+/// What a step's answer goes through before it is stored (the executor's header filter and
+/// redaction), given to [`AtomicPhase::commit`].
+pub type Prepare = std::sync::Arc<dyn Fn(StoredResponse) -> StoredResponse + Send + Sync>;
+
+/// Why an atomic phase did not commit.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PhaseError {
+    /// The application's writes failed: the transaction was rolled back, nothing was written.
+    #[error("the step's writes failed and were rolled back: {0}")]
+    Writes(#[source] WritesError),
+    /// The step's record could not be written under this attempt's lease (it was taken over):
+    /// the transaction was rolled back.
+    #[error("the step was taken over before its transaction committed; rolled back")]
+    LeaseLost,
+    /// The store failed while beginning, recording or committing. A failed commit may or may
+    /// not have committed: the step's row tells (`done` if it did).
+    #[error("store: {0}")]
+    Store(#[source] StoreError),
+}
+
+/// The application's writes for one atomic phase, bound to a SQL store; made by the store's
+/// `atomic_phase` and run by [`Context::atomic_step`].
+#[async_trait]
+pub trait AtomicPhase: Send {
+    /// Begins a transaction, runs the writes, finishes `step` (held under `token`) `done` with
+    /// the response the writes return (after `prepare`), its history row included, and
+    /// commits. Returns the stored response.
+    async fn commit(
+        self: Box<Self>,
+        step: &KeyId,
+        token: LeaseToken,
+        prepare: Prepare,
+    ) -> Result<StoredResponse, PhaseError>;
+}
+
+/// A phase chosen at run time (`Box<dyn AtomicPhase>`, e.g. by backend) is a phase too.
+#[async_trait]
+impl AtomicPhase for Box<dyn AtomicPhase> {
+    async fn commit(
+        self: Box<Self>,
+        step: &KeyId,
+        token: LeaseToken,
+        prepare: Prepare,
+    ) -> Result<StoredResponse, PhaseError> {
+        (*self).commit(step, token, prepare).await
+    }
+}
+
+impl Context {
+    /// Runs the next step of this workflow as an **atomic phase**: `phase` (from the SQL
+    /// store's `atomic_phase`) writes the application's rows and the step's record in one
+    /// transaction. The first time, it commits both (or neither); when the workflow runs again,
+    /// the recorded answer is returned and nothing is written again. See the module docs for
+    /// every failure; the errors are those of [`Context::step`], and a failure of the writes is
+    /// [`Error::FailedRetryable`] (rolled back; the workflow may run it again).
+    pub async fn atomic_step(
+        &self,
+        step: Step,
+        phase: impl AtomicPhase + 'static,
+    ) -> Result<Execution, Error> {
+        let step = step.with_provider(LOCAL_PROVIDER);
+        let (wf, mut of) = self.workflow_for_step(&step, None)?;
+        // Never taken over: a stale one surely did nothing (see the module docs).
+        of.takeover = None;
+        let executor = wf.executor.clone();
+        let result = executor
+            .run_atomic(Self::step_request(step, of), Box::new(phase))
+            .await;
+        wf.note(result)
+    }
+}

@@ -1,0 +1,372 @@
+//! Multi-step workflows: named steps inside one key (`docs/workflows.md`).
+//!
+//! A request declared with [`IdempotentRequest::workflow`] runs an operation that may call
+//! [`Context::step`] / [`Context::call_step`] one after the other. Each step is **its own key**
+//! in the store, derived from the workflow's key and the step's position
+//! (`<key>#step:<position>`), with the step's name as its operation: it is claimed, leased,
+//! fenced, finished, replayed and settled by the sweeper exactly like a single call. So:
+//!
+//! * a step that finished is replayed, never run again, when the workflow runs again (a client
+//!   retry, a takeover, a resumer);
+//! * each step has its own provider key, stable on every attempt and distinct per step;
+//! * a step whose outcome is unknown stays `processing` until the sweeper settles it from its
+//!   provider (re-drive inside the window, lookup outside it); the workflow waits for it;
+//! * the **recovery point** (how far the workflow got) is the set of its finished step rows: it
+//!   is written by the very statement that finishes the step, so the two cannot disagree.
+//!
+//! A workflow key is marked with the provider name [`WORKFLOW_PROVIDER`]. Everything it does to
+//! the outside world goes through steps, so a retry may take over a workflow whose lease ran out
+//! at any time within its retention: the steps it already ran replay. The sweeper waits for the
+//! steps of a stale workflow to be settled, then runs the resumer registered for its operation
+//! ([`Sweeper::resumer`](crate::Sweeper::resumer)), or reports it as waiting for one.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
+
+use crate::error::Error;
+use crate::executor::{Context, Execution, Idempotency, IdempotentRequest, Outcome};
+use crate::fingerprint::{Fingerprint, canonical_json, hex, parse_json};
+use crate::key::{IdempotencyKey, KeyError, KeyId, MAX_LEN};
+use crate::provider::Provider;
+
+mod atomic;
+
+pub use atomic::{AtomicPhase, LOCAL_PROVIDER, PhaseError, Prepare, WritesError, WritesFuture};
+
+/// The provider name that marks a key as a workflow (set by [`IdempotentRequest::workflow`]).
+pub const WORKFLOW_PROVIDER: &str = "idemflow.workflow";
+
+/// The marker between a workflow's key and a step's position in the step's key. Client keys
+/// that contain it are refused ([`KeyError::Reserved`]), so no client key is ever a step's key.
+pub const STEP_MARK: &str = "#step:";
+
+/// Most steps one workflow may run (positions `0..MAX_STEPS`).
+pub const MAX_STEPS: u32 = 256;
+
+/// Refuses a client key that contains [`STEP_MARK`].
+pub(crate) fn check_client_key(key: &IdempotencyKey) -> Result<(), KeyError> {
+    if key.as_str().contains(STEP_MARK) {
+        return Err(KeyError::Reserved {
+            what: "idempotency key",
+            reserved: STEP_MARK,
+        });
+    }
+    Ok(())
+}
+
+/// The key of the step at `position` of the workflow `parent`: `<key>#step:<position>`, or, when
+/// that would exceed 255 bytes, the first 32 hex digits of SHA-256 of the key in its place.
+pub fn step_key(parent: &KeyId, position: u32) -> KeyId {
+    let suffix = format!("{STEP_MARK}{position}");
+    let key = parent.key.as_str();
+    let value = if key.len() + suffix.len() <= MAX_LEN {
+        format!("{key}{suffix}")
+    } else {
+        let digest = hex(&Sha256::digest(key.as_bytes()));
+        format!("{}{suffix}", &digest[..32])
+    };
+    // Visible ASCII: the key was, the digest and the suffix are.
+    let key = IdempotencyKey::new(value).expect("a step key is visible ASCII of at most 255 bytes");
+    KeyId::new(parent.scope.clone(), key)
+}
+
+/// The step rows of the workflow `id`, in order (positions `0..`, up to the first missing one).
+/// The last finished one (`done` or `failed{permanent}`) is the workflow's recovery point
+/// ([`recovery_point`]).
+pub async fn steps(
+    store: &dyn crate::Store,
+    id: &KeyId,
+) -> Result<Vec<crate::KeyRecord>, crate::StoreError> {
+    let mut steps = Vec::new();
+    for position in 0..MAX_STEPS {
+        match store.get(&step_key(id, position)).await? {
+            Some(step) => steps.push(step),
+            None => break,
+        }
+    }
+    Ok(steps)
+}
+
+/// The recovery point of a workflow whose step rows are `steps` (as [`steps`] returns them):
+/// the position and name of the last step of the finished prefix, `None` before any step
+/// finished. Steps after it are still running, unknown, or retryable.
+pub fn recovery_point(steps: &[crate::KeyRecord]) -> Option<(u32, &str)> {
+    let finished = steps
+        .iter()
+        .take_while(|s| {
+            matches!(
+                s.state,
+                crate::KeyState::Done | crate::KeyState::Failed { retryable: false }
+            )
+        })
+        .count();
+    let last = finished.checked_sub(1)?;
+    Some((u32::try_from(last).ok()?, steps[last].operation.as_str()))
+}
+
+/// One named step of a workflow, with the request it acts on (its fingerprint guards the step
+/// like a request guards a key: the same step with a different request is refused).
+///
+/// ```
+/// use idemflow::workflow::Step;
+/// let charge = Step::new("charge", &serde_json::json!({"amount": 500})).unwrap()
+///     .with_provider("stripe");
+/// assert_eq!(charge.name(), "charge");
+/// assert!(Step::new("", &1).is_err());
+/// ```
+#[derive(Debug, Clone)]
+pub struct Step {
+    pub(crate) name: String,
+    pub(crate) canonical: String,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) provider: Option<String>,
+}
+
+impl Step {
+    /// A step named `name` (the rules of an operation name: 1 to 255 bytes of visible ASCII)
+    /// acting on `body`.
+    pub fn new<B: Serialize + ?Sized>(name: &str, body: &B) -> Result<Self, Error> {
+        let bytes = serde_json::to_vec(body).map_err(Error::InvalidJson)?;
+        let value = parse_json(&bytes).map_err(Error::from)?;
+        crate::executor::validate_operation(name)?;
+        let canonical = canonical_json(&value);
+        let fingerprint = Fingerprint::compute(name, &canonical);
+        Ok(Self {
+            name: name.to_owned(),
+            canonical,
+            fingerprint,
+            provider: None,
+        })
+    }
+
+    /// Names the provider the step calls, so the sweeper knows whom to ask
+    /// ([`Context::call_step`] sets it).
+    pub fn with_provider(mut self, provider: impl Into<String>) -> Self {
+        self.provider = Some(provider.into());
+        self
+    }
+
+    /// The step's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// Which step of which workflow a request runs (set on a step's request).
+#[derive(Debug, Clone)]
+pub(crate) struct StepOf {
+    pub(crate) workflow: KeyId,
+    pub(crate) position: u32,
+    /// The step's takeover window: the executor's `retry_takeover_window` for a step of any
+    /// code; for a provider step, only when the provider replays a same-key re-send, and never
+    /// longer than its dedup window (a step of a keyless provider is never taken over).
+    pub(crate) takeover: Option<std::time::Duration>,
+}
+
+/// The fields of an [`Error::StepChanged`], kept by the running workflow.
+#[derive(Debug)]
+pub(crate) struct Changed {
+    key: String,
+    position: u32,
+    recorded: String,
+    found: Option<String>,
+}
+
+/// The running workflow, shared by the clones of its [`Context`].
+#[derive(Debug)]
+pub(crate) struct Workflow {
+    pub(crate) executor: Idempotency,
+    /// The position of the next step.
+    pub(crate) next: AtomicU32,
+    /// After this instant (this process's clock) no step may start: the steps' records may be
+    /// purged from then on (the workflow's retention, less one lease, from its first claim).
+    pub(crate) resume_by: Instant,
+    /// The first [`Error::StepChanged`] a step of this run met: the workflow then ends with it,
+    /// whatever the operation returns.
+    pub(crate) changed: std::sync::Mutex<Option<Changed>>,
+}
+
+impl Workflow {
+    pub(crate) fn new(executor: Idempotency, resume_by: Instant) -> Arc<Self> {
+        Arc::new(Self {
+            executor,
+            next: AtomicU32::new(0),
+            resume_by,
+            changed: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// How many steps the operation ran.
+    pub(crate) fn steps_run(&self) -> u32 {
+        self.next.load(Ordering::SeqCst)
+    }
+
+    /// Keeps the first `StepChanged` a step met (see `changed`).
+    pub(crate) fn note(&self, result: Result<Execution, Error>) -> Result<Execution, Error> {
+        if let Err(e) = &result {
+            self.keep(e);
+        }
+        result
+    }
+
+    fn keep(&self, e: &Error) {
+        if let Error::StepChanged {
+            key,
+            position,
+            recorded,
+            found,
+        } = e
+        {
+            let mut changed = self.changed.lock().unwrap_or_else(|p| p.into_inner());
+            changed.get_or_insert_with(|| Changed {
+                key: key.clone(),
+                position: *position,
+                recorded: recorded.clone(),
+                found: found.clone(),
+            });
+        }
+    }
+
+    /// The `StepChanged` a step of this run met, if any.
+    pub(crate) fn take_changed(&self) -> Option<Error> {
+        let changed = self
+            .changed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()?;
+        Some(Error::StepChanged {
+            key: changed.key,
+            position: changed.position,
+            recorded: changed.recorded,
+            found: changed.found,
+        })
+    }
+}
+
+impl Context {
+    pub(crate) fn workflow_for_step(
+        &self,
+        step: &Step,
+        provider: Option<&crate::KeySpec>,
+    ) -> Result<(&Arc<Workflow>, StepOf), Error> {
+        let wf = self.workflow.as_ref().ok_or_else(|| Error::NotAWorkflow {
+            key: self.id.to_string(),
+        })?;
+        if Instant::now() >= wf.resume_by {
+            return Err(Error::WorkflowExpired {
+                key: self.id.to_string(),
+                retention: wf.executor.config().retention,
+            });
+        }
+        let position = wf.next.fetch_add(1, Ordering::SeqCst);
+        if position >= MAX_STEPS {
+            let e = Error::StepChanged {
+                key: self.id.to_string(),
+                position,
+                recorded: format!("nothing (at most {MAX_STEPS} steps)"),
+                found: Some(step.name.clone()),
+            };
+            wf.keep(&e);
+            return Err(e);
+        }
+        let window = wf.executor.config().retry_takeover_window;
+        let takeover = match provider {
+            None => window,
+            Some(spec) if spec.replays_same_key => match (window, spec.retention) {
+                (Some(w), Some(r)) => Some(w.min(r)),
+                _ => None,
+            },
+            Some(_) => None,
+        };
+        Ok((
+            wf,
+            StepOf {
+                workflow: self.id.clone(),
+                position,
+                takeover,
+            },
+        ))
+    }
+
+    pub(crate) fn step_request(step: Step, of: StepOf) -> IdempotentRequest {
+        IdempotentRequest {
+            id: step_key(&of.workflow, of.position),
+            operation: step.name,
+            canonical: step.canonical,
+            fingerprint: step.fingerprint,
+            provider: step.provider,
+            provider_key: None,
+            step: Some(of),
+        }
+    }
+
+    /// Runs the next step of this workflow at most once: the first time, `op` runs under the
+    /// step's own claim and lease (its [`Context`] carries the step's provider key) and its
+    /// outcome is stored; when the workflow runs again, the stored answer is returned without
+    /// running `op`. Steps run one after the other, in the same order on every run: a step
+    /// is known by its position and name.
+    ///
+    /// Errors are those of [`Idempotency::execute`] for the step's key (an unknown outcome is
+    /// [`Error::OutcomeUnknown`]: return [`Outcome::from_step_error`] and the workflow waits for
+    /// the sweeper), plus [`Error::StepChanged`] when the step recorded at this position has
+    /// another name, [`Error::NotAWorkflow`] and [`Error::WorkflowExpired`].
+    pub async fn step<F, Fut>(&self, step: Step, op: F) -> Result<Execution, Error>
+    where
+        F: FnOnce(Context) -> Fut,
+        Fut: Future<Output = Outcome>,
+    {
+        let (wf, of) = self.workflow_for_step(&step, None)?;
+        let executor = wf.executor.clone();
+        wf.note(executor.execute(Self::step_request(step, of), op).await)
+    }
+
+    /// Runs the next step of this workflow through `provider` at most once
+    /// ([`Idempotency::call`] for the step's key, whose provider key is derived within the
+    /// provider's limits from the step's key and name). See [`step`](Self::step).
+    pub async fn call_step(&self, step: Step, provider: &dyn Provider) -> Result<Execution, Error> {
+        let spec = provider.key_spec();
+        let (wf, of) = self.workflow_for_step(&step, Some(&spec))?;
+        let executor = wf.executor.clone();
+        wf.note(executor.call(Self::step_request(step, of), provider).await)
+    }
+}
+
+impl Outcome {
+    /// How a workflow should end when one of its steps returned `e`: the failure of a step
+    /// that surely did nothing lets the workflow be retried ([`Outcome::Retryable`]; its
+    /// finished steps replay); anything else leaves the workflow `processing`
+    /// ([`Outcome::Unknown`]) until the step is settled, the code is fixed, or an operator
+    /// decides.
+    pub fn from_step_error(e: &Error) -> Outcome {
+        match e {
+            Error::FailedRetryable { .. } => Outcome::retryable(format!("a step failed: {e}")),
+            _ => Outcome::unknown(format!("a step did not finish: {e}")),
+        }
+    }
+}
+
+/// The resumers a [`Sweeper`](crate::Sweeper) runs, by workflow operation name, each with the
+/// executor whose settings (lease, retention) the workflow was started with.
+#[derive(Clone, Default)]
+pub(crate) struct Resumers(pub(crate) std::collections::HashMap<String, (Idempotency, Resume)>);
+
+impl std::fmt::Debug for Resumers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut names: Vec<_> = self.0.keys().collect();
+        names.sort();
+        f.debug_tuple("Resumers").field(&names).finish()
+    }
+}
+
+/// A resumer: the workflow's operation, registered with the sweeper by operation name
+/// ([`Sweeper::resumer`](crate::Sweeper::resumer)).
+pub type Resume = Arc<dyn Fn(Context) -> BoxedOutcome + Send + Sync>;
+
+/// The future a [`Resume`] returns.
+pub type BoxedOutcome = Pin<Box<dyn Future<Output = Outcome> + Send>>;

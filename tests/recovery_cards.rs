@@ -1,0 +1,481 @@
+//! Crash points settled by the sweeper for the card processors added with issue 14 (Adyen,
+//! Square, PayPal), through the real HTTP adapters and the testkit's fakes, as
+//! `recovery_testkit.rs` does for Stripe: a crash after the claim before the call, a lost
+//! response, and a process that died after the provider answered. Every story ends with exactly
+//! one payment in the fake's ledger and the key `done` with it, or no payment and the key
+//! retryable (Square's void by key); the client's retry then gets the right final answer. Runs on
+//! SQLite (a file database) and on PostgreSQL (a fresh schema) when `IDEMFLOW_TEST_POSTGRES_URL`
+//! is set.
+
+#![cfg(all(feature = "testkit", feature = "sqlite"))]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemflow::conformance::sweeper::{cut_when, hang_after};
+use idemflow::provider::http::HttpConfig;
+use idemflow::provider::{Adyen, PayPal, Provider, Square};
+use idemflow::store::sqlite::SqliteStore;
+use idemflow::testkit::{FakeAdyen, FakePayPal, FakeSquare, Faults, Ledger};
+use idemflow::{
+    Error, Execution, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Store, Sweeper,
+};
+use serde_json::{Value, json};
+
+#[cfg(feature = "postgres")]
+mod support;
+
+type Backend = Arc<dyn Store>;
+
+async fn sqlite_store() -> Option<(Backend, String)> {
+    let dir = tempfile::tempdir().unwrap().keep();
+    let url = format!("sqlite://{}", dir.join("recovery_cards.db").display());
+    let store = SqliteStore::connect(&url).await.unwrap();
+    store.migrate().await.unwrap();
+    Some((Arc::new(store), url))
+}
+
+#[cfg(feature = "postgres")]
+async fn postgres_store() -> Option<(Backend, String)> {
+    let (url, schema) = support::postgres::fresh_schema().await?;
+    let store = idemflow::store::postgres::PostgresStore::from_pool(
+        support::postgres::pool_in(&url, &schema, 5).await,
+    );
+    store.migrate().await.unwrap();
+    Some((Arc::new(store), support::postgres::url_in(&url, &schema)))
+}
+
+macro_rules! recovery_tests {
+    ($factory:path; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let Some((store, url)) = $factory().await else { return };
+                super::$name(store, url).await;
+            }
+        )*
+    };
+    ($factory:path) => {
+        recovery_tests!($factory;
+            adyen_crash_after_claim_before_the_call_is_redriven_to_one_payment,
+            adyen_lost_response_is_replayed_by_the_sweeper,
+            adyen_died_after_the_answer_is_settled_with_one_payment,
+            square_crash_after_claim_before_the_call_is_voided_then_charged_once,
+            square_lost_response_is_looked_up_after_the_void_is_refused,
+            square_lost_delayed_capture_is_looked_up_not_voided,
+            square_died_after_the_answer_is_settled_with_one_payment,
+            paypal_crash_after_claim_before_the_call_is_redriven_to_one_order,
+            paypal_lost_response_is_settled_with_the_orders_current_state,
+            paypal_died_after_the_answer_is_settled_with_one_order,
+        );
+        #[cfg(feature = "cli")]
+        recovery_tests!($factory; cli_reconcile_once_settles_each_card_processor_from_a_config_file);
+    };
+}
+
+mod sqlite {
+    recovery_tests!(super::sqlite_store);
+}
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    recovery_tests!(super::postgres_store);
+}
+
+fn once() -> HttpConfig {
+    HttpConfig {
+        request_timeout: Duration::from_secs(2),
+        max_attempts: 1,
+        ..HttpConfig::default()
+    }
+}
+
+/// A card processor's fake, its adapter and a payment request for it.
+struct Card {
+    provider: Arc<dyn Provider>,
+    ledger: Ledger,
+    faults: Faults,
+    body: Value,
+    base_url: String,
+    _fake: Box<dyn std::any::Any + Send>,
+}
+
+impl Card {
+    async fn adyen() -> Self {
+        let fake = FakeAdyen::start().await.unwrap();
+        let provider = Adyen::with_base_url(fake.base_url(), FakeAdyen::API_KEY)
+            .unwrap()
+            .http_config(once())
+            .unwrap();
+        Self {
+            provider: Arc::new(provider),
+            ledger: fake.ledger(),
+            faults: fake.faults(),
+            base_url: fake.base_url().to_owned(),
+            body: json!({
+                "amount": {"currency": "EUR", "value": 1500},
+                "reference": "order-7",
+                "merchantAccount": "ShopECOM",
+                "paymentMethod": {"type": "scheme", "number": "4111111111111111"}
+            }),
+            _fake: Box::new(fake),
+        }
+    }
+
+    async fn square(body: Value) -> Self {
+        let fake = FakeSquare::start().await.unwrap();
+        let provider = Square::with_base_url(fake.base_url(), FakeSquare::API_KEY)
+            .unwrap()
+            .http_config(once())
+            .unwrap();
+        Self {
+            provider: Arc::new(provider),
+            ledger: fake.ledger(),
+            faults: fake.faults(),
+            base_url: fake.base_url().to_owned(),
+            body,
+            _fake: Box::new(fake),
+        }
+    }
+
+    fn square_payment() -> Value {
+        json!({"source_id": "cnon:card-nonce-ok", "amount_money": {"amount": 1500, "currency": "USD"}})
+    }
+
+    async fn paypal() -> (Self, Arc<FakePayPal>) {
+        let fake = Arc::new(FakePayPal::start().await.unwrap());
+        let provider = PayPal::with_base_url(fake.base_url(), FakePayPal::API_KEY)
+            .unwrap()
+            .http_config(once())
+            .unwrap();
+        let card = Self {
+            provider: Arc::new(provider),
+            ledger: fake.ledger(),
+            faults: fake.faults(),
+            base_url: fake.base_url().to_owned(),
+            body: json!({
+                "intent": "CAPTURE",
+                "purchase_units": [{"reference_id": "order-7",
+                                    "amount": {"currency_code": "USD", "value": "15.00"}}]
+            }),
+            _fake: Box::new(fake.clone()),
+        };
+        (card, fake)
+    }
+
+    fn request(&self, key: &str) -> IdempotentRequest {
+        IdempotentRequest::new("shop-1", key, "payments.create", &self.body).unwrap()
+    }
+
+    fn sweeper(&self, store: &Backend) -> Sweeper {
+        Sweeper::new(store.clone(), Providers::new().with(self.provider.clone()))
+    }
+
+    /// Claims `key` with the provider's derived key, then dies before sending anything.
+    async fn crash_before_the_call(&self, idem: &Idempotency, key: &str) {
+        let req = self.request(key);
+        let pk = self
+            .provider
+            .key_spec()
+            .derive(&req.id().scope, &req.id().key, req.operation());
+        let (at, reached) = tokio::sync::oneshot::channel();
+        cut_when(
+            idem.execute(
+                req.with_provider(self.provider.name())
+                    .with_provider_key(pk.clone()),
+                hang_after(at),
+            ),
+            reached,
+        )
+        .await;
+        assert_eq!(self.ledger.count_for_key(&pk), 0, "nothing was sent");
+    }
+
+    /// Sends `key`'s payment, gets the answer, and dies before storing it.
+    async fn die_after_the_answer(&self, idem: &Idempotency, key: &str) {
+        let p = self.provider.clone();
+        let (at, reached) = tokio::sync::oneshot::channel();
+        let died = idem.execute(
+            self.request(key).with_provider(self.provider.name()),
+            |ctx| async move {
+                let body: Value = serde_json::from_str(ctx.request()).unwrap();
+                let answer = p.call(ctx.provider_key(), &body).await;
+                assert!(
+                    matches!(answer, idemflow::CallOutcome::Succeeded { .. }),
+                    "{answer:?}"
+                );
+                let _ = at.send(());
+                std::future::pending::<Outcome>().await
+            },
+        );
+        cut_when(died, reached).await;
+        assert_eq!(self.ledger.len(), 1);
+    }
+
+    /// The client's call whose answer is lost (the payment is made).
+    async fn lose_the_answer(&self, idem: &Idempotency, key: &str) {
+        self.faults.lose_next_response();
+        let err = idem
+            .call(self.request(key), self.provider.as_ref())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+        assert_eq!(
+            self.ledger.len(),
+            1,
+            "the payment happened, its answer was lost"
+        );
+        // The client's retry before the sweeper ran is told to come back, and pays nothing.
+        let early = idem
+            .call(self.request(key), self.provider.as_ref())
+            .await
+            .unwrap_err();
+        assert!(matches!(early, Error::OutcomeUnknown { .. }), "{early}");
+    }
+
+    /// The key is done with the one payment; the client's retry replays it.
+    async fn assert_done_once(&self, store: &Backend, idem: &Idempotency, key: &str) -> Value {
+        let row = store.get(self.request(key).id()).await.unwrap().unwrap();
+        assert_eq!(row.state, KeyState::Done, "{row:?}");
+        let retry = idem
+            .call(self.request(key), self.provider.as_ref())
+            .await
+            .unwrap();
+        assert!(matches!(retry, Execution::Replayed(_)));
+        assert_eq!(Some(retry.response()), row.response.as_ref());
+        assert_eq!(self.ledger.len(), 1, "one payment, never two");
+        let history = store.history(self.request(key).id()).await.unwrap();
+        assert_eq!(history.last().unwrap().actor, idemflow::Actor::Sweeper);
+        retry.response().body_json().unwrap()
+    }
+}
+
+async fn stale(lease: Duration) {
+    tokio::time::sleep(lease + Duration::from_millis(60)).await;
+}
+
+const LEASE: Duration = Duration::from_millis(400);
+
+// ---- Adyen: replay inside the 31-day window ---------------------------------------------------
+
+async fn adyen_crash_after_claim_before_the_call_is_redriven_to_one_payment(
+    store: Backend,
+    _url: String,
+) {
+    let card = Card::adyen().await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    card.crash_before_the_call(&idem, "before-1").await;
+    stale(LEASE).await;
+    let report = card.sweeper(&store).run_once().await.unwrap();
+    assert_eq!((report.done, report.redrives), (1, 1), "{report:?}");
+    let body = card.assert_done_once(&store, &idem, "before-1").await;
+    assert_eq!(body["resultCode"], "Authorised");
+}
+
+async fn adyen_lost_response_is_replayed_by_the_sweeper(store: Backend, _url: String) {
+    let card = Card::adyen().await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    card.lose_the_answer(&idem, "lost-1").await;
+    stale(LEASE).await;
+    let report = card.sweeper(&store).run_once().await.unwrap();
+    assert_eq!((report.done, report.redrives), (1, 1), "{report:?}");
+    assert!(report.is_clean());
+    let body = card.assert_done_once(&store, &idem, "lost-1").await;
+    assert_eq!(body["pspReference"], card.ledger.entries()[0].id.as_str());
+}
+
+async fn adyen_died_after_the_answer_is_settled_with_one_payment(store: Backend, _url: String) {
+    let card = Card::adyen().await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    card.die_after_the_answer(&idem, "died-1").await;
+    stale(LEASE).await;
+    let report = card.sweeper(&store).run_once().await.unwrap();
+    assert_eq!((report.done, report.redrives), (1, 1), "{report:?}");
+    card.assert_done_once(&store, &idem, "died-1").await;
+}
+
+// ---- Square: void by key ------------------------------------------------------------------------
+
+async fn square_crash_after_claim_before_the_call_is_voided_then_charged_once(
+    store: Backend,
+    _url: String,
+) {
+    let card = Card::square(Card::square_payment()).await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    card.crash_before_the_call(&idem, "before-1").await;
+    stale(LEASE).await;
+    let report = card.sweeper(&store).run_once().await.unwrap();
+    assert_eq!(
+        (report.retryable, report.redrives, report.lookups),
+        (1, 0, 1),
+        "{report:?}"
+    );
+    assert!(card.ledger.is_empty(), "nothing charged");
+    let row = store
+        .get(card.request("before-1").id())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.state, KeyState::Failed { retryable: true });
+    // The client's retry now charges, once.
+    let charged = idem
+        .call(card.request("before-1"), card.provider.as_ref())
+        .await
+        .unwrap();
+    assert!(!charged.is_replay());
+    let again = idem
+        .call(card.request("before-1"), card.provider.as_ref())
+        .await
+        .unwrap();
+    assert!(again.is_replay());
+    assert_eq!(card.ledger.len(), 1);
+    assert_eq!(card.ledger.entries()[0].status, "COMPLETED");
+}
+
+async fn square_lost_response_is_looked_up_after_the_void_is_refused(store: Backend, _url: String) {
+    let card = Card::square(Card::square_payment()).await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    card.lose_the_answer(&idem, "lost-1").await;
+    stale(LEASE).await;
+    let report = card.sweeper(&store).run_once().await.unwrap();
+    assert_eq!((report.done, report.lookups), (1, 1), "{report:?}");
+    // The payment completed: the void was refused and left it alone.
+    assert_eq!(card.ledger.entries()[0].status, "COMPLETED");
+    let body = card.assert_done_once(&store, &idem, "lost-1").await;
+    assert_eq!(body["payment"]["id"], card.ledger.entries()[0].id.as_str());
+}
+
+async fn square_lost_delayed_capture_is_looked_up_not_voided(store: Backend, _url: String) {
+    let mut body = Card::square_payment();
+    body["autocomplete"] = json!(false);
+    let card = Card::square(body).await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    card.lose_the_answer(&idem, "auth-1").await;
+    stale(LEASE).await;
+    let report = card.sweeper(&store).run_once().await.unwrap();
+    assert_eq!((report.done, report.lookups), (1, 1), "{report:?}");
+    assert_eq!(
+        card.ledger.entries()[0].status,
+        "APPROVED",
+        "the authorisation was kept, not voided"
+    );
+    let body = card.assert_done_once(&store, &idem, "auth-1").await;
+    assert_eq!(body["payment"]["status"], "APPROVED");
+}
+
+async fn square_died_after_the_answer_is_settled_with_one_payment(store: Backend, _url: String) {
+    let card = Card::square(Card::square_payment()).await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    card.die_after_the_answer(&idem, "died-1").await;
+    stale(LEASE).await;
+    let report = card.sweeper(&store).run_once().await.unwrap();
+    assert_eq!((report.done, report.lookups), (1, 1), "{report:?}");
+    card.assert_done_once(&store, &idem, "died-1").await;
+}
+
+// ---- PayPal: a same-id re-send returns the order's current state -----------------------------
+
+async fn paypal_crash_after_claim_before_the_call_is_redriven_to_one_order(
+    store: Backend,
+    _url: String,
+) {
+    let (card, _fake) = Card::paypal().await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    card.crash_before_the_call(&idem, "before-1").await;
+    stale(LEASE).await;
+    let report = card.sweeper(&store).run_once().await.unwrap();
+    assert_eq!((report.done, report.redrives), (1, 1), "{report:?}");
+    let body = card.assert_done_once(&store, &idem, "before-1").await;
+    assert_eq!(body["status"], "CREATED");
+}
+
+async fn paypal_lost_response_is_settled_with_the_orders_current_state(
+    store: Backend,
+    _url: String,
+) {
+    let (card, fake) = Card::paypal().await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    card.lose_the_answer(&idem, "lost-1").await;
+    // Meanwhile the buyer approved and the order was captured.
+    fake.set_order_status(&card.ledger.entries()[0].id, "COMPLETED");
+    stale(LEASE).await;
+    let report = card.sweeper(&store).run_once().await.unwrap();
+    assert_eq!((report.done, report.redrives), (1, 1), "{report:?}");
+    let body = card.assert_done_once(&store, &idem, "lost-1").await;
+    assert_eq!(body["status"], "COMPLETED");
+    assert_eq!(body["id"], card.ledger.entries()[0].id.as_str());
+}
+
+async fn paypal_died_after_the_answer_is_settled_with_one_order(store: Backend, _url: String) {
+    let (card, _fake) = Card::paypal().await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    card.die_after_the_answer(&idem, "died-1").await;
+    stale(LEASE).await;
+    let report = card.sweeper(&store).run_once().await.unwrap();
+    assert_eq!((report.done, report.redrives), (1, 1), "{report:?}");
+    card.assert_done_once(&store, &idem, "died-1").await;
+}
+
+#[cfg(feature = "cli")]
+async fn cli_reconcile_once_settles_each_card_processor_from_a_config_file(
+    store: Backend,
+    url: String,
+) {
+    let adyen = Card::adyen().await;
+    let square = Card::square(Card::square_payment()).await;
+    let (paypal, pp_fake) = Card::paypal().await;
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    adyen.lose_the_answer(&idem, "cli-a").await;
+    square.lose_the_answer(&idem, "cli-s").await;
+    paypal.lose_the_answer(&idem, "cli-p").await;
+    pp_fake.set_order_status(&paypal.ledger.entries()[0].id, "COMPLETED");
+    // Crashed before its call: Square voids it by key.
+    square.crash_before_the_call(&idem, "cli-s2").await;
+    stale(LEASE).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idemflow.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[providers]]\nkind = \"adyen\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_ADYEN_KEY\"\n\n\
+             [[providers]]\nkind = \"square\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_SQUARE_KEY\"\n\n\
+             [[providers]]\nkind = \"paypal\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_PAYPAL_TOKEN\"\n",
+            adyen.base_url, square.base_url, paypal.base_url,
+        ),
+    )
+    .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["--json", "reconcile", "--once"])
+        .env("DATABASE_URL", &url)
+        .env("IDEMFLOW_CONFIG", &config)
+        .env("FAKE_ADYEN_KEY", FakeAdyen::API_KEY)
+        .env("FAKE_SQUARE_KEY", FakeSquare::API_KEY)
+        .env("FAKE_PAYPAL_TOKEN", FakePayPal::API_KEY)
+        .env_remove("IDEMFLOW_LOG")
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(report["report"]["done"], 3, "{report}");
+    assert_eq!(report["report"]["retryable"], 1, "{report}");
+    adyen.assert_done_once(&store, &idem, "cli-a").await;
+    square.assert_done_once(&store, &idem, "cli-s").await;
+    let order = paypal.assert_done_once(&store, &idem, "cli-p").await;
+    assert_eq!(order["status"], "COMPLETED");
+    let row = store
+        .get(square.request("cli-s2").id())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.state, KeyState::Failed { retryable: true });
+    assert_eq!(square.ledger.len(), 1, "the voided key charged nothing");
+}
