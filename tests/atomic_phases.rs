@@ -75,7 +75,7 @@ async fn run_failing(
             return Outcome::unknown("phase already used");
         };
         let step = Step::new("create_order", &json!({"order": ctx.request()})).unwrap();
-        if let Err(e) = ctx.atomic_step(step, BoxedPhase(phase)).await {
+        if let Err(e) = ctx.atomic_step(step, phase).await {
             return Outcome::from_step_error(&e);
         }
         let charge = Step::new("charge", &json!({"amount": 1500})).unwrap();
@@ -90,21 +90,6 @@ async fn run_failing(
         }
     })
     .await
-}
-
-/// A boxed phase as a phase (the tests choose the backend at run time).
-struct BoxedPhase(Box<dyn AtomicPhase>);
-
-#[idemflow::async_trait]
-impl AtomicPhase for BoxedPhase {
-    async fn commit(
-        self: Box<Self>,
-        step: &idemflow::KeyId,
-        token: idemflow::LeaseToken,
-        prepare: idemflow::workflow::Prepare,
-    ) -> Result<StoredResponse, idemflow::workflow::PhaseError> {
-        self.0.commit(step, token, prepare).await
-    }
 }
 
 async fn writes_and_record_commit_together(b: Backend) {
