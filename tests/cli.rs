@@ -697,6 +697,20 @@ async fn reconcile_reports_waiting_workflows_and_inspect_shows_their_steps() {
         stdout(&o)
     );
 
+    // Its email step is unsettled: the workflow is stale but waits for that step, not yet for
+    // a resumer.
+    let o = db.run(&["stats", "--json"]);
+    expect(&o, 0);
+    let j = json(&o);
+    assert_eq!(
+        (
+            j["stale"].as_i64(),
+            j["workflows_waiting_for_resumer"].as_i64()
+        ),
+        (Some(2), Some(0)),
+        "{j}"
+    );
+
     // The email step has no provider: it needs an operator; once it is resolved, the
     // workflow itself waits for a resumer (or the client's retry).
     let config = db.dir().join("idemflow.toml");
@@ -736,6 +750,17 @@ async fn reconcile_reports_waiting_workflows_and_inspect_shows_their_steps() {
         }
     }
     assert_eq!(waiting, 1);
+    // `stats` counts it.
+    let o = db.run(&["stats", "--json"]);
+    expect(&o, 0);
+    assert_eq!(json(&o)["workflows_waiting_for_resumer"], 1);
+    let o = db.run(&["stats"]);
+    expect(&o, 0);
+    assert!(
+        stdout(&o).contains("of which 1 workflows waiting for a resumer"),
+        "{}",
+        stdout(&o)
+    );
 }
 
 /// `GET /metrics` of `addr` (plain HTTP/1.0), or `None` while nothing answers.

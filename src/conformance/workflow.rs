@@ -461,6 +461,11 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     );
     assert_eq!((cards.effects().len(), mail.effects().len()), (1, 0));
     wait_stale().await;
+    let id = checkout(&scope, "o1").id().clone();
+    assert!(
+        !is_waiting_for_resumer(&store, &id).await,
+        "its charge step is unsettled: it waits for the sweeper, not for a resumer"
+    );
 
     // The operator's cron sweeper knows the providers but cannot run application code.
     let cli = sweeper_with(
@@ -480,7 +485,7 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
         }
     }
     assert_eq!(waiting, 1, "the workflow is reported waiting for a resumer");
-    let id = checkout(&scope, "o1").id().clone();
+    assert!(is_waiting_for_resumer(&store, &id).await, "and counted so");
     assert_eq!(row(&store, &step_key(&id, 0)).await.state, KeyState::Done);
     assert_eq!(row(&store, &id).await.state, KeyState::Processing);
     assert_eq!(cards.effects().len(), 1, "the re-drive was deduplicated");
@@ -502,12 +507,21 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     assert_eq!(resumed, 1);
     let r = row(&store, &id).await;
     assert_eq!(r.state, KeyState::Done);
+    assert!(!is_waiting_for_resumer(&store, &id).await);
     assert_eq!((cards.effects().len(), mail.effects().len()), (1, 1));
 
     let retry = idem.execute(checkout(&scope, "o1"), op).await.unwrap();
     assert!(retry.is_replay());
     assert_eq!(Some(retry.response()), r.response.as_ref());
     assert_eq!((cards.effects().len(), mail.effects().len()), (1, 1));
+}
+
+async fn is_waiting_for_resumer(store: &Arc<dyn Store>, id: &crate::KeyId) -> bool {
+    crate::workflow::waiting_for_resumer(&**store)
+        .await
+        .unwrap()
+        .iter()
+        .any(|r| r.scope == id.scope && r.key == id.key)
 }
 
 /// An executor with a retry takeover window still never takes over a step whose provider does

@@ -26,11 +26,7 @@ impl Sweeper {
     ) -> Result<KeyResult, StoreError> {
         // Steps first: each is settled as a key of its own (in this batch or a later one).
         let steps = crate::workflow::steps(&*self.store, id).await?;
-        if let Some((position, step)) = steps
-            .iter()
-            .enumerate()
-            .find(|(_, s)| s.state == KeyState::Processing)
-        {
+        if let Some((position, step)) = crate::workflow::unsettled_step(&steps) {
             tracing::Span::current().record("decision", "wait_for_step");
             let decision = Decision::Defer {
                 reason: format!(

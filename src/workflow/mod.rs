@@ -110,6 +110,73 @@ pub fn recovery_point(steps: &[crate::KeyRecord]) -> Option<(u32, &str)> {
     Some((u32::try_from(last).ok()?, steps[last].operation.as_str()))
 }
 
+/// The first step of `steps` (as [`steps`] returns them) still `processing`, with its
+/// position: while there is one, the workflow waits for it to be settled (by its worker, or by
+/// the sweeper from its provider) before anything may continue it.
+pub fn unsettled_step(steps: &[crate::KeyRecord]) -> Option<(u32, &crate::KeyRecord)> {
+    steps
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.state == crate::KeyState::Processing)
+        .and_then(|(position, s)| Some((u32::try_from(position).ok()?, s)))
+}
+
+/// The workflow keys waiting for a resumer (or a client retry), oldest first: `processing`, no
+/// worker holds them (the lease expired or was given back), and every step they ran so far is
+/// settled ([`unsettled_step`] finds none). Nothing but a client retry or a sweeper with a
+/// [resumer](crate::Sweeper::resumer) for their operation moves them on; `idemflow stats`
+/// counts them.
+///
+/// It reads every processing key ([`Store::stuck`](crate::Store::stuck) with no age), then the
+/// steps of each stale workflow among them: an operator's query, not one for a hot path.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use idemflow::workflow::{self, Step};
+/// use idemflow::{Idempotency, IdempotentRequest, Outcome, Store, StoredResponse};
+/// use idemflow::store::sqlite::SqliteStore;
+///
+/// let store: Arc<dyn Store> = Arc::new(SqliteStore::connect("sqlite::memory:").await?);
+/// store.migrate().await?;
+/// let idem = Idempotency::new(store.clone());
+/// let order = IdempotentRequest::new("shop", "order-1", "checkout", &1)?.workflow();
+/// // The first step finishes; then the workflow's own outcome is lost (as in a crash).
+/// let run = idem.execute(order, |ctx| async move {
+///     let charge = Step::new("charge", &500).unwrap();
+///     let paid = ctx.step(charge, |_| async { Outcome::Succeeded(StoredResponse::new(201)) });
+///     if let Err(e) = paid.await {
+///         return Outcome::from_step_error(&e);
+///     }
+///     Outcome::unknown("the process died here")
+/// }).await;
+/// assert!(run.is_err());
+/// let waiting = workflow::waiting_for_resumer(&*store).await?;
+/// assert_eq!(waiting.len(), 1);
+/// assert_eq!(waiting[0].key.as_str(), "order-1");
+/// # Ok(())
+/// # }
+/// ```
+pub async fn waiting_for_resumer(
+    store: &dyn crate::Store,
+) -> Result<Vec<crate::KeyRecord>, crate::StoreError> {
+    let now = store.now().await?;
+    let processing = store.stuck(std::time::Duration::ZERO, u32::MAX).await?;
+    let mut waiting = Vec::new();
+    for record in processing.oldest {
+        let stale = record.lease_expires_at.is_none_or(|at| at <= now);
+        if !stale || record.provider.as_deref() != Some(WORKFLOW_PROVIDER) {
+            continue;
+        }
+        let id = KeyId::new(record.scope.clone(), record.key.clone());
+        if unsettled_step(&steps(store, &id).await?).is_none() {
+            waiting.push(record);
+        }
+    }
+    Ok(waiting)
+}
+
 /// One named step of a workflow, with the request it acts on (its fingerprint guards the step
 /// like a request guards a key: the same step with a different request is refused).
 ///

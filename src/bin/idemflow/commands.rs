@@ -326,6 +326,10 @@ async fn stats(cli: &Cli, store: &Arc<dyn Store>, args: &StatsArgs) -> anyhow::R
         .await
         .map_err(store_err)?;
     let stuck_count = stuck.count;
+    let waiting = idemflow::workflow::waiting_for_resumer(&**store)
+        .await
+        .map_err(store_err)?
+        .len();
     let listed: Vec<Value> = stuck
         .oldest
         .iter()
@@ -344,6 +348,7 @@ async fn stats(cli: &Cli, store: &Arc<dyn Store>, args: &StatsArgs) -> anyhow::R
         "oldest_processing_age_secs": oldest_age.map(|a| a.as_secs()),
         "alert_age_secs": args.alert_age.as_secs(),
         "stuck_past_alert_age": stuck_count,
+        "workflows_waiting_for_resumer": waiting,
         "stuck": listed,
         "now": s.now,
     });
@@ -352,6 +357,9 @@ async fn stats(cli: &Cli, store: &Arc<dyn Store>, args: &StatsArgs) -> anyhow::R
         t.push_str(&format!(
             "processing        {} ({} stale: lease expired, waiting for the sweeper)\n",
             s.processing, s.stale
+        ));
+        t.push_str(&format!(
+            "  of which {waiting} workflows waiting for a resumer or a client retry\n"
         ));
         t.push_str(&format!("done              {}\n", s.done));
         t.push_str(&format!("failed(retryable) {}\n", s.failed_retryable));
