@@ -31,8 +31,12 @@ mod connect;
 pub mod connect_error;
 #[cfg(any(feature = "sqlite", feature = "mysql", feature = "redis"))]
 pub(crate) mod known_keys;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod pool;
 mod rows;
 pub use connect::connect;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub use pool::{PoolExhausted, PoolOptions};
 pub use rows::{RawEvent, RawRecord};
 
 /// A claim request: everything the key row holds from its first write.

@@ -264,9 +264,8 @@ mod pool {
     use std::time::Duration;
 
     use idemflow::StoreError;
-    use idemflow::store::mysql::{
-        DEFAULT_MAX_CONNECTIONS, MySqlOptions, MySqlStore, PoolExhausted,
-    };
+    use idemflow::store::mysql::MySqlStore;
+    use idemflow::store::{PoolExhausted, PoolOptions};
 
     use crate::support::backend_url;
     use crate::support::mysql::URL_VAR;
@@ -277,14 +276,14 @@ mod pool {
             return;
         };
         let store = MySqlStore::connect(&url).await.unwrap();
-        assert_eq!(DEFAULT_MAX_CONNECTIONS, 32);
+        assert_eq!(PoolOptions::DEFAULT_MAX_CONNECTIONS, 32);
         assert_eq!(store.pool().options().get_max_connections(), 32);
         assert_eq!(
             store.pool().options().get_acquire_timeout(),
             Duration::from_secs(5)
         );
 
-        let options = MySqlOptions::default()
+        let options = PoolOptions::default()
             .max_connections(7)
             .min_connections(2)
             .acquire_timeout(Duration::from_millis(1500));
@@ -294,7 +293,7 @@ mod pool {
         assert_eq!(o.get_min_connections(), 2);
         assert_eq!(o.get_acquire_timeout(), Duration::from_millis(1500));
 
-        let zero = MySqlStore::connect_with(&url, MySqlOptions::default().max_connections(0)).await;
+        let zero = MySqlStore::connect_with(&url, PoolOptions::default().max_connections(0)).await;
         assert!(matches!(zero, Err(StoreError::Config(_))), "{zero:?}");
     }
 
@@ -303,7 +302,7 @@ mod pool {
         let Some(url) = backend_url(URL_VAR) else {
             return;
         };
-        let options = MySqlOptions::default()
+        let options = PoolOptions::default()
             .max_connections(1)
             .acquire_timeout(Duration::from_millis(300));
         let store = MySqlStore::connect_with(&url, options).await.unwrap();

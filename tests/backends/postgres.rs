@@ -3,10 +3,8 @@
 
 use std::time::Duration;
 
-use idemflow::store::TakeStale;
-use idemflow::store::postgres::{
-    DEFAULT_MAX_CONNECTIONS, PoolExhausted, PostgresOptions, PostgresStore, TAKE_STALE_SQL,
-};
+use idemflow::store::postgres::{PostgresStore, TAKE_STALE_SQL};
+use idemflow::store::{PoolExhausted, PoolOptions, TakeStale};
 use idemflow::{KeyId, LeaseToken, Store, async_trait};
 use sqlx::migrate::Migrator;
 use sqlx::postgres::PgConnection;
@@ -182,14 +180,14 @@ async fn connect_sizes_the_pool_for_concurrency_and_connect_with_is_honoured() {
         return;
     };
     let store = PostgresStore::connect(&url).await.unwrap();
-    assert_eq!(DEFAULT_MAX_CONNECTIONS, 32);
+    assert_eq!(PoolOptions::DEFAULT_MAX_CONNECTIONS, 32);
     assert_eq!(store.pool().options().get_max_connections(), 32);
     assert_eq!(
         store.pool().options().get_acquire_timeout(),
         Duration::from_secs(5)
     );
 
-    let options = PostgresOptions::default()
+    let options = PoolOptions::default()
         .max_connections(7)
         .min_connections(2)
         .acquire_timeout(Duration::from_millis(1500));
@@ -199,8 +197,7 @@ async fn connect_sizes_the_pool_for_concurrency_and_connect_with_is_honoured() {
     assert_eq!(o.get_min_connections(), 2);
     assert_eq!(o.get_acquire_timeout(), Duration::from_millis(1500));
 
-    let zero =
-        PostgresStore::connect_with(&url, PostgresOptions::default().max_connections(0)).await;
+    let zero = PostgresStore::connect_with(&url, PoolOptions::default().max_connections(0)).await;
     assert!(
         matches!(zero, Err(idemflow::StoreError::Config(_))),
         "{zero:?}"
@@ -212,7 +209,7 @@ async fn callers_beyond_the_pool_wait_then_get_pool_exhausted() {
     let Some(url) = backend_url(URL_VAR) else {
         return;
     };
-    let options = PostgresOptions::default()
+    let options = PoolOptions::default()
         .max_connections(1)
         .acquire_timeout(Duration::from_millis(300));
     let store = PostgresStore::connect_with(&url, options).await.unwrap();

@@ -17,17 +17,17 @@
 
 use std::future::Future;
 use std::hash::BuildHasher;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDateTime, Utc};
 use sqlx::migrate::Migrator;
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::mysql::{MySqlPool, MySqlRow};
 use sqlx::{AssertSqlSafe, Executor, Row};
 use tracing::{Instrument, instrument};
 
+use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 use super::{
     ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
@@ -109,88 +109,6 @@ fn nonce() -> i64 {
     i64::from_ne_bytes(h.to_ne_bytes())
 }
 
-/// Default [`MySqlOptions::max_connections`].
-pub const DEFAULT_MAX_CONNECTIONS: u32 = 32;
-
-/// Default [`MySqlOptions::acquire_timeout`].
-pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// How [`MySqlStore::connect_with`] sizes its pool.
-///
-/// Every store call holds one connection for one round trip (a claim, a finish, a read), so the
-/// pool bounds how many calls run at once; calls beyond it queue inside the pool, in order, for
-/// at most `acquire_timeout`, then fail with [`StoreError::Database`] whose source is
-/// [`PoolExhausted`]. Size it to the number of calls you expect in flight per process (each
-/// `execute` makes two store calls, not at the same time), and keep the sum over all processes
-/// below the server's `max_connections`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct MySqlOptions {
-    /// Connections at most (default [`DEFAULT_MAX_CONNECTIONS`], 32).
-    pub max_connections: u32,
-    /// Connections kept open when idle (default 0).
-    pub min_connections: u32,
-    /// How long a call waits for a free connection before failing (default
-    /// [`DEFAULT_ACQUIRE_TIMEOUT`], 5 s).
-    pub acquire_timeout: Duration,
-}
-
-impl Default for MySqlOptions {
-    fn default() -> Self {
-        Self {
-            max_connections: DEFAULT_MAX_CONNECTIONS,
-            min_connections: 0,
-            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
-        }
-    }
-}
-
-impl MySqlOptions {
-    /// Connections at most (at least 1).
-    pub fn max_connections(mut self, n: u32) -> Self {
-        self.max_connections = n;
-        self
-    }
-
-    /// Connections kept open when idle (capped at `max_connections`).
-    pub fn min_connections(mut self, n: u32) -> Self {
-        self.min_connections = n;
-        self
-    }
-
-    /// How long a call waits for a free connection before failing.
-    pub fn acquire_timeout(mut self, d: Duration) -> Self {
-        self.acquire_timeout = d;
-        self
-    }
-}
-
-/// The source of the [`StoreError::Database`] returned when every pool connection stayed busy
-/// for the whole acquire timeout.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "all {max_connections} pool connections stayed busy for {waited:?}; raise MySqlOptions::max_connections (or the acquire timeout), or send fewer concurrent calls"
-)]
-pub struct PoolExhausted {
-    /// The pool's size.
-    pub max_connections: u32,
-    /// How long the call waited.
-    pub waited: Duration,
-}
-
-fn pool_error(max_connections: u32, waited: Duration, e: sqlx::Error) -> StoreError {
-    match e {
-        sqlx::Error::PoolTimedOut => StoreError::database(
-            BACKEND,
-            PoolExhausted {
-                max_connections,
-                waited,
-            },
-        ),
-        e => db(e),
-    }
-}
-
 /// A [`Store`] on MariaDB or MySQL (InnoDB).
 ///
 /// ```no_run
@@ -210,10 +128,10 @@ pub struct MySqlStore {
 }
 
 impl MySqlStore {
-    /// Connects a pool with the default [`MySqlOptions`] (32 connections at most, callers
+    /// Connects a pool with the default [`PoolOptions`] (32 connections at most, callers
     /// beyond that wait up to 5 s for a connection) to `url`.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        Self::connect_with(url, MySqlOptions::default()).await
+        Self::connect_with(url, PoolOptions::default()).await
     }
 
     /// Connects a pool sized by `options` to `url`.
@@ -221,10 +139,10 @@ impl MySqlStore {
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idemflow::StoreError> {
     /// use std::time::Duration;
-    /// use idemflow::store::mysql::{MySqlOptions, MySqlStore};
+    /// use idemflow::store::{PoolOptions, mysql::MySqlStore};
     /// let store = MySqlStore::connect_with(
     ///     "mysql://app@db.internal/app",
-    ///     MySqlOptions::default()
+    ///     PoolOptions::default()
     ///         .max_connections(64)
     ///         .acquire_timeout(Duration::from_secs(2)),
     /// )
@@ -232,38 +150,13 @@ impl MySqlStore {
     /// # Ok(())
     /// # }
     /// ```
-    pub async fn connect_with(url: &str, options: MySqlOptions) -> Result<Self, StoreError> {
-        if options.max_connections == 0 {
-            return Err(StoreError::Config(
-                "MySqlOptions::max_connections must be at least 1".into(),
-            ));
-        }
-        let connect = MySqlConnectOptions::from_str(url)
-            .map_err(|e| StoreError::Config(format!("bad MySQL URL: {e}")))?;
-        // One connection first, within the acquire timeout: a failure is named at once (see
-        // `PostgresStore::connect_with`).
-        let first = super::connect_error::within(
-            BACKEND,
-            url,
-            options.acquire_timeout,
-            <sqlx::MySqlConnection as sqlx::Connection>::connect_with(&connect),
-            super::connect_error::sqlx_cause,
-        )
-        .await?;
-        let _ = sqlx::Connection::close(first).await;
-        let pool = MySqlPoolOptions::new()
-            .max_connections(options.max_connections)
-            .min_connections(options.min_connections.min(options.max_connections))
-            .acquire_timeout(options.acquire_timeout)
-            .connect_with(connect)
-            .await
-            .map_err(|e| pool_error(options.max_connections, options.acquire_timeout, e))?;
+    pub async fn connect_with(url: &str, options: PoolOptions) -> Result<Self, StoreError> {
+        let pool = super::pool::connect(BACKEND, "MySQL", url, &options).await?;
         Ok(Self::from_pool(pool))
     }
 
     fn err(&self, e: sqlx::Error) -> StoreError {
-        let o = self.pool.options();
-        pool_error(o.get_max_connections(), o.get_acquire_timeout(), e)
+        super::pool::pool_error(BACKEND, &self.pool, e)
     }
 
     /// Uses a pool you manage.

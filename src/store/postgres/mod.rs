@@ -15,16 +15,16 @@
 //! Run it at the default `READ COMMITTED` isolation (the claim relies on `ON CONFLICT` judging
 //! the latest committed row).
 
-use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use sqlx::Row;
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgPool, PgRow};
 use tracing::instrument;
 
+use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 use super::{
     ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
@@ -62,88 +62,6 @@ fn db(e: sqlx::Error) -> StoreError {
     StoreError::database(BACKEND, e)
 }
 
-/// Default [`PostgresOptions::max_connections`].
-pub const DEFAULT_MAX_CONNECTIONS: u32 = 32;
-
-/// Default [`PostgresOptions::acquire_timeout`].
-pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// How [`PostgresStore::connect_with`] sizes its pool.
-///
-/// Every store call holds one connection for one statement (a claim, a finish, a read), so the
-/// pool bounds how many calls run at once; calls beyond it queue inside the pool, in order, for
-/// at most `acquire_timeout`, then fail with [`StoreError::Database`] whose source is
-/// [`PoolExhausted`]. Size it to the number of calls you expect in flight per process (each
-/// `execute` makes two store calls, not at the same time), and keep the sum over all processes
-/// below the server's `max_connections` minus its reserved slots.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PostgresOptions {
-    /// Connections at most (default [`DEFAULT_MAX_CONNECTIONS`], 32).
-    pub max_connections: u32,
-    /// Connections kept open when idle (default 0).
-    pub min_connections: u32,
-    /// How long a call waits for a free connection before failing (default
-    /// [`DEFAULT_ACQUIRE_TIMEOUT`], 5 s).
-    pub acquire_timeout: Duration,
-}
-
-impl Default for PostgresOptions {
-    fn default() -> Self {
-        Self {
-            max_connections: DEFAULT_MAX_CONNECTIONS,
-            min_connections: 0,
-            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
-        }
-    }
-}
-
-impl PostgresOptions {
-    /// Connections at most (at least 1).
-    pub fn max_connections(mut self, n: u32) -> Self {
-        self.max_connections = n;
-        self
-    }
-
-    /// Connections kept open when idle (capped at `max_connections`).
-    pub fn min_connections(mut self, n: u32) -> Self {
-        self.min_connections = n;
-        self
-    }
-
-    /// How long a call waits for a free connection before failing.
-    pub fn acquire_timeout(mut self, d: Duration) -> Self {
-        self.acquire_timeout = d;
-        self
-    }
-}
-
-/// The source of the [`StoreError::Database`] returned when every pool connection stayed busy
-/// for the whole acquire timeout.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "all {max_connections} pool connections stayed busy for {waited:?}; raise PostgresOptions::max_connections (or the acquire timeout), or send fewer concurrent calls"
-)]
-pub struct PoolExhausted {
-    /// The pool's size.
-    pub max_connections: u32,
-    /// How long the call waited.
-    pub waited: Duration,
-}
-
-fn pool_error(max_connections: u32, waited: Duration, e: sqlx::Error) -> StoreError {
-    match e {
-        sqlx::Error::PoolTimedOut => StoreError::database(
-            BACKEND,
-            PoolExhausted {
-                max_connections,
-                waited,
-            },
-        ),
-        e => db(e),
-    }
-}
-
 /// A [`Store`] on PostgreSQL.
 ///
 /// ```no_run
@@ -160,10 +78,10 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
-    /// Connects a pool with the default [`PostgresOptions`] (32 connections at most, callers
+    /// Connects a pool with the default [`PoolOptions`] (32 connections at most, callers
     /// beyond that wait up to 5 s for a connection) to `url`.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        Self::connect_with(url, PostgresOptions::default()).await
+        Self::connect_with(url, PoolOptions::default()).await
     }
 
     /// Connects a pool sized by `options` to `url`.
@@ -171,10 +89,10 @@ impl PostgresStore {
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idemflow::StoreError> {
     /// use std::time::Duration;
-    /// use idemflow::store::postgres::{PostgresOptions, PostgresStore};
+    /// use idemflow::store::{PoolOptions, postgres::PostgresStore};
     /// let store = PostgresStore::connect_with(
     ///     "postgres://app@db.internal/app",
-    ///     PostgresOptions::default()
+    ///     PoolOptions::default()
     ///         .max_connections(64)
     ///         .acquire_timeout(Duration::from_secs(2)),
     /// )
@@ -182,33 +100,8 @@ impl PostgresStore {
     /// # Ok(())
     /// # }
     /// ```
-    pub async fn connect_with(url: &str, options: PostgresOptions) -> Result<Self, StoreError> {
-        if options.max_connections == 0 {
-            return Err(StoreError::Config(
-                "PostgresOptions::max_connections must be at least 1".into(),
-            ));
-        }
-        let connect = PgConnectOptions::from_str(url)
-            .map_err(|e| StoreError::Config(format!("bad PostgreSQL URL: {e}")))?;
-        // One connection first, within the acquire timeout, so a server that is down, a wrong
-        // password or a missing database is named at once (a pool would retry until its
-        // timeout and report only that it timed out).
-        let first = super::connect_error::within(
-            BACKEND,
-            url,
-            options.acquire_timeout,
-            <sqlx::PgConnection as sqlx::Connection>::connect_with(&connect),
-            super::connect_error::sqlx_cause,
-        )
-        .await?;
-        let _ = sqlx::Connection::close(first).await;
-        let pool = PgPoolOptions::new()
-            .max_connections(options.max_connections)
-            .min_connections(options.min_connections.min(options.max_connections))
-            .acquire_timeout(options.acquire_timeout)
-            .connect_with(connect)
-            .await
-            .map_err(|e| pool_error(options.max_connections, options.acquire_timeout, e))?;
+    pub async fn connect_with(url: &str, options: PoolOptions) -> Result<Self, StoreError> {
+        let pool = super::pool::connect(BACKEND, "PostgreSQL", url, &options).await?;
         Ok(Self::from_pool(pool))
     }
 
@@ -218,8 +111,7 @@ impl PostgresStore {
     }
 
     fn err(&self, e: sqlx::Error) -> StoreError {
-        let o = self.pool.options();
-        pool_error(o.get_max_connections(), o.get_acquire_timeout(), e)
+        super::pool::pool_error(BACKEND, &self.pool, e)
     }
 
     /// The pool (for tests and tools that need raw access).

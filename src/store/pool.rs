@@ -1,0 +1,157 @@
+//! The connection pool of the SQL server backends (PostgreSQL, MariaDB/MySQL): how it is sized
+//! ([`PoolOptions`]), the first connection that names a failure at once, and the error of an
+//! exhausted pool ([`PoolExhausted`]).
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::pool::PoolOptions as SqlxPoolOptions;
+use sqlx::{ConnectOptions, Connection, Database, Pool};
+
+use super::connect_error::{sqlx_cause, within};
+use crate::error::StoreError;
+
+/// How `PostgresStore::connect_with` and `MySqlStore::connect_with` size their pool.
+///
+/// Every store call holds one connection for one round trip (a claim, a finish, a read), so the
+/// pool bounds how many calls run at once; calls beyond it queue inside the pool, in order, for
+/// at most `acquire_timeout`, then fail with [`StoreError::Database`] whose source is
+/// [`PoolExhausted`]. Size it to the number of calls you expect in flight per process (each
+/// `execute` makes two store calls, not at the same time), and keep the sum over all processes
+/// below the server's `max_connections` (less PostgreSQL's reserved slots).
+///
+/// ```
+/// use std::time::Duration;
+/// use idemflow::store::PoolOptions;
+/// let options = PoolOptions::default()
+///     .max_connections(64)
+///     .acquire_timeout(Duration::from_secs(2));
+/// assert_eq!((options.max_connections, options.min_connections), (64, 0));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoolOptions {
+    /// Connections at most (default [`Self::DEFAULT_MAX_CONNECTIONS`], 32).
+    pub max_connections: u32,
+    /// Connections kept open when idle (default 0).
+    pub min_connections: u32,
+    /// How long a call waits for a free connection before failing, and how long the first
+    /// connection may take (default [`Self::DEFAULT_ACQUIRE_TIMEOUT`], 5 s).
+    pub acquire_timeout: Duration,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        Self {
+            max_connections: Self::DEFAULT_MAX_CONNECTIONS,
+            min_connections: 0,
+            acquire_timeout: Self::DEFAULT_ACQUIRE_TIMEOUT,
+        }
+    }
+}
+
+impl PoolOptions {
+    /// Default [`PoolOptions::max_connections`].
+    pub const DEFAULT_MAX_CONNECTIONS: u32 = 32;
+
+    /// Default [`PoolOptions::acquire_timeout`].
+    pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// Connections at most (at least 1).
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// Connections kept open when idle (capped at `max_connections`).
+    pub fn min_connections(mut self, n: u32) -> Self {
+        self.min_connections = n;
+        self
+    }
+
+    /// How long a call waits for a free connection before failing.
+    pub fn acquire_timeout(mut self, d: Duration) -> Self {
+        self.acquire_timeout = d;
+        self
+    }
+}
+
+/// The source of the [`StoreError::Database`] returned when every pool connection stayed busy
+/// for the whole acquire timeout.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "all {max_connections} pool connections stayed busy for {waited:?}; raise PoolOptions::max_connections (or the acquire timeout), or send fewer concurrent calls"
+)]
+pub struct PoolExhausted {
+    /// The pool's size.
+    pub max_connections: u32,
+    /// How long the call waited.
+    pub waited: Duration,
+}
+
+/// A database error of `backend`'s pool `pool`: an acquire that timed out is [`PoolExhausted`].
+pub(crate) fn pool_error<DB: Database>(
+    backend: &'static str,
+    pool: &Pool<DB>,
+    e: sqlx::Error,
+) -> StoreError {
+    let o = pool.options();
+    exhausted_or(backend, o.get_max_connections(), o.get_acquire_timeout(), e)
+}
+
+fn exhausted_or(
+    backend: &'static str,
+    max_connections: u32,
+    waited: Duration,
+    e: sqlx::Error,
+) -> StoreError {
+    match e {
+        sqlx::Error::PoolTimedOut => StoreError::database(
+            backend,
+            PoolExhausted {
+                max_connections,
+                waited,
+            },
+        ),
+        e => StoreError::database(backend, e),
+    }
+}
+
+/// Connects a pool sized by `options` to `url` (`database` names the server in errors).
+///
+/// One connection is made first, within the acquire timeout, so that a server that is down, a
+/// wrong password or a missing database is named at once ([`StoreError::Connect`]): a pool would
+/// retry until its timeout and report only that it timed out.
+pub(crate) async fn connect<DB: Database>(
+    backend: &'static str,
+    database: &str,
+    url: &str,
+    options: &PoolOptions,
+) -> Result<Pool<DB>, StoreError>
+where
+    <DB::Connection as Connection>::Options: FromStr<Err = sqlx::Error>,
+{
+    if options.max_connections == 0 {
+        return Err(StoreError::Config(
+            "PoolOptions::max_connections must be at least 1".into(),
+        ));
+    }
+    let connect = <DB::Connection as Connection>::Options::from_str(url)
+        .map_err(|e| StoreError::Config(format!("bad {database} URL: {e}")))?;
+    let first = within(
+        backend,
+        url,
+        options.acquire_timeout,
+        connect.connect(),
+        sqlx_cause,
+    )
+    .await?;
+    let _ = first.close().await;
+    SqlxPoolOptions::<DB>::new()
+        .max_connections(options.max_connections)
+        .min_connections(options.min_connections.min(options.max_connections))
+        .acquire_timeout(options.acquire_timeout)
+        .connect_with(connect)
+        .await
+        .map_err(|e| exhausted_or(backend, options.max_connections, options.acquire_timeout, e))
+}
