@@ -41,6 +41,39 @@ mod futures_count {
     pub type CountFuture = std::pin::Pin<Box<dyn std::future::Future<Output = i64> + Send>>;
 }
 
+/// A future that gives up on `inner` once it has returned `Pending` `waits` times: a caller that
+/// goes away at a chosen point.
+struct CutAfter<F> {
+    inner: std::pin::Pin<Box<F>>,
+    waits: u32,
+}
+
+impl<F: std::future::Future> CutAfter<F> {
+    fn new(waits: u32, inner: F) -> Self {
+        Self {
+            inner: Box::pin(inner),
+            waits,
+        }
+    }
+}
+
+impl<F: std::future::Future> std::future::Future for CutAfter<F> {
+    type Output = Option<F::Output>;
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match self.inner.as_mut().poll(cx) {
+            std::task::Poll::Ready(v) => std::task::Poll::Ready(Some(v)),
+            std::task::Poll::Pending if self.waits == 0 => std::task::Poll::Ready(None),
+            std::task::Poll::Pending => {
+                self.waits -= 1;
+                std::task::Poll::Pending
+            }
+        }
+    }
+}
+
 fn no_hook() -> Hook {
     Arc::new(|| Box::pin(async {}))
 }
@@ -185,8 +218,10 @@ async fn a_failure_between_the_writes_and_the_record_leaves_neither(b: Backend) 
     assert_eq!((b.orders)("o-2".into()).await, 1);
 }
 
-/// The process dies after the insert, before the commit: nothing was written; the sweeper makes
-/// the step retryable once its lease runs out; the retry writes the order once.
+/// The caller goes away after the insert, and the phase hangs before its record: nothing was
+/// committed; the sweeper makes the step retryable once its lease runs out; the hung phase is cut
+/// off after the phase timeout (its fenced record could not have landed anyway), and the retry
+/// writes the order once. (A killed process: `tests/group_commit.rs` and the crash tests.)
 async fn a_crash_before_the_commit_leaves_neither(b: Backend) {
     let idem = Idempotency::new(b.store.clone()).lease(LEASE);
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -346,6 +381,82 @@ mod mysql {
     }
 
     atomic_tests!(backend);
+
+    /// A caller that stops waiting at any point of a phase (its `BEGIN` on the wire included)
+    /// leaves no pooled connection inside a transaction: an autocommit write on the same pool
+    /// right after is visible to another connection.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_phase_cut_off_anywhere_leaves_no_connection_in_a_transaction() {
+        use idemflow::store::{ClaimOutcome, NewClaim};
+        use idemflow::workflow::Prepare;
+        let Some((options, _name)) = support::mysql::fresh_database().await else {
+            return;
+        };
+        // One connection, so every cut lands on the connection the next write uses.
+        let pool = support::mysql::pool_for(&options, 1).await;
+        let probe = support::mysql::pool_for(&options, 1).await;
+        for ddl in [
+            "CREATE TABLE orders (id VARCHAR(64) PRIMARY KEY, amount BIGINT NOT NULL) ENGINE=InnoDB",
+            "CREATE TABLE notes (id VARCHAR(64) PRIMARY KEY) ENGINE=InnoDB",
+        ] {
+            sqlx::query(ddl).execute(&pool).await.unwrap();
+        }
+        let store = MySqlStore::from_pool(pool.clone());
+        store.migrate().await.unwrap();
+        for i in 0..160u64 {
+            let id = idemflow::KeyId::new(
+                idemflow::Scope::new("shop").unwrap(),
+                idemflow::IdempotencyKey::new(format!("cut-{i}")).unwrap(),
+            );
+            let claim = NewClaim {
+                id: id.clone(),
+                operation: "create_order".into(),
+                provider: Some(idemflow::workflow::LOCAL_PROVIDER.into()),
+                provider_key: format!("pk-cut-{i}"),
+                fingerprint: idemflow::Fingerprint::compute("create_order", "{}"),
+                request: None,
+                owner: "test".into(),
+                lease: Duration::from_secs(60),
+                retention: Duration::from_secs(3600),
+                takeover_window: None,
+            };
+            let ClaimOutcome::Claimed(lease) = store.claim(&claim).await.unwrap() else {
+                panic!("not claimed");
+            };
+            let order = format!("o-cut-{i}");
+            let phase = store.atomic_phase(move |tx| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO orders (id, amount) VALUES (?, 1)")
+                        .bind(&order)
+                        .execute(&mut *tx)
+                        .await?;
+                    Ok(StoredResponse::new(201))
+                })
+            });
+            let prepare: Prepare = Arc::new(Ok);
+            // Cut after the phase has waited `cut` times (for the pool, `BEGIN`'s reply, the
+            // insert's, ...): some cuts land while `BEGIN` is on the wire.
+            let cut = (i % 8) as u32;
+            let _ = CutAfter::new(cut, Box::new(phase).commit(&id, lease.token, prepare)).await;
+            let note = format!("n-{i}");
+            if let Err(e) = sqlx::query("INSERT INTO notes (id) VALUES (?)")
+                .bind(&note)
+                .execute(&pool)
+                .await
+            {
+                panic!("cut after {cut} waits: the pool's next write failed: {e}");
+            }
+            let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM notes WHERE id = ?")
+                .bind(&note)
+                .fetch_one(&probe)
+                .await
+                .unwrap();
+            assert_eq!(
+                seen, 1,
+                "cut after {cut} waits: an autocommit write stayed inside a transaction left open"
+            );
+        }
+    }
 }
 
 #[cfg(feature = "sqlite")]
@@ -395,4 +506,469 @@ mod sqlite {
     }
 
     atomic_tests!(backend; always);
+}
+
+/// SQLite: the application's phase code runs on the store's single writer connection, so
+/// nothing it does (a lock held by another process, a trigger ending the transaction, a panic,
+/// a write through the same store, a hang) may leave that connection in a state that loses or
+/// refuses later writes, or tell a caller the opposite of what committed
+/// (`docs/reliability.md`, "Atomic phases on SQLite").
+#[cfg(feature = "sqlite")]
+mod sqlite_writer {
+    use super::*;
+    use idemflow::store::sqlite::{SqliteConfig, SqliteStore};
+    use idemflow::store::{ClaimOutcome, NewClaim};
+    use idemflow::workflow::Prepare;
+    use idemflow::{Fingerprint, KeyId};
+    use sqlx::SqliteConnection;
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    use std::str::FromStr;
+
+    struct Db {
+        url: String,
+        store: SqliteStore,
+        /// Another connection to the same file: a second process.
+        other: sqlx::SqlitePool,
+    }
+
+    async fn db(config: impl FnOnce(SqliteConfig) -> SqliteConfig) -> Db {
+        let dir = tempfile::tempdir().unwrap().keep();
+        let url = format!("sqlite://{}", dir.join("shop.db").display());
+        let store = SqliteStore::connect_with(config(
+            SqliteConfig::new(&url).busy_timeout(Duration::from_millis(300)),
+        ))
+        .await
+        .unwrap();
+        store.migrate().await.unwrap();
+        sqlx::query("CREATE TABLE orders (id TEXT PRIMARY KEY, amount INTEGER NOT NULL)")
+            .execute(store.writer_pool())
+            .await
+            .unwrap();
+        sqlx::query(
+            "CREATE TRIGGER orders_refused BEFORE INSERT ON orders WHEN NEW.id LIKE 'boom%' \
+             BEGIN SELECT RAISE(ROLLBACK, 'order refused by a trigger'); END",
+        )
+        .execute(store.writer_pool())
+        .await
+        .unwrap();
+        sqlx::query("CREATE TABLE notes (id TEXT PRIMARY KEY)")
+            .execute(store.writer_pool())
+            .await
+            .unwrap();
+        let other = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(
+                SqliteConnectOptions::from_str(&url)
+                    .unwrap()
+                    .busy_timeout(Duration::from_millis(50)),
+            )
+            .await
+            .unwrap();
+        Db { url, store, other }
+    }
+
+    async fn count(pool: &sqlx::SqlitePool, table: &str, id: &str) -> i64 {
+        let sql = match table {
+            "orders" => "SELECT count(*) FROM orders WHERE id = ?",
+            _ => "SELECT count(*) FROM notes WHERE id = ?",
+        };
+        sqlx::query_scalar::<_, i64>(sql)
+            .bind(id)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    /// A phase inserting the order `id`, after running `during` on the writer's connection.
+    fn phase<D>(store: &SqliteStore, id: &str, during: D) -> Box<dyn AtomicPhase>
+    where
+        D: for<'c> Fn(&'c mut SqliteConnection) -> idemflow::workflow::WritesFuture<'c>
+            + Send
+            + Sync
+            + 'static,
+    {
+        let id = id.to_owned();
+        let during = Arc::new(during);
+        Box::new(store.atomic_phase(move |conn| {
+            let (id, during) = (id.clone(), during.clone());
+            Box::pin(async move {
+                during(&mut *conn).await?;
+                if id.is_empty() {
+                    // Reads only: the step's record is the phase's first write.
+                    return Ok(StoredResponse::new(200));
+                }
+                sqlx::query("INSERT INTO orders (id, amount) VALUES (?, 1500)")
+                    .bind(&id)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(StoredResponse::json(201, &json!({"order": id}))?)
+            })
+        }))
+    }
+
+    fn nothing(_: &mut SqliteConnection) -> idemflow::workflow::WritesFuture<'_> {
+        Box::pin(async { Ok(StoredResponse::new(200)) })
+    }
+
+    /// Runs a workflow whose one step is `phase`.
+    async fn run_phase(
+        idem: &Idempotency,
+        order: &str,
+        phase: Box<dyn AtomicPhase>,
+    ) -> Result<idemflow::Execution, Error> {
+        let phase = std::sync::Mutex::new(Some(phase));
+        idem.execute(checkout(order), |ctx: Context| async move {
+            let Some(phase) = phase.lock().unwrap().take() else {
+                return Outcome::unknown("phase already used");
+            };
+            let step = Step::new("create_order", &json!({"order": ctx.request()})).unwrap();
+            match ctx.atomic_step(step, phase).await {
+                Ok(e) => Outcome::Succeeded(e.into_response()),
+                Err(e) => Outcome::from_step_error(&e),
+            }
+        })
+        .await
+    }
+
+    /// A plain key, executed and acknowledged.
+    async fn plain(idem: &Idempotency, key: &str) -> Result<idemflow::Execution, Error> {
+        idem.execute(
+            IdempotentRequest::new("shop", key, "note", &json!({"k": key})).unwrap(),
+            |_| async { Outcome::Succeeded(StoredResponse::new(204)) },
+        )
+        .await
+    }
+
+    /// Reopens the database (a restart) and reads `key`.
+    async fn after_restart(url: &str, key: &str) -> Option<KeyState> {
+        let reopened = SqliteStore::connect(url).await.unwrap();
+        reopened
+            .get(&KeyId::new(
+                idemflow::Scope::new("shop").unwrap(),
+                idemflow::IdempotencyKey::new(key).unwrap(),
+            ))
+            .await
+            .unwrap()
+            .map(|r| r.state)
+    }
+
+    /// A second process holds the write lock while a lone phase runs: the phase's record write
+    /// cannot take the lock. No transaction may stay open on the writer's connection: later
+    /// acknowledged writes must be in the file after a restart.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lone_phase_meeting_another_writer_leaves_no_transaction_open() {
+        let d = db(|c| c).await;
+        let idem = Idempotency::new(Arc::new(d.store.clone())).lease(LEASE);
+        // The other process takes the write lock (if it can) from inside the phase, and keeps
+        // it until told to let go.
+        let (go, mut go_rx) = tokio::sync::mpsc::channel::<tokio::sync::oneshot::Sender<()>>(1);
+        let (release, release_rx) = tokio::sync::oneshot::channel::<()>();
+        let other = d.other.clone();
+        let holder = tokio::spawn(async move {
+            let mut conn = other.acquire().await.unwrap();
+            let ack = go_rx.recv().await.unwrap();
+            let took = sqlx::query("BEGIN IMMEDIATE")
+                .execute(&mut *conn)
+                .await
+                .is_ok();
+            let _ = ack.send(());
+            let _ = release_rx.await;
+            if took {
+                sqlx::query("ROLLBACK").execute(&mut *conn).await.unwrap();
+            }
+        });
+        let go = Arc::new(go);
+        let p = phase(&d.store, "", move |conn| {
+            let go = go.clone();
+            Box::pin(async move {
+                sqlx::query("SELECT count(*) FROM orders")
+                    .execute(&mut *conn)
+                    .await?;
+                let (ack, acked) = tokio::sync::oneshot::channel();
+                if go.send(ack).await.is_ok() {
+                    let _ = acked.await;
+                }
+                Ok(StoredResponse::new(200))
+            })
+        });
+        let first = run_phase(&idem, "o-busy", p).await;
+        let _ = release.send(());
+        holder.await.unwrap();
+        // Whatever the phase was told, the store's next writes must commit.
+        let later = plain(&idem, "after-busy").await;
+        assert!(later.is_ok(), "phase: {first:?}; later write: {later:?}");
+        assert_eq!(
+            after_restart(&d.url, "after-busy").await,
+            Some(KeyState::Done),
+            "an acknowledged key is gone after a restart (phase: {first:?})"
+        );
+    }
+
+    /// The phase reads, then another process commits a write: the phase's snapshot is stale, so
+    /// its record write would get `SQLITE_BUSY_SNAPSHOT`. No later write of the store may fail.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_phase_overtaken_by_another_process_breaks_no_later_write() {
+        let d = db(|c| c).await;
+        let idem = Idempotency::new(Arc::new(d.store.clone())).lease(LEASE);
+        let other = d.other.clone();
+        let p = phase(&d.store, "", move |conn| {
+            let other = other.clone();
+            Box::pin(async move {
+                sqlx::query("SELECT count(*) FROM orders")
+                    .execute(&mut *conn)
+                    .await?;
+                // The other process's write: it commits unless the phase holds the lock.
+                let _ = sqlx::query("INSERT INTO notes (id) VALUES ('from-other')")
+                    .execute(&other)
+                    .await;
+                Ok(StoredResponse::new(200))
+            })
+        });
+        let first = run_phase(&idem, "o-snap", p).await;
+        for i in 0..3 {
+            let key = format!("after-snap-{i}");
+            let later = plain(&idem, &key).await;
+            assert!(later.is_ok(), "phase: {first:?}; write {i}: {later:?}");
+            assert_eq!(after_restart(&d.url, &key).await, Some(KeyState::Done));
+        }
+    }
+
+    /// A panic in the application's writes fails that step only: the writer lives on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panicking_phase_fails_its_step_and_the_store_lives() {
+        let d = db(|c| c).await;
+        let idem = Idempotency::new(Arc::new(d.store.clone())).lease(LEASE);
+        let p = phase(&d.store, "o-panic", |_conn| {
+            Box::pin(async { panic!("injected: a bug in the application's phase") })
+        });
+        let first = run_phase(&idem, "o-panic", p).await;
+        assert!(
+            matches!(first, Err(Error::FailedRetryable { .. })),
+            "{first:?}"
+        );
+        assert_eq!(count(d.store.writer_pool(), "orders", "o-panic").await, 0);
+        let later = plain(&idem, "after-panic").await;
+        assert!(later.is_ok(), "{later:?}");
+        // The step may run again, and then writes its order once.
+        let again = run_phase(&idem, "o-panic", phase(&d.store, "o-panic", nothing)).await;
+        assert!(again.is_ok(), "{again:?}");
+        assert_eq!(count(d.store.writer_pool(), "orders", "o-panic").await, 1);
+    }
+
+    /// A phase that writes through its own store would wait for the writer it runs on: it gets
+    /// a clear error at once instead of a deadlock of every write.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_phase_writing_through_its_own_store_gets_an_error_not_a_deadlock() {
+        let d = db(|c| c).await;
+        let store: Arc<dyn Store> = Arc::new(d.store.clone());
+        let idem = Idempotency::new(store.clone()).lease(LEASE);
+        let inner = store.clone();
+        let p = phase(&d.store, "o-reenter", move |_conn| {
+            let inner = inner.clone();
+            Box::pin(async move {
+                inner.purge_expired(10).await?;
+                Ok(StoredResponse::new(200))
+            })
+        });
+        let first = tokio::time::timeout(Duration::from_secs(60), run_phase(&idem, "o-reenter", p))
+            .await
+            .expect("a phase writing through its own store deadlocked the writer");
+        let Err(Error::FailedRetryable { reason, .. }) = &first else {
+            panic!("{first:?}");
+        };
+        assert!(reason.contains("inside an atomic phase"), "{reason}");
+        let later = plain(&idem, "after-reenter").await;
+        assert!(later.is_ok(), "{later:?}");
+    }
+
+    /// A phase that hangs is cut off after the store's phase timeout and rolled back; every
+    /// other write goes on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hanging_phase_is_cut_off_and_the_store_lives() {
+        let d = db(|c| c.phase_timeout(Duration::from_millis(300))).await;
+        let idem = Idempotency::new(Arc::new(d.store.clone())).lease(LEASE);
+        let p = phase(&d.store, "o-hang", |_conn| {
+            Box::pin(async {
+                std::future::pending::<()>().await;
+                Ok(StoredResponse::new(200))
+            })
+        });
+        let first = tokio::time::timeout(Duration::from_secs(60), run_phase(&idem, "o-hang", p))
+            .await
+            .expect("a hanging phase held the writer");
+        assert!(
+            matches!(first, Err(Error::FailedRetryable { .. })),
+            "{first:?}"
+        );
+        let later = plain(&idem, "after-hang").await;
+        assert!(later.is_ok(), "{later:?}");
+        assert_eq!(count(d.store.writer_pool(), "orders", "o-hang").await, 0);
+    }
+
+    /// An atomic step's answer over the executor's response cap: refused, and its writes rolled
+    /// back, as `Idempotency::execute` refuses an oversized answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_atomic_step_answer_over_the_cap_is_refused_and_rolled_back() {
+        let d = db(|c| c).await;
+        let idem = Idempotency::new(Arc::new(d.store.clone()))
+            .lease(LEASE)
+            .max_response_bytes(64);
+        let id = "o-big".to_owned();
+        let p: Box<dyn AtomicPhase> = Box::new(d.store.atomic_phase(move |conn| {
+            let id = id.clone();
+            Box::pin(async move {
+                sqlx::query("INSERT INTO orders (id, amount) VALUES (?, 1500)")
+                    .bind(&id)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(StoredResponse::json(
+                    201,
+                    &json!({"order": id, "pad": "x".repeat(500)}),
+                )?)
+            })
+        }));
+        let r = run_phase(&idem, "o-big", p).await;
+        let Err(e) = &r else { panic!("{r:?}") };
+        assert!(e.to_string().contains("exceeds the cap of 64 bytes"), "{e}");
+        assert_eq!(count(d.store.writer_pool(), "orders", "o-big").await, 0);
+        let step = d
+            .store
+            .get(&step_key(checkout("o-big").id(), 0))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(step.state, KeyState::Failed { retryable: false });
+    }
+
+    /// Claims a step-like key directly, for driving `AtomicPhase::commit` by hand.
+    async fn claimed(store: &SqliteStore, key: &str) -> (KeyId, idemflow::LeaseToken) {
+        let id = KeyId::new(
+            idemflow::Scope::new("shop").unwrap(),
+            idemflow::IdempotencyKey::new(key).unwrap(),
+        );
+        let claim = NewClaim {
+            id: id.clone(),
+            operation: "create_order".into(),
+            provider: Some(idemflow::workflow::LOCAL_PROVIDER.into()),
+            provider_key: format!("pk-{key}"),
+            fingerprint: Fingerprint::compute("create_order", key),
+            request: None,
+            owner: "test".into(),
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(3600),
+            takeover_window: None,
+        };
+        match store.claim(&claim).await.unwrap() {
+            ClaimOutcome::Claimed(lease) => (id, lease.token),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A phase in a batch of writes whose statements end the whole transaction (a trigger's
+    /// `RAISE(ROLLBACK)`): the other writes of the batch are told the truth (success only for
+    /// what committed, failure only for what did not), and the phase's rows exist exactly when
+    /// its step is `done`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_phase_ending_its_batch_transaction_misleads_no_caller() {
+        for swallow in [false, true] {
+            let d = db(|c| c).await;
+            let store = d.store.clone();
+            let (step, token) = claimed(&store, "boom-step").await;
+            // Hold the writer (a job that waits) so the phase and the inserts after it queue
+            // up and share the next batch.
+            let gate = Arc::new(tokio::sync::Notify::new());
+            let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
+            let started_tx = Arc::new(std::sync::Mutex::new(Some(started_tx)));
+            let held = {
+                let (store, gate) = (store.clone(), gate.clone());
+                tokio::spawn(async move {
+                    store
+                        .write_job(move |_conn| {
+                            let (gate, started_tx) = (gate.clone(), started_tx.clone());
+                            Box::pin(async move {
+                                if let Some(tx) = started_tx.lock().unwrap().take() {
+                                    let _ = tx.send(());
+                                }
+                                gate.notified().await;
+                                Ok(())
+                            })
+                        })
+                        .await
+                })
+            };
+            started.await.unwrap();
+            let phase_task = {
+                let store = store.clone();
+                let (step, token) = (step.clone(), token);
+                tokio::spawn(async move {
+                    let p = store.atomic_phase(move |conn| {
+                        Box::pin(async move {
+                            let refused =
+                                sqlx::query("INSERT INTO orders (id, amount) VALUES ('boom-1', 1)")
+                                    .execute(&mut *conn)
+                                    .await;
+                            if !swallow {
+                                refused?;
+                            }
+                            sqlx::query("INSERT INTO orders (id, amount) VALUES ('after-boom', 1)")
+                                .execute(&mut *conn)
+                                .await?;
+                            Ok(StoredResponse::new(201))
+                        })
+                    });
+                    let prepare: Prepare = Arc::new(Ok);
+                    Box::new(p).commit(&step, token, prepare).await
+                })
+            };
+            while store.writer_stats().queued < 1 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let mut inserts = Vec::new();
+            for i in 0..10 {
+                let store = store.clone();
+                inserts.push(tokio::spawn(async move {
+                    let id = format!("n-{i}");
+                    let r = store
+                        .write_job(move |conn| {
+                            let id = id.clone();
+                            Box::pin(async move {
+                                sqlx::query("INSERT INTO notes (id) VALUES (?)")
+                                    .bind(&id)
+                                    .execute(&mut *conn)
+                                    .await
+                                    .map_err(|e| idemflow::StoreError::database("sqlite", e))?;
+                                Ok(())
+                            })
+                        })
+                        .await;
+                    (i, r)
+                }));
+            }
+            while store.writer_stats().queued < 11 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            gate.notify_one();
+            held.await.unwrap().unwrap();
+            let phase_result = phase_task.await.unwrap();
+            let reopened = sqlx::SqlitePool::connect(&d.url).await.unwrap();
+            for task in inserts {
+                let (i, r) = task.await.unwrap();
+                let there = count(&reopened, "notes", &format!("n-{i}")).await == 1;
+                assert_eq!(
+                    r.is_ok(),
+                    there,
+                    "swallow={swallow}: insert {i} was told {r:?} but its row is {}",
+                    if there { "there" } else { "absent" }
+                );
+            }
+            let step_done = store.get(&step).await.unwrap().unwrap().state == KeyState::Done;
+            let rows = count(&reopened, "orders", "after-boom").await;
+            assert_eq!(
+                rows == 1,
+                step_done,
+                "swallow={swallow}: phase {phase_result:?}: rows {rows}, step done {step_done}"
+            );
+            assert!(phase_result.is_err(), "swallow={swallow}: {phase_result:?}");
+        }
+    }
 }

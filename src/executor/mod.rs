@@ -8,7 +8,7 @@ use tracing::{Instrument, info_span};
 
 use crate::error::{Error, StoreError};
 use crate::provider_key;
-use crate::record::{Actor, KeyRecord};
+use crate::record::{Actor, KeyRecord, LeaseToken};
 use crate::state::{KeyState, RetryEvidence, may_become_retryable};
 use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Store};
 use crate::{KeyId, StoredResponse};
@@ -476,26 +476,10 @@ impl Idempotency {
         }
         let size = resp.stored_size();
         if size > cfg.max_response_bytes {
-            // The operation ran, so the key must not vanish (a retry would run it again): it is
-            // finished as a permanent failure that names the problem.
-            tracing::Span::current().record("outcome", "response_too_large");
-            let detail = format!(
-                "response of {size} bytes exceeds the cap of {} bytes",
-                cfg.max_response_bytes
-            );
-            let finish = Finish {
-                to: KeyState::Failed { retryable: false },
-                response: None,
-                error: Some(detail.clone()),
-                actor: Actor::Worker,
-                reason: detail,
-                expect_token: None,
-            };
-            self.store.finish(&id, Some(lease.token), &finish).await?;
-            return Err(Error::ResponseTooLarge {
-                size,
-                limit: cfg.max_response_bytes,
-            });
+            // The operation ran, so the key must not vanish (a retry would run it again).
+            return Err(self
+                .too_large(&id, lease.token, size, cfg.max_response_bytes)
+                .await);
         }
         tracing::Span::current().record(
             "outcome",
@@ -565,10 +549,15 @@ impl Idempotency {
             if let Some(allow) = &prep_cfg.stored_headers {
                 resp.retain_headers(allow);
             }
-            match &prep_cfg.redact {
+            let resp = match &prep_cfg.redact {
                 Some(Redactor(redact)) => redact(resp),
                 None => resp,
+            };
+            let (size, limit) = (resp.stored_size(), prep_cfg.max_response_bytes);
+            if size > limit {
+                return Err(PhaseError::ResponseTooLarge { size, limit });
             }
+            Ok(resp)
         });
         let committed = heartbeat::alongside(phase.commit(&id, lease.token, prepare), renew)
             .instrument(span)
@@ -600,6 +589,30 @@ impl Idempotency {
                 // stays processing and the sweeper makes it retryable once its lease runs out.
                 Err(Error::Store(e))
             }
+            Err(PhaseError::ResponseTooLarge { size, limit }) => {
+                // Rolled back; the same writes would give the same answer again, so the step
+                // fails permanently, as an oversized answer of an operation does.
+                Err(self.too_large(&id, lease.token, size, limit).await)
+            }
+        }
+    }
+
+    /// Finishes a key whose answer is over the response cap as a permanent failure that names
+    /// the problem, and returns the error for its caller.
+    async fn too_large(&self, id: &KeyId, token: LeaseToken, size: usize, limit: usize) -> Error {
+        tracing::Span::current().record("outcome", "response_too_large");
+        let detail = format!("response of {size} bytes exceeds the cap of {limit} bytes");
+        let finish = Finish {
+            to: KeyState::Failed { retryable: false },
+            response: None,
+            error: Some(detail.clone()),
+            actor: Actor::Worker,
+            reason: detail,
+            expect_token: None,
+        };
+        match self.store.finish(id, Some(token), &finish).await {
+            Ok(_) => Error::ResponseTooLarge { size, limit },
+            Err(e) => Error::Store(e),
         }
     }
 

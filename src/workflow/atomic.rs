@@ -36,9 +36,11 @@ pub type WritesFuture<'c> = std::pin::Pin<
     Box<dyn std::future::Future<Output = Result<StoredResponse, WritesError>> + Send + 'c>,
 >;
 
-/// What a step's answer goes through before it is stored (the executor's header filter and
-/// redaction), given to [`AtomicPhase::commit`].
-pub type Prepare = std::sync::Arc<dyn Fn(StoredResponse) -> StoredResponse + Send + Sync>;
+/// What a step's answer goes through before it is stored (the executor's header filter,
+/// redaction and size cap), given to [`AtomicPhase::commit`]. An `Err` (an answer over the cap)
+/// must roll the phase back and be returned as it is.
+pub type Prepare =
+    std::sync::Arc<dyn Fn(StoredResponse) -> Result<StoredResponse, PhaseError> + Send + Sync>;
 
 /// Why an atomic phase did not commit.
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +57,15 @@ pub enum PhaseError {
     /// not have committed: the step's row tells (`done` if it did).
     #[error("store: {0}")]
     Store(#[source] StoreError),
+    /// The step's answer (after the header filter and redaction) is larger than the executor's
+    /// `max_response_bytes`: rolled back, nothing was written.
+    #[error("the step's answer of {size} bytes exceeds the cap of {limit} bytes; rolled back")]
+    ResponseTooLarge {
+        /// The answer's stored size.
+        size: usize,
+        /// The cap.
+        limit: usize,
+    },
 }
 
 /// The application's writes for one atomic phase, bound to a SQL store; made by the store's
@@ -70,6 +81,59 @@ pub trait AtomicPhase: Send {
         token: LeaseToken,
         prepare: Prepare,
     ) -> Result<StoredResponse, PhaseError>;
+}
+
+/// How long a SQL store's atomic phase may run (its writes included) before it is cut off and
+/// rolled back. On SQLite it is the default of `SqliteConfig::phase_timeout` (every other write
+/// of the store waits while a phase runs); on PostgreSQL and MariaDB/MySQL it bounds how long a
+/// hung phase holds its pooled connection and row locks.
+pub const DEFAULT_PHASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Runs a PostgreSQL or MariaDB/MySQL phase (`BEGIN`, the writes, the record, `COMMIT`) on a task
+/// of its own, so a caller that stops waiting (a client that went away) never cuts it on the
+/// wire: a `BEGIN` or a statement cut off after it was sent leaves the pooled connection inside
+/// a transaction the driver does not know of (its later autocommit writes then stay
+/// uncommitted, holding their locks), or out of the pool. The phase runs to its end, fenced by
+/// the step's token like any write, or until [`DEFAULT_PHASE_TIMEOUT`], when it is dropped and
+/// rolls back. A panic in the application's writes fails the step only
+/// ([`PhaseError::Writes`]); its transaction is dropped and rolls back.
+pub(crate) async fn detached<Fut>(
+    backend: &'static str,
+    phase: Fut,
+) -> Result<StoredResponse, PhaseError>
+where
+    Fut: std::future::Future<Output = Result<StoredResponse, PhaseError>> + Send + 'static,
+{
+    use tracing::Instrument;
+    let bounded = async move {
+        match tokio::time::timeout(DEFAULT_PHASE_TIMEOUT, phase).await {
+            Ok(r) => r,
+            Err(_) => Err(PhaseError::Writes(
+                format!(
+                    "the atomic phase ran longer than {DEFAULT_PHASE_TIMEOUT:?} and was rolled back"
+                )
+                .into(),
+            )),
+        }
+    };
+    match tokio::spawn(bounded.in_current_span()).await {
+        Ok(r) => r,
+        Err(e) if e.is_panic() => {
+            let panic = e.into_panic();
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            Err(PhaseError::Writes(
+                format!("the atomic phase panicked and was rolled back: {message}").into(),
+            ))
+        }
+        Err(e) => Err(PhaseError::Store(StoreError::database(
+            backend,
+            format!("the atomic phase's task ended: {e}"),
+        ))),
+    }
 }
 
 /// A phase chosen at run time (`Box<dyn AtomicPhase>`, e.g. by backend) is a phase too.

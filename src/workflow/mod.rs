@@ -37,7 +37,11 @@ use crate::provider::Provider;
 
 mod atomic;
 
-pub use atomic::{AtomicPhase, LOCAL_PROVIDER, PhaseError, Prepare, WritesError, WritesFuture};
+pub(crate) use atomic::detached as detached_phase;
+pub use atomic::{
+    AtomicPhase, DEFAULT_PHASE_TIMEOUT, LOCAL_PROVIDER, PhaseError, Prepare, WritesError,
+    WritesFuture,
+};
 
 /// The provider name that marks a key as a workflow (set by [`IdempotentRequest::workflow`]).
 pub const WORKFLOW_PROVIDER: &str = "idemflow.workflow";

@@ -42,24 +42,28 @@ where
         prepare: Prepare,
     ) -> Result<StoredResponse, PhaseError> {
         let MySqlPhase { pool, writes } = *self;
-        let mut tx = pool.begin().await.map_err(|e| PhaseError::Store(db(e)))?;
-        // A failure below drops `tx`: the transaction rolls back.
-        let answer = prepare(writes(&mut tx).await.map_err(PhaseError::Writes)?);
-        let done = sqlx::query(sql::ATOMIC_DONE)
-            .bind(i32::from(answer.status()))
-            .bind(answer.headers_json())
-            .bind(answer.body())
-            .bind("atomic phase: the step's writes and this record committed together")
-            .bind(step.scope.as_str())
-            .bind(step.key.as_str())
-            .bind(token.0)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| PhaseError::Store(db(e)))?;
-        if done.rows_affected() != 1 {
-            return Err(PhaseError::LeaseLost);
-        }
-        tx.commit().await.map_err(|e| PhaseError::Store(db(e)))?;
-        Ok(answer)
+        let step = step.clone();
+        crate::workflow::detached_phase(super::BACKEND, async move {
+            let mut tx = pool.begin().await.map_err(|e| PhaseError::Store(db(e)))?;
+            // A failure below drops `tx`: the transaction rolls back.
+            let answer = prepare(writes(&mut tx).await.map_err(PhaseError::Writes)?)?;
+            let done = sqlx::query(sql::ATOMIC_DONE)
+                .bind(i32::from(answer.status()))
+                .bind(answer.headers_json())
+                .bind(answer.body())
+                .bind("atomic phase: the step's writes and this record committed together")
+                .bind(step.scope.as_str())
+                .bind(step.key.as_str())
+                .bind(token.0)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| PhaseError::Store(db(e)))?;
+            if done.rows_affected() != 1 {
+                return Err(PhaseError::LeaseLost);
+            }
+            tx.commit().await.map_err(|e| PhaseError::Store(db(e)))?;
+            Ok(answer)
+        })
+        .await
     }
 }

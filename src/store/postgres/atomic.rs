@@ -59,26 +59,31 @@ where
         prepare: Prepare,
     ) -> Result<StoredResponse, PhaseError> {
         let PgPhase { pool, writes } = *self;
-        let mut tx = pool.begin().await.map_err(|e| PhaseError::Store(db(e)))?;
-        // A failure below drops `tx`: the transaction rolls back.
-        let answer = prepare(writes(&mut tx).await.map_err(PhaseError::Writes)?);
-        let finish = Finish {
-            to: KeyState::Done,
-            response: Some(answer.clone()),
-            error: None,
-            actor: Actor::Worker,
-            reason: "atomic phase: the step's writes and this record committed together".to_owned(),
-            expect_token: None,
-        };
-        let (status, headers, body) = finish.response_columns();
-        let row = finish_query(step, Some(token), &finish, status, headers, body)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(|e| PhaseError::Store(db(e)))?;
-        if row.is_none() {
-            return Err(PhaseError::LeaseLost);
-        }
-        tx.commit().await.map_err(|e| PhaseError::Store(db(e)))?;
-        Ok(answer)
+        let step = step.clone();
+        crate::workflow::detached_phase(super::BACKEND, async move {
+            let mut tx = pool.begin().await.map_err(|e| PhaseError::Store(db(e)))?;
+            // A failure below drops `tx`: the transaction rolls back.
+            let answer = prepare(writes(&mut tx).await.map_err(PhaseError::Writes)?)?;
+            let finish = Finish {
+                to: KeyState::Done,
+                response: Some(answer.clone()),
+                error: None,
+                actor: Actor::Worker,
+                reason: "atomic phase: the step's writes and this record committed together"
+                    .to_owned(),
+                expect_token: None,
+            };
+            let (status, headers, body) = finish.response_columns();
+            let row = finish_query(&step, Some(token), &finish, status, headers, body)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(|e| PhaseError::Store(db(e)))?;
+            if row.is_none() {
+                return Err(PhaseError::LeaseLost);
+            }
+            tx.commit().await.map_err(|e| PhaseError::Store(db(e)))?;
+            Ok(answer)
+        })
+        .await
     }
 }

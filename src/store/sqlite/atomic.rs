@@ -1,18 +1,22 @@
 //! Atomic phases on SQLite: the application's writes and a workflow step's record in one
 //! transaction (`idemflow::workflow::AtomicPhase`, `docs/workflows.md`).
 //!
-//! The phase is a job of the group-committing writer (`writer.rs`): it runs on the writer's
-//! connection inside the batch's transaction, within a savepoint of its own, so a failure of
-//! the writes or a fenced-out record undoes only this phase; its caller is answered once the
-//! batch has committed. If the batch is rolled back for another job's error, the writer runs
-//! the phase again, so its writes closure is `Fn` (each run starts from nothing written).
+//! The phase is a guarded job of the group-committing writer (`writer.rs`, "Phase jobs"): it
+//! runs on the writer's connection inside a transaction of the writer's (alone or in a batch),
+//! within a savepoint of its own, so a failure of the writes or a fenced-out record undoes only
+//! this phase; its caller is answered once the transaction has committed. If the batch is
+//! rolled back for another job's error, the writer runs the phase again, so its writes closure
+//! is `Fn` (each run starts from nothing written). A panic, a hang past the store's phase
+//! timeout, a statement that ends the transaction, or a write through the same store from
+//! inside the phase fails this step only ([`PhaseError::Writes`], rolled back); the writer and
+//! every other key go on.
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use sqlx::SqliteConnection;
 
-use super::writer::{BoxFut, job};
+use super::writer::{BoxFut, JobAborted, job};
 use super::{SqliteStore, db, sql};
 use crate::record::LeaseToken;
 use crate::store::Finish;
@@ -24,6 +28,8 @@ enum Ran {
     Committed(StoredResponse),
     Fenced,
     WritesFailed(String),
+    /// The answer was refused before the record (too large): rolled back.
+    Refused(PhaseError),
 }
 
 type Writes = Arc<dyn for<'c> Fn(&'c mut SqliteConnection) -> WritesFuture<'c> + Send + Sync>;
@@ -62,7 +68,7 @@ impl AtomicPhase for SqlitePhase {
         let (scope, key) = (step.scope.as_str().to_owned(), step.key.as_str().to_owned());
         let ran = store
             .writer
-            .call(job(move |conn: &mut SqliteConnection| -> BoxFut<'_, _> {
+            .call_phase(job(move |conn: &mut SqliteConnection| -> BoxFut<'_, _> {
                 let (writes, scope, key) = (writes.clone(), scope.clone(), key.clone());
                 let prepare = prepare.clone();
                 Box::pin(async move {
@@ -70,70 +76,101 @@ impl AtomicPhase for SqlitePhase {
                         .execute(&mut *conn)
                         .await
                         .map_err(db)?;
-                    let answer = match writes(&mut *conn).await {
-                        Ok(a) => prepare(a),
-                        Err(e) => {
-                            undo(conn).await?;
-                            return Ok(Ran::WritesFailed(e.to_string()));
+                    match run(conn, &writes, &prepare, &scope, &key, token).await {
+                        Ok(Ran::Committed(answer)) => {
+                            sqlx::query("RELEASE idemflow_phase")
+                                .execute(&mut *conn)
+                                .await
+                                .map_err(db)?;
+                            Ok(Ran::Committed(answer))
                         }
-                    };
-                    let finish = Finish {
-                        to: crate::state::KeyState::Done,
-                        response: Some(answer.clone()),
-                        error: None,
-                        actor: crate::record::Actor::Worker,
-                        reason: "atomic phase: the step's writes and this record committed \
-                                 together"
-                            .to_owned(),
-                        expect_token: None,
-                    };
-                    let (status, headers, body) = finish.response_columns();
-                    let row = sqlx::query(sql::FINISH)
-                        .bind(&scope)
-                        .bind(&key)
-                        .bind(finish.to.as_str())
-                        .bind(false)
-                        .bind(status)
-                        .bind(headers)
-                        .bind(body)
-                        .bind(None::<String>)
-                        .bind(Some(token.0))
-                        .bind(finish.actor.as_str())
-                        .bind(&finish.reason)
-                        .bind(None::<i64>)
-                        .fetch_optional(&mut *conn)
-                        .await
-                        .map_err(db)?;
-                    if row.is_none() {
-                        undo(conn).await?;
-                        return Ok(Ran::Fenced);
+                        Ok(other) => {
+                            undo(conn).await?;
+                            Ok(other)
+                        }
+                        Err(e) => {
+                            // Nothing of the phase may stay in the batch's transaction.
+                            undo(conn).await?;
+                            Err(e)
+                        }
                     }
-                    sqlx::query("RELEASE idemflow_phase")
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(db)?;
-                    Ok(Ran::Committed(answer))
                 })
             }))
-            .await
-            .map_err(PhaseError::Store)?;
+            .await;
         match ran {
-            Ran::Committed(answer) => Ok(answer),
-            Ran::Fenced => Err(PhaseError::LeaseLost),
-            Ran::WritesFailed(e) => Err(PhaseError::Writes(e.into())),
+            Ok(Ran::Committed(answer)) => Ok(answer),
+            Ok(Ran::Fenced) => Err(PhaseError::LeaseLost),
+            Ok(Ran::WritesFailed(e)) => Err(PhaseError::Writes(e.into())),
+            Ok(Ran::Refused(e)) => Err(e),
+            // The writer rolled the phase back (a panic, a timeout, its transaction ended):
+            // nothing of it was written.
+            Err(e) if JobAborted::of(&e).is_some() => Err(PhaseError::Writes(Box::new(e))),
+            Err(e) => Err(PhaseError::Store(e)),
         }
     }
 }
 
-/// Undoes the phase's writes and leaves its savepoint.
+/// The phase inside its savepoint: the writes, the answer's checks, the fenced record.
+async fn run(
+    conn: &mut SqliteConnection,
+    writes: &Writes,
+    prepare: &Prepare,
+    scope: &str,
+    key: &str,
+    token: LeaseToken,
+) -> Result<Ran, crate::StoreError> {
+    let answer = match writes(&mut *conn).await {
+        Ok(a) => match prepare(a) {
+            Ok(a) => a,
+            Err(e) => return Ok(Ran::Refused(e)),
+        },
+        Err(e) => return Ok(Ran::WritesFailed(e.to_string())),
+    };
+    let finish = Finish {
+        to: crate::state::KeyState::Done,
+        response: Some(answer.clone()),
+        error: None,
+        actor: crate::record::Actor::Worker,
+        reason: "atomic phase: the step's writes and this record committed together".to_owned(),
+        expect_token: None,
+    };
+    let (status, headers, body) = finish.response_columns();
+    let row = sqlx::query(sql::FINISH)
+        .bind(scope)
+        .bind(key)
+        .bind(finish.to.as_str())
+        .bind(false)
+        .bind(status)
+        .bind(headers)
+        .bind(body)
+        .bind(None::<String>)
+        .bind(Some(token.0))
+        .bind(finish.actor.as_str())
+        .bind(&finish.reason)
+        .bind(None::<i64>)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(db)?;
+    Ok(match row {
+        Some(_) => Ran::Committed(answer),
+        None => Ran::Fenced,
+    })
+}
+
+/// Undoes the phase's writes and leaves its savepoint. When that fails, the savepoint is gone
+/// (a statement ended the transaction): the writer must roll the batch back, so the error is
+/// one that says so.
 async fn undo(conn: &mut SqliteConnection) -> Result<(), crate::StoreError> {
-    sqlx::query("ROLLBACK TO idemflow_phase")
-        .execute(&mut *conn)
-        .await
-        .map_err(db)?;
-    sqlx::query("RELEASE idemflow_phase")
-        .execute(&mut *conn)
-        .await
-        .map_err(db)?;
-    Ok(())
+    let undone = async {
+        sqlx::query("ROLLBACK TO idemflow_phase")
+            .execute(&mut *conn)
+            .await?;
+        sqlx::query("RELEASE idemflow_phase")
+            .execute(&mut *conn)
+            .await
+    }
+    .await;
+    undone
+        .map(|_| ())
+        .map_err(|_| crate::StoreError::database(super::BACKEND, JobAborted::TransactionEnded))
 }

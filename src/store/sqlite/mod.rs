@@ -42,7 +42,7 @@ mod atomic;
 mod sql;
 mod writer;
 
-pub use writer::{BatchFailed, BoxFut, WriterStats};
+pub use writer::{BatchFailed, BoxFut, JobAborted, WriterStats};
 use writer::{Writer, job};
 
 const BACKEND: &str = "sqlite";
@@ -62,6 +62,10 @@ fn db(e: sqlx::Error) -> StoreError {
     StoreError::database(BACKEND, e)
 }
 
+/// The default of [`SqliteConfig::phase_timeout`], as long as the default busy timeout (how long
+/// another process's writes wait for the lock a phase holds).
+pub use crate::workflow::DEFAULT_PHASE_TIMEOUT;
+
 /// Options for [`SqliteStore::connect_with`].
 #[derive(Debug, Clone)]
 pub struct SqliteConfig {
@@ -73,17 +77,29 @@ pub struct SqliteConfig {
     pub busy_timeout: Duration,
     /// Reader connections for file databases (writes always use one connection).
     pub readers: u32,
+    /// How long an atomic phase's writes may run on the writer connection before they are cut
+    /// off and rolled back: every other write of the store waits while a phase runs.
+    pub phase_timeout: Duration,
 }
 
 impl SqliteConfig {
-    /// Defaults for `url`: WAL, `synchronous=FULL`, 5 s busy timeout, 4 readers.
+    /// Defaults for `url`: WAL, `synchronous=FULL`, 5 s busy timeout, 4 readers, 5 s phase
+    /// timeout.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
             synchronous: SqliteSynchronous::Full,
             busy_timeout: Duration::from_secs(5),
             readers: 4,
+            phase_timeout: DEFAULT_PHASE_TIMEOUT,
         }
+    }
+
+    /// Sets how long an atomic phase's writes may hold the writer
+    /// ([`SqliteConfig::phase_timeout`]).
+    pub fn phase_timeout(mut self, timeout: Duration) -> Self {
+        self.phase_timeout = timeout;
+        self
     }
 
     /// Sets the `synchronous` pragma (for example `Normal` when losing the last commits on power
@@ -179,7 +195,7 @@ impl SqliteStore {
                 .connect_with(base)
                 .await
                 .map_err(db)?;
-            let mut store = Self::from_pools(pool.clone(), pool);
+            let mut store = Self::with_pools(pool.clone(), pool, config.phase_timeout);
             store._keeper = Some(MemoryKeeper(Arc::new(tokio::sync::Mutex::new(keeper))));
             return Ok(store);
         }
@@ -201,16 +217,21 @@ impl SqliteStore {
             .connect_with(file.read_only(true))
             .await
             .map_err(db)?;
-        Ok(Self::from_pools(writer, reader))
+        Ok(Self::with_pools(writer, reader, config.phase_timeout))
     }
 
     /// Uses pools you manage: `writer` should have one connection, `reader` may have several
     /// (pass the same pool twice for a single pool). The store's writer task starts with its
     /// first write, on that write's tokio runtime, and takes a connection from `writer` for each
     /// batch of writes.
+    /// Atomic phases get [`DEFAULT_PHASE_TIMEOUT`].
     pub fn from_pools(writer: SqlitePool, reader: SqlitePool) -> Self {
+        Self::with_pools(writer, reader, DEFAULT_PHASE_TIMEOUT)
+    }
+
+    fn with_pools(writer: SqlitePool, reader: SqlitePool, phase_timeout: Duration) -> Self {
         Self {
-            writer: Writer::new(writer.clone()),
+            writer: Writer::new(writer.clone(), phase_timeout),
             writer_pool: writer,
             reader,
             seen: KnownKeys::new(known_keys::DEFAULT_SLOTS),

@@ -23,12 +23,29 @@
 //!
 //! The connection comes from the store's writer pool for each batch, so `writer_pool()` users
 //! (an application's own tables in the same database) still take turns with the task.
+//!
+//! **Phase jobs** ([`Writer::call_phase`]) run the application's statements (atomic phases).
+//! Nothing they do may leave the connection in a state that loses or refuses later writes, or
+//! tell a caller the opposite of what committed (`docs/reliability.md`, "Atomic phases on
+//! SQLite"), so the task guards them:
+//!
+//! - a phase job always runs inside `BEGIN IMMEDIATE` .. `COMMIT`, even alone: the write lock is
+//!   taken before its first statement (no `SQLITE_BUSY_SNAPSHOT` after a read), and the
+//!   transaction it runs in is the task's to end, never the job's;
+//! - while it runs, a commit hook refuses every commit and a rollback hook notes any rollback of
+//!   the transaction: a statement that ends the transaction (`RAISE(ROLLBACK)`, `SQLITE_FULL`, an
+//!   explicit `COMMIT`) is seen, and nothing the job writes after it commits on its own;
+//! - a panic in it is caught, and it is cut off after the store's phase timeout; either way the
+//!   batch is rolled back, the job gets [`JobAborted`], and the others run again;
+//! - a write through the same store from inside it (which would wait for this very task) is
+//!   refused at once with [`JobAborted::Reentrant`].
 
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use sqlx::{Executor, SqliteConnection, SqlitePool};
 use tokio::sync::{mpsc, oneshot};
@@ -44,6 +61,46 @@ const MAX_RUNS: u8 = 3;
 
 /// A boxed future borrowing the writer connection.
 pub type BoxFut<'c, T> = Pin<Box<dyn Future<Output = T> + Send + 'c>>;
+
+/// Why the writer ended a job without its own answer: its work was rolled back, nothing of it
+/// was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum JobAborted {
+    /// The job's code panicked; the panic's message.
+    #[error("the atomic phase panicked and was rolled back: {0}")]
+    Panicked(String),
+    /// The job ran longer than the store's phase timeout.
+    #[error("the atomic phase ran longer than {0:?} and was rolled back")]
+    TimedOut(std::time::Duration),
+    /// A statement of the job ended the transaction it ran in (a trigger's `RAISE(ROLLBACK)`,
+    /// a full disk, an explicit `COMMIT` or `ROLLBACK`): nothing of it was kept.
+    #[error("a statement of the atomic phase ended its transaction; nothing of it was written")]
+    TransactionEnded,
+    /// A write through the same store from inside an atomic phase: it would wait for the
+    /// writer the phase runs on. Write through the phase's connection instead.
+    #[error(
+        "a write through the store from inside an atomic phase of the same store; use the \
+         phase's connection"
+    )]
+    Reentrant,
+}
+
+impl JobAborted {
+    /// Whether `e` is the writer's word that a job was aborted and rolled back.
+    pub fn of(e: &StoreError) -> Option<&JobAborted> {
+        match e {
+            StoreError::Database { source, .. } => source.downcast_ref::<JobAborted>(),
+            _ => None,
+        }
+    }
+}
+
+tokio::task_local! {
+    // Which writer task the current task is (set for the task's whole life), to refuse a
+    // write from inside one of its own jobs.
+    static WRITER_TASK: usize;
+}
 
 /// Whether a failed job left the transaction usable for the rest of its batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +121,10 @@ trait Job: Send {
     fn answer(self: Box<Self>, batch: Result<(), &Arc<sqlx::Error>>);
     /// Counts a run; `false` once the job has run [`MAX_RUNS`] times.
     fn may_run_again(&mut self) -> bool;
+    /// Whether this is a phase job (the application's statements, guarded: module docs).
+    fn is_phase(&self) -> bool;
+    /// Replaces the job's result with an error: the writer rolled its work back.
+    fn abort(&mut self, why: JobAborted);
 }
 
 struct Call<T, F> {
@@ -71,6 +132,7 @@ struct Call<T, F> {
     result: Option<Result<T, StoreError>>,
     tx: oneshot::Sender<Result<T, StoreError>>,
     runs: u8,
+    phase: bool,
 }
 
 impl<T, F> Job for Call<T, F>
@@ -111,6 +173,14 @@ where
     fn may_run_again(&mut self) -> bool {
         self.runs += 1;
         self.runs < MAX_RUNS
+    }
+
+    fn is_phase(&self) -> bool {
+        self.phase
+    }
+
+    fn abort(&mut self, why: JobAborted) {
+        self.result = Some(Err(StoreError::database(BACKEND, why)));
     }
 }
 
@@ -175,6 +245,8 @@ struct Counters {
 pub(super) struct Writer {
     tx: mpsc::UnboundedSender<Box<dyn Job>>,
     counters: Arc<Counters>,
+    /// How long a phase job may run.
+    phase_timeout: Duration,
     /// The task's inputs until the first write starts it.
     start: Arc<OnceLock<()>>,
     unstarted: Arc<Mutex<Option<Inputs>>>,
@@ -192,11 +264,12 @@ impl std::fmt::Debug for Writer {
 impl Writer {
     /// A writer for `pool`; its task starts with the first write, on that write's tokio
     /// runtime, and ends when the last clone of the returned handle is dropped.
-    pub(super) fn new(pool: SqlitePool) -> Self {
+    pub(super) fn new(pool: SqlitePool, phase_timeout: Duration) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         Self {
             tx,
             counters: Arc::new(Counters::default()),
+            phase_timeout,
             start: Arc::new(OnceLock::new()),
             unstarted: Arc::new(Mutex::new(Some((pool, rx)))),
         }
@@ -208,9 +281,15 @@ impl Writer {
         self.start.get_or_init(|| {
             let inputs = self.unstarted.lock().ok().and_then(|mut u| u.take());
             if let Some((pool, rx)) = inputs {
-                tokio::spawn(run(pool, rx, self.counters.clone()));
+                let task = run(pool, rx, self.counters.clone(), self.phase_timeout);
+                tokio::spawn(WRITER_TASK.scope(self.id(), task));
             }
         });
+    }
+
+    /// This writer's identity (the address of its counters, shared by its clones).
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.counters) as usize
     }
 
     pub(super) fn stats(&self) -> WriterStats {
@@ -231,12 +310,39 @@ impl Writer {
             + Send
             + 'static,
     {
+        self.send(f, false).await
+    }
+
+    /// Runs `f`, the application's statements with the store's, as a guarded phase job (module
+    /// docs): inside a transaction of the task's, cut off after the phase timeout, its panics
+    /// caught. An abort is a [`JobAborted`] error; nothing of the job was then written.
+    pub(super) async fn call_phase<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>>
+            + Send
+            + 'static,
+    {
+        self.send(f, true).await
+    }
+
+    async fn send<T, F>(&self, f: F, phase: bool) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>>
+            + Send
+            + 'static,
+    {
+        if WRITER_TASK.try_with(|id| *id == self.id()).unwrap_or(false) {
+            return Err(StoreError::database(BACKEND, JobAborted::Reentrant));
+        }
         let (tx, rx) = oneshot::channel();
         let job = Box::new(Call {
             f,
             result: None,
             tx,
             runs: 0,
+            phase,
         });
         self.ensure_started();
         self.counters.queued.fetch_add(1, Ordering::Relaxed);
@@ -259,6 +365,7 @@ async fn run(
     pool: SqlitePool,
     mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>,
     counters: Arc<Counters>,
+    phase_timeout: Duration,
 ) {
     let take = |job| {
         counters.queued.fetch_sub(1, Ordering::Relaxed);
@@ -290,7 +397,7 @@ async fn run(
                 continue;
             }
         };
-        if batch.len() == 1 {
+        if batch.len() == 1 && !batch[0].is_phase() {
             for mut job in batch {
                 job.run(&mut conn).await;
                 counters.commits.fetch_add(1, Ordering::Relaxed);
@@ -307,7 +414,12 @@ async fn run(
         let mut rest = batch.into_iter();
         let mut broken = false;
         for mut job in rest.by_ref() {
-            if job.run(&mut conn).await == Verdict::Broken {
+            let verdict = if job.is_phase() {
+                run_phase(&mut *job, &mut conn, phase_timeout).await
+            } else {
+                job.run(&mut conn).await
+            };
+            if verdict == Verdict::Broken {
                 // Roll back whatever is left of the transaction; this job keeps its own error,
                 // the others run again.
                 let _ = conn.execute("ROLLBACK").await;
@@ -347,6 +459,64 @@ async fn run(
                 fail_all(done, e);
             }
         }
+    }
+}
+
+/// Runs a phase job inside the batch's transaction, guarded (module docs): a commit hook refuses
+/// every commit while it runs, a rollback hook notes the transaction ending, its panics are
+/// caught and it is cut off after `timeout`. Any of those aborts it, and the batch is `Broken`.
+async fn run_phase(job: &mut dyn Job, conn: &mut SqliteConnection, timeout: Duration) -> Verdict {
+    let ended = Arc::new(AtomicBool::new(false));
+    match conn.lock_handle().await {
+        Ok(mut handle) => {
+            let noted = ended.clone();
+            handle.set_rollback_hook(move || noted.store(true, Ordering::SeqCst));
+            // `true` turns the commit into a rollback.
+            handle.set_commit_hook(|| true);
+        }
+        Err(_) => {
+            // The connection's thread is gone: nothing can run on it.
+            job.abort(JobAborted::TransactionEnded);
+            return Verdict::Broken;
+        }
+    }
+    let ran = tokio::time::timeout(timeout, catch_unwind(job.run(conn))).await;
+    if let Ok(mut handle) = conn.lock_handle().await {
+        handle.remove_commit_hook();
+        handle.remove_rollback_hook();
+    }
+    let aborted = match ran {
+        Err(_) => Some(JobAborted::TimedOut(timeout)),
+        Ok(Err(panic)) => Some(JobAborted::Panicked(panic_message(&*panic))),
+        Ok(Ok(_)) if ended.load(Ordering::SeqCst) => Some(JobAborted::TransactionEnded),
+        Ok(Ok(verdict)) => return verdict,
+    };
+    if let Some(why) = aborted {
+        job.abort(why);
+    }
+    Verdict::Broken
+}
+
+/// Polls `fut`, catching a panic in it as `Err` with the panic's payload.
+async fn catch_unwind<F: Future>(fut: F) -> Result<F::Output, Box<dyn std::any::Any + Send>> {
+    let mut fut = std::pin::pin!(fut);
+    std::future::poll_fn(move |cx| {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fut.as_mut().poll(cx))) {
+            Ok(std::task::Poll::Ready(out)) => std::task::Poll::Ready(Ok(out)),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(panic) => std::task::Poll::Ready(Err(panic)),
+        }
+    })
+    .await
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
     }
 }
 
