@@ -44,7 +44,7 @@ use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Router};
-use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem};
+use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem, ScopeSource};
 use idemflow::provider::{Provider, Stripe};
 use idemflow::{CallOutcome, Idempotency, Store};
 use serde_json::{Map, Value, json};
@@ -119,11 +119,14 @@ pub fn with_store(
 
 /// The service: `POST /payments` behind the layer.
 pub fn router(idem: Idempotency, stripe: Arc<Stripe>) -> Router {
-    let layer = IdempotencyLayer::new(idem)
-        .scope_from_header(HeaderName::from_static("x-account-id"))
+    // In a real service the scope is the authenticated account (`ScopeSource::from_fn` over
+    // what your authentication put in the request extensions); here a header stands for it.
+    let scope = ScopeSource::header(HeaderName::from_static("x-account-id"));
+    let layer = IdempotencyLayer::new(idem, scope)
         .operation("payments.create")
-        // Stuck keys are settled by asking Stripe (re-sending the stored request, same key).
-        .provider(stripe.name().to_owned())
+        // Stuck keys are settled by asking Stripe (re-sending the stored request, same key);
+        // Stripe's `client_secret` is masked in what is stored and in the first answer alike.
+        .provider(stripe.as_ref())
         .stored_request(payment_params)
         // Answers the sweeper recorded from Stripe are rendered like the handler's own.
         .replay_with(|_, stored| render(stored))

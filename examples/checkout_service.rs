@@ -37,7 +37,7 @@ use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Router};
-use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem};
+use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem, ScopeSource};
 use idemflow::provider::{Resend, Stripe};
 use idemflow::{Context, Idempotency, Outcome, Providers, Step, StoredResponse, Sweeper};
 use serde_json::{Value, json};
@@ -254,8 +254,8 @@ async fn create_order(State(shop): State<Arc<Shop>>, ctx: IdempotencyContext) ->
 
 /// The service: `POST /orders` behind the layer, as a workflow.
 pub fn router(idem: Idempotency, shop: Arc<Shop>) -> Router {
-    let layer = IdempotencyLayer::new(idem)
-        .scope_from_header(HeaderName::from_static("x-account-id"))
+    let scope = ScopeSource::header(HeaderName::from_static("x-account-id"));
+    let layer = IdempotencyLayer::new(idem, scope)
         .operation("checkout")
         .workflow()
         .stored_request(order_request)

@@ -33,7 +33,7 @@ use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Router};
-use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem};
+use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem, ScopeSource};
 use idemflow::provider::{Provider, Resend};
 use idemflow::{CallOutcome, Idempotency};
 use serde_json::{Map, Value, json};
@@ -179,10 +179,10 @@ async fn send_email(State(resend): State<Arc<Resend>>, ctx: IdempotencyContext) 
 
 /// The service: `POST /emails` behind the idempotency layer, scoped by `X-Account-Id`.
 pub fn router(idem: Idempotency, resend: Arc<Resend>) -> Router {
-    let layer = IdempotencyLayer::new(idem)
-        .scope_from_header(HeaderName::from_static("x-account-id"))
+    let scope = ScopeSource::header(HeaderName::from_static("x-account-id"));
+    let layer = IdempotencyLayer::new(idem, scope)
         .operation("emails.send")
-        .provider(resend.name().to_owned())
+        .provider(resend.as_ref())
         .stored_request(email_params)
         .replay_with(|_, stored| render(stored));
     Router::new()

@@ -507,6 +507,36 @@ async fn database_problems_exit_1_naming_the_problem() {
     }
 }
 
+/// Every message naming a database URL masks its password, in the user info and in a
+/// `password=` query parameter alike (the CLI once had its own, weaker copy of the masking).
+#[tokio::test]
+async fn database_urls_never_show_a_password() {
+    for (args, url) in [
+        // Nothing listens on port 1: the connection is refused.
+        (
+            vec!["stats"],
+            "postgres://app@127.0.0.1:1/x?sslmode=disable&password=hunter2",
+        ),
+        (vec!["stats"], "mysql://root:hunter2@127.0.0.1:1/x"),
+        (vec!["stats"], "oracle://db/x?user=u&PASSWORD=hunter2"),
+        (
+            vec!["migrate"],
+            "sqlite:///nonexistent-dir/x/y.db?password=hunter2",
+        ),
+    ] {
+        let mut all = args.clone();
+        all.extend(["--database-url", url]);
+        let o = run_with_env(&all, &[]);
+        expect(&o, 1);
+        let err = stderr(&o);
+        assert!(!err.contains("hunter2"), "{url}: {err}");
+        assert!(
+            err.contains("***"),
+            "{url}: the URL is named, masked: {err}"
+        );
+    }
+}
+
 #[cfg(unix)]
 #[tokio::test]
 async fn reconcile_every_sweeps_until_sigterm() {

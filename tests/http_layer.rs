@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 use http_body_util::BodyExt;
-use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened};
+use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, ScopeSource};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{Idempotency, KeyState, Store};
 use serde_json::{Value, json};
@@ -98,6 +98,14 @@ async fn optional(ctx: Option<IdempotencyContext>) -> String {
     }
 }
 
+fn account_header() -> ScopeSource {
+    ScopeSource::header(HeaderName::from_static("x-account-id"))
+}
+
+fn fixed(scope: &str) -> ScopeSource {
+    ScopeSource::fixed(scope.parse().unwrap())
+}
+
 async fn store() -> Arc<SqliteStore> {
     let s = SqliteStore::connect("sqlite::memory:").await.unwrap();
     s.migrate().await.unwrap();
@@ -110,11 +118,7 @@ fn router(
     layer: impl Fn(IdempotencyLayer) -> IdempotencyLayer,
 ) -> Router {
     let idem = Idempotency::new(store).lease(Duration::from_secs(30));
-    let layer = layer(
-        IdempotencyLayer::new(idem)
-            .scope_from_header(HeaderName::from_static("x-account-id"))
-            .max_body_bytes(1024),
-    );
+    let layer = layer(IdempotencyLayer::new(idem, account_header()).max_body_bytes(1024));
     Router::new()
         .route("/payments", post(create).get(|| async { "listing" }))
         .route("/declined", post(declined))
@@ -512,7 +516,7 @@ async fn unprotected_methods_and_optional_keys_pass_through() {
     let idem = Idempotency::new(s);
     let opt = Router::new()
         .route("/opt", post(optional))
-        .layer(IdempotencyLayer::new(idem).key_required(false));
+        .layer(IdempotencyLayer::new(idem, fixed("default")).key_required(false));
     let a = send(&opt, Request::post("/opt").body(Body::empty()).unwrap()).await;
     assert_eq!(a.body, "unprotected");
     let b = send(
@@ -544,7 +548,7 @@ async fn store_failure_is_500_problem() {
 #[tokio::test]
 async fn inner_service_errors_pass_through() {
     let s = store().await;
-    let layer = IdempotencyLayer::new(Idempotency::new(s.clone()));
+    let layer = IdempotencyLayer::new(Idempotency::new(s.clone()), fixed("default"));
     let svc = layer.layer(tower::service_fn(|_req: Request<Body>| async {
         Err::<Response, _>("inner failed")
     }));
@@ -568,8 +572,9 @@ async fn inner_service_errors_pass_through() {
 async fn stored_request_provider_and_operation_are_recorded() {
     let s = store().await;
     let idem = Idempotency::new(s.clone());
-    let layer = IdempotencyLayer::new(idem)
-        .provider("stripe")
+    let stripe = idemflow::conformance::FakeProvider::keyed("stripe", Duration::from_secs(3600));
+    let layer = IdempotencyLayer::new(idem, fixed("default"))
+        .provider(stripe.as_ref())
         .operation("payments.create")
         .stored_request(|_parts, body: &Bytes| {
             let v: Value = serde_json::from_slice(body).map_err(|_| StatusCode::BAD_REQUEST)?;
@@ -616,9 +621,7 @@ async fn executor_stored_headers_are_matched_case_insensitively() {
         .stored_headers(Some(vec!["Content-Type".to_owned(), "Location".to_owned()]));
     let app = Router::new()
         .route("/payments", post(create))
-        .layer(
-            IdempotencyLayer::new(idem).scope_from_header(HeaderName::from_static("x-account-id")),
-        )
+        .layer(IdempotencyLayer::new(idem, account_header()))
         .with_state(c.clone());
     let first = send(&app, post_req("/payments", Some("k-case"), "acct_1", BODY)).await;
     assert_eq!(first.status, 201);
@@ -645,7 +648,10 @@ async fn scope_header_named_in_mixed_case_works() {
     );
     let app = Router::new()
         .route("/payments", post(create))
-        .layer(IdempotencyLayer::new(Idempotency::new(s)).scope_from_header(name))
+        .layer(IdempotencyLayer::new(
+            Idempotency::new(s),
+            ScopeSource::header(name),
+        ))
         .with_state(c.clone());
     let first = send(&app, post_req("/payments", Some("k-mixed"), "acct_9", BODY)).await;
     assert_eq!(first.status, 201);
@@ -683,9 +689,9 @@ async fn retryable_marker_after_an_unknown_run_does_not_make_the_key_retryable()
     let idem = Idempotency::new(s.clone())
         .lease(Duration::from_secs(30))
         .retry_takeover_window(Some(Duration::from_secs(3600)));
-    let app = Router::new().route("/acted", post(handler)).layer(
-        IdempotencyLayer::new(idem).scope_from_header(HeaderName::from_static("x-account-id")),
-    );
+    let app = Router::new()
+        .route("/acted", post(handler))
+        .layer(IdempotencyLayer::new(idem, account_header()));
     let first = send(&app, post_req("/acted", Some("k-acted"), "acct_1", "{}")).await;
     assert_eq!(first.status, StatusCode::BAD_GATEWAY);
     let second = send(&app, post_req("/acted", Some("k-acted"), "acct_1", "{}")).await;
@@ -716,8 +722,7 @@ async fn a_claim_answered_after_its_lease_runs_no_handler() {
             .answer_claims_late(lease + Duration::from_millis(200)),
     );
     let c = App::default();
-    let layer = IdempotencyLayer::new(Idempotency::new(paused).lease(lease))
-        .scope_from_header(HeaderName::from_static("x-account-id"));
+    let layer = IdempotencyLayer::new(Idempotency::new(paused).lease(lease), account_header());
     let slow_app = Router::new()
         .route("/payments", post(create))
         .layer(layer)
@@ -744,4 +749,137 @@ async fn a_claim_answered_after_its_lease_runs_no_handler() {
     .await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(c.runs.load(Ordering::SeqCst), 1);
+}
+
+/// The authenticated caller, as an authentication layer in front of the idempotency layer
+/// records it.
+#[derive(Clone)]
+struct Principal(String);
+
+/// Two tenants sending the same key with the same body each get their own answer: the scope is
+/// the authenticated principal, never one shared default.
+#[tokio::test]
+async fn tenants_with_the_same_key_and_body_never_share_an_answer() {
+    let s = store().await;
+    let c = App::default();
+    let auth = axum::middleware::map_request(|mut req: Request<Body>| async move {
+        let who = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::to_owned);
+        if let Some(who) = who {
+            req.extensions_mut().insert(Principal(who));
+        }
+        req
+    });
+    // The scope is the principal the authentication layer (outside this one) recorded.
+    let layer = IdempotencyLayer::new(
+        Idempotency::new(s),
+        ScopeSource::from_fn(|parts: &axum::http::request::Parts| {
+            parts
+                .extensions
+                .get::<Principal>()
+                .map(|p| p.0.clone())
+                .ok_or(StatusCode::UNAUTHORIZED)
+        }),
+    );
+    let app = Router::new()
+        .route("/payments", post(create))
+        .layer(layer)
+        .layer(auth)
+        .with_state(c.clone());
+    let as_tenant = |tenant: &str| {
+        Request::post("/payments")
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {tenant}"))
+            .header("idempotency-key", "1")
+            .body(Body::from(BODY))
+            .unwrap()
+    };
+    let a = send(&app, as_tenant("tenant-a")).await;
+    let b = send(&app, as_tenant("tenant-b")).await;
+    assert_eq!(
+        (a.status, b.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert_eq!(b.header("idempotent-replayed"), None, "B got A's answer");
+    assert_ne!(b.header("location"), a.header("location"));
+    assert_eq!(c.runs.load(Ordering::SeqCst), 2, "B's handler ran");
+    // Each tenant's retry replays its own answer.
+    let b_again = send(&app, as_tenant("tenant-b")).await;
+    assert_eq!(b_again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(b_again.body, b.body);
+    assert_eq!(c.runs.load(Ordering::SeqCst), 2);
+    // No principal: the scope function's refusal, nothing claimed.
+    let mut anonymous = as_tenant("x");
+    anonymous.headers_mut().remove("authorization");
+    assert_eq!(send(&app, anonymous).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(c.runs.load(Ordering::SeqCst), 2);
+}
+
+/// A scope header sent twice is refused like a repeated key header: an authentication layer
+/// that appends its `X-Account-Id` instead of replacing the client's must not let the client's
+/// value (`victim`) win.
+#[tokio::test]
+async fn a_repeated_scope_header_is_refused() {
+    let (app, c, _) = app().await;
+    let victim = send(&app, post_req("/payments", Some("k-dup"), "victim", BODY)).await;
+    assert_eq!(victim.status, StatusCode::CREATED);
+    let mut req = post_req("/payments", Some("k-dup"), "victim", BODY);
+    req.headers_mut()
+        .append("x-account-id", "attacker".parse().unwrap());
+    let a = send(&app, req).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{:?}", a.body);
+    assert_eq!(a.problem_type(), "urn:idemflow:problem:scope-invalid");
+    let detail = a.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("more than once"), "{detail}");
+    assert_eq!(c.runs.load(Ordering::SeqCst), 1);
+}
+
+/// `Idempotent-Replayed` means idemflow replayed a stored answer, nothing else: a handler's own
+/// (e.g. forwarded from a provider that replayed its answer to a retry) is neither given to the
+/// first caller nor stored, even when `stored_headers` names it.
+#[tokio::test]
+async fn the_replay_marker_is_idemflows_alone() {
+    let s = store().await;
+    let forwarded = || async {
+        (
+            StatusCode::OK,
+            [
+                ("content-type", "application/json"),
+                ("idempotent-replayed", "true"),
+            ],
+            r#"{"id":"pi_1"}"#,
+        )
+            .into_response()
+    };
+    let layer = IdempotencyLayer::new(Idempotency::new(s.clone()), account_header())
+        .stored_headers(["content-type", "idempotent-replayed"].map(HeaderName::from_static));
+    let app = Router::new()
+        .route("/forwarded", post(forwarded))
+        .layer(layer);
+    let first = send(&app, post_req("/forwarded", Some("k-fw"), "acct_1", "{}")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(
+        first.header("idempotent-replayed"),
+        None,
+        "the first answer is no replay"
+    );
+    let id = idemflow::KeyId::new("acct_1".parse().unwrap(), "k-fw".parse().unwrap());
+    let row = s.get(&id).await.unwrap().unwrap();
+    assert_eq!(
+        row.response.unwrap().headers(),
+        [("content-type".to_owned(), "application/json".to_owned())]
+    );
+    let again = send(&app, post_req("/forwarded", Some("k-fw"), "acct_1", "{}")).await;
+    assert_eq!(
+        again.headers.get_all("idempotent-replayed").iter().count(),
+        1,
+        "{:?}",
+        again.headers
+    );
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
 }

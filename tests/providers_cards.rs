@@ -188,6 +188,8 @@ async fn adyen_lost_response_then_retry_is_one_payment() {
     let body: Value = response.body_json().unwrap();
     assert_eq!(body["resultCode"], "Authorised");
     assert_eq!(body["pspReference"], fake.ledger().entries()[0].id.as_str());
+    // Adyen echoes the key header on every answer; it is not part of the answer kept.
+    assert_eq!(response.header("idempotency-key"), None, "{response:?}");
     assert_eq!(fake.ledger().len(), 1);
     assert_eq!(fake.requests().len(), 2);
 }
@@ -941,6 +943,11 @@ async fn the_sweeper_settles_each_card_provider_by_its_own_path() {
         .unwrap()
         .unwrap();
     assert_eq!(row.state, KeyState::Done);
+    let headers = row.response.as_ref().unwrap().headers();
+    assert!(
+        headers.iter().all(|(n, _)| n != "idempotency-key"),
+        "the sweeper stored Adyen's echoed key header: {headers:?}"
+    );
     assert_eq!(fa.ledger().len(), 1);
     // PayPal: the re-drive returned the order's current state.
     let row = store

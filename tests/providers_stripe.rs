@@ -81,7 +81,11 @@ async fn stripe_sends_exact_form_fields_and_key_header() {
     };
     assert!(!replayed);
     assert_eq!(response.status(), 200);
-    assert_eq!(response.header("request-id"), Some("req_1"));
+    // Stripe's own headers are not part of the answer idemflow stores and replays.
+    assert_eq!(
+        response.headers(),
+        [("content-type".to_owned(), "application/json".to_owned())]
+    );
     let reqs = server.received_requests().await.unwrap();
     assert_eq!(
         form(&reqs[0].body),
@@ -250,6 +254,54 @@ async fn stripe_lost_response_then_retry_charges_once() {
         fake.ledger().entries()[0].metadata_key.as_deref(),
         Some("idf_lost")
     );
+}
+
+/// Stripe's `Idempotent-Replayed` and `Request-Id` headers never reach an answer idemflow keeps:
+/// not the adapter's own retry after a lost response (Stripe replayed, but that is not
+/// idemflow's replay), and not the answer the sweeper records after a same-key re-drive.
+#[tokio::test]
+async fn stripe_answers_carry_none_of_stripes_own_headers() {
+    let fake = FakeStripe::start().await.unwrap();
+    fake.faults().lose_next_response();
+    let out = stripe(fake.base_url(), 3).call("idf_hdr", &charge()).await;
+    let CallOutcome::Succeeded { response, replayed } = out else {
+        panic!("{out:?}")
+    };
+    assert!(replayed, "Stripe replayed its answer to the retry");
+    let only_content_type = [("content-type".to_owned(), "application/json".to_owned())];
+    assert_eq!(response.headers(), only_content_type);
+
+    #[cfg(feature = "sqlite")]
+    {
+        use std::sync::Arc;
+
+        use idemflow::store::sqlite::SqliteStore;
+        use idemflow::{Idempotency, IdempotentRequest, KeyState, Providers, Store, Sweeper};
+
+        let sqlite = SqliteStore::connect("sqlite::memory:").await.unwrap();
+        sqlite.migrate().await.unwrap();
+        let store: Arc<dyn Store> = Arc::new(sqlite);
+        // Keeping every header the operation answers shows what the adapter itself keeps.
+        let idem = Idempotency::new(store.clone())
+            .lease(Duration::from_millis(300))
+            .stored_headers(None);
+        let s = Arc::new(stripe(fake.base_url(), 1));
+        let req = || IdempotentRequest::new("shop", "k-hdr", "payments.create", &charge()).unwrap();
+        fake.faults().lose_next_response();
+        assert!(idem.call(req(), s.as_ref()).await.is_err());
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        let report = Sweeper::new(store.clone(), Providers::new().with(s.clone()))
+            .run_once()
+            .await
+            .unwrap();
+        assert_eq!(report.done, 1, "{report:?}");
+        let row = store.get(req().id()).await.unwrap().unwrap();
+        assert_eq!(row.state, KeyState::Done);
+        assert_eq!(row.response.unwrap().headers(), only_content_type);
+        let again = idem.call(req(), s.as_ref()).await.unwrap();
+        assert!(again.is_replay());
+        assert_eq!(again.response().headers(), only_content_type);
+    }
 }
 
 #[tokio::test]

@@ -7,7 +7,7 @@
 //! use std::sync::Arc;
 //! use axum::{Router, routing::post, http::{HeaderName, StatusCode}};
 //! use idemflow::{Idempotency, Store, store::sqlite::SqliteStore};
-//! use idemflow::axum::{IdempotencyContext, IdempotencyLayer};
+//! use idemflow::axum::{IdempotencyContext, IdempotencyLayer, ScopeSource};
 //!
 //! let store = SqliteStore::connect("sqlite::memory:").await?;
 //! store.migrate().await?;
@@ -19,7 +19,7 @@
 //! }
 //! let app: Router = Router::new()
 //!     .route("/payments", post(create))
-//!     .layer(IdempotencyLayer::new(idem).scope_from_header(HeaderName::from_static("x-account-id")));
+//!     .layer(IdempotencyLayer::new(idem, ScopeSource::header(HeaderName::from_static("x-account-id"))));
 //! # Ok(())
 //! # }
 //! ```
@@ -30,7 +30,7 @@
 //! | key missing, required (default)                        | 400 `key-missing`                        |
 //! | key missing, optional                                  | passed through, nothing stored           |
 //! | key malformed, or sent twice                           | 400 `key-malformed`, with the reason     |
-//! | scope cannot be derived                                | whatever the scope function answers      |
+//! | scope cannot be derived                                | whatever the [`ScopeSource`] answers (header: 400 `scope-missing`; sent twice: 400 `scope-invalid`) |
 //! | body larger than the cap                               | 413 `body-too-large`                     |
 //! | same key, other method / path / query / body           | 422 `key-reused`                         |
 //! | first request with the key still running               | 409 `request-in-flight` + `Retry-After`  |
@@ -49,6 +49,10 @@
 //! canonical JSON, other bodies by their bytes' SHA-256). The request *stored* with the key, which
 //! the sweeper re-sends to the provider named by [`IdempotencyLayer::provider`], is by default
 //! the JSON body; [`IdempotencyLayer::stored_request`] chooses another. See `docs/http.md`.
+//!
+//! The first caller gets the answer as stored (the provider's secret fields and
+//! [`Idempotency::redact_with`] applied, the stored headers as stored) plus the handler's
+//! headers that are not stored, so a replay is the first answer byte for byte.
 
 // The stored closures answer with a `Response` (as axum's extractor rejections do); the public
 // builders take any `IntoResponse` error, so callers' closures stay small.
@@ -59,20 +63,22 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::http::request::Parts;
-use axum::http::{HeaderName, Method, StatusCode};
+use axum::http::{HeaderName, Method};
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 
-use crate::{Idempotency, StoredResponse};
+use crate::{Idempotency, Provider, StoredResponse};
 
 mod context;
 mod key_header;
 mod problem;
+mod scope;
 mod service;
 
 pub use context::{IdempotencyContext, NothingHappened};
 pub use key_header::{KeyHeaderError, parse_key_bytes, parse_key_header};
 pub use problem::{PROBLEM_JSON, Problem, retry_after_value};
+pub use scope::ScopeSource;
 pub use service::IdempotencyService;
 
 /// The header a replayed answer carries: `Idempotent-Replayed: true`.
@@ -81,7 +87,8 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// The default key header, `Idempotency-Key`.
 pub const KEY_HEADER: &str = "idempotency-key";
 
-/// Derives the scope from a request, or answers it (e.g. 401 without an account).
+/// Derives the scope from a request, or answers it (e.g. 401 without an account); see
+/// [`ScopeSource::from_fn`].
 pub type ScopeFn = Arc<dyn Fn(&Parts) -> Result<String, Response> + Send + Sync>;
 /// Names the operation of a request.
 pub type OperationFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
@@ -97,17 +104,17 @@ pub(crate) struct Settings {
     pub(crate) methods: Vec<Method>,
     pub(crate) header: HeaderName,
     pub(crate) required: bool,
-    pub(crate) scope: ScopeFn,
+    pub(crate) scope: ScopeSource,
     pub(crate) stored_headers: Vec<String>,
     pub(crate) max_body_bytes: usize,
     pub(crate) operation: Option<OperationFn>,
     pub(crate) provider: Option<String>,
+    /// The provider's secret fields ([`Provider::secret_fields`]), masked in the handler's
+    /// answer before it is stored or given to the first caller.
+    pub(crate) secret_fields: Vec<String>,
     pub(crate) stored_request: Option<StoredRequestFn>,
     pub(crate) replay: Option<ReplayFn>,
 }
-
-/// The default scope when none is configured.
-pub const DEFAULT_SCOPE: &str = "default";
 
 /// A tower [`Layer`](tower::Layer) making the protected methods of the services it wraps
 /// idempotent by key. Cheap to clone. See the [module docs](self) for the semantics.
@@ -123,19 +130,23 @@ impl fmt::Debug for IdempotencyLayer {
             .field("methods", &s.methods)
             .field("header", &s.header)
             .field("required", &s.required)
+            .field("scope", &s.scope)
             .field("stored_headers", &s.stored_headers)
             .field("max_body_bytes", &s.max_body_bytes)
             .field("provider", &s.provider)
+            .field("secret_fields", &s.secret_fields)
             .finish_non_exhaustive()
     }
 }
 
 impl IdempotencyLayer {
-    /// A layer over `idem`: protects POST and PATCH, reads `Idempotency-Key` (required), one
-    /// fixed scope ([`DEFAULT_SCOPE`]), stores the headers `idem` is configured to keep (by
+    /// A layer over `idem` whose keys live in the scope `scope` names for each request (the
+    /// tenant, account or API client: see [`ScopeSource`]). There is no default scope: one
+    /// shared scope would let one caller replay another's answer. It protects POST and PATCH,
+    /// reads `Idempotency-Key` (required), stores the headers `idem` is configured to keep (by
     /// default `content-type` and `location`), caps bodies at `idem`'s request cap, and names
     /// operations `METHOD:/matched/path`.
-    pub fn new(idem: Idempotency) -> Self {
+    pub fn new(idem: Idempotency, scope: ScopeSource) -> Self {
         let stored_headers = idem
             .config()
             .stored_headers
@@ -153,11 +164,12 @@ impl IdempotencyLayer {
                 methods: vec![Method::POST, Method::PATCH],
                 header: HeaderName::from_static(KEY_HEADER),
                 required: true,
-                scope: Arc::new(|_| Ok(DEFAULT_SCOPE.to_owned())),
+                scope,
                 stored_headers,
                 max_body_bytes,
                 operation: None,
                 provider: None,
+                secret_fields: Vec::new(),
                 stored_request: None,
                 replay: None,
             }),
@@ -186,63 +198,9 @@ impl IdempotencyLayer {
         self.set(|s| s.required = required)
     }
 
-    /// Derives the scope (tenant, account, API client) from the request: keys live per scope,
-    /// so one scope never sees, blocks or replays another's. Answer `Err(response)` to refuse
-    /// the request (it is sent as is, and nothing is stored).
-    pub fn scope<F, E>(self, f: F) -> Self
-    where
-        F: Fn(&Parts) -> Result<String, E> + Send + Sync + 'static,
-        E: IntoResponse,
-    {
-        self.set(|s| s.scope = Arc::new(move |p| f(p).map_err(IntoResponse::into_response)))
-    }
-
-    /// Every request in one fixed scope.
-    pub fn fixed_scope(self, scope: impl Into<String>) -> Self {
-        let scope = scope.into();
-        self.scope(move |_| Ok::<_, Response>(scope.clone()))
-    }
-
-    /// The scope is the value of `header` (e.g. `X-Account-Id`, set by your authentication);
-    /// a request without it gets 400 `scope-missing`. Only use a header your own stack sets or
-    /// verifies: the scope is what keeps tenants apart.
-    ///
-    /// Header names are case-insensitive: build the name with `HeaderName::from_static` in
-    /// lowercase, or with `HeaderName::from_bytes` / `try_from` from any case (an invalid name
-    /// is then a typed `InvalidHeaderName` error, never a panic).
-    ///
-    /// ```
-    /// # use std::sync::Arc;
-    /// # use idemflow::{Idempotency, store::sqlite::SqliteStore};
-    /// use axum::http::HeaderName;
-    /// use idemflow::axum::IdempotencyLayer;
-    /// # async fn f(store: Arc<SqliteStore>) -> Result<(), axum::http::header::InvalidHeaderName> {
-    /// let layer = IdempotencyLayer::new(Idempotency::new(store))
-    ///     .scope_from_header(HeaderName::try_from("X-Account-Id")?);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn scope_from_header(self, header: HeaderName) -> Self {
-        let name = header;
-        self.scope(
-            move |parts| {
-                match parts.headers.get(&name).map(|v| v.to_str()) {
-                    Some(Ok(v)) if !v.trim().is_empty() => Ok(v.trim().to_owned()),
-                    _ => Err(Problem::new(
-                        StatusCode::BAD_REQUEST,
-                        "scope-missing",
-                        "Scope missing",
-                    )
-                    .detail(format!(
-                        "the {name} header is required: it names the account this request acts for"
-                    ))),
-                }
-            },
-        )
-    }
-
     /// The response headers stored and replayed with the status and body (case-insensitive).
     /// Default: those of the [`Idempotency`] config, `content-type` and `location`.
+    /// [`REPLAYED_HEADER`] is never stored: it marks idemflow's replays only.
     pub fn stored_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         let headers = headers.into_iter().map(|h| h.as_str().to_owned()).collect();
         self.set(|s| s.stored_headers = headers)
@@ -277,16 +235,31 @@ impl IdempotencyLayer {
     /// for the steps, then resumes it with a resumer or reports it waiting. Replaces
     /// [`provider`](Self::provider): a workflow's providers are its steps'.
     pub fn workflow(self) -> Self {
-        self.provider(crate::workflow::WORKFLOW_PROVIDER)
+        self.set(|s| {
+            s.provider = Some(crate::workflow::WORKFLOW_PROVIDER.to_owned());
+            s.secret_fields.clear();
+        })
     }
 
-    /// Records `name` as the provider of every key, so the sweeper (and `idemflow reconcile`)
-    /// settles stuck keys by asking that provider, re-sending the stored request with the
-    /// stored provider key. The handler must then send the provider exactly
+    /// Records `provider`'s name as the provider of every key, so the sweeper (and `idemflow
+    /// reconcile`) settles stuck keys by asking that provider, re-sending the stored request
+    /// with the stored provider key. The handler must then send the provider exactly
     /// [`IdempotencyContext::request`] with [`IdempotencyContext::provider_key`].
-    pub fn provider(self, name: impl Into<String>) -> Self {
-        let name = name.into();
-        self.set(|s| s.provider = Some(name))
+    ///
+    /// The provider's [secret fields](Provider::secret_fields) (Stripe: `client_secret`) are
+    /// masked in the handler's answer before it is stored and before the first caller gets it,
+    /// as [`Idempotency::call`] does.
+    pub fn provider(self, provider: &dyn Provider) -> Self {
+        let name = provider.name().to_owned();
+        let secrets = provider
+            .secret_fields()
+            .iter()
+            .map(|f| (*f).to_owned())
+            .collect();
+        self.set(|s| {
+            s.provider = Some(name);
+            s.secret_fields = secrets;
+        })
     }
 
     /// Builds the request stored with the key (and given to the handler as

@@ -21,7 +21,7 @@ use super::context::{IdempotencyContext, NothingHappened};
 use super::problem::{Problem, retry_after_value};
 use super::{REPLAYED_HEADER, Settings, parse_key_header};
 use crate::fingerprint::{Fingerprint, JsonError, canonical_json, hex, parse_json};
-use crate::{Error, Execution, IdempotentRequest, KeyId, Outcome, Scope, StoredResponse};
+use crate::{Error, Execution, IdempotentRequest, KeyId, Outcome, StoredResponse};
 
 /// The service [`IdempotencyLayer`](super::IdempotencyLayer) wraps around an inner service.
 pub struct IdempotencyService<S> {
@@ -140,19 +140,9 @@ where
             .into_response());
         }
     };
-    let scope = match (settings.scope)(&parts) {
+    let scope = match settings.scope.scope_of(&parts) {
         Ok(s) => s,
         Err(resp) => return Ok(resp),
-    };
-    let scope = match Scope::new(scope) {
-        Ok(s) => s,
-        Err(e) => {
-            return Ok(
-                Problem::new(StatusCode::BAD_REQUEST, "scope-invalid", "Scope invalid")
-                    .detail(e.to_string())
-                    .into_response(),
-            );
-        }
     };
     let span = tracing::Span::current();
     span.record("scope", tracing::field::display(&scope));
@@ -198,6 +188,8 @@ where
     let mut parts_slot = Some(parts);
     let mut produced: Option<Produced<S::Error>> = None;
     let stored_headers = &settings.stored_headers;
+    let secret_fields: Vec<&str> = settings.secret_fields.iter().map(String::as_str).collect();
+    let secret_fields = &secret_fields;
     let result = {
         let parts_slot = &mut parts_slot;
         let produced = &mut produced;
@@ -231,7 +223,10 @@ where
                         return Outcome::unknown("the inner service returned an error");
                     }
                 };
-                let (rparts, rbody) = resp.into_parts();
+                let (mut rparts, rbody) = resp.into_parts();
+                // The replay marker is idemflow's alone: one the handler set (say, forwarded
+                // from a provider that replayed its own answer) is not this answer's.
+                rparts.headers.remove(REPLAYED_HEADER);
                 let rbytes = match rbody.collect().await {
                     Ok(c) => c.to_bytes(),
                     Err(e) => {
@@ -254,15 +249,15 @@ where
                 let headers = rparts
                     .headers
                     .iter()
-                    .filter(|(n, _)| {
-                        stored_headers
-                            .iter()
-                            .any(|h| h.eq_ignore_ascii_case(n.as_str()))
-                    })
+                    .filter(|(n, _)| is_stored(stored_headers, n))
                     .filter_map(|(n, v)| Some((n.as_str().to_owned(), v.to_str().ok()?.to_owned())))
                     .collect();
-                let to_store =
-                    StoredResponse::from_parts(status.as_u16(), headers, rbytes.to_vec());
+                // The provider's secrets are masked here, before the executor stores the answer
+                // (and applies `redact_with`); the first caller gets the stored answer too.
+                let to_store = crate::provider::secrets::mask_fields(
+                    StoredResponse::from_parts(status.as_u16(), headers, rbytes.to_vec()),
+                    secret_fields,
+                );
                 *produced = Some(Produced::Answer(Response::from_parts(
                     rparts,
                     Body::from(rbytes),
@@ -284,7 +279,9 @@ where
 
     match (result, produced) {
         (_, Some(Produced::Failed(e))) => Err(e),
-        (Ok(Execution::Executed(_)), Some(Produced::Answer(resp))) => Ok(resp),
+        (Ok(Execution::Executed(stored)), Some(Produced::Answer(resp))) => {
+            Ok(first_answer(resp, stored, &settings.stored_headers))
+        }
         (Ok(Execution::Executed(stored)), None) => Ok(to_http(stored)),
         (Ok(Execution::Replayed(stored)), _) => {
             let stored = match (&settings.replay, &parts_slot) {
@@ -300,9 +297,11 @@ where
         }
         (
             Err(e @ (Error::OutcomeUnknown { .. } | Error::FailedRetryable { .. })),
-            Some(Produced::Answer(mut resp)),
+            Some(Produced::Answer(resp)),
         ) => {
-            // The handler's own answer (5xx, or marked retryable), not stored.
+            // The handler's own answer (5xx, or marked retryable), not stored, masked as every
+            // answer the layer gives.
+            let mut resp = masked_unstored(resp, &settings).await;
             let after = e.retry_after().unwrap_or(Duration::from_secs(1));
             if !resp.headers().contains_key(header::RETRY_AFTER) {
                 resp.headers_mut()
@@ -311,9 +310,10 @@ where
             Ok(resp)
         }
         (Err(e @ Error::ResponseTooLarge { .. }), Some(Produced::Answer(resp))) => {
-            // The operation ran: give this client its answer; retries get the recorded reason.
+            // The operation ran: give this client its answer, masked as a stored one would be;
+            // retries get the recorded reason.
             tracing::warn!(error = %e, "answer too large to store; the key is failed{{permanent}} without it");
-            Ok(resp)
+            Ok(masked_unstored(resp, &settings).await)
         }
         (Err(e), _) => {
             if matches!(e, Error::Store(_) | Error::LeaseLost(_)) {
@@ -397,6 +397,60 @@ fn fingerprint(operation: &str, parts: &Parts, bytes: &Bytes, json: Option<&Valu
         "body": body,
     });
     Fingerprint::compute(operation, &canonical_json(&doc))
+}
+
+/// Whether a response header is stored: named by `stored_headers`, and never the replay marker.
+fn is_stored(stored_headers: &[String], name: &HeaderName) -> bool {
+    name.as_str() != REPLAYED_HEADER
+        && stored_headers
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case(name.as_str()))
+}
+
+/// The first caller's answer: the stored answer (status, stored headers and body, as masked and
+/// redacted before storing) plus the handler's headers that are not stored, so that a replay is
+/// this answer byte for byte in everything it stores.
+fn first_answer(handler: Response, stored: StoredResponse, stored_headers: &[String]) -> Response {
+    let (mut parts, _) = handler.into_parts();
+    let (status, headers, body) = stored.into_parts();
+    parts.status = StatusCode::from_u16(status).unwrap_or(parts.status);
+    let unstored: Vec<_> = parts
+        .headers
+        .iter()
+        .filter(|(n, _)| !is_stored(stored_headers, n) && *n != header::CONTENT_LENGTH)
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    parts.headers.clear();
+    for (n, v) in headers {
+        if let (Ok(n), Ok(v)) = (HeaderName::try_from(n), HeaderValue::try_from(v)) {
+            parts.headers.append(n, v);
+        }
+    }
+    for (n, v) in unstored {
+        parts.headers.append(n, v);
+    }
+    Response::from_parts(parts, Body::from(body))
+}
+
+/// An answer the layer gives without storing it (too large, a 5xx, marked retryable): the
+/// provider's secret fields and `redact_with` applied as they would have been before storing.
+async fn masked_unstored(resp: Response, settings: &Settings) -> Response {
+    let (parts, body) = resp.into_parts();
+    let Ok(bytes) = body.collect().await.map(|c| c.to_bytes()) else {
+        return Response::from_parts(parts, Body::empty());
+    };
+    let fields: Vec<&str> = settings.secret_fields.iter().map(String::as_str).collect();
+    let mut answer = crate::provider::secrets::mask_fields(
+        StoredResponse::from_parts(parts.status.as_u16(), Vec::new(), bytes.to_vec()),
+        &fields,
+    );
+    if let Some(redact) = &settings.idem.config().redact {
+        answer = redact.apply(answer);
+    }
+    let (_, _, body) = answer.into_parts();
+    let mut parts = parts;
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(body))
 }
 
 /// A stored answer as an HTTP response.

@@ -71,6 +71,14 @@ pub struct ExecutorConfig {
 #[derive(Clone)]
 pub struct Redactor(std::sync::Arc<dyn Fn(StoredResponse) -> StoredResponse + Send + Sync>);
 
+impl Redactor {
+    /// Masks `response` as it is masked before storing.
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
+    pub(crate) fn apply(&self, response: StoredResponse) -> StoredResponse {
+        (self.0)(response)
+    }
+}
+
 impl std::fmt::Debug for Redactor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Redactor(..)")

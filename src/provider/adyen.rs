@@ -43,7 +43,10 @@ pub const KEY_MAX_LEN: usize = 64;
 /// Default margin kept before the end of [`RETENTION`] when re-sending as a lookup.
 pub const DEFAULT_REDRIVE_MARGIN: Duration = super::DEFAULT_REDRIVE_MARGIN;
 
-const KEPT_HEADERS: &[&str] = &["pspreference", "idempotency-key"];
+/// The headers of Adyen's answer kept in the answer idemflow stores (besides `content-type`):
+/// none. The `Idempotency-Key` Adyen echoes is our provider key, not the client's, and the PSP
+/// reference is in the body (`pspReference`).
+const KEPT_HEADERS: &[&str] = &[];
 
 /// Adyen Checkout `/payments`.
 #[derive(Debug, Clone)]

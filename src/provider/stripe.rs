@@ -56,7 +56,11 @@ pub const METADATA_KEY: &str = "idemflow_key";
 /// Default margin before an empty search result is trusted.
 pub const DEFAULT_SEARCH_LAG: Duration = Duration::from_secs(60);
 
-const KEPT_HEADERS: &[&str] = &["request-id", "idempotent-replayed"];
+/// The headers of Stripe's answer kept in the answer idemflow stores (besides `content-type`):
+/// none. `Request-Id` would replay one request's id on every replay, and `Idempotent-Replayed`
+/// marks *Stripe's* replay (read into the `replayed` flag of `CallOutcome::Succeeded` instead), which must
+/// never pass for idemflow's own (see `docs/http.md`, "What is fingerprinted and what is stored").
+const KEPT_HEADERS: &[&str] = &[];
 
 /// Stripe PaymentIntents (create + confirm).
 #[derive(Debug, Clone)]

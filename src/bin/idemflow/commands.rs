@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, anyhow, bail};
 use chrono::{DateTime, Utc};
 use idemflow::record::{Actor, KeyEvent, KeyRecord};
+use idemflow::store::connect_error::redact_url;
 use idemflow::store::{Finish, Store};
 use idemflow::sweeper::{SweepError, SweepReport, Sweeper};
 use idemflow::{IdempotencyKey, KeyId, KeyState, Scope, StoreError, StoredResponse};
@@ -51,11 +52,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<Exit> {
             store
                 .migrate()
                 .await
-                .with_context(|| format!("migrating {}", config::redact(&url)))?;
+                .with_context(|| format!("migrating {}", redact_url(&url)))?;
             out(
                 &cli,
                 json!({"migrated": true, "backend": store.backend()}),
-                || format!("migrated {} ({})", config::redact(&url), store.backend()),
+                || format!("migrated {} ({})", redact_url(&url), store.backend()),
             );
             Ok(Exit::Ok)
         }

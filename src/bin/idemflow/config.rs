@@ -10,6 +10,7 @@ use serde::{Deserialize, Deserializer};
 use idemflow::provider::Providers;
 use idemflow::provider::config::{ProviderConfig, build_with_env};
 use idemflow::store::Store;
+use idemflow::store::connect_error::redact_url;
 use idemflow::sweeper::Sweeper;
 
 /// The configuration file.
@@ -166,17 +167,6 @@ fn providers_with_env(
     Ok(reg)
 }
 
-/// Hides the password of a URL for messages.
-pub fn redact(url: &str) -> String {
-    if let Some((scheme, rest)) = url.split_once("://")
-        && let Some((auth, host)) = rest.split_once('@')
-        && let Some((user, _)) = auth.split_once(':')
-    {
-        return format!("{scheme}://{user}:***@{host}");
-    }
-    url.to_owned()
-}
-
 /// The file path of a SQLite URL (`None` for in-memory databases).
 fn sqlite_path(url: &str) -> Option<PathBuf> {
     let rest = url
@@ -195,7 +185,8 @@ fn sqlite_path(url: &str) -> Option<PathBuf> {
 /// `sqlite:` URLs work in every build with the `sqlite` feature. `postgres://`, `mysql://` and
 /// `redis://` map to the stores behind the features of the same names.
 pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn Store>> {
-    let shown = redact(url);
+    // The library's one masking: the user info's password and any `password=` parameter.
+    let shown = redact_url(url);
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {
         "sqlite" => {
@@ -244,15 +235,6 @@ async fn connect_sqlite(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Stor
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn redacts_passwords() {
-        assert_eq!(
-            redact("postgres://me:secret@db:5432/x"),
-            "postgres://me:***@db:5432/x"
-        );
-        assert_eq!(redact("sqlite://a.db"), "sqlite://a.db");
-    }
 
     #[test]
     fn sqlite_paths() {

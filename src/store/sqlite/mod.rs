@@ -176,11 +176,16 @@ impl SqliteStore {
         if !config.url.starts_with("sqlite:") {
             return Err(StoreError::Config(format!(
                 "{:?} is not a SQLite URL (expected sqlite://path, sqlite:path or sqlite::memory:)",
-                config.url
+                crate::store::connect_error::redact_url(&config.url)
             )));
         }
         let base = SqliteConnectOptions::from_str(&config.url)
-            .map_err(|e| StoreError::Config(format!("bad SQLite URL {:?}: {e}", config.url)))?
+            .map_err(|e| {
+                StoreError::Config(format!(
+                    "bad SQLite URL {:?}: {e}",
+                    crate::store::connect_error::redact_url(&config.url)
+                ))
+            })?
             .busy_timeout(config.busy_timeout)
             .foreign_keys(true);
         if is_memory(&config.url) {
