@@ -18,6 +18,11 @@
 //! | 429 (category `RATE_LIMIT_ERROR`)                                | `Retryable { retry_after }` |
 //! | `TEMPORARY_ERROR` ("safely retry … with the same key"), 5xx, timeouts | `Unknown` (re-sent with the same key) |
 //!
+//! After an attempt of the same call that may have acted (a 5xx, a timeout, a 409), only a 2xx
+//! reporting the key's payment `CANCELED` or `FAILED` still ends the call `Rejected`: Square does
+//! not document what a same-key request gets while the first is running, so a 4xx refusal then
+//! (a decline included) is `Unknown` and the sweeper settles the key.
+//!
 //! **Void by key.** Square's `CancelPaymentByIdempotencyKey` (`POST /v2/payments/cancel`) is made
 //! "when the status of a CreatePayment request is unknown": it voids the payment made with the
 //! key, and succeeds when there is none. [`Square::void_by_key`] sends it; the sweeper tries it
@@ -103,9 +108,10 @@ impl Square {
             200..=299 => {
                 let state = reply.json_str("/payment/status").unwrap_or_default();
                 if matches!(state.as_str(), "CANCELED" | "FAILED") {
-                    CallOutcome::Rejected {
+                    // The payment made under the key, as the provider reports it: definitive.
+                    return Classified::definitive(CallOutcome::Rejected {
                         response: reply.to_response(&[]),
-                    }
+                    });
                 } else {
                     CallOutcome::Succeeded {
                         response: reply.to_response(&[]),
