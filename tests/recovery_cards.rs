@@ -64,6 +64,7 @@ macro_rules! recovery_tests {
             square_lost_response_is_looked_up_after_the_void_is_refused,
             square_lost_delayed_capture_is_looked_up_not_voided,
             square_died_after_the_answer_is_settled_with_one_payment,
+            square_void_racing_a_delayed_create_waits_out_the_processing_window,
             paypal_crash_after_claim_before_the_call_is_redriven_to_one_order,
             paypal_lost_response_is_settled_with_the_orders_current_state,
             paypal_died_after_the_answer_is_settled_with_one_order,
@@ -127,7 +128,9 @@ impl Card {
         let provider = Square::with_base_url(fake.base_url(), FakeSquare::API_KEY)
             .unwrap()
             .http_config(once())
-            .unwrap();
+            .unwrap()
+            // Each story's sweep runs at least a lease after the last attempt.
+            .processing_window(Duration::from_millis(20));
         Self {
             provider: Arc::new(provider),
             ledger: fake.ledger(),
@@ -296,6 +299,81 @@ async fn adyen_died_after_the_answer_is_settled_with_one_payment(store: Backend,
 
 // ---- Square: void by key ------------------------------------------------------------------------
 
+/// The create times out at the client while Square still holds it (queued, nothing recorded
+/// yet); the sweeper's void within seconds finds no payment and answers 200, then the payment
+/// lands. The void inside Square's processing window must not make the key retryable: the key
+/// stays processing, and once the window has passed the sweeper finds the payment (the void is
+/// refused, the same-key re-send returns it) and the key ends done with it.
+async fn square_void_racing_a_delayed_create_waits_out_the_processing_window(
+    store: Backend,
+    _url: String,
+) {
+    let fake = FakeSquare::start().await.unwrap();
+    let square = Square::with_base_url(fake.base_url(), FakeSquare::API_KEY)
+        .unwrap()
+        .http_config(HttpConfig {
+            request_timeout: Duration::from_millis(300),
+            max_attempts: 1,
+            ..HttpConfig::default()
+        })
+        .unwrap()
+        .processing_window(Duration::from_secs(3));
+    let square: Arc<dyn Provider> = Arc::new(square);
+    let sweeper = Sweeper::new(store.clone(), Providers::new().with(square.clone()))
+        .backoff(Duration::from_millis(100), Duration::from_millis(200));
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    let req = || {
+        IdempotentRequest::new(
+            "shop-1",
+            "slow-1",
+            "payments.create",
+            &Card::square_payment(),
+        )
+        .unwrap()
+    };
+    fake.faults().delay_next(Duration::from_millis(1500));
+    let err = idem.call(req(), square.as_ref()).await.unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+    // The worker released the key: the sweeper takes it at once and voids by key.
+    let report = sweeper.run_once().await.unwrap();
+    assert_eq!(report.lookups, 1, "{report:?}");
+    let row = store.get(req().id()).await.unwrap().unwrap();
+    assert_eq!(
+        row.state,
+        KeyState::Processing,
+        "a void inside the processing window proves nothing: {row:?}"
+    );
+    // The delayed create lands: one payment under the key.
+    for _ in 0..200 {
+        if fake.ledger().len() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(fake.ledger().len(), 1, "the delayed create charged");
+    // Past the window the sweeper settles it from Square: done with that payment.
+    let mut state = row.state;
+    for _ in 0..200 {
+        sweeper.run_once().await.unwrap();
+        state = store.get(req().id()).await.unwrap().unwrap().state;
+        if state != KeyState::Processing {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(state, KeyState::Done);
+    let row = store.get(req().id()).await.unwrap().unwrap();
+    let body: Value = row.response.unwrap().body_json().unwrap();
+    assert_eq!(
+        body["payment"]["id"],
+        fake.ledger().entries()[0].id.as_str()
+    );
+    assert_eq!(fake.ledger().entries()[0].status, "COMPLETED");
+    let retry = idem.call(req(), square.as_ref()).await.unwrap();
+    assert!(retry.is_replay());
+    assert_eq!(fake.ledger().len(), 1, "one payment, never two");
+}
+
 async fn square_crash_after_claim_before_the_call_is_voided_then_charged_once(
     store: Backend,
     _url: String,
@@ -439,7 +517,7 @@ async fn cli_reconcile_once_settles_each_card_processor_from_a_config_file(
         &config,
         format!(
             "[[providers]]\nkind = \"adyen\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_ADYEN_KEY\"\n\n\
-             [[providers]]\nkind = \"square\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_SQUARE_KEY\"\n\n\
+             [[providers]]\nkind = \"square\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_SQUARE_KEY\"\nprocessing_window = 0\n\n\
              [[providers]]\nkind = \"paypal\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_PAYPAL_TOKEN\"\n",
             adyen.base_url, square.base_url, paypal.base_url,
         ),

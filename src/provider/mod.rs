@@ -246,6 +246,16 @@ pub trait Provider: Debug + Send + Sync + 'static {
         VoidOutcome::Unsupported
     }
 
+    /// How long after a request was sent the provider may still be acting on it (a create
+    /// queued or running on its side, after the client gave up waiting). A
+    /// [`VoidOutcome::Voided`] counts as "nothing stands charged" only once the key's latest
+    /// attempt is at least this old (database clock): a void answered sooner can precede a
+    /// payment that lands after it, so the sweeper checks the key again once the window has
+    /// passed (`sweeper::decide::after_void`). Default: zero.
+    fn processing_window(&self) -> Duration {
+        Duration::ZERO
+    }
+
     /// Asks the provider what happened to the request sent with `provider_key`. `attempts` says
     /// when it was first sent (`KeyRecord::created_at`) and when its latest attempt may have
     /// reached the provider (`KeyRecord::last_attempt_at`: a reclaim or a takeover sends again

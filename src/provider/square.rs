@@ -61,6 +61,11 @@ pub const PAYMENTS_PATH: &str = "/v2/payments";
 pub const CANCEL_BY_KEY_PATH: &str = "/v2/payments/cancel";
 /// The longest `idempotency_key` CreatePayment accepts.
 pub const KEY_MAX_LEN: usize = 45;
+/// How long after a CreatePayment was sent Square may still make the payment, by default: a
+/// void by key answered sooner does not make the key retryable. Square does not document how
+/// long a CreatePayment can run on its side; five minutes is well past any client timeout
+/// (`HttpConfig::total_deadline` is 165 s by default). Set it with [`Square::processing_window`].
+pub const DEFAULT_PROCESSING_WINDOW: std::time::Duration = std::time::Duration::from_secs(300);
 /// The Square API version sent in `Square-Version`.
 pub const API_VERSION: &str = "2025-01-23";
 
@@ -68,6 +73,7 @@ pub const API_VERSION: &str = "2025-01-23";
 #[derive(Debug, Clone)]
 pub struct Square {
     endpoint: Endpoint,
+    processing_window: std::time::Duration,
 }
 
 http_adapter!(Square {
@@ -75,10 +81,19 @@ http_adapter!(Square {
     key: "an access token",
     auth: Auth::Bearer,
     headers: &[("Square-Version", API_VERSION), ("Accept", "application/json")],
-    defaults: {},
+    defaults: { processing_window: DEFAULT_PROCESSING_WINDOW },
 });
 
 impl Square {
+    /// Sets how long after a CreatePayment was sent Square may still make the payment (default
+    /// [`DEFAULT_PROCESSING_WINDOW`]): a void by key confirmed sooner after the key's latest
+    /// attempt leaves the key processing, and the sweeper voids (or finds the payment) again
+    /// once the window has passed.
+    pub fn processing_window(mut self, window: std::time::Duration) -> Self {
+        self.processing_window = window;
+        self
+    }
+
     /// The body sent for `request` with `provider_key`: the request with `idempotency_key` set.
     pub fn body(provider_key: &str, request: &Value) -> Result<Value, String> {
         let Value::Object(map) = request else {
@@ -203,6 +218,10 @@ impl Provider for Square {
                 Self::classify,
             )
             .await
+    }
+
+    fn processing_window(&self) -> std::time::Duration {
+        self.processing_window
     }
 
     #[tracing::instrument(name = "idemflow.provider.void_by_key", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
