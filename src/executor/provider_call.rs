@@ -17,10 +17,9 @@ impl Idempotency {
     ) -> Result<Execution, Error> {
         let spec = provider.key_spec();
         let mut request = request.with_provider(provider.name());
-        if request.provider_key.is_none() {
-            let derived = spec.derive(&request.id.scope, &request.id.key, &request.operation);
-            request = request.with_provider_key(derived);
-        }
+        // Unless the request sets one, the provider key is derived within the provider's limit
+        // (`KeySpec::derive` for the key's first row; see `provider_key::derive_renewed`).
+        request.key_max_len = spec.max_len;
         self.execute(request, |ctx| async move {
             let body: serde_json::Value = match serde_json::from_str(ctx.request()) {
                 Ok(v) => v,
