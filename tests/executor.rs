@@ -618,3 +618,77 @@ async fn a_retry_through_another_provider_is_refused_once_an_attempt_may_have_ac
     assert!(again.is_replay());
     assert_eq!(mail_b.effects().len(), 1, "one email, never two");
 }
+
+/// A card processor whose first answer is lost (it may still be charging) and which refuses
+/// every later same-key request with a 422 while the first runs (as PayPal documents: "might
+/// fail the second").
+#[derive(Debug, Default)]
+struct SlowThenRefuses {
+    calls: AtomicUsize,
+}
+
+#[idemflow::async_trait]
+impl idemflow::Provider for SlowThenRefuses {
+    fn name(&self) -> &str {
+        "slow_cards"
+    }
+
+    fn key_spec(&self) -> idemflow::KeySpec {
+        idemflow::KeySpec {
+            max_len: 64,
+            retention: Some(Duration::from_secs(3600)),
+            replays_same_key: true,
+        }
+    }
+
+    async fn call(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallOutcome {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            idemflow::CallOutcome::Unknown {
+                reason: "timed out after sending".into(),
+            }
+        } else {
+            idemflow::CallOutcome::Rejected {
+                response: StoredResponse::json(422, &serde_json::json!({"name": "UNPROCESSABLE"}))
+                    .unwrap(),
+            }
+        }
+    }
+
+    async fn lookup(
+        &self,
+        _pk: &str,
+        _request: &serde_json::Value,
+        _attempts: idemflow::Attempts,
+        _now: chrono::DateTime<chrono::Utc>,
+    ) -> idemflow::Lookup {
+        idemflow::Lookup::Unknown { retry_after: None }
+    }
+}
+
+#[tokio::test]
+async fn a_refusal_after_an_earlier_attempt_that_may_have_acted_does_not_end_the_key() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone())
+        .lease(Duration::from_millis(200))
+        .retry_takeover_window(Some(Duration::from_secs(600)));
+    let cards = SlowThenRefuses::default();
+    let err = idem
+        .call(req("acct", "slow-1", 700), &cards)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+    // The retry takes the key over (inside the window) and is refused while the first attempt
+    // may still be charging: the refusal says nothing about the first attempt.
+    let out = idem.call(req("acct", "slow-1", 700), &cards).await;
+    assert_eq!(cards.calls.load(Ordering::SeqCst), 2, "the takeover sent");
+    assert!(
+        matches!(&out, Err(Error::OutcomeUnknown { .. })),
+        "a 422 after an attempt that may have acted must not fail the key: {out:?}"
+    );
+    let row = store
+        .get(req("acct", "slow-1", 700).id())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.state, KeyState::Processing, "left for the sweeper");
+}

@@ -378,6 +378,7 @@ impl Idempotency {
             provider_key: lease.provider_key.clone(),
             token: lease.token,
             attempt: lease.attempts,
+            may_have_acted: lease.may_have_acted,
             lease: watch,
             send_by: if lease.transition == crate::state::Transition::Takeover {
                 window_closes(&lease, cfg.lease, window, asked)

@@ -32,10 +32,26 @@ impl Idempotency {
             if let Some(why) = ctx.send_refusal() {
                 return crate::Outcome::retryable(format!("not sent: {why}"));
             }
-            let outcome = provider
+            let outcome = match provider
                 .call(ctx.provider_key(), &body)
                 .await
-                .into_outcome();
+                .into_outcome()
+            {
+                // After an earlier attempt of the key that may have acted (a takeover), only a
+                // refusal the provider reports about the key's own request (a 2xx with a
+                // refused or failed payment) ends the key; any other refusal may answer this
+                // re-send alone while the first still runs, so the sweeper settles the key.
+                crate::Outcome::Rejected(resp)
+                    if ctx.may_have_acted && !(200..300).contains(&resp.status()) =>
+                {
+                    crate::Outcome::unknown(format!(
+                        "an earlier attempt may have acted; this one was refused with status {}, \
+                         which does not say what the earlier one did",
+                        resp.status()
+                    ))
+                }
+                other => other,
+            };
             crate::provider::secrets::mask_outcome(outcome, provider.secret_fields())
         })
         .await
