@@ -39,7 +39,7 @@ pub fn derive(
 }
 
 /// The provider key of a key **re-created** after an earlier row of it was purged: the same
-/// shape as [`derive`], with `nonce` (fresh for the new row) mixed in. A provider that keeps
+/// shape as [`derive()`], with `nonce` (fresh for the new row) mixed in. A provider that keeps
 /// keys longer than we keep rows (Adyen: 31 days; Square: not documented) would answer the
 /// earlier row's key with the earlier effect; the new row's key is one it has never seen. The
 /// store chooses it at the row's insert when the key has kept history, and stores it, so every
