@@ -30,7 +30,7 @@
 //!
 //! | CancelPaymentByIdempotencyKey answers                   | [`VoidOutcome`]                       |
 //! |---------------------------------------------------------|---------------------------------------|
-//! | 200 without `errors`                                    | `Voided`: nothing stands charged; the key turns retryable |
+//! | 200 without `errors`                                    | `Voided`: nothing stands charged; the key turns retryable once the latest attempt is [`Square::processing_window`] old (sooner: checked again after it) |
 //! | 400 / 404 (the payment cannot be voided: it completed or failed) | `Refused`: look it up         |
 //! | 401, 403, 429, 5xx, transport failure                   | `Unknown`                             |
 //!
