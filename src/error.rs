@@ -238,6 +238,22 @@ pub enum Error {
         /// The retention the executor keeps finished keys for.
         retention: Duration,
     },
+    /// The key's unsettled attempt went through another provider (HTTP 422): an attempt
+    /// through `recorded` may have acted, so sending this request to `requested` could act a
+    /// second time, and the sweeper would still ask only `recorded`. Nothing was sent. Retry
+    /// through `recorded`, or use a new key once the first settles (`docs/design.md`, "One
+    /// provider per attempt that may have acted").
+    #[error(
+        "idempotency key {key} is unsettled at provider {recorded:?}; refusing to send it through {requested:?}"
+    )]
+    ProviderChanged {
+        /// `scope/key`.
+        key: String,
+        /// The provider the key's row records (the one an attempt may have reached).
+        recorded: Option<String>,
+        /// The provider of this request.
+        requested: Option<String>,
+    },
 }
 
 impl From<StoreError> for Error {
@@ -366,6 +382,12 @@ impl Error {
                 None,
                 "not-a-workflow",
                 "Steps were run outside a workflow",
+            ),
+            Error::ProviderChanged { .. } => (
+                422,
+                None,
+                "provider-changed",
+                "Idempotency key reused through another provider while its outcome is unsettled",
             ),
         };
         HttpAnswer {

@@ -2,7 +2,8 @@
 //!
 //! The provider key is a pure function of (scope, key, operation), computed once at claim and
 //! stored in the key row, so every attempt, every process and the sweeper send the very same
-//! value. The client's raw key is never forwarded: two tenants that both pick `order-1` must not
+//! value. A key re-created after its earlier row was purged gets a key of its own
+//! ([`derive_renewed`]), chosen at the new row's insert and stored the same way. The client's raw key is never forwarded: two tenants that both pick `order-1` must not
 //! collide in the provider's single key space, and a derived key reveals nothing of the scope.
 
 use sha2::{Digest, Sha256};
@@ -34,8 +35,54 @@ pub fn derive(
     operation: &str,
     max_len: usize,
 ) -> String {
+    shaped(&[scope.as_str(), key.as_str(), operation], max_len)
+}
+
+/// The provider key of a key **re-created** after an earlier row of it was purged: the same
+/// shape as [`derive()`], with `nonce` (fresh for the new row) mixed in. A provider that keeps
+/// keys longer than we keep rows (Adyen: 31 days; Square: not documented) would answer the
+/// earlier row's key with the earlier effect; the new row's key is one it has never seen. The
+/// store chooses it at the row's insert when the key has kept history, and stores it, so every
+/// attempt of that row sends it (`docs/design.md`, "Provider keys").
+///
+/// ```
+/// use idemflow::{provider_key::{derive, derive_renewed}, IdempotencyKey, Scope};
+/// let s = Scope::new("acct_1").unwrap();
+/// let k = IdempotencyKey::new("order-7").unwrap();
+/// let a = derive_renewed(&s, &k, "payments.create", "n1", 44);
+/// assert_eq!(a.len(), 44);
+/// assert_ne!(a, derive(&s, &k, "payments.create", 44));
+/// assert_ne!(a, derive_renewed(&s, &k, "payments.create", "n2", 44));
+/// ```
+pub fn derive_renewed(
+    scope: &crate::Scope,
+    key: &crate::IdempotencyKey,
+    operation: &str,
+    nonce: &str,
+    max_len: usize,
+) -> String {
+    shaped(&[scope.as_str(), key.as_str(), operation, nonce], max_len)
+}
+
+/// A fresh nonce for [`derive_renewed`]: 128 bits from the process's random hasher keys, a
+/// counter, the time and the process id (unique, not secret).
+pub(crate) fn fresh_nonce() -> String {
+    use std::hash::BuildHasher;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let seed = (
+        N.fetch_add(1, Ordering::Relaxed),
+        std::time::SystemTime::now(),
+        std::process::id(),
+    );
+    let a = std::collections::hash_map::RandomState::new().hash_one(seed);
+    let b = std::collections::hash_map::RandomState::new().hash_one(seed);
+    format!("{a:016x}{b:016x}")
+}
+
+fn shaped(parts: &[&str], max_len: usize) -> String {
     let mut h = Sha256::new();
-    for part in [scope.as_str(), key.as_str(), operation] {
+    for part in parts {
         h.update((part.len() as u64).to_be_bytes());
         h.update(part.as_bytes());
     }

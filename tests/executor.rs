@@ -531,3 +531,164 @@ async fn a_huge_sweeper_lease_is_capped_not_a_panic() {
         .unwrap();
     assert_eq!(report.taken, 1, "{report:?}");
 }
+
+/// An email service that always answers 429: it surely did nothing.
+#[derive(Debug)]
+struct RateLimited(&'static str);
+
+#[idemflow::async_trait]
+impl idemflow::Provider for RateLimited {
+    fn name(&self) -> &str {
+        self.0
+    }
+
+    fn key_spec(&self) -> idemflow::KeySpec {
+        idemflow::KeySpec::no_keys()
+    }
+
+    async fn call(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallOutcome {
+        idemflow::CallOutcome::Retryable {
+            reason: "429".into(),
+            retry_after: None,
+        }
+    }
+
+    async fn lookup(
+        &self,
+        _pk: &str,
+        _request: &serde_json::Value,
+        _attempts: idemflow::Attempts,
+        _now: chrono::DateTime<chrono::Utc>,
+    ) -> idemflow::Lookup {
+        // Never sent anything: an authoritative "not found", as a consistent search would say.
+        idemflow::Lookup::NotFound {
+            authoritative: true,
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_retry_through_another_provider_is_refused_once_an_attempt_may_have_acted() {
+    use idemflow::conformance::fake::FakeProvider;
+    use idemflow::{Providers, Sweeper};
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(200));
+    let mail_a = Arc::new(RateLimited("mail_a"));
+    let mail_b = FakeProvider::no_keys("mail_b");
+    let email = || {
+        IdempotentRequest::new(
+            "app",
+            "welcome-1",
+            "email.send",
+            &serde_json::json!({"to": "a@example.test", "amount": 1}),
+        )
+        .unwrap()
+    };
+    // mail_a answers 429: nothing happened, the key is retryable.
+    let err = idem.call(email(), mail_a.as_ref()).await.unwrap_err();
+    assert!(matches!(err, Error::FailedRetryable { .. }), "{err}");
+    // The app falls back to mail_b: it sends, and its answer is lost.
+    mail_b.lose_next(1);
+    let err = idem.call(email(), mail_b.as_ref()).await.unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+    assert_eq!(mail_b.effects().len(), 1);
+    let row = store.get(email().id()).await.unwrap().unwrap();
+    assert_eq!(
+        row.provider.as_deref(),
+        Some("mail_b"),
+        "the row must name the provider that may have acted, for the sweeper"
+    );
+    // Back to mail_a while mail_b may have acted: refused, nothing sent.
+    let err = idem.call(email(), mail_a.as_ref()).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::ProviderChanged { recorded, requested, .. }
+            if recorded.as_deref() == Some("mail_b") && requested.as_deref() == Some("mail_a")),
+        "{err}"
+    );
+    assert_eq!(err.http_answer().status, 422);
+    // The sweeper asks mail_b, finds the email: done with it; a retry through mail_b replays.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let sweeper = Sweeper::new(
+        store.clone(),
+        Providers::new().with(mail_a.clone()).with(mail_b.clone()),
+    );
+    let report = sweeper.run_once().await.unwrap();
+    assert_eq!(report.done, 1, "{report:?}");
+    let again = idem.call(email(), mail_b.as_ref()).await.unwrap();
+    assert!(again.is_replay());
+    assert_eq!(mail_b.effects().len(), 1, "one email, never two");
+}
+
+/// A card processor whose first answer is lost (it may still be charging) and which refuses
+/// every later same-key request with a 422 while the first runs (as PayPal documents: "might
+/// fail the second").
+#[derive(Debug, Default)]
+struct SlowThenRefuses {
+    calls: AtomicUsize,
+}
+
+#[idemflow::async_trait]
+impl idemflow::Provider for SlowThenRefuses {
+    fn name(&self) -> &str {
+        "slow_cards"
+    }
+
+    fn key_spec(&self) -> idemflow::KeySpec {
+        idemflow::KeySpec {
+            max_len: 64,
+            retention: Some(Duration::from_secs(3600)),
+            replays_same_key: true,
+        }
+    }
+
+    async fn call(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallOutcome {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            idemflow::CallOutcome::Unknown {
+                reason: "timed out after sending".into(),
+            }
+        } else {
+            idemflow::CallOutcome::Rejected {
+                response: StoredResponse::json(422, &serde_json::json!({"name": "UNPROCESSABLE"}))
+                    .unwrap(),
+            }
+        }
+    }
+
+    async fn lookup(
+        &self,
+        _pk: &str,
+        _request: &serde_json::Value,
+        _attempts: idemflow::Attempts,
+        _now: chrono::DateTime<chrono::Utc>,
+    ) -> idemflow::Lookup {
+        idemflow::Lookup::Unknown { retry_after: None }
+    }
+}
+
+#[tokio::test]
+async fn a_refusal_after_an_earlier_attempt_that_may_have_acted_does_not_end_the_key() {
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone())
+        .lease(Duration::from_millis(200))
+        .retry_takeover_window(Some(Duration::from_secs(600)));
+    let cards = SlowThenRefuses::default();
+    let err = idem
+        .call(req("acct", "slow-1", 700), &cards)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+    // The retry takes the key over (inside the window) and is refused while the first attempt
+    // may still be charging: the refusal says nothing about the first attempt.
+    let out = idem.call(req("acct", "slow-1", 700), &cards).await;
+    assert_eq!(cards.calls.load(Ordering::SeqCst), 2, "the takeover sent");
+    assert!(
+        matches!(&out, Err(Error::OutcomeUnknown { .. })),
+        "a 422 after an attempt that may have acted must not fail the key: {out:?}"
+    );
+    let row = store
+        .get(req("acct", "slow-1", 700).id())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.state, KeyState::Processing, "left for the sweeper");
+}

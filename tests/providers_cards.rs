@@ -39,6 +39,8 @@ fn square(base: &str, attempts: u32) -> Square {
         .unwrap()
         .http_config(fast(attempts))
         .unwrap()
+        // The sweeps here run at least a lease after the last attempt.
+        .processing_window(Duration::from_millis(20))
 }
 
 fn paypal(base: &str, attempts: u32) -> PayPal {
@@ -998,4 +1000,97 @@ async fn the_sweeper_settles_each_card_provider_by_its_own_path() {
         .unwrap();
     assert!(again.is_replay());
     assert_eq!(fs.ledger().len(), 1);
+}
+
+/// Answers the first POST with a 500 (which may have acted), every later one with `status` and
+/// `body`, and gives the adapter's outcome over two attempts.
+async fn after_a_500(
+    status: u16,
+    body: Value,
+    call: impl AsyncFnOnce(&str) -> CallOutcome,
+) -> CallOutcome {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(500).set_body_json(json!({"errors": []})))
+        .up_to_n_times(1)
+        .with_priority(1)
+        .mount(&server)
+        .await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(status).set_body_json(body))
+        .with_priority(2)
+        .mount(&server)
+        .await;
+    call(&server.uri()).await
+}
+
+#[tokio::test]
+async fn a_refusal_after_an_attempt_that_may_have_acted_is_unknown_unless_definitive() {
+    // The first attempt's 500 may have acted (the provider may still be working on it); a 4xx
+    // to the second says nothing definitive about the first, so the call's outcome is unknown
+    // and the key stays with the sweeper rather than failing permanently.
+    let cases: Vec<(&str, u16, Value)> = vec![
+        (
+            "square",
+            400,
+            square_error("INVALID_REQUEST_ERROR", "INVALID_VALUE"),
+        ),
+        (
+            "square",
+            402,
+            square_error("PAYMENT_METHOD_ERROR", "GENERIC_DECLINE"),
+        ),
+        (
+            "square",
+            422,
+            square_error("INVALID_REQUEST_ERROR", "INVALID_VALUE"),
+        ),
+        (
+            "paypal",
+            422,
+            json!({"name": "UNPROCESSABLE_ENTITY", "details": [{"issue": "INSTRUMENT_DECLINED"}]}),
+        ),
+        (
+            "paypal",
+            400,
+            json!({"name": "INVALID_REQUEST", "details": [{"issue": "INVALID_PARAMETER_VALUE"}]}),
+        ),
+        ("adyen", 422, json!({"status": 422, "errorCode": "14_030"})),
+    ];
+    for (provider, status, body) in cases {
+        let out = after_a_500(status, body, async |base| match provider {
+            "square" => square(base, 2).call("idf_twice", &square_payment()).await,
+            "paypal" => paypal(base, 2).call("idf_twice", &paypal_order()).await,
+            _ => adyen(base, 2).call("idf_twice", &adyen_payment()).await,
+        })
+        .await;
+        assert_eq!(
+            kind(&out),
+            "unknown",
+            "{provider} 500 then {status}: {out:?}"
+        );
+    }
+    // A payment the provider reports under the key (a 2xx) is definitive, whatever came before.
+    let out = after_a_500(
+        200,
+        json!({"payment": {"id": "p", "status": "FAILED"}}),
+        async |base| square(base, 2).call("idf_twice", &square_payment()).await,
+    )
+    .await;
+    assert_eq!(kind(&out), "rejected", "{out:?}");
+    let out = after_a_500(
+        200,
+        json!({"resultCode": "Refused", "pspReference": "x"}),
+        async |base| adyen(base, 2).call("idf_twice", &adyen_payment()).await,
+    )
+    .await;
+    assert_eq!(kind(&out), "rejected", "{out:?}");
+    // Without an earlier attempt that may have acted, a refusal stays a refusal.
+    let out = mapped(
+        422,
+        square_error("INVALID_REQUEST_ERROR", "INVALID_VALUE"),
+        async |base| square(base, 2).call("idf_once", &square_payment()).await,
+    )
+    .await;
+    assert_eq!(kind(&out), "rejected", "{out:?}");
 }

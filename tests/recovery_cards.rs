@@ -64,6 +64,9 @@ macro_rules! recovery_tests {
             square_lost_response_is_looked_up_after_the_void_is_refused,
             square_lost_delayed_capture_is_looked_up_not_voided,
             square_died_after_the_answer_is_settled_with_one_payment,
+            square_void_racing_a_delayed_create_waits_out_the_processing_window,
+            adyen_key_reused_after_our_retention_charges_anew,
+            square_key_reused_after_our_retention_charges_anew,
             paypal_crash_after_claim_before_the_call_is_redriven_to_one_order,
             paypal_lost_response_is_settled_with_the_orders_current_state,
             paypal_died_after_the_answer_is_settled_with_one_order,
@@ -127,7 +130,9 @@ impl Card {
         let provider = Square::with_base_url(fake.base_url(), FakeSquare::API_KEY)
             .unwrap()
             .http_config(once())
-            .unwrap();
+            .unwrap()
+            // Each story's sweep runs at least a lease after the last attempt.
+            .processing_window(Duration::from_millis(20));
         Self {
             provider: Arc::new(provider),
             ledger: fake.ledger(),
@@ -294,7 +299,160 @@ async fn adyen_died_after_the_answer_is_settled_with_one_payment(store: Backend,
     card.assert_done_once(&store, &idem, "died-1").await;
 }
 
+// ---- A key reused after our retention: the provider still holds the earlier provider key ------
+
+/// Finishes `key` with our retention at zero, purges it, and gives the purged row's provider key.
+async fn purged_after_retention(store: &Backend, id: &idemflow::KeyId) -> String {
+    let pk = store.get(id).await.unwrap().unwrap().provider_key;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    while store.get(id).await.unwrap().is_some() {
+        assert!(store.purge_expired(100).await.unwrap() > 0, "purged");
+    }
+    pk
+}
+
+/// Adyen keeps keys for 31 days, we for less: on "day 2" the same key and body must make a new
+/// payment, not get day 0's answer back (which would be stored as the new request's success).
+async fn adyen_key_reused_after_our_retention_charges_anew(store: Backend, _url: String) {
+    let card = Card::adyen().await;
+    let idem = Idempotency::new(store.clone())
+        .lease(LEASE)
+        .retention(Duration::ZERO);
+    let day0 = idem
+        .call(card.request("reused-1"), card.provider.as_ref())
+        .await
+        .unwrap();
+    let old_pk = purged_after_retention(&store, card.request("reused-1").id()).await;
+    let day2 = idem
+        .call(card.request("reused-1"), card.provider.as_ref())
+        .await
+        .unwrap();
+    assert!(!day2.is_replay());
+    let new_pk = store
+        .get(card.request("reused-1").id())
+        .await
+        .unwrap()
+        .unwrap()
+        .provider_key;
+    assert_ne!(new_pk, old_pk, "a re-created row sends a key of its own");
+    assert_eq!(card.ledger.len(), 2, "day 2 made its own payment");
+    let psp = |e: &Execution| e.response().body_json::<Value>().unwrap()["pspReference"].clone();
+    assert_ne!(psp(&day0), psp(&day2), "not day 0's answer");
+    // Every attempt of the new row sends the new key: a retry replays it.
+    let again = idem
+        .call(card.request("reused-1"), card.provider.as_ref())
+        .await
+        .unwrap();
+    assert!(again.is_replay());
+    assert_eq!(card.ledger.count_for_key(&new_pk), 1);
+}
+
+/// Square does not document how long it keeps keys: a key reused after our retention with
+/// another body must not meet `IDEMPOTENCY_KEY_REUSED` (left processing, then voided by key by
+/// the sweeper, which would aim at the old payment): it makes its own payment.
+async fn square_key_reused_after_our_retention_charges_anew(store: Backend, _url: String) {
+    let card = Card::square(Card::square_payment()).await;
+    let idem = Idempotency::new(store.clone())
+        .lease(LEASE)
+        .retention(Duration::ZERO);
+    idem.call(card.request("reused-1"), card.provider.as_ref())
+        .await
+        .unwrap();
+    let old_pk = purged_after_retention(&store, card.request("reused-1").id()).await;
+    let other = json!({"source_id": "cnon:card-nonce-ok",
+                       "amount_money": {"amount": 2500, "currency": "USD"}});
+    let day2 = IdempotentRequest::new("shop-1", "reused-1", "payments.create", &other).unwrap();
+    let out = idem.call(day2.clone(), card.provider.as_ref()).await;
+    let charged = out.unwrap_or_else(|e| panic!("the reused key must charge anew: {e}"));
+    assert!(!charged.is_replay());
+    let body: Value = charged.response().body_json().unwrap();
+    assert_eq!(body["payment"]["amount_money"]["amount"], 2500);
+    assert_eq!(card.ledger.len(), 2);
+    assert_eq!(
+        card.ledger.count_for_key(&old_pk),
+        1,
+        "the old payment stands untouched"
+    );
+    assert_eq!(card.ledger.entries()[0].status, "COMPLETED");
+    assert!(card.sweeper(&store).run_once().await.unwrap().is_clean());
+}
+
 // ---- Square: void by key ------------------------------------------------------------------------
+
+/// The create times out at the client while Square still holds it (queued, nothing recorded
+/// yet); the sweeper's void within seconds finds no payment and answers 200, then the payment
+/// lands. The void inside Square's processing window must not make the key retryable: the key
+/// stays processing, and once the window has passed the sweeper finds the payment (the void is
+/// refused, the same-key re-send returns it) and the key ends done with it.
+async fn square_void_racing_a_delayed_create_waits_out_the_processing_window(
+    store: Backend,
+    _url: String,
+) {
+    let fake = FakeSquare::start().await.unwrap();
+    let square = Square::with_base_url(fake.base_url(), FakeSquare::API_KEY)
+        .unwrap()
+        .http_config(HttpConfig {
+            request_timeout: Duration::from_millis(300),
+            max_attempts: 1,
+            ..HttpConfig::default()
+        })
+        .unwrap()
+        .processing_window(Duration::from_secs(3));
+    let square: Arc<dyn Provider> = Arc::new(square);
+    let sweeper = Sweeper::new(store.clone(), Providers::new().with(square.clone()))
+        .backoff(Duration::from_millis(100), Duration::from_millis(200));
+    let idem = Idempotency::new(store.clone()).lease(LEASE);
+    let req = || {
+        IdempotentRequest::new(
+            "shop-1",
+            "slow-1",
+            "payments.create",
+            &Card::square_payment(),
+        )
+        .unwrap()
+    };
+    fake.faults().delay_next(Duration::from_millis(1500));
+    let err = idem.call(req(), square.as_ref()).await.unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+    // The worker released the key: the sweeper takes it at once and voids by key.
+    let report = sweeper.run_once().await.unwrap();
+    assert_eq!(report.lookups, 1, "{report:?}");
+    let row = store.get(req().id()).await.unwrap().unwrap();
+    assert_eq!(
+        row.state,
+        KeyState::Processing,
+        "a void inside the processing window proves nothing: {row:?}"
+    );
+    // The delayed create lands: one payment under the key.
+    for _ in 0..200 {
+        if fake.ledger().len() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(fake.ledger().len(), 1, "the delayed create charged");
+    // Past the window the sweeper settles it from Square: done with that payment.
+    let mut state = row.state;
+    for _ in 0..200 {
+        sweeper.run_once().await.unwrap();
+        state = store.get(req().id()).await.unwrap().unwrap().state;
+        if state != KeyState::Processing {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(state, KeyState::Done);
+    let row = store.get(req().id()).await.unwrap().unwrap();
+    let body: Value = row.response.unwrap().body_json().unwrap();
+    assert_eq!(
+        body["payment"]["id"],
+        fake.ledger().entries()[0].id.as_str()
+    );
+    assert_eq!(fake.ledger().entries()[0].status, "COMPLETED");
+    let retry = idem.call(req(), square.as_ref()).await.unwrap();
+    assert!(retry.is_replay());
+    assert_eq!(fake.ledger().len(), 1, "one payment, never two");
+}
 
 async fn square_crash_after_claim_before_the_call_is_voided_then_charged_once(
     store: Backend,
@@ -439,7 +597,7 @@ async fn cli_reconcile_once_settles_each_card_processor_from_a_config_file(
         &config,
         format!(
             "[[providers]]\nkind = \"adyen\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_ADYEN_KEY\"\n\n\
-             [[providers]]\nkind = \"square\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_SQUARE_KEY\"\n\n\
+             [[providers]]\nkind = \"square\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_SQUARE_KEY\"\nprocessing_window = 0\n\n\
              [[providers]]\nkind = \"paypal\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_PAYPAL_TOKEN\"\n",
             adyen.base_url, square.base_url, paypal.base_url,
         ),

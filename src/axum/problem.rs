@@ -165,6 +165,11 @@ mod tests {
                 key: "a/k".into(),
                 retention: Duration::from_secs(3600),
             },
+            Error::ProviderChanged {
+                key: "a/k".into(),
+                recorded: Some("mail_a".into()),
+                requested: Some("mail_b".into()),
+            },
         ];
         for e in &errors {
             match e {
@@ -184,7 +189,8 @@ mod tests {
                 | Error::Store(_)
                 | Error::StepChanged { .. }
                 | Error::NotAWorkflow { .. }
-                | Error::WorkflowExpired { .. } => {}
+                | Error::WorkflowExpired { .. }
+                | Error::ProviderChanged { .. } => {}
             }
         }
         errors
@@ -254,6 +260,7 @@ mod tests {
                 (500, None, "workflow-needs-operator"),
                 (500, None, "not-a-workflow"),
                 (500, None, "workflow-needs-operator"),
+                (422, None, "provider-changed"),
             ]
         );
     }

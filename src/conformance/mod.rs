@@ -104,6 +104,7 @@ pub fn claim_for(id: &KeyId, body: &str, lease: Duration) -> NewClaim {
         lease,
         retention: Duration::from_secs(3600),
         takeover_window: None,
+        reused_provider_key: None,
     }
 }
 
@@ -171,7 +172,9 @@ macro_rules! conformance_tests {
             huge_durations_are_capped_and_read_back_sane,
             operator_write_is_a_compare_and_set_on_the_token_read,
             tokens_only_grow_across_purge,
-            cancelled_calls_leave_the_store_usable
+            cancelled_calls_leave_the_store_usable,
+            provider_changes_only_while_no_attempt_may_have_acted,
+            a_re_created_key_gets_its_own_provider_key
         );
     };
     (@each $factory:path, $suite:ident; $($name:ident),* $(,)?) => {

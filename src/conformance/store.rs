@@ -945,3 +945,122 @@ pub async fn cancelled_calls_leave_the_store_usable(store: Arc<dyn Store>) {
         assert_eq!(last.lease_token, Some(rec.lease_token), "{k}");
     }
 }
+
+/// The provider rule of the claim (`store::claimable`): a `failed{retryable}` key on which no
+/// attempt may have acted is reclaimed through another provider, and the row then records that
+/// provider and its provider key; an expired processing key (an attempt may have acted) is
+/// taken over only through the provider it recorded.
+pub async fn provider_changes_only_while_no_attempt_may_have_acted(store: Arc<dyn Store>) {
+    let id = id(&unique("provider"), "k1");
+    let mut via_a = claim_for(&id, "{}", LEASE);
+    via_a.provider = Some("mail_a".into());
+    via_a.provider_key = "pk-a".into();
+    let l = claimed(&store, &via_a).await;
+    // mail_a answered 429: surely nothing happened.
+    store.finish(&id, Some(l.token), &fail(true)).await.unwrap();
+    let mut via_b = claim_for(&id, "{}", Duration::ZERO);
+    via_b.provider = Some("mail_b".into());
+    via_b.provider_key = "pk-b".into();
+    via_b.takeover_window = Some(Duration::from_secs(3600));
+    let l = claimed(&store, &via_b).await;
+    assert_eq!(l.transition, Transition::Reclaim);
+    assert_eq!(
+        l.provider_key, "pk-b",
+        "the provider that may act gets its key"
+    );
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(
+        (r.provider.as_deref(), r.provider_key.as_str()),
+        (Some("mail_b"), "pk-b"),
+        "the sweeper must ask the provider that may act"
+    );
+    // mail_b may have acted (timeout after sending); its lease has run out.
+    let rel = Release {
+        actor: Actor::Worker,
+        reason: "timeout after send".into(),
+        error: None,
+        recheck_after: None,
+    };
+    store.release(&id, l.token, &rel).await.unwrap();
+    let mut back_to_a = via_b.clone();
+    back_to_a.provider = Some("mail_a".into());
+    back_to_a.provider_key = "pk-a".into();
+    match store.claim(&back_to_a).await.unwrap() {
+        ClaimOutcome::Existing { record, .. } => {
+            assert_eq!(record.state, KeyState::Processing);
+            assert_eq!(record.provider.as_deref(), Some("mail_b"));
+        }
+        other => panic!("a takeover through another provider: {other:?}"),
+    }
+    let mut keyless = via_b.clone();
+    keyless.provider = None;
+    assert!(
+        matches!(
+            store.claim(&keyless).await.unwrap(),
+            ClaimOutcome::Existing { .. }
+        ),
+        "no provider is another provider too"
+    );
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(
+        (r.provider.as_deref(), r.provider_key.as_str(), r.attempts),
+        (Some("mail_b"), "pk-b", 2),
+        "a refused claim changes nothing"
+    );
+    // Through the recorded provider the takeover goes ahead, and keeps the recorded key.
+    let mut again_b = via_b.clone();
+    again_b.provider_key = "pk-other".into();
+    let l = claimed(&store, &again_b).await;
+    assert_eq!(
+        (l.transition, l.provider_key.as_str()),
+        (Transition::Takeover, "pk-b")
+    );
+}
+
+/// A key re-created after its earlier row was purged stores the claim's `reused_provider_key`
+/// (the provider may still hold the earlier row's key); a first row stores `provider_key`, and
+/// every later claim of a row keeps the key the row stored.
+pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
+    let id = id(&unique("reborn"), "k1");
+    let mut first = claim_for(&id, "{}", LEASE);
+    first.retention = Duration::ZERO;
+    first.reused_provider_key = Some("pk-renewed-1".into());
+    let l = claimed(&store, &first).await;
+    assert_eq!(l.provider_key, "pk-k1", "a first row derives the plain key");
+    store
+        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    while store.get(&id).await.unwrap().is_some() {
+        assert!(
+            store.purge_expired(100).await.unwrap() > 0,
+            "the expired key is purged"
+        );
+    }
+    let mut reborn = claim_for(&id, "{\"day\":2}", LEASE);
+    reborn.reused_provider_key = Some("pk-renewed-2".into());
+    let l = claimed(&store, &reborn).await;
+    assert_eq!(l.transition, Transition::Claim);
+    assert_eq!(
+        l.provider_key, "pk-renewed-2",
+        "a re-created row sends a key of its own"
+    );
+    assert_eq!(
+        store.get(&id).await.unwrap().unwrap().provider_key,
+        "pk-renewed-2"
+    );
+    // Its own reclaim keeps it.
+    store.finish(&id, Some(l.token), &fail(true)).await.unwrap();
+    let mut retry = reborn.clone();
+    retry.reused_provider_key = Some("pk-renewed-3".into());
+    let l = claimed(&store, &retry).await;
+    assert_eq!(
+        (l.transition, l.provider_key.as_str()),
+        (Transition::Reclaim, "pk-renewed-2")
+    );
+    // An explicit key (no renewed one) is stored as given, history or not.
+    let other = super::id(&unique("reborn"), "k2");
+    let l = claimed(&store, &claim_for(&other, "{}", LEASE)).await;
+    assert_eq!(l.provider_key, "pk-k2");
+}

@@ -780,6 +780,7 @@ pub async fn missing_request_is_only_looked_up(store: Arc<dyn Store>) {
         lease: Duration::ZERO,
         retention: DAY,
         takeover_window: None,
+        reused_provider_key: None,
     };
     assert!(matches!(
         store.claim(&claim).await.unwrap(),
@@ -863,6 +864,7 @@ pub async fn two_sweepers_handle_each_of_1000_keys_once(store: Arc<dyn Store>) {
             lease: Duration::ZERO,
             retention: DAY,
             takeover_window: None,
+            reused_provider_key: None,
         };
         let lease: Lease = match store.claim(&claim).await.unwrap() {
             ClaimOutcome::Claimed(l) => l,

@@ -304,14 +304,25 @@ impl Idempotency {
 
     fn new_claim(&self, request: &IdempotentRequest) -> NewClaim {
         let cfg = &*self.config;
-        let provider_key = request.provider_key.clone().unwrap_or_else(|| {
-            provider_key::derive(
-                &request.id.scope,
-                &request.id.key,
-                &request.operation,
-                provider_key::DEFAULT_LEN,
-            )
-        });
+        // An explicit key is sent as given; a derived one is the pure derivation for the key's
+        // first row, and one of its own for a row re-created after the earlier was purged (the
+        // store chooses at insert: only it knows whether the key has history).
+        let (provider_key, reused_provider_key) = match &request.provider_key {
+            Some(explicit) => (explicit.clone(), None),
+            None => {
+                let (scope, key, op) = (&request.id.scope, &request.id.key, &request.operation);
+                (
+                    provider_key::derive(scope, key, op, request.key_max_len),
+                    Some(provider_key::derive_renewed(
+                        scope,
+                        key,
+                        op,
+                        &provider_key::fresh_nonce(),
+                        request.key_max_len,
+                    )),
+                )
+            }
+        };
         NewClaim {
             id: request.id.clone(),
             operation: request.operation.clone(),
@@ -323,6 +334,7 @@ impl Idempotency {
             lease: cfg.lease,
             retention: cfg.retention,
             takeover_window: self.takeover_window(request),
+            reused_provider_key,
         }
     }
 
@@ -374,6 +386,7 @@ impl Idempotency {
             provider_key: lease.provider_key.clone(),
             token: lease.token,
             attempt: lease.attempts,
+            may_have_acted: lease.may_have_acted,
             lease: watch,
             send_by: if lease.transition == crate::state::Transition::Takeover {
                 window_closes(&lease, cfg.lease, window, asked)
@@ -677,6 +690,7 @@ impl Idempotency {
             fingerprint: record.fingerprint.clone(),
             provider: record.provider.clone(),
             provider_key: Some(record.provider_key.clone()),
+            key_max_len: provider_key::DEFAULT_LEN,
             step: None,
         };
         let lease = Lease {
@@ -719,6 +733,22 @@ impl Idempotency {
                 key,
                 stored: record.fingerprint.to_string(),
                 presented: request.fingerprint.to_string(),
+            });
+        }
+        // An unsettled key that the claim did not take through this request's provider: an
+        // attempt through the recorded one may have acted (`store::claimable`), so this request
+        // must not reach another provider. A live lease is still answered "in flight".
+        let unsettled = match record.state {
+            KeyState::Processing => record.lease_expires_at.is_none_or(|exp| exp <= now),
+            KeyState::Failed { retryable } => retryable,
+            KeyState::Done => false,
+        };
+        if unsettled && record.provider != request.provider {
+            tracing::Span::current().record("outcome", "provider_changed");
+            return Err(Error::ProviderChanged {
+                key,
+                recorded: record.provider,
+                requested: request.provider.clone(),
             });
         }
         match record.state {

@@ -53,6 +53,8 @@ pub struct Context {
     pub(crate) provider_key: String,
     pub(crate) token: LeaseToken,
     pub(crate) attempt: i32,
+    /// Whether an earlier attempt of the key may have acted (`Lease::may_have_acted`).
+    pub(crate) may_have_acted: bool,
     pub(crate) lease: LeaseWatch,
     /// After a takeover: the end of the window in which the provider still dedupes the first
     /// send (the takeover window counted from the key's first claim), on this process's clock.

@@ -17,10 +17,9 @@ impl Idempotency {
     ) -> Result<Execution, Error> {
         let spec = provider.key_spec();
         let mut request = request.with_provider(provider.name());
-        if request.provider_key.is_none() {
-            let derived = spec.derive(&request.id.scope, &request.id.key, &request.operation);
-            request = request.with_provider_key(derived);
-        }
+        // Unless the request sets one, the provider key is derived within the provider's limit
+        // (`KeySpec::derive` for the key's first row; see `provider_key::derive_renewed`).
+        request.key_max_len = spec.max_len;
         self.execute(request, |ctx| async move {
             let body: serde_json::Value = match serde_json::from_str(ctx.request()) {
                 Ok(v) => v,
@@ -33,10 +32,26 @@ impl Idempotency {
             if let Some(why) = ctx.send_refusal() {
                 return crate::Outcome::retryable(format!("not sent: {why}"));
             }
-            let outcome = provider
+            let outcome = match provider
                 .call(ctx.provider_key(), &body)
                 .await
-                .into_outcome();
+                .into_outcome()
+            {
+                // After an earlier attempt of the key that may have acted (a takeover), only a
+                // refusal the provider reports about the key's own request (a 2xx with a
+                // refused or failed payment) ends the key; any other refusal may answer this
+                // re-send alone while the first still runs, so the sweeper settles the key.
+                crate::Outcome::Rejected(resp)
+                    if ctx.may_have_acted && !(200..300).contains(&resp.status()) =>
+                {
+                    crate::Outcome::unknown(format!(
+                        "an earlier attempt may have acted; this one was refused with status {}, \
+                         which does not say what the earlier one did",
+                        resp.status()
+                    ))
+                }
+                other => other,
+            };
             crate::provider::secrets::mask_outcome(outcome, provider.secret_fields())
         })
         .await

@@ -24,6 +24,9 @@ pub struct IdempotentRequest {
     pub(crate) fingerprint: Fingerprint,
     pub(crate) provider: Option<String>,
     pub(crate) provider_key: Option<String>,
+    /// The length limit a derived provider key must fit (the provider's `KeySpec::max_len`
+    /// when run through [`Idempotency::call`](crate::Idempotency::call)).
+    pub(crate) key_max_len: usize,
     /// Set on the request of a workflow step: which workflow, which position.
     pub(crate) step: Option<crate::workflow::StepOf>,
 }
@@ -93,6 +96,7 @@ impl IdempotentRequest {
             fingerprint,
             provider: None,
             provider_key: None,
+            key_max_len: crate::provider_key::DEFAULT_LEN,
             step: None,
         })
     }
@@ -114,6 +118,7 @@ impl IdempotentRequest {
             fingerprint,
             provider: None,
             provider_key: None,
+            key_max_len: crate::provider_key::DEFAULT_LEN,
             step: None,
         })
     }

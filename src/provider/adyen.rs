@@ -20,6 +20,10 @@
 //! | 409 (not documented by Adyen; treated as "a request with this key is running") | `InFlight` |
 //! | 429                                                            | `Retryable { retry_after }` |
 //! | 5xx, anything else, timeouts after sending                     | `Unknown`                   |
+//!
+//! After an attempt of the same call that may have acted (a 5xx, a timeout, a 409), only a 2xx
+//! with a refused `resultCode` (the answer about the key's payment) still ends the call
+//! `Rejected`; a 4xx then is `Unknown` and the sweeper settles the key.
 
 use std::time::Duration;
 
@@ -78,9 +82,10 @@ impl Adyen {
             200..=299 => {
                 let result = reply.json_str("/resultCode").unwrap_or_default();
                 if matches!(result.as_str(), "Refused" | "Cancelled" | "Error") {
-                    CallOutcome::Rejected {
+                    // The payment made under the key, as the provider reports it: definitive.
+                    return Classified::definitive(CallOutcome::Rejected {
                         response: reply.to_response(KEPT_HEADERS),
-                    }
+                    });
                 } else {
                     CallOutcome::Succeeded {
                         response: reply.to_response(KEPT_HEADERS),

@@ -31,6 +31,11 @@ pub struct ProviderConfig {
     /// (default 6 h; 72 h only when PayPal raised it for the account).
     #[serde(default, with = "opt_secs")]
     pub retention: Option<Duration>,
+    /// For square: how long after a CreatePayment was sent Square may still make the payment,
+    /// in seconds (default 300): a void by key confirmed sooner after the key's latest attempt
+    /// leaves the key for a later check ([`Square::processing_window`](super::Square::processing_window)).
+    #[serde(default, with = "opt_secs")]
+    pub processing_window: Option<Duration>,
 }
 
 mod opt_secs {
@@ -190,6 +195,12 @@ fn build_http(
             detail: "retention applies to paypal only (PayPal-Request-Id retention, 6 h unless PayPal raised it)".to_owned(),
         });
     }
+    if config.processing_window.is_some() && config.kind != "square" {
+        return Err(ProviderConfigError::Invalid {
+            provider: name,
+            detail: "processing_window applies to square only (how long a void by key waits after the latest attempt)".to_owned(),
+        });
+    }
     match config.kind.as_str() {
         "stripe" => {
             let mut p = Stripe::with_base_url(&base(stripe::DEFAULT_BASE_URL), api_key)
@@ -218,11 +229,15 @@ fn build_http(
             }
             Ok(Arc::new(p))
         }
-        "square" => Ok(Arc::new(
-            Square::with_base_url(&base(square::DEFAULT_BASE_URL), api_key)
+        "square" => {
+            let mut p = Square::with_base_url(&base(square::DEFAULT_BASE_URL), api_key)
                 .map_err(http)?
-                .with_name(name.clone()),
-        )),
+                .with_name(name.clone());
+            if let Some(window) = config.processing_window {
+                p = p.processing_window(window);
+            }
+            Ok(Arc::new(p))
+        }
         "paypal" => {
             let mut p = PayPal::with_base_url(&base(paypal::DEFAULT_BASE_URL), api_key)
                 .map_err(http)?
@@ -264,6 +279,7 @@ mod tests {
             search_lag: None,
             redrive_margin: None,
             retention: None,
+            processing_window: None,
         }
     }
 
@@ -326,6 +342,10 @@ mod tests {
             c.redrive_margin = Some(std::time::Duration::from_secs(7200));
             assert!(build_with_env(&c, env).is_ok(), "{kind}");
         }
+        let mut c = cfg("square");
+        c.processing_window = Some(std::time::Duration::from_secs(60));
+        let p = build_with_env(&c, env).unwrap();
+        assert_eq!(p.processing_window(), std::time::Duration::from_secs(60));
         let mut c = cfg("paypal");
         c.retention = Some(std::time::Duration::from_secs(72 * 3600));
         let p = build_with_env(&c, env).unwrap();
@@ -339,12 +359,14 @@ mod tests {
             ("square", "search_lag"),
             ("paypal", "search_lag"),
             ("adyen", "retention"),
+            ("adyen", "processing_window"),
         ] {
             let mut c = cfg(kind);
             let d = Some(std::time::Duration::from_secs(5));
             match field {
                 "redrive_margin" => c.redrive_margin = d,
                 "search_lag" => c.search_lag = d,
+                "processing_window" => c.processing_window = d,
                 _ => c.retention = d,
             }
             assert!(

@@ -13,7 +13,11 @@
 //! Once one attempt of a call may have acted (it ended `Unknown`: a timeout after sending, a 5xx;
 //! or `InFlight`: a 409 "request in progress"), a later attempt's `Retryable` is reported as
 //! `Unknown`: the earlier attempt may have acted, so "the provider surely did nothing" no longer
-//! holds.
+//! holds. A later attempt's `Rejected` is reported as `Unknown` too, unless the adapter marked
+//! it [`Classified::definitive`]: a refusal of the re-send (a 400 or 422 while the first attempt
+//! is still running at the provider, which Square and PayPal do not document, or PayPal's "might
+//! fail the second") says nothing about what the first attempt did (`docs/providers.md`,
+//! "Error → outcome (cards)").
 //!
 //! Adapters for other providers can reuse [`HttpClient`]: build each attempt's request with
 //! [`HttpClient::send`] and classify the [`HttpReply`], or hold an
@@ -231,6 +235,11 @@ pub struct Classified {
     /// Whether another attempt with the same key may follow (still subject to the loop's
     /// policy and limits).
     pub retry: bool,
+    /// Whether a `Rejected` outcome is, by the provider's documentation, the answer about the
+    /// key's request itself (e.g. a payment reported under the key with a failed status), so
+    /// it stands even after an earlier attempt of the call that may have acted. `false`: such a
+    /// refusal is reported as `Unknown` after that attempt.
+    pub definitive: bool,
 }
 
 impl Classified {
@@ -242,7 +251,11 @@ impl Classified {
                 | CallOutcome::InFlight { .. }
                 | CallOutcome::Unknown { .. }
         );
-        Self { outcome, retry }
+        Self {
+            outcome,
+            retry,
+            definitive: false,
+        }
     }
 
     /// The same outcome, never retried in this call (e.g. `Stripe-Should-Retry: false`).
@@ -250,6 +263,17 @@ impl Classified {
         Self {
             outcome,
             retry: false,
+            definitive: false,
+        }
+    }
+
+    /// A refusal the provider documents as the answer about the key's request itself (a
+    /// payment under the key reported failed or cancelled): it ends the call as `Rejected`
+    /// even after an earlier attempt that may have acted.
+    pub fn definitive(outcome: CallOutcome) -> Self {
+        Self {
+            definitive: true,
+            ..Self::new(outcome)
         }
     }
 }
@@ -342,6 +366,7 @@ impl HttpClient {
                 Err(outcome) => Classified::new(outcome),
             };
             let outcome = classified.outcome;
+            let definitive = classified.definitive;
             let hint = match &outcome {
                 CallOutcome::Retryable { retry_after, .. } => Some(*retry_after),
                 // A request with this key is in progress: maybe an earlier try of this call.
@@ -361,6 +386,16 @@ impl HttpClient {
                         "an earlier attempt's outcome is unknown; the last said: {reason}"
                     ),
                 },
+                // A refusal of this attempt says nothing about an earlier one still at work.
+                CallOutcome::Rejected { response } if maybe_acted && !definitive => {
+                    CallOutcome::Unknown {
+                        reason: format!(
+                            "an earlier attempt's outcome is unknown; the last was refused with \
+                             status {}, which does not say what the earlier one did",
+                            response.status()
+                        ),
+                    }
+                }
                 other => other,
             };
             let Some(hint) = hint.filter(|_| classified.retry) else {

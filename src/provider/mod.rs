@@ -83,7 +83,9 @@ impl KeySpec {
         }
     }
 
-    /// Derives the provider key for (scope, key, operation) within this provider's limits.
+    /// Derives the provider key for (scope, key, operation) within this provider's limits: the
+    /// key of the key's first row. A row re-created after an earlier one was purged stores a key
+    /// of its own instead ([`provider_key::derive_renewed`]); read a row's key from the row.
     pub fn derive(&self, scope: &Scope, key: &IdempotencyKey, operation: &str) -> String {
         provider_key::derive(scope, key, operation, self.max_len)
     }
@@ -244,6 +246,16 @@ pub trait Provider: Debug + Send + Sync + 'static {
     async fn void_by_key(&self, provider_key: &str, request: &serde_json::Value) -> VoidOutcome {
         let _ = (provider_key, request);
         VoidOutcome::Unsupported
+    }
+
+    /// How long after a request was sent the provider may still be acting on it (a create
+    /// queued or running on its side, after the client gave up waiting). A
+    /// [`VoidOutcome::Voided`] counts as "nothing stands charged" only once the key's latest
+    /// attempt is at least this old (database clock): a void answered sooner can precede a
+    /// payment that lands after it, so the sweeper checks the key again once the window has
+    /// passed (`sweeper::decide::after_void`). Default: zero.
+    fn processing_window(&self) -> Duration {
+        Duration::ZERO
     }
 
     /// Asks the provider what happened to the request sent with `provider_key`. `attempts` says

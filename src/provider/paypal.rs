@@ -25,6 +25,10 @@
 //! | 409 (two requests with one id at once: "might fail the second")  | `InFlight`                  |
 //! | 429 (`RATE_LIMIT_REACHED`)                                       | `Retryable { retry_after }` |
 //! | 5xx, anything else, timeouts after sending                       | `Unknown`                   |
+//!
+//! After an attempt of the same call that may have acted (a 5xx, a timeout, a 409), a refusal is
+//! `Unknown`, not `Rejected`: PayPal "processes the first … might fail the second", so the
+//! second's refusal says nothing about the first, and the sweeper settles the key.
 
 use std::time::Duration;
 

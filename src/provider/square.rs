@@ -18,6 +18,11 @@
 //! | 429 (category `RATE_LIMIT_ERROR`)                                | `Retryable { retry_after }` |
 //! | `TEMPORARY_ERROR` ("safely retry … with the same key"), 5xx, timeouts | `Unknown` (re-sent with the same key) |
 //!
+//! After an attempt of the same call that may have acted (a 5xx, a timeout, a 409), only a 2xx
+//! reporting the key's payment `CANCELED` or `FAILED` still ends the call `Rejected`: Square does
+//! not document what a same-key request gets while the first is running, so a 4xx refusal then
+//! (a decline included) is `Unknown` and the sweeper settles the key.
+//!
 //! **Void by key.** Square's `CancelPaymentByIdempotencyKey` (`POST /v2/payments/cancel`) is made
 //! "when the status of a CreatePayment request is unknown": it voids the payment made with the
 //! key, and succeeds when there is none. [`Square::void_by_key`] sends it; the sweeper tries it
@@ -25,7 +30,7 @@
 //!
 //! | CancelPaymentByIdempotencyKey answers                   | [`VoidOutcome`]                       |
 //! |---------------------------------------------------------|---------------------------------------|
-//! | 200 without `errors`                                    | `Voided`: nothing stands charged; the key turns retryable |
+//! | 200 without `errors`                                    | `Voided`: nothing stands charged; the key turns retryable once the latest attempt is [`Square::processing_window`] old (sooner: checked again after it) |
 //! | 400 / 404 (the payment cannot be voided: it completed or failed) | `Refused`: look it up         |
 //! | 401, 403, 429, 5xx, transport failure                   | `Unknown`                             |
 //!
@@ -56,6 +61,11 @@ pub const PAYMENTS_PATH: &str = "/v2/payments";
 pub const CANCEL_BY_KEY_PATH: &str = "/v2/payments/cancel";
 /// The longest `idempotency_key` CreatePayment accepts.
 pub const KEY_MAX_LEN: usize = 45;
+/// How long after a CreatePayment was sent Square may still make the payment, by default: a
+/// void by key answered sooner does not make the key retryable. Square does not document how
+/// long a CreatePayment can run on its side; five minutes is well past any client timeout
+/// (`HttpConfig::total_deadline` is 165 s by default). Set it with [`Square::processing_window`].
+pub const DEFAULT_PROCESSING_WINDOW: std::time::Duration = std::time::Duration::from_secs(300);
 /// The Square API version sent in `Square-Version`.
 pub const API_VERSION: &str = "2025-01-23";
 
@@ -63,6 +73,7 @@ pub const API_VERSION: &str = "2025-01-23";
 #[derive(Debug, Clone)]
 pub struct Square {
     endpoint: Endpoint,
+    processing_window: std::time::Duration,
 }
 
 http_adapter!(Square {
@@ -70,10 +81,19 @@ http_adapter!(Square {
     key: "an access token",
     auth: Auth::Bearer,
     headers: &[("Square-Version", API_VERSION), ("Accept", "application/json")],
-    defaults: {},
+    defaults: { processing_window: DEFAULT_PROCESSING_WINDOW },
 });
 
 impl Square {
+    /// Sets how long after a CreatePayment was sent Square may still make the payment (default
+    /// [`DEFAULT_PROCESSING_WINDOW`]): a void by key confirmed sooner after the key's latest
+    /// attempt leaves the key processing, and the sweeper voids (or finds the payment) again
+    /// once the window has passed.
+    pub fn processing_window(mut self, window: std::time::Duration) -> Self {
+        self.processing_window = window;
+        self
+    }
+
     /// The body sent for `request` with `provider_key`: the request with `idempotency_key` set.
     pub fn body(provider_key: &str, request: &Value) -> Result<Value, String> {
         let Value::Object(map) = request else {
@@ -103,9 +123,10 @@ impl Square {
             200..=299 => {
                 let state = reply.json_str("/payment/status").unwrap_or_default();
                 if matches!(state.as_str(), "CANCELED" | "FAILED") {
-                    CallOutcome::Rejected {
+                    // The payment made under the key, as the provider reports it: definitive.
+                    return Classified::definitive(CallOutcome::Rejected {
                         response: reply.to_response(&[]),
-                    }
+                    });
                 } else {
                     CallOutcome::Succeeded {
                         response: reply.to_response(&[]),
@@ -197,6 +218,10 @@ impl Provider for Square {
                 Self::classify,
             )
             .await
+    }
+
+    fn processing_window(&self) -> std::time::Duration {
+        self.processing_window
     }
 
     #[tracing::instrument(name = "idemflow.provider.void_by_key", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]

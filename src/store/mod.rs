@@ -48,8 +48,15 @@ pub struct NewClaim {
     pub operation: String,
     /// The provider the operation calls, if any.
     pub provider: Option<String>,
-    /// The key to forward to the provider. Kept as first stored on reclaim and takeover.
+    /// The key to forward to the provider. Kept as first stored on reclaim and takeover, unless
+    /// a reclaim changes the provider (see [`claimable`]): then the row takes this one.
     pub provider_key: String,
+    /// The key to forward instead when the key had an earlier row, purged after its retention
+    /// (its history is kept): the provider may still hold the earlier row's key and answer
+    /// with the earlier effect, so a re-created row sends a key of its own. `None`: always
+    /// `provider_key` (an explicit key). Only a new row reads it; the row stores the key it
+    /// chose, and every later attempt sends that (`docs/design.md`, "Provider keys").
+    pub reused_provider_key: Option<String>,
     /// The request fingerprint.
     pub fingerprint: Fingerprint,
     /// The canonical request, when it is to be stored.
@@ -358,16 +365,24 @@ pub fn check_finish(token: Option<LeaseToken>, to: KeyState) -> Result<Transitio
 
 /// Whether a claim could change the existing row `r` (so a write is worth trying): a
 /// `failed{retryable}` row with the same fingerprint, or an expired processing row inside the
-/// claim's takeover window.
+/// claim's takeover window, provided the claim names the provider the row recorded. A
+/// `failed{retryable}` row on which no attempt may have acted may also be reclaimed through
+/// another provider; the reclaim then records the claim's provider and provider key, so the
+/// sweeper asks the provider that may act. A takeover never changes the provider: the earlier
+/// attempt may have acted at the recorded one (`docs/design.md`, "One provider per attempt
+/// that may have acted").
 pub fn claimable(claim: &NewClaim, r: &KeyRecord, now: DateTime<Utc>) -> bool {
     if r.fingerprint != claim.fingerprint {
         return false;
     }
+    let same_provider = r.provider == claim.provider;
     match r.state {
-        KeyState::Failed { retryable: true } => true,
+        KeyState::Failed { retryable: true } => same_provider || !r.may_have_acted,
         KeyState::Processing => match (claim.takeover_window, r.lease_expires_at) {
             (Some(window), Some(exp)) => {
-                exp <= now && r.created_at + chrono::Duration::milliseconds(millis(window)) > now
+                same_provider
+                    && exp <= now
+                    && r.created_at + chrono::Duration::milliseconds(millis(window)) > now
             }
             _ => false,
         },

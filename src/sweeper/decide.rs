@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | no provider recorded, or provider not registered | none | needs an operator (long recheck) |
 //! | provider dedupes by key, inside its window (with margin), request stored | re-drive (`call`) | see [`after_call`] |
-//! | anything else (outside the window, no keys, no documented window, request missing) | `void_by_key`, then `lookup` | see [`after_void`]: a confirmed void settles the key retryable; otherwise [`after_lookup`] (`Lookup::NeedsOperator`: needs an operator) |
+//! | anything else (outside the window, no keys, no documented window, request missing) | `void_by_key`, then `lookup` | see [`after_void`]: a void confirmed past the provider's processing window since the latest attempt settles the key retryable, one confirmed sooner defers it; otherwise [`after_lookup`] (`Lookup::NeedsOperator`: needs an operator) |
 
 use std::time::Duration;
 
@@ -246,9 +246,32 @@ pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
 /// What a void by key's answer means, before any lookup: `Some` settles or defers the key,
 /// `None` goes on to the lookup (the provider has no void by key, or refused it because a
 /// payment stands under the key). A confirmed void is the authoritative evidence that makes even
-/// a key that may have acted retryable: nothing stands charged under its provider key.
-pub fn after_void(provider: &str, void: VoidOutcome) -> Option<Decision> {
+/// a key that may have acted retryable: nothing stands charged under its provider key, provided
+/// the key's latest attempt is at least the provider's `processing_window` old
+/// (`since_last_attempt`, database clock). A void confirmed sooner may precede a payment the
+/// provider is still making (a create queued or running after the client gave up), so the key
+/// is deferred until the window has passed, and the void (or the lookup it then leads to)
+/// decides.
+pub fn after_void(
+    provider: &str,
+    void: VoidOutcome,
+    since_last_attempt: Duration,
+    processing_window: Duration,
+) -> Option<Decision> {
     match void {
+        VoidOutcome::Voided { detail } if since_last_attempt < processing_window => {
+            let left = processing_window - since_last_attempt;
+            Some(Decision::Defer {
+                reason: format!(
+                    "{provider} confirmed the void by key ({detail}), but the latest attempt was \
+                     sent {}ms ago, inside {provider}'s processing window of {}ms: a payment \
+                     still being made could land after the void; checking again after the window",
+                    since_last_attempt.as_millis(),
+                    processing_window.as_millis()
+                ),
+                retry_after: Some(left),
+            })
+        }
         VoidOutcome::Voided { detail }
             if may_become_retryable(true, RetryEvidence::ConfirmedVoid) =>
         {
@@ -259,7 +282,9 @@ pub fn after_void(provider: &str, void: VoidOutcome) -> Option<Decision> {
                     "{provider} voided the request by key: nothing charged"
                 )),
                 reason: format!(
-                    "sweeper voided the key at {provider} ({detail}); nothing stands charged, so the client's next retry runs it"
+                    "sweeper voided the key at {provider} ({detail}), past its processing window \
+                     since the latest attempt; nothing stands charged, so the client's next retry \
+                     runs it"
                 ),
             })
         }
@@ -492,12 +517,16 @@ mod tests {
 
     #[test]
     fn voids_settle_defer_or_go_on_to_the_lookup() {
+        let past = Duration::from_secs(600);
+        let window = Duration::from_secs(300);
         assert!(matches!(
             after_void(
                 "p",
                 VoidOutcome::Voided {
                     detail: "ok".into()
-                }
+                },
+                past,
+                window
             ),
             Some(Decision::Finish {
                 to: KeyState::Failed { retryable: true },
@@ -511,7 +540,9 @@ mod tests {
                 VoidOutcome::Unknown {
                     reason: "503".into(),
                     retry_after: Some(Duration::from_secs(3))
-                }
+                },
+                past,
+                window
             ),
             Some(Decision::Defer {
                 retry_after: Some(_),
@@ -523,11 +554,32 @@ mod tests {
                 "p",
                 VoidOutcome::Refused {
                     reason: "completed".into()
-                }
+                },
+                past,
+                window
             ),
             None
         );
-        assert_eq!(after_void("p", VoidOutcome::Unsupported), None);
+        assert_eq!(
+            after_void("p", VoidOutcome::Unsupported, past, window),
+            None
+        );
+        // Confirmed inside the processing window: deferred until the window has passed.
+        assert_eq!(
+            after_void(
+                "p",
+                VoidOutcome::Voided {
+                    detail: "ok".into()
+                },
+                Duration::from_secs(10),
+                window
+            )
+            .map(|d| match d {
+                Decision::Defer { retry_after, .. } => retry_after,
+                other => panic!("{other:?}"),
+            }),
+            Some(Some(Duration::from_secs(290)))
+        );
     }
 
     #[test]

@@ -589,7 +589,14 @@ impl Sweeper {
                     ),
                     retry_after: None,
                 });
-                if let Some(decision) = decide::after_void(&name, void) {
+                // The void proves nothing was charged only past the provider's processing
+                // window since the latest attempt (`now` is when the key was taken: the void
+                // was sent no earlier, so this is conservative).
+                let since_last_attempt =
+                    (now - record.last_attempt_at).to_std().unwrap_or_default();
+                if let Some(decision) =
+                    decide::after_void(&name, void, since_last_attempt, p.processing_window())
+                {
                     tracing::Span::current().record("decision", "void_by_key");
                     return self.apply(&id, &record, decision).await;
                 }

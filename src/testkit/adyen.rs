@@ -56,7 +56,7 @@ async fn payments(
             "security",
         );
     }
-    let after = match s.common.faults.next() {
+    let after = match s.common.faults.next().await {
         Some(Fault::ServerError { status }) => {
             return adyen_error(
                 status,

@@ -168,6 +168,15 @@ pub enum Fault {
     LoseResponse,
     /// Execute (and save the idempotent answer), then never answer: the client times out.
     Hang,
+    /// Hold the request this long **before** the provider records its key or does anything
+    /// (it sits in the provider's queue), then handle it normally: a void or lookup sent
+    /// meanwhile finds no trace of it yet. [`FakeSquare`] finishes the request even when its
+    /// client has stopped waiting; the other fakes stop handling a request whose connection
+    /// closed.
+    Delay {
+        /// How long the request waits.
+        before: Duration,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -210,6 +219,12 @@ impl Faults {
         self.push(Fault::Hang)
     }
 
+    /// The next effect request waits `before` before anything about it is recorded, then is
+    /// handled normally (see [`Fault::Delay`]).
+    pub fn delay_next(&self, before: Duration) -> &Self {
+        self.push(Fault::Delay { before })
+    }
+
     /// How long executing an effect takes (the key is "in flight" meanwhile, so a concurrent
     /// same-key request sees the provider's 409). Default zero.
     pub fn set_latency(&self, latency: Duration) -> &Self {
@@ -233,8 +248,17 @@ impl Faults {
         *lock(&self.inner) = FaultState::default();
     }
 
-    pub(crate) fn next(&self) -> Option<Fault> {
-        lock(&self.inner).queue.pop_front()
+    /// The next queued fault, after waiting out a [`Fault::Delay`] (which then leaves no other
+    /// fault for this request).
+    pub(crate) async fn next(&self) -> Option<Fault> {
+        let fault = lock(&self.inner).queue.pop_front();
+        match fault {
+            Some(Fault::Delay { before }) => {
+                tokio::time::sleep(before).await;
+                None
+            }
+            other => other,
+        }
     }
 
     pub(crate) fn latency(&self) -> Duration {

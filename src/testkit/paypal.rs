@@ -72,7 +72,7 @@ async fn create(
             "Authentication failed due to invalid authentication credentials or a missing Authorization header.",
         );
     }
-    let after = match s.common.faults.next() {
+    let after = match s.common.faults.next().await {
         Some(Fault::ServerError { status }) => {
             return paypal_error(
                 status,

@@ -52,7 +52,7 @@ async fn send(
     if !authorized(&headers) {
         return pm_error(401, 10, "Request does not contain a valid Server token.");
     }
-    let after = match s.common.faults.next() {
+    let after = match s.common.faults.next().await {
         Some(Fault::ServerError { status }) => {
             return pm_error(status, 0, "injected server error (nothing sent)");
         }

@@ -59,7 +59,7 @@ async fn send(
         }
         Some(_) => {}
     }
-    let after = match s.common.faults.next() {
+    let after = match s.common.faults.next().await {
         Some(Fault::ServerError { status }) => {
             return resend_error(
                 status,

@@ -73,15 +73,28 @@ fn payment_response(payment: &Value) -> Response {
     json_response(200, &json!({ "payment": payment }), &[])
 }
 
+/// CreatePayment, handled to its end in a task of its own: a request Square received is
+/// processed even when its client stops waiting (a timeout during a [`Fault::Delay`] included).
 async fn create(
     State(s): State<Arc<Shared<SquareState>>>,
     Extension(kill): Extension<KillSwitch>,
+    received: Received,
+) -> Response {
+    match tokio::spawn(create_to_the_end(s, kill, received)).await {
+        Ok(response) => response,
+        Err(_) => square_error(500, "API_ERROR", "INTERNAL_SERVER_ERROR", "fake failed"),
+    }
+}
+
+async fn create_to_the_end(
+    s: Arc<Shared<SquareState>>,
+    kill: KillSwitch,
     Received { headers, body, .. }: Received,
 ) -> Response {
     if let Some(r) = unauthorized(&headers) {
         return r;
     }
-    let after = match s.common.faults.next() {
+    let after = match s.common.faults.next().await {
         Some(Fault::ServerError { status }) => {
             return square_error(
                 status,

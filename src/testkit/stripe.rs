@@ -60,7 +60,7 @@ async fn create(
             json!({"type": "invalid_request_error", "message": "Invalid API Key provided"}),
         );
     }
-    let after = match s.common.faults.next() {
+    let after = match s.common.faults.next().await {
         Some(Fault::ServerError { status }) => {
             return stripe_error(
                 status,

@@ -373,6 +373,7 @@ impl Context {
             fingerprint: step.fingerprint,
             provider: step.provider,
             provider_key: None,
+            key_max_len: crate::provider_key::DEFAULT_LEN,
             step: Some(of),
         }
     }

@@ -171,19 +171,21 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
     let app_rows = D::count(&store, "SELECT COUNT(*) FROM _sqlx_migrations").await;
     let ours = D::strings(&store, "SELECT description FROM _idemflow_migrations").await;
     assert_eq!(app_rows, 1);
-    // Then each backend's issue-12 migrations.
+    // Then each backend's own migrations.
     let expected: &[&str] = if D::BACKEND == "postgres" {
         &[
             "idempotency keys",
             "attempt history",
             "claim function",
             "lean writes",
+            "claim provider rule",
         ]
     } else {
         &[
             "idempotency keys",
             "attempt history",
             "claim and finish procedures",
+            "claim provider rule",
         ]
     };
     assert_eq!(ours, expected);

@@ -153,6 +153,9 @@ impl Shared {
         how: &str,
     ) {
         let generation = self.generation(label);
+        // A key re-created after a purge sends a provider key of its own
+        // (`provider_key::derive_renewed`): learnt here, from the lease that carries it.
+        self.labels.insert(pk.to_owned(), label.to_owned());
         let me = current_actor();
         if let (Some(a), Some(exp)) = (me, expires) {
             self.holding.insert((a, label.to_owned()), (token, exp));
@@ -243,10 +246,11 @@ impl Shared {
     }
 
     /// The effects on `pk` in generation `generation`.
-    pub fn effects(&self, pk: &str, generation: u32) -> Vec<&Effect> {
+    /// The effects made for a key's `generation` (under whichever provider key it sent).
+    pub fn effects(&self, label: &str, generation: u32) -> Vec<&Effect> {
         self.ledger
             .iter()
-            .filter(|e| e.provider_key == pk && e.generation == generation)
+            .filter(|e| e.label == label && e.generation == generation)
             .collect()
     }
 }

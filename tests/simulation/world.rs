@@ -488,11 +488,11 @@ impl World {
             let (generation, effects, any) = {
                 let sh = self.shared.lock().unwrap();
                 let g = sh.generation(&key.label);
-                let eff: Vec<_> = sh.effects(&key.pk, g).into_iter().cloned().collect();
+                let eff: Vec<_> = sh.effects(&key.label, g).into_iter().cloned().collect();
                 let any: Vec<_> = sh
                     .ledger
                     .iter()
-                    .filter(|e| e.provider_key == key.pk)
+                    .filter(|e| e.label == key.label)
                     .cloned()
                     .collect();
                 (g, eff, any)
@@ -654,7 +654,7 @@ impl World {
                 .shared
                 .lock()
                 .unwrap()
-                .effects(&key.pk, generation)
+                .effects(&key.label, generation)
                 .is_empty();
             if acted && !decided(rec.state) {
                 self.report(
@@ -695,7 +695,11 @@ async fn client(
                 .body_json::<serde_json::Value>()
                 .ok()
                 .and_then(|v| v.get("pk").and_then(|p| p.as_str().map(str::to_owned)));
-            if pk.as_deref() != Some(key.pk.as_str()) {
+            // The first row's provider key, or the one a re-created row sent.
+            let ours = pk
+                .as_deref()
+                .is_some_and(|pk| pk == key.pk || sh.labels.get(pk) == Some(&key.label));
+            if !ours {
                 sh.violate(
                     Check::ScopesIsolated,
                     &key.label,
@@ -859,7 +863,9 @@ async fn operator(store: Arc<dyn Store>, key: KeyDef, shared: SharedRef) -> Stri
     let seen = {
         let sh = shared.lock().unwrap();
         let g = sh.generation(&key.label);
-        sh.effects(&key.pk, g).first().map(|e| e.response.clone())
+        sh.effects(&key.label, g)
+            .first()
+            .map(|e| e.response.clone())
     };
     let (to, response) = match seen {
         Some(r) if r.status() < 300 => (KeyState::Done, Some(r)),

@@ -214,6 +214,7 @@ impl MySqlStore {
                 .bind(millis(claim.retention))
                 .bind(claim.takeover_window.map(micros))
                 .bind(nonce)
+                .bind(claim.reused_provider_key.as_deref())
                 // All of it: the procedure's result set, then its status.
                 .fetch_all(&self.pool)
                 .await;

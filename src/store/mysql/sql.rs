@@ -28,18 +28,19 @@ pub(super) const GET: &str = concat!(
 );
 
 /// The claim, one round trip: a call of the `idempotency_keys_claim` procedure (migration
-/// `20261130200001_claim_and_finish_procedures.sql`). It reads the row and returns it untouched
+/// `20261201220001_claim_provider_rule.sql`, first in `20261130200001`). It reads the row and returns it untouched
 /// when it is present and not claimable (a replay writes nothing); otherwise it runs the
 /// `INSERT .. ON DUPLICATE KEY UPDATE` that decides atomically and returns the row read back.
 /// The claimer won when the returned `claim_nonce` is its own nonce. No row: purged between the
 /// write and the read-back. Parameters: scope, key, operation, provider, provider key,
-/// fingerprint, request, owner, lease µs, retention ms, takeover window µs or NULL, nonce.
-pub(super) const CLAIM: &str = "CALL idempotency_keys_claim(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
+/// fingerprint, request, owner, lease µs, retention ms, takeover window µs or NULL, nonce, the
+/// provider key of a re-created key or NULL.
+pub(super) const CLAIM: &str = "CALL idempotency_keys_claim(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
 
 /// The claim procedure's source, for the test that checks its reason spellings.
 #[cfg(test)]
 const CLAIM_PROCEDURE: &str =
-    include_str!("../../../migrations/mysql/20261130200001_claim_and_finish_procedures.sql");
+    include_str!("../../../migrations/mysql/20261201220001_claim_provider_rule.sql");
 
 /// The finish, one round trip: the fenced `UPDATE` and the read of the row it wrote, in one
 /// transaction inside the `idempotency_keys_finish` procedure. No row: the fence refused it and

@@ -212,6 +212,7 @@ impl Store for PostgresStore {
                 .bind(ms(claim.lease))
                 .bind(ms(claim.retention))
                 .bind(claim.takeover_window.map(ms))
+                .bind(claim.reused_provider_key.as_deref())
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(|e| self.err(e))?;

@@ -26,15 +26,17 @@ pub(super) const GET: &str = concat!(
     " AS db_now FROM idempotency_keys WHERE scope = $1 AND key = $2"
 );
 
-/// The claimable rule, on the row's columns (parameters: `$6` fingerprint, `$11` takeover
-/// window in ms or NULL); the same rule as the `ON CONFLICT .. DO UPDATE .. WHERE` of
+/// The claimable rule, on the row's columns (parameters: `$4` provider, `$6` fingerprint, `$11`
+/// takeover window in ms or NULL); the same rule as the `ON CONFLICT .. DO UPDATE .. WHERE` of
 /// `idempotency_keys_claim_write`.
 macro_rules! replay {
     () => {
         concat!(
             "scope = $1::text AND key = $2::text \
-             AND NOT COALESCE(fingerprint = $6::text AND ((state = 'failed' AND retryable) \
-               OR ($11::bigint IS NOT NULL AND state = 'processing' AND lease_expires_at <= ",
+             AND NOT COALESCE(fingerprint = $6::text AND ((state = 'failed' AND retryable \
+                 AND (provider IS NOT DISTINCT FROM $4::text OR NOT may_have_acted)) \
+               OR ($11::bigint IS NOT NULL AND state = 'processing' \
+                 AND provider IS NOT DISTINCT FROM $4::text AND lease_expires_at <= ",
             now!(),
             " AND created_at > ",
             now!(),
@@ -66,7 +68,8 @@ pub(super) const CLAIM: &str = concat!(
     replay!(),
     " UNION ALL \
      SELECT (c).* FROM (SELECT idempotency_keys_claim_write($1::text, $2::text, $3::text, \
-       $4::text, $5::text, $6::text, $7::text, $8::text, $9::bigint, $10::bigint, $11::bigint) \
+       $4::text, $5::text, $6::text, $7::text, $8::text, $9::bigint, $10::bigint, $11::bigint, \
+       $12::text) \
        AS c WHERE NOT EXISTS (SELECT 1 FROM idempotency_keys WHERE ",
     replay!(),
     ") OFFSET 0) w WHERE (c).claimed IS NOT NULL"
@@ -74,9 +77,10 @@ pub(super) const CLAIM: &str = concat!(
 
 /// The claim functions' sources, for the test that checks their reason spellings.
 #[cfg(test)]
-const CLAIM_FUNCTIONS: [&str; 2] = [
+const CLAIM_FUNCTIONS: [&str; 3] = [
     include_str!("../../../migrations/postgres/20261130180001_claim_function.sql"),
     include_str!("../../../migrations/postgres/20261130200001_lean_writes.sql"),
+    include_str!("../../../migrations/postgres/20261201220001_claim_provider_rule.sql"),
 ];
 
 pub(super) const FINISH: &str = concat!(

@@ -4,7 +4,10 @@
 -- KEYS: record, bucket index.
 -- ARGV[5..]: member, operation, provider?, provider_key, fingerprint, request?, owner, lease_ms,
 -- retention_ms, window_ms?, then the history reasons of a claim, a reclaim and a takeover (from
--- `Transition::CLAIM_REASONS`; the reply returns the one recorded, the Rust side parses it back).
+-- `Transition::CLAIM_REASONS`; the reply returns the one recorded, the Rust side parses it back),
+-- then reused_provider_key? (the key a re-created key sends: a tombstone shows an earlier life).
+-- A takeover needs the recorded provider; a reclaim through another provider needs a key on
+-- which no attempt may have acted, and records the new provider and key (`claimable()`).
 -- A new key costs 4 commands: TIME, GET, SET, ZADD.
 local k, idx = KEYS[1], KEYS[2]
 local m = ARGV[5]
@@ -14,6 +17,7 @@ local lease, retention = tonumber(ARGV[12]), tonumber(ARGV[13])
 local window = opt(ARGV[14])
 if window then window = tonumber(window) end
 local CLAIMED, RECLAIMED, TAKEN_OVER = ARGV[15], ARGV[16], ARGV[17]
+local reused_pk = opt(ARGV[18])
 
 local us, now = clock()
 local raw = redis.call('GET', k)
@@ -26,6 +30,8 @@ if not r or not r[F_ST] then
   if r then
     hs, hist = r[F_HS], r[F_HIST]
     if r[F_TOK] >= tok then tok = r[F_TOK] + 1 end
+    -- An earlier life of this key: its provider may still hold the earlier provider key.
+    if reused_pk then pk = reused_pk end
   end
   local lex = now + lease
   local n = {0, tok, hs, hist, op, provider or false, pk, fp, request or false,
@@ -38,10 +44,12 @@ end
 
 local code = r[F_ST]
 local reason = nil
+local same_provider = (r[F_PROV] or false) == (provider or false)
 if r[F_FP] == fp then
-  if code == 2 then
+  if code == 2 and (same_provider or not r[F_MHA]) then
     reason = RECLAIMED
-  elseif code == 0 and window and r[F_LEX] <= now and r[F_CAT] > now - window then
+  elseif code == 0 and same_provider and window and r[F_LEX] <= now
+      and r[F_CAT] > now - window then
     reason = TAKEN_OVER
   end
 end
@@ -59,6 +67,10 @@ if code == 2 then mha = r[F_MHA] end
 r[F_ST], r[F_TOK], r[F_ATT], r[F_OWN], r[F_LEX] = 0, tok, att, owner, lex
 r[F_UAT], r[F_RET], r[F_LAT], r[F_MHA] = now, retention, now, mha
 if request then r[F_REQ] = request end
+if code == 2 and not same_provider then
+  -- Nothing may have acted at the recorded provider: the one that may act now is recorded.
+  r[F_PROV], r[F_PK] = provider or false, reused_pk or pk
+end
 r[F_EXP], r[F_NCA], r[F_ERR], r[F_RS], r[F_RH], r[F_RB] = false, false, false, false, false, false
 record_event(r, code, 0, tok, 'worker', reason, now)
 -- A plain SET: no native expiry while processing.

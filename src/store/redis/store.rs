@@ -469,6 +469,7 @@ impl Store for RedisStore {
         for t in CLAIMS {
             inv.arg(t.claim_reason().unwrap_or_default());
         }
+        inv.arg(opt(claim.reused_provider_key.as_deref().map(str::as_bytes)));
         let reply = array(self.invoke(&inv).await?)?;
         self.known.insert(fnv1a(&m));
         match text(reply.first()).as_deref() {

@@ -380,6 +380,7 @@ async fn claim_on(
             .bind(millis(claim.lease))
             .bind(millis(claim.retention))
             .bind(claim.takeover_window.map(millis))
+            .bind(claim.reused_provider_key.as_deref())
             .fetch_optional(&mut *conn)
             .await
             .map_err(db)?;

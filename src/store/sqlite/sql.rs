@@ -48,7 +48,9 @@ pub(super) const CLAIM: &str = concat!(
        fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, created_at, \
        updated_at, retention_ms, version, last_actor, last_reason, last_attempt_at, \
        may_have_acted) \
-     VALUES (?1, ?2, ?3, ?4, ?5, 'processing', 0, ?6, ?7, ",
+     VALUES (?1, ?2, ?3, ?4, \
+       CASE WHEN ?12 IS NOT NULL AND EXISTS (SELECT 1 FROM idempotency_key_events \
+         WHERE scope = ?1 AND key = ?2) THEN ?12 ELSE ?5 END, 'processing', 0, ?6, ?7, ",
     now_us!(),
     ", ?8, ",
     now!(),
@@ -62,6 +64,11 @@ pub(super) const CLAIM: &str = concat!(
      ON CONFLICT (scope, key) DO UPDATE SET \
        state = 'processing', retryable = 0, \
        request = COALESCE(excluded.request, idempotency_keys.request), \
+       provider_key = CASE WHEN idempotency_keys.state = 'failed' \
+         AND idempotency_keys.provider IS NOT excluded.provider \
+         THEN excluded.provider_key ELSE idempotency_keys.provider_key END, \
+       provider = CASE WHEN idempotency_keys.state = 'failed' \
+         THEN excluded.provider ELSE idempotency_keys.provider END, \
        lease_token = idempotency_keys.lease_token + 1, lease_owner = excluded.lease_owner, \
        lease_expires_at = excluded.lease_expires_at, attempts = idempotency_keys.attempts + 1, \
        updated_at = excluded.updated_at, expires_at = NULL, next_check_at = NULL, error = NULL, \
@@ -73,8 +80,11 @@ pub(super) const CLAIM: &str = concat!(
        last_reason = CASE WHEN idempotency_keys.state = 'failed' \
          THEN 'reclaimed after a retryable failure' ELSE 'retry took over an expired lease' END \
      WHERE idempotency_keys.fingerprint = excluded.fingerprint AND ( \
-       (idempotency_keys.state = 'failed' AND idempotency_keys.retryable = 1) \
+       (idempotency_keys.state = 'failed' AND idempotency_keys.retryable = 1 \
+         AND (idempotency_keys.provider IS excluded.provider \
+           OR idempotency_keys.may_have_acted = 0)) \
        OR (?11 IS NOT NULL AND idempotency_keys.state = 'processing' \
+           AND idempotency_keys.provider IS excluded.provider \
            AND idempotency_keys.lease_expires_at <= excluded.updated_at \
            AND idempotency_keys.created_at > excluded.updated_at - ?11)) \
      RETURNING lease_token, lease_expires_at, attempts, provider_key, may_have_acted, last_reason, \
