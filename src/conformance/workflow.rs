@@ -16,7 +16,7 @@ use crate::{
 };
 
 use super::fake::FakeProvider;
-use super::sweeper::{cut_when, row, wait_stale, worker};
+use super::sweeper::{FaultyStore, LEASE, cut_when, live_worker, row, wait_stale, worker};
 use super::unique;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
@@ -435,7 +435,9 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     let cards = FakeProvider::keyed("cards", DAY);
     let mail = FakeProvider::keyed("mail", DAY);
     let scope = unique("wf-resume");
-    let idem = worker(&store);
+    // Every attempt here must complete (the first one loses its step's answer and releases the
+    // keys: they are stale at once), so none may lose its lease to a slow store.
+    let idem = live_worker(&store);
     let op = {
         let (cards, mail) = (cards.clone(), mail.clone());
         move |ctx: crate::Context| {
@@ -472,8 +474,10 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
         &store,
         Providers::new().with(cards.clone()).with(mail.clone()),
     );
+    // Until it is reported (a key re-leased by a late renewal is simply waited for).
     let mut waiting = 0;
-    for _ in 0..5 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
         let report = cli.run_once().await.unwrap();
         waiting += report.waiting_for_resumer;
         if report
@@ -483,6 +487,11 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
         {
             break;
         }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never reported waiting: {report:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(waiting, 1, "the workflow is reported waiting for a resumer");
     assert!(is_waiting_for_resumer(&store, &id).await, "and counted so");
@@ -490,21 +499,31 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     assert_eq!(row(&store, &id).await.state, KeyState::Processing);
     assert_eq!(cards.effects().len(), 1, "the re-drive was deduplicated");
 
-    // The application's sweeper, with a resumer, finishes it: no client retry.
+    // The application's sweeper, with a resumer, finishes it: no client retry. Its store
+    // answers every claim after more than the crashed worker's short lease, as a loaded machine
+    // or database may: the resumer's step must still be sent, once.
+    let slow: Arc<dyn Store> =
+        Arc::new(FaultyStore::new(store.clone()).answer_claims_late(LEASE + Duration::from_millis(200)));
     let app = sweeper_with(
         &store,
         Providers::new().with(cards.clone()).with(mail.clone()),
     )
-    .resumer("checkout", idem.clone(), op.clone());
+    .resumer("checkout", live_worker(&slow), op.clone());
     let mut resumed = 0;
-    for _ in 0..5 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
         let report = app.run_once().await.unwrap();
         resumed += report.resumed;
         if row(&store, &id).await.state == KeyState::Done {
             break;
         }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never finished (resumed {resumed} times): {report:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(resumed, 1);
+    assert_eq!(resumed, 1, "the workflow is resumed once");
     let r = row(&store, &id).await;
     assert_eq!(r.state, KeyState::Done);
     assert!(!is_waiting_for_resumer(&store, &id).await);
