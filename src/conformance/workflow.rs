@@ -588,3 +588,63 @@ pub async fn keyless_steps_are_never_taken_over(store: Arc<dyn Store>) {
         KeyState::Processing
     );
 }
+
+/// The workflow's cut-off (no step may start once a step's record may be purged) follows the
+/// retention stored with the workflow and its steps, not the executor's current one: after a
+/// deploy that raised the retention, neither a late client retry nor a sweeper's resumer runs
+/// again a step whose record was purged under the old retention.
+pub async fn cut_off_follows_the_stored_retention(store: Arc<dyn Store>) {
+    const OLD: Duration = Duration::from_millis(1500);
+    let scope = unique("wf-cutoff");
+    let charges = Arc::new(AtomicU32::new(0));
+    let op = {
+        let charges = charges.clone();
+        move |ctx: crate::Context| {
+            let charges = charges.clone();
+            async move {
+                let charge = ctx
+                    .step(
+                        step("charge"),
+                        counted(&charges, |n| ok(serde_json::json!({"charge": n}))),
+                    )
+                    .await;
+                match charge {
+                    Ok(_) => Outcome::unknown("the process died after the charge"),
+                    Err(e) => Outcome::from_step_error(&e),
+                }
+            }
+        }
+    };
+    // Deployed with a short retention: each workflow charges, then its outcome is lost.
+    let before = worker(&store).retention(OLD);
+    for key in ["o1", "o2"] {
+        let first = before.execute(checkout(&scope, key), op.clone()).await;
+        assert!(
+            matches!(first, Err(Error::OutcomeUnknown { .. })),
+            "{first:?}"
+        );
+    }
+    assert_eq!(charges.load(Ordering::SeqCst), 2);
+    // The charges' records expire under the old retention and are purged.
+    tokio::time::sleep(OLD + Duration::from_millis(300)).await;
+    store.purge_expired(1000).await.unwrap();
+    let o1 = checkout(&scope, "o1").id().clone();
+    assert!(store.get(&step_key(&o1, 0)).await.unwrap().is_none());
+
+    // Redeployed with a day's retention.
+    let after = worker(&store).retention(DAY);
+    let retry = after.execute(checkout(&scope, "o1"), op.clone()).await;
+    assert!(retry.is_err(), "{retry:?}");
+    assert_eq!(
+        charges.load(Ordering::SeqCst),
+        2,
+        "a retry re-ran a purged step: {retry:?}"
+    );
+    let app = sweeper_with(&store, Providers::new()).resumer("checkout", after, op.clone());
+    let report = app.run_once().await.unwrap();
+    assert_eq!(
+        charges.load(Ordering::SeqCst),
+        2,
+        "a resumer re-ran a purged step: {report:?}"
+    );
+}

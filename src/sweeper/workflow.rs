@@ -46,10 +46,11 @@ impl Sweeper {
             );
             return self.wait_for_resumer(id, &record, reason).await;
         };
-        // The same bound the executor keeps (`Idempotency::takeover_window`): past it, a step's
-        // record may be purged and resuming could run it again.
+        // The same bound the executor keeps (`workflow::step_window`): past it, a step's
+        // record may be purged and resuming could run it again. It follows the retention stored
+        // with the workflow and its steps, not the executor's current one.
         let cfg = executor.config();
-        let window = cfg.retention.saturating_sub(cfg.lease);
+        let window = crate::workflow::step_window(&*self.store, &record, &steps, cfg.lease).await?;
         let closes = chrono::Duration::from_std(window)
             .ok()
             .and_then(|w| record.created_at.checked_add_signed(w));
@@ -57,7 +58,7 @@ impl Sweeper {
             tracing::Span::current().record("decision", "needs_operator");
             let e = Error::WorkflowExpired {
                 key: id.to_string(),
-                retention: cfg.retention,
+                retention: crate::workflow::stored_retention(&record),
             };
             let decision = Decision::NeedsOperator {
                 reason: e.to_string(),
