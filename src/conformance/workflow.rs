@@ -502,8 +502,9 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     // The application's sweeper, with a resumer, finishes it: no client retry. Its store
     // answers every claim after more than the crashed worker's short lease, as a loaded machine
     // or database may: the resumer's step must still be sent, once.
-    let slow: Arc<dyn Store> =
-        Arc::new(FaultyStore::new(store.clone()).answer_claims_late(LEASE + Duration::from_millis(200)));
+    let slow: Arc<dyn Store> = Arc::new(
+        FaultyStore::new(store.clone()).answer_claims_late(LEASE + Duration::from_millis(200)),
+    );
     let app = sweeper_with(
         &store,
         Providers::new().with(cards.clone()).with(mail.clone()),

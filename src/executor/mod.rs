@@ -358,12 +358,11 @@ impl Idempotency {
             // No step may start once its records may be purged: judged by the retention stored
             // with the workflow and its finished steps (`workflow::step_window`), which a key
             // claimed now has from this executor. A deadline too far to represent is none.
-            let (steps_window, retention) = if lease.transition == crate::state::Transition::Claim
-            {
+            let (steps_window, retention) = if lease.transition == crate::state::Transition::Claim {
                 (window, cfg.retention)
             } else {
-                let (w, r) = crate::workflow::stored_step_window(&*self.store, &id, cfg.lease)
-                    .await?;
+                let (w, r) =
+                    crate::workflow::stored_step_window(&*self.store, &id, cfg.lease).await?;
                 (Some(w), r)
             };
             let far = asked + Duration::from_secs(100 * 366 * 24 * 3600);

@@ -503,7 +503,9 @@ async fn store_connection_id(store: &RedisStore, host: &str, port: u16) -> i64 {
         host: host.to_owned(),
         port,
     });
-    let id = con.route_command(redis::cmd("CLIENT").arg("ID").clone(), to).await;
+    let id = con
+        .route_command(redis::cmd("CLIENT").arg("ID").clone(), to)
+        .await;
     redis::FromRedisValue::from_redis_value(id.unwrap()).unwrap()
 }
 

@@ -111,7 +111,10 @@ async fn killed_sweeper_strands_nothing(name: &str, spec: StoreSpec) {
                 Outcome::unknown("the worker lost Stripe's answer")
             })
             .await;
-        assert!(matches!(lost, Err(Error::OutcomeUnknown { .. })), "{lost:?}");
+        assert!(
+            matches!(lost, Err(Error::OutcomeUnknown { .. })),
+            "{lost:?}"
+        );
     }
     let ids: Vec<_> = (0..KEYS).map(|i| payment(&scope, i).id().clone()).collect();
     // The child's first re-drive charges and never gets an answer.
