@@ -655,7 +655,8 @@ pub async fn search_lag_counts_from_the_latest_attempt(store: Arc<dyn Store>) {
 pub async fn retryable_after_an_attempt_that_may_have_acted_is_unknown(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", DAY);
     let scope = unique("acted-then-429");
-    let idem = worker(&store).retry_takeover_window(Some(DAY));
+    // Both attempts must reach the provider and release the key: a live lease.
+    let idem = live_worker(&store).retry_takeover_window(Some(DAY));
     let req = as_call(pay(&scope, "k1", 700), &cards);
     cards.lose_next(1);
     let first = idem.call(pay(&scope, "k1", 700), &*cards).await;

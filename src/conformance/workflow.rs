@@ -551,7 +551,8 @@ async fn is_waiting_for_resumer(store: &Arc<dyn Store>, id: &crate::KeyId) -> bo
 pub async fn keyless_steps_are_never_taken_over(store: Arc<dyn Store>) {
     let mail = FakeProvider::no_keys("mail");
     let scope = unique("wf-takeover");
-    let idem = worker(&store).retry_takeover_window(Some(Duration::from_secs(60)));
+    // Every attempt must reach the provider (each releases its keys): a live lease.
+    let idem = live_worker(&store).retry_takeover_window(Some(Duration::from_secs(60)));
     let op = {
         let mail = mail.clone();
         move |ctx: crate::Context| {
