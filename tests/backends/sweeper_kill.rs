@@ -1,9 +1,11 @@
 //! A sweeper killed mid-batch strands nothing, on every backend: a child process (this test
-//! binary, re-run as [`child_sweeps_until_killed`]) takes a batch of stale payment keys with the
-//! sweeper's default settings and re-drives the first one to the testkit's fake Stripe, which
-//! charges and never answers. While the child is inside that call, every key of its batch is
-//! held under its lease; the test then kills it with SIGKILL, as a crash, a deploy or the OOM
-//! killer would. A second sweeper (default settings, a sweep every 500 ms) must give every key of
+//! binary, re-run as [`child_sweeps_until_killed`]) takes a batch of stale keys with the
+//! sweeper's default settings: eight payments whose answers were lost, and a checkout workflow
+//! whose charge happened and whose receipt did not (the child has its resumer). The first call
+//! it makes to the testkit's fake Stripe (a payment's re-drive, or the resumed workflow's
+//! receipt, in whatever order the store returned the batch) acts and never answers. While the
+//! child is inside that call, every key of its batch is held under its lease; the test then
+//! kills it with SIGKILL, as a crash, a deploy or the OOM killer would. A second sweeper (default settings, a sweep every 500 ms) must give every key of
 //! the dead sweeper's batch its final answer within [`BOUND`] of the kill, with one charge per key
 //! in the fake's ledger (`docs/reliability.md`, "A sweeper that dies").
 
@@ -14,7 +16,8 @@ use std::time::Duration;
 use idemflow::provider::Stripe;
 use idemflow::testkit::FakeStripe;
 use idemflow::{
-    Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Store, Sweeper,
+    Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Step, Store,
+    StoredResponse, Sweeper,
 };
 use serde_json::json;
 use tokio::time::Instant;
@@ -71,6 +74,50 @@ fn payment(scope: &str, i: u64) -> IdempotentRequest {
     .with_provider("stripe")
 }
 
+/// A checkout workflow: the charge (through Stripe), then the receipt (local). `die` makes it
+/// stop after the charge with an unknown outcome, as a process that died between the two.
+fn checkout(scope: &str) -> IdempotentRequest {
+    IdempotentRequest::new(scope, "order-1", "checkout", &json!({"order": 1}))
+        .unwrap()
+        .workflow()
+}
+
+type Checkout = Arc<dyn Fn(Context) -> BoxedOutcome + Send + Sync>;
+type BoxedOutcome = std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>;
+
+fn checkout_op(fake_url: &str, die: bool) -> Checkout {
+    let stripe = stripe(fake_url);
+    Arc::new(move |ctx: Context| {
+        let stripe = stripe.clone();
+        Box::pin(async move {
+            let body = json!({"amount": 5000, "currency": "usd", "payment_method": "pm_card_visa"});
+            let charge = Step::new("charge", &body).unwrap();
+            if let Err(e) = ctx.call_step(charge, &*stripe).await {
+                return Outcome::from_step_error(&e);
+            }
+            if die {
+                return Outcome::unknown("the process died between the charge and the receipt");
+            }
+            // The receipt goes out through the fake too, so that whichever the child sweeper
+            // handles first, a payment's re-drive or this workflow's resume, hangs there.
+            let body = json!({"amount": 1, "currency": "usd", "payment_method": "pm_card_visa"});
+            let receipt = Step::new("receipt", &body).unwrap();
+            match ctx.call_step(receipt, &*stripe).await {
+                Ok(_) => Outcome::Succeeded(StoredResponse::new(201)),
+                Err(e) => Outcome::from_step_error(&e),
+            }
+        })
+    })
+}
+
+/// A sweeper over `store` with default settings that resumes checkouts.
+fn sweeper(store: Arc<dyn Store>, fake_url: &str, owner: &str) -> Sweeper {
+    let op = checkout_op(fake_url, false);
+    Sweeper::new(store.clone(), Providers::new().with(stripe(fake_url)))
+        .owner(owner)
+        .resumer("checkout", Idempotency::new(store), move |ctx| op(ctx))
+}
+
 /// The child of the tests below: one sweep with default settings over the store named by
 /// [`CHILD_STORE`], against the fake Stripe at [`CHILD_STRIPE`]; the test kills it mid-sweep.
 /// Run alone (no variables) it has nothing to sweep and says so.
@@ -88,12 +135,22 @@ fn child_sweeps_until_killed() {
         .unwrap();
     rt.block_on(async move {
         let store = StoreSpec(spec).open().await;
-        let sweeper = Sweeper::new(store, Providers::new().with(stripe(&fake))).owner(DOOMED);
+        let sweeper = sweeper(store, &fake, DOOMED);
         // The test kills this process while the first re-drive hangs; a sweep that ends on its
         // own (the adapter gave up first) is reported to the test by the exit status.
         let report = sweeper.run_once().await;
         eprintln!("child sweep ended before the kill: {report:?}");
     });
+}
+
+/// Kills the child if the test fails before it does.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// The test: keys left by a worker that lost Stripe's answers, a child sweeper killed inside
@@ -116,10 +173,24 @@ async fn killed_sweeper_strands_nothing(name: &str, spec: StoreSpec) {
             "{lost:?}"
         );
     }
-    let ids: Vec<_> = (0..KEYS).map(|i| payment(&scope, i).id().clone()).collect();
+    // Then a checkout whose charge happened and whose receipt did not: the workflow waits for
+    // a resumer (a sweeper that has one).
+    let lost = idem
+        .execute(checkout(&scope), {
+            let op = checkout_op(fake.base_url(), true);
+            move |ctx| op(ctx)
+        })
+        .await;
+    assert!(
+        matches!(lost, Err(Error::OutcomeUnknown { .. })),
+        "{lost:?}"
+    );
+    assert_eq!(fake.ledger().len(), 1, "the checkout's charge");
+    let mut ids: Vec<_> = (0..KEYS).map(|i| payment(&scope, i).id().clone()).collect();
+    ids.push(checkout(&scope).id().clone());
     // The child's first re-drive charges and never gets an answer.
     fake.faults().hang_next_response();
-    let mut child = Command::new(std::env::current_exe().unwrap())
+    let child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
             "sweeper_kill::child_sweeps_until_killed",
@@ -133,9 +204,17 @@ async fn killed_sweeper_strands_nothing(name: &str, spec: StoreSpec) {
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
+    let mut child = KillOnDrop(child);
+    let child = &mut child.0;
     // Inside the provider call: the fake has the first re-drive.
     let asked = Instant::now();
-    while fake.requests().iter().all(|r| r.method != "POST") {
+    while fake
+        .requests()
+        .iter()
+        .filter(|r| r.method == "POST")
+        .count()
+        < 2
+    {
         if let Some(status) = child.try_wait().unwrap() {
             panic!("[{name}] the child sweeper exited ({status}) before its re-drive");
         }
@@ -158,11 +237,7 @@ async fn killed_sweeper_strands_nothing(name: &str, spec: StoreSpec) {
     let killed = Instant::now();
     assert!(!status.success(), "[{name}] the child was killed: {status}");
 
-    let rescuer = Sweeper::new(
-        store.clone(),
-        Providers::new().with(stripe(fake.base_url())),
-    )
-    .owner("rescuer");
+    let rescuer = sweeper(store.clone(), fake.base_url(), "rescuer");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(async move {
         rescuer
@@ -190,12 +265,25 @@ async fn killed_sweeper_strands_nothing(name: &str, spec: StoreSpec) {
             "[{name}] {id}: {} after {at:?} (owner {:?})",
             r.state, r.lease_owner
         );
+        // A workflow acts through its steps: the charge and the receipt.
+        let mut acted = vec![r.provider_key.clone()];
+        if r.provider.as_deref() == Some(idemflow::workflow::WORKFLOW_PROVIDER) {
+            acted.clear();
+            for position in 0..2 {
+                let step = idemflow::workflow::step_key(id, position);
+                acted.push(store.get(&step).await.unwrap().unwrap().provider_key);
+            }
+        }
         match at {
-            Some(_) => assert_eq!(
-                fake.ledger().count_for_key(&r.provider_key),
-                1,
-                "[{name}] {id}: one charge"
-            ),
+            Some(_) => {
+                for key in &acted {
+                    assert_eq!(
+                        fake.ledger().count_for_key(key),
+                        1,
+                        "[{name}] {id}: one effect for {key}"
+                    );
+                }
+            }
             None => missing.push(format!(
                 "{id}: {} (lease owner {:?}, expires {:?})",
                 r.state, r.lease_owner, r.lease_expires_at
