@@ -821,7 +821,8 @@ pub async fn run_loop_sweeps_until_shutdown(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", DAY);
     cards.lose_next(1);
     let scope = unique("loop");
-    let idem = worker(&store);
+    // Both calls must reach the provider (each releases its key when the answer is lost).
+    let idem = live_worker(&store);
     assert!(idem.call(pay(&scope, "k1", 100), &*cards).await.is_err());
     let sw = sweeper(&store, &cards);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -1062,7 +1063,8 @@ pub async fn paused_past_the_lease_after_claim_sends_nothing(store: Arc<dyn Stor
         row(&store, &id).await.state,
         KeyState::Failed { retryable: true }
     );
-    let retry = worker(&store)
+    // The retry must reach the provider: a live lease.
+    let retry = live_worker(&store)
         .call(pay(&scope, "k1", 500), &*cards)
         .await
         .unwrap();
