@@ -229,7 +229,8 @@ macro_rules! sweeper_tests {
             renamed_or_removed_steps_are_refused,
             steps_outside_a_workflow_are_refused,
             sweeper_settles_steps_then_resumes_the_workflow,
-            keyless_steps_are_never_taken_over
+            keyless_steps_are_never_taken_over,
+            cut_off_follows_the_stored_retention
         );
     };
 }

@@ -24,12 +24,28 @@ use chrono::{DateTime, Utc};
 use super::fake::FakeProvider;
 use super::unique;
 
-/// The lease workers take in these tests: short, so keys go stale quickly, and long enough that
-/// a claim answered slowly by a loaded database still leaves the worker time to send
-/// (`Context::may_send` refuses to send once the lease may have run out).
+/// The lease of [`worker`]: short, so the keys of an attempt the test cuts off go stale quickly.
+/// A loaded machine can answer a claim later than that, and `Context::may_send` then refuses to
+/// send (the lease may have run out): an attempt that must reach the provider uses
+/// [`live_worker`].
 pub const LEASE: Duration = Duration::from_millis(400);
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
+/// The lease of [`live_worker`]: longer than any claim's round trip on a loaded machine.
+pub const LIVE_LEASE: Duration = Duration::from_secs(30);
+
+/// An executor for attempts that must complete (a resumer, a worker whose outcome is released,
+/// a client's retry): its lease outlasts a slow store, so a claim answered late never costs the
+/// send ([`Context::may_send`](crate::Context::may_send)). [`worker`]'s short [`LEASE`] is for
+/// attempts that are cut off and must go stale soon.
+pub fn live_worker(store: &Arc<dyn Store>) -> Idempotency {
+    Idempotency::new(store.clone())
+        .lease(LIVE_LEASE)
+        .owner("test-worker")
+}
+
+/// An executor with the short [`LEASE`], for attempts the test cuts off: their keys are stale
+/// [`wait_stale`] later.
 pub fn worker(store: &Arc<dyn Store>) -> Idempotency {
     Idempotency::new(store.clone())
         .lease(LEASE)
@@ -184,7 +200,9 @@ pub async fn lost_response_is_redriven_to_the_same_charge(store: Arc<dyn Store>)
     let cards = FakeProvider::keyed("cards", DAY);
     cards.lose_next(1);
     let scope = unique("crash-b");
-    let idem = worker(&store);
+    // The first call must reach the provider: a live lease (it releases the key when its
+    // answer is lost, so the key is stale at once).
+    let idem = live_worker(&store);
     let err = idem
         .call(pay(&scope, "k1", 500), &*cards)
         .await
@@ -218,7 +236,9 @@ pub async fn lost_response_without_keys_is_found_by_lookup(store: Arc<dyn Store>
     let mail = FakeProvider::no_keys("mail");
     mail.lose_next(1);
     let scope = unique("crash-b-nokeys");
-    let idem = worker(&store);
+    // The first call must reach the provider: a live lease (it releases the key when its
+    // answer is lost, so the key is stale at once).
+    let idem = live_worker(&store);
     assert!(idem.call(pay(&scope, "k1", 300), &*mail).await.is_err());
 
     let report = sweeper(&store, &mail).run_once().await.unwrap();
@@ -635,7 +655,8 @@ pub async fn search_lag_counts_from_the_latest_attempt(store: Arc<dyn Store>) {
 pub async fn retryable_after_an_attempt_that_may_have_acted_is_unknown(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", DAY);
     let scope = unique("acted-then-429");
-    let idem = worker(&store).retry_takeover_window(Some(DAY));
+    // Both attempts must reach the provider and release the key: a live lease.
+    let idem = live_worker(&store).retry_takeover_window(Some(DAY));
     let req = as_call(pay(&scope, "k1", 700), &cards);
     cards.lose_next(1);
     let first = idem.call(pay(&scope, "k1", 700), &*cards).await;
@@ -801,7 +822,8 @@ pub async fn run_loop_sweeps_until_shutdown(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", DAY);
     cards.lose_next(1);
     let scope = unique("loop");
-    let idem = worker(&store);
+    // Both calls must reach the provider (each releases its key when the answer is lost).
+    let idem = live_worker(&store);
     assert!(idem.call(pay(&scope, "k1", 100), &*cards).await.is_err());
     let sw = sweeper(&store, &cards);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -1043,7 +1065,8 @@ pub async fn paused_past_the_lease_after_claim_sends_nothing(store: Arc<dyn Stor
         row(&store, &id).await.state,
         KeyState::Failed { retryable: true }
     );
-    let retry = worker(&store)
+    // The retry must reach the provider: a live lease.
+    let retry = live_worker(&store)
         .call(pay(&scope, "k1", 500), &*cards)
         .await
         .unwrap();

@@ -16,7 +16,7 @@ use crate::{
 };
 
 use super::fake::FakeProvider;
-use super::sweeper::{cut_when, row, wait_stale, worker};
+use super::sweeper::{FaultyStore, LEASE, cut_when, live_worker, row, wait_stale, worker};
 use super::unique;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
@@ -435,7 +435,9 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     let cards = FakeProvider::keyed("cards", DAY);
     let mail = FakeProvider::keyed("mail", DAY);
     let scope = unique("wf-resume");
-    let idem = worker(&store);
+    // Every attempt here must complete (the first one loses its step's answer and releases the
+    // keys: they are stale at once), so none may lose its lease to a slow store.
+    let idem = live_worker(&store);
     let op = {
         let (cards, mail) = (cards.clone(), mail.clone());
         move |ctx: crate::Context| {
@@ -472,8 +474,10 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
         &store,
         Providers::new().with(cards.clone()).with(mail.clone()),
     );
+    // Until it is reported (a key re-leased by a late renewal is simply waited for).
     let mut waiting = 0;
-    for _ in 0..5 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
         let report = cli.run_once().await.unwrap();
         waiting += report.waiting_for_resumer;
         if report
@@ -483,6 +487,11 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
         {
             break;
         }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never reported waiting: {report:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(waiting, 1, "the workflow is reported waiting for a resumer");
     assert!(is_waiting_for_resumer(&store, &id).await, "and counted so");
@@ -490,21 +499,32 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     assert_eq!(row(&store, &id).await.state, KeyState::Processing);
     assert_eq!(cards.effects().len(), 1, "the re-drive was deduplicated");
 
-    // The application's sweeper, with a resumer, finishes it: no client retry.
+    // The application's sweeper, with a resumer, finishes it: no client retry. Its store
+    // answers every claim after more than the crashed worker's short lease, as a loaded machine
+    // or database may: the resumer's step must still be sent, once.
+    let slow: Arc<dyn Store> = Arc::new(
+        FaultyStore::new(store.clone()).answer_claims_late(LEASE + Duration::from_millis(200)),
+    );
     let app = sweeper_with(
         &store,
         Providers::new().with(cards.clone()).with(mail.clone()),
     )
-    .resumer("checkout", idem.clone(), op.clone());
+    .resumer("checkout", live_worker(&slow), op.clone());
     let mut resumed = 0;
-    for _ in 0..5 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
         let report = app.run_once().await.unwrap();
         resumed += report.resumed;
         if row(&store, &id).await.state == KeyState::Done {
             break;
         }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never finished (resumed {resumed} times): {report:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(resumed, 1);
+    assert_eq!(resumed, 1, "the workflow is resumed once");
     let r = row(&store, &id).await;
     assert_eq!(r.state, KeyState::Done);
     assert!(!is_waiting_for_resumer(&store, &id).await);
@@ -531,7 +551,8 @@ async fn is_waiting_for_resumer(store: &Arc<dyn Store>, id: &crate::KeyId) -> bo
 pub async fn keyless_steps_are_never_taken_over(store: Arc<dyn Store>) {
     let mail = FakeProvider::no_keys("mail");
     let scope = unique("wf-takeover");
-    let idem = worker(&store).retry_takeover_window(Some(Duration::from_secs(60)));
+    // Every attempt must reach the provider (each releases its keys): a live lease.
+    let idem = live_worker(&store).retry_takeover_window(Some(Duration::from_secs(60)));
     let op = {
         let mail = mail.clone();
         move |ctx: crate::Context| {
@@ -567,5 +588,65 @@ pub async fn keyless_steps_are_never_taken_over(store: Arc<dyn Store>) {
     assert_eq!(
         row(&store, &step_key(&id, 0)).await.state,
         KeyState::Processing
+    );
+}
+
+/// The workflow's cut-off (no step may start once a step's record may be purged) follows the
+/// retention stored with the workflow and its steps, not the executor's current one: after a
+/// deploy that raised the retention, neither a late client retry nor a sweeper's resumer runs
+/// again a step whose record was purged under the old retention.
+pub async fn cut_off_follows_the_stored_retention(store: Arc<dyn Store>) {
+    const OLD: Duration = Duration::from_millis(1500);
+    let scope = unique("wf-cutoff");
+    let charges = Arc::new(AtomicU32::new(0));
+    let op = {
+        let charges = charges.clone();
+        move |ctx: crate::Context| {
+            let charges = charges.clone();
+            async move {
+                let charge = ctx
+                    .step(
+                        step("charge"),
+                        counted(&charges, |n| ok(serde_json::json!({"charge": n}))),
+                    )
+                    .await;
+                match charge {
+                    Ok(_) => Outcome::unknown("the process died after the charge"),
+                    Err(e) => Outcome::from_step_error(&e),
+                }
+            }
+        }
+    };
+    // Deployed with a short retention: each workflow charges, then its outcome is lost.
+    let before = worker(&store).retention(OLD);
+    for key in ["o1", "o2"] {
+        let first = before.execute(checkout(&scope, key), op.clone()).await;
+        assert!(
+            matches!(first, Err(Error::OutcomeUnknown { .. })),
+            "{first:?}"
+        );
+    }
+    assert_eq!(charges.load(Ordering::SeqCst), 2);
+    // The charges' records expire under the old retention and are purged.
+    tokio::time::sleep(OLD + Duration::from_millis(300)).await;
+    store.purge_expired(1000).await.unwrap();
+    let o1 = checkout(&scope, "o1").id().clone();
+    assert!(store.get(&step_key(&o1, 0)).await.unwrap().is_none());
+
+    // Redeployed with a day's retention.
+    let after = worker(&store).retention(DAY);
+    let retry = after.execute(checkout(&scope, "o1"), op.clone()).await;
+    assert!(retry.is_err(), "{retry:?}");
+    assert_eq!(
+        charges.load(Ordering::SeqCst),
+        2,
+        "a retry re-ran a purged step: {retry:?}"
+    );
+    let app = sweeper_with(&store, Providers::new()).resumer("checkout", after, op.clone());
+    let report = app.run_once().await.unwrap();
+    assert_eq!(
+        charges.load(Ordering::SeqCst),
+        2,
+        "a resumer re-ran a purged step: {report:?}"
     );
 }

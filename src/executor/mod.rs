@@ -374,13 +374,27 @@ impl Idempotency {
         let window = self.takeover_window(&request);
         let held_until = heartbeat::held_from(asked, cfg.lease);
         let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
-        let workflow = request.is_workflow().then(|| {
-            // No step may start once its records may be purged (see `takeover_window`); a
-            // deadline too far to represent is none.
+        let workflow = if request.is_workflow() {
+            // No step may start once its records may be purged: judged by the retention stored
+            // with the workflow and its finished steps (`workflow::step_window`), which a key
+            // claimed now has from this executor. A deadline too far to represent is none.
+            let (steps_window, retention) = if lease.transition == crate::state::Transition::Claim {
+                (window, cfg.retention)
+            } else {
+                let (w, r) =
+                    crate::workflow::stored_step_window(&*self.store, &id, cfg.lease).await?;
+                (Some(w), r)
+            };
             let far = asked + Duration::from_secs(100 * 366 * 24 * 3600);
-            let resume_by = window_closes(&lease, cfg.lease, window, asked).unwrap_or(far);
-            crate::workflow::Workflow::new(self.clone(), resume_by)
-        });
+            let resume_by = window_closes(&lease, cfg.lease, steps_window, asked).unwrap_or(far);
+            Some(crate::workflow::Workflow::new(
+                self.clone(),
+                resume_by,
+                retention,
+            ))
+        } else {
+            None
+        };
         let ctx = Context {
             id: id.clone(),
             provider_key: lease.provider_key.clone(),

@@ -67,8 +67,11 @@ use report::ms;
 pub struct SweeperConfig {
     /// Keys taken per batch. Default 100.
     pub batch_size: u32,
-    /// The lease each taken key gets; while the sweeper works through a batch it renews the
-    /// lease of every key of the batch not yet handled every third of it. Default 5 min.
+    /// The lease each taken key gets. It is short and renewed by a heartbeat, as an executor's
+    /// lease is: while the sweeper works through a batch it renews the lease of every key of the
+    /// batch not yet handled every third of it (sooner after a failed renewal), so a sweeper that
+    /// dies strands its batch for at most about one lease (`docs/reliability.md`, "A sweeper
+    /// that dies"). Default 6 s, the executor's default lease.
     pub lease: Duration,
     /// Name recorded as the lease owner. Default `sweeper-<pid>`.
     pub owner: String,
@@ -92,7 +95,7 @@ impl SweeperConfig {
     fn defaults() -> Self {
         Self {
             batch_size: 100,
-            lease: Duration::from_secs(300),
+            lease: DEFAULT_LEASE,
             owner: format!("sweeper-{}", std::process::id()),
             backoff_base: Duration::from_secs(30),
             backoff_cap: Duration::from_secs(3600),
@@ -103,6 +106,10 @@ impl SweeperConfig {
         }
     }
 }
+
+/// The default [`SweeperConfig::lease`]: the executor's default lease
+/// ([`ExecutorConfig::lease`](crate::ExecutorConfig::lease)).
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(6);
 
 /// Why a sweep stopped.
 #[derive(Debug, thiserror::Error)]
@@ -188,7 +195,8 @@ impl Sweeper {
         self
     }
 
-    /// Sets the lease of taken keys.
+    /// Sets the lease of taken keys ([`SweeperConfig::lease`]): how long the keys of a sweeper
+    /// that died stay held. Keep it short; the heartbeat renews it while the sweeper works.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config.lease = lease;
         self

@@ -1,6 +1,7 @@
-//! Keeps the leases of a whole taken batch while the sweeper works through it: every third of
-//! the lease, each key of the batch not yet handled (the one in hand included) is extended with
-//! its token. A key whose renewal is refused was settled elsewhere; its own write will say so
+//! The sweeper's heartbeat: keeps the short leases of a whole taken batch while the sweeper
+//! works through it, as the executor's heartbeat keeps a request's. Every third of the lease,
+//! each key of the batch not yet handled (the one in hand included) is extended with its token;
+//! a round in which a renewal failed on a store error is retried within a second. A key whose renewal is refused was settled elsewhere; its own write will say so
 //! (the fenced finish or release returns `LeaseLost`), so refusals are not acted on here.
 
 use std::convert::Infallible;
@@ -8,6 +9,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use crate::KeyId;
+use crate::error::StoreError;
 use crate::record::LeaseToken;
 use crate::store::Store;
 
@@ -42,14 +44,30 @@ async fn renew_forever(
 ) -> Infallible {
     // Capped as the store caps it: `Instant + Duration::MAX` would panic.
     let every = (crate::store::capped(lease) / 3).max(Duration::from_millis(1));
+    // After a renewal that failed on a store error (not a refusal), the next round comes this
+    // soon, as the executor's heartbeat retries: a short lease leaves little room for a blip.
+    let retry = every.min(Duration::from_secs(1));
     loop {
         let due = *renewed_at + every;
         tokio::time::sleep_until(due.into()).await;
-        *renewed_at = Instant::now();
+        let sent = Instant::now();
+        *renewed_at = sent;
+        let mut failed = false;
         for (id, token) in held {
-            if let Err(e) = store.extend(id, *token, lease).await {
-                tracing::debug!(key = %id, error = %e, "sweeper could not renew a batch lease");
+            match store.extend(id, *token, lease).await {
+                Ok(_) => {}
+                // Settled elsewhere: the key's own fenced write will say so.
+                Err(e @ (StoreError::LeaseLost { .. } | StoreError::NotFound { .. })) => {
+                    tracing::debug!(key = %id, error = %e, "a batch lease was not renewed");
+                }
+                Err(e) => {
+                    failed = true;
+                    tracing::warn!(key = %id, error = %e, "sweeper could not renew a batch lease");
+                }
             }
+        }
+        if failed {
+            *renewed_at = sent.checked_sub(every - retry).unwrap_or(sent);
         }
     }
 }

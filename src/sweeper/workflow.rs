@@ -6,6 +6,8 @@
 //! settled, a resumer registered for its operation runs it to its end, or, without one, it is
 //! reported as waiting for a resumer (the next client retry continues it).
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 
 use super::decide::{self, Decision};
@@ -15,6 +17,9 @@ use crate::error::{Error, StoreError};
 use crate::record::{Actor, KeyRecord};
 use crate::store::Release;
 use crate::{KeyId, KeyState};
+
+/// The shortest wait before a workflow that waits for one of its steps is looked at again.
+const STEP_RECHECK: Duration = Duration::from_secs(1);
 
 impl Sweeper {
     pub(super) async fn handle_workflow(
@@ -28,14 +33,31 @@ impl Sweeper {
         let steps = crate::workflow::steps(&*self.store, id).await?;
         if let Some((position, step)) = crate::workflow::unsettled_step(&steps) {
             tracing::Span::current().record("decision", "wait_for_step");
-            let decision = Decision::Defer {
-                reason: format!(
-                    "workflow waits for its step {position} ({}) to be settled",
-                    step.operation
-                ),
-                retry_after: None,
-            };
-            return self.apply(id, &record, decision).await;
+            let reason = format!(
+                "workflow waits for its step {position} ({}) to be settled",
+                step.operation
+            );
+            // Not after the whole exponential backoff (the workflow itself did nothing): look
+            // again when the step can next move, when its holder's lease runs out or its own
+            // next check is due, at least STEP_RECHECK from now and at most the backoff. A step orphaned with its resumer (a
+            // sweeper that died mid-step) is settled within about a lease, and the workflow
+            // follows a moment later.
+            // A step this sweeper holds (taken in the same batch) is settled in this sweep.
+            let ours = step.lease_owner.as_deref() == Some(self.config.owner.as_str());
+            let due = [step.lease_expires_at.filter(|_| !ours), step.next_check_at]
+                .into_iter()
+                .flatten()
+                .max();
+            let cfg = &self.config;
+            let backoff = decide::backoff(record.attempts, cfg.backoff_base, cfg.backoff_cap, None);
+            let recheck = due
+                .and_then(|at| (at - now).to_std().ok())
+                .unwrap_or_default()
+                .max(STEP_RECHECK)
+                .min(backoff);
+            return self
+                .release_unresolved(id, &record, Unresolved::Deferred, reason, recheck)
+                .await;
         }
         let Some((executor, resume)) = self.resumers.0.get(&record.operation).cloned() else {
             tracing::Span::current().record("decision", "wait_for_resumer");
@@ -46,10 +68,11 @@ impl Sweeper {
             );
             return self.wait_for_resumer(id, &record, reason).await;
         };
-        // The same bound the executor keeps (`Idempotency::takeover_window`): past it, a step's
-        // record may be purged and resuming could run it again.
+        // The same bound the executor keeps (`workflow::step_window`): past it, a step's
+        // record may be purged and resuming could run it again. It follows the retention stored
+        // with the workflow and its steps, not the executor's current one.
         let cfg = executor.config();
-        let window = cfg.retention.saturating_sub(cfg.lease);
+        let window = crate::workflow::step_window(&*self.store, &record, &steps, cfg.lease).await?;
         let closes = chrono::Duration::from_std(window)
             .ok()
             .and_then(|w| record.created_at.checked_add_signed(w));
@@ -57,7 +80,7 @@ impl Sweeper {
             tracing::Span::current().record("decision", "needs_operator");
             let e = Error::WorkflowExpired {
                 key: id.to_string(),
-                retention: cfg.retention,
+                retention: crate::workflow::stored_retention(&record),
             };
             let decision = Decision::NeedsOperator {
                 reason: e.to_string(),
@@ -101,6 +124,19 @@ impl Sweeper {
         let cfg = &self.config;
         let recheck = decide::backoff(record.attempts, cfg.backoff_base, cfg.backoff_cap, None);
         tracing::info!(reason = %reason, "workflow waits for a resumer");
+        self.release_unresolved(id, record, Unresolved::WaitingForResumer, reason, recheck)
+            .await
+    }
+
+    /// Gives the workflow back unresolved, to be looked at again `recheck` from now.
+    async fn release_unresolved(
+        &self,
+        id: &KeyId,
+        record: &KeyRecord,
+        kind: Unresolved,
+        reason: String,
+        recheck: Duration,
+    ) -> Result<KeyResult, StoreError> {
         let release = Release {
             actor: Actor::Sweeper,
             reason: format!("{reason}; next check in {}s", recheck.as_secs()),
@@ -110,7 +146,7 @@ impl Sweeper {
         match self.store.release(id, record.lease_token, &release).await {
             Ok(()) => Ok(KeyResult::Unresolved(unresolved(
                 record,
-                Unresolved::WaitingForResumer,
+                kind,
                 reason,
                 Some(recheck),
             ))),

@@ -114,6 +114,57 @@ pub fn recovery_point(steps: &[crate::KeyRecord]) -> Option<(u32, &str)> {
     Some((u32::try_from(last).ok()?, steps[last].operation.as_str()))
 }
 
+/// How long after the first claim of `workflow` a step may still start: until the first of its
+/// steps' records may be purged, less one `lease` (a step started just before keeps running for
+/// up to a lease). Judged from what the store holds, never from the executor's current
+/// retention (a deploy may have changed it since the steps finished):
+///
+/// * each finished step (`steps`, as [`steps`] returns them) is kept until its own expiry, set
+///   by the retention of the run that finished it;
+/// * a step that ran and was purged leaves its history behind: then the window is closed;
+/// * steps yet to run get the retention stored with the workflow row (its latest claim's).
+///
+/// See `docs/workflows.md`, "Takeover and retention".
+pub(crate) async fn step_window(
+    store: &dyn crate::Store,
+    workflow: &crate::KeyRecord,
+    steps: &[crate::KeyRecord],
+    lease: std::time::Duration,
+) -> Result<std::time::Duration, crate::StoreError> {
+    let id = KeyId::new(workflow.scope.clone(), workflow.key.clone());
+    let next = u32::try_from(steps.len()).unwrap_or(MAX_STEPS);
+    if next < MAX_STEPS && !store.history(&step_key(&id, next)).await?.is_empty() {
+        return Ok(std::time::Duration::ZERO);
+    }
+    let kept = steps
+        .iter()
+        .filter_map(|s| s.expires_at)
+        .map(|at| (at - workflow.created_at).to_std().unwrap_or_default())
+        .fold(stored_retention(workflow), std::cmp::Ord::min);
+    Ok(kept.saturating_sub(lease))
+}
+
+/// The retention stored with `record` (by its latest claim).
+pub(crate) fn stored_retention(record: &crate::KeyRecord) -> std::time::Duration {
+    std::time::Duration::from_millis(u64::try_from(record.retention_ms).unwrap_or(0))
+}
+
+/// [`step_window`] of the workflow `id` as the store holds it now, and its stored retention.
+pub(crate) async fn stored_step_window(
+    store: &dyn crate::Store,
+    id: &KeyId,
+    lease: std::time::Duration,
+) -> Result<(std::time::Duration, std::time::Duration), crate::StoreError> {
+    let Some(workflow) = store.get(id).await? else {
+        return Err(crate::StoreError::NotFound {
+            key: id.to_string(),
+        });
+    };
+    let steps = steps(store, id).await?;
+    let window = step_window(store, &workflow, &steps, lease).await?;
+    Ok((window, stored_retention(&workflow)))
+}
+
 /// The first step of `steps` (as [`steps`] returns them) still `processing`, with its
 /// position: while there is one, the workflow waits for it to be settled (by its worker, or by
 /// the sweeper from its provider) before anything may continue it.
@@ -256,19 +307,27 @@ pub(crate) struct Workflow {
     /// The position of the next step.
     pub(crate) next: AtomicU32,
     /// After this instant (this process's clock) no step may start: the steps' records may be
-    /// purged from then on (the workflow's retention, less one lease, from its first claim).
+    /// purged from then on ([`step_window`] from its first claim).
     pub(crate) resume_by: Instant,
+    /// The retention `resume_by` was judged by (the one stored with the workflow), for
+    /// [`Error::WorkflowExpired`].
+    pub(crate) retention: std::time::Duration,
     /// The first [`Error::StepChanged`] a step of this run met: the workflow then ends with it,
     /// whatever the operation returns.
     pub(crate) changed: std::sync::Mutex<Option<Changed>>,
 }
 
 impl Workflow {
-    pub(crate) fn new(executor: Idempotency, resume_by: Instant) -> Arc<Self> {
+    pub(crate) fn new(
+        executor: Idempotency,
+        resume_by: Instant,
+        retention: std::time::Duration,
+    ) -> Arc<Self> {
         Arc::new(Self {
             executor,
             next: AtomicU32::new(0),
             resume_by,
+            retention,
             changed: std::sync::Mutex::new(None),
         })
     }
@@ -332,7 +391,7 @@ impl Context {
         if Instant::now() >= wf.resume_by {
             return Err(Error::WorkflowExpired {
                 key: self.id.to_string(),
-                retention: wf.executor.config().retention,
+                retention: wf.retention,
             });
         }
         let position = wf.next.fetch_add(1, Ordering::SeqCst);

@@ -17,6 +17,10 @@ mod sql_faults;
 #[cfg(all(feature = "axum", feature = "testkit", feature = "cli"))]
 mod fast_recovery;
 
+// A sweeper killed (SIGKILL) mid-batch: a second one settles its whole batch within 15 s.
+#[cfg(feature = "testkit")]
+mod sweeper_kill;
+
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]

@@ -452,3 +452,133 @@ async fn shard_of(con: &mut idemflow::store::redis::RedisConnection, slot: i64) 
     }
     panic!("slot {slot} is served by no shard");
 }
+
+/// The cluster node that serves `key`'s slot: its address and a plain connection to it.
+async fn node_serving(key: &str) -> (String, u16, redis::aio::MultiplexedConnection) {
+    use redis::FromRedisValue;
+    let url = backend_url(CLUSTER_URL_VAR).unwrap();
+    let seed = url.split(',').next().unwrap().trim().to_owned();
+    let mut con = redis::Client::open(seed.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let slot: i64 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let ranges: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    for range in ranges {
+        let start = i64::from_redis_value_ref(&range[0]).unwrap();
+        let end = i64::from_redis_value_ref(&range[1]).unwrap();
+        if (start..=end).contains(&slot) {
+            let node = Vec::<redis::Value>::from_redis_value_ref(&range[2]).unwrap();
+            let host = String::from_redis_value_ref(&node[0]).unwrap();
+            let port = u16::from_redis_value_ref(&node[1]).unwrap();
+            let con = redis::Client::open(format!("redis://{host}:{port}/"))
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            return (host, port, con);
+        }
+    }
+    panic!("no node serves slot {slot}");
+}
+
+/// The id (`CLIENT ID`) of the cluster store's own connection to the node at `host:port`.
+async fn store_connection_id(store: &RedisStore, host: &str, port: u16) -> i64 {
+    use idemflow::store::redis::RedisConnection;
+    use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+    let RedisConnection::Cluster(mut con) = store.connection() else {
+        panic!("a cluster store");
+    };
+    let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+        host: host.to_owned(),
+        port,
+    });
+    let id = con
+        .route_command(redis::cmd("CLIENT").arg("ID").clone(), to)
+        .await;
+    redis::FromRedisValue::from_redis_value(id.unwrap()).unwrap()
+}
+
+/// Runs `op` (one store call sending one script to the node serving `key`) so that the script
+/// runs but its answer is lost with the connection: the node pauses all its clients
+/// (`CLIENT PAUSE .. ALL`), the script queues, a `CLIENT KILL` of the store's connection queues
+/// behind it; when the pause ends the script runs, then its connection is closed before the
+/// answer is written.
+async fn with_answer_lost<T: Send + 'static>(
+    store: &RedisStore,
+    key: &str,
+    op: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
+    let (host, port, mut killer) = node_serving(key).await;
+    let victim = store_connection_id(store, &host, port).await;
+    let () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(300)
+        .arg("ALL")
+        .query_async(&mut killer)
+        .await
+        .unwrap();
+    let running = tokio::spawn(op);
+    // The script reaches the paused node first; the kill is answered once the pause ends.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("ID")
+        .arg(victim)
+        .query_async(&mut killer)
+        .await
+        .unwrap();
+    assert_eq!(killed, 1, "the store's connection was killed");
+    running.await.unwrap()
+}
+
+/// A script whose answer is lost with its connection (it ran; see [`with_answer_lost`]) is never
+/// sent again by the cluster client: a re-sent claim would tell the claim's winner that the key
+/// is someone else's (its lease orphaned), a re-sent finish that its own write was a lost lease.
+/// The caller gets a store error instead, which the executor treats as an unknown outcome, and
+/// the script's one run stands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_scripts_are_not_re_sent_when_their_answer_is_lost() {
+    let Some(store) = cluster_store_with(|c| c).await else {
+        return;
+    };
+    let scope = unique("resend");
+
+    let k1 = id(&scope, "k1");
+    let (s, k) = (store.clone(), k1.clone());
+    let claimed = with_answer_lost(&store, &store.record_key(&k1), async move {
+        s.claim(&claim_for(&k, "{}", LEASE)).await
+    })
+    .await;
+    let row = store.get(&k1).await.unwrap().expect("the claim ran");
+    assert_eq!((row.state, row.attempts), (KeyState::Processing, 1));
+    assert!(
+        matches!(claimed, Err(StoreError::Database { .. })),
+        "the claim's one run won the key; its caller must not be told otherwise: {claimed:?}"
+    );
+
+    let k2 = id(&scope, "k2");
+    let lease = claimed_on(&store, &claim_for(&k2, "{}", LEASE)).await;
+    let (s, k) = (store.clone(), k2.clone());
+    let finished = with_answer_lost(&store, &store.record_key(&k2), async move {
+        s.finish(&k, Some(lease.token), &done(StoredResponse::new(201)))
+            .await
+    })
+    .await;
+    let row = store.get(&k2).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Done, "the finish ran");
+    assert!(
+        matches!(finished, Err(StoreError::Database { .. })),
+        "a finish that succeeded must not be reported as a lost lease: {finished:?}"
+    );
+}

@@ -1,6 +1,7 @@
 //! [`RedisStore`]: the [`Store`] impl, one Lua script call per transition.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -179,6 +180,22 @@ impl fmt::Debug for RedisStore {
     }
 }
 
+/// How often [`RedisStore::invoke`] sends a script again that the server refused unrun.
+const NOT_RUN_RETRIES: u32 = 3;
+
+/// Whether the server refused the command before running it: a cluster redirect (`MOVED`,
+/// `ASK`), `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN` or `LOADING`. Such a command is safe to send
+/// again; nothing else is (a dropped connection or a timeout may follow a run).
+fn not_run(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind as S};
+    matches!(
+        e.kind(),
+        ErrorKind::Server(
+            S::Moved | S::Ask | S::TryAgain | S::ClusterDown | S::MasterDown | S::BusyLoading
+        )
+    )
+}
+
 /// Processing keys read per `scan.lua` call (stats, stuck).
 const SCAN_PAGE: i64 = 1000;
 
@@ -208,10 +225,14 @@ impl RedisStore {
             if seeds.is_empty() {
                 return Err(StoreError::Config("no Redis Cluster seed URL".into()));
             }
+            // No retries: the cluster client re-sends a command after a dropped connection or
+            // a timeout, and a script that already ran would then run again (a claim's winner
+            // told the key is someone else's, a finish that succeeded told its lease was lost).
+            // The redirects and refusals that mean "not run" are retried in `invoke`.
             let client = ClusterClientBuilder::new(seeds)
                 .response_timeout(config.response_timeout)
                 .connection_timeout(config.connection_timeout)
-                .retries(2)
+                .retries(0)
                 .build()
                 .map_err(|e| StoreError::Config(format!("bad Redis Cluster URL: {e}")))?;
             RedisConnection::Cluster(
@@ -306,9 +327,45 @@ impl RedisStore {
         (0..n).map(move |i| (start + i) % n)
     }
 
+    /// Runs a script. It is sent again only when the server refused it without running it (a
+    /// cluster redirect during resharding, a failover in progress); an answer lost with the
+    /// connection or to the response timeout is a store error, never a re-send: the script may
+    /// have run, and its second run would answer differently (`docs/backends.md`, "Redis").
     async fn invoke(&self, inv: &ScriptInvocation<'_>) -> Result<Value, StoreError> {
         let mut con = self.con.clone();
-        inv.invoke_async(&mut con).await.map_err(db)
+        let mut refused = 0;
+        loop {
+            match inv.invoke_async(&mut con).await {
+                Ok(v) => return Ok(v),
+                Err(e) if refused < NOT_RUN_RETRIES && not_run(&e) => {
+                    refused += 1;
+                    // Lets the cluster client refresh its slot map first.
+                    tokio::time::sleep(Duration::from_millis(50) * refused).await;
+                }
+                Err(e) => return Err(db(e)),
+            }
+        }
+    }
+
+    /// Sends a read (a command that changes nothing, so safe to repeat) and sends it again,
+    /// a few times, after a refusal, a redirect or a dropped connection: the retries the
+    /// cluster client no longer makes (see `connect_with`). A timeout is not retried.
+    async fn read<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: Fn(RedisConnection) -> Fut,
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
+        let mut tries = 0;
+        loop {
+            match f(self.con.clone()).await {
+                Ok(v) => return Ok(v),
+                Err(e) if tries < NOT_RUN_RETRIES && (not_run(&e) || e.is_connection_dropped()) => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(50) * tries).await;
+                }
+                Err(e) => return Err(db(e)),
+            }
+        }
     }
 
     /// The key's record and the Redis clock, read atomically (`MULTI TIME GET EXEC`: one round
@@ -318,15 +375,17 @@ impl RedisStore {
         id: &KeyId,
         rec: &str,
     ) -> Result<(Option<KeyRecord>, DateTime<Utc>), StoreError> {
-        let mut con = self.con.clone();
-        let (time, raw): (Vec<i64>, Value) = redis::pipe()
-            .atomic()
-            .cmd("TIME")
-            .cmd("GET")
-            .arg(rec)
-            .query_async(&mut con)
-            .await
-            .map_err(db)?;
+        let (time, raw): (Vec<i64>, Value) = self
+            .read(|mut con| async move {
+                redis::pipe()
+                    .atomic()
+                    .cmd("TIME")
+                    .cmd("GET")
+                    .arg(rec)
+                    .query_async(&mut con)
+                    .await
+            })
+            .await?;
         let [sec, usec] = time[..] else {
             return Err(corrupt("TIME reply"));
         };
@@ -433,8 +492,9 @@ impl Store for RedisStore {
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, StoreError> {
-        let mut con = self.con.clone();
-        let (sec, usec): (i64, i64) = redis::cmd("TIME").query_async(&mut con).await.map_err(db)?;
+        let (sec, usec): (i64, i64) = self
+            .read(|mut con| async move { redis::cmd("TIME").query_async(&mut con).await })
+            .await?;
         ms_to_time(BACKEND, sec * 1000 + usec / 1000)
     }
 
@@ -589,22 +649,24 @@ impl Store for RedisStore {
     }
 
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
-        let mut con = self.con.clone();
-        let raw: Value = redis::cmd("GET")
-            .arg(self.record_key(id))
-            .query_async(&mut con)
-            .await
-            .map_err(db)?;
+        let rec = self.record_key(id);
+        let raw: Value = self
+            .read(|mut con| {
+                let rec = rec.clone();
+                async move { redis::cmd("GET").arg(rec).query_async(&mut con).await }
+            })
+            .await?;
         maybe_record(id, raw)
     }
 
     async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
-        let mut con = self.con.clone();
-        let raw: Option<Vec<u8>> = redis::cmd("GET")
-            .arg(self.record_key(id))
-            .query_async(&mut con)
-            .await
-            .map_err(db)?;
+        let rec = self.record_key(id);
+        let raw: Option<Vec<u8>> = self
+            .read(|mut con| {
+                let rec = rec.clone();
+                async move { redis::cmd("GET").arg(rec).query_async(&mut con).await }
+            })
+            .await?;
         raw.map_or(Ok(Vec::new()), |raw| history_of(&raw))
     }
 
@@ -681,15 +743,16 @@ impl Store for RedisStore {
         }
         found.sort();
         let mut oldest = Vec::new();
-        let mut con = self.con.clone();
         for (_, m, bucket) in found.into_iter().take(limit as usize) {
             let (scope, key) =
                 unmember(&m).ok_or_else(|| corrupt(format!("index member {m:?}")))?;
-            let raw: Option<Vec<u8>> = redis::cmd("GET")
-                .arg(self.layout.record_prefix(bucket) + &m)
-                .query_async(&mut con)
-                .await
-                .map_err(db)?;
+            let rec = self.layout.record_prefix(bucket) + &m;
+            let raw: Option<Vec<u8>> = self
+                .read(|mut con| {
+                    let rec = rec.clone();
+                    async move { redis::cmd("GET").arg(rec).query_async(&mut con).await }
+                })
+                .await?;
             if let Some(r) = raw
                 .map(|raw| record_of(&scope, &key, &raw))
                 .transpose()?
