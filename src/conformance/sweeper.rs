@@ -507,7 +507,7 @@ pub async fn never_redrives_past_the_retention_window(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", Duration::from_millis(300));
     cards.lose_next(1);
     let scope = unique("window");
-    let idem = worker(&store);
+    let idem = live_worker(&store);
     assert!(idem.call(pay(&scope, "k1", 500), &*cards).await.is_err());
     assert_eq!(cards.calls(), 1);
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -549,7 +549,7 @@ pub async fn declined_charge_settles_as_permanent_failure(store: Arc<dyn Store>)
     let cards = FakeProvider::keyed("cards", DAY);
     cards.lose_next(1);
     let scope = unique("declined");
-    let idem = worker(&store);
+    let idem = live_worker(&store);
     assert!(idem.call(pay(&scope, "k1", 0), &*cards).await.is_err());
     let report = sweeper(&store, &cards).run_once().await.unwrap();
     assert_eq!(report.failed_permanent, 1, "{report:?}");
@@ -711,7 +711,7 @@ pub async fn unknown_lookup_backs_off_honouring_retry_after(store: Arc<dyn Store
     mail.lose_next(1);
     mail.lookup_unknown(Some(Duration::from_secs(7200)));
     let scope = unique("unknown");
-    let idem = worker(&store);
+    let idem = live_worker(&store);
     assert!(idem.call(pay(&scope, "k1", 100), &*mail).await.is_err());
     let report = sweeper(&store, &mail).run_once().await.unwrap();
     assert_eq!(report.deferred, 1);
@@ -972,7 +972,7 @@ pub async fn hanging_provider_is_deferred_after_the_call_timeout(store: Arc<dyn 
     let cards = FakeProvider::keyed("cards", DAY);
     cards.lose_next(1);
     let scope = unique("hang");
-    let idem = worker(&store);
+    let idem = live_worker(&store);
     assert!(idem.call(pay(&scope, "k1", 100), &*cards).await.is_err());
     cards.hang(true);
     let report = tokio::time::timeout(
