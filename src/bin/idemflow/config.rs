@@ -23,7 +23,7 @@ use idemflow::sweeper::Sweeper;
 ///
 /// [sweeper]
 /// batch_size = 100
-/// lease = "5m"
+/// lease = "6s"
 /// backoff_base = "30s"
 /// backoff_cap = "1h"
 /// redrive_margin = "1h"
