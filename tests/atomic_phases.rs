@@ -4,8 +4,8 @@
 //! MariaDB also: the step decided elsewhere between the insert and the record, or a crash before
 //! the commit, leaves neither; the sweeper then makes the step retryable, and the workflow's retry
 //! writes the row exactly once. (On SQLite the phase runs inside the single writer's job, so
-//! nothing else can write in between, and a dropped caller does not stop a started job; the
-//! group-commit tests cover a killed process.)
+//! nothing else can write in between, and a dropped caller does not stop a started job.) Module
+//! `crash`: a process SIGKILLed during phases on all three, with a second process writing.
 
 #![cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 
@@ -1001,7 +1001,7 @@ mod crash {
     const CHILD_SEED: &str = "IDEMFLOW_ATOMIC_CRASH_CHILD_SEED";
     /// Set to replay a run: the seed of the kill points and the child's order shuffles.
     const SEED: &str = "IDEMFLOW_ATOMIC_CRASH_SEED";
-    const ORDERS: usize = 120;
+    const ORDERS: usize = 96;
     const CONCURRENCY: usize = 16;
     const KILLS: usize = 3;
     const CRASH_LEASE: Duration = Duration::from_millis(1500);
@@ -1593,6 +1593,7 @@ mod crash {
             });
         println!("{target:?}: {SEED}={seed}");
         let mut rng = Rng(seed);
+        let started = std::time::Instant::now();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -1604,7 +1605,7 @@ mod crash {
         let logs = tempfile::tempdir().unwrap();
         let (mut phases, mut done) = (BTreeSet::new(), BTreeSet::new());
         for kill in 0..KILLS {
-            let threshold = 4 + rng.below(20) as usize;
+            let threshold = 4 + rng.below(12) as usize;
             let stderr = logs.path().join(format!("child-{kill}.err"));
             let mut child = Command::new(std::env::current_exe().unwrap())
                 .args([
@@ -1662,7 +1663,8 @@ mod crash {
                 }
                 let steps = check(&db, &phases, &done, false).await;
                 println!(
-                    "kill {kill}: after {new} new phases; {} phases and {} workflows acknowledged, {steps} steps done",
+                    "{:?}: kill {kill} after {new} new phases; {} phases and {} workflows acknowledged, {steps} steps done",
+                    started.elapsed(),
                     phases.len(),
                     done.len()
                 );
@@ -1679,8 +1681,27 @@ mod crash {
             let deadline = std::time::Instant::now() + Duration::from_secs(120);
             while !pending.is_empty() {
                 sweeper.run_once().await.unwrap();
-                for order in pending.clone() {
-                    if idem.execute(checkout(&order), op.clone()).await.is_ok() {
+                // The client retries, 16 at a time.
+                let queue = Arc::new(std::sync::Mutex::new(
+                    pending.iter().cloned().collect::<Vec<_>>(),
+                ));
+                let mut retries = Vec::new();
+                for _ in 0..CONCURRENCY {
+                    let (queue, idem, op) = (queue.clone(), idem.clone(), op.clone());
+                    retries.push(tokio::spawn(async move {
+                        let mut finished = Vec::new();
+                        loop {
+                            let next = queue.lock().unwrap().pop();
+                            let Some(order) = next else { break };
+                            if idem.execute(checkout(&order), op.clone()).await.is_ok() {
+                                finished.push(order);
+                            }
+                        }
+                        finished
+                    }));
+                }
+                for r in retries {
+                    for order in r.await.unwrap() {
                         pending.remove(&order);
                     }
                 }
@@ -1703,7 +1724,8 @@ mod crash {
                 );
             }
             println!(
-                "{ORDERS} orders done once; the second process wrote {} keys ({refused} refused)",
+                "{:?}: {ORDERS} orders done once; the second process wrote {} keys ({refused} refused)",
+                started.elapsed(),
                 written.len()
             );
         });
