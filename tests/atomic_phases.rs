@@ -4,8 +4,8 @@
 //! MariaDB also: the step decided elsewhere between the insert and the record, or a crash before
 //! the commit, leaves neither; the sweeper then makes the step retryable, and the workflow's retry
 //! writes the row exactly once. (On SQLite the phase runs inside the single writer's job, so
-//! nothing else can write in between, and a dropped caller does not stop a started job; the
-//! group-commit tests cover a killed process.)
+//! nothing else can write in between, and a dropped caller does not stop a started job.) Module
+//! `crash`: a process SIGKILLed during phases on all three, with a second process writing.
 
 #![cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 
@@ -973,4 +973,794 @@ mod sqlite_writer {
             assert!(phase_result.is_err(), "swallow={swallow}: {phase_result:?}");
         }
     }
+}
+
+/// A real crash test of atomic phases: a child process (this test binary, selected by
+/// [`crash::CHILD`]) runs 16 checkout workflows at a time (an atomic phase inserting the order's
+/// row and bumping a shared tally row, then a plain step standing for the charge), with a
+/// sweeper and resumer of its own, while this process writes other keys and the same tally row
+/// through a store handle of its own on the same database. The child is SIGKILLed at a random
+/// moment after it has acknowledged some phases, three times, each restart retrying every order
+/// with the same key. After each kill the database is reopened and every order is checked: its
+/// row exists exactly once when its `create_order` step is `done` and not at all otherwise, every
+/// acknowledged phase or workflow is `done`, and the step's history ends in the step's state with
+/// nothing after `done`. Then a sweeper and client retries here finish every order, once.
+/// The orders table has no key, so a phase committed twice would show as two rows.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod crash {
+    use super::*;
+    use std::collections::{BTreeSet, VecDeque};
+    use std::io::{BufRead, BufReader};
+    use std::path::PathBuf;
+    use std::process::{Command, Stdio};
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// The environment variable naming the child's database ([`Target::encode`]).
+    pub const CHILD: &str = "IDEMFLOW_ATOMIC_CRASH_CHILD";
+    /// The child's shuffle seed.
+    const CHILD_SEED: &str = "IDEMFLOW_ATOMIC_CRASH_CHILD_SEED";
+    /// Set to replay a run: the seed of the kill points and the child's order shuffles.
+    const SEED: &str = "IDEMFLOW_ATOMIC_CRASH_SEED";
+    const ORDERS: usize = 96;
+    const CONCURRENCY: usize = 16;
+    const KILLS: usize = 3;
+    const CRASH_LEASE: Duration = Duration::from_millis(1500);
+
+    type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+    type PhaseMaker = Arc<dyn Fn(String) -> Box<dyn AtomicPhase> + Send + Sync>;
+
+    /// SplitMix64: the seeded choices of a run.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    pub enum Target {
+        Sqlite(PathBuf),
+        /// URL and schema.
+        Postgres(String, String),
+        /// Server URL and database name.
+        Mysql(String, String),
+    }
+
+    impl Target {
+        fn encode(&self) -> String {
+            match self {
+                Target::Sqlite(p) => format!("sqlite\t{}", p.display()),
+                Target::Postgres(u, s) => format!("postgres\t{s}\t{u}"),
+                Target::Mysql(u, d) => format!("mysql\t{d}\t{u}"),
+            }
+        }
+        fn decode(s: &str) -> Target {
+            let parts: Vec<&str> = s.splitn(3, '\t').collect();
+            match parts.as_slice() {
+                ["sqlite", p] => Target::Sqlite(PathBuf::from(p)),
+                ["postgres", s, u] => Target::Postgres((*u).into(), (*s).into()),
+                ["mysql", d, u] => Target::Mysql((*u).into(), (*d).into()),
+                _ => panic!("{CHILD}={s:?} names no database"),
+            }
+        }
+    }
+
+    /// One process's handles on the database.
+    struct Db {
+        store: Arc<dyn Store>,
+        phase: PhaseMaker,
+        /// The number of rows of an order.
+        rows: Arc<dyn Fn(String) -> BoxFuture<i64> + Send + Sync>,
+        /// An application write outside any phase on the tally row every phase updates.
+        bump: Arc<dyn Fn() -> BoxFuture<Result<(), String>> + Send + Sync>,
+        /// How many of these server sessions (printed by a child as `conn <id>`) are still open.
+        alive: Arc<dyn Fn(Vec<u64>) -> BoxFuture<usize> + Send + Sync>,
+    }
+
+    fn order_name(i: usize) -> String {
+        format!("crash-{i:03}")
+    }
+
+    /// Creates the application's tables next to idemflow's.
+    async fn set_up(target: &Target) {
+        let ddl: [&'static str; 3] = match target {
+            Target::Mysql(..) => [
+                "CREATE TABLE orders (id VARCHAR(64) NOT NULL, amount BIGINT NOT NULL, KEY (id)) ENGINE=InnoDB",
+                "CREATE TABLE tally (id INT PRIMARY KEY, n BIGINT NOT NULL) ENGINE=InnoDB",
+                "INSERT INTO tally (id, n) VALUES (1, 0)",
+            ],
+            _ => [
+                "CREATE TABLE orders (id TEXT NOT NULL, amount BIGINT NOT NULL)",
+                "CREATE TABLE tally (id INTEGER PRIMARY KEY, n BIGINT NOT NULL)",
+                "INSERT INTO tally (id, n) VALUES (1, 0)",
+            ],
+        };
+        match target {
+            #[cfg(feature = "sqlite")]
+            Target::Sqlite(path) => {
+                let store = idemflow::store::sqlite::SqliteStore::connect(&sqlite_url(path))
+                    .await
+                    .unwrap();
+                store.migrate().await.unwrap();
+                for q in ddl {
+                    sqlx::query(q).execute(store.writer_pool()).await.unwrap();
+                }
+            }
+            #[cfg(feature = "postgres")]
+            Target::Postgres(url, schema) => {
+                let pool = support::postgres::pool_in(url, schema, 2).await;
+                idemflow::store::postgres::PostgresStore::from_pool(pool.clone())
+                    .migrate()
+                    .await
+                    .unwrap();
+                for q in ddl {
+                    sqlx::query(q).execute(&pool).await.unwrap();
+                }
+            }
+            #[cfg(feature = "mysql")]
+            Target::Mysql(url, name) => {
+                use std::str::FromStr;
+                let options = sqlx::mysql::MySqlConnectOptions::from_str(url)
+                    .unwrap()
+                    .database(name);
+                let pool = support::mysql::pool_for(&options, 2).await;
+                idemflow::store::mysql::MySqlStore::from_pool(pool.clone())
+                    .migrate()
+                    .await
+                    .unwrap();
+                for q in ddl {
+                    sqlx::query(q).execute(&pool).await.unwrap();
+                }
+            }
+            #[allow(unreachable_patterns)]
+            other => panic!("{other:?}: backend not compiled in"),
+        }
+    }
+
+    #[cfg(feature = "sqlite")]
+    fn sqlite_url(path: &std::path::Path) -> String {
+        format!("sqlite://{}", path.display())
+    }
+
+    /// Opens the database; `child` prints each server session it opens (`conn <id>`), so the
+    /// parent can wait until the killed child's sessions are gone before it reads.
+    async fn open(target: &Target, child: bool) -> Db {
+        match target {
+            #[cfg(feature = "sqlite")]
+            Target::Sqlite(path) => {
+                use idemflow::store::sqlite::SqliteStore;
+                let url = sqlite_url(path);
+                let store = SqliteStore::connect(&url).await.unwrap();
+                let app = {
+                    use std::str::FromStr;
+                    sqlx::sqlite::SqlitePoolOptions::new()
+                        .max_connections(2)
+                        .connect_with(
+                            sqlx::sqlite::SqliteConnectOptions::from_str(&url)
+                                .unwrap()
+                                .busy_timeout(Duration::from_secs(5)),
+                        )
+                        .await
+                        .unwrap()
+                };
+                let phase_store = store.clone();
+                let (rows_pool, bump_pool) = (app.clone(), app);
+                Db {
+                    store: Arc::new(store),
+                    phase: Arc::new(move |id: String| {
+                        Box::new(phase_store.atomic_phase(move |conn| {
+                            let id = id.clone();
+                            Box::pin(async move {
+                                sqlx::query("INSERT INTO orders (id, amount) VALUES (?, 1500)")
+                                    .bind(&id)
+                                    .execute(&mut *conn)
+                                    .await?;
+                                sqlx::query("UPDATE tally SET n = n + 1 WHERE id = 1")
+                                    .execute(&mut *conn)
+                                    .await?;
+                                Ok(StoredResponse::json(201, &json!({"order": id}))?)
+                            })
+                        })) as Box<dyn AtomicPhase>
+                    }),
+                    rows: Arc::new(move |id| {
+                        let pool = rows_pool.clone();
+                        Box::pin(async move {
+                            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders WHERE id = ?")
+                                .bind(id)
+                                .fetch_one(&pool)
+                                .await
+                                .unwrap()
+                        })
+                    }),
+                    bump: Arc::new(move || {
+                        let pool = bump_pool.clone();
+                        Box::pin(async move {
+                            sqlx::query("UPDATE tally SET n = n + 1 WHERE id = 1")
+                                .execute(&pool)
+                                .await
+                                .map(|_| ())
+                                .map_err(|e| e.to_string())
+                        })
+                    }),
+                    // A killed process holds no SQLite lock: nothing to wait for.
+                    alive: Arc::new(|_| Box::pin(async { 0 })),
+                }
+            }
+            #[cfg(feature = "postgres")]
+            Target::Postgres(url, schema) => {
+                use idemflow::store::postgres::PostgresStore;
+                use std::str::FromStr;
+                let options = sqlx::postgres::PgConnectOptions::from_str(url)
+                    .unwrap()
+                    .options([("search_path", schema.as_str())]);
+                let mut pool = sqlx::postgres::PgPoolOptions::new().max_connections(24);
+                if child {
+                    pool = pool.after_connect(|conn, _| {
+                        Box::pin(async move {
+                            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                                .fetch_one(&mut *conn)
+                                .await?;
+                            println!("conn {pid}");
+                            Ok(())
+                        })
+                    });
+                }
+                let pool = pool.connect_with(options).await.unwrap();
+                let store = PostgresStore::from_pool(pool.clone());
+                let phase_store = store.clone();
+                let (rows_pool, bump_pool, alive_pool) = (pool.clone(), pool.clone(), pool);
+                Db {
+                    store: Arc::new(store),
+                    phase: Arc::new(move |id: String| {
+                        Box::new(phase_store.atomic_phase(move |tx| {
+                            Box::pin(async move {
+                                sqlx::query("INSERT INTO orders (id, amount) VALUES ($1, 1500)")
+                                    .bind(&id)
+                                    .execute(&mut *tx)
+                                    .await?;
+                                sqlx::query("UPDATE tally SET n = n + 1 WHERE id = 1")
+                                    .execute(&mut *tx)
+                                    .await?;
+                                Ok(StoredResponse::json(201, &json!({"order": id}))?)
+                            })
+                        })) as Box<dyn AtomicPhase>
+                    }),
+                    rows: Arc::new(move |id| {
+                        let pool = rows_pool.clone();
+                        Box::pin(async move {
+                            sqlx::query_scalar::<_, i64>(
+                                "SELECT count(*) FROM orders WHERE id = $1",
+                            )
+                            .bind(id)
+                            .fetch_one(&pool)
+                            .await
+                            .unwrap()
+                        })
+                    }),
+                    bump: Arc::new(move || {
+                        let pool = bump_pool.clone();
+                        Box::pin(async move {
+                            sqlx::query("UPDATE tally SET n = n + 1 WHERE id = 1")
+                                .execute(&pool)
+                                .await
+                                .map(|_| ())
+                                .map_err(|e| e.to_string())
+                        })
+                    }),
+                    alive: Arc::new(move |ids| {
+                        let pool = alive_pool.clone();
+                        Box::pin(async move {
+                            let ids: Vec<i32> = ids.into_iter().map(|i| i as i32).collect();
+                            sqlx::query_scalar::<_, i64>(
+                                "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)",
+                            )
+                            .bind(ids)
+                            .fetch_one(&pool)
+                            .await
+                            .unwrap() as usize
+                        })
+                    }),
+                }
+            }
+            #[cfg(feature = "mysql")]
+            Target::Mysql(url, name) => {
+                use idemflow::store::mysql::MySqlStore;
+                use std::str::FromStr;
+                let options = sqlx::mysql::MySqlConnectOptions::from_str(url)
+                    .unwrap()
+                    .database(name);
+                let mut pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(24);
+                if child {
+                    pool = pool.after_connect(|conn, _| {
+                        Box::pin(async move {
+                            let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+                                .fetch_one(&mut *conn)
+                                .await?;
+                            println!("conn {id}");
+                            Ok(())
+                        })
+                    });
+                }
+                let pool = pool.connect_with(options).await.unwrap();
+                let store = MySqlStore::from_pool(pool.clone());
+                let phase_store = store.clone();
+                let (rows_pool, bump_pool, alive_pool) = (pool.clone(), pool.clone(), pool);
+                Db {
+                    store: Arc::new(store),
+                    phase: Arc::new(move |id: String| {
+                        Box::new(phase_store.atomic_phase(move |tx| {
+                            Box::pin(async move {
+                                sqlx::query("INSERT INTO orders (id, amount) VALUES (?, 1500)")
+                                    .bind(&id)
+                                    .execute(&mut *tx)
+                                    .await?;
+                                sqlx::query("UPDATE tally SET n = n + 1 WHERE id = 1")
+                                    .execute(&mut *tx)
+                                    .await?;
+                                Ok(StoredResponse::json(201, &json!({"order": id}))?)
+                            })
+                        })) as Box<dyn AtomicPhase>
+                    }),
+                    rows: Arc::new(move |id| {
+                        let pool = rows_pool.clone();
+                        Box::pin(async move {
+                            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders WHERE id = ?")
+                                .bind(id)
+                                .fetch_one(&pool)
+                                .await
+                                .unwrap()
+                        })
+                    }),
+                    bump: Arc::new(move || {
+                        let pool = bump_pool.clone();
+                        Box::pin(async move {
+                            sqlx::query("UPDATE tally SET n = n + 1 WHERE id = 1")
+                                .execute(&pool)
+                                .await
+                                .map(|_| ())
+                                .map_err(|e| e.to_string())
+                        })
+                    }),
+                    alive: Arc::new(move |ids| {
+                        let pool = alive_pool.clone();
+                        Box::pin(async move {
+                            if ids.is_empty() {
+                                return 0;
+                            }
+                            let list: Vec<String> = ids.iter().map(u64::to_string).collect();
+                            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                                "SELECT count(*) FROM information_schema.processlist WHERE id IN ({})",
+                                list.join(",")
+                            )))
+                            .fetch_one(&pool)
+                            .await
+                            .unwrap() as usize
+                        })
+                    }),
+                }
+            }
+            #[allow(unreachable_patterns)]
+            other => panic!("{other:?}: backend not compiled in"),
+        }
+    }
+
+    fn executor(db: &Db) -> Idempotency {
+        // The charge step stands for a provider call that dedupes same-key re-sends, so a retry
+        // may take it over; the atomic step is never taken over (its lease guards a transaction).
+        Idempotency::new(db.store.clone())
+            .lease(CRASH_LEASE)
+            .retry_takeover_window(Some(Duration::from_secs(3600)))
+    }
+
+    /// The checkout workflow of every order (the order is the workflow's key): the atomic phase,
+    /// printed `phase <order> new|replay` once it is acknowledged (when `print`, in the child),
+    /// then the charge.
+    fn checkout_op(
+        phase: PhaseMaker,
+        print: bool,
+    ) -> impl Fn(Context) -> BoxFuture<Outcome> + Clone + Send + Sync + 'static {
+        move |ctx: Context| {
+            let phase = phase.clone();
+            Box::pin(async move {
+                let order = ctx.id().key.as_str().to_owned();
+                let step = Step::new("create_order", &json!({"order": order})).unwrap();
+                match ctx.atomic_step(step, phase(order.clone())).await {
+                    Ok(e) if print => {
+                        let how = if e.is_replay() { "replay" } else { "new" };
+                        println!("phase {order} {how}");
+                    }
+                    Ok(_) => {}
+                    Err(e) => return Outcome::from_step_error(&e),
+                }
+                let charge = Step::new("charge", &json!({"amount": 1500})).unwrap();
+                match ctx
+                    .step(charge, |_| async {
+                        Outcome::Succeeded(
+                            StoredResponse::json(201, &json!({"charged": 1500})).unwrap(),
+                        )
+                    })
+                    .await
+                {
+                    Ok(_) => {
+                        Outcome::Succeeded(StoredResponse::json(201, &json!({"ok": true})).unwrap())
+                    }
+                    Err(e) => Outcome::from_step_error(&e),
+                }
+            })
+        }
+    }
+
+    /// The child: every order, 16 at a time, retried (same key) until its workflow answers;
+    /// `done <order>` once it has. A sweeper with the workflow's resumer runs beside.
+    async fn child_run(target: &Target, seed: u64) {
+        let db = open(target, true).await;
+        let idem = executor(&db);
+        let op = checkout_op(db.phase.clone(), true);
+        let sweeper = Sweeper::new(db.store.clone(), Providers::new())
+            .lease(CRASH_LEASE)
+            .resumer("checkout", idem.clone(), op.clone());
+        tokio::spawn(async move {
+            sweeper
+                .run(Duration::from_millis(200), std::future::pending())
+                .await
+        });
+        let mut rng = Rng(seed);
+        let mut orders: Vec<String> = (0..ORDERS).map(order_name).collect();
+        for i in (1..orders.len()).rev() {
+            orders.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        let queue = Arc::new(std::sync::Mutex::new(VecDeque::from(orders)));
+        let mut workers = Vec::new();
+        for _ in 0..CONCURRENCY {
+            let (queue, idem, op) = (queue.clone(), idem.clone(), op.clone());
+            workers.push(tokio::spawn(async move {
+                loop {
+                    let Some(order) = queue.lock().unwrap().pop_front() else {
+                        return;
+                    };
+                    match idem.execute(checkout(&order), op.clone()).await {
+                        Ok(_) => println!("done {order}"),
+                        Err(_) => {
+                            queue.lock().unwrap().push_back(order);
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                    }
+                }
+            }));
+        }
+        for w in workers {
+            w.await.unwrap();
+        }
+    }
+
+    /// The child of the crash tests, selected by [`CHILD`]. Run alone, it runs every order to its
+    /// end on a temporary SQLite file and checks them.
+    #[test]
+    #[ignore = "the child process of the atomic-phase crash tests"]
+    fn child() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        match std::env::var(CHILD) {
+            Ok(spec) => {
+                let seed = std::env::var(CHILD_SEED)
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(1);
+                rt.block_on(child_run(&Target::decode(&spec), seed));
+            }
+            Err(_) => rt.block_on(async {
+                #[cfg(feature = "sqlite")]
+                {
+                    let path = tempfile::tempdir().unwrap().keep().join("alone.db");
+                    let target = Target::Sqlite(path);
+                    set_up(&target).await;
+                    child_run(&target, 7).await;
+                    let db = open(&target, false).await;
+                    check(&db, &BTreeSet::new(), &BTreeSet::new(), true).await;
+                }
+            }),
+        }
+    }
+
+    /// Checks every order against its rows and its step's history; `all_done`: every order must
+    /// have finished. Returns how many `create_order` steps are done.
+    async fn check(
+        db: &Db,
+        phases: &BTreeSet<String>,
+        done: &BTreeSet<String>,
+        all_done: bool,
+    ) -> usize {
+        let mut steps_done = 0;
+        for i in 0..ORDERS {
+            let order = order_name(i);
+            let wf = checkout(&order).id().clone();
+            let step = step_key(&wf, 0);
+            let record = db.store.get(&step).await.unwrap();
+            let state = record.as_ref().map(|r| r.state);
+            let rows = (db.rows)(order.clone()).await;
+            let is_done = state == Some(KeyState::Done);
+            steps_done += usize::from(is_done);
+            assert_eq!(
+                rows,
+                i64::from(is_done),
+                "{order}: its create_order step is {state:?} but it has {rows} order rows"
+            );
+            if phases.contains(&order) {
+                assert!(is_done, "{order}: phase acknowledged, step {state:?}");
+            }
+            let history = db.store.history(&step).await.unwrap();
+            assert_eq!(
+                history.last().and_then(|e| e.to),
+                state,
+                "{order}: the step's history does not end in its state: {history:?}"
+            );
+            if let Some(p) = history.iter().position(|e| e.to == Some(KeyState::Done)) {
+                assert_eq!(
+                    p,
+                    history.len() - 1,
+                    "{order}: a transition after done: {history:?}"
+                );
+            }
+            let workflow = db.store.get(&wf).await.unwrap().map(|r| r.state);
+            let charge = db
+                .store
+                .get(&step_key(&wf, 1))
+                .await
+                .unwrap()
+                .map(|r| r.state);
+            if done.contains(&order) || all_done {
+                assert_eq!(workflow, Some(KeyState::Done), "{order}: workflow answered");
+                assert!(is_done, "{order}: workflow answered, step {state:?}");
+                assert_eq!(charge, Some(KeyState::Done), "{order}: workflow answered");
+            }
+            if charge.is_some() {
+                assert!(is_done, "{order}: charged before its order committed");
+            }
+        }
+        steps_done
+    }
+
+    /// The second process: plain keys through a store handle of its own, each bumping the tally
+    /// row the phases update; returns the keys it was told are done.
+    async fn second_writer(target: Target, stop: Arc<AtomicBool>) -> (Vec<String>, usize) {
+        let db = open(&target, false).await;
+        let idem = Idempotency::new(db.store.clone()).lease(CRASH_LEASE);
+        let (mut acked, mut refused) = (Vec::new(), 0);
+        let mut i = 0;
+        while !stop.load(Ordering::Relaxed) {
+            let key = format!("w-{i}");
+            i += 1;
+            let bump = db.bump.clone();
+            let r = idem
+                .execute(
+                    IdempotentRequest::new("shop", &key, "note", &json!({"k": key})).unwrap(),
+                    |_| async move {
+                        match bump().await {
+                            Ok(()) => Outcome::Succeeded(StoredResponse::new(204)),
+                            Err(e) => Outcome::retryable(e),
+                        }
+                    },
+                )
+                .await;
+            match r {
+                Ok(_) => acked.push(key),
+                Err(_) => refused += 1,
+            }
+        }
+        (acked, refused)
+    }
+
+    fn record(
+        line: &str,
+        phases: &mut BTreeSet<String>,
+        done: &mut BTreeSet<String>,
+        conns: &mut Vec<u64>,
+    ) -> bool {
+        let mut words = line.split_whitespace();
+        match (words.next(), words.next(), words.next()) {
+            (Some("phase"), Some(o), how) => {
+                phases.insert(o.to_owned());
+                return how == Some("new");
+            }
+            (Some("done"), Some(o), None) => {
+                done.insert(o.to_owned());
+            }
+            (Some("conn"), Some(id), None) => conns.push(id.parse().unwrap()),
+            _ => {}
+        }
+        false
+    }
+
+    pub fn kill_during_phases(target: Target) {
+        let seed = std::env::var(SEED)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
+        println!("{target:?}: {SEED}={seed}");
+        let mut rng = Rng(seed);
+        let started = std::time::Instant::now();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(set_up(&target));
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = rt.spawn(second_writer(target.clone(), stop.clone()));
+        let logs = tempfile::tempdir().unwrap();
+        let (mut phases, mut done) = (BTreeSet::new(), BTreeSet::new());
+        for kill in 0..KILLS {
+            let threshold = 4 + rng.below(12) as usize;
+            let stderr = logs.path().join(format!("child-{kill}.err"));
+            let mut child = Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "crash::child",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(CHILD, target.encode())
+                .env(CHILD_SEED, rng.next().to_string())
+                .stdout(Stdio::piped())
+                .stderr(std::fs::File::create(&stderr).unwrap())
+                .spawn()
+                .unwrap();
+            let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+            let (mut new, mut conns) = (0, Vec::new());
+            for line in lines.by_ref() {
+                let Ok(line) = line else { break };
+                if record(&line, &mut phases, &mut done, &mut conns) {
+                    new += 1;
+                    if new >= threshold {
+                        break;
+                    }
+                }
+            }
+            assert!(
+                new >= threshold,
+                "seed {seed}, kill {kill}: the child stopped after {new} new phases: {}",
+                std::fs::read_to_string(&stderr).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(rng.below(30)));
+            child.kill().unwrap();
+            // What the child printed before it died is still in the pipe: acknowledged too.
+            for line in lines {
+                let Ok(line) = line else { break };
+                record(&line, &mut phases, &mut done, &mut conns);
+            }
+            let status = child.wait().unwrap();
+            assert!(
+                !status.success(),
+                "seed {seed}: the child was killed, not finished"
+            );
+            rt.block_on(async {
+                let db = open(&target, false).await;
+                // A killed child's server sessions may still be finishing a COMMIT they received:
+                // read once they are gone.
+                let deadline = std::time::Instant::now() + Duration::from_secs(120);
+                while (db.alive)(conns.clone()).await > 0 {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "seed {seed}: the killed child's sessions stay open"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let steps = check(&db, &phases, &done, false).await;
+                println!(
+                    "{:?}: kill {kill} after {new} new phases; {} phases and {} workflows acknowledged, {steps} steps done",
+                    started.elapsed(),
+                    phases.len(),
+                    done.len()
+                );
+            });
+        }
+        stop.store(true, Ordering::Relaxed);
+        let (written, refused) = rt.block_on(writer).unwrap();
+        rt.block_on(async {
+            let db = open(&target, false).await;
+            let idem = executor(&db);
+            let op = checkout_op(db.phase.clone(), false);
+            let sweeper = Sweeper::new(db.store.clone(), Providers::new()).lease(CRASH_LEASE);
+            let mut pending: BTreeSet<String> = (0..ORDERS).map(order_name).collect();
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            while !pending.is_empty() {
+                sweeper.run_once().await.unwrap();
+                // The client retries, 16 at a time.
+                let queue = Arc::new(std::sync::Mutex::new(
+                    pending.iter().cloned().collect::<Vec<_>>(),
+                ));
+                let mut retries = Vec::new();
+                for _ in 0..CONCURRENCY {
+                    let (queue, idem, op) = (queue.clone(), idem.clone(), op.clone());
+                    retries.push(tokio::spawn(async move {
+                        let mut finished = Vec::new();
+                        loop {
+                            let next = queue.lock().unwrap().pop();
+                            let Some(order) = next else { break };
+                            if idem.execute(checkout(&order), op.clone()).await.is_ok() {
+                                finished.push(order);
+                            }
+                        }
+                        finished
+                    }));
+                }
+                for r in retries {
+                    for order in r.await.unwrap() {
+                        pending.remove(&order);
+                    }
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "seed {seed}: orders never finished: {pending:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            assert_eq!(check(&db, &phases, &done, true).await, ORDERS);
+            for key in &written {
+                let id = IdempotentRequest::new("shop", key, "note", &json!({"k": key}))
+                    .unwrap()
+                    .id()
+                    .clone();
+                assert_eq!(
+                    db.store.get(&id).await.unwrap().map(|r| r.state),
+                    Some(KeyState::Done),
+                    "seed {seed}: the second process's acknowledged {key}"
+                );
+            }
+            println!(
+                "{:?}: {ORDERS} orders done once; the second process wrote {} keys ({refused} refused)",
+                started.elapsed(),
+                written.len()
+            );
+        });
+    }
+}
+
+/// SIGKILL during atomic phases on a SQLite file, with a second process writing.
+#[cfg(feature = "sqlite")]
+#[test]
+fn sqlite_file_phases_survive_kills() {
+    let dir = tempfile::tempdir().unwrap().keep();
+    crash::kill_during_phases(crash::Target::Sqlite(dir.join("crash.db")));
+}
+
+/// SIGKILL during atomic phases on PostgreSQL, with a second process writing.
+#[cfg(feature = "postgres")]
+#[test]
+fn postgres_phases_survive_kills() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let Some((url, schema)) = rt.block_on(support::postgres::fresh_schema()) else {
+        return;
+    };
+    drop(rt);
+    crash::kill_during_phases(crash::Target::Postgres(url, schema));
+}
+
+/// SIGKILL during atomic phases on MariaDB, with a second process writing.
+#[cfg(feature = "mysql")]
+#[test]
+fn mysql_phases_survive_kills() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let Some((_, name)) = rt.block_on(support::mysql::fresh_database()) else {
+        return;
+    };
+    drop(rt);
+    let url = std::env::var(support::mysql::URL_VAR).unwrap();
+    crash::kill_during_phases(crash::Target::Mysql(url, name));
 }
