@@ -165,7 +165,7 @@ const ORDERS: usize = 40;
 /// The service is killed when Stripe has seen this many PaymentIntents (mid-load).
 const KILL_AT: [usize; 3] = [8, 18, 28];
 /// The fakes keep injecting faults this long after the load starts.
-const FAULTS_FOR: Duration = Duration::from_secs(10);
+const FAULTS_FOR: Duration = Duration::from_secs(6);
 
 /// The child process of [`a_judge_sees_one_charge_one_receipt_and_one_answer_per_order`]: the
 /// example's `serve`, configured from the environment exactly as its `main` is.
@@ -219,10 +219,10 @@ async fn spawn_service(env: &[(&str, String)]) -> (ServiceProcess, String) {
         for line in std::io::BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
             // libtest prints `test NAME ... ` on the same line first.
-            if let Some((_, addr)) = line.split_once("checkout_service listening on ") {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(addr.trim().to_owned());
-                }
+            if let Some((_, addr)) = line.split_once("checkout_service listening on ")
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(addr.trim().to_owned());
             }
         }
     });
@@ -384,7 +384,7 @@ async fn drive_order(
         let url = base.borrow().clone();
         // Two concurrent requests of one try: the one still running when the other gets the
         // final answer rightly gets 409 / 503; `done` is what the client knew when it sent them.
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             let (a, b) = tokio::join!(
                 send_order(&client, &url, &key, &body),
                 send_order(&client, &url, &key, &body)
@@ -597,7 +597,7 @@ async fn a_judge_sees_one_charge_one_receipt_and_one_answer_per_order() {
             s.first_at.map(|at| (at, i, s.before_final.clone()))
         })
         .collect();
-    slowest.sort_by(|a, b| b.0.cmp(&a.0));
+    slowest.sort_by_key(|s| std::cmp::Reverse(s.0));
     let slowest: Vec<_> = slowest
         .iter()
         .take(3)
