@@ -277,7 +277,8 @@ pub fn sweeper(idem: &Idempotency, shop: Arc<Shop>) -> Sweeper {
     )
 }
 
-async fn serve(settings: Settings) -> Result<(), Box<dyn std::error::Error>> {
+/// What `main` runs: the store, the layer on `listen_addr` and the sweeper, until Ctrl-C.
+pub async fn serve(settings: Settings) -> Result<(), Box<dyn std::error::Error>> {
     let (idem, shop) = connect(&settings).await?;
     let listener = tokio::net::TcpListener::bind(&settings.listen_addr)
         .await
