@@ -319,6 +319,58 @@ async fn stripe_lost_response_without_retry_is_unknown_then_retry_replays() {
     assert_eq!(fake.ledger().count_for_key("idf_u"), 1);
 }
 
+/// A decline whose answer was lost: the re-send gets Stripe's saved 402, which is the key's own
+/// answer (Stripe saves the first run's result and answers 409 while it runs), so it ends the
+/// call and, across a takeover, the key, as a permanent refusal.
+#[tokio::test]
+async fn a_stripe_decline_after_a_lost_answer_is_definitive() {
+    let fake = FakeStripe::start().await.unwrap();
+    let declined =
+        json!({"amount": 500, "currency": "usd", "payment_method": FakeStripe::DECLINED_CARD});
+    // Within one call: the retry loop's second attempt gets the saved decline.
+    fake.faults().lose_next_response();
+    let out = stripe(fake.base_url(), 3)
+        .call("idf_lost_decline", &declined)
+        .await;
+    assert!(
+        matches!(&out, CallOutcome::Rejected { response } if response.status() == 402),
+        "{out:?}"
+    );
+    assert_eq!(fake.ledger().count_for_key("idf_lost_decline"), 1);
+
+    #[cfg(feature = "sqlite")]
+    {
+        use std::sync::Arc;
+
+        use idemflow::store::sqlite::SqliteStore;
+        use idemflow::{Error, Idempotency, IdempotentRequest, KeyState, Store};
+
+        // Across attempts: the first call's answer is lost, the client's retry takes the key
+        // over and gets the saved decline.
+        let sqlite = SqliteStore::connect("sqlite::memory:").await.unwrap();
+        sqlite.migrate().await.unwrap();
+        let store: Arc<dyn Store> = Arc::new(sqlite);
+        let idem =
+            Idempotency::new(store.clone()).retry_takeover_window(Some(Duration::from_secs(3600)));
+        let s = stripe(fake.base_url(), 1);
+        let req =
+            || IdempotentRequest::new("shop", "k-decl", "payments.create", &declined).unwrap();
+        fake.faults().lose_next_response();
+        let first = idem.call(req(), &s).await;
+        assert!(
+            matches!(first, Err(Error::OutcomeUnknown { .. })),
+            "{first:?}"
+        );
+        let again = idem.call(req(), &s).await;
+        assert!(
+            matches!(&again, Ok(e) if e.response().status() == 402),
+            "the saved decline ends the key: {again:?}"
+        );
+        let row = store.get(req().id()).await.unwrap().unwrap();
+        assert_eq!(row.state, KeyState::Failed { retryable: false });
+    }
+}
+
 #[tokio::test]
 async fn stripe_fake_errors_map_to_outcomes() {
     let fake = FakeStripe::start().await.unwrap();

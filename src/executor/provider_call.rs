@@ -38,11 +38,11 @@ impl Idempotency {
                 .into_outcome()
             {
                 // After an earlier attempt of the key that may have acted (a takeover), only a
-                // refusal the provider reports about the key's own request (a 2xx with a
-                // refused or failed payment) ends the key; any other refusal may answer this
+                // refusal the provider reports about the key's own request
+                // (`Provider::definitive_refusal`) ends the key; any other refusal may answer this
                 // re-send alone while the first still runs, so the sweeper settles the key.
                 crate::Outcome::Rejected(resp)
-                    if ctx.may_have_acted && !(200..300).contains(&resp.status()) =>
+                    if ctx.may_have_acted && !provider.definitive_refusal(&resp) =>
                 {
                     crate::Outcome::unknown(format!(
                         "an earlier attempt may have acted; this one was refused with status {}, \

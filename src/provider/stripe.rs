@@ -15,7 +15,7 @@
 //! | Stripe answers                                        | [`CallOutcome`]                  |
 //! |-------------------------------------------------------|----------------------------------|
 //! | 2xx (`Idempotent-Replayed: true` sets `replayed`)     | `Succeeded`                      |
-//! | 402 (`card_error`: declined)                          | `Rejected`                       |
+//! | 402 (`card_error`: declined; definitive for the key)  | `Rejected`                       |
 //! | 400 `idempotency_error` (same key, other parameters)  | `KeyConflict`                    |
 //! | 409 (`idempotency_key_in_use`)                        | `InFlight { retry_after }`       |
 //! | 429 (rate limit, `lock_timeout`)                      | `Retryable { retry_after }`      |
@@ -148,10 +148,23 @@ impl Stripe {
             },
             _ => classify_status(reply),
         };
-        match should_retry {
+        let classified = match should_retry {
             Some(false) => Classified::final_answer(outcome),
             _ => Classified::new(outcome),
+        };
+        Classified {
+            definitive: declined(status, &err_type),
+            ..classified
         }
+    }
+
+    /// Whether `response` (a refusal) is a card decline, definitive for its key.
+    fn is_decline(response: &StoredResponse) -> bool {
+        let err_type = serde_json::from_slice::<serde_json::Value>(response.body())
+            .ok()
+            .and_then(|v| v.pointer("/error/type").and_then(|t| t.as_str().map(str::to_owned)))
+            .unwrap_or_default();
+        declined(response.status(), &err_type)
     }
 
     /// The search query for a provider key.
@@ -209,6 +222,13 @@ fn flatten(prefix: String, v: &Value, out: &mut Vec<(String, String)>) {
     }
 }
 
+/// Whether a reply of `status` with error type `err_type` is a card decline: Stripe ran the
+/// key's request and saved the decline as the key's answer (`docs/providers.md`, "Error ->
+/// outcome (cards)").
+fn declined(status: u16, err_type: &str) -> bool {
+    status == 402 && err_type == "card_error"
+}
+
 #[async_trait]
 impl Provider for Stripe {
     fn name(&self) -> &str {
@@ -219,6 +239,14 @@ impl Provider for Stripe {
     /// browser: never stored.
     fn secret_fields(&self) -> &[&str] {
         &["client_secret"]
+    }
+
+    /// A card decline (402 `card_error`) under the key: Stripe saves the result of the first
+    /// request that ran under a key and answers every later one with it, and answers 409 while
+    /// that request still runs, so a decline is the key's own answer however many attempts were
+    /// made; any other refusal is left to the sweeper.
+    fn definitive_refusal(&self, response: &StoredResponse) -> bool {
+        (200..300).contains(&response.status()) || Self::is_decline(response)
     }
 
     fn key_spec(&self) -> KeySpec {
