@@ -270,11 +270,14 @@ pub fn router(idem: Idempotency, shop: Arc<Shop>) -> Router {
 /// with [`checkout`], so an order finishes even when its client never retries.
 pub fn sweeper(idem: &Idempotency, shop: Arc<Shop>) -> Sweeper {
     let resume_shop = shop.clone();
-    Sweeper::new(idem.store().clone(), shop.providers()).resumer(
-        "checkout",
-        idem.clone(),
-        move |ctx| checkout(ctx, resume_shop.clone()),
-    )
+    Sweeper::new(idem.store().clone(), shop.providers())
+        .resumer("checkout", idem.clone(), move |ctx| {
+            checkout(ctx, resume_shop.clone())
+        })
+        // A service's own sweeper checks its few stuck orders again soon (2 s, doubling up to a
+        // minute) rather than the reconciler's 30 s: a client waiting on a lost answer gets its
+        // final answer within seconds. Stripe and Resend are re-driven with the same key.
+        .backoff(Duration::from_secs(2), Duration::from_secs(60))
 }
 
 /// What `main` runs: the store, the layer on `listen_addr` and the sweeper, until Ctrl-C.
@@ -291,7 +294,7 @@ pub async fn serve(settings: Settings) -> Result<(), Box<dyn std::error::Error>>
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let sweeping = tokio::spawn(async move {
         sweeper
-            .run(Duration::from_secs(5), async {
+            .run(Duration::from_secs(2), async {
                 let _ = stopped.await;
             })
             .await
