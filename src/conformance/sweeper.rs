@@ -604,11 +604,13 @@ pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
 /// send, so the empty result must not be trusted (search lag counts from the latest attempt, not
 /// from the key's creation). The client's next retry must not send a second email.
 pub async fn search_lag_counts_from_the_latest_attempt(store: Arc<dyn Store>) {
-    const LAG: Duration = Duration::from_millis(500);
+    // Long enough that the sweeper's lookup right after the lost send comes within the lag even
+    // on a loaded machine (with 500 ms, a lookup that came 500 ms late found the email).
+    const LAG: Duration = Duration::from_secs(3);
     let mail = FakeProvider::no_keys("mail");
     mail.lookup_lag(LAG);
     let scope = unique("lag-latest");
-    let idem = worker(&store);
+    let idem = live_worker(&store);
     let req = as_call(pay(&scope, "k1", 100), &mail);
     let first = idem
         .execute(req.clone(), |_ctx| async {
@@ -630,7 +632,7 @@ pub async fn search_lag_counts_from_the_latest_attempt(store: Arc<dyn Store>) {
     assert_eq!(mail.effects().len(), 1, "the second try sent the email");
     let r = row(&store, req.id()).await;
     assert!(r.may_have_acted);
-    assert!(r.last_attempt_at > r.created_at + chrono::Duration::milliseconds(500));
+    assert!(r.last_attempt_at > r.created_at + chrono::Duration::from_std(LAG).unwrap());
 
     let sw = sweeper(&store, &mail).backoff(Duration::from_millis(10), Duration::from_millis(10));
     let report = sw.run_once().await.unwrap();
@@ -1167,9 +1169,11 @@ pub async fn sweeper_paused_past_its_lease_renews_before_redriving(store: Arc<dy
     let (at, reached) = tokio::sync::oneshot::channel();
     cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
     wait_stale().await;
-    let lease = Duration::from_millis(300);
+    // The renewed lease must outlast the witness's two reads on a loaded machine (a 300 ms one
+    // did not); the batch still arrives after the first lease ran out.
+    let lease = Duration::from_secs(2);
     let slow: Arc<dyn Store> = Arc::new(
-        FaultyStore::new(store.clone()).answer_take_stale_late(lease + Duration::from_millis(200)),
+        FaultyStore::new(store.clone()).answer_take_stale_late(lease + Duration::from_millis(500)),
     );
     let witness = Arc::new(LeaseWitness {
         inner: cards.clone(),
