@@ -21,6 +21,8 @@
 //! * `IDEMFLOW_SIM_KNOWN_FINDINGS=0`: also fail on the checks tied to open findings (see
 //!   [`checks::OPEN_FINDINGS`]).
 
+#[path = "simulation/atomic.rs"]
+mod atomic;
 #[path = "simulation/backends.rs"]
 mod backends;
 #[path = "simulation/checks.rs"]
@@ -130,6 +132,24 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
 /// code. Each backend still runs its schedules many at once.
 static ONE_BACKEND_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The atomic phases' injected panics (`atomic::Fault::Panic`) are caught by the store's writer;
+/// their messages are left out of the test's output. Every other panic is printed as usual.
+fn quiet_injected_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let injected = info
+                .payload()
+                .downcast_ref::<&str>()
+                .is_some_and(|m| m.starts_with(atomic::INJECTED));
+            if !injected {
+                default(info);
+            }
+        }));
+    });
+}
+
 /// `with_workflows`: schedules may hold a workflow (see `world::run_case`).
 async fn simulate_seeds(
     backend: Backend,
@@ -139,6 +159,7 @@ async fn simulate_seeds(
     with_workflows: bool,
 ) {
     let _turn = ONE_BACKEND_AT_A_TIME.lock().await;
+    quiet_injected_panics();
     let name = backend.name();
     let single = verbose.then_some(());
     let parallel = env_u64("IDEMFLOW_SIM_PARALLEL")
@@ -171,12 +192,13 @@ async fn simulate_seeds(
         set.spawn(async move {
             let _permit = permit;
             let t0 = Instant::now();
-            let slot = match pool.take().await {
+            let file = with_workflows && world::on_file(seed);
+            let slot = match pool.take(file).await {
                 Ok(s) => s,
                 Err(e) => panic!("{}: cannot open a store: {e}", pool.name()),
             };
             let setup = t0.elapsed();
-            let r = run_case(seed, slot.store.clone(), with_workflows).await;
+            let r = run_case(seed, slot.store.clone(), slot.sqlite.clone(), with_workflows).await;
             let t1 = Instant::now();
             if let Err(e) = pool.give_back(slot).await {
                 panic!("{}: cannot empty a store: {e}", pool.name());
