@@ -83,6 +83,8 @@ pub struct AtomicSim {
     pub told: Mutex<Vec<Told>>,
     /// Every batched other caller's write: note id and whether it was told it committed.
     pub notes: Mutex<Vec<(String, bool)>>,
+    /// (step label, token) of the phases that wrote no app row (read-only runs).
+    pub read_only: Mutex<std::collections::BTreeSet<(String, i64)>>,
     /// Writes still running (batched notes): awaited at quiescence.
     pub pending: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     next_note: std::sync::atomic::AtomicU64,
@@ -96,6 +98,7 @@ impl AtomicSim {
             shared,
             told: Mutex::default(),
             notes: Mutex::default(),
+            read_only: Mutex::default(),
             pending: Mutex::default(),
             next_note: Default::default(),
         }
@@ -109,7 +112,18 @@ impl AtomicSim {
         }
     }
 
-    fn draw(&self) -> (Fault, bool) {
+    /// Whether the phase of (`label`, `token`) wrote no app row.
+    pub fn read_only(&self, label: &str, token: i64) -> bool {
+        self.read_only
+            .lock()
+            .unwrap()
+            .contains(&(label.to_owned(), token))
+    }
+
+    /// The phase's fault, whether it is batched, and whether it writes no app row (a phase that
+    /// only reads: then the step's record is its first write, which meets the other process's
+    /// lock or newer snapshot).
+    fn draw(&self) -> (Fault, bool, bool) {
         let mut rng = self.rng.lock().unwrap();
         let file = self.db.other.is_some();
         let w = [
@@ -128,7 +142,8 @@ impl AtomicSim {
             Fault::HoldLock,
             Fault::Snapshot,
         ][rng.weighted(&w)];
-        (fault, rng.chance(350))
+        let read_only = matches!(fault, Fault::HoldLock | Fault::Snapshot) && rng.chance(500);
+        (fault, rng.chance(350), read_only)
     }
 
     /// Waits for every batched write still running.
@@ -159,10 +174,17 @@ impl AtomicPhase for SimPhase {
     ) -> Result<StoredResponse, PhaseError> {
         let SimPhase { sim, label } = *self;
         park("phase.commit", "before", &label).await;
-        let (fault, batched) = sim.draw();
+        let (fault, batched, read_only) = sim.draw();
+        if read_only {
+            sim.read_only
+                .lock()
+                .unwrap()
+                .insert((label.clone(), token.0));
+        }
         sim.shared.lock().unwrap().trace.push(format!(
-            "    phase of {label} (token {}): {fault:?}{}",
+            "    phase of {label} (token {}): {fault:?}{}{}",
             token.0,
+            if read_only { ", reads only" } else { "" },
             if batched {
                 ", batched with others' writes"
             } else {
@@ -232,6 +254,12 @@ impl AtomicPhase for SimPhase {
                         }
                     }
                     Fault::None | Fault::Panic => {}
+                }
+                if read_only {
+                    return Ok(StoredResponse::json(
+                        200,
+                        &serde_json::json!({"order": row_label, "token": tok, "rows": 0}),
+                    )?);
                 }
                 sqlx::query("INSERT INTO sim_orders (step, token) VALUES (?, ?)")
                     .bind(&row_label)

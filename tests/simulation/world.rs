@@ -604,7 +604,8 @@ impl World {
         let generation = self.shared.lock().unwrap().generation(&key.label);
         match crate::atomic::step_rows(&sim.db.read, &key.id).await {
             Ok(Some((state, token, rows))) => {
-                if (state == "done") != (rows == 1) {
+                let expected = i64::from(state == "done" && !sim.read_only(&key.label, token));
+                if rows != expected {
                     self.report(
                         Check::AtomicRowsIffDone,
                         &key.label,
@@ -635,7 +636,8 @@ impl World {
                                 crate::atomic::step_rows(&sim.db.read, &k.id).await,
                                 crate::atomic::step_rows(&fresh, &k.id).await,
                             ) && let Some((state, token, rows)) = &b
-                                && (state == "done") != (*rows == 1)
+                                && *rows
+                                    != i64::from(state == "done" && !sim.read_only(&k.label, *token))
                             {
                                 let g = self.shared.lock().unwrap().generation(&k.label);
                                 self.report(
@@ -661,6 +663,7 @@ impl World {
             let Some(committed) = t.committed else {
                 continue;
             };
+            let committed = committed && !sim.read_only(&t.label, t.token);
             match crate::atomic::row_there(pool, &t.label, t.token).await {
                 Ok(there) if there != committed => self.violate(
                     Check::ToldWhatCommitted,
