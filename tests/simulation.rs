@@ -99,6 +99,33 @@ const REGRESSION_SEEDS: &[(u64, &str)] = &[
     ),
 ];
 
+/// Schedules with the actors added with workflows (atomic phases on SQLite, provider changes)
+/// that once broke a check, found on the code before its fixes (docs/reliability.md, "Atomic
+/// phases"). They run, with workflows, in `regression_seeds` too.
+const REGRESSION_SEEDS_WITH_WORKFLOWS: &[(u64, &str)] = &[
+    (
+        44,
+        "a trigger's RAISE(ROLLBACK) in a batched phase misled the batch's other callers",
+    ),
+    (
+        61,
+        "a panicking phase: its app row stayed while its step was processing",
+    ),
+    (252, "a panicking phase killed the writer task"),
+    (
+        397,
+        "a lone read-only phase met another process's lock: acknowledged writes gone after reopening",
+    ),
+    (
+        635,
+        "a read-only phase met another process's newer snapshot: later writes failed (517)",
+    ),
+    (
+        18,
+        "a phase that swallowed a RAISE(ROLLBACK) and wrote on was told rolled back, its row committed",
+    ),
+];
+
 /// Runs the simulation on `backend`; panics when a check not tied to an open finding fails.
 async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
     let single = env_u64("IDEMFLOW_SIM_SEED");
@@ -198,7 +225,13 @@ async fn simulate_seeds(
                 Err(e) => panic!("{}: cannot open a store: {e}", pool.name()),
             };
             let setup = t0.elapsed();
-            let r = run_case(seed, slot.store.clone(), slot.sqlite.clone(), with_workflows).await;
+            let r = run_case(
+                seed,
+                slot.store.clone(),
+                slot.sqlite.clone(),
+                with_workflows,
+            )
+            .await;
             let t1 = Instant::now();
             if let Err(e) = pool.give_back(slot).await {
                 panic!("{}: cannot empty a store: {e}", pool.name());
@@ -262,7 +295,12 @@ async fn simulate_seeds(
         );
     }
     for r in &results {
-        if let Some((_, what)) = REGRESSION_SEEDS.iter().find(|(s, _)| *s == r.seed) {
+        let listed = if with_workflows {
+            REGRESSION_SEEDS_WITH_WORKFLOWS
+        } else {
+            REGRESSION_SEEDS
+        };
+        if let Some((_, what)) = listed.iter().find(|(s, _)| *s == r.seed) {
             eprintln!(
                 "[sim {name}] regression seed {} ({what}): {}",
                 r.seed,
@@ -350,6 +388,11 @@ async fn simulate_seeds(
 async fn regression_seeds() {
     let seeds = REGRESSION_SEEDS.iter().map(|(s, _)| *s).collect();
     simulate_seeds(Backend::SqliteMemory, seeds, false, 8, false).await;
+    let seeds = REGRESSION_SEEDS_WITH_WORKFLOWS
+        .iter()
+        .map(|(s, _)| *s)
+        .collect();
+    simulate_seeds(Backend::SqliteMemory, seeds, false, 8, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -244,11 +244,12 @@ impl AtomicPhase for SimPhase {
                         }
                     }
                     Fault::Trigger | Fault::TriggerSwallowed => {
-                        let refused = sqlx::query("INSERT INTO sim_orders (step, token) VALUES (?, ?)")
-                            .bind(format!("boom/{row_label}"))
-                            .bind(tok)
-                            .execute(&mut *conn)
-                            .await;
+                        let refused =
+                            sqlx::query("INSERT INTO sim_orders (step, token) VALUES (?, ?)")
+                                .bind(format!("boom/{row_label}"))
+                                .bind(tok)
+                                .execute(&mut *conn)
+                                .await;
                         if fault == Fault::Trigger {
                             refused?;
                         }
@@ -294,11 +295,10 @@ impl AtomicPhase for SimPhase {
             Ok(resp) => format!("committed {}", resp.status()),
             Err(e) => e.to_string(),
         };
-        sim.shared
-            .lock()
-            .unwrap()
-            .trace
-            .push(format!("    phase of {label} (token {}) told: {what}", token.0));
+        sim.shared.lock().unwrap().trace.push(format!(
+            "    phase of {label} (token {}) told: {what}",
+            token.0
+        ));
         sim.told.lock().unwrap().push(Told {
             label: label.clone(),
             token: token.0,

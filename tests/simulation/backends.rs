@@ -85,9 +85,7 @@ async fn sqlite_open(file: bool) -> Result<Slot, String> {
     } else {
         config
     };
-    let s = SqliteStore::connect_with(config)
-        .await
-        .map_err(|x| e(&x))?;
+    let s = SqliteStore::connect_with(config).await.map_err(|x| e(&x))?;
     s.migrate().await.map_err(|x| e(&x))?;
     for sql in crate::atomic::SCHEMA {
         sqlx::query(sqlx::AssertSqlSafe(*sql))
@@ -99,7 +97,10 @@ async fn sqlite_open(file: bool) -> Result<Slot, String> {
         let opts = SqliteConnectOptions::from_str(&url).map_err(|x| e(&x))?;
         let other = SqlitePoolOptions::new()
             .max_connections(1)
-            .connect_with(opts.clone().busy_timeout(std::time::Duration::from_millis(50)))
+            .connect_with(
+                opts.clone()
+                    .busy_timeout(std::time::Duration::from_millis(50)),
+            )
             .await
             .map_err(|x| e(&x))?;
         let read = SqlitePoolOptions::new()

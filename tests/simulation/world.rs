@@ -228,10 +228,7 @@ impl World {
         id
     }
 
-    fn actor_body(
-        &mut self,
-        kind: Kind,
-    ) -> std::pin::Pin<Box<dyn Future<Output = String> + Send>> {
+    fn actor_body(&mut self, kind: Kind) -> std::pin::Pin<Box<dyn Future<Output = String> + Send>> {
         match kind {
             Kind::Client(k, tries) => {
                 // A client may retry through the other provider (a failover between attempts).
@@ -271,7 +268,10 @@ impl World {
                             let (summary, again) =
                                 client(exec.clone(), key.clone(), provider, shared.clone()).await;
                             if switch {
-                                (format!("via {}: {summary}", providers[1 - key.provider].name), again)
+                                (
+                                    format!("via {}: {summary}", providers[1 - key.provider].name),
+                                    again,
+                                )
                             } else {
                                 (summary, again)
                             }
@@ -610,7 +610,9 @@ impl World {
                         Check::AtomicRowsIffDone,
                         &key.label,
                         generation,
-                        format!("the step is {state} (token {token}) with {rows} app rows of its lease"),
+                        format!(
+                            "the step is {state} (token {token}) with {rows} app rows of its lease"
+                        ),
                     );
                 }
             }
@@ -630,14 +632,17 @@ impl World {
             if let Some(url) = sim.db.url.clone() {
                 match sqlx::SqlitePool::connect(&url).await {
                     Ok(fresh) => {
-                        self.check_told(&sim, &fresh, " after reopening the file").await;
+                        self.check_told(&sim, &fresh, " after reopening the file")
+                            .await;
                         for k in self.keys.clone().iter().filter(|k| k.local) {
                             if let (Ok(a), Ok(b)) = (
                                 crate::atomic::step_rows(&sim.db.read, &k.id).await,
                                 crate::atomic::step_rows(&fresh, &k.id).await,
                             ) && let Some((state, token, rows)) = &b
                                 && *rows
-                                    != i64::from(state == "done" && !sim.read_only(&k.label, *token))
+                                    != i64::from(
+                                        state == "done" && !sim.read_only(&k.label, *token),
+                                    )
                             {
                                 let g = self.shared.lock().unwrap().generation(&k.label);
                                 self.report(
@@ -726,9 +731,8 @@ impl World {
                 },
                 None => None,
             };
-            let seen = |r: &Option<idemflow::KeyRecord>| {
-                r.as_ref().map(|r| (r.state, r.lease_token.0))
-            };
+            let seen =
+                |r: &Option<idemflow::KeyRecord>| r.as_ref().map(|r| (r.state, r.lease_token.0));
             if let Some(after) = &after
                 && seen(after) != seen(&now)
             {
@@ -753,7 +757,11 @@ impl World {
                         format!(
                             "a client was told an answer, but the key is {:?}{}",
                             seen(&last),
-                            if fresh.is_some() { " after reopening the file" } else { "" }
+                            if fresh.is_some() {
+                                " after reopening the file"
+                            } else {
+                                ""
+                            }
                         ),
                     );
                 }
@@ -1264,7 +1272,11 @@ pub async fn run_case(
                     local,
                 });
             }
-            Some(Arc::new(AtomicSim::new(db.clone(), at_rng.fork(), shared.clone())))
+            Some(Arc::new(AtomicSim::new(
+                db.clone(),
+                at_rng.fork(),
+                shared.clone(),
+            )))
         }
         _ => None,
     };
