@@ -295,12 +295,17 @@ async fn simulate_seeds(
         );
     }
     for r in &results {
-        let listed = if with_workflows {
+        // The atomic phases' seeds are SQLite schedules with workflows.
+        let atomic: &[(u64, &str)] = if with_workflows && name == "sqlite" {
             REGRESSION_SEEDS_WITH_WORKFLOWS
         } else {
-            REGRESSION_SEEDS
+            &[]
         };
-        if let Some((_, what)) = listed.iter().find(|(s, _)| *s == r.seed) {
+        if let Some((_, what)) = REGRESSION_SEEDS
+            .iter()
+            .chain(atomic)
+            .find(|(s, _)| *s == r.seed)
+        {
             eprintln!(
                 "[sim {name}] regression seed {} ({what}): {}",
                 r.seed,
