@@ -4,7 +4,10 @@
 //! lag, lost responses, faults, hangs and purge, checking after every step and at quiescence that
 //! the provider acts at most once per key and that no effect is lost (see `docs/reliability.md`).
 //! Half the schedules also hold a workflow of two steps (a keyed charge, then a keyless email,
-//! through `Context::call_step`), whose steps are checked as keys of their own.
+//! through `Context::call_step`), whose steps are checked as keys of their own. On SQLite, some
+//! hold an atomic phase (`Context::atomic_step`, [`atomic`]), a few of them on a file with a
+//! second connection contending for its write lock; and a client's try may go through the other
+//! provider (a failover between attempts).
 //!
 //! The PRNG is our own SplitMix64 ([`rng`]), not proptest: the store under test is real (SQLite,
 //! PostgreSQL, MariaDB, Redis) and leases run on the database clock, so a schedule is a sequence
