@@ -4,7 +4,10 @@
 //! lag, lost responses, faults, hangs and purge, checking after every step and at quiescence that
 //! the provider acts at most once per key and that no effect is lost (see `docs/reliability.md`).
 //! Half the schedules also hold a workflow of two steps (a keyed charge, then a keyless email,
-//! through `Context::call_step`), whose steps are checked as keys of their own.
+//! through `Context::call_step`), whose steps are checked as keys of their own. On SQLite, some
+//! hold an atomic phase (`Context::atomic_step`, [`atomic`]), a few of them on a file with a
+//! second connection contending for its write lock; and a client's try may go through the other
+//! provider (a failover between attempts).
 //!
 //! The PRNG is our own SplitMix64 ([`rng`]), not proptest: the store under test is real (SQLite,
 //! PostgreSQL, MariaDB, Redis) and leases run on the database clock, so a schedule is a sequence
@@ -21,6 +24,8 @@
 //! * `IDEMFLOW_SIM_KNOWN_FINDINGS=0`: also fail on the checks tied to open findings (see
 //!   [`checks::OPEN_FINDINGS`]).
 
+#[path = "simulation/atomic.rs"]
+mod atomic;
 #[path = "simulation/backends.rs"]
 mod backends;
 #[path = "simulation/checks.rs"]
@@ -97,6 +102,33 @@ const REGRESSION_SEEDS: &[(u64, &str)] = &[
     ),
 ];
 
+/// Schedules with the actors added with workflows (atomic phases on SQLite, provider changes)
+/// that once broke a check, found on the code before its fixes (docs/reliability.md, "Atomic
+/// phases"). They run, with workflows, in `regression_seeds` too.
+const REGRESSION_SEEDS_WITH_WORKFLOWS: &[(u64, &str)] = &[
+    (
+        44,
+        "a trigger's RAISE(ROLLBACK) in a batched phase misled the batch's other callers",
+    ),
+    (
+        61,
+        "a panicking phase: its app row stayed while its step was processing",
+    ),
+    (252, "a panicking phase killed the writer task"),
+    (
+        397,
+        "a lone read-only phase met another process's lock: acknowledged writes gone after reopening",
+    ),
+    (
+        635,
+        "a read-only phase met another process's newer snapshot: later writes failed (517)",
+    ),
+    (
+        18,
+        "a phase that swallowed a RAISE(ROLLBACK) and wrote on was told rolled back, its row committed",
+    ),
+];
+
 /// Runs the simulation on `backend`; panics when a check not tied to an open finding fails.
 async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
     let single = env_u64("IDEMFLOW_SIM_SEED");
@@ -130,6 +162,24 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
 /// code. Each backend still runs its schedules many at once.
 static ONE_BACKEND_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The atomic phases' injected panics (`atomic::Fault::Panic`) are caught by the store's writer;
+/// their messages are left out of the test's output. Every other panic is printed as usual.
+fn quiet_injected_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let injected = info
+                .payload()
+                .downcast_ref::<&str>()
+                .is_some_and(|m| m.starts_with(atomic::INJECTED));
+            if !injected {
+                default(info);
+            }
+        }));
+    });
+}
+
 /// `with_workflows`: schedules may hold a workflow (see `world::run_case`).
 async fn simulate_seeds(
     backend: Backend,
@@ -139,6 +189,7 @@ async fn simulate_seeds(
     with_workflows: bool,
 ) {
     let _turn = ONE_BACKEND_AT_A_TIME.lock().await;
+    quiet_injected_panics();
     let name = backend.name();
     let single = verbose.then_some(());
     let parallel = env_u64("IDEMFLOW_SIM_PARALLEL")
@@ -171,12 +222,19 @@ async fn simulate_seeds(
         set.spawn(async move {
             let _permit = permit;
             let t0 = Instant::now();
-            let slot = match pool.take().await {
+            let file = with_workflows && world::on_file(seed);
+            let slot = match pool.take(file).await {
                 Ok(s) => s,
                 Err(e) => panic!("{}: cannot open a store: {e}", pool.name()),
             };
             let setup = t0.elapsed();
-            let r = run_case(seed, slot.store.clone(), with_workflows).await;
+            let r = run_case(
+                seed,
+                slot.store.clone(),
+                slot.sqlite.clone(),
+                with_workflows,
+            )
+            .await;
             let t1 = Instant::now();
             if let Err(e) = pool.give_back(slot).await {
                 panic!("{}: cannot empty a store: {e}", pool.name());
@@ -240,7 +298,17 @@ async fn simulate_seeds(
         );
     }
     for r in &results {
-        if let Some((_, what)) = REGRESSION_SEEDS.iter().find(|(s, _)| *s == r.seed) {
+        // The atomic phases' seeds are SQLite schedules with workflows.
+        let atomic: &[(u64, &str)] = if with_workflows && name == "sqlite" {
+            REGRESSION_SEEDS_WITH_WORKFLOWS
+        } else {
+            &[]
+        };
+        if let Some((_, what)) = REGRESSION_SEEDS
+            .iter()
+            .chain(atomic)
+            .find(|(s, _)| *s == r.seed)
+        {
             eprintln!(
                 "[sim {name}] regression seed {} ({what}): {}",
                 r.seed,
@@ -328,6 +396,11 @@ async fn simulate_seeds(
 async fn regression_seeds() {
     let seeds = REGRESSION_SEEDS.iter().map(|(s, _)| *s).collect();
     simulate_seeds(Backend::SqliteMemory, seeds, false, 8, false).await;
+    let seeds = REGRESSION_SEEDS_WITH_WORKFLOWS
+        .iter()
+        .map(|(s, _)| *s)
+        .collect();
+    simulate_seeds(Backend::SqliteMemory, seeds, false, 8, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

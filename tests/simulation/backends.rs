@@ -32,19 +32,11 @@ impl Backend {
         }
     }
 
-    /// A new migrated, empty store, and what to keep to empty and drop it.
-    async fn open(&self) -> Result<Slot, String> {
+    /// A new migrated, empty store, and what to keep to empty and drop it. `file`: on SQLite, a
+    /// database file of its own (in a temporary directory) instead of one in memory.
+    async fn open(&self, file: bool) -> Result<Slot, String> {
         match self {
-            Backend::SqliteMemory => {
-                let s = idemflow::store::sqlite::SqliteStore::connect("sqlite::memory:")
-                    .await
-                    .map_err(|e| e.to_string())?;
-                s.migrate().await.map_err(|e| e.to_string())?;
-                Ok(Slot {
-                    store: Arc::new(s),
-                    kind: SlotKind::OneShot,
-                })
-            }
+            Backend::SqliteMemory => sqlite_open(file).await,
             #[cfg(feature = "postgres")]
             Backend::Postgres(url) => pg::open(url).await,
             #[cfg(feature = "mysql")]
@@ -60,16 +52,87 @@ impl Backend {
                 Ok(Slot {
                     store: Arc::new(s),
                     kind: SlotKind::OneShot,
+                    sqlite: None,
+                    _dir: None,
                 })
             }
         }
     }
 }
 
+/// A SQLite store with the application's tables of the atomic phases (`atomic::SCHEMA`): in
+/// memory, or in a file of its own with a second connection to it (another process).
+async fn sqlite_open(file: bool) -> Result<Slot, String> {
+    use idemflow::store::sqlite::{SqliteConfig, SqliteStore};
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    use std::str::FromStr;
+    let e = |e: &dyn std::fmt::Display| e.to_string();
+    let (dir, url) = if file {
+        let dir = tempfile::tempdir().map_err(|x| e(&x))?;
+        let url = format!("sqlite://{}", dir.path().join("sim.db").display());
+        (Some(dir), url)
+    } else {
+        (None, "sqlite::memory:".to_owned())
+    };
+    // A short busy timeout: the phases' contention faults wait for it.
+    let config = SqliteConfig::new(&url)
+        .busy_timeout(std::time::Duration::from_millis(300))
+        .readers(1);
+    // WAL without a sync per commit: a reopened file still holds every commit (a process
+    // restart, not a power cut), and the schedules' leases are not starved by fsyncs.
+    let config = if file {
+        config.synchronous(sqlx::sqlite::SqliteSynchronous::Normal)
+    } else {
+        config
+    };
+    let s = SqliteStore::connect_with(config).await.map_err(|x| e(&x))?;
+    s.migrate().await.map_err(|x| e(&x))?;
+    for sql in crate::atomic::SCHEMA {
+        sqlx::query(sqlx::AssertSqlSafe(*sql))
+            .execute(s.writer_pool())
+            .await
+            .map_err(|x| e(&x))?;
+    }
+    let (other, read) = if file {
+        let opts = SqliteConnectOptions::from_str(&url).map_err(|x| e(&x))?;
+        let other = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(
+                opts.clone()
+                    .busy_timeout(std::time::Duration::from_millis(50)),
+            )
+            .await
+            .map_err(|x| e(&x))?;
+        let read = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(opts.read_only(true))
+            .await
+            .map_err(|x| e(&x))?;
+        (Some(other), read)
+    } else {
+        (None, s.writer_pool().clone())
+    };
+    Ok(Slot {
+        store: Arc::new(s.clone()),
+        kind: SlotKind::OneShot,
+        sqlite: Some(crate::atomic::Db {
+            store: s,
+            url: file.then_some(url),
+            other,
+            read,
+        }),
+        _dir: dir,
+    })
+}
+
 /// One isolated store, used by one schedule at a time.
 pub struct Slot {
     pub store: Arc<dyn Store>,
     kind: SlotKind,
+    /// On SQLite: the store itself, for atomic phases.
+    pub sqlite: Option<crate::atomic::Db>,
+    /// A file database's directory, removed with the slot.
+    _dir: Option<tempfile::TempDir>,
 }
 
 enum SlotKind {
@@ -114,14 +177,14 @@ impl StorePool {
         self.created.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// An empty store of its own: a free slot, or a new one.
-    pub async fn take(&self) -> Result<Slot, String> {
+    /// An empty store of its own: a free slot, or a new one (`file`: see [`Backend::open`]).
+    pub async fn take(&self, file: bool) -> Result<Slot, String> {
         if let Some(slot) = self.free.lock().unwrap().pop() {
             return Ok(slot);
         }
         self.created
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.backend.open().await
+        self.backend.open(file).await
     }
 
     /// Takes a slot back after its schedule: empties it for the next one (every task of the
@@ -253,6 +316,8 @@ mod pg {
                 url: url.to_owned(),
                 schema,
             },
+            sqlite: None,
+            _dir: None,
         })
     }
 }
@@ -313,6 +378,8 @@ mod my {
                 base: Box::new(base),
                 name,
             },
+            sqlite: None,
+            _dir: None,
         })
     }
 }

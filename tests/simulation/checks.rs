@@ -50,6 +50,14 @@ pub enum Check {
     EffectSettlesAtQuiescence,
     /// Stores and sweeps return no error other than a fenced-out write.
     NoStoreErrors,
+    /// The app's row of an atomic phase exists exactly when its step is `done` (its lease).
+    AtomicRowsIffDone,
+    /// No caller is told success for work that did not commit, nor failure for work that did
+    /// (atomic phases, and the other writes of their batches).
+    ToldWhatCommitted,
+    /// Every key a client was told an answer for is decided at quiescence, and a reopened file
+    /// holds what the store said (every acknowledged write survives a restart).
+    AckedWriteSurvivesReopen,
 }
 
 impl Check {
@@ -69,6 +77,9 @@ impl Check {
             Check::ResolveNeverOverwritesADecision => "resolve_never_overwrites_a_decision",
             Check::EffectSettlesAtQuiescence => "effect_settles_at_quiescence",
             Check::NoStoreErrors => "no_store_errors",
+            Check::AtomicRowsIffDone => "atomic_rows_iff_done",
+            Check::ToldWhatCommitted => "told_what_committed",
+            Check::AckedWriteSurvivesReopen => "acked_write_survives_reopen",
         }
     }
 
@@ -98,7 +109,7 @@ impl Check {
         }
     }
 
-    pub const ALL: [Check; 14] = [
+    pub const ALL: [Check; 17] = [
         Check::AtMostOneEffect,
         Check::DoneMatchesAnEffect,
         Check::ReplaysIdentical,
@@ -113,6 +124,9 @@ impl Check {
         Check::ResolveNeverOverwritesADecision,
         Check::EffectSettlesAtQuiescence,
         Check::NoStoreErrors,
+        Check::AtomicRowsIffDone,
+        Check::ToldWhatCommitted,
+        Check::AckedWriteSurvivesReopen,
     ];
 }
 

@@ -117,6 +117,8 @@ pub struct Shared {
     pub claimed_in: BTreeMap<(usize, String), u32>,
     /// (key label, generation) -> the first response a client got.
     pub responses: BTreeMap<(String, u32), StoredResponse>,
+    /// Key label -> the generation in which a client was last told an answer.
+    pub acked: BTreeMap<String, u32>,
     /// Faults are off (final sweeps).
     pub healthy: bool,
     pub violations: Vec<Violation>,

@@ -15,6 +15,7 @@ use idemflow::{
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
+use crate::atomic::AtomicSim;
 use crate::checks::Check;
 use crate::gate::{ACTOR, ActorCtx, Event, Point, Shared, SharedRef, decided, park};
 use crate::provider::{Faults, SimProvider};
@@ -35,6 +36,8 @@ pub struct KeyDef {
     pub provider: usize,
     pub pk: String,
     pub role: Role,
+    /// An atomic-phase step (`Context::atomic_step`, `crate::atomic`): its effect is its app row.
+    pub local: bool,
 }
 
 /// What a key is in the schedule.
@@ -138,6 +141,11 @@ struct World {
     next_id: usize,
     /// Key labels that existed at the last check (to see purges).
     existed: BTreeSet<String>,
+    /// The schedule's atomic phases (SQLite, with the new actors).
+    atomic: Option<Arc<AtomicSim>>,
+    /// The draws of the actors added with workflows (provider switches), apart from the main
+    /// stream the regression seeds replay.
+    alt: Option<Rng>,
     /// (actor, key label, token) whose emulated heartbeat failed: not renewed again.
     lost_leases: BTreeSet<(usize, String, i64)>,
     /// Key label -> its state and token at the last check (traced when it changes).
@@ -220,9 +228,15 @@ impl World {
         id
     }
 
-    fn actor_body(&self, kind: Kind) -> std::pin::Pin<Box<dyn Future<Output = String> + Send>> {
+    fn actor_body(&mut self, kind: Kind) -> std::pin::Pin<Box<dyn Future<Output = String> + Send>> {
         match kind {
             Kind::Client(k, tries) => {
+                // A client may retry through the other provider (a failover between attempts).
+                let switches: Vec<bool> = match (&mut self.alt, self.keys[k].role) {
+                    (Some(alt), Role::Call) => (0..tries).map(|_| alt.chance(150)).collect(),
+                    _ => vec![false; tries as usize],
+                };
+                let atomic = self.atomic.clone();
                 let exec = match self.keys[k].role {
                     Role::Workflow => self.workflow_exec.clone(),
                     _ => self.executors[self.keys[k].provider].clone(),
@@ -234,19 +248,33 @@ impl World {
                 let providers = self.providers.clone();
                 Box::pin(async move {
                     let mut said = Vec::new();
-                    for _ in 0..tries {
+                    for switch in switches {
                         let (summary, again) = if key.role == Role::Workflow {
                             workflow_client(
                                 exec.clone(),
                                 key.clone(),
                                 steps.clone(),
                                 providers.clone(),
+                                atomic.clone(),
                                 shared.clone(),
                             )
                             .await
                         } else {
-                            client(exec.clone(), key.clone(), provider.clone(), shared.clone())
-                                .await
+                            let provider = if switch {
+                                providers[1 - key.provider].clone()
+                            } else {
+                                provider.clone()
+                            };
+                            let (summary, again) =
+                                client(exec.clone(), key.clone(), provider, shared.clone()).await;
+                            if switch {
+                                (
+                                    format!("via {}: {summary}", providers[1 - key.provider].name),
+                                    again,
+                                )
+                            } else {
+                                (summary, again)
+                            }
                         };
                         said.push(summary);
                         if !again {
@@ -485,6 +513,11 @@ impl World {
                 // A workflow acts only through its steps, which are checked as keys of their own.
                 continue;
             }
+            if key.local {
+                // An atomic phase acts only on the database: its app row, checked below.
+                self.check_atomic_step(&key).await;
+                continue;
+            }
             let (generation, effects, any) = {
                 let sh = self.shared.lock().unwrap();
                 let g = sh.generation(&key.label);
@@ -562,6 +595,180 @@ impl World {
         }
     }
 
+    /// The app's row of an atomic phase exists exactly when its step is `done` (read with the
+    /// step's row in one statement).
+    async fn check_atomic_step(&mut self, key: &KeyDef) {
+        let Some(sim) = self.atomic.clone() else {
+            return;
+        };
+        let generation = self.shared.lock().unwrap().generation(&key.label);
+        match crate::atomic::step_rows(&sim.db.read, &key.id).await {
+            Ok(Some((state, token, rows))) => {
+                let expected = i64::from(state == "done" && !sim.read_only(&key.label, token));
+                if rows != expected {
+                    self.report(
+                        Check::AtomicRowsIffDone,
+                        &key.label,
+                        generation,
+                        format!(
+                            "the step is {state} (token {token}) with {rows} app rows of its lease"
+                        ),
+                    );
+                }
+            }
+            Ok(None) => {}
+            Err(e) => self.violate(Check::NoStoreErrors, &key.label, format!("app rows: {e}")),
+        }
+    }
+
+    /// At quiescence, on the atomic phases' database: every phase's caller was told what
+    /// committed (its app row), every other caller of its batches too (their notes); then the
+    /// acknowledged keys are decided, and, for a file, all of it holds again after the file is
+    /// reopened (a new process).
+    async fn check_atomic_at_end(&mut self) {
+        if let Some(sim) = self.atomic.clone() {
+            sim.settle().await;
+            self.check_told(&sim, &sim.db.read.clone(), "").await;
+            if let Some(url) = sim.db.url.clone() {
+                match sqlx::SqlitePool::connect(&url).await {
+                    Ok(fresh) => {
+                        self.check_told(&sim, &fresh, " after reopening the file")
+                            .await;
+                        for k in self.keys.clone().iter().filter(|k| k.local) {
+                            if let (Ok(a), Ok(b)) = (
+                                crate::atomic::step_rows(&sim.db.read, &k.id).await,
+                                crate::atomic::step_rows(&fresh, &k.id).await,
+                            ) && let Some((state, token, rows)) = &b
+                                && *rows
+                                    != i64::from(
+                                        state == "done" && !sim.read_only(&k.label, *token),
+                                    )
+                            {
+                                let g = self.shared.lock().unwrap().generation(&k.label);
+                                self.report(
+                                    Check::AtomicRowsIffDone,
+                                    &k.label,
+                                    g,
+                                    format!("after reopening: {state} (token {token}) with {rows} app rows (before: {a:?})"),
+                                );
+                            }
+                        }
+                        fresh.close().await;
+                    }
+                    Err(e) => self.violate(Check::NoStoreErrors, "-", format!("reopen: {e}")),
+                }
+            }
+        }
+        self.check_acked().await;
+    }
+
+    async fn check_told(&mut self, sim: &AtomicSim, pool: &sqlx::SqlitePool, when: &str) {
+        let told = sim.told.lock().unwrap().clone();
+        for t in told {
+            let Some(committed) = t.committed else {
+                continue;
+            };
+            let committed = committed && !sim.read_only(&t.label, t.token);
+            match crate::atomic::row_there(pool, &t.label, t.token).await {
+                Ok(there) if there != committed => self.violate(
+                    Check::ToldWhatCommitted,
+                    &t.label,
+                    format!(
+                        "the phase of token {} was told \"{}\" but its app row is {}{when}",
+                        t.token,
+                        t.what,
+                        if there { "there" } else { "absent" }
+                    ),
+                ),
+                Ok(_) => {}
+                Err(e) => self.violate(Check::NoStoreErrors, &t.label, format!("app row: {e}")),
+            }
+        }
+        let notes = sim.notes.lock().unwrap().clone();
+        for (id, ok) in notes {
+            match crate::atomic::note_there(pool, &id).await {
+                Ok(there) if there != ok => self.violate(
+                    Check::ToldWhatCommitted,
+                    "-",
+                    format!(
+                        "a write batched with a phase was told {} but its row is {}{when}",
+                        if ok { "it committed" } else { "it failed" },
+                        if there { "there" } else { "absent" }
+                    ),
+                ),
+                Ok(_) => {}
+                Err(e) => self.violate(Check::NoStoreErrors, "-", format!("note: {e}")),
+            }
+        }
+    }
+
+    /// Every key a client was told an answer for (in the key's current generation) is decided,
+    /// in the store and, for a file, after reopening it: the same state and token.
+    async fn check_acked(&mut self) {
+        let fresh = match self.atomic.as_ref().and_then(|a| a.db.url.clone()) {
+            Some(url) => match idemflow::store::sqlite::SqliteStore::connect(&url).await {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    self.violate(Check::NoStoreErrors, "-", format!("reopen: {e}"));
+                    None
+                }
+            },
+            None => None,
+        };
+        let acked = self.shared.lock().unwrap().acked.clone();
+        for k in self.keys.clone() {
+            let Ok(now) = self.inner.get(&k.id).await else {
+                continue;
+            };
+            let generation = self.shared.lock().unwrap().generation(&k.label);
+            let after = match &fresh {
+                Some(f) => match f.get(&k.id).await {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        self.violate(Check::NoStoreErrors, &k.label, format!("reopened get: {e}"));
+                        continue;
+                    }
+                },
+                None => None,
+            };
+            let seen =
+                |r: &Option<idemflow::KeyRecord>| r.as_ref().map(|r| (r.state, r.lease_token.0));
+            if let Some(after) = &after
+                && seen(after) != seen(&now)
+            {
+                self.report(
+                    Check::AckedWriteSurvivesReopen,
+                    &k.label,
+                    generation,
+                    format!(
+                        "the store says {:?}, the reopened file {:?}",
+                        seen(&now),
+                        seen(after)
+                    ),
+                );
+            }
+            if acked.get(&k.label) == Some(&generation) {
+                let last = after.unwrap_or(now);
+                if !last.as_ref().is_some_and(|r| decided(r.state)) {
+                    self.report(
+                        Check::AckedWriteSurvivesReopen,
+                        &k.label,
+                        generation,
+                        format!(
+                            "a client was told an answer, but the key is {:?}{}",
+                            seen(&last),
+                            if fresh.is_some() {
+                                " after reopening the file"
+                            } else {
+                                ""
+                            }
+                        ),
+                    );
+                }
+            }
+        }
+    }
+
     fn report(&mut self, check: Check, label: &str, generation: u32, detail: String) {
         if self.reported.insert((check, label.to_owned(), generation)) {
             self.violate(check, label, detail);
@@ -627,6 +834,7 @@ impl World {
                         key.clone(),
                         self.steps_of(k),
                         self.providers.clone(),
+                        self.atomic.clone(),
                         self.shared.clone(),
                     )
                     .await
@@ -665,6 +873,7 @@ impl World {
                 );
             }
         }
+        self.check_atomic_at_end().await;
         Ok(())
     }
 }
@@ -709,6 +918,7 @@ async fn client(
             let g = crate::gate::current_actor()
                 .and_then(|a| sh.claimed_in.get(&(a, key.label.clone())).copied())
                 .unwrap_or_else(|| sh.generation(&key.label));
+            sh.acked.insert(key.label.clone(), g);
             let first = sh.first_response(&key.label, g, &resp);
             if first != resp {
                 sh.violate(
@@ -758,6 +968,7 @@ async fn workflow_client(
     key: KeyDef,
     steps: Vec<KeyDef>,
     providers: [Arc<SimProvider>; 2],
+    atomic: Option<Arc<AtomicSim>>,
     shared: SharedRef,
 ) -> (String, bool) {
     let req = match IdempotentRequest::new(
@@ -777,10 +988,14 @@ async fn workflow_client(
                     Ok(step) => step,
                     Err(e) => return Outcome::unknown(format!("bad step: {e}")),
                 };
-                match ctx
-                    .call_step(step, providers[s.provider].as_ref() as &dyn Provider)
-                    .await
-                {
+                let ran = match (&atomic, s.local) {
+                    (Some(sim), true) => ctx.atomic_step(step, sim.phase(&s.label)).await,
+                    _ => {
+                        ctx.call_step(step, providers[s.provider].as_ref() as &dyn Provider)
+                            .await
+                    }
+                };
+                match ran {
                     Ok(ex) => {
                         answers.push(String::from_utf8_lossy(ex.response().body()).into_owned())
                     }
@@ -800,6 +1015,7 @@ async fn workflow_client(
             let g = crate::gate::current_actor()
                 .and_then(|a| sh.claimed_in.get(&(a, key.label.clone())).copied())
                 .unwrap_or_else(|| sh.generation(&key.label));
+            sh.acked.insert(key.label.clone(), g);
             let first = sh.first_response(&key.label, g, &resp);
             if first != resp {
                 sh.violate(
@@ -924,7 +1140,12 @@ impl Shared {
 /// Runs the schedule `seed` against `store` (migrated, empty, used by this schedule only).
 /// `with_workflows`: whether the schedule may hold a workflow (the regression seeds replay the
 /// schedules they were found with, from before workflows: they run without).
-pub async fn run_case(seed: u64, store: Arc<dyn Store>, with_workflows: bool) -> CaseResult {
+pub async fn run_case(
+    seed: u64,
+    store: Arc<dyn Store>,
+    sqlite: Option<crate::atomic::Db>,
+    with_workflows: bool,
+) -> CaseResult {
     let mut rng = Rng::new(seed);
     let settings = Settings::draw(&mut rng);
     let shared: SharedRef = Arc::new(Mutex::new(Shared::default()));
@@ -970,6 +1191,7 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>, with_workflows: bool) ->
             provider,
             pk,
             role: Role::Call,
+            local: false,
         });
     }
     // Half the schedules hold a workflow of two steps: a keyed charge, then a keyless email
@@ -988,6 +1210,7 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>, with_workflows: bool) ->
             provider: rng.below(2) as usize,
             pk: String::new(),
             role: Role::Workflow,
+            local: false,
         });
         for (position, (operation, provider)) in
             [("charge", 0), ("email.send", 1)].into_iter().enumerate()
@@ -1003,13 +1226,71 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>, with_workflows: bool) ->
                 provider,
                 pk,
                 role: Role::Step(parent, position as u32),
+                local: false,
             });
         }
     }
+    // On SQLite, some schedules hold a workflow whose first step is an atomic phase
+    // (its app row in `sim_orders`), then a keyed charge (`crate::atomic`; drawn apart too).
+    let mut at_rng = Rng::new(seed ^ ATOMIC_STREAM);
+    let atomic = match &sqlite {
+        Some(db) if with_workflows && at_rng.chance(ATOMIC_PER_MILLE) => {
+            let _file = at_rng.chance(FILE_PER_MILLE);
+            let scope = ["a", "b"][at_rng.below(2) as usize];
+            let id = key_id(scope, "w2");
+            let parent = keys.len();
+            keys.push(KeyDef {
+                label: format!("{scope}/w2"),
+                id: id.clone(),
+                operation: "order",
+                body: serde_json::json!({"order": at_rng.range(1, 12)}),
+                provider: 0,
+                pk: String::new(),
+                role: Role::Workflow,
+                local: false,
+            });
+            for (position, (operation, provider, local)) in
+                [("order.record", 0, true), ("charge", 0, false)]
+                    .into_iter()
+                    .enumerate()
+            {
+                let step = idemflow::workflow::step_key(&id, position as u32);
+                let label = format!("{}/{}", step.scope, step.key);
+                let pk = if local {
+                    format!("local:{label}")
+                } else {
+                    pay.key_spec().derive(&step.scope, &step.key, operation)
+                };
+                keys.push(KeyDef {
+                    label,
+                    id: step,
+                    operation,
+                    body: serde_json::json!({"amount": at_rng.range(1, 12)}),
+                    provider,
+                    pk,
+                    role: Role::Step(parent, position as u32),
+                    local,
+                });
+            }
+            Some(Arc::new(AtomicSim::new(
+                db.clone(),
+                at_rng.fork(),
+                shared.clone(),
+            )))
+        }
+        _ => None,
+    };
+    let alt = with_workflows.then(|| Rng::new(seed ^ 0xA17E_F0DE));
     {
         let mut sh = shared.lock().unwrap();
         for k in keys.iter().filter(|k| k.role != Role::Workflow) {
             sh.labels.insert(k.pk.clone(), k.label.clone());
+            if k.role == Role::Call {
+                // The provider key the other provider would send (a client's failover).
+                let other = [&pay, &mail][1 - k.provider].key_spec();
+                let pk = other.derive(&k.id.scope, &k.id.key, k.operation);
+                sh.labels.insert(pk, k.label.clone());
+            }
         }
     }
     let gated: Arc<dyn Store> = Arc::new(GatedStore {
@@ -1042,6 +1323,8 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>, with_workflows: bool) ->
         slots: Vec::new(),
         next_id: 1,
         existed: BTreeSet::new(),
+        atomic,
+        alt,
         states: std::collections::BTreeMap::new(),
         lost_leases: BTreeSet::new(),
         reported: BTreeSet::new(),
@@ -1078,6 +1361,20 @@ pub async fn run_case(seed: u64, store: Arc<dyn Store>, with_workflows: bool) ->
         effects: sh.ledger.len(),
         steps: settings.steps,
     }
+}
+
+/// The seed stream of the atomic-phase workflow, how often a schedule holds one (per mille), and
+/// how often such a schedule runs on a file database (with the second process's faults).
+const ATOMIC_STREAM: u64 = 0xA70_41C5;
+/// (A file schedule costs about three in memory: the file is created and migrated, reopened at
+/// the end, and its second connection's faults wait out busy timeouts.)
+const ATOMIC_PER_MILLE: u64 = 150;
+const FILE_PER_MILLE: u64 = 350;
+
+/// Whether schedule `seed` runs on a SQLite file (an atomic-phase schedule drawn for a file).
+pub fn on_file(seed: u64) -> bool {
+    let mut r = Rng::new(seed ^ ATOMIC_STREAM);
+    r.chance(ATOMIC_PER_MILLE) && r.chance(FILE_PER_MILLE)
 }
 
 /// The longest a request stays in transit while other steps run: below the smallest re-drive

@@ -471,8 +471,11 @@ async fn run_phase(job: &mut dyn Job, conn: &mut SqliteConnection, timeout: Dura
         Ok(mut handle) => {
             let noted = ended.clone();
             handle.set_rollback_hook(move || noted.store(true, Ordering::SeqCst));
-            // `true` turns the commit into a rollback.
-            handle.set_commit_hook(|| true);
+            // sqlx's hook returns whether to let the commit through (the inverse of SQLite's C
+            // callback): `false` turns every commit into a rollback, so a statement of the job
+            // run in autocommit mode, after one of its statements ended the transaction, keeps
+            // nothing.
+            handle.set_commit_hook(|| false);
         }
         Err(_) => {
             // The connection's thread is gone: nothing can run on it.
