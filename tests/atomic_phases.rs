@@ -971,6 +971,12 @@ mod sqlite_writer {
                 "swallow={swallow}: phase {phase_result:?}: rows {rows}, step done {step_done}"
             );
             assert!(phase_result.is_err(), "swallow={swallow}: {phase_result:?}");
+            // Told that nothing of it was written: nothing of it may have committed.
+            assert_eq!(
+                (rows, step_done),
+                (0, false),
+                "swallow={swallow}: the phase was told {phase_result:?}"
+            );
         }
     }
 }
