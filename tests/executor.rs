@@ -692,3 +692,38 @@ async fn a_refusal_after_an_earlier_attempt_that_may_have_acted_does_not_end_the
         .unwrap();
     assert_eq!(row.state, KeyState::Processing, "left for the sweeper");
 }
+
+/// A retry takeover window set for keyed providers is no licence to re-send through a provider
+/// that does not dedupe by key: after a keyless send whose answer was lost, the client's retry
+/// must not take the key over and send again (found by the simulation's soak, seed 7285: a
+/// second email).
+#[tokio::test]
+async fn a_retry_never_takes_over_a_key_sent_through_a_provider_without_keys() {
+    use idemflow::conformance::fake::FakeProvider;
+    let store = memory().await;
+    let idem = Idempotency::new(store.clone())
+        .lease(Duration::from_secs(30))
+        .retry_takeover_window(Some(Duration::from_secs(3600)));
+    let mail = FakeProvider::no_keys("mail");
+    let email = || {
+        IdempotentRequest::new(
+            "app",
+            "receipt-1",
+            "email.send",
+            &serde_json::json!({"to": "a@example.test", "amount": 1}),
+        )
+        .unwrap()
+    };
+    mail.lose_next(1);
+    let err = idem.call(email(), mail.as_ref()).await.unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+    assert_eq!(mail.effects().len(), 1);
+    // The lost answer released the lease: the key is stale at once.
+    let again = idem.call(email(), mail.as_ref()).await;
+    assert!(again.is_err(), "{again:?}");
+    assert_eq!(
+        mail.effects().len(),
+        1,
+        "a retry sent the email a second time"
+    );
+}

@@ -52,7 +52,10 @@ pub struct ExecutorConfig {
     pub stored_headers: Option<Vec<String>>,
     /// Lets a retry take over a processing key whose lease expired, within this window after
     /// the first claim. Only safe when the operation dedupes by the provider key inside that
-    /// window. Default `None`: the sweeper settles expired keys.
+    /// window. Default `None`: the sweeper settles expired keys. Through
+    /// [`Idempotency::call`] the window is cut to the provider's own dedup window
+    /// (`KeySpec::retention` when it replays same-key requests), and a provider that does not
+    /// dedupe by key is never taken over.
     pub retry_takeover_window: Option<Duration>,
     /// `Retry-After` given to a duplicate whose first request is still running. Default 1 s.
     pub in_flight_retry_after: Duration,
@@ -350,7 +353,11 @@ impl Idempotency {
         } else if request.is_workflow() {
             Some(cfg.retention.saturating_sub(cfg.lease))
         } else {
-            cfg.retry_takeover_window
+            match request.dedup_window {
+                // Sent through a provider: never re-sent outside what it dedupes.
+                Some(window) => cfg.retry_takeover_window.zip(window).map(|(t, w)| t.min(w)),
+                None => cfg.retry_takeover_window,
+            }
         }
     }
 
@@ -705,6 +712,7 @@ impl Idempotency {
             provider: record.provider.clone(),
             provider_key: Some(record.provider_key.clone()),
             key_max_len: provider_key::DEFAULT_LEN,
+            dedup_window: None,
             step: None,
         };
         let lease = Lease {

@@ -20,6 +20,9 @@ impl Idempotency {
         // Unless the request sets one, the provider key is derived within the provider's limit
         // (`KeySpec::derive` for the key's first row; see `provider_key::derive_renewed`).
         request.key_max_len = spec.max_len;
+        // A retry takes the key over only inside the provider's dedup window, and never for a
+        // provider that does not dedupe by key (a re-send would act again).
+        request.dedup_window = Some(spec.retention.filter(|_| spec.replays_same_key));
         self.execute(request, |ctx| async move {
             let body: serde_json::Value = match serde_json::from_str(ctx.request()) {
                 Ok(v) => v,

@@ -29,6 +29,10 @@ pub struct IdempotentRequest {
     pub(crate) key_max_len: usize,
     /// Set on the request of a workflow step: which workflow, which position.
     pub(crate) step: Option<crate::workflow::StepOf>,
+    /// The dedup window of the provider the request is sent through, when sent by
+    /// [`Idempotency::call`](crate::Idempotency::call): `Some(None)` for a provider that does
+    /// not dedupe by key. A retry takeover never outlasts it (`ExecutorConfig::retry_takeover_window`).
+    pub(crate) dedup_window: Option<Option<std::time::Duration>>,
 }
 
 pub(crate) fn validate_operation(operation: &str) -> Result<(), Error> {
@@ -97,6 +101,7 @@ impl IdempotentRequest {
             provider: None,
             provider_key: None,
             key_max_len: crate::provider_key::DEFAULT_LEN,
+            dedup_window: None,
             step: None,
         })
     }
@@ -119,6 +124,7 @@ impl IdempotentRequest {
             provider: None,
             provider_key: None,
             key_max_len: crate::provider_key::DEFAULT_LEN,
+            dedup_window: None,
             step: None,
         })
     }

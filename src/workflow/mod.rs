@@ -433,6 +433,7 @@ impl Context {
             provider: step.provider,
             provider_key: None,
             key_max_len: crate::provider_key::DEFAULT_LEN,
+            dedup_window: None,
             step: Some(of),
         }
     }
