@@ -832,11 +832,18 @@ async fn reconcile_serves_prometheus_metrics() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Wait for a scrape after the first pass has decided both keys and set the gauges: a scrape
+    // in the middle of that pass (a loaded machine) shows one decision and no gauges yet.
     let mut text = String::new();
-    for _ in 0..50 {
+    for _ in 0..300 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         if let Some(t) = scrape(&addr)
-            && t.contains("idemflow_sweeper_decisions_total")
+            && sample(
+                &t,
+                r#"idemflow_sweeper_decisions_total{decision="needs_operator"}"#,
+            )
+            .is_some_and(|n| n >= 2.0)
+            && sample(&t, "idemflow_stale_keys").is_some()
         {
             text = t;
             break;

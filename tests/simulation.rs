@@ -127,6 +127,10 @@ const REGRESSION_SEEDS_WITH_WORKFLOWS: &[(u64, &str)] = &[
         18,
         "a phase that swallowed a RAISE(ROLLBACK) and wrote on was told rolled back, its row committed",
     ),
+    (
+        7285,
+        "a retry took over a key sent through the keyless provider and sent a second email",
+    ),
 ];
 
 /// Runs the simulation on `backend`; panics when a check not tied to an open finding fails.
