@@ -49,7 +49,7 @@ use std::time::Instant;
 
 use backends::{Backend, StorePool};
 use checks::{Check, OPEN_FINDINGS, Verdict, judge, known_findings_skipped};
-use world::{CaseResult, run_case};
+use world::{CaseResult, Mode, run_case};
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
@@ -133,6 +133,12 @@ const REGRESSION_SEEDS_WITH_WORKFLOWS: &[(u64, &str)] = &[
     ),
 ];
 
+/// Schedules with the actors and faults of `Mode::Full` (resumers, the sweeper lease on the
+/// defaults' ratio, dropped store connections, the liveness check) that once broke a check, found
+/// on the code before its fix (docs/reliability.md). They run, in that mode, in
+/// `regression_seeds` too.
+const REGRESSION_SEEDS_FULL: &[(u64, &str)] = &[];
+
 /// Runs the simulation on `backend`; panics when a check not tied to an open finding fails.
 async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
     let single = env_u64("IDEMFLOW_SIM_SEED");
@@ -155,7 +161,13 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
             (first..first + cases).collect()
         }
     };
-    simulate_seeds(backend, seeds, single.is_some(), default_parallel, true).await;
+    let mode = match std::env::var("IDEMFLOW_SIM_MODE").as_deref() {
+        Ok("classic") => Mode::Classic,
+        Ok("workflows") => Mode::Workflows,
+        Ok("full") | Err(_) => Mode::Full,
+        Ok(other) => panic!("IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows or full"),
+    };
+    simulate_seeds(backend, seeds, single.is_some(), default_parallel, mode).await;
 }
 
 /// Runs the given schedules on `backend`; `verbose` prints every trace.
@@ -184,13 +196,13 @@ fn quiet_injected_panics() {
     });
 }
 
-/// `with_workflows`: schedules may hold a workflow (see `world::run_case`).
+/// `mode`: the actors and faults the schedules may hold (see `world::run_case`).
 async fn simulate_seeds(
     backend: Backend,
     seeds: Vec<u64>,
     verbose: bool,
     default_parallel: u64,
-    with_workflows: bool,
+    mode: Mode,
 ) {
     let _turn = ONE_BACKEND_AT_A_TIME.lock().await;
     quiet_injected_panics();
@@ -226,19 +238,13 @@ async fn simulate_seeds(
         set.spawn(async move {
             let _permit = permit;
             let t0 = Instant::now();
-            let file = with_workflows && world::on_file(seed);
+            let file = mode.workflows() && world::on_file(seed);
             let slot = match pool.take(file).await {
                 Ok(s) => s,
                 Err(e) => panic!("{}: cannot open a store: {e}", pool.name()),
             };
             let setup = t0.elapsed();
-            let r = run_case(
-                seed,
-                slot.store.clone(),
-                slot.sqlite.clone(),
-                with_workflows,
-            )
-            .await;
+            let r = run_case(seed, slot.store.clone(), slot.sqlite.clone(), mode).await;
             let t1 = Instant::now();
             if let Err(e) = pool.give_back(slot).await {
                 panic!("{}: cannot empty a store: {e}", pool.name());
@@ -303,16 +309,17 @@ async fn simulate_seeds(
     }
     for r in &results {
         // The atomic phases' seeds are SQLite schedules with workflows.
-        let atomic: &[(u64, &str)] = if with_workflows && name == "sqlite" {
-            REGRESSION_SEEDS_WITH_WORKFLOWS
+        let atomic: &[(u64, &str)] = match mode {
+            Mode::Workflows if name == "sqlite" => REGRESSION_SEEDS_WITH_WORKFLOWS,
+            Mode::Full => REGRESSION_SEEDS_FULL,
+            _ => &[],
+        };
+        let classic: &[(u64, &str)] = if mode == Mode::Classic {
+            REGRESSION_SEEDS
         } else {
             &[]
         };
-        if let Some((_, what)) = REGRESSION_SEEDS
-            .iter()
-            .chain(atomic)
-            .find(|(s, _)| *s == r.seed)
-        {
+        if let Some((_, what)) = classic.iter().chain(atomic).find(|(s, _)| *s == r.seed) {
             eprintln!(
                 "[sim {name}] regression seed {} ({what}): {}",
                 r.seed,
@@ -399,12 +406,14 @@ async fn simulate_seeds(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn regression_seeds() {
     let seeds = REGRESSION_SEEDS.iter().map(|(s, _)| *s).collect();
-    simulate_seeds(Backend::SqliteMemory, seeds, false, 8, false).await;
+    simulate_seeds(Backend::SqliteMemory, seeds, false, 8, Mode::Classic).await;
     let seeds = REGRESSION_SEEDS_WITH_WORKFLOWS
         .iter()
         .map(|(s, _)| *s)
         .collect();
-    simulate_seeds(Backend::SqliteMemory, seeds, false, 8, true).await;
+    simulate_seeds(Backend::SqliteMemory, seeds, false, 8, Mode::Workflows).await;
+    let seeds = REGRESSION_SEEDS_FULL.iter().map(|(s, _)| *s).collect();
+    simulate_seeds(Backend::SqliteMemory, seeds, false, 8, Mode::Full).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -58,6 +58,10 @@ pub enum Check {
     /// Every key a client was told an answer for is decided at quiescence, and a reopened file
     /// holds what the store said (every acknowledged write survives a restart).
     AckedWriteSurvivesReopen,
+    /// At quiescence, every key is settled within about one request lease (plus the search
+    /// lag) of the last crash or dropped store connection: no dead sweeper, resumer or client
+    /// strands a key for longer (issue 20, item 10).
+    SettlesWithinALeaseOfTheLastCrash,
 }
 
 impl Check {
@@ -80,6 +84,7 @@ impl Check {
             Check::AtomicRowsIffDone => "atomic_rows_iff_done",
             Check::ToldWhatCommitted => "told_what_committed",
             Check::AckedWriteSurvivesReopen => "acked_write_survives_reopen",
+            Check::SettlesWithinALeaseOfTheLastCrash => "settles_within_a_lease_of_the_last_crash",
         }
     }
 
@@ -109,7 +114,7 @@ impl Check {
         }
     }
 
-    pub const ALL: [Check; 17] = [
+    pub const ALL: [Check; 18] = [
         Check::AtMostOneEffect,
         Check::DoneMatchesAnEffect,
         Check::ReplaysIdentical,
@@ -127,6 +132,7 @@ impl Check {
         Check::AtomicRowsIffDone,
         Check::ToldWhatCommitted,
         Check::AckedWriteSurvivesReopen,
+        Check::SettlesWithinALeaseOfTheLastCrash,
     ];
 }
 

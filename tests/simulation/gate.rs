@@ -121,6 +121,9 @@ pub struct Shared {
     pub acked: BTreeMap<String, u32>,
     /// Faults are off (final sweeps).
     pub healthy: bool,
+    /// The last crash of an actor or dropped store connection (the liveness check counts from
+    /// it).
+    pub last_disruption: Option<std::time::Instant>,
     pub violations: Vec<Violation>,
     pub trace: Vec<String>,
 }

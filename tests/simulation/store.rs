@@ -1,6 +1,9 @@
-//! The store decorator: parks the calling actor before and after every store call (crash points)
-//! and records every lease it sees granted.
+//! The store decorator: parks the calling actor before and after every store call (crash points),
+//! records every lease it sees granted, and drops the store connection under some calls (a fault
+//! drawn per schedule).
 
+use std::future::Future;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -8,6 +11,7 @@ use idemflow::store::{ClaimOutcome, Finish, NewClaim, Release, Stats, Stuck, Tak
 use idemflow::{KeyEvent, KeyId, KeyRecord, LeaseToken, Store, StoreError, async_trait};
 
 use crate::gate::{SharedRef, park};
+use crate::rng::Rng;
 
 pub fn label(id: &KeyId) -> String {
     format!("{}/{}", id.scope, id.key)
@@ -21,6 +25,111 @@ pub fn record_label(r: &KeyRecord) -> String {
 pub struct GatedStore {
     pub inner: std::sync::Arc<dyn Store>,
     pub shared: SharedRef,
+    /// Dropped connections, if this schedule has them.
+    pub faults: Option<StoreFaults>,
+}
+
+/// A store client whose connection drops under some of an actor's calls (per mille of them, drawn
+/// per schedule): before the command reached the server (nothing happened), after the server ran
+/// it (the answer is lost), or after it ran with the client sending it again on a new connection
+/// and answering with the second reply (what a client that retries on a dropped connection does;
+/// idemflow's own clients never re-send, `docs/design.md`). The caller gets
+/// [`dropped`] for the first two: the outcome is unknown to it, as after a real reset.
+#[derive(Debug)]
+pub struct StoreFaults {
+    pub per_mille: u64,
+    pub rng: Mutex<Rng>,
+}
+
+/// Where a dropped connection cut a store call.
+#[derive(Debug, Clone, Copy)]
+enum Cut {
+    /// Before the command left: nothing ran.
+    Before,
+    /// After the server ran it: the answer is lost.
+    After,
+    /// It ran, the client re-sent it on a new connection and answers with the second reply.
+    Resent,
+}
+
+/// The error a dropped connection gives the caller (the backend named `sim`, so the checks can
+/// tell it from a real store failure).
+pub fn dropped() -> StoreError {
+    StoreError::database(
+        "sim",
+        std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "connection dropped (injected by the simulation)",
+        ),
+    )
+}
+
+/// Whether `e` is a dropped connection the simulation injected.
+pub fn injected(e: &StoreError) -> bool {
+    matches!(e, StoreError::Database { backend: "sim", .. })
+}
+
+impl GatedStore {
+    /// Draws whether the connection drops under this call (only inside an actor, only while the
+    /// faults are on), and where; records it as a disruption (a crash of that call).
+    fn cut(&self, what: &str, on: &str) -> Option<Cut> {
+        let faults = self.faults.as_ref()?;
+        crate::gate::current_actor()?;
+        if self.shared.lock().unwrap().healthy {
+            return None;
+        }
+        let cut = {
+            let mut rng = faults.rng.lock().unwrap();
+            if !rng.chance(faults.per_mille) {
+                return None;
+            }
+            [Cut::Before, Cut::After, Cut::Resent][rng.below(3) as usize]
+        };
+        let mut sh = self.shared.lock().unwrap();
+        sh.last_disruption = Some(std::time::Instant::now());
+        let how = match cut {
+            Cut::Before => "before it was sent (nothing ran)",
+            Cut::After => "after it ran (the answer is lost)",
+            Cut::Resent => "after it ran; the client sent it again",
+        };
+        sh.trace.push(format!(
+            "    the store connection dropped under {what}({on}) {how}"
+        ));
+        Some(cut)
+    }
+
+    /// Runs `call` as the connection allows; `seen(result, known)` is told of every run, with
+    /// `known` false for a run whose answer the caller never gets.
+    async fn run<T, F, Fut>(
+        &self,
+        what: &str,
+        on: &str,
+        call: F,
+        seen: impl Fn(&Result<T, StoreError>, bool),
+    ) -> Result<T, StoreError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        match self.cut(what, on) {
+            None => {
+                let r = call().await;
+                seen(&r, true);
+                r
+            }
+            Some(Cut::Before) => Err(dropped()),
+            Some(Cut::After) => {
+                seen(&call().await, false);
+                Err(dropped())
+            }
+            Some(Cut::Resent) => {
+                seen(&call().await, false);
+                let r = call().await;
+                seen(&r, true);
+                r
+            }
+        }
+    }
 }
 
 #[async_trait]
@@ -41,22 +150,28 @@ impl Store for GatedStore {
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         let l = label(&claim.id);
         park("store.claim", "before", &l).await;
-        let r = self.inner.claim(claim).await;
-        if let (Ok(_), Some(a)) = (&r, crate::gate::current_actor()) {
-            let mut sh = self.shared.lock().unwrap();
-            let g = sh.generation(&l);
-            sh.claimed_in.insert((a, l.clone()), g);
-        }
-        if let Ok(ClaimOutcome::Claimed(lease)) = &r {
-            let how = format!("claim ({:?})", lease.transition);
-            self.shared.lock().unwrap().granted(
-                &l,
-                &lease.provider_key,
-                lease.token.0,
-                Some(lease.expires_at),
-                &how,
-            );
-        }
+        let seen = |r: &Result<ClaimOutcome, StoreError>, known: bool| {
+            if let (Ok(_), Some(a), true) = (r, crate::gate::current_actor(), known) {
+                let mut sh = self.shared.lock().unwrap();
+                let g = sh.generation(&l);
+                sh.claimed_in.insert((a, l.clone()), g);
+            }
+            if let Ok(ClaimOutcome::Claimed(lease)) = r {
+                let how = format!("claim ({:?})", lease.transition);
+                // A lease whose answer was lost is held by no one who knows it.
+                let expires = known.then_some(lease.expires_at);
+                self.shared.lock().unwrap().granted(
+                    &l,
+                    &lease.provider_key,
+                    lease.token.0,
+                    expires,
+                    &how,
+                );
+            }
+        };
+        let r = self
+            .run("store.claim", &l, || self.inner.claim(claim), seen)
+            .await;
         park("store.claim", "after", &l).await;
         r
     }
@@ -64,7 +179,14 @@ impl Store for GatedStore {
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
         let l = label(id);
         park("store.mark_attempt", "before", &l).await;
-        let r = self.inner.mark_attempt(id, token).await;
+        let r = self
+            .run(
+                "store.mark_attempt",
+                &l,
+                || self.inner.mark_attempt(id, token),
+                |_, _| {},
+            )
+            .await;
         park("store.mark_attempt", "after", &l).await;
         r
     }
@@ -77,18 +199,27 @@ impl Store for GatedStore {
     ) -> Result<KeyRecord, StoreError> {
         let l = label(id);
         park("store.finish", "before", &l).await;
-        let r = self.inner.finish(id, token, finish).await;
-        if token.is_none()
-            && let Ok(rec) = &r
-        {
-            self.shared.lock().unwrap().granted(
+        let seen = |r: &Result<KeyRecord, StoreError>, _known: bool| {
+            if token.is_none()
+                && let Ok(rec) = r
+            {
+                self.shared.lock().unwrap().granted(
+                    &l,
+                    &rec.provider_key,
+                    rec.lease_token.0,
+                    None,
+                    "operator override",
+                );
+            }
+        };
+        let r = self
+            .run(
+                "store.finish",
                 &l,
-                &rec.provider_key,
-                rec.lease_token.0,
-                None,
-                "operator override",
-            );
-        }
+                || self.inner.finish(id, token, finish),
+                seen,
+            )
+            .await;
         park("store.finish", "after", &l).await;
         r
     }
@@ -101,7 +232,14 @@ impl Store for GatedStore {
     ) -> Result<(), StoreError> {
         let l = label(id);
         park("store.release", "before", &l).await;
-        let r = self.inner.release(id, token, release).await;
+        let r = self
+            .run(
+                "store.release",
+                &l,
+                || self.inner.release(id, token, release),
+                |_, _| {},
+            )
+            .await;
         park("store.release", "after", &l).await;
         r
     }
@@ -127,7 +265,8 @@ impl Store for GatedStore {
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
         let l = label(id);
         park("store.get", "before", &l).await;
-        self.inner.get(id).await
+        self.run("store.get", &l, || self.inner.get(id), |_, _| {})
+            .await
     }
 
     async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
@@ -136,19 +275,28 @@ impl Store for GatedStore {
 
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         park("store.take_stale", "before", "-").await;
-        let r = self.inner.take_stale(take).await;
-        if let Ok(records) = &r {
-            let mut sh = self.shared.lock().unwrap();
-            for rec in records {
-                sh.granted(
-                    &record_label(rec),
-                    &rec.provider_key,
-                    rec.lease_token.0,
-                    rec.lease_expires_at,
-                    "take_stale",
-                );
+        let seen = |r: &Result<Vec<KeyRecord>, StoreError>, known: bool| {
+            if let Ok(records) = r {
+                let mut sh = self.shared.lock().unwrap();
+                for rec in records {
+                    sh.granted(
+                        &record_label(rec),
+                        &rec.provider_key,
+                        rec.lease_token.0,
+                        rec.lease_expires_at.filter(|_| known),
+                        "take_stale",
+                    );
+                }
             }
-        }
+        };
+        let r = self
+            .run(
+                "store.take_stale",
+                "-",
+                || self.inner.take_stale(take),
+                seen,
+            )
+            .await;
         park("store.take_stale", "after", "-").await;
         r
     }

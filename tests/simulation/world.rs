@@ -52,6 +52,49 @@ pub enum Role {
     Step(usize, u32),
 }
 
+/// Which actors and faults a schedule may hold. Each later mode draws its additions from seed
+/// streams of their own, so a seed found in an earlier mode replays its schedule there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Single calls, sweepers, an operator and purge (issue 11).
+    Classic,
+    /// Also a workflow of two steps, atomic phases on SQLite and provider changes (issue 20).
+    Workflows,
+    /// Also resumers racing client retries, sweepers on the default lease ratio, dropped store
+    /// connections and the liveness check (issue 20): what the simulation runs by default.
+    Full,
+}
+
+impl Mode {
+    pub fn workflows(self) -> bool {
+        self != Mode::Classic
+    }
+}
+
+/// The additions of [`Mode::Full`], drawn from a stream of their own.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Extras {
+    /// The sweeper's lease is the request lease times the library's ratio of defaults
+    /// (`sweeper::DEFAULT_LEASE` over the executor's default lease): how a service that sets
+    /// only the request lease runs. Otherwise it is drawn on its own (120-250 ms).
+    pub default_sweeper_lease: bool,
+    /// Sweepers carry a resumer for the workflows, racing their clients' retries.
+    pub resumer: bool,
+    /// Per mille of an actor's store calls under which the connection drops.
+    pub store_faults: u64,
+}
+
+impl Extras {
+    fn draw(seed: u64) -> Self {
+        let mut r = Rng::new(seed ^ 0xE57A_A5E5);
+        Self {
+            default_sweeper_lease: r.chance(500),
+            resumer: r.chance(500),
+            store_faults: if r.chance(500) { r.range(20, 80) } else { 0 },
+        }
+    }
+}
+
 /// The schedule's settings, all drawn from the seed.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -99,6 +142,7 @@ enum Kind {
     /// A client of key `.0` that tries up to `.1` times in a row while the answer is "in flight",
     /// "unknown" or "retryable".
     Client(usize, u32),
+    /// A sweeper (with a resumer for the workflows when [`Extras::resumer`]).
     Sweeper,
     Operator(usize),
     Purge,
@@ -146,6 +190,9 @@ struct World {
     /// The draws of the actors added with workflows (provider switches), apart from the main
     /// stream the regression seeds replay.
     alt: Option<Rng>,
+    extras: Extras,
+    /// The workflows' bodies by operation (for the resumers).
+    workflows: Vec<(&'static str, Vec<KeyDef>)>,
     /// (actor, key label, token) whose emulated heartbeat failed: not renewed again.
     lost_leases: BTreeSet<(usize, String, i64)>,
     /// Key label -> its state and token at the last check (traced when it changes).
@@ -290,6 +337,11 @@ impl World {
                 Box::pin(async move {
                     match sweeper.run_once().await {
                         Ok(r) => format!("sweep: {}", r.summary()),
+                        Err(idemflow::SweepError::Store { source, .. })
+                            if crate::store::injected(&source) =>
+                        {
+                            format!("sweep stopped: {source}")
+                        }
                         Err(e) => {
                             shared.lock().unwrap().violate(
                                 Check::NoStoreErrors,
@@ -328,14 +380,24 @@ impl World {
 
     fn sweeper(&self, store: Arc<dyn Store>, owner: &str) -> Sweeper {
         let s = &self.settings;
-        Sweeper::new(store, self.registry.clone())
+        let mut sweeper = Sweeper::new(store, self.registry.clone())
             .owner(owner)
             .batch_size(2)
             .lease(s.sweeper_lease)
             .backoff(Duration::from_millis(5), Duration::from_millis(20))
             .operator_recheck(Duration::from_millis(20))
             .redrive_margin(s.margin)
-            .call_timeout(Duration::from_secs(60))
+            .call_timeout(Duration::from_secs(60));
+        if self.extras.resumer {
+            for (operation, steps) in &self.workflows {
+                let (steps, providers, atomic) =
+                    (steps.clone(), self.providers.clone(), self.atomic.clone());
+                sweeper = sweeper.resumer(*operation, self.workflow_exec.clone(), move |ctx| {
+                    run_workflow(ctx, steps.clone(), providers.clone(), atomic.clone())
+                });
+            }
+        }
+        sweeper
     }
 
     /// Lets actor `id` run to its next park point (or to its end).
@@ -385,11 +447,11 @@ impl World {
         slot.handle.abort();
         let _ = slot.handle.await;
         let id = slot.id;
-        self.shared
-            .lock()
-            .unwrap()
-            .holding
-            .retain(|(a, _), _| *a != id);
+        {
+            let mut sh = self.shared.lock().unwrap();
+            sh.holding.retain(|(a, _), _| *a != id);
+            sh.last_disruption = Some(std::time::Instant::now());
+        }
         let at = slot
             .parked
             .as_ref()
@@ -769,6 +831,51 @@ impl World {
         }
     }
 
+    /// Sweeps (every 10 ms) until no key is processing or `until` has passed; returns the keys
+    /// still processing with their state. A workflow counts only when the sweepers resume
+    /// workflows and its resumption window (its retention less a lease, `docs/workflows.md`) is
+    /// still open; otherwise it waits for its client's retry or an operator, by design.
+    async fn sweep_until_settled(
+        &mut self,
+        sweeper: &Sweeper,
+        until: std::time::Instant,
+    ) -> Vec<(String, String)> {
+        loop {
+            if let Err(e) = sweeper.run_once().await {
+                self.violate(Check::NoStoreErrors, "-", format!("final sweep: {e}"));
+            }
+            self.check().await;
+            let mut open = Vec::new();
+            for k in &self.keys {
+                let Ok(Some(r)) = self.inner.get(&k.id).await else {
+                    continue;
+                };
+                if r.state != KeyState::Processing {
+                    continue;
+                }
+                if k.role == Role::Workflow {
+                    let window = chrono::Duration::milliseconds(r.retention_ms)
+                        - chrono::Duration::from_std(self.settings.lease).unwrap_or_default()
+                        - chrono::Duration::seconds(1);
+                    if !self.extras.resumer || chrono::Utc::now() >= r.created_at + window {
+                        continue;
+                    }
+                }
+                open.push((
+                    k.label.clone(),
+                    format!(
+                        "processing (token {}, owner {:?}, lease until {:?}, next check {:?})",
+                        r.lease_token, r.lease_owner, r.lease_expires_at, r.next_check_at
+                    ),
+                ));
+            }
+            if open.is_empty() || std::time::Instant::now() >= until {
+                return open;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     fn report(&mut self, check: Check, label: &str, generation: u32, detail: String) {
         if self.reported.insert((check, label.to_owned(), generation)) {
             self.violate(check, label, detail);
@@ -798,30 +905,50 @@ impl World {
             self.check().await;
         }
         self.shared.lock().unwrap().healthy = true;
-        let s = &self.settings;
-        let wait =
-            s.lease.max(s.sweeper_lease) + s.pay_lag.max(s.mail_lag) + Duration::from_millis(10);
+        // Liveness: a key orphaned by the last crash (or dropped connection) is free once the
+        // lease its dead holder held runs out: the request lease, or the sweeper's where this
+        // schedule sets it apart from the defaults' ratio. Then one search lag for a lookup, and
+        // a request lease plus a second of slack for the sweeps themselves (a loaded machine).
+        let s = self.settings.clone();
+        let lag = s.pay_lag.max(s.mail_lag);
+        let holder = if self.extras.default_sweeper_lease {
+            s.lease
+        } else {
+            s.lease.max(s.sweeper_lease)
+        };
+        let start = std::time::Instant::now();
+        let deadline = start + holder + lag + s.lease + Duration::from_secs(1);
+        let wait = holder + lag + Duration::from_millis(10);
         self.trace(format!(
-            "end: provider healthy; sleep {wait:?}, then sweep until settled"
+            "end: provider healthy; sleep {wait:?}, then sweep until settled (every key within {:?})",
+            deadline - start
         ));
         tokio::time::sleep(wait).await;
         let sweeper = self.sweeper(self.gated.clone(), "final-sweeper");
-        for _ in 0..60 {
-            if let Err(e) = sweeper.run_once().await {
-                self.violate(Check::NoStoreErrors, "-", format!("final sweep: {e}"));
+        let open = self.sweep_until_settled(&sweeper, deadline).await;
+        if !open.is_empty() {
+            let since = self
+                .shared
+                .lock()
+                .unwrap()
+                .last_disruption
+                .map_or_else(|| "-".to_owned(), |t| format!("{:?}", t.elapsed()));
+            for (label, state) in &open {
+                let generation = self.shared.lock().unwrap().generation(label);
+                self.report(
+                    Check::SettlesWithinALeaseOfTheLastCrash,
+                    label,
+                    generation,
+                    format!(
+                        "still {state} {:?} after the faults ended ({since} after the last crash)",
+                        start.elapsed()
+                    ),
+                );
             }
-            self.check().await;
-            let mut open = false;
-            // A workflow may wait for its client's retry (the sweeper has no resumer here).
-            for k in self.keys.iter().filter(|k| k.role != Role::Workflow) {
-                if let Ok(Some(r)) = self.inner.get(&k.id).await {
-                    open |= r.state == KeyState::Processing;
-                }
-            }
-            if !open {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            // Let the rest settle for the checks that follow.
+            tokio::time::sleep(s.sweeper_lease.max(s.lease) + lag).await;
+            let later = std::time::Instant::now() + Duration::from_secs(2);
+            self.sweep_until_settled(&sweeper, later).await;
         }
         // Every client retries once more (a workflow's client for its steps).
         for k in 0..self.keys.len() {
@@ -948,7 +1075,7 @@ async fn client(
             sh.violate(Check::ScopesIsolated, &key.label, e.to_string());
             (format!("error: {e}"), false)
         }
-        Err(Error::Store(e)) if !fenced(&e) => {
+        Err(Error::Store(e)) if !expected(&e) => {
             sh.violate(Check::NoStoreErrors, &key.label, e.to_string());
             (format!("store error: {e}"), false)
         }
@@ -981,31 +1108,8 @@ async fn workflow_client(
         Err(e) => return (format!("bad request: {e}"), false),
     };
     let r = exec
-        .execute(req, move |ctx| async move {
-            let mut answers = Vec::new();
-            for s in &steps {
-                let step = match idemflow::Step::new(s.operation, &s.body) {
-                    Ok(step) => step,
-                    Err(e) => return Outcome::unknown(format!("bad step: {e}")),
-                };
-                let ran = match (&atomic, s.local) {
-                    (Some(sim), true) => ctx.atomic_step(step, sim.phase(&s.label)).await,
-                    _ => {
-                        ctx.call_step(step, providers[s.provider].as_ref() as &dyn Provider)
-                            .await
-                    }
-                };
-                match ran {
-                    Ok(ex) => {
-                        answers.push(String::from_utf8_lossy(ex.response().body()).into_owned())
-                    }
-                    Err(e) => return Outcome::from_step_error(&e),
-                }
-            }
-            match idemflow::StoredResponse::json(201, &serde_json::json!({"steps": answers})) {
-                Ok(r) => Outcome::Succeeded(r),
-                Err(e) => Outcome::unknown(format!("cannot encode: {e}")),
-            }
+        .execute(req, move |ctx| {
+            run_workflow(ctx, steps.clone(), providers.clone(), atomic.clone())
         })
         .await;
     let mut sh = shared.lock().unwrap();
@@ -1041,7 +1145,7 @@ async fn workflow_client(
             sh.violate(Check::ScopesIsolated, &key.label, e.to_string());
             (format!("error: {e}"), false)
         }
-        Err(Error::Store(e)) if !fenced(&e) => {
+        Err(Error::Store(e)) if !expected(&e) => {
             sh.violate(Check::NoStoreErrors, &key.label, e.to_string());
             (format!("store error: {e}"), false)
         }
@@ -1054,11 +1158,45 @@ async fn workflow_client(
     }
 }
 
-fn fenced(e: &StoreError) -> bool {
+/// The workflow's body, for its client and for a sweeper's resumer alike: its steps in order
+/// (an atomic phase or a provider call each), answering with their answers.
+async fn run_workflow(
+    ctx: idemflow::Context,
+    steps: Vec<KeyDef>,
+    providers: [Arc<SimProvider>; 2],
+    atomic: Option<Arc<AtomicSim>>,
+) -> Outcome {
+    let mut answers = Vec::new();
+    for s in &steps {
+        let step = match idemflow::Step::new(s.operation, &s.body) {
+            Ok(step) => step,
+            Err(e) => return Outcome::unknown(format!("bad step: {e}")),
+        };
+        let ran = match (&atomic, s.local) {
+            (Some(sim), true) => ctx.atomic_step(step, sim.phase(&s.label)).await,
+            _ => {
+                ctx.call_step(step, providers[s.provider].as_ref() as &dyn Provider)
+                    .await
+            }
+        };
+        match ran {
+            Ok(ex) => answers.push(String::from_utf8_lossy(ex.response().body()).into_owned()),
+            Err(e) => return Outcome::from_step_error(&e),
+        }
+    }
+    match idemflow::StoredResponse::json(201, &serde_json::json!({"steps": answers})) {
+        Ok(r) => Outcome::Succeeded(r),
+        Err(e) => Outcome::unknown(format!("cannot encode: {e}")),
+    }
+}
+
+/// A store error the schedule expects: a fenced-out write, or a connection the simulation
+/// dropped.
+fn expected(e: &StoreError) -> bool {
     matches!(
         e,
         StoreError::LeaseLost { .. } | StoreError::NotFound { .. }
-    )
+    ) || crate::store::injected(e)
 }
 
 /// An operator resolving a stuck key as `idemflow resolve` does (read, check, write), deciding
@@ -1138,16 +1276,28 @@ impl Shared {
 }
 
 /// Runs the schedule `seed` against `store` (migrated, empty, used by this schedule only).
-/// `with_workflows`: whether the schedule may hold a workflow (the regression seeds replay the
-/// schedules they were found with, from before workflows: they run without).
+/// `mode`: which actors and faults the schedule may hold (a regression seed replays the schedule
+/// it was found with in the mode it was found in).
 pub async fn run_case(
     seed: u64,
     store: Arc<dyn Store>,
     sqlite: Option<crate::atomic::Db>,
-    with_workflows: bool,
+    mode: Mode,
 ) -> CaseResult {
+    let with_workflows = mode.workflows();
     let mut rng = Rng::new(seed);
-    let settings = Settings::draw(&mut rng);
+    let mut settings = Settings::draw(&mut rng);
+    let extras = if mode == Mode::Full {
+        Extras::draw(seed)
+    } else {
+        Extras::default()
+    };
+    if extras.default_sweeper_lease {
+        let request = Idempotency::new(store.clone()).config().lease;
+        settings.sweeper_lease = settings
+            .lease
+            .mul_f64(idemflow::sweeper::DEFAULT_LEASE.as_secs_f64() / request.as_secs_f64());
+    }
     let shared: SharedRef = Arc::new(Mutex::new(Shared::default()));
     let pay = Arc::new(SimProvider {
         name: "simpay",
@@ -1296,6 +1446,10 @@ pub async fn run_case(
     let gated: Arc<dyn Store> = Arc::new(GatedStore {
         inner: store.clone(),
         shared: shared.clone(),
+        faults: (extras.store_faults > 0).then(|| crate::store::StoreFaults {
+            per_mille: extras.store_faults,
+            rng: Mutex::new(Rng::new(seed ^ 0xD5_0FF5)),
+        }),
     });
     let exec = |takeover: Option<Duration>, owner: &str| {
         Idempotency::new(gated.clone())
@@ -1311,6 +1465,8 @@ pub async fn run_case(
     let workflow_exec = exec(takeover, "worker-flow").retention(workflow_retention);
     let mut w = World {
         rng,
+        extras,
+        workflows: Vec::new(),
         settings: settings.clone(),
         keys,
         shared: shared.clone(),
@@ -1329,7 +1485,14 @@ pub async fn run_case(
         lost_leases: BTreeSet::new(),
         reported: BTreeSet::new(),
     };
-    w.trace(format!("seed {seed}: {settings:?}"));
+    w.workflows = (0..w.keys.len())
+        .filter(|&k| w.keys[k].role == Role::Workflow)
+        .map(|k| (w.keys[k].operation, w.steps_of(k)))
+        .collect();
+    w.trace(format!("seed {seed} ({mode:?}): {settings:?}"));
+    if mode == Mode::Full {
+        w.trace(format!("{extras:?}"));
+    }
     for k in &w.keys {
         w.trace(format!(
             "key {} via {} body {} (provider key {})",
