@@ -14,7 +14,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 #[non_exhaustive]
 pub enum StoreError {
     /// The write carried a fencing token that is no longer the key's: another worker or the
-    /// sweeper took the key over, or an operator decided it. Nothing was changed.
+    /// sweeper took the key over, or an operator decided it; or, for a renewal
+    /// ([`Store::extend`](crate::Store::extend)), the holder had given the lease back. Nothing was
+    /// changed.
     #[error(
         "lease lost on {key}: the write carried token {presented}, the key now has token {current} in state {state}; nothing was changed"
     )]

@@ -137,7 +137,20 @@ const REGRESSION_SEEDS_WITH_WORKFLOWS: &[(u64, &str)] = &[
 /// defaults' ratio, dropped store connections, the liveness check) that once broke a check, found
 /// on the code before its fix (docs/reliability.md). They run, in that mode, in
 /// `regression_seeds` too.
-const REGRESSION_SEEDS_FULL: &[(u64, &str)] = &[];
+const REGRESSION_SEEDS_FULL: &[(u64, &str)] = &[
+    (
+        2,
+        "issue 20, item 2: a failover's email went unseen by a lookup at the first provider; retried, a second email",
+    ),
+    (
+        17,
+        "issue 20, item 10: a sweeper killed after take_stale held its keys for its 5-minute lease",
+    ),
+    (
+        3,
+        "a sweeper's batch renewal landed after its own release and held the key for another lease",
+    ),
+];
 
 /// Runs the simulation on `backend`; panics when a check not tied to an open finding fails.
 async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {

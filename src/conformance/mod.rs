@@ -159,6 +159,7 @@ macro_rules! conformance_tests {
             take_stale_fences_the_old_holder,
             take_stale_skips_live_leases_and_finished_keys,
             extend_moves_the_lease_and_is_fenced,
+            a_released_lease_is_not_renewed,
             purge_deletes_only_expired_finished_keys_and_records_it,
             operator_override_fences_running_workers,
             finishing_into_processing_is_refused,

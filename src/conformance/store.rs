@@ -407,6 +407,49 @@ pub async fn extend_moves_the_lease_and_is_fenced(store: Arc<dyn Store>) {
     ));
 }
 
+/// A lease given back cannot be renewed: a heartbeat's renewal that lands after the holder's own
+/// release (the sweeper renews its batch beside the key in hand; a renewal sent while the release
+/// was on the wire) must not hold the released key for another lease, away from every sweeper.
+pub async fn a_released_lease_is_not_renewed(store: Arc<dyn Store>) {
+    let id = id(&unique("released"), "k1");
+    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let rel = Release {
+        actor: Actor::Worker,
+        reason: "outcome unknown".into(),
+        error: None,
+        recheck_after: None,
+    };
+    store.release(&id, l.token, &rel).await.unwrap();
+    assert!(
+        matches!(
+            store.extend(&id, l.token, Duration::from_secs(600)).await,
+            Err(StoreError::LeaseLost { .. })
+        ),
+        "a renewal after the release was accepted"
+    );
+    let r = store.get(&id).await.unwrap().unwrap();
+    let now = store.now().await.unwrap();
+    assert!(
+        r.lease_expires_at.is_some_and(|exp| exp <= now),
+        "the released lease runs until {:?} (now {now})",
+        r.lease_expires_at
+    );
+    let taken = store
+        .take_stale(&TakeStale {
+            owner: "sweeper".into(),
+            lease: LEASE,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1, "the released key is free for the sweeper");
+    // The sweeper's own lease is renewed as before.
+    store
+        .extend(&id, taken[0].lease_token, LEASE)
+        .await
+        .unwrap();
+}
+
 pub async fn purge_deletes_only_expired_finished_keys_and_records_it(store: Arc<dyn Store>) {
     let scope = unique("purge");
     let mut expired = Vec::new();

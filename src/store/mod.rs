@@ -243,7 +243,10 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// [`release`](Store::release). The sweeper calls it right before a re-drive.
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError>;
 
-    /// Extends the lease of a processing key held under `token`; returns the new expiry.
+    /// Extends the lease of a processing key held under `token`; returns the new expiry. A lease
+    /// given back with [`release`](Store::release) is not renewed ([`StoreError::LeaseLost`]): a
+    /// heartbeat's renewal landing after the holder's own release must not hold the key away
+    /// from the sweeper for another lease.
     async fn extend(
         &self,
         id: &KeyId,

@@ -136,6 +136,7 @@ pub(super) const EXTEND: &str = concat!(
     "UPDATE idempotency_keys SET lease_expires_at = ",
     now!(),
     " + ?4 WHERE scope = ?1 AND key = ?2 AND state = 'processing' AND lease_token = ?3 \
+       AND lease_owner IS NOT NULL \
      RETURNING lease_expires_at"
 );
 
