@@ -56,8 +56,10 @@ pub use fake::FakeProvider;
 pub use store::{race_claims_across, sweepers_take_each_key_once_across};
 pub use sweeper::FaultyStore;
 
-use crate::store::{ClaimOutcome, Finish, Lease, NewClaim};
-use crate::{Actor, Fingerprint, IdempotencyKey, KeyId, KeyState, Scope, Store, StoredResponse};
+use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, TakeStale};
+use crate::{
+    Actor, Fingerprint, IdempotencyKey, KeyId, KeyRecord, KeyState, Scope, Store, StoredResponse,
+};
 
 /// Runs one suite test to completion on a fresh two-worker multi-thread runtime, as the macros
 /// do (so the caller's crate needs no tokio features of its own).
@@ -114,6 +116,23 @@ pub async fn claimed(store: &Arc<dyn Store>, c: &NewClaim) -> Lease {
         ClaimOutcome::Claimed(l) => l,
         ClaimOutcome::Existing { record, .. } => panic!("expected a claim, found {record:?}"),
     }
+}
+
+/// Takes up to `limit` stale keys for `owner` with `lease` (panics on a store error).
+pub async fn taken(
+    store: &Arc<dyn Store>,
+    owner: &str,
+    lease: Duration,
+    limit: u32,
+) -> Vec<KeyRecord> {
+    store
+        .take_stale(&TakeStale {
+            owner: owner.into(),
+            lease,
+            limit,
+        })
+        .await
+        .expect("take_stale")
 }
 
 /// A worker's finish into `done` with `response`.

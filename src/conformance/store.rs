@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{claim_for, claimed, done, fail, id, unique};
+use super::{claim_for, claimed, done, fail, id, taken, unique};
 use crate::state::Transition;
 use crate::store::{ClaimOutcome, Finish, Release, TakeStale};
 use crate::{Actor, Fingerprint, KeyState, LeaseToken, Store, StoreError, StoredResponse};
@@ -113,17 +113,10 @@ pub async fn finish_stores_the_response_and_get_returns_it_exactly(store: Arc<dy
 pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>) {
     let id = id(&unique("fence"), "k1");
     let first = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
-    let taken = store
-        .take_stale(&TakeStale {
-            owner: "sweeper-1".into(),
-            lease: LEASE,
-            limit: 10,
-        })
-        .await
-        .unwrap();
-    assert_eq!(taken.len(), 1);
+    let swept = taken(&store, "sweeper-1", LEASE, 10).await;
+    assert_eq!(swept.len(), 1);
     let second = LeaseToken(first.token.0 + 1);
-    assert_eq!(taken[0].lease_token, second);
+    assert_eq!(swept[0].lease_token, second);
     let before = store.get(&id).await.unwrap().unwrap();
     let err = store
         .finish(&id, Some(first.token), &done(StoredResponse::new(201)))
@@ -248,17 +241,10 @@ pub async fn release_leaves_processing_for_the_sweeper(store: Arc<dyn Store>) {
     let r = store.get(&id).await.unwrap().unwrap();
     assert_eq!(r.state, KeyState::Processing);
     assert_eq!(r.error.as_deref(), Some("read timed out"));
-    let taken = store
-        .take_stale(&TakeStale {
-            owner: "sweeper".into(),
-            lease: LEASE,
-            limit: 10,
-        })
-        .await
-        .unwrap();
-    assert_eq!(taken.len(), 1);
-    assert_eq!(taken[0].key.as_str(), "k1");
-    assert_eq!(taken[0].lease_owner.as_deref(), Some("sweeper"));
+    let swept = taken(&store, "sweeper", LEASE, 10).await;
+    assert_eq!(swept.len(), 1);
+    assert_eq!(swept[0].key.as_str(), "k1");
+    assert_eq!(swept[0].lease_owner.as_deref(), Some("sweeper"));
     // A release with a stale token is refused.
     assert!(matches!(
         store.release(&id, l.token, &rel).await,
@@ -272,16 +258,9 @@ pub async fn release_leaves_processing_for_the_sweeper(store: Arc<dyn Store>) {
 pub async fn take_stale_respects_next_check_at(store: Arc<dyn Store>) {
     let id = id(&unique("defer"), "k1");
     let l = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
-    let taken = store
-        .take_stale(&TakeStale {
-            owner: "s".into(),
-            lease: Duration::ZERO,
-            limit: 10,
-        })
-        .await
-        .unwrap();
-    assert_eq!(taken.len(), 1);
-    let token = taken[0].lease_token;
+    let swept = taken(&store, "s", Duration::ZERO, 10).await;
+    assert_eq!(swept.len(), 1);
+    let token = swept[0].lease_token;
     assert!(token > l.token);
     store
         .release(
@@ -298,29 +277,15 @@ pub async fn take_stale_respects_next_check_at(store: Arc<dyn Store>) {
         .unwrap();
     let r = store.get(&id).await.unwrap().unwrap();
     assert!(r.next_check_at.unwrap() > r.updated_at);
-    let again = store
-        .take_stale(&TakeStale {
-            owner: "s".into(),
-            lease: LEASE,
-            limit: 10,
-        })
-        .await
-        .unwrap();
+    let again = taken(&store, "s", LEASE, 10).await;
     assert!(again.is_empty(), "a deferred key is not due: {again:?}");
 }
 
 pub async fn take_stale_fences_the_old_holder(store: Arc<dyn Store>) {
     let id = id(&unique("zombie"), "k1");
     let l = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
-    let taken = store
-        .take_stale(&TakeStale {
-            owner: "s".into(),
-            lease: LEASE,
-            limit: 10,
-        })
-        .await
-        .unwrap();
-    assert_eq!(taken.len(), 1);
+    let swept = taken(&store, "s", LEASE, 10).await;
+    assert_eq!(swept.len(), 1);
     assert!(matches!(
         store.extend(&id, l.token, LEASE).await,
         Err(StoreError::LeaseLost { .. })
@@ -332,7 +297,7 @@ pub async fn take_stale_fences_the_old_holder(store: Arc<dyn Store>) {
     let r = store.get(&id).await.unwrap().unwrap();
     assert_eq!(
         (r.state, r.lease_token),
-        (KeyState::Processing, taken[0].lease_token)
+        (KeyState::Processing, swept[0].lease_token)
     );
 }
 
@@ -352,22 +317,8 @@ pub async fn take_stale_skips_live_leases_and_finished_keys(store: Arc<dyn Store
         claimed(&store, &claim_for(&s, "{}", Duration::ZERO)).await;
         all.push(s);
     }
-    let first = store
-        .take_stale(&TakeStale {
-            owner: "s".into(),
-            lease: LEASE,
-            limit: 3,
-        })
-        .await
-        .unwrap();
-    let second = store
-        .take_stale(&TakeStale {
-            owner: "s".into(),
-            lease: LEASE,
-            limit: 10,
-        })
-        .await
-        .unwrap();
+    let first = taken(&store, "s", LEASE, 3).await;
+    let second = taken(&store, "s", LEASE, 10).await;
     assert_eq!(first.len(), 3, "the batch limit holds");
     assert_eq!(second.len(), 2);
     let keys: HashSet<String> = first
@@ -434,18 +385,11 @@ pub async fn a_released_lease_is_not_renewed(store: Arc<dyn Store>) {
         "the released lease runs until {:?} (now {now})",
         r.lease_expires_at
     );
-    let taken = store
-        .take_stale(&TakeStale {
-            owner: "sweeper".into(),
-            lease: LEASE,
-            limit: 10,
-        })
-        .await
-        .unwrap();
-    assert_eq!(taken.len(), 1, "the released key is free for the sweeper");
+    let swept = taken(&store, "sweeper", LEASE, 10).await;
+    assert_eq!(swept.len(), 1, "the released key is free for the sweeper");
     // The sweeper's own lease is renewed as before.
     store
-        .extend(&id, taken[0].lease_token, LEASE)
+        .extend(&id, swept[0].lease_token, LEASE)
         .await
         .unwrap();
 }
@@ -689,15 +633,8 @@ pub async fn history_survives_purge_and_is_ordered(store: Arc<dyn Store>) {
         )
         .await
         .unwrap();
-    let taken = store
-        .take_stale(&TakeStale {
-            owner: "s".into(),
-            lease: LEASE,
-            limit: 100,
-        })
-        .await
-        .unwrap();
-    let t = taken.iter().find(|r| r.key == id.key).unwrap().lease_token;
+    let swept = taken(&store, "s", LEASE, 100).await;
+    let t = swept.iter().find(|r| r.key == id.key).unwrap().lease_token;
     let mut f = done(StoredResponse::new(201));
     f.actor = Actor::Sweeper;
     store.finish(&id, Some(t), &f).await.unwrap();
