@@ -278,10 +278,13 @@ async fn simulate_seeds(
     let mut failing: Vec<(&CaseResult, Verdict)> = Vec::new();
     let mut known: BTreeMap<&'static str, (u64, u64, u8)> = BTreeMap::new();
     let mut consequences: BTreeMap<(&'static str, u8), (u64, u64)> = BTreeMap::new();
-    let (mut effects, mut steps) = (0usize, 0usize);
+    let (mut effects, mut steps, mut starved) = (0usize, 0usize, Vec::new());
     for r in &results {
         effects += r.effects;
         steps += r.steps;
+        if r.starved > 0 {
+            starved.push(r.seed);
+        }
         let v = judge(&r.violations, skip);
         for x in &v.known {
             let e =
@@ -308,6 +311,13 @@ async fn simulate_seeds(
         pool.created(),
         setup.as_secs_f64() * 1000.0 / results.len().max(1) as f64
     );
+    if !starved.is_empty() {
+        eprintln!(
+            "[sim {name}] {} schedules saw a takeover during a live call whose holder's renewals could not get through (a renewal unanswered, or the runtime stalled for a third of a lease): outside the guarantee's assumptions, not failed; the core checks judged what followed (seeds {:?})",
+            starved.len(),
+            &starved[..starved.len().min(20)]
+        );
+    }
     for (check, (n, seed, f)) in &known {
         eprintln!(
             "[sim {name}] known finding {f} ({}): check {check} broken in {n} violations; first seed {seed}: {}",

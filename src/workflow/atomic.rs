@@ -119,12 +119,7 @@ where
     match tokio::spawn(bounded.in_current_span()).await {
         Ok(r) => r,
         Err(e) if e.is_panic() => {
-            let panic = e.into_panic();
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic without a message".to_owned());
+            let message = panic_message(&*e.into_panic());
             Err(PhaseError::Writes(
                 format!("the atomic phase panicked and was rolled back: {message}").into(),
             ))
@@ -170,5 +165,16 @@ impl Context {
             .run_atomic(Self::step_request(step, of), Box::new(phase))
             .await;
         wf.note(result)
+    }
+}
+
+/// The message of a caught panic (a phase's writes panicked), for the step's error.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
     }
 }

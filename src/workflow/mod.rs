@@ -38,6 +38,8 @@ use crate::provider::Provider;
 mod atomic;
 
 pub(crate) use atomic::detached as detached_phase;
+#[cfg(feature = "sqlite")]
+pub(crate) use atomic::panic_message;
 pub use atomic::{
     AtomicPhase, DEFAULT_PHASE_TIMEOUT, LOCAL_PROVIDER, PhaseError, Prepare, WritesError,
     WritesFuture,

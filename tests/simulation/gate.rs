@@ -109,6 +109,18 @@ pub struct Shared {
     pub grants: BTreeMap<String, Vec<(u32, i64)>>,
     /// (actor, key label) -> the lease that actor holds: token and expiry (database clock).
     pub holding: BTreeMap<(usize, String), (i64, chrono::DateTime<chrono::Utc>)>,
+    /// (actor, key label) -> when a renewal of its lease was sent that has not answered yet.
+    pub renewing: BTreeMap<(usize, String), std::time::Instant>,
+    /// When this process's runtime ran a 5 ms timer late, and by how much (only lateness of
+    /// 10 ms or more is kept): the CPU the heartbeats need was not there.
+    pub stalls: Vec<(std::time::Instant, std::time::Duration)>,
+    /// The shortest lease of the schedule (request or sweeper).
+    pub shortest_lease: std::time::Duration,
+    /// Takeovers during a live call whose holder's renewals could not get through (its renewal
+    /// was still on the wire, or the runtime stalled for a third of a lease): outside what the
+    /// guarantee assumes (docs/reliability.md, "What the guarantee assumes"), so counted, not
+    /// failed; the core checks still judge what followed.
+    pub starved: Vec<String>,
     /// Key labels purged since their last grant.
     pub purged_since_grant: BTreeSet<String>,
     /// Actor -> the generation of the key when its latest claim was answered: a client's
@@ -192,7 +204,15 @@ impl Shared {
             .get(pk)
             .map(|s| s.iter().copied().filter(|a| Some(*a) != me).collect())
             .unwrap_or_default();
-        if !others.is_empty() {
+        if !others.is_empty()
+            && let Some(why) = others.iter().find_map(|o| self.renewals_starved(*o, label))
+        {
+            let line = format!(
+                "{how} granted token {token} on {label} while actor(s) {others:?} still run a provider call for it: {why}"
+            );
+            self.trace.push(format!("  (starved) {line}"));
+            self.starved.push(line);
+        } else if !others.is_empty() {
             self.violate(
                 Check::NoTakeoverDuringLiveCall,
                 label,
@@ -201,6 +221,32 @@ impl Shared {
                 ),
             );
         }
+    }
+
+    /// Why actor `holder`'s renewals of `label` could not get through, if they could not: a
+    /// renewal sent before its lease ran out is still unanswered (the store was too slow), or
+    /// the runtime ran a timer a third of a lease late within the last lease (no CPU for the
+    /// heartbeat). `None`: the renewals had what they need, so a takeover is the code's fault.
+    fn renewals_starved(&self, holder: usize, label: &str) -> Option<String> {
+        let lease = self.shortest_lease;
+        if let Some(sent) = self.renewing.get(&(holder, label.to_owned())) {
+            return Some(format!(
+                "a{holder}'s renewal sent {:?} ago has not been answered",
+                sent.elapsed()
+            ));
+        }
+        let since = std::time::Instant::now().checked_sub(lease)?;
+        self.stalls
+            .iter()
+            .rev()
+            .take_while(|(at, _)| *at >= since)
+            .find(|(_, late)| *late >= lease / 3)
+            .map(|(at, late)| {
+                format!(
+                    "the runtime ran a timer {late:?} late {:?} ago (a third of the {lease:?} lease)",
+                    at.elapsed()
+                )
+            })
     }
 
     /// Called when the provider acts for `label` on behalf of the running actor: that actor's

@@ -251,7 +251,18 @@ impl Store for GatedStore {
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
         // Not a park point: a heartbeat may renew from beside the operation.
+        let me = crate::gate::current_actor().map(|a| (a, label(id)));
+        if let Some(k) = &me {
+            self.shared
+                .lock()
+                .unwrap()
+                .renewing
+                .insert(k.clone(), std::time::Instant::now());
+        }
         let r = self.inner.extend(id, token, lease).await;
+        if let Some(k) = &me {
+            self.shared.lock().unwrap().renewing.remove(k);
+        }
         if let (Ok(exp), Some(a)) = (&r, crate::gate::current_actor()) {
             self.shared
                 .lock()

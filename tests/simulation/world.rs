@@ -165,6 +165,9 @@ pub struct CaseResult {
     pub trace: Vec<String>,
     pub effects: usize,
     pub steps: usize,
+    /// Takeovers during a live call whose holder's renewals could not get through (counted,
+    /// not failed: `Shared::starved`).
+    pub starved: usize,
 }
 
 struct World {
@@ -387,7 +390,11 @@ impl World {
             .backoff(Duration::from_millis(5), Duration::from_millis(20))
             .operator_recheck(Duration::from_millis(20))
             .redrive_margin(s.margin)
-            .call_timeout(Duration::from_secs(60));
+            .call_timeout(Duration::from_secs(60))
+            // A run takes keys until none is due; with the simulation's 5-20 ms backoff, a key
+            // it deferred is due again before a loaded machine finishes the next batch, so a run
+            // is bounded (`SweeperConfig::max_keys_per_run`; the final sweeps loop anyway).
+            .max_keys_per_run(8);
         if self.extras.resumer {
             for (operation, steps) in &self.workflows {
                 let (steps, providers, atomic) =
@@ -417,11 +424,11 @@ impl World {
             Ok(Some(Event::Done(summary))) => {
                 let l = format!("    a{} done: {summary}", slot.id);
                 let id = slot.id;
-                self.shared
-                    .lock()
-                    .unwrap()
-                    .holding
-                    .retain(|(a, _), _| *a != id);
+                {
+                    let mut sh = self.shared.lock().unwrap();
+                    sh.holding.retain(|(a, _), _| *a != id);
+                    sh.renewing.retain(|(a, _), _| *a != id);
+                }
                 let slot = self.slots.remove(idx);
                 let _ = slot.handle.await;
                 l
@@ -450,6 +457,7 @@ impl World {
         {
             let mut sh = self.shared.lock().unwrap();
             sh.holding.retain(|(a, _), _| *a != id);
+            sh.renewing.retain(|(a, _), _| *a != id);
             sh.last_disruption = Some(std::time::Instant::now());
         }
         let at = slot
@@ -1298,7 +1306,26 @@ pub async fn run_case(
             .lease
             .mul_f64(idemflow::sweeper::DEFAULT_LEASE.as_secs_f64() / request.as_secs_f64());
     }
-    let shared: SharedRef = Arc::new(Mutex::new(Shared::default()));
+    let shared: SharedRef = Arc::new(Mutex::new(Shared {
+        shortest_lease: settings.lease.min(settings.sweeper_lease),
+        ..Shared::default()
+    }));
+    // The stall probe: how late this process's runtime runs a 5 ms timer (`renewals_starved`).
+    let probe = {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let tick = Duration::from_millis(5);
+            loop {
+                let t = std::time::Instant::now();
+                tokio::time::sleep(tick).await;
+                let late = t.elapsed().saturating_sub(tick);
+                if late >= Duration::from_millis(10) {
+                    let mut sh = shared.lock().unwrap();
+                    sh.stalls.push((std::time::Instant::now(), late));
+                }
+            }
+        })
+    };
     let pay = Arc::new(SimProvider {
         name: "simpay",
         window: Some(settings.window),
@@ -1516,8 +1543,10 @@ pub async fn run_case(
     if let Err(e) = outcome {
         w.violate(Check::NoStoreErrors, "-", format!("scheduler: {e}"));
     }
+    probe.abort();
     let mut sh = shared.lock().unwrap();
     CaseResult {
+        starved: sh.starved.len(),
         seed,
         violations: std::mem::take(&mut sh.violations),
         trace: std::mem::take(&mut sh.trace),

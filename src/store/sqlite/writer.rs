@@ -490,7 +490,9 @@ async fn run_phase(job: &mut dyn Job, conn: &mut SqliteConnection, timeout: Dura
     }
     let aborted = match ran {
         Err(_) => Some(JobAborted::TimedOut(timeout)),
-        Ok(Err(panic)) => Some(JobAborted::Panicked(panic_message(&*panic))),
+        Ok(Err(panic)) => Some(JobAborted::Panicked(crate::workflow::panic_message(
+            &*panic,
+        ))),
         Ok(Ok(_)) if ended.load(Ordering::SeqCst) => Some(JobAborted::TransactionEnded),
         Ok(Ok(verdict)) => return verdict,
     };
@@ -511,16 +513,6 @@ async fn catch_unwind<F: Future>(fut: F) -> Result<F::Output, Box<dyn std::any::
         }
     })
     .await
-}
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_owned()
-    }
 }
 
 fn fail_all(batch: Vec<Box<dyn Job>>, e: sqlx::Error) {
