@@ -186,6 +186,7 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
             "attempt history",
             "claim and finish procedures",
             "claim provider rule",
+            "extend not after release",
         ]
     };
     assert_eq!(ours, expected);
