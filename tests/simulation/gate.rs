@@ -121,6 +121,11 @@ pub struct Shared {
     /// guarantee assumes (docs/reliability.md, "What the guarantee assumes"), so counted, not
     /// failed; the core checks still judge what followed.
     pub starved: Vec<String>,
+    /// Key labels taken over while starved: what follows on them is outside the guarantee, so
+    /// their later violations are kept in `excused`, not failed.
+    pub tainted: BTreeSet<String>,
+    /// Violations on tainted keys (check name, key, detail).
+    pub excused: Vec<String>,
     /// Key labels purged since their last grant.
     pub purged_since_grant: BTreeSet<String>,
     /// Actor -> the generation of the key when its latest claim was answered: a client's
@@ -144,6 +149,15 @@ pub type SharedRef = Arc<Mutex<Shared>>;
 
 impl Shared {
     pub fn violate(&mut self, check: Check, key: &str, detail: String) {
+        if self.tainted.contains(key) {
+            self.trace.push(format!(
+                "  (after a starved takeover) {} on {key}: {detail}",
+                check.name()
+            ));
+            self.excused
+                .push(format!("{} on {key}: {detail}", check.name()));
+            return;
+        }
         let step = self.step;
         self.trace
             .push(format!("  !! {} on {key}: {detail}", check.name()));
@@ -212,6 +226,7 @@ impl Shared {
             );
             self.trace.push(format!("  (starved) {line}"));
             self.starved.push(line);
+            self.tainted.insert(label.to_owned());
         } else if !others.is_empty() {
             self.violate(
                 Check::NoTakeoverDuringLiveCall,
