@@ -234,6 +234,7 @@ macro_rules! sweeper_tests {
             stuck_keys_and_expired_counts_for_operators,
             two_sweepers_handle_each_of_1000_keys_once,
             search_lag_counts_from_the_latest_attempt,
+            a_late_clock_read_never_trusts_a_search_early,
             retryable_after_an_attempt_that_may_have_acted_is_unknown,
             retryable_after_attempts_that_did_nothing_stays_retryable,
             sweeper_renews_its_whole_batch,

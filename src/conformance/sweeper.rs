@@ -298,6 +298,7 @@ pub struct FaultyStore {
     late_claims: Duration,
     late_take_stale: Duration,
     late_mark_attempts: Duration,
+    late_clock: Duration,
 }
 
 impl FaultyStore {
@@ -310,6 +311,7 @@ impl FaultyStore {
             late_claims: Duration::ZERO,
             late_take_stale: Duration::ZERO,
             late_mark_attempts: Duration::ZERO,
+            late_clock: Duration::ZERO,
         }
     }
 
@@ -343,6 +345,13 @@ impl FaultyStore {
         self.late_mark_attempts = late;
         self
     }
+
+    /// Reads the database clock (`now`) `late` after it was asked for, as a loaded database
+    /// that runs the query late does: the answer is the database's time when it ran.
+    pub fn read_clock_late(mut self, late: Duration) -> Self {
+        self.late_clock = late;
+        self
+    }
 }
 
 #[async_trait]
@@ -354,6 +363,7 @@ impl Store for FaultyStore {
         self.inner.migrate().await
     }
     async fn now(&self) -> Result<DateTime<Utc>, StoreError> {
+        tokio::time::sleep(self.late_clock).await;
         self.inner.now().await
     }
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
@@ -648,6 +658,46 @@ pub async fn search_lag_counts_from_the_latest_attempt(store: Arc<dyn Store>) {
     assert_eq!(report.done, 1, "{report:?}");
     let r = row(&store, req.id()).await;
     assert_eq!(charge_of(&r), mail.effects()[0].charge);
+}
+
+/// A sweep whose clock read ran late (the database evaluated `now` 2 s after the sweeper asked)
+/// must not count that delay twice. The sweeper estimated the database's time as the answer
+/// plus the time since it *asked*, so a lookup right after a lost send was judged 4 s after the
+/// send while the search (3 s lag) had not caught up: its empty answer was trusted, and the key
+/// became retryable with the email sent (SQLite soak seeds 7699 and 9753, `docs/reliability.md`).
+/// An empty answer is trusted only on the database's time at the earliest.
+pub async fn a_late_clock_read_never_trusts_a_search_early(store: Arc<dyn Store>) {
+    const LAG: Duration = Duration::from_secs(3);
+    const LATE: Duration = Duration::from_secs(2);
+    let mail = FakeProvider::no_keys("mail");
+    mail.lookup_lag(LAG);
+    let scope = unique("late-clock");
+    let idem = live_worker(&store);
+    mail.lose_next(1);
+    let sent = idem.call(pay(&scope, "k1", 100), &*mail).await;
+    assert!(
+        matches!(sent, Err(Error::OutcomeUnknown { .. })),
+        "{sent:?}"
+    );
+    assert_eq!(mail.effects().len(), 1, "the email was sent");
+
+    let slow: Arc<dyn Store> = Arc::new(FaultyStore::new(store.clone()).read_clock_late(LATE));
+    let sw = sweeper(&slow, &mail).backoff(Duration::from_millis(10), Duration::from_millis(10));
+    let report = sw.run_once().await.unwrap();
+    let r = row(&store, as_call(pay(&scope, "k1", 100), &mail).id()).await;
+    // Either the search had not caught up (deferred), or, on a machine slow enough that the
+    // lag passed meanwhile, it found the email: never "surely not sent".
+    assert_eq!(
+        report.retryable, 0,
+        "trusted an empty search too early: {report:?}"
+    );
+    assert_ne!(r.state, KeyState::Failed { retryable: true }, "{report:?}");
+    if r.state == KeyState::Done {
+        assert_eq!(charge_of(&r), mail.effects()[0].charge);
+    }
+    // The client's next retry must not send a second email either way.
+    let _ = idem.call(pay(&scope, "k1", 100), &*mail).await;
+    assert_eq!(mail.effects().len(), 1, "a second email was sent");
 }
 
 /// Issue 11, finding 2 (Stripe-like). The first send charges and its response is lost ->

@@ -37,7 +37,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
 use tokio::sync::watch;
 use tracing::{Instrument, info_span};
 
@@ -47,6 +46,7 @@ use crate::record::{Actor, KeyRecord};
 use crate::store::{Finish, Release, Store, TakeStale};
 use crate::{KeyId, KeyState};
 
+mod clock;
 pub mod decide;
 mod renew;
 mod report;
@@ -55,6 +55,7 @@ mod workflow;
 pub use decide::{Decision, Plan};
 pub use report::{LostKey, RunSummary, SweepReport, Unresolved, UnresolvedKey};
 
+use clock::BatchClock;
 use report::ms;
 
 /// The settings of a [`Sweeper`], as read back with [`Sweeper::config`].
@@ -370,8 +371,12 @@ impl Sweeper {
                 break;
             }
             let taken_at = Instant::now();
-            let db_now = match self.store.now().await {
-                Ok(n) => n,
+            let clock = match self.store.now().await {
+                Ok(db_now) => BatchClock {
+                    db_now,
+                    asked: taken_at,
+                    answered: Instant::now(),
+                },
                 Err(e) => return Err(fail(e, report)),
             };
             report.batches += 1;
@@ -396,8 +401,6 @@ impl Sweeper {
                     }
                     break;
                 }
-                let now =
-                    db_now + chrono::Duration::from_std(taken_at.elapsed()).unwrap_or_default();
                 let span = info_span!(
                     "idemflow.sweep_key",
                     scope = %record.scope,
@@ -407,7 +410,7 @@ impl Sweeper {
                     decision = tracing::field::Empty,
                 );
                 let work = self
-                    .handle(record, now, taken_at, &mut report)
+                    .handle(record, clock, taken_at, &mut report)
                     .instrument(span);
                 let result = renew::while_working(
                     &*self.store,
@@ -458,15 +461,17 @@ impl Sweeper {
         }
     }
 
-    /// Settles one taken key.
+    /// Settles one taken key. `now` is the database's time at the latest, for the windows that
+    /// close (`clock.rs`).
     async fn handle(
         &self,
         record: KeyRecord,
-        now: DateTime<Utc>,
+        clock: BatchClock,
         taken_at: Instant,
         report: &mut SweepReport,
     ) -> Result<KeyResult, StoreError> {
         let handled = Instant::now();
+        let now = clock.latest();
         let id = KeyId::new(record.scope.clone(), record.key.clone());
         // A long batch: keep the lease so no other sweeper takes the key while we ask.
         if taken_at.elapsed() > self.config.lease / 2 {
@@ -585,6 +590,8 @@ impl Sweeper {
                 tracing::Span::current().record("decision", "lookup");
                 // A provider that voids by key turns "unknown" into "surely not charged"
                 // before anything is looked up (Square's CancelPaymentByIdempotencyKey).
+                // The void is sent no earlier than this (the database's time at the earliest).
+                let void_sent = clock.earliest();
                 let void = tokio::time::timeout(
                     self.config.call_timeout,
                     p.void_by_key(&record.provider_key, &request),
@@ -598,10 +605,11 @@ impl Sweeper {
                     retry_after: None,
                 });
                 // The void proves nothing was charged only past the provider's processing
-                // window since the latest attempt (`now` is when the key was taken: the void
-                // was sent no earlier, so this is conservative).
-                let since_last_attempt =
-                    (now - record.last_attempt_at).to_std().unwrap_or_default();
+                // window since the latest attempt, counted up to when the void was sent at the
+                // earliest.
+                let since_last_attempt = (void_sent - record.last_attempt_at)
+                    .to_std()
+                    .unwrap_or_default();
                 if let Some(decision) =
                     decide::after_void(&name, void, since_last_attempt, p.processing_window())
                 {
@@ -610,11 +618,13 @@ impl Sweeper {
                 }
                 // Search lag counts from the latest attempt that may have reached the provider
                 // (the re-drive window above counts from the first use: `created_at`).
+                // Its empty answer is trusted only once the lag has surely passed: the
+                // database's time at the earliest (never ahead of it, however slow `now` was).
                 let lookup = p.lookup(
                     &record.provider_key,
                     &request,
                     Attempts::new(record.created_at, record.last_attempt_at),
-                    now,
+                    clock.earliest(),
                 );
                 let found = tokio::time::timeout(self.config.call_timeout, lookup)
                     .await

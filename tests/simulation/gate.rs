@@ -51,6 +51,36 @@ tokio::task_local! {
     pub static ACTOR: ActorCtx;
 }
 
+/// How often an actor's stall probe wakes its task.
+pub const PROBE_TICK: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Runs an actor's `body` beside a probe in the same task: a timer of [`PROBE_TICK`], and how
+/// late it fires. The task's other timers (the heartbeat renewing its lease) fire as late, on
+/// whichever worker thread runs it, so a takeover after such a stall is told apart from one the
+/// code caused (`Shared::renewals_starved`).
+pub async fn with_stall_probe<F: Future>(actor: usize, shared: SharedRef, body: F) -> F::Output {
+    let probe = async {
+        loop {
+            let t = std::time::Instant::now();
+            shared.lock().unwrap().ticked.insert(actor, t);
+            tokio::time::sleep(PROBE_TICK).await;
+            let late = t.elapsed().saturating_sub(PROBE_TICK);
+            if late >= std::time::Duration::from_millis(10) {
+                let mut sh = shared.lock().unwrap();
+                sh.actor_stalls
+                    .push((actor, std::time::Instant::now(), late));
+            }
+        }
+    };
+    tokio::pin!(body);
+    tokio::pin!(probe);
+    tokio::select! {
+        biased;
+        out = &mut body => out,
+        () = &mut probe => unreachable!("the probe never ends"),
+    }
+}
+
 /// The running actor's id (`None` for the scheduler itself).
 pub fn current_actor() -> Option<usize> {
     ACTOR.try_with(|a| a.id).ok()
@@ -114,6 +144,11 @@ pub struct Shared {
     /// When this process's runtime ran a 5 ms timer late, and by how much (only lateness of
     /// 10 ms or more is kept): the CPU the heartbeats need was not there.
     pub stalls: Vec<(std::time::Instant, std::time::Duration)>,
+    /// Actor -> when its task's stall probe last started waiting (`with_stall_probe`).
+    pub ticked: BTreeMap<usize, std::time::Instant>,
+    /// (actor, when, how late) each time an actor's own probe ran 10 ms or more late: that
+    /// task's timers (its heartbeat) ran as late, whatever the rest of the runtime did.
+    pub actor_stalls: Vec<(usize, std::time::Instant, std::time::Duration)>,
     /// The shortest lease of the schedule (request or sweeper).
     pub shortest_lease: std::time::Duration,
     /// Takeovers during a live call whose holder's renewals could not get through (its renewal
@@ -250,7 +285,30 @@ impl Shared {
                 sent.elapsed()
             ));
         }
+        // The holder's own task (its heartbeat shares it): not run for a third of a lease by
+        // now, or run that late within the last lease. A multi-threaded runtime can stall one
+        // worker thread (the OS gave it no CPU) while the runtime-wide probe below runs on time.
+        if let Some(t) = self.ticked.get(&holder)
+            && t.elapsed() >= lease / 3 + PROBE_TICK
+        {
+            return Some(format!(
+                "a{holder}'s task has not run for {:?} (a third of the {lease:?} lease)",
+                t.elapsed()
+            ));
+        }
         let since = std::time::Instant::now().checked_sub(lease)?;
+        if let Some((_, at, late)) = self
+            .actor_stalls
+            .iter()
+            .rev()
+            .take_while(|(_, at, _)| *at >= since)
+            .find(|(a, _, late)| *a == holder && *late >= lease / 3)
+        {
+            return Some(format!(
+                "a{holder}'s task ran a timer {late:?} late {:?} ago (a third of the {lease:?} lease)",
+                at.elapsed()
+            ));
+        }
         self.stalls
             .iter()
             .rev()

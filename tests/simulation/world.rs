@@ -266,8 +266,9 @@ impl World {
             events: tx.clone(),
         };
         let body = self.actor_body(kind);
+        let shared = self.shared.clone();
         let handle = tokio::spawn(ACTOR.scope(ctx, async move {
-            let summary = body.await;
+            let summary = crate::gate::with_stall_probe(id, shared, body).await;
             let _ = tx.send(Event::Done(summary));
         }));
         self.slots.push(Slot {
@@ -431,6 +432,7 @@ impl World {
                     let mut sh = self.shared.lock().unwrap();
                     sh.holding.retain(|(a, _), _| *a != id);
                     sh.renewing.retain(|(a, _), _| *a != id);
+                    sh.ticked.remove(&id);
                 }
                 let slot = self.slots.remove(idx);
                 let _ = slot.handle.await;
@@ -461,6 +463,7 @@ impl World {
             let mut sh = self.shared.lock().unwrap();
             sh.holding.retain(|(a, _), _| *a != id);
             sh.renewing.retain(|(a, _), _| *a != id);
+            sh.ticked.remove(&id);
             sh.last_disruption = Some(std::time::Instant::now());
         }
         let at = slot
