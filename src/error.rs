@@ -58,7 +58,7 @@ pub enum StoreError {
         /// ([`redact_url`](crate::store::connect_error::redact_url)).
         url: String,
         /// Why, as far as the driver's error tells.
-        cause: crate::store::connect_error::ConnectCause,
+        cause: ConnectCause,
         /// The driver's error.
         #[source]
         source: BoxError,
@@ -409,5 +409,39 @@ impl Error {
     /// [`http_answer`](Self::http_answer)).
     pub fn retry_after(&self) -> Option<Duration> {
         self.http_answer().retry_after
+    }
+}
+
+/// Why a connection could not be made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConnectCause {
+    /// Nothing listens at the address (the server is down, or the port is wrong).
+    Refused,
+    /// The host name does not resolve.
+    UnknownHost,
+    /// The server refused the credentials.
+    AuthenticationFailed,
+    /// The server has no database of that name.
+    DatabaseMissing,
+    /// The TLS handshake failed.
+    Tls,
+    /// No answer within the connect timeout.
+    TimedOut,
+    /// Anything else (the error's own message says what).
+    Other,
+}
+
+impl std::fmt::Display for ConnectCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ConnectCause::Refused => "connection refused",
+            ConnectCause::UnknownHost => "unknown host",
+            ConnectCause::AuthenticationFailed => "authentication failed",
+            ConnectCause::DatabaseMissing => "database missing",
+            ConnectCause::Tls => "TLS handshake failed",
+            ConnectCause::TimedOut => "timed out",
+            ConnectCause::Other => "connection failed",
+        })
     }
 }

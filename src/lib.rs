@@ -60,7 +60,7 @@
 //! |---|---|
 //! | `sqlite` (default) | [`store::sqlite::SqliteStore`], embedded |
 //! | `postgres` | `store::postgres::PostgresStore`, for many app instances and sweepers |
-//! | `mysql` | `store::mysql::MySqlStore` (MariaDB >= 10.6, MySQL 8) |
+//! | `mysql` | `store::mysql::MySqlStore` (MariaDB >= 10.6; MySQL untested, `docs/backends.md`) |
 //! | `redis` | `store::redis::RedisStore` (one Lua script per transition) |
 //! | `http` | `provider::http`, provider adapters: `provider::Stripe`, `provider::Resend`, `provider::Postmark` |
 //! | `axum` | `axum::IdempotencyLayer`, IETF `Idempotency-Key` semantics for axum services |
@@ -86,6 +86,9 @@ pub mod error;
 pub mod executor;
 pub mod fingerprint;
 pub mod key;
+#[cfg(test)]
+mod layers;
+pub mod outcome;
 pub mod provider;
 pub mod provider_key;
 pub mod record;
@@ -106,9 +109,10 @@ pub struct ReadmeDoctests;
 
 pub use async_trait::async_trait;
 pub use error::{Error, HttpAnswer, StoreError};
-pub use executor::{Context, Execution, ExecutorConfig, Idempotency, IdempotentRequest, Outcome};
+pub use executor::{Context, Execution, ExecutorConfig, Idempotency, IdempotentRequest};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KeyId, Scope};
+pub use outcome::Outcome;
 pub use provider::{Attempts, CallOutcome, KeySpec, Lookup, Provider, Providers};
 pub use record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 pub use response::StoredResponse;

@@ -53,6 +53,56 @@ impl Actor {
     }
 }
 
+/// What a key stands for. A key's row records it in its provider column, with a reserved
+/// provider name for the two kinds idemflow itself runs ([`KeyKind::marker`]); every other
+/// provider name (or none) is a [`KeyKind::Call`].
+///
+/// ```
+/// use idemflow::record::KeyKind;
+/// assert_eq!(KeyKind::of(Some("idemflow.workflow")), KeyKind::Workflow);
+/// assert_eq!(KeyKind::of(Some("stripe")), KeyKind::Call);
+/// assert_eq!(KeyKind::of(None), KeyKind::Call);
+/// assert_eq!(KeyKind::of(KeyKind::AtomicStep.marker()), KeyKind::AtomicStep);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum KeyKind {
+    /// An operation calling a provider (or no provider): settled from the provider's records.
+    Call,
+    /// A workflow (`IdempotentRequest::workflow`): it acts only through its steps, each a key of
+    /// its own, and is settled once they are (`docs/workflows.md`).
+    Workflow,
+    /// A workflow step run as an atomic phase (`Context::atomic_step`): its effect is the
+    /// application's own writes, committed with the step's record, so a step still processing
+    /// after its lease surely did nothing.
+    AtomicStep,
+}
+
+/// The provider name of a workflow's key ([`KeyKind::Workflow`]).
+pub(crate) const WORKFLOW_MARKER: &str = "idemflow.workflow";
+/// The provider name of an atomic phase's step ([`KeyKind::AtomicStep`]).
+pub(crate) const ATOMIC_STEP_MARKER: &str = "idemflow.local";
+
+impl KeyKind {
+    /// The provider name a key of this kind records: `idemflow.workflow`, `idemflow.local`, and
+    /// `None` for a call (whose provider is the application's choice).
+    pub const fn marker(self) -> Option<&'static str> {
+        match self {
+            KeyKind::Call => None,
+            KeyKind::Workflow => Some(WORKFLOW_MARKER),
+            KeyKind::AtomicStep => Some(ATOMIC_STEP_MARKER),
+        }
+    }
+
+    /// The kind of a key that records `provider`.
+    pub fn of(provider: Option<&str>) -> KeyKind {
+        [KeyKind::Workflow, KeyKind::AtomicStep]
+            .into_iter()
+            .find(|kind| kind.marker().is_some() && kind.marker() == provider)
+            .unwrap_or(KeyKind::Call)
+    }
+}
+
 /// One key row.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct KeyRecord {
@@ -104,6 +154,13 @@ pub struct KeyRecord {
     pub next_check_at: Option<DateTime<Utc>>,
     /// How long a finished key is kept, in milliseconds.
     pub retention_ms: i64,
+}
+
+impl KeyRecord {
+    /// What the key stands for, from the provider its row records.
+    pub fn kind(&self) -> KeyKind {
+        KeyKind::of(self.provider.as_deref())
+    }
 }
 
 fn ser_fp<S: serde::Serializer>(fp: &Fingerprint, s: S) -> Result<S::Ok, S::Error> {

@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use idemflow::conformance::sweeper::cut_when;
 use idemflow::store::Finish;
-use idemflow::workflow::{AtomicPhase, step_key};
+use idemflow::store::phase::AtomicPhase;
+use idemflow::workflow::step_key;
 use idemflow::{
     Actor, Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Step,
     Store, StoredResponse, Sweeper,
@@ -137,10 +138,7 @@ async fn writes_and_record_commit_together(b: Backend) {
         .unwrap()
         .unwrap();
     assert_eq!(step.state, KeyState::Done);
-    assert_eq!(
-        step.provider.as_deref(),
-        Some(idemflow::workflow::LOCAL_PROVIDER)
-    );
+    assert_eq!(step.kind(), idemflow::record::KeyKind::AtomicStep);
     let history = b
         .store
         .history(&step_key(checkout("o-1").id(), 0))
@@ -387,8 +385,8 @@ mod mysql {
     /// right after is visible to another connection.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_phase_cut_off_anywhere_leaves_no_connection_in_a_transaction() {
+        use idemflow::store::phase::Prepare;
         use idemflow::store::{ClaimOutcome, NewClaim};
-        use idemflow::workflow::Prepare;
         let Some((options, _name)) = support::mysql::fresh_database().await else {
             return;
         };
@@ -411,7 +409,9 @@ mod mysql {
             let claim = NewClaim {
                 id: id.clone(),
                 operation: "create_order".into(),
-                provider: Some(idemflow::workflow::LOCAL_PROVIDER.into()),
+                provider: idemflow::record::KeyKind::AtomicStep
+                    .marker()
+                    .map(Into::into),
                 provider_key: format!("pk-cut-{i}"),
                 reused_provider_key: None,
                 fingerprint: idemflow::Fingerprint::compute("create_order", "{}"),
@@ -517,9 +517,9 @@ mod sqlite {
 #[cfg(feature = "sqlite")]
 mod sqlite_writer {
     use super::*;
+    use idemflow::store::phase::Prepare;
     use idemflow::store::sqlite::{SqliteConfig, SqliteStore};
     use idemflow::store::{ClaimOutcome, NewClaim};
-    use idemflow::workflow::Prepare;
     use idemflow::{Fingerprint, KeyId};
     use sqlx::SqliteConnection;
     use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
@@ -583,7 +583,7 @@ mod sqlite_writer {
     /// A phase inserting the order `id`, after running `during` on the writer's connection.
     fn phase<D>(store: &SqliteStore, id: &str, during: D) -> Box<dyn AtomicPhase>
     where
-        D: for<'c> Fn(&'c mut SqliteConnection) -> idemflow::workflow::WritesFuture<'c>
+        D: for<'c> Fn(&'c mut SqliteConnection) -> idemflow::store::phase::WritesFuture<'c>
             + Send
             + Sync
             + 'static,
@@ -607,7 +607,7 @@ mod sqlite_writer {
         }))
     }
 
-    fn nothing(_: &mut SqliteConnection) -> idemflow::workflow::WritesFuture<'_> {
+    fn nothing(_: &mut SqliteConnection) -> idemflow::store::phase::WritesFuture<'_> {
         Box::pin(async { Ok(StoredResponse::new(200)) })
     }
 
@@ -850,7 +850,9 @@ mod sqlite_writer {
         let claim = NewClaim {
             id: id.clone(),
             operation: "create_order".into(),
-            provider: Some(idemflow::workflow::LOCAL_PROVIDER.into()),
+            provider: idemflow::record::KeyKind::AtomicStep
+                .marker()
+                .map(Into::into),
             provider_key: format!("pk-{key}"),
             reused_provider_key: None,
             fingerprint: Fingerprint::compute("create_order", key),

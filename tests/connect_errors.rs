@@ -10,7 +10,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use idemflow::StoreError;
-use idemflow::store::connect_error::ConnectCause;
+use idemflow::error::ConnectCause;
 
 /// A port on 127.0.0.1 nothing listens on.
 fn closed_port() -> u16 {

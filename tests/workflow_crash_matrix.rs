@@ -20,9 +20,9 @@ use std::time::Duration;
 
 use idemflow::provider::http::HttpConfig;
 use idemflow::provider::{Postmark, Resend, Stripe};
+use idemflow::store::phase::AtomicPhase;
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::testkit::{FakePostmark, FakeResend, FakeStripe};
-use idemflow::workflow::AtomicPhase;
 use idemflow::{
     Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Step, Store,
     StoredResponse, Sweeper,

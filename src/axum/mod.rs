@@ -236,7 +236,7 @@ impl IdempotencyLayer {
     /// [`provider`](Self::provider): a workflow's providers are its steps'.
     pub fn workflow(self) -> Self {
         self.set(|s| {
-            s.provider = Some(crate::workflow::WORKFLOW_PROVIDER.to_owned());
+            s.provider = Some(crate::record::WORKFLOW_MARKER.to_owned());
             s.secret_fields.clear();
         })
     }

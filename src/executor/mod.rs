@@ -18,7 +18,8 @@ mod outcome;
 mod provider_call;
 mod request;
 
-pub use outcome::{Context, Execution, Outcome};
+use crate::Outcome;
+pub use outcome::{Context, Execution};
 pub use request::IdempotentRequest;
 pub(crate) use request::validate_operation;
 
@@ -564,9 +565,9 @@ impl Idempotency {
     pub(crate) async fn run_atomic(
         &self,
         request: IdempotentRequest,
-        phase: Box<dyn crate::workflow::AtomicPhase>,
+        phase: Box<dyn crate::store::phase::AtomicPhase>,
     ) -> Result<Execution, Error> {
-        use crate::workflow::PhaseError;
+        use crate::store::phase::PhaseError;
         let cfg = &*self.config;
         let claim = self.new_claim(&request);
         let asked = tokio::time::Instant::now();
@@ -587,7 +588,7 @@ impl Idempotency {
         let (held, _watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
         let renew = heartbeat::renew(&*self.store, &id, lease.token, cfg.lease, &held);
         let prep_cfg = self.config.clone();
-        let prepare: crate::workflow::Prepare = std::sync::Arc::new(move |mut resp| {
+        let prepare: crate::store::phase::Prepare = std::sync::Arc::new(move |mut resp| {
             if let Some(allow) = &prep_cfg.stored_headers {
                 resp.retain_headers(allow);
             }

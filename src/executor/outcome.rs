@@ -1,5 +1,5 @@
-//! What an operation returns ([`Outcome`]), what it is given ([`Context`]) and what `execute`
-//! returns ([`Execution`]).
+//! What an operation is given ([`Context`]) and what `execute` returns ([`Execution`]); what it
+//! returns is the domain's [`Outcome`](crate::outcome::Outcome).
 
 use chrono::{DateTime, Utc};
 use tokio::time::Instant;
@@ -7,44 +7,6 @@ use tokio::time::Instant;
 use super::heartbeat::LeaseWatch;
 use crate::record::LeaseToken;
 use crate::{KeyId, StoredResponse};
-
-/// How the caller classifies one run of the operation (`docs/design.md`, *States*).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    /// It worked: the key becomes `done` and this response is replayed.
-    Succeeded(StoredResponse),
-    /// A permanent refusal (card declined, invalid recipient): the key becomes
-    /// `failed{permanent}` and this response is replayed.
-    Rejected(StoredResponse),
-    /// The provider surely did nothing (connection refused before sending, 429, an explicit
-    /// "should retry"): the key becomes `failed{retryable}` and a retry runs it again.
-    Retryable {
-        /// Why.
-        reason: String,
-    },
-    /// It may or may not have happened (timeout after sending, reset, a 5xx that may have
-    /// executed): the key stays `processing` with its lease released for the sweeper.
-    Unknown {
-        /// Why.
-        reason: String,
-    },
-}
-
-impl Outcome {
-    /// Shorthand for [`Outcome::Retryable`].
-    pub fn retryable(reason: impl Into<String>) -> Self {
-        Outcome::Retryable {
-            reason: reason.into(),
-        }
-    }
-
-    /// Shorthand for [`Outcome::Unknown`].
-    pub fn unknown(reason: impl Into<String>) -> Self {
-        Outcome::Unknown {
-            reason: reason.into(),
-        }
-    }
-}
 
 /// What the operation is given: the key to forward to the provider and its lease.
 #[derive(Debug, Clone)]

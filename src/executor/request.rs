@@ -6,6 +6,7 @@ use serde_json::Value;
 use crate::error::Error;
 use crate::fingerprint::{Fingerprint, canonical_json, parse_json};
 use crate::key::{IdempotencyKey, KeyError, KeyId, Scope};
+use crate::record::KeyKind;
 
 /// A validated request: scope, key, operation, canonical body and its fingerprint.
 ///
@@ -138,16 +139,16 @@ impl IdempotentRequest {
     /// Declares the request a **workflow**: its operation runs named steps
     /// ([`Context::step`](crate::Context::step), [`Context::call_step`](crate::Context::call_step)),
     /// each recorded under its own key, and does nothing to the outside world except through
-    /// them. The key is marked with [`WORKFLOW_PROVIDER`](crate::workflow::WORKFLOW_PROVIDER)
-    /// (so the sweeper knows it), and a retry may take it over whenever its lease has run out,
+    /// them. The key is marked [`KeyKind::Workflow`] (so the sweeper
+    /// knows it), and a retry may take it over whenever its lease has run out,
     /// within its retention: the steps it already ran replay (`docs/workflows.md`).
     pub fn workflow(self) -> Self {
-        self.with_provider(crate::workflow::WORKFLOW_PROVIDER)
+        self.with_provider(crate::record::WORKFLOW_MARKER)
     }
 
     /// Whether the request was declared a workflow ([`workflow`](Self::workflow)).
     pub fn is_workflow(&self) -> bool {
-        self.provider.as_deref() == Some(crate::workflow::WORKFLOW_PROVIDER)
+        KeyKind::of(self.provider.as_deref()) == KeyKind::Workflow
     }
 
     /// Sets the provider key explicitly instead of the default derivation

@@ -1,48 +1,14 @@
 //! Connection failures that name their cause: a first connection is tried with a short timeout
-//! when a store connects, and its error is classified ([`ConnectCause`]) and reported with the
-//! URL, its password masked ([`redact_url`]), instead of a pool timeout after 30 s.
+//! when a store connects, and its error is classified
+//! ([`ConnectCause`](crate::error::ConnectCause)) and reported with the URL, its password masked
+//! ([`redact_url`]), instead of a pool timeout after 30 s.
 
-use std::fmt;
 use std::time::Duration;
 
-use crate::error::StoreError;
+use crate::error::{ConnectCause, StoreError};
 
 /// How long a store's first connection may take by default before `connect` gives up.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Why a connection could not be made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ConnectCause {
-    /// Nothing listens at the address (the server is down, or the port is wrong).
-    Refused,
-    /// The host name does not resolve.
-    UnknownHost,
-    /// The server refused the credentials.
-    AuthenticationFailed,
-    /// The server has no database of that name.
-    DatabaseMissing,
-    /// The TLS handshake failed.
-    Tls,
-    /// No answer within the connect timeout.
-    TimedOut,
-    /// Anything else (the error's own message says what).
-    Other,
-}
-
-impl fmt::Display for ConnectCause {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ConnectCause::Refused => "connection refused",
-            ConnectCause::UnknownHost => "unknown host",
-            ConnectCause::AuthenticationFailed => "authentication failed",
-            ConnectCause::DatabaseMissing => "database missing",
-            ConnectCause::Tls => "TLS handshake failed",
-            ConnectCause::TimedOut => "timed out",
-            ConnectCause::Other => "connection failed",
-        })
-    }
-}
 
 /// `url` with the password of its user info (`scheme://user:password@host`) and any
 /// `password=` query parameter replaced by `***`.

@@ -31,6 +31,7 @@ mod connect;
 pub mod connect_error;
 #[cfg(any(feature = "sqlite", feature = "mysql", feature = "redis"))]
 pub(crate) mod known_keys;
+pub mod phase;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod pool;
 mod rows;

@@ -42,7 +42,7 @@ use tracing::{Instrument, info_span};
 
 use crate::error::StoreError;
 use crate::provider::{Attempts, CallOutcome, Lookup, Providers};
-use crate::record::{Actor, KeyRecord};
+use crate::record::{Actor, KeyKind, KeyRecord};
 use crate::store::{Finish, Release, Store, TakeStale};
 use crate::{KeyId, KeyState};
 
@@ -484,10 +484,10 @@ impl Sweeper {
                 Err(e) => return lost_or(e, &record),
             }
         }
-        if record.provider.as_deref() == Some(crate::workflow::WORKFLOW_PROVIDER) {
+        if record.kind() == KeyKind::Workflow {
             return self.handle_workflow(&id, record, now, report).await;
         }
-        if record.provider.as_deref() == Some(crate::workflow::LOCAL_PROVIDER) {
+        if record.kind() == KeyKind::AtomicStep {
             // An atomic phase's record commits with its writes: still processing with its
             // lease run out, its transaction never committed, so it surely did nothing.
             tracing::Span::current().record("decision", "local_rolled_back");

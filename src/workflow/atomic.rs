@@ -1,7 +1,7 @@
 //! Atomic phases: a workflow step whose effect is the application's own writes, committed in
 //! one database transaction with the step's record (`docs/workflows.md`, "Atomic phases").
 //!
-//! The SQL stores hand out an [`AtomicPhase`] for the application's writes
+//! The SQL stores hand out an [`AtomicPhase`](crate::store::phase::AtomicPhase) for the application's writes
 //! (`PostgresStore::atomic_phase`, `MySqlStore::atomic_phase`);
 //! [`Context::atomic_step`] claims the step, then the phase begins a transaction, runs the
 //! writes, finishes the step `done` (fenced by the step's lease token, its history row
@@ -11,138 +11,15 @@
 //! * the step was taken over meanwhile (the fenced finish matches no row): it rolls back;
 //! * the process dies before the commit: nothing was written, and the sweeper, seeing the step
 //!   still `processing` once its lease ran out, makes it `failed{retryable}` (a step of
-//!   [`LOCAL_PROVIDER`] is `processing` only while its transaction has not committed);
+//!   kind [`KeyKind::AtomicStep`](crate::record::KeyKind::AtomicStep) is `processing` only while its transaction has not committed);
 //! * when the workflow runs again, a committed step replays its answer and its writes are not
 //!   made again.
 
-use async_trait::async_trait;
-
-use crate::error::{Error, StoreError};
+use crate::error::Error;
 use crate::executor::{Context, Execution};
-use crate::record::LeaseToken;
-use crate::{KeyId, StoredResponse};
+use crate::store::phase::AtomicPhase;
 
 use super::Step;
-
-/// The provider name recorded for atomic-phase steps: their effect is local, and their record
-/// commits with it.
-pub const LOCAL_PROVIDER: &str = "idemflow.local";
-
-/// An error from the application's writes inside an atomic phase.
-pub type WritesError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The future of an atomic phase's writes, borrowing the transaction's connection.
-pub type WritesFuture<'c> = std::pin::Pin<
-    Box<dyn std::future::Future<Output = Result<StoredResponse, WritesError>> + Send + 'c>,
->;
-
-/// What a step's answer goes through before it is stored (the executor's header filter,
-/// redaction and size cap), given to [`AtomicPhase::commit`]. An `Err` (an answer over the cap)
-/// must roll the phase back and be returned as it is.
-pub type Prepare =
-    std::sync::Arc<dyn Fn(StoredResponse) -> Result<StoredResponse, PhaseError> + Send + Sync>;
-
-/// Why an atomic phase did not commit.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum PhaseError {
-    /// The application's writes failed: the transaction was rolled back, nothing was written.
-    #[error("the step's writes failed and were rolled back: {0}")]
-    Writes(#[source] WritesError),
-    /// The step's record could not be written under this attempt's lease (it was taken over):
-    /// the transaction was rolled back.
-    #[error("the step was taken over before its transaction committed; rolled back")]
-    LeaseLost,
-    /// The store failed while beginning, recording or committing. A failed commit may or may
-    /// not have committed: the step's row tells (`done` if it did).
-    #[error("store: {0}")]
-    Store(#[source] StoreError),
-    /// The step's answer (after the header filter and redaction) is larger than the executor's
-    /// `max_response_bytes`: rolled back, nothing was written.
-    #[error("the step's answer of {size} bytes exceeds the cap of {limit} bytes; rolled back")]
-    ResponseTooLarge {
-        /// The answer's stored size.
-        size: usize,
-        /// The cap.
-        limit: usize,
-    },
-}
-
-/// The application's writes for one atomic phase, bound to a SQL store; made by the store's
-/// `atomic_phase` and run by [`Context::atomic_step`].
-#[async_trait]
-pub trait AtomicPhase: Send {
-    /// Begins a transaction, runs the writes, finishes `step` (held under `token`) `done` with
-    /// the response the writes return (after `prepare`), its history row included, and
-    /// commits. Returns the stored response.
-    async fn commit(
-        self: Box<Self>,
-        step: &KeyId,
-        token: LeaseToken,
-        prepare: Prepare,
-    ) -> Result<StoredResponse, PhaseError>;
-}
-
-/// How long a SQL store's atomic phase may run (its writes included) before it is cut off and
-/// rolled back. On SQLite it is the default of `SqliteConfig::phase_timeout` (every other write
-/// of the store waits while a phase runs); on PostgreSQL and MariaDB/MySQL it bounds how long a
-/// hung phase holds its pooled connection and row locks.
-pub const DEFAULT_PHASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Runs a PostgreSQL or MariaDB/MySQL phase (`BEGIN`, the writes, the record, `COMMIT`) on a task
-/// of its own, so a caller that stops waiting (a client that went away) never cuts it on the
-/// wire: a `BEGIN` or a statement cut off after it was sent leaves the pooled connection inside
-/// a transaction the driver does not know of (its later autocommit writes then stay
-/// uncommitted, holding their locks), or out of the pool. The phase runs to its end, fenced by
-/// the step's token like any write, or until [`DEFAULT_PHASE_TIMEOUT`], when it is dropped and
-/// rolls back. A panic in the application's writes fails the step only
-/// ([`PhaseError::Writes`]); its transaction is dropped and rolls back.
-pub(crate) async fn detached<Fut>(
-    backend: &'static str,
-    phase: Fut,
-) -> Result<StoredResponse, PhaseError>
-where
-    Fut: std::future::Future<Output = Result<StoredResponse, PhaseError>> + Send + 'static,
-{
-    use tracing::Instrument;
-    let bounded = async move {
-        match tokio::time::timeout(DEFAULT_PHASE_TIMEOUT, phase).await {
-            Ok(r) => r,
-            Err(_) => Err(PhaseError::Writes(
-                format!(
-                    "the atomic phase ran longer than {DEFAULT_PHASE_TIMEOUT:?} and was rolled back"
-                )
-                .into(),
-            )),
-        }
-    };
-    match tokio::spawn(bounded.in_current_span()).await {
-        Ok(r) => r,
-        Err(e) if e.is_panic() => {
-            let message = panic_message(&*e.into_panic());
-            Err(PhaseError::Writes(
-                format!("the atomic phase panicked and was rolled back: {message}").into(),
-            ))
-        }
-        Err(e) => Err(PhaseError::Store(StoreError::database(
-            backend,
-            format!("the atomic phase's task ended: {e}"),
-        ))),
-    }
-}
-
-/// A phase chosen at run time (`Box<dyn AtomicPhase>`, e.g. by backend) is a phase too.
-#[async_trait]
-impl AtomicPhase for Box<dyn AtomicPhase> {
-    async fn commit(
-        self: Box<Self>,
-        step: &KeyId,
-        token: LeaseToken,
-        prepare: Prepare,
-    ) -> Result<StoredResponse, PhaseError> {
-        (*self).commit(step, token, prepare).await
-    }
-}
 
 impl Context {
     /// Runs the next step of this workflow as an **atomic phase**: `phase` (from the SQL
@@ -156,7 +33,7 @@ impl Context {
         step: Step,
         phase: impl AtomicPhase + 'static,
     ) -> Result<Execution, Error> {
-        let step = step.with_provider(LOCAL_PROVIDER);
+        let step = step.with_provider(crate::record::ATOMIC_STEP_MARKER);
         let (wf, mut of) = self.workflow_for_step(&step, None)?;
         // Never taken over: a stale one surely did nothing (see the module docs).
         of.takeover = None;
@@ -165,16 +42,5 @@ impl Context {
             .run_atomic(Self::step_request(step, of), Box::new(phase))
             .await;
         wf.note(result)
-    }
-}
-
-/// The message of a caught panic (a phase's writes panicked), for the step's error.
-pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_owned()
     }
 }

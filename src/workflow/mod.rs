@@ -14,7 +14,7 @@
 //! * the **recovery point** (how far the workflow got) is the set of its finished step rows: it
 //!   is written by the very statement that finishes the step, so the two cannot disagree.
 //!
-//! A workflow key is marked with the provider name [`WORKFLOW_PROVIDER`]. Everything it does to
+//! A workflow key is marked [`KeyKind::Workflow`]. Everything it does to
 //! the outside world goes through steps, so a retry may take over a workflow whose lease ran out
 //! at any time within its retention: the steps it already ran replay. The sweeper waits for the
 //! steps of a stale workflow to be settled, then runs the resumer registered for its operation
@@ -29,24 +29,15 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
+use crate::Outcome;
 use crate::error::Error;
-use crate::executor::{Context, Execution, Idempotency, IdempotentRequest, Outcome};
+use crate::executor::{Context, Execution, Idempotency, IdempotentRequest};
 use crate::fingerprint::{Fingerprint, canonical_json, hex, parse_json};
 use crate::key::{IdempotencyKey, KeyError, KeyId, MAX_LEN};
 use crate::provider::Provider;
+use crate::record::KeyKind;
 
 mod atomic;
-
-pub(crate) use atomic::detached as detached_phase;
-#[cfg(feature = "sqlite")]
-pub(crate) use atomic::panic_message;
-pub use atomic::{
-    AtomicPhase, DEFAULT_PHASE_TIMEOUT, LOCAL_PROVIDER, PhaseError, Prepare, WritesError,
-    WritesFuture,
-};
-
-/// The provider name that marks a key as a workflow (set by [`IdempotentRequest::workflow`]).
-pub const WORKFLOW_PROVIDER: &str = "idemflow.workflow";
 
 /// The marker between a workflow's key and a step's position in the step's key. Client keys
 /// that contain it are refused ([`KeyError::Reserved`]), so no client key is ever a step's key.
@@ -223,7 +214,7 @@ pub async fn waiting_for_resumer(
     let mut waiting = Vec::new();
     for record in processing.oldest {
         let stale = record.lease_expires_at.is_none_or(|at| at <= now);
-        if !stale || record.provider.as_deref() != Some(WORKFLOW_PROVIDER) {
+        if !stale || record.kind() != KeyKind::Workflow {
             continue;
         }
         let id = KeyId::new(record.scope.clone(), record.key.clone());

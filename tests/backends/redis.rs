@@ -339,7 +339,7 @@ async fn bad_prefix_and_unreachable_server_are_errors_not_panics() {
         matches!(
             e,
             StoreError::Connect {
-                cause: idemflow::store::connect_error::ConnectCause::Refused,
+                cause: idemflow::error::ConnectCause::Refused,
                 ..
             }
         ),

@@ -267,7 +267,7 @@ async fn killed_sweeper_strands_nothing(name: &str, spec: StoreSpec) {
         );
         // A workflow acts through its steps: the charge and the receipt.
         let mut acted = vec![r.provider_key.clone()];
-        if r.provider.as_deref() == Some(idemflow::workflow::WORKFLOW_PROVIDER) {
+        if r.kind() == idemflow::record::KeyKind::Workflow {
             acted.clear();
             for position in 0..2 {
                 let step = idemflow::workflow::step_key(id, position);

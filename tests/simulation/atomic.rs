@@ -10,8 +10,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idemflow::store::phase::{AtomicPhase, PhaseError, Prepare};
 use idemflow::store::sqlite::SqliteStore;
-use idemflow::workflow::{AtomicPhase, PhaseError, Prepare};
 use idemflow::{KeyId, LeaseToken, StoredResponse, async_trait};
 use sqlx::SqlitePool;
 

@@ -424,7 +424,7 @@ async fn inspect(cli: &Cli, store: &Arc<dyn Store>, id: &KeyId) -> anyhow::Resul
     }
     let is_workflow = record
         .as_ref()
-        .is_some_and(|r| r.provider.as_deref() == Some(idemflow::workflow::WORKFLOW_PROVIDER));
+        .is_some_and(|r| r.kind() == idemflow::record::KeyKind::Workflow);
     let steps = if is_workflow {
         idemflow::workflow::steps(&**store, id)
             .await

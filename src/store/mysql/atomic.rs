@@ -1,5 +1,5 @@
 //! Atomic phases on MariaDB / MySQL: the application's writes and a workflow step's record in
-//! one transaction (`idemflow::workflow::AtomicPhase`, `docs/workflows.md`).
+//! one transaction (`idemflow::store::phase::AtomicPhase`, `docs/workflows.md`).
 
 use async_trait::async_trait;
 use sqlx::MySqlConnection;
@@ -7,7 +7,7 @@ use sqlx::mysql::MySqlPool;
 
 use super::{MySqlStore, db, sql};
 use crate::record::LeaseToken;
-use crate::workflow::{AtomicPhase, PhaseError, Prepare, WritesFuture};
+use crate::store::phase::{AtomicPhase, PhaseError, Prepare, WritesFuture};
 use crate::{KeyId, StoredResponse};
 
 impl MySqlStore {
@@ -43,7 +43,7 @@ where
     ) -> Result<StoredResponse, PhaseError> {
         let MySqlPhase { pool, writes } = *self;
         let step = step.clone();
-        crate::workflow::detached_phase(super::BACKEND, async move {
+        crate::store::phase::detached(super::BACKEND, async move {
             let mut tx = pool.begin().await.map_err(|e| PhaseError::Store(db(e)))?;
             // A failure below drops `tx`: the transaction rolls back.
             let answer = prepare(writes(&mut tx).await.map_err(PhaseError::Writes)?)?;

@@ -1,6 +1,7 @@
 //! The MariaDB / MySQL store (feature `mysql`): many app instances, workers and sweepers on one
 //! database, coordinated by InnoDB row locks, `ON DUPLICATE KEY UPDATE` and
-//! `FOR UPDATE SKIP LOCKED` (MariaDB >= 10.6, MySQL >= 8.0.1).
+//! `FOR UPDATE SKIP LOCKED` (MariaDB >= 10.6, tested on 10.11; written to MySQL 8's syntax as
+//! well, but not tested on it: `docs/backends.md`, "Versions").
 //!
 //! - A claim is one round trip, a call of the `idempotency_keys_claim` procedure: a replay is a
 //!   primary-key read inside it (no lock, no write); a new key runs one `INSERT .. ON DUPLICATE

@@ -50,7 +50,7 @@ pub(super) const FINISH: &str = "CALL idempotency_keys_finish(?, ?, ?, ?, ?, ?, 
 
 /// The lease renewal, one round trip (`idempotency_keys_extend`): the new expiry, or no row when
 /// the fence refused it. Parameters: scope, key, token, lease µs.
-/// An atomic phase's record of its step (`workflow::AtomicPhase`): the fenced finish into `done`
+/// An atomic phase's record of its step (`store::phase::AtomicPhase`): the fenced finish into `done`
 /// as `idempotency_keys_finish` does it, as a plain statement inside the application's
 /// transaction (the procedure has a transaction of its own); the update trigger writes the
 /// history row. No column reads another the statement assigns, so assignment order is moot.

@@ -1,5 +1,5 @@
 //! Atomic phases on PostgreSQL: the application's writes and a workflow step's record in one
-//! transaction (`idemflow::workflow::AtomicPhase`, `docs/workflows.md`).
+//! transaction (`idemflow::store::phase::AtomicPhase`, `docs/workflows.md`).
 
 use async_trait::async_trait;
 use sqlx::PgConnection;
@@ -9,7 +9,7 @@ use super::{PostgresStore, db, finish_query};
 use crate::record::{Actor, LeaseToken};
 use crate::state::KeyState;
 use crate::store::Finish;
-use crate::workflow::{AtomicPhase, PhaseError, Prepare, WritesFuture};
+use crate::store::phase::{AtomicPhase, PhaseError, Prepare, WritesFuture};
 use crate::{KeyId, StoredResponse};
 
 impl PostgresStore {
@@ -60,7 +60,7 @@ where
     ) -> Result<StoredResponse, PhaseError> {
         let PgPhase { pool, writes } = *self;
         let step = step.clone();
-        crate::workflow::detached_phase(super::BACKEND, async move {
+        crate::store::phase::detached(super::BACKEND, async move {
             let mut tx = pool.begin().await.map_err(|e| PhaseError::Store(db(e)))?;
             // A failure below drops `tx`: the transaction rolls back.
             let answer = prepare(writes(&mut tx).await.map_err(PhaseError::Writes)?)?;

@@ -1,5 +1,5 @@
 //! Atomic phases on SQLite: the application's writes and a workflow step's record in one
-//! transaction (`idemflow::workflow::AtomicPhase`, `docs/workflows.md`).
+//! transaction (`idemflow::store::phase::AtomicPhase`, `docs/workflows.md`).
 //!
 //! The phase is a guarded job of the group-committing writer (`writer.rs`, "Phase jobs"): it
 //! runs on the writer's connection inside a transaction of the writer's (alone or in a batch),
@@ -20,7 +20,7 @@ use super::writer::{BoxFut, JobAborted, job};
 use super::{SqliteStore, db, sql};
 use crate::record::LeaseToken;
 use crate::store::Finish;
-use crate::workflow::{AtomicPhase, PhaseError, Prepare, WritesFuture};
+use crate::store::phase::{AtomicPhase, PhaseError, Prepare, WritesFuture};
 use crate::{KeyId, StoredResponse};
 
 /// What one run of the phase inside the writer came to.

@@ -64,7 +64,7 @@ fn db(e: sqlx::Error) -> StoreError {
 
 /// The default of [`SqliteConfig::phase_timeout`], as long as the default busy timeout (how long
 /// another process's writes wait for the lock a phase holds).
-pub use crate::workflow::DEFAULT_PHASE_TIMEOUT;
+use crate::store::phase::DEFAULT_PHASE_TIMEOUT;
 
 /// Options for [`SqliteStore::connect_with`].
 #[derive(Debug, Clone)]

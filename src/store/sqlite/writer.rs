@@ -490,7 +490,7 @@ async fn run_phase(job: &mut dyn Job, conn: &mut SqliteConnection, timeout: Dura
     }
     let aborted = match ran {
         Err(_) => Some(JobAborted::TimedOut(timeout)),
-        Ok(Err(panic)) => Some(JobAborted::Panicked(crate::workflow::panic_message(
+        Ok(Err(panic)) => Some(JobAborted::Panicked(crate::store::phase::panic_message(
             &*panic,
         ))),
         Ok(Ok(_)) if ended.load(Ordering::SeqCst) => Some(JobAborted::TransactionEnded),
