@@ -193,6 +193,21 @@ impl fmt::Display for KeyId {
     }
 }
 
+/// The marker between a workflow's key and a step's position in the step's key. Client keys
+/// that contain it are refused ([`KeyError::Reserved`]), so no client key is ever a step's key.
+pub const STEP_MARK: &str = "#step:";
+
+/// Refuses a client key that contains [`STEP_MARK`].
+pub(crate) fn check_client_key(key: &IdempotencyKey) -> Result<(), KeyError> {
+    if key.as_str().contains(STEP_MARK) {
+        return Err(KeyError::Reserved {
+            what: "idempotency key",
+            reserved: STEP_MARK,
+        });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,21 +29,12 @@ pub(super) const LAYERS: &[(&str, &[&str])] = &[
     ),
 ];
 
-/// Reverse imports still to be removed, each with its reason. The test fails on any other, and
-/// on an entry here that the code no longer has (so the list only shrinks).
-pub(super) const KNOWN_REVERSE: &[(&str, &str, &str)] = &[(
-    "executor",
-    "workflow",
-    "run_claimed builds the workflow of a workflow key and runs its atomic steps; to become a \
-     hook the workflow layer installs (ARCHITECTURE.md, \"What is left\")",
-)];
-
 #[cfg(test)]
 mod tests {
     use std::collections::{BTreeMap, BTreeSet};
     use std::path::Path;
 
-    use super::{KNOWN_REVERSE, LAYERS};
+    use super::LAYERS;
 
     fn layer_of(module: &str) -> Option<usize> {
         LAYERS.iter().position(|(_, ms)| ms.contains(&module))
@@ -222,20 +213,10 @@ mod tests {
             unplaced.is_empty(),
             "top-level modules missing from layers::LAYERS: {unplaced:?}"
         );
-        let known: BTreeSet<(String, String)> = KNOWN_REVERSE
-            .iter()
-            .map(|(a, b, _)| ((*a).to_owned(), (*b).to_owned()))
-            .collect();
         let found = violations(&graph);
-        let new: Vec<_> = found.difference(&known).collect();
         assert!(
-            new.is_empty(),
-            "imports that point up a layer or both ways (ARCHITECTURE.md): {new:?}"
-        );
-        let gone: Vec<_> = known.difference(&found).collect();
-        assert!(
-            gone.is_empty(),
-            "layers::KNOWN_REVERSE lists imports the code no longer has; remove them: {gone:?}"
+            found.is_empty(),
+            "imports that point up a layer or both ways (ARCHITECTURE.md): {found:?}"
         );
     }
 

@@ -102,6 +102,10 @@ pub mod telemetry;
 pub mod testkit;
 pub mod workflow;
 
+/// The composition root: the executor runs a workflow key through this hook, which the workflow
+/// layer implements, so the executor imports nothing above it (`ARCHITECTURE.md`).
+pub(crate) static WORKFLOW_RUNS: &dyn executor::hook::RunHook = &workflow::Runs;
+
 /// The README's code blocks, compiled as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -83,7 +83,7 @@ pub fn parse_key_bytes(raw: &[u8]) -> Result<IdempotencyKey, KeyHeaderError> {
     match String::from_utf8(key) {
         Ok(s) => {
             let key = IdempotencyKey::new(s)?;
-            crate::workflow::check_client_key(&key)?;
+            crate::key::check_client_key(&key)?;
             Ok(key)
         }
         Err(e) => {

@@ -111,79 +111,18 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
 {
-    let (parts, body) = req.into_parts();
-    let mut values = parts.headers.get_all(&settings.header).iter();
-    let key = match (values.next(), values.next()) {
-        (None, _) if !settings.required => {
+    let Parsed {
+        request,
+        parts,
+        bytes,
+        operation,
+    } = match parse(&settings, req).await {
+        Ok(parsed) => parsed,
+        Err(NotRun::PassThrough(parts, body)) => {
             return inner.call(Request::from_parts(parts, body)).await;
         }
-        (None, _) => {
-            return Ok(Problem::new(StatusCode::BAD_REQUEST, "key-missing", "Idempotency key missing")
-                .detail(format!(
-                    "this endpoint requires an {} header; send a unique value (e.g. a UUID) and reuse it when retrying",
-                    settings.header
-                ))
-                .into_response());
-        }
-        (Some(_), Some(_)) => Err(super::KeyHeaderError::Repeated),
-        (Some(v), None) => parse_key_header(v),
+        Err(NotRun::Answer(resp)) => return Ok(resp),
     };
-    let key = match key {
-        Ok(k) => k,
-        Err(e) => {
-            return Ok(Problem::new(
-                StatusCode::BAD_REQUEST,
-                "key-malformed",
-                "Idempotency key malformed",
-            )
-            .detail(e.to_string())
-            .into_response());
-        }
-    };
-    let scope = match settings.scope.scope_of(&parts) {
-        Ok(s) => s,
-        Err(resp) => return Ok(resp),
-    };
-    let span = tracing::Span::current();
-    span.record("scope", tracing::field::display(&scope));
-    span.record("key", tracing::field::display(&key));
-
-    let bytes = match read_body(body, settings.max_body_bytes).await {
-        Ok(b) => b,
-        Err(resp) => return Ok(resp),
-    };
-    // JSON bodies are fingerprinted as canonical JSON, others by their bytes; JSON that names a
-    // member twice is refused (400), never read last-wins.
-    let json = match parse_json(&bytes) {
-        Ok(v) => Some(v),
-        Err(JsonError::DuplicateKey { name }) => {
-            return Ok(error_response(&Error::DuplicateJsonKey { name }));
-        }
-        Err(_) => None,
-    };
-    let operation = operation_name(&settings, &parts);
-    let stored = match &settings.stored_request {
-        Some(f) => match f(&parts, &bytes) {
-            Ok(v) => v,
-            Err(resp) => return Ok(resp),
-        },
-        None => body_value(&bytes, json.as_ref()),
-    };
-    let fingerprint = fingerprint(&operation, &parts, &bytes, json.as_ref());
-    let id = KeyId::new(scope, key);
-    let request = IdempotentRequest::with_fingerprint(
-        id,
-        operation.clone(),
-        canonical_json(&stored),
-        fingerprint,
-    );
-    let mut request = match request {
-        Ok(r) => r,
-        Err(e) => return Ok(error_response(&e)),
-    };
-    if let Some(p) = &settings.provider {
-        request = request.with_provider(p.clone());
-    }
 
     let mut parts_slot = Some(parts);
     let mut produced: Option<Produced<S::Error>> = None;
@@ -262,21 +201,39 @@ where
                     rparts,
                     Body::from(rbytes),
                 )));
-                if retryable {
-                    Outcome::retryable(format!(
-                        "the handler answered {status} and marked it retryable"
-                    ))
-                } else if status.is_server_error() {
-                    Outcome::unknown(format!("the handler answered {status}; not stored"))
-                } else if status.is_client_error() {
-                    Outcome::Rejected(to_store)
-                } else {
-                    Outcome::Succeeded(to_store)
-                }
+                outcome_of(status, retryable, to_store)
             })
             .await
     };
 
+    respond(result, produced, parts_slot.as_ref(), &settings).await
+}
+
+/// How the handler's answer, as a status and whether it was marked retryable, classifies the
+/// run: a 2xx is stored as a success and a 4xx as a permanent refusal, both replayed; a 5xx is
+/// not stored (the key is left for a retry or the sweeper); a marked answer did nothing.
+fn outcome_of(status: StatusCode, retryable: bool, to_store: StoredResponse) -> Outcome {
+    if retryable {
+        Outcome::retryable(format!(
+            "the handler answered {status} and marked it retryable"
+        ))
+    } else if status.is_server_error() {
+        Outcome::unknown(format!("the handler answered {status}; not stored"))
+    } else if status.is_client_error() {
+        Outcome::Rejected(to_store)
+    } else {
+        Outcome::Succeeded(to_store)
+    }
+}
+
+/// The answer a client gets: the handler's first answer (or its error), a replay with the
+/// replay marker, or the error of the key.
+async fn respond<E>(
+    result: Result<Execution, Error>,
+    produced: Option<Produced<E>>,
+    parts: Option<&Parts>,
+    settings: &Settings,
+) -> Result<Response, E> {
     match (result, produced) {
         (_, Some(Produced::Failed(e))) => Err(e),
         (Ok(Execution::Executed(stored)), Some(Produced::Answer(resp))) => {
@@ -284,7 +241,7 @@ where
         }
         (Ok(Execution::Executed(stored)), None) => Ok(to_http(stored)),
         (Ok(Execution::Replayed(stored)), _) => {
-            let stored = match (&settings.replay, &parts_slot) {
+            let stored = match (&settings.replay, parts) {
                 (Some(f), Some(parts)) => f(parts, stored),
                 _ => stored,
             };
@@ -301,7 +258,7 @@ where
         ) => {
             // The handler's own answer (5xx, or marked retryable), not stored, masked as every
             // answer the layer gives.
-            let mut resp = masked_unstored(resp, &settings).await;
+            let mut resp = masked_unstored(resp, settings).await;
             let after = e.retry_after().unwrap_or(Duration::from_secs(1));
             if !resp.headers().contains_key(header::RETRY_AFTER) {
                 resp.headers_mut()
@@ -313,7 +270,7 @@ where
             // The operation ran: give this client its answer, masked as a stored one would be;
             // retries get the recorded reason.
             tracing::warn!(error = %e, "answer too large to store; the key is failed{{permanent}} without it");
-            Ok(masked_unstored(resp, &settings).await)
+            Ok(masked_unstored(resp, settings).await)
         }
         (Err(e), _) => {
             if matches!(e, Error::Store(_) | Error::LeaseLost(_)) {
@@ -322,6 +279,107 @@ where
             Ok(error_response(&e))
         }
     }
+}
+
+/// A request with a usable key, read and fingerprinted by [`parse`].
+struct Parsed {
+    request: IdempotentRequest,
+    parts: Parts,
+    bytes: Bytes,
+    operation: String,
+}
+
+/// What [`parse`] found instead of a request to run under a key.
+enum NotRun {
+    /// No key, and none required: the handler runs as if the layer were not there.
+    PassThrough(Parts, Body),
+    /// Refused (a missing or malformed key, a scope, body or request error): this answer.
+    Answer(Response),
+}
+
+/// Reads the key, the scope and the body of `req`, and builds the request to run under the key.
+async fn parse(settings: &Settings, req: Request) -> Result<Parsed, NotRun> {
+    let (parts, body) = req.into_parts();
+    let mut values = parts.headers.get_all(&settings.header).iter();
+    let key = match (values.next(), values.next()) {
+        (None, _) if !settings.required => return Err(NotRun::PassThrough(parts, body)),
+        (None, _) => {
+            return Err(NotRun::Answer(Problem::new(StatusCode::BAD_REQUEST, "key-missing", "Idempotency key missing")
+                .detail(format!(
+                    "this endpoint requires an {} header; send a unique value (e.g. a UUID) and reuse it when retrying",
+                    settings.header
+                ))
+                .into_response()));
+        }
+        (Some(_), Some(_)) => Err(super::KeyHeaderError::Repeated),
+        (Some(v), None) => parse_key_header(v),
+    };
+    let key = match key {
+        Ok(k) => k,
+        Err(e) => {
+            return Err(NotRun::Answer(
+                Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "key-malformed",
+                    "Idempotency key malformed",
+                )
+                .detail(e.to_string())
+                .into_response(),
+            ));
+        }
+    };
+    let scope = match settings.scope.scope_of(&parts) {
+        Ok(s) => s,
+        Err(resp) => return Err(NotRun::Answer(resp)),
+    };
+    let span = tracing::Span::current();
+    span.record("scope", tracing::field::display(&scope));
+    span.record("key", tracing::field::display(&key));
+
+    let bytes = match read_body(body, settings.max_body_bytes).await {
+        Ok(b) => b,
+        Err(resp) => return Err(NotRun::Answer(resp)),
+    };
+    // JSON bodies are fingerprinted as canonical JSON, others by their bytes; JSON that names a
+    // member twice is refused (400), never read last-wins.
+    let json = match parse_json(&bytes) {
+        Ok(v) => Some(v),
+        Err(JsonError::DuplicateKey { name }) => {
+            return Err(NotRun::Answer(error_response(&Error::DuplicateJsonKey {
+                name,
+            })));
+        }
+        Err(_) => None,
+    };
+    let operation = operation_name(settings, &parts);
+    let stored = match &settings.stored_request {
+        Some(f) => match f(&parts, &bytes) {
+            Ok(v) => v,
+            Err(resp) => return Err(NotRun::Answer(resp)),
+        },
+        None => body_value(&bytes, json.as_ref()),
+    };
+    let fingerprint = fingerprint(&operation, &parts, &bytes, json.as_ref());
+    let id = KeyId::new(scope, key);
+    let request = IdempotentRequest::with_fingerprint(
+        id,
+        operation.clone(),
+        canonical_json(&stored),
+        fingerprint,
+    );
+    let mut request = match request {
+        Ok(r) => r,
+        Err(e) => return Err(NotRun::Answer(error_response(&e))),
+    };
+    if let Some(p) = &settings.provider {
+        request = request.with_provider(p.clone());
+    }
+    Ok(Parsed {
+        request,
+        parts,
+        bytes,
+        operation,
+    })
 }
 
 /// Reads the body up to `limit` bytes; 413 above it, 400 when it cannot be read.

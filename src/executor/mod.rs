@@ -9,19 +9,23 @@ use tracing::{Instrument, info_span};
 use crate::error::{Error, StoreError};
 use crate::provider_key;
 use crate::record::{Actor, KeyRecord, LeaseToken};
-use crate::state::{KeyState, RetryEvidence, may_become_retryable};
+use crate::state::KeyState;
 use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Store};
 use crate::{KeyId, StoredResponse};
 
-mod heartbeat;
+pub(crate) mod heartbeat;
+pub(crate) mod hook;
 mod outcome;
 mod provider_call;
 mod request;
+mod settle;
 
 use crate::Outcome;
 pub use outcome::{Context, Execution};
 pub use request::IdempotentRequest;
+pub(crate) use request::StepOf;
 pub(crate) use request::validate_operation;
+use settle::{Settle, settle};
 
 /// The settings of an [`Idempotency`] executor, as read back with [`Idempotency::config`].
 ///
@@ -235,6 +239,11 @@ impl Idempotency {
         &self.config
     }
 
+    /// The settings, shared (for a closure that outlives the call, as an atomic phase's).
+    pub(crate) fn shared_config(&self) -> &Arc<ExecutorConfig> {
+        &self.config
+    }
+
     /// The store.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
@@ -306,7 +315,7 @@ impl Idempotency {
         Ok(Execution::Executed(stored))
     }
 
-    fn new_claim(&self, request: &IdempotentRequest) -> NewClaim {
+    pub(crate) fn new_claim(&self, request: &IdempotentRequest) -> NewClaim {
         let cfg = &*self.config;
         // An explicit key is sent as given; a derived one is the pure derivation for the key's
         // first row, and one of its own for a row re-created after the earlier was purged (the
@@ -365,7 +374,7 @@ impl Idempotency {
     /// Runs `op` under `lease` (granted by a claim sent at `asked`, or held by the sweeper for a
     /// resumer), renewing it while `op` runs, and stores the outcome. Returns the state the key
     /// was finished in and its stored response.
-    async fn run_claimed<F, Fut>(
+    pub(crate) async fn run_claimed<F, Fut>(
         &self,
         request: IdempotentRequest,
         lease: Lease,
@@ -382,24 +391,13 @@ impl Idempotency {
         let window = self.takeover_window(&request);
         let held_until = heartbeat::held_from(asked, cfg.lease);
         let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
-        let workflow = if request.is_workflow() {
-            // No step may start once its records may be purged: judged by the retention stored
-            // with the workflow and its finished steps (`workflow::step_window`), which a key
-            // claimed now has from this executor. A deadline too far to represent is none.
-            let (steps_window, retention) = if lease.transition == crate::state::Transition::Claim {
-                (window, cfg.retention)
-            } else {
-                let (w, r) =
-                    crate::workflow::stored_step_window(&*self.store, &id, cfg.lease).await?;
-                (Some(w), r)
-            };
-            let far = asked + Duration::from_secs(100 * 366 * 24 * 3600);
-            let resume_by = window_closes(&lease, cfg.lease, steps_window, asked).unwrap_or(far);
-            Some(crate::workflow::Workflow::new(
-                self.clone(),
-                resume_by,
-                retention,
-            ))
+        // A workflow key runs with the state the workflow layer keeps for it (`hook.rs`).
+        let run = if request.is_workflow() {
+            Some(
+                crate::WORKFLOW_RUNS
+                    .begin(self, &id, &lease, asked, window)
+                    .await?,
+            )
         } else {
             None
         };
@@ -416,32 +414,23 @@ impl Idempotency {
                 None
             },
             request: request.canonical,
-            workflow: workflow.clone(),
+            run: run.clone(),
         };
         // The lease is renewed while the operation runs (same task, stops with it).
         let renew = heartbeat::renew(&*self.store, &id, lease.token, cfg.lease, &held);
         let outcome = heartbeat::alongside(op(ctx), renew).await;
-        if let Some(wf) = &workflow {
-            // The code changed: a step met a recorded step of another name, or (when it ended
-            // well) a step is recorded after the last one this code ran. Never finished past it.
-            let changed = match (wf.take_changed(), &outcome) {
-                (Some(e), _) => Some(e),
-                (None, Outcome::Succeeded(_) | Outcome::Rejected(_)) => {
-                    self.dropped_step(&id, wf.steps_run()).await?
-                }
-                (None, _) => None,
+        if let Some(run) = &run
+            && let Some(e) = run.after(self, &id, &outcome).await?
+        {
+            tracing::Span::current().record("outcome", "workflow_changed");
+            let release = Release {
+                actor: Actor::Worker,
+                reason: "the workflow's code changed; left for an operator".to_owned(),
+                error: Some(e.to_string()),
+                recheck_after: None,
             };
-            if let Some(e) = changed {
-                tracing::Span::current().record("outcome", "workflow_changed");
-                let release = Release {
-                    actor: Actor::Worker,
-                    reason: "the workflow's code changed; left for an operator".to_owned(),
-                    error: Some(e.to_string()),
-                    recheck_after: None,
-                };
-                self.store.release(&id, lease.token, &release).await?;
-                return Err(e);
-            }
+            self.store.release(&id, lease.token, &release).await?;
+            return Err(e);
         }
         crate::telemetry::outcome(
             &request_operation,
@@ -452,39 +441,14 @@ impl Idempotency {
                 Outcome::Unknown { .. } => "unknown",
             },
         );
-        let (to, mut resp) = match outcome {
-            Outcome::Succeeded(resp) => (KeyState::Done, resp),
-            Outcome::Rejected(resp) => (KeyState::Failed { retryable: false }, resp),
-            Outcome::Retryable { reason }
-                if !may_become_retryable(
-                    lease.may_have_acted,
-                    RetryEvidence::ThisAttemptDidNothing,
-                ) =>
-            {
-                // This attempt did nothing, but an earlier one may have acted: the key must not
-                // become retryable (a retry could act twice). The sweeper finds out.
-                tracing::Span::current().record("outcome", "unknown");
-                let release = Release {
-                    actor: Actor::Worker,
-                    reason: "retryable answer after an earlier attempt that may have acted; \
-                             outcome unknown, left for the sweeper"
-                        .to_owned(),
-                    error: Some(reason.clone()),
-                    recheck_after: None,
-                };
-                self.store.release(&id, lease.token, &release).await?;
-                return Err(Error::OutcomeUnknown {
-                    key: id.to_string(),
-                    reason: format!("an earlier attempt may have acted; this one: {reason}"),
-                    retry_after: cfg.unknown_retry_after,
-                });
-            }
-            Outcome::Retryable { reason } => {
+        let (to, resp) = match settle(outcome, lease.may_have_acted) {
+            Settle::Store { to, response } => (to, response),
+            Settle::Retryable { error } => {
                 tracing::Span::current().record("outcome", "retryable");
                 let finish = Finish {
                     to: KeyState::Failed { retryable: true },
                     response: None,
-                    error: Some(reason.clone()),
+                    error: Some(error.clone()),
                     actor: Actor::Worker,
                     reason: "the provider surely did nothing; a retry runs it again".to_owned(),
                     expect_token: None,
@@ -492,25 +456,42 @@ impl Idempotency {
                 self.store.finish(&id, Some(lease.token), &finish).await?;
                 return Err(Error::FailedRetryable {
                     key: id.to_string(),
-                    reason,
+                    reason: error,
                 });
             }
-            Outcome::Unknown { reason } => {
+            Settle::Release {
+                reason,
+                error,
+                told,
+            } => {
                 tracing::Span::current().record("outcome", "unknown");
                 let release = Release {
                     actor: Actor::Worker,
-                    reason: "outcome unknown; left for the sweeper".to_owned(),
-                    error: Some(reason.clone()),
+                    reason: reason.to_owned(),
+                    error: Some(error),
                     recheck_after: None,
                 };
                 self.store.release(&id, lease.token, &release).await?;
                 return Err(Error::OutcomeUnknown {
                     key: id.to_string(),
-                    reason,
+                    reason: told,
                     retry_after: cfg.unknown_retry_after,
                 });
             }
         };
+        self.store_answer(&id, lease.token, to, resp).await
+    }
+
+    /// Stores an operation's answer (`done` or `failed{permanent}`) after the header filter,
+    /// redaction and size cap, fenced by `token`; returns it as stored.
+    async fn store_answer(
+        &self,
+        id: &KeyId,
+        token: LeaseToken,
+        to: KeyState,
+        mut resp: StoredResponse,
+    ) -> Result<(KeyState, StoredResponse), Error> {
+        let cfg = &*self.config;
         if let Some(allow) = &cfg.stored_headers {
             resp.retain_headers(allow);
         }
@@ -521,7 +502,7 @@ impl Idempotency {
         if size > cfg.max_response_bytes {
             // The operation ran, so the key must not vanish (a retry would run it again).
             return Err(self
-                .too_large(&id, lease.token, size, cfg.max_response_bytes)
+                .too_large(id, token, size, cfg.max_response_bytes)
                 .await);
         }
         tracing::Span::current().record(
@@ -547,7 +528,7 @@ impl Idempotency {
         let record = crate::telemetry::timed(
             self.store.backend(),
             "finish",
-            self.store.finish(&id, Some(lease.token), &finish),
+            self.store.finish(id, Some(token), &finish),
         )
         .await?;
         let stored = record.response.or(finish.response).ok_or_else(|| {
@@ -559,90 +540,15 @@ impl Idempotency {
         Ok((to, stored))
     }
 
-    /// Runs an atomic-phase step (`Context::atomic_step`): claims `request`'s key, then lets
-    /// `phase` write the application's rows and finish the key in one transaction, renewing the
-    /// lease meanwhile.
-    pub(crate) async fn run_atomic(
-        &self,
-        request: IdempotentRequest,
-        phase: Box<dyn crate::store::phase::AtomicPhase>,
-    ) -> Result<Execution, Error> {
-        use crate::store::phase::PhaseError;
-        let cfg = &*self.config;
-        let claim = self.new_claim(&request);
-        let asked = tokio::time::Instant::now();
-        let lease = match self.store.claim(&claim).await? {
-            ClaimOutcome::Existing { record, now } => {
-                return self.existing(&request, *record, now);
-            }
-            ClaimOutcome::Claimed(lease) => lease,
-        };
-        let id = request.id.clone();
-        let span = info_span!(
-            "idemflow.atomic_step",
-            scope = %id.scope,
-            key = %id.key,
-            step = %request.operation,
-        );
-        let held_until = heartbeat::held_from(asked, cfg.lease);
-        let (held, _watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
-        let renew = heartbeat::renew(&*self.store, &id, lease.token, cfg.lease, &held);
-        let prep_cfg = self.config.clone();
-        let prepare: crate::store::phase::Prepare = std::sync::Arc::new(move |mut resp| {
-            if let Some(allow) = &prep_cfg.stored_headers {
-                resp.retain_headers(allow);
-            }
-            let resp = match &prep_cfg.redact {
-                Some(Redactor(redact)) => redact(resp),
-                None => resp,
-            };
-            let (size, limit) = (resp.stored_size(), prep_cfg.max_response_bytes);
-            if size > limit {
-                return Err(PhaseError::ResponseTooLarge { size, limit });
-            }
-            Ok(resp)
-        });
-        let committed = heartbeat::alongside(phase.commit(&id, lease.token, prepare), renew)
-            .instrument(span)
-            .await;
-        match committed {
-            Ok(resp) => Ok(Execution::Executed(resp)),
-            Err(PhaseError::Writes(e)) => {
-                // Rolled back: nothing happened, so a retry may run the step again.
-                let reason = format!("the step's writes failed and were rolled back: {e}");
-                let finish = Finish {
-                    to: KeyState::Failed { retryable: true },
-                    response: None,
-                    error: Some(reason.clone()),
-                    actor: Actor::Worker,
-                    reason: "atomic phase rolled back; a retry runs it again".to_owned(),
-                    expect_token: None,
-                };
-                self.store.finish(&id, Some(lease.token), &finish).await?;
-                Err(Error::FailedRetryable {
-                    key: id.to_string(),
-                    reason,
-                })
-            }
-            Err(PhaseError::LeaseLost) => Err(Error::LeaseLost(
-                crate::store::refused_write(&*self.store, &id, Some(lease.token)).await,
-            )),
-            Err(PhaseError::Store(e)) => {
-                // A failed commit may have committed: the row says. If it did not, the step
-                // stays processing and the sweeper makes it retryable once its lease runs out.
-                Err(Error::Store(e))
-            }
-            Err(PhaseError::ResponseTooLarge { size, limit }) => {
-                // Rolled back; the same writes would give the same answer again, so the step
-                // fails permanently, as an oversized answer of an operation does.
-                Err(self.too_large(&id, lease.token, size, limit).await)
-            }
-        }
-    }
-
     /// Finishes a key whose answer is over the response cap as a permanent failure that names
     /// the problem, and returns the error for its caller.
-    async fn too_large(&self, id: &KeyId, token: LeaseToken, size: usize, limit: usize) -> Error {
+    pub(crate) async fn too_large(
+        &self,
+        id: &KeyId,
+        token: LeaseToken,
+        size: usize,
+        limit: usize,
+    ) -> Error {
         tracing::Span::current().record("outcome", "response_too_large");
         let detail = format!("response of {size} bytes exceeds the cap of {limit} bytes");
         let finish = Finish {
@@ -659,80 +565,7 @@ impl Idempotency {
         }
     }
 
-    /// After a workflow's operation ended well: the step recorded at the position after the
-    /// last one it ran, if any (the code dropped a step that already ran or was started).
-    async fn dropped_step(&self, id: &KeyId, steps_run: u32) -> Result<Option<Error>, Error> {
-        let next = crate::workflow::step_key(id, steps_run);
-        Ok(self
-            .store
-            .get(&next)
-            .await?
-            .map(|recorded| Error::StepChanged {
-                key: id.to_string(),
-                position: steps_run,
-                recorded: recorded.operation,
-                found: None,
-            }))
-    }
-
-    /// Runs a stale workflow's operation to its end under the lease the sweeper took it with
-    /// (`record.lease_token`, renewed here for one lease of this executor). Its finished steps
-    /// replay. Returns the state the workflow was finished in.
-    pub(crate) async fn resume(
-        &self,
-        record: &KeyRecord,
-        op: crate::workflow::Resume,
-    ) -> Result<KeyState, Error> {
-        let id = KeyId::new(record.scope.clone(), record.key.clone());
-        let asked = tokio::time::Instant::now();
-        let expires_at = self
-            .store
-            .extend(&id, record.lease_token, self.config.lease)
-            .await?;
-        let span = info_span!(
-            "idemflow.resume",
-            scope = %id.scope,
-            key = %id.key,
-            operation = %record.operation,
-            outcome = tracing::field::Empty,
-        );
-        let Some(canonical) = record.request.clone() else {
-            return Err(Error::NoStoredResponse {
-                key: id.to_string(),
-                state: record.state,
-                reason: "the workflow's request was not stored (store_request is off), so it \
-                         cannot be resumed"
-                    .to_owned(),
-            });
-        };
-        let request = IdempotentRequest {
-            id,
-            operation: record.operation.clone(),
-            canonical,
-            fingerprint: record.fingerprint.clone(),
-            provider: record.provider.clone(),
-            provider_key: Some(record.provider_key.clone()),
-            key_max_len: provider_key::DEFAULT_LEN,
-            dedup_window: None,
-            step: None,
-        };
-        let lease = Lease {
-            token: record.lease_token,
-            expires_at,
-            attempts: record.attempts,
-            provider_key: record.provider_key.clone(),
-            transition: crate::state::Transition::Takeover,
-            may_have_acted: true,
-            created_at: record.created_at,
-        };
-        let (to, _) = self
-            .run_claimed(request, lease, asked, move |ctx| op(ctx))
-            .instrument(span)
-            .await?;
-        Ok(to)
-    }
-
-    fn existing(
+    pub(crate) fn existing(
         &self,
         request: &IdempotentRequest,
         record: KeyRecord,
@@ -836,7 +669,7 @@ impl Idempotency {
 /// the instant is never late). A takeover must send before it; a workflow starts no step after
 /// it. `None` without a window, or when the window is too large to add (the store caps durations
 /// at 100 years).
-fn window_closes(
+pub(crate) fn window_closes(
     lease: &Lease,
     lease_len: Duration,
     window: Option<Duration>,

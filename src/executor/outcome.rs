@@ -22,8 +22,9 @@ pub struct Context {
     /// send (the takeover window counted from the key's first claim), on this process's clock.
     pub(crate) send_by: Option<Instant>,
     pub(crate) request: String,
-    /// The running workflow, when the request was declared one (steps run through it).
-    pub(crate) workflow: Option<std::sync::Arc<crate::workflow::Workflow>>,
+    /// The state of a workflow's run, kept by the workflow layer (`hook.rs`): its steps run
+    /// through it.
+    pub(crate) run: Option<std::sync::Arc<dyn super::hook::RunState>>,
 }
 
 impl Context {

@@ -29,11 +29,22 @@ pub struct IdempotentRequest {
     /// when run through [`Idempotency::call`](crate::Idempotency::call)).
     pub(crate) key_max_len: usize,
     /// Set on the request of a workflow step: which workflow, which position.
-    pub(crate) step: Option<crate::workflow::StepOf>,
+    pub(crate) step: Option<StepOf>,
     /// The dedup window of the provider the request is sent through, when sent by
     /// [`Idempotency::call`](crate::Idempotency::call): `Some(None)` for a provider that does
     /// not dedupe by key. A retry takeover never outlasts it (`ExecutorConfig::retry_takeover_window`).
     pub(crate) dedup_window: Option<Option<std::time::Duration>>,
+}
+
+/// Which step of which workflow a request runs (set on a step's request).
+#[derive(Debug, Clone)]
+pub(crate) struct StepOf {
+    pub(crate) workflow: KeyId,
+    pub(crate) position: u32,
+    /// The step's takeover window: the executor's `retry_takeover_window` for a step of any
+    /// code; for a provider step, only when the provider replays a same-key re-send, and never
+    /// longer than its dedup window (a step of a keyless provider is never taken over).
+    pub(crate) takeover: Option<std::time::Duration>,
 }
 
 pub(crate) fn validate_operation(operation: &str) -> Result<(), Error> {
@@ -90,7 +101,7 @@ impl IdempotentRequest {
     ) -> Result<Self, Error> {
         let scope = Scope::new(scope).map_err(Error::InvalidScope)?;
         let key = IdempotencyKey::new(key).map_err(Error::InvalidKey)?;
-        crate::workflow::check_client_key(&key).map_err(Error::InvalidKey)?;
+        crate::key::check_client_key(&key).map_err(Error::InvalidKey)?;
         validate_operation(operation)?;
         let canonical = canonical_json(body);
         let fingerprint = Fingerprint::compute(operation, &canonical);

@@ -56,6 +56,15 @@ pub use decide::{Decision, Plan};
 pub use report::{LostKey, RunSummary, SweepReport, Unresolved, UnresolvedKey};
 
 use clock::BatchClock;
+
+/// A key about to be re-driven, and through whom.
+struct Redrive<'a> {
+    id: &'a KeyId,
+    record: &'a KeyRecord,
+    provider: &'a dyn crate::provider::Provider,
+    name: &'a str,
+    spec: Option<&'a crate::provider::KeySpec>,
+}
 use report::ms;
 
 /// The settings of a [`Sweeper`], as read back with [`Sweeper::config`].
@@ -488,18 +497,7 @@ impl Sweeper {
             return self.handle_workflow(&id, record, now, report).await;
         }
         if record.kind() == KeyKind::AtomicStep {
-            // An atomic phase's record commits with its writes: still processing with its
-            // lease run out, its transaction never committed, so it surely did nothing.
-            tracing::Span::current().record("decision", "local_rolled_back");
-            let decision = Decision::Finish {
-                to: KeyState::Failed { retryable: true },
-                response: None,
-                error: Some("the atomic phase's transaction never committed".to_owned()),
-                reason: "atomic phase still processing after its lease: its writes and record \
-                         commit together, so nothing was written; retryable"
-                    .to_owned(),
-            };
-            return self.apply(&id, &record, decision).await;
+            return self.settle_atomic_step(&id, &record).await;
         }
         let provider = record
             .provider
@@ -526,110 +524,24 @@ impl Sweeper {
                 report.redrives += 1;
                 crate::telemetry::sweeper("redrive");
                 tracing::Span::current().record("decision", "redrive");
-                // The re-drive may act: hold the key for a full lease from here (the batch
-                // lease may have run out while this process was paused, and a fenced write
-                // alone does not renew it), then record the attempt before sending, so a later
-                // lookup judges the search lag from this send.
-                let asked = Instant::now();
-                if let Err(e) = self
-                    .store
-                    .extend(&id, record.lease_token, self.config.lease)
-                    .await
-                {
-                    return lost_or(e, &record);
-                }
-                if let Err(e) = self.store.mark_attempt(&id, record.lease_token).await {
-                    return lost_or(e, &record);
-                }
-                // The last checks before the re-send leaves, on this process's clock: the
-                // lease renewed above has not run out, and the provider's window (less the
-                // margin) has not closed while the store answered.
-                let send_now =
-                    now + chrono::Duration::from_std(handled.elapsed()).unwrap_or_default();
-                let refusal = if asked.elapsed() >= crate::store::surely_held_for(self.config.lease)
-                {
-                    Some("the lease ran out before the re-drive could be sent".to_owned())
-                } else if !spec.as_ref().is_some_and(|s| {
-                    s.may_redrive(record.created_at, send_now, self.config.redrive_margin)
-                }) {
-                    Some(format!(
-                        "{name}'s dedup window (less the re-drive margin) closed before the \
-                         re-drive could be sent"
-                    ))
-                } else {
-                    None
+                let redrive = Redrive {
+                    id: &id,
+                    record: &record,
+                    provider: &*p,
+                    name: &name,
+                    spec: spec.as_ref(),
                 };
-                if let Some(why) = refusal {
-                    let decision = Decision::Defer {
-                        reason: format!("{why}; nothing sent, the key is checked again later"),
-                        retry_after: None,
-                    };
-                    return self.apply(&id, &record, decision).await;
+                match self.redrive(redrive, &request, now, handled).await {
+                    Ok(decision) => decision,
+                    Err(e) => return lost_or(e, &record),
                 }
-                let call = p.call(&record.provider_key, &request);
-                let outcome = tokio::time::timeout(self.config.call_timeout, call)
-                    .await
-                    .unwrap_or_else(|_| CallOutcome::Unknown {
-                        reason: format!(
-                            "no answer within {:?} (sweeper call timeout)",
-                            self.config.call_timeout
-                        ),
-                    });
-                let decision = decide::after_call(&name, outcome);
-                if !matches!(decision, Decision::Finish { .. }) {
-                    // Not settled: the re-drive may have reached the provider until its answer.
-                    if let Err(e) = self.store.mark_attempt(&id, record.lease_token).await {
-                        return lost_or(e, &record);
-                    }
-                }
-                decision
             }
             (Plan::Lookup { request, why }, Some(p)) => {
                 report.lookups += 1;
                 crate::telemetry::sweeper("lookup");
                 tracing::Span::current().record("decision", "lookup");
-                // A provider that voids by key turns "unknown" into "surely not charged"
-                // before anything is looked up (Square's CancelPaymentByIdempotencyKey).
-                // The void is sent no earlier than this (the database's time at the earliest).
-                let void_sent = clock.earliest();
-                let void = tokio::time::timeout(
-                    self.config.call_timeout,
-                    p.void_by_key(&record.provider_key, &request),
-                )
-                .await
-                .unwrap_or_else(|_| crate::provider::VoidOutcome::Unknown {
-                    reason: format!(
-                        "no answer within {:?} (sweeper call timeout)",
-                        self.config.call_timeout
-                    ),
-                    retry_after: None,
-                });
-                // The void proves nothing was charged only past the provider's processing
-                // window since the latest attempt, counted up to when the void was sent at the
-                // earliest.
-                let since_last_attempt = (void_sent - record.last_attempt_at)
-                    .to_std()
-                    .unwrap_or_default();
-                if let Some(decision) =
-                    decide::after_void(&name, void, since_last_attempt, p.processing_window())
-                {
-                    tracing::Span::current().record("decision", "void_by_key");
-                    return self.apply(&id, &record, decision).await;
-                }
-                // Search lag counts from the latest attempt that may have reached the provider
-                // (the re-drive window above counts from the first use: `created_at`).
-                // Its empty answer is trusted only once the lag has surely passed: the
-                // database's time at the earliest (never ahead of it, however slow `now` was).
-                let lookup = p.lookup(
-                    &record.provider_key,
-                    &request,
-                    Attempts::new(record.created_at, record.last_attempt_at),
-                    clock.earliest(),
-                );
-                let found = tokio::time::timeout(self.config.call_timeout, lookup)
+                self.look_up(&record, &*p, &name, &request, &why, clock)
                     .await
-                    .unwrap_or(Lookup::Unknown { retry_after: None });
-                decide::after_lookup(&name, &why, found)
             }
             // plan() only re-drives or looks up with a registered provider.
             (_, None) => Decision::NeedsOperator {
@@ -658,6 +570,146 @@ impl Sweeper {
             (d, _) => d,
         };
         self.apply(&id, &record, decision).await
+    }
+
+    /// A stale atomic phase's step: its record commits with its writes, so still processing
+    /// with its lease run out, its transaction never committed and it surely did nothing.
+    async fn settle_atomic_step(
+        &self,
+        id: &KeyId,
+        record: &KeyRecord,
+    ) -> Result<KeyResult, StoreError> {
+        // An atomic phase's record commits with its writes: still processing with its
+        // lease run out, its transaction never committed, so it surely did nothing.
+        tracing::Span::current().record("decision", "local_rolled_back");
+        let decision = Decision::Finish {
+            to: KeyState::Failed { retryable: true },
+            response: None,
+            error: Some("the atomic phase's transaction never committed".to_owned()),
+            reason: "atomic phase still processing after its lease: its writes and record \
+                     commit together, so nothing was written; retryable"
+                .to_owned(),
+        };
+        self.apply(id, record, decision).await
+    }
+
+    /// Re-drives a taken key inside its provider's window (`Plan::Redrive`): what the answer
+    /// means for the key. A store error (the lease lost) ends the key's handling.
+    async fn redrive(
+        &self,
+        Redrive {
+            id,
+            record,
+            provider: p,
+            name,
+            spec,
+        }: Redrive<'_>,
+        request: &serde_json::Value,
+        now: chrono::DateTime<chrono::Utc>,
+        handled: Instant,
+    ) -> Result<Decision, StoreError> {
+        // The re-drive may act: hold the key for a full lease from here (the batch
+        // lease may have run out while this process was paused, and a fenced write
+        // alone does not renew it), then record the attempt before sending, so a later
+        // lookup judges the search lag from this send.
+        let asked = Instant::now();
+        self.store
+            .extend(id, record.lease_token, self.config.lease)
+            .await?;
+        self.store.mark_attempt(id, record.lease_token).await?;
+        // The last checks before the re-send leaves, on this process's clock: the
+        // lease renewed above has not run out, and the provider's window (less the
+        // margin) has not closed while the store answered.
+        let send_now = now + chrono::Duration::from_std(handled.elapsed()).unwrap_or_default();
+        let refusal = if asked.elapsed() >= crate::store::surely_held_for(self.config.lease) {
+            Some("the lease ran out before the re-drive could be sent".to_owned())
+        } else if !spec
+            .as_ref()
+            .is_some_and(|s| s.may_redrive(record.created_at, send_now, self.config.redrive_margin))
+        {
+            Some(format!(
+                "{name}'s dedup window (less the re-drive margin) closed before the \
+                 re-drive could be sent"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = refusal {
+            return Ok(Decision::Defer {
+                reason: format!("{why}; nothing sent, the key is checked again later"),
+                retry_after: None,
+            });
+        }
+        let call = p.call(&record.provider_key, request);
+        let outcome = tokio::time::timeout(self.config.call_timeout, call)
+            .await
+            .unwrap_or_else(|_| CallOutcome::Unknown {
+                reason: format!(
+                    "no answer within {:?} (sweeper call timeout)",
+                    self.config.call_timeout
+                ),
+            });
+        let decision = decide::after_call(name, outcome);
+        if !matches!(decision, Decision::Finish { .. }) {
+            // Not settled: the re-drive may have reached the provider until its answer.
+            self.store.mark_attempt(id, record.lease_token).await?;
+        }
+        Ok(decision)
+    }
+
+    /// Asks the provider what happened to a taken key (`Plan::Lookup`): a void by key first
+    /// where the provider has one, then a lookup.
+    async fn look_up(
+        &self,
+        record: &KeyRecord,
+        p: &dyn crate::provider::Provider,
+        name: &str,
+        request: &serde_json::Value,
+        why: &str,
+        clock: BatchClock,
+    ) -> Decision {
+        // A provider that voids by key turns "unknown" into "surely not charged"
+        // before anything is looked up (Square's CancelPaymentByIdempotencyKey).
+        // The void is sent no earlier than this (the database's time at the earliest).
+        let void_sent = clock.earliest();
+        let void = tokio::time::timeout(
+            self.config.call_timeout,
+            p.void_by_key(&record.provider_key, request),
+        )
+        .await
+        .unwrap_or_else(|_| crate::provider::VoidOutcome::Unknown {
+            reason: format!(
+                "no answer within {:?} (sweeper call timeout)",
+                self.config.call_timeout
+            ),
+            retry_after: None,
+        });
+        // The void proves nothing was charged only past the provider's processing
+        // window since the latest attempt, counted up to when the void was sent at the
+        // earliest.
+        let since_last_attempt = (void_sent - record.last_attempt_at)
+            .to_std()
+            .unwrap_or_default();
+        if let Some(decision) =
+            decide::after_void(name, void, since_last_attempt, p.processing_window())
+        {
+            tracing::Span::current().record("decision", "void_by_key");
+            return decision;
+        }
+        // Search lag counts from the latest attempt that may have reached the provider
+        // (the re-drive window above counts from the first use: `created_at`).
+        // Its empty answer is trusted only once the lag has surely passed: the
+        // database's time at the earliest (never ahead of it, however slow `now` was).
+        let lookup = p.lookup(
+            &record.provider_key,
+            request,
+            Attempts::new(record.created_at, record.last_attempt_at),
+            clock.earliest(),
+        );
+        let found = tokio::time::timeout(self.config.call_timeout, lookup)
+            .await
+            .unwrap_or(Lookup::Unknown { retry_after: None });
+        decide::after_lookup(name, why, found)
     }
 
     async fn apply(

@@ -90,7 +90,7 @@ impl Sweeper {
         tracing::Span::current().record("decision", "resume");
         report.resumed += 1;
         crate::telemetry::sweeper("resume");
-        match executor.resume(&record, resume).await {
+        match crate::workflow::resume(&executor, &record, resume).await {
             Ok(to) => Ok(KeyResult::Finished(to)),
             Err(Error::FailedRetryable { .. }) => {
                 Ok(KeyResult::Finished(KeyState::Failed { retryable: true }))

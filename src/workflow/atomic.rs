@@ -15,9 +15,15 @@
 //! * when the workflow runs again, a committed step replays its answer and its writes are not
 //!   made again.
 
+use tracing::{Instrument, info_span};
+
 use crate::error::Error;
-use crate::executor::{Context, Execution};
-use crate::store::phase::AtomicPhase;
+use crate::executor::heartbeat;
+use crate::executor::{Context, Execution, Idempotency, IdempotentRequest};
+use crate::record::Actor;
+use crate::state::KeyState;
+use crate::store::phase::{AtomicPhase, PhaseError, Prepare};
+use crate::store::{ClaimOutcome, Finish};
 
 use super::Step;
 
@@ -38,9 +44,88 @@ impl Context {
         // Never taken over: a stale one surely did nothing (see the module docs).
         of.takeover = None;
         let executor = wf.executor.clone();
-        let result = executor
-            .run_atomic(Self::step_request(step, of), Box::new(phase))
-            .await;
+        let result = run_atomic(&executor, Self::step_request(step, of), Box::new(phase)).await;
         wf.note(result)
+    }
+}
+
+/// Runs an atomic-phase step (`Context::atomic_step`): claims `request`'s key, then lets
+/// `phase` write the application's rows and finish the key in one transaction, renewing the
+/// lease meanwhile.
+async fn run_atomic(
+    executor: &Idempotency,
+    request: IdempotentRequest,
+    phase: Box<dyn AtomicPhase>,
+) -> Result<Execution, Error> {
+    let cfg = executor.config();
+    let store = executor.store();
+    let claim = executor.new_claim(&request);
+    let asked = tokio::time::Instant::now();
+    let lease = match store.claim(&claim).await? {
+        ClaimOutcome::Existing { record, now } => {
+            return executor.existing(&request, *record, now);
+        }
+        ClaimOutcome::Claimed(lease) => lease,
+    };
+    let id = request.id.clone();
+    let span = info_span!(
+        "idemflow.atomic_step",
+        scope = %id.scope,
+        key = %id.key,
+        step = %request.operation,
+    );
+    let held_until = heartbeat::held_from(asked, cfg.lease);
+    let (held, _watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
+    let renew = heartbeat::renew(&**store, &id, lease.token, cfg.lease, &held);
+    let prep_cfg = executor.shared_config().clone();
+    let prepare: Prepare = std::sync::Arc::new(move |mut resp| {
+        if let Some(allow) = &prep_cfg.stored_headers {
+            resp.retain_headers(allow);
+        }
+        let resp = match &prep_cfg.redact {
+            Some(redactor) => redactor.apply(resp),
+            None => resp,
+        };
+        let (size, limit) = (resp.stored_size(), prep_cfg.max_response_bytes);
+        if size > limit {
+            return Err(PhaseError::ResponseTooLarge { size, limit });
+        }
+        Ok(resp)
+    });
+    let committed = heartbeat::alongside(phase.commit(&id, lease.token, prepare), renew)
+        .instrument(span)
+        .await;
+    match committed {
+        Ok(resp) => Ok(Execution::Executed(resp)),
+        Err(PhaseError::Writes(e)) => {
+            // Rolled back: nothing happened, so a retry may run the step again.
+            let reason = format!("the step's writes failed and were rolled back: {e}");
+            let finish = Finish {
+                to: KeyState::Failed { retryable: true },
+                response: None,
+                error: Some(reason.clone()),
+                actor: Actor::Worker,
+                reason: "atomic phase rolled back; a retry runs it again".to_owned(),
+                expect_token: None,
+            };
+            store.finish(&id, Some(lease.token), &finish).await?;
+            Err(Error::FailedRetryable {
+                key: id.to_string(),
+                reason,
+            })
+        }
+        Err(PhaseError::LeaseLost) => Err(Error::LeaseLost(
+            crate::store::refused_write(&**store, &id, Some(lease.token)).await,
+        )),
+        Err(PhaseError::Store(e)) => {
+            // A failed commit may have committed: the row says. If it did not, the step
+            // stays processing and the sweeper makes it retryable once its lease runs out.
+            Err(Error::Store(e))
+        }
+        Err(PhaseError::ResponseTooLarge { size, limit }) => {
+            // Rolled back; the same writes would give the same answer again, so the step
+            // fails permanently, as an oversized answer of an operation does.
+            Err(executor.too_large(&id, lease.token, size, limit).await)
+        }
     }
 }

@@ -31,31 +31,20 @@ use tokio::time::Instant;
 
 use crate::Outcome;
 use crate::error::Error;
+use crate::executor::StepOf;
 use crate::executor::{Context, Execution, Idempotency, IdempotentRequest};
 use crate::fingerprint::{Fingerprint, canonical_json, hex, parse_json};
-use crate::key::{IdempotencyKey, KeyError, KeyId, MAX_LEN};
+use crate::key::{IdempotencyKey, KeyId, MAX_LEN, STEP_MARK};
 use crate::provider::Provider;
 use crate::record::KeyKind;
 
 mod atomic;
+mod run;
 
-/// The marker between a workflow's key and a step's position in the step's key. Client keys
-/// that contain it are refused ([`KeyError::Reserved`]), so no client key is ever a step's key.
-pub const STEP_MARK: &str = "#step:";
+pub(crate) use run::{Runs, resume};
 
 /// Most steps one workflow may run (positions `0..MAX_STEPS`).
 pub const MAX_STEPS: u32 = 256;
-
-/// Refuses a client key that contains [`STEP_MARK`].
-pub(crate) fn check_client_key(key: &IdempotencyKey) -> Result<(), KeyError> {
-    if key.as_str().contains(STEP_MARK) {
-        return Err(KeyError::Reserved {
-            what: "idempotency key",
-            reserved: STEP_MARK,
-        });
-    }
-    Ok(())
-}
 
 /// The key of the step at `position` of the workflow `parent`: `<key>#step:<position>`, or, when
 /// that would exceed 255 bytes, the first 32 hex digits of SHA-256 of the key in its place.
@@ -273,17 +262,6 @@ impl Step {
     }
 }
 
-/// Which step of which workflow a request runs (set on a step's request).
-#[derive(Debug, Clone)]
-pub(crate) struct StepOf {
-    pub(crate) workflow: KeyId,
-    pub(crate) position: u32,
-    /// The step's takeover window: the executor's `retry_takeover_window` for a step of any
-    /// code; for a provider step, only when the provider replays a same-key re-send, and never
-    /// longer than its dedup window (a step of a keyless provider is never taken over).
-    pub(crate) takeover: Option<std::time::Duration>,
-}
-
 /// The fields of an [`Error::StepChanged`], kept by the running workflow.
 #[derive(Debug)]
 pub(crate) struct Changed {
@@ -377,10 +355,14 @@ impl Context {
         &self,
         step: &Step,
         provider: Option<&crate::KeySpec>,
-    ) -> Result<(&Arc<Workflow>, StepOf), Error> {
-        let wf = self.workflow.as_ref().ok_or_else(|| Error::NotAWorkflow {
-            key: self.id.to_string(),
-        })?;
+    ) -> Result<(&Workflow, StepOf), Error> {
+        let wf = self
+            .run
+            .as_ref()
+            .and_then(|run| run.as_any().downcast_ref::<Workflow>())
+            .ok_or_else(|| Error::NotAWorkflow {
+                key: self.id.to_string(),
+            })?;
         if Instant::now() >= wf.resume_by {
             return Err(Error::WorkflowExpired {
                 key: self.id.to_string(),
