@@ -76,18 +76,41 @@ impl PoolOptions {
     }
 }
 
-/// The source of the [`StoreError::Database`] returned when every pool connection stayed busy
-/// for the whole acquire timeout.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "all {max_connections} pool connections stayed busy for {waited:?}; raise PoolOptions::max_connections (or the acquire timeout), or send fewer concurrent calls"
-)]
+/// The source of the [`StoreError::Database`] returned when a call got no pool connection
+/// within the acquire timeout: every connection stayed busy (`open == max_connections`), or the
+/// pool was not full and opening one more did not finish in time (`open < max_connections`:
+/// the server was slow to accept it). The message says which.
+#[derive(Debug)]
 pub struct PoolExhausted {
     /// The pool's size.
     pub max_connections: u32,
+    /// How many connections the pool had open when the wait ended.
+    pub open: u32,
     /// How long the call waited.
     pub waited: Duration,
 }
+
+impl std::fmt::Display for PoolExhausted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (max, open, waited) = (self.max_connections, self.open, self.waited);
+        if open >= max {
+            write!(
+                f,
+                "all {max} pool connections stayed busy for {waited:?}; raise \
+                 PoolOptions::max_connections (or the acquire timeout), or send fewer concurrent calls"
+            )
+        } else {
+            write!(
+                f,
+                "no pool connection within {waited:?}: {open} of max_connections {max} were open, \
+                 and opening another did not finish in time (the server was slow to accept it); \
+                 raise PoolOptions::acquire_timeout, or look at the server's load"
+            )
+        }
+    }
+}
+
+impl std::error::Error for PoolExhausted {}
 
 /// A database error of `backend`'s pool `pool`: an acquire that timed out is [`PoolExhausted`].
 pub(crate) fn pool_error<DB: Database>(
@@ -96,12 +119,14 @@ pub(crate) fn pool_error<DB: Database>(
     e: sqlx::Error,
 ) -> StoreError {
     let o = pool.options();
-    exhausted_or(backend, o.get_max_connections(), o.get_acquire_timeout(), e)
+    let (max_connections, waited) = (o.get_max_connections(), o.get_acquire_timeout());
+    exhausted_or(backend, max_connections, pool.size(), waited, e)
 }
 
 fn exhausted_or(
     backend: &'static str,
     max_connections: u32,
+    open: u32,
     waited: Duration,
     e: sqlx::Error,
 ) -> StoreError {
@@ -110,6 +135,7 @@ fn exhausted_or(
             backend,
             PoolExhausted {
                 max_connections,
+                open,
                 waited,
             },
         ),
@@ -153,5 +179,43 @@ where
         .acquire_timeout(options.acquire_timeout)
         .connect_with(connect)
         .await
-        .map_err(|e| exhausted_or(backend, options.max_connections, options.acquire_timeout, e))
+        // The pool's first connection: none was open yet.
+        .map_err(|e| {
+            exhausted_or(
+                backend,
+                options.max_connections,
+                0,
+                options.acquire_timeout,
+                e,
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PoolExhausted;
+    use std::time::Duration;
+
+    #[test]
+    fn the_message_tells_a_full_pool_from_a_slow_server() {
+        let full = PoolExhausted {
+            max_connections: 7,
+            open: 7,
+            waited: Duration::from_millis(1500),
+        };
+        assert!(
+            full.to_string()
+                .starts_with("all 7 pool connections stayed busy"),
+            "{full}"
+        );
+        let slow = PoolExhausted {
+            max_connections: 7,
+            open: 0,
+            waited: Duration::from_millis(1500),
+        };
+        let msg = slow.to_string();
+        assert!(msg.contains("0 of max_connections 7 were open"), "{msg}");
+        assert!(msg.contains("slow to accept"), "{msg}");
+        assert!(!msg.contains("stayed busy"), "{msg}");
+    }
 }

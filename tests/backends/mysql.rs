@@ -286,12 +286,12 @@ mod pool {
         let options = PoolOptions::default()
             .max_connections(7)
             .min_connections(2)
-            .acquire_timeout(Duration::from_millis(1500));
+            .acquire_timeout(Duration::from_secs(30));
         let store = MySqlStore::connect_with(&url, options).await.unwrap();
         let o = store.pool().options();
         assert_eq!(o.get_max_connections(), 7);
         assert_eq!(o.get_min_connections(), 2);
-        assert_eq!(o.get_acquire_timeout(), Duration::from_millis(1500));
+        assert_eq!(o.get_acquire_timeout(), Duration::from_secs(30));
 
         let zero = MySqlStore::connect_with(&url, PoolOptions::default().max_connections(0)).await;
         assert!(matches!(zero, Err(StoreError::Config(_))), "{zero:?}");

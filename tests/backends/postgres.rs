@@ -190,12 +190,12 @@ async fn connect_sizes_the_pool_for_concurrency_and_connect_with_is_honoured() {
     let options = PoolOptions::default()
         .max_connections(7)
         .min_connections(2)
-        .acquire_timeout(Duration::from_millis(1500));
+        .acquire_timeout(Duration::from_secs(30));
     let store = PostgresStore::connect_with(&url, options).await.unwrap();
     let o = store.pool().options();
     assert_eq!(o.get_max_connections(), 7);
     assert_eq!(o.get_min_connections(), 2);
-    assert_eq!(o.get_acquire_timeout(), Duration::from_millis(1500));
+    assert_eq!(o.get_acquire_timeout(), Duration::from_secs(30));
 
     let zero = PostgresStore::connect_with(&url, PoolOptions::default().max_connections(0)).await;
     assert!(
