@@ -1,7 +1,6 @@
 //! Connection failures that name their cause: a first connection is tried with a short timeout
-//! when a store connects, and its error is classified
-//! ([`ConnectCause`](crate::error::ConnectCause)) and reported with the URL, its password masked
-//! ([`redact_url`]), instead of a pool timeout after 30 s.
+//! when a store connects, and its error is classified ([`ConnectCause`]) and reported with the
+//! URL, its password masked ([`redact_url`]), instead of a pool timeout after 30 s.
 
 use std::time::Duration;
 
