@@ -81,7 +81,6 @@ pub struct Redactor(std::sync::Arc<dyn Fn(StoredResponse) -> StoredResponse + Se
 
 impl Redactor {
     /// Masks `response` as it is masked before storing.
-    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
     pub(crate) fn apply(&self, response: StoredResponse) -> StoredResponse {
         (self.0)(response)
     }
@@ -94,6 +93,25 @@ impl std::fmt::Debug for Redactor {
 }
 
 impl ExecutorConfig {
+    /// An answer as it is stored: the header filter, then redaction; `Err((size, limit))` when
+    /// it is still over `max_response_bytes`. Every answer goes through it, an operation's and
+    /// an atomic phase's alike.
+    pub(crate) fn prepare_answer(
+        &self,
+        mut resp: StoredResponse,
+    ) -> Result<StoredResponse, (usize, usize)> {
+        if let Some(allow) = &self.stored_headers {
+            resp.retain_headers(allow);
+        }
+        if let Some(redactor) = &self.redact {
+            resp = redactor.apply(resp);
+        }
+        match resp.stored_size() {
+            size if size > self.max_response_bytes => Err((size, self.max_response_bytes)),
+            _ => Ok(resp),
+        }
+    }
+
     fn defaults() -> Self {
         Self {
             lease: Duration::from_secs(6),
@@ -489,22 +507,13 @@ impl Idempotency {
         id: &KeyId,
         token: LeaseToken,
         to: KeyState,
-        mut resp: StoredResponse,
+        resp: StoredResponse,
     ) -> Result<(KeyState, StoredResponse), Error> {
-        let cfg = &*self.config;
-        if let Some(allow) = &cfg.stored_headers {
-            resp.retain_headers(allow);
-        }
-        if let Some(Redactor(redact)) = &cfg.redact {
-            resp = redact(resp);
-        }
-        let size = resp.stored_size();
-        if size > cfg.max_response_bytes {
+        let resp = match self.config.prepare_answer(resp) {
+            Ok(resp) => resp,
             // The operation ran, so the key must not vanish (a retry would run it again).
-            return Err(self
-                .too_large(id, token, size, cfg.max_response_bytes)
-                .await);
-        }
+            Err((size, limit)) => return Err(self.too_large(id, token, size, limit).await),
+        };
         tracing::Span::current().record(
             "outcome",
             if to == KeyState::Done {

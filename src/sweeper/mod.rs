@@ -56,8 +56,9 @@ pub use decide::{Decision, Plan};
 pub use report::{LostKey, RunSummary, SweepReport, Unresolved, UnresolvedKey};
 
 use clock::BatchClock;
+use report::ms;
 
-/// A key about to be re-driven, and through whom.
+/// A key about to be re-driven, and through whom (`Sweeper::redrive`).
 struct Redrive<'a> {
     id: &'a KeyId,
     record: &'a KeyRecord,
@@ -65,7 +66,6 @@ struct Redrive<'a> {
     name: &'a str,
     spec: Option<&'a crate::provider::KeySpec>,
 }
-use report::ms;
 
 /// The settings of a [`Sweeper`], as read back with [`Sweeper::config`].
 ///
@@ -470,8 +470,8 @@ impl Sweeper {
         }
     }
 
-    /// Settles one taken key. `now` is the database's time at the latest, for the windows that
-    /// close (`clock.rs`).
+    /// Settles one taken key. Windows that close are judged on the database's time at the
+    /// latest, lags that must have passed on its time at the earliest (`clock.rs`).
     async fn handle(
         &self,
         record: KeyRecord,
@@ -479,7 +479,6 @@ impl Sweeper {
         taken_at: Instant,
         report: &mut SweepReport,
     ) -> Result<KeyResult, StoreError> {
-        let handled = Instant::now();
         let now = clock.latest();
         let id = KeyId::new(record.scope.clone(), record.key.clone());
         // A long batch: keep the lease so no other sweeper takes the key while we ask.
@@ -531,7 +530,7 @@ impl Sweeper {
                     name: &name,
                     spec: spec.as_ref(),
                 };
-                match self.redrive(redrive, &request, now, handled).await {
+                match self.redrive(redrive, &request, clock).await {
                     Ok(decision) => decision,
                     Err(e) => return lost_or(e, &record),
                 }
@@ -605,8 +604,7 @@ impl Sweeper {
             spec,
         }: Redrive<'_>,
         request: &serde_json::Value,
-        now: chrono::DateTime<chrono::Utc>,
-        handled: Instant,
+        clock: BatchClock,
     ) -> Result<Decision, StoreError> {
         // The re-drive may act: hold the key for a full lease from here (the batch
         // lease may have run out while this process was paused, and a fenced write
@@ -620,7 +618,7 @@ impl Sweeper {
         // The last checks before the re-send leaves, on this process's clock: the
         // lease renewed above has not run out, and the provider's window (less the
         // margin) has not closed while the store answered.
-        let send_now = now + chrono::Duration::from_std(handled.elapsed()).unwrap_or_default();
+        let send_now = clock.latest();
         let refusal = if asked.elapsed() >= crate::store::surely_held_for(self.config.lease) {
             Some("the lease ran out before the re-drive could be sent".to_owned())
         } else if !spec

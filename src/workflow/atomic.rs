@@ -1,7 +1,7 @@
 //! Atomic phases: a workflow step whose effect is the application's own writes, committed in
 //! one database transaction with the step's record (`docs/workflows.md`, "Atomic phases").
 //!
-//! The SQL stores hand out an [`AtomicPhase`](crate::store::phase::AtomicPhase) for the application's writes
+//! The SQL stores hand out an [`AtomicPhase`] for the application's writes
 //! (`PostgresStore::atomic_phase`, `MySqlStore::atomic_phase`);
 //! [`Context::atomic_step`] claims the step, then the phase begins a transaction, runs the
 //! writes, finishes the step `done` (fenced by the step's lease token, its history row
@@ -10,8 +10,9 @@
 //! * the writes fail: the transaction rolls back and the step becomes `failed{retryable}`;
 //! * the step was taken over meanwhile (the fenced finish matches no row): it rolls back;
 //! * the process dies before the commit: nothing was written, and the sweeper, seeing the step
-//!   still `processing` once its lease ran out, makes it `failed{retryable}` (a step of
-//!   kind [`KeyKind::AtomicStep`](crate::record::KeyKind::AtomicStep) is `processing` only while its transaction has not committed);
+//!   still `processing` once its lease ran out, makes it `failed{retryable}` (a step of kind
+//!   [`KeyKind::AtomicStep`](crate::record::KeyKind::AtomicStep) is `processing` only while its
+//!   transaction has not committed);
 //! * when the workflow runs again, a committed step replays its answer and its writes are not
 //!   made again.
 
@@ -78,19 +79,10 @@ async fn run_atomic(
     let (held, _watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
     let renew = heartbeat::renew(&**store, &id, lease.token, cfg.lease, &held);
     let prep_cfg = executor.shared_config().clone();
-    let prepare: Prepare = std::sync::Arc::new(move |mut resp| {
-        if let Some(allow) = &prep_cfg.stored_headers {
-            resp.retain_headers(allow);
-        }
-        let resp = match &prep_cfg.redact {
-            Some(redactor) => redactor.apply(resp),
-            None => resp,
-        };
-        let (size, limit) = (resp.stored_size(), prep_cfg.max_response_bytes);
-        if size > limit {
-            return Err(PhaseError::ResponseTooLarge { size, limit });
-        }
-        Ok(resp)
+    let prepare: Prepare = std::sync::Arc::new(move |resp| {
+        prep_cfg
+            .prepare_answer(resp)
+            .map_err(|(size, limit)| PhaseError::ResponseTooLarge { size, limit })
     });
     let committed = heartbeat::alongside(phase.commit(&id, lease.token, prepare), renew)
         .instrument(span)
