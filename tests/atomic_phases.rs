@@ -190,9 +190,11 @@ async fn a_failure_between_the_writes_and_the_record_leaves_neither(b: Backend) 
                 error: Some("operator: retry it".into()),
                 actor: Actor::Operator,
                 reason: "operator".into(),
-                expect_token: Some(token),
             };
-            store.finish(&step, None, &decided).await.unwrap();
+            store
+                .override_finish_if(&step, token, &decided)
+                .await
+                .unwrap();
         })
     });
     let r = run(&b, &idem, "o-2", hook).await;

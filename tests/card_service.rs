@@ -13,6 +13,7 @@
 #[path = "../examples/card_service.rs"]
 mod card_service;
 
+use idemflow::store::OperatorStore;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};

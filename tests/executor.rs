@@ -2,6 +2,7 @@
 
 mod common;
 
+use idemflow::store::{OperatorStore, SweeperStore};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -478,9 +479,8 @@ async fn a_lost_lease_is_visible_to_the_operation_and_its_result_is_not_stored()
                 error: None,
                 actor: Actor::Operator,
                 reason: "operator settled it".to_owned(),
-                expect_token: None,
             };
-            s.finish(&oid, None, &finish).await.unwrap();
+            s.override_finish(&oid, &finish).await.unwrap();
             tokio::time::timeout(Duration::from_secs(5), ctx.lost())
                 .await
                 .expect("the lost lease is signalled");

@@ -4,6 +4,7 @@
 //! statement neither fails nor loses the others of its batch, and 1,000 concurrent duplicates of
 //! one key still run the body once.
 
+use idemflow::store::OperatorStore;
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -70,7 +71,7 @@ fn child_writes_and_acknowledges() {
                     };
                     println!("claimed {}", k.key);
                     store
-                        .finish(&k, Some(lease.token), &done(StoredResponse::new(201)))
+                        .finish(&k, lease.token, &done(StoredResponse::new(201)))
                         .await
                         .unwrap();
                     println!("done {}", k.key);
@@ -470,7 +471,7 @@ fn from_pools_outside_a_runtime_starts_the_writer_on_first_write() {
             panic!("a new key was not claimed");
         };
         store
-            .finish(&k, Some(lease.token), &done(StoredResponse::new(201)))
+            .finish(&k, lease.token, &done(StoredResponse::new(201)))
             .await
             .unwrap();
         assert_eq!(store.get(&k).await.unwrap().unwrap().state, KeyState::Done);

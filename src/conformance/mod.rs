@@ -42,7 +42,9 @@
 //! The suite functions are public too, for a store that needs its own test harness:
 //! `idemflow::conformance::store::scopes_are_isolated(store).await`.
 
+mod delegate;
 pub mod fake;
+mod faulty;
 pub mod store;
 pub mod sweeper;
 pub mod workflow;
@@ -52,9 +54,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+pub use delegate::Delegate;
 pub use fake::FakeProvider;
+pub use faulty::FaultyStore;
 pub use store::{race_claims_across, sweepers_take_each_key_once_across};
-pub use sweeper::FaultyStore;
 
 use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, TakeStale};
 use crate::{
@@ -143,7 +146,6 @@ pub fn done(response: StoredResponse) -> Finish {
         error: None,
         actor: Actor::Worker,
         reason: "ok".into(),
-        expect_token: None,
     }
 }
 
@@ -155,7 +157,6 @@ pub fn fail(retryable: bool) -> Finish {
         error: Some("card declined".into()),
         actor: Actor::Worker,
         reason: "failed".into(),
-        expect_token: None,
     }
 }
 

@@ -67,7 +67,7 @@ pub async fn finish_stores_the_response_and_get_returns_it_exactly(store: Arc<dy
         .with_header("X-Weird", "v\"al;ue=1, 2")
         .with_body(body.clone());
     let rec = store
-        .finish(&id, Some(lease.token), &done(resp.clone()))
+        .finish(&id, lease.token, &done(resp.clone()))
         .await
         .unwrap();
     assert_eq!(rec.state, KeyState::Done);
@@ -84,7 +84,7 @@ pub async fn finish_stores_the_response_and_get_returns_it_exactly(store: Arc<dy
     );
     // A second finish with the same token is refused: the key is no longer processing.
     let err = store
-        .finish(&id, Some(lease.token), &done(StoredResponse::new(200)))
+        .finish(&id, lease.token, &done(StoredResponse::new(200)))
         .await
         .unwrap_err();
     assert!(
@@ -119,7 +119,7 @@ pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>
     assert_eq!(swept[0].lease_token, second);
     let before = store.get(&id).await.unwrap().unwrap();
     let err = store
-        .finish(&id, Some(first.token), &done(StoredResponse::new(201)))
+        .finish(&id, first.token, &done(StoredResponse::new(201)))
         .await
         .unwrap_err();
     match err {
@@ -141,7 +141,7 @@ pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>
     assert_eq!(store.history(&id).await.unwrap().len(), 2);
     // The new holder can finish.
     store
-        .finish(&id, Some(second), &done(StoredResponse::new(201)))
+        .finish(&id, second, &done(StoredResponse::new(201)))
         .await
         .unwrap();
 }
@@ -160,7 +160,7 @@ pub async fn scopes_are_isolated(store: Arc<dyn Store>) {
     store
         .finish(
             &ia,
-            Some(la.token),
+            la.token,
             &done(StoredResponse::new(201).with_body(&b"A"[..])),
         )
         .await
@@ -176,7 +176,7 @@ pub async fn scopes_are_isolated(store: Arc<dyn Store>) {
 pub async fn other_fingerprint_never_reclaims(store: Arc<dyn Store>) {
     let id = id(&unique("fp"), "k1");
     let l = claimed(&store, &claim_for(&id, "{\"a\":1}", LEASE)).await;
-    store.finish(&id, Some(l.token), &fail(true)).await.unwrap();
+    store.finish(&id, l.token, &fail(true)).await.unwrap();
     match store
         .claim(&claim_for(&id, "{\"a\":2}", LEASE))
         .await
@@ -196,7 +196,7 @@ pub async fn other_fingerprint_never_reclaims(store: Arc<dyn Store>) {
 pub async fn retryable_failure_is_reclaimed_by_the_same_request(store: Arc<dyn Store>) {
     let id = id(&unique("reclaim"), "k1");
     let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
-    store.finish(&id, Some(l.token), &fail(true)).await.unwrap();
+    store.finish(&id, l.token, &fail(true)).await.unwrap();
     let mut again = claim_for(&id, "{}", LEASE);
     again.provider_key = "something-else".into();
     let l2 = claimed(&store, &again).await;
@@ -215,10 +215,7 @@ pub async fn retryable_failure_is_reclaimed_by_the_same_request(store: Arc<dyn S
 pub async fn permanent_failure_is_never_reclaimed(store: Arc<dyn Store>) {
     let id = id(&unique("perm"), "k1");
     let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
-    store
-        .finish(&id, Some(l.token), &fail(false))
-        .await
-        .unwrap();
+    store.finish(&id, l.token, &fail(false)).await.unwrap();
     match store.claim(&claim_for(&id, "{}", LEASE)).await.unwrap() {
         ClaimOutcome::Existing { record, .. } => {
             assert_eq!(record.state, KeyState::Failed { retryable: false });
@@ -291,7 +288,7 @@ pub async fn take_stale_fences_the_old_holder(store: Arc<dyn Store>) {
         Err(StoreError::LeaseLost { .. })
     ));
     assert!(matches!(
-        store.finish(&id, Some(l.token), &fail(true)).await,
+        store.finish(&id, l.token, &fail(true)).await,
         Err(StoreError::LeaseLost { .. })
     ));
     let r = store.get(&id).await.unwrap().unwrap();
@@ -308,7 +305,7 @@ pub async fn take_stale_skips_live_leases_and_finished_keys(store: Arc<dyn Store
     let fin = id(&scope, "finished");
     let l = claimed(&store, &claim_for(&fin, "{}", Duration::ZERO)).await;
     store
-        .finish(&fin, Some(l.token), &done(StoredResponse::new(200)))
+        .finish(&fin, l.token, &done(StoredResponse::new(200)))
         .await
         .unwrap();
     let mut all = Vec::new();
@@ -403,7 +400,7 @@ pub async fn purge_deletes_only_expired_finished_keys_and_records_it(store: Arc<
         c.retention = Duration::ZERO;
         let l = claimed(&store, &c).await;
         store
-            .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+            .finish(&id, l.token, &done(StoredResponse::new(201)))
             .await
             .unwrap();
         expired.push(id);
@@ -411,7 +408,7 @@ pub async fn purge_deletes_only_expired_finished_keys_and_records_it(store: Arc<
     let kept = id(&scope, "fresh");
     let l = claimed(&store, &claim_for(&kept, "{}", LEASE)).await;
     store
-        .finish(&kept, Some(l.token), &done(StoredResponse::new(201)))
+        .finish(&kept, l.token, &done(StoredResponse::new(201)))
         .await
         .unwrap();
     let running = id(&scope, "running");
@@ -454,14 +451,13 @@ pub async fn operator_override_fences_running_workers(store: Arc<dyn Store>) {
         error: Some("operator: provider shows no charge".into()),
         actor: Actor::Operator,
         reason: "checked the dashboard".into(),
-        expect_token: None,
     };
-    let r = store.finish(&id, None, &decision).await.unwrap();
+    let r = store.override_finish(&id, &decision).await.unwrap();
     assert_eq!(r.state, KeyState::Failed { retryable: true });
     assert!(r.lease_token > l.token);
     assert!(matches!(
         store
-            .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+            .finish(&id, l.token, &done(StoredResponse::new(201)))
             .await,
         Err(StoreError::LeaseLost { .. })
     ));
@@ -473,7 +469,7 @@ pub async fn operator_override_fences_running_workers(store: Arc<dyn Store>) {
     );
     let missing = crate::conformance::id(&unique("override"), "none");
     assert!(matches!(
-        store.finish(&missing, None, &decision).await,
+        store.override_finish(&missing, &decision).await,
         Err(StoreError::NotFound { .. })
     ));
 }
@@ -487,10 +483,9 @@ pub async fn finishing_into_processing_is_refused(store: Arc<dyn Store>) {
         error: None,
         actor: Actor::Worker,
         reason: "x".into(),
-        expect_token: None,
     };
     assert!(matches!(
-        store.finish(&id, Some(l.token), &bad).await,
+        store.finish(&id, l.token, &bad).await,
         Err(StoreError::InvalidTransition(_))
     ));
     assert_eq!(store.history(&id).await.unwrap().len(), 1);
@@ -530,7 +525,7 @@ pub async fn limits_round_trip_exactly(store: Arc<dyn Store>) {
     store
         .finish(
             &id,
-            Some(l.token),
+            l.token,
             &done(StoredResponse::new(200).with_body(body.clone())),
         )
         .await
@@ -599,15 +594,15 @@ pub async fn stats_count_every_state(store: Arc<dyn Store>) {
     let c = id(&scope, "c");
     let l = claimed(&store, &claim_for(&c, "{}", LEASE)).await;
     store
-        .finish(&c, Some(l.token), &done(StoredResponse::new(200)))
+        .finish(&c, l.token, &done(StoredResponse::new(200)))
         .await
         .unwrap();
     let d = id(&scope, "d");
     let l = claimed(&store, &claim_for(&d, "{}", LEASE)).await;
-    store.finish(&d, Some(l.token), &fail(true)).await.unwrap();
+    store.finish(&d, l.token, &fail(true)).await.unwrap();
     let e = id(&scope, "e");
     let l = claimed(&store, &claim_for(&e, "{}", LEASE)).await;
-    store.finish(&e, Some(l.token), &fail(false)).await.unwrap();
+    store.finish(&e, l.token, &fail(false)).await.unwrap();
     let s = store.stats().await.unwrap();
     assert_eq!(s.processing - before.processing, 2);
     assert_eq!(s.stale - before.stale, 1);
@@ -637,7 +632,7 @@ pub async fn history_survives_purge_and_is_ordered(store: Arc<dyn Store>) {
     let t = swept.iter().find(|r| r.key == id.key).unwrap().lease_token;
     let mut f = done(StoredResponse::new(201));
     f.actor = Actor::Sweeper;
-    store.finish(&id, Some(t), &f).await.unwrap();
+    store.finish(&id, t, &f).await.unwrap();
     let h = store.history(&id).await.unwrap();
     let seqs: Vec<i64> = h.iter().map(|e| e.seq).collect();
     let mut sorted = seqs.clone();
@@ -758,7 +753,7 @@ pub async fn huge_durations_are_capped_and_read_back_sane(store: Arc<dyn Store>)
     let extended = store.extend(&id, l.token, Duration::MAX).await.unwrap();
     assert!(extended >= l.expires_at && extended < far, "{extended}");
     let rec = store
-        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+        .finish(&id, l.token, &done(StoredResponse::new(201)))
         .await
         .unwrap();
     let exp = rec.expires_at.expect("expires_at");
@@ -772,7 +767,7 @@ pub async fn huge_durations_are_capped_and_read_back_sane(store: Arc<dyn Store>)
 }
 
 /// An operator's conditional write (`idemflow resolve` without `--force`): it reads the key,
-/// then writes with `expect_token` = the token it read. A worker that finished in between keeps
+/// then writes with [`OperatorStore::override_finish_if`] on the token it read. A worker that finished in between keeps
 /// its result: the write is `LeaseLost` and changes nothing. A takeover in between too.
 pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dyn Store>) {
     let id = id(&unique("cas"), "k1");
@@ -781,7 +776,7 @@ pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dy
     assert_eq!(read.lease_token, l.token);
     // The worker finishes between the operator's read and write.
     store
-        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+        .finish(&id, l.token, &done(StoredResponse::new(201)))
         .await
         .unwrap();
     let decision = Finish {
@@ -790,9 +785,11 @@ pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dy
         error: Some("operator: provider shows no charge".into()),
         actor: Actor::Operator,
         reason: "checked the dashboard".into(),
-        expect_token: Some(read.lease_token),
     };
-    let err = store.finish(&id, None, &decision).await.unwrap_err();
+    let err = store
+        .override_finish_if(&id, read.lease_token, &decision)
+        .await
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -815,20 +812,15 @@ pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dy
     retry.takeover_window = Some(Duration::from_secs(3600));
     let taken = claimed(&store, &retry).await;
     assert!(taken.token > l2.token);
-    let stale = Finish {
-        expect_token: Some(l2.token),
-        ..decision.clone()
-    };
     assert!(matches!(
-        store.finish(&id2, None, &stale).await,
+        store.override_finish_if(&id2, l2.token, &decision).await,
         Err(StoreError::LeaseLost { .. })
     ));
     // With the token still current, the operator's write goes through and fences the worker.
-    let current = Finish {
-        expect_token: Some(taken.token),
-        ..decision
-    };
-    let r = store.finish(&id2, None, &current).await.unwrap();
+    let r = store
+        .override_finish_if(&id2, taken.token, &decision)
+        .await
+        .unwrap();
     assert_eq!(r.state, KeyState::Failed { retryable: true });
     assert!(r.lease_token > taken.token);
 }
@@ -847,7 +839,7 @@ pub async fn tokens_only_grow_across_purge(store: Arc<dyn Store>) {
     let second = claimed(&store, &retry).await;
     assert_eq!(second.token, LeaseToken(first.token.0 + 1));
     store
-        .finish(&id, Some(second.token), &done(StoredResponse::new(201)))
+        .finish(&id, second.token, &done(StoredResponse::new(201)))
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -866,7 +858,7 @@ pub async fn tokens_only_grow_across_purge(store: Arc<dyn Store>) {
     for stale in [first.token, second.token] {
         assert!(matches!(
             store
-                .finish(&id, Some(stale), &done(StoredResponse::new(299)))
+                .finish(&id, stale, &done(StoredResponse::new(299)))
                 .await,
             Err(StoreError::LeaseLost { .. })
         ));
@@ -937,7 +929,7 @@ pub async fn provider_changes_only_while_no_attempt_may_have_acted(store: Arc<dy
     via_a.provider_key = "pk-a".into();
     let l = claimed(&store, &via_a).await;
     // mail_a answered 429: surely nothing happened.
-    store.finish(&id, Some(l.token), &fail(true)).await.unwrap();
+    store.finish(&id, l.token, &fail(true)).await.unwrap();
     let mut via_b = claim_for(&id, "{}", Duration::ZERO);
     via_b.provider = Some("mail_b".into());
     via_b.provider_key = "pk-b".into();
@@ -1008,7 +1000,7 @@ pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
     let l = claimed(&store, &first).await;
     assert_eq!(l.provider_key, "pk-k1", "a first row derives the plain key");
     store
-        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+        .finish(&id, l.token, &done(StoredResponse::new(201)))
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -1031,7 +1023,7 @@ pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
         "pk-renewed-2"
     );
     // Its own reclaim keeps it.
-    store.finish(&id, Some(l.token), &fail(true)).await.unwrap();
+    store.finish(&id, l.token, &fail(true)).await.unwrap();
     let mut retry = reborn.clone();
     retry.reused_provider_key = Some("pk-renewed-3".into());
     let l = claimed(&store, &retry).await;

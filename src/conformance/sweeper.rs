@@ -9,18 +9,17 @@
 #![allow(missing_docs)]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, Stuck, TakeStale};
+use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, TakeStale};
 use crate::sweeper::Unresolved;
 use crate::{
     Actor, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotentRequest, KeyEvent, KeyId,
-    KeyRecord, KeyState, LeaseToken, Outcome, Providers, Scope, Store, StoreError, Sweeper,
-    async_trait,
+    KeyRecord, KeyState, Outcome, Providers, Scope, Store, StoreError, Sweeper, async_trait,
 };
 use chrono::{DateTime, Utc};
 
+use super::FaultyStore;
 use super::fake::FakeProvider;
 use super::unique;
 
@@ -285,153 +284,6 @@ pub async fn died_before_storing_is_redriven_to_the_same_charge(store: Arc<dyn S
     let retry = idem.call(pay(&scope, "k1", 900), &*cards).await.unwrap();
     assert!(retry.is_replay());
     assert_eq!(retry.response(), &effects[0].response);
-}
-
-/// A store with injected faults: failed worker finishes (crash point (d): during completion),
-/// failed renewals (a partition), and answers that arrive late (the database acted, then the
-/// process was paused or the network slow before the caller heard of it).
-#[derive(Debug)]
-pub struct FaultyStore {
-    inner: Arc<dyn Store>,
-    fail_worker_finishes: AtomicU32,
-    fail_extends: bool,
-    late_claims: Duration,
-    late_take_stale: Duration,
-    late_mark_attempts: Duration,
-    late_clock: Duration,
-}
-
-impl FaultyStore {
-    /// Wraps `inner`, with no fault yet.
-    pub fn new(inner: Arc<dyn Store>) -> Self {
-        Self {
-            inner,
-            fail_worker_finishes: AtomicU32::new(0),
-            fail_extends: false,
-            late_claims: Duration::ZERO,
-            late_take_stale: Duration::ZERO,
-            late_mark_attempts: Duration::ZERO,
-            late_clock: Duration::ZERO,
-        }
-    }
-
-    /// Fails the next `n` worker finishes, as a lost connection would.
-    pub fn fail_worker_finishes(self, n: u32) -> Self {
-        self.fail_worker_finishes.store(n, Ordering::SeqCst);
-        self
-    }
-
-    /// Fails every lease renewal, as a network partition or a paused process would: the
-    /// worker's lease runs out while it is stalled.
-    pub fn partitioned(mut self) -> Self {
-        self.fail_extends = true;
-        self
-    }
-
-    /// Answers every claim `late` after the database granted it.
-    pub fn answer_claims_late(mut self, late: Duration) -> Self {
-        self.late_claims = late;
-        self
-    }
-
-    /// Answers every `take_stale` `late` after the database granted it.
-    pub fn answer_take_stale_late(mut self, late: Duration) -> Self {
-        self.late_take_stale = late;
-        self
-    }
-
-    /// Answers every `mark_attempt` `late` after the database recorded it.
-    pub fn answer_mark_attempts_late(mut self, late: Duration) -> Self {
-        self.late_mark_attempts = late;
-        self
-    }
-
-    /// Reads the database clock (`now`) `late` after it was asked for, as a loaded database
-    /// that runs the query late does: the answer is the database's time when it ran.
-    pub fn read_clock_late(mut self, late: Duration) -> Self {
-        self.late_clock = late;
-        self
-    }
-}
-
-#[async_trait]
-impl Store for FaultyStore {
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    async fn migrate(&self) -> Result<(), StoreError> {
-        self.inner.migrate().await
-    }
-    async fn now(&self) -> Result<DateTime<Utc>, StoreError> {
-        tokio::time::sleep(self.late_clock).await;
-        self.inner.now().await
-    }
-    async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
-        let r = self.inner.claim(claim).await;
-        tokio::time::sleep(self.late_claims).await;
-        r
-    }
-    async fn finish(
-        &self,
-        id: &KeyId,
-        token: Option<LeaseToken>,
-        finish: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        if finish.actor == Actor::Worker
-            && self
-                .fail_worker_finishes
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                .is_ok()
-        {
-            return Err(StoreError::database(
-                "test",
-                "injected: connection lost while completing",
-            ));
-        }
-        self.inner.finish(id, token, finish).await
-    }
-    async fn release(&self, id: &KeyId, token: LeaseToken, r: &Release) -> Result<(), StoreError> {
-        self.inner.release(id, token, r).await
-    }
-    async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
-        let r = self.inner.mark_attempt(id, token).await;
-        tokio::time::sleep(self.late_mark_attempts).await;
-        r
-    }
-    async fn extend(
-        &self,
-        id: &KeyId,
-        token: LeaseToken,
-        lease: Duration,
-    ) -> Result<DateTime<Utc>, StoreError> {
-        if self.fail_extends {
-            return Err(StoreError::database("test", "injected: partitioned"));
-        }
-        self.inner.extend(id, token, lease).await
-    }
-    async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
-        self.inner.get(id).await
-    }
-    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
-        self.inner.history(id).await
-    }
-    async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
-        let r = self.inner.take_stale(take).await;
-        tokio::time::sleep(self.late_take_stale).await;
-        r
-    }
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
-    }
-    async fn stats(&self) -> Result<Stats, StoreError> {
-        self.inner.stats().await
-    }
-    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
-        self.inner.stuck(older_than, limit).await
-    }
-    async fn count_expired(&self) -> Result<u64, StoreError> {
-        self.inner.count_expired().await
-    }
 }
 
 /// Crash point (d): the provider charged and answered, but storing the answer failed.
@@ -815,16 +667,14 @@ pub async fn unregistered_or_missing_provider_needs_an_operator(store: Arc<dyn S
 
     // An operator decides by hand; the decision is recorded.
     let decided = store
-        .finish(
+        .override_finish(
             ghost.id(),
-            None,
             &Finish {
                 to: KeyState::Failed { retryable: true },
                 response: None,
                 error: Some("checked ghost-pay's dashboard: never charged".into()),
                 actor: Actor::Operator,
                 reason: "manual: not charged".into(),
-                expect_token: None,
             },
         )
         .await

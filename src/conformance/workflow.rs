@@ -15,8 +15,9 @@ use crate::{
     StoredResponse, Sweeper,
 };
 
+use super::FaultyStore;
 use super::fake::FakeProvider;
-use super::sweeper::{FaultyStore, LEASE, cut_when, live_worker, row, wait_stale, worker};
+use super::sweeper::{LEASE, cut_when, live_worker, row, wait_stale, worker};
 use super::unique;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);

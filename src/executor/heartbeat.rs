@@ -62,7 +62,7 @@ impl LeaseWatch {
 
 /// Until when a lease of `lease` asked for at `sent` is surely held, on this process's clock.
 pub(crate) fn held_from(sent: Instant, lease: Duration) -> Instant {
-    sent + crate::store::surely_held_for(lease)
+    sent + crate::store::kit::surely_held_for(lease)
 }
 
 /// How often a lease of `lease` is renewed: every third of it (at least every millisecond).
@@ -87,7 +87,7 @@ pub(crate) async fn renew(
         return std::future::pending().await;
     }
     // What the store grants (leases are capped at 100 years); local instants use the same.
-    let lease = crate::store::capped(lease);
+    let lease = crate::store::kit::capped(lease);
     let every = period(lease);
     // Local deadline of the lease as last renewed; a renewal counts from when it was sent.
     let mut held_until = tx.borrow().held_until;

@@ -469,9 +469,8 @@ impl Idempotency {
                     error: Some(error.clone()),
                     actor: Actor::Worker,
                     reason: "the provider surely did nothing; a retry runs it again".to_owned(),
-                    expect_token: None,
                 };
-                self.store.finish(&id, Some(lease.token), &finish).await?;
+                self.store.finish(&id, lease.token, &finish).await?;
                 return Err(Error::FailedRetryable {
                     key: id.to_string(),
                     reason: error,
@@ -532,12 +531,11 @@ impl Idempotency {
             } else {
                 "operation refused permanently".to_owned()
             },
-            expect_token: None,
         };
         let record = crate::telemetry::timed(
             self.store.backend(),
             "finish",
-            self.store.finish(id, Some(token), &finish),
+            self.store.finish(id, token, &finish),
         )
         .await?;
         let stored = record.response.or(finish.response).ok_or_else(|| {
@@ -566,9 +564,8 @@ impl Idempotency {
             error: Some(detail.clone()),
             actor: Actor::Worker,
             reason: detail,
-            expect_token: None,
         };
-        match self.store.finish(id, Some(token), &finish).await {
+        match self.store.finish(id, token, &finish).await {
             Ok(_) => Error::ResponseTooLarge { size, limit },
             Err(e) => Error::Store(e),
         }
@@ -685,7 +682,7 @@ pub(crate) fn window_closes(
     asked: tokio::time::Instant,
 ) -> Option<tokio::time::Instant> {
     let window = chrono::Duration::from_std(window?).ok()?;
-    let lease_len = chrono::Duration::from_std(crate::store::capped(lease_len)).ok()?;
+    let lease_len = chrono::Duration::from_std(crate::store::kit::capped(lease_len)).ok()?;
     let db_now = lease.expires_at.checked_sub_signed(lease_len)?;
     let closes = lease.created_at.checked_add_signed(window)?;
     let left = (closes - db_now).to_std().unwrap_or_default();

@@ -49,6 +49,7 @@ pub fn redact_url(url: &str) -> String {
 
 /// Runs a store's first connection `attempt` for at most `timeout`, turning its failure into
 /// [`StoreError::Connect`] with the cause `cause` finds and the URL redacted.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 pub(crate) async fn within<T, E>(
     backend: &'static str,
     url: &str,
@@ -97,7 +98,7 @@ pub fn io_cause(e: &std::io::Error) -> ConnectCause {
 }
 
 /// The cause behind a sqlx error of a connection attempt.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn sqlx_cause(e: &sqlx::Error) -> ConnectCause {
     match e {
         sqlx::Error::Io(io) => io_cause(io),

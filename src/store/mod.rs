@@ -29,6 +29,7 @@ pub mod sqlite;
 
 mod connect;
 pub mod connect_error;
+pub mod kit;
 #[cfg(any(feature = "sqlite", feature = "mysql", feature = "redis"))]
 pub(crate) mod known_keys;
 pub mod phase;
@@ -38,7 +39,6 @@ mod rows;
 pub use connect::connect;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use pool::{PoolExhausted, PoolOptions};
-pub use rows::{RawEvent, RawRecord};
 
 /// A claim request: everything the key row holds from its first write.
 #[derive(Debug, Clone)]
@@ -50,7 +50,7 @@ pub struct NewClaim {
     /// The provider the operation calls, if any.
     pub provider: Option<String>,
     /// The key to forward to the provider. Kept as first stored on reclaim and takeover, unless
-    /// a reclaim changes the provider (see [`claimable`]): then the row takes this one.
+    /// a reclaim changes the provider (see [`kit::claimable`]): then the row takes this one.
     pub provider_key: String,
     /// The key to forward instead when the key had an earlier row, purged after its retention
     /// (its history is kept): the provider may still hold the earlier row's key and answer
@@ -114,7 +114,8 @@ pub enum ClaimOutcome {
     },
 }
 
-/// A final write by the lease holder (or an operator).
+/// A final write by the lease holder ([`Store::finish`]) or an operator
+/// ([`OperatorStore::override_finish`]).
 #[derive(Debug, Clone)]
 pub struct Finish {
     /// `Done` or `Failed { .. }`.
@@ -127,10 +128,6 @@ pub struct Finish {
     pub actor: Actor,
     /// Why, for history.
     pub reason: String,
-    /// A compare-and-set condition for an operator's write (`token: None`): with `Some(t)`,
-    /// the store changes the row only while it is still processing under token `t` (the lease
-    /// the operator read), else [`StoreError::LeaseLost`]. `None`: unconditional (`--force`).
-    pub expect_token: Option<LeaseToken>,
 }
 
 impl Finish {
@@ -199,10 +196,17 @@ pub struct Stuck {
     pub oldest: Vec<KeyRecord>,
 }
 
-/// Persistence for idempotency keys. Implementations: [`sqlite::SqliteStore`] (feature `sqlite`,
-/// default), and others behind their features. Used as `Arc<dyn Store>`.
+/// Persistence for idempotency keys: the request path. Implementations: [`sqlite::SqliteStore`]
+/// (feature `sqlite`, default), and others behind their features. Used as `Arc<dyn Store>`.
+///
+/// The contract has three parts, one per audience: this trait (what a request needs), the
+/// sweeper's [`SweeperStore`] and the operator's [`OperatorStore`]. Every store implements all
+/// three, so an `Arc<dyn Store>` serves the executor, the sweeper and the CLI alike; call the
+/// other parts' methods with their trait in scope. `docs/writing-a-store.md` walks through
+/// writing one, [`kit`] holds the helpers the backends share, and the `conformance` feature's
+/// suites certify it.
 #[async_trait]
-pub trait Store: Debug + Send + Sync + 'static {
+pub trait Store: SweeperStore + OperatorStore + Debug + Send + Sync + 'static {
     /// A short backend name (`"sqlite"`, `"postgres"`, ...).
     fn backend(&self) -> &'static str;
 
@@ -217,14 +221,12 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// expired processing key with the same fingerprint; otherwise returns the row as it is.
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError>;
 
-    /// Finishes a key. With `Some(token)`: only if the key is processing under that token
-    /// (else [`StoreError::LeaseLost`]). With `None`: an operator override from any state, which
-    /// also moves the token on so that any worker still running is fenced out; with
-    /// [`Finish::expect_token`] set, only while the key is still processing under that token.
+    /// Finishes a key held under `token`: only while the key is processing under that token,
+    /// else [`StoreError::LeaseLost`] (or [`StoreError::NotFound`]) and nothing changes.
     async fn finish(
         &self,
         id: &KeyId,
-        token: Option<LeaseToken>,
+        token: LeaseToken,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError>;
 
@@ -257,10 +259,12 @@ pub trait Store: Debug + Send + Sync + 'static {
 
     /// Reads one key.
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError>;
+}
 
-    /// The key's history, oldest first (kept after the key is purged).
-    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError>;
-
+/// The sweeper's part of the store contract ([`Store`]): taking stale keys over and purging
+/// finished ones after their retention.
+#[async_trait]
+pub trait SweeperStore: Send + Sync {
     /// Takes over up to `limit` processing keys whose lease has expired and whose next check is
     /// due, oldest lease first, each with a new fencing token. Concurrent callers never get the
     /// same key.
@@ -270,6 +274,18 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// deletion is recorded in history.
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError>;
 
+    /// How many finished keys [`purge_expired`](SweeperStore::purge_expired) would delete now
+    /// (database clock), for a dry run.
+    async fn count_expired(&self) -> Result<u64, StoreError>;
+}
+
+/// The operator's part of the store contract ([`Store`]): reads for `idemflow` commands and
+/// alerts, and the overrides of `idemflow resolve`.
+#[async_trait]
+pub trait OperatorStore: Send + Sync {
+    /// The key's history, oldest first (kept after the key is purged).
+    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError>;
+
     /// Counts per state.
     async fn stats(&self) -> Result<Stats, StoreError>;
 
@@ -277,121 +293,22 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// the oldest `limit` of them, oldest first, for operators' alerts.
     async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError>;
 
-    /// How many finished keys [`purge_expired`](Store::purge_expired) would delete now (database
-    /// clock), for a dry run.
-    async fn count_expired(&self) -> Result<u64, StoreError>;
-}
+    /// An operator's override: finishes the key from any state (`--force`), and moves its token
+    /// on so that any worker still running is fenced out. [`StoreError::NotFound`] when the key
+    /// is gone.
+    async fn override_finish(&self, id: &KeyId, finish: &Finish) -> Result<KeyRecord, StoreError>;
 
-/// The result of a fenced write that should have changed exactly one row: `Ok` when it did,
-/// else the [`refused_write`] error for the row as it is now.
-pub async fn fenced_write<S: Store + ?Sized>(
-    store: &S,
-    id: &KeyId,
-    token: LeaseToken,
-    rows_affected: u64,
-) -> Result<(), StoreError> {
-    if rows_affected == 1 {
-        Ok(())
-    } else {
-        Err(refused_write(store, id, Some(token)).await)
-    }
-}
-
-/// The error for a fenced write that changed nothing, from the row as it is now: the key is
-/// gone ([`StoreError::NotFound`]) or someone else holds it ([`StoreError::LeaseLost`]). An
-/// override (`presented: None`) is refused only when the key is gone, so the row is not read.
-pub async fn refused_write<S: Store + ?Sized>(
-    store: &S,
-    id: &KeyId,
-    presented: Option<LeaseToken>,
-) -> StoreError {
-    let not_found = || StoreError::NotFound {
-        key: id.to_string(),
-    };
-    let Some(presented) = presented else {
-        return not_found();
-    };
-    match store.get(id).await {
-        Ok(Some(r)) => StoreError::LeaseLost {
-            key: id.to_string(),
-            presented,
-            current: r.lease_token,
-            state: r.state,
-        },
-        Ok(None) => not_found(),
-        Err(e) => e,
-    }
-}
-
-/// The longest duration any store keeps, in ms: about 100 years, so that `now + d` stays a valid
-/// timestamp on every backend and exact in Lua's doubles (and never turns SQLite's integer
-/// arithmetic into floating point).
-pub const MAX_DURATION_MS: i64 = 100 * 366 * 24 * 3600 * 1000;
-
-/// Milliseconds of a duration, capped at [`MAX_DURATION_MS`]: the one place every store caps
-/// durations (leases, retention, windows, recheck delays).
-pub fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis())
-        .unwrap_or(i64::MAX)
-        .min(MAX_DURATION_MS)
-}
-
-/// A duration capped as [`millis`] caps it: what a store actually grants for `d`. Local clocks
-/// must use it too (`Instant + Duration::MAX` would panic, and a lease the store capped must not
-/// be believed longer locally).
-pub fn capped(d: Duration) -> Duration {
-    Duration::from_millis(u64::try_from(millis(d)).unwrap_or(0))
-}
-
-/// How long a lease of `lease` is surely held, counted on the caller's clock from when it was
-/// asked for: [`capped`], less a millisecond, the grain of the coarsest store clock (SQLite and
-/// Redis read milliseconds, so a lease granted at `t` may end up to 1 ms before `t + lease`).
-pub fn surely_held_for(lease: Duration) -> Duration {
-    capped(lease).saturating_sub(Duration::from_millis(1))
-}
-
-/// Checks `finish.to` against the state machine for a fenced (`Some`) or override (`None`) write.
-pub fn check_finish(token: Option<LeaseToken>, to: KeyState) -> Result<Transition, StoreError> {
-    let t = match (token, to) {
-        (Some(_), KeyState::Done) => Transition::Complete,
-        (Some(_), KeyState::Failed { retryable: false }) => Transition::Reject,
-        (Some(_), KeyState::Failed { retryable: true }) => Transition::FailRetryable,
-        // Finishing into processing is never legal; the state machine refuses it below.
-        (None, to) | (Some(_), to @ KeyState::Processing) => Transition::Override(to),
-    };
-    let from = match t {
-        Transition::Override(_) => Some(KeyState::Done),
-        _ => Some(KeyState::Processing),
-    };
-    crate::state::transition(from, t)?;
-    Ok(t)
-}
-
-/// Whether a claim could change the existing row `r` (so a write is worth trying): a
-/// `failed{retryable}` row with the same fingerprint, or an expired processing row inside the
-/// claim's takeover window, provided the claim names the provider the row recorded. A
-/// `failed{retryable}` row on which no attempt may have acted may also be reclaimed through
-/// another provider; the reclaim then records the claim's provider and provider key, so the
-/// sweeper asks the provider that may act. A takeover never changes the provider: the earlier
-/// attempt may have acted at the recorded one (`docs/design.md`, "One provider per attempt
-/// that may have acted").
-pub fn claimable(claim: &NewClaim, r: &KeyRecord, now: DateTime<Utc>) -> bool {
-    if r.fingerprint != claim.fingerprint {
-        return false;
-    }
-    let same_provider = r.provider == claim.provider;
-    match r.state {
-        KeyState::Failed { retryable: true } => same_provider || !r.may_have_acted,
-        KeyState::Processing => match (claim.takeover_window, r.lease_expires_at) {
-            (Some(window), Some(exp)) => {
-                same_provider
-                    && exp <= now
-                    && r.created_at + chrono::Duration::milliseconds(millis(window)) > now
-            }
-            _ => false,
-        },
-        _ => false,
-    }
+    /// An operator's compare-and-set override: as
+    /// [`override_finish`](OperatorStore::override_finish), but only while the key is still
+    /// processing under `expected` (the lease the operator read), else
+    /// [`StoreError::LeaseLost`] and nothing changes. A worker that finished in between keeps
+    /// its answer.
+    async fn override_finish_if(
+        &self,
+        id: &KeyId,
+        expected: LeaseToken,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError>;
 }
 
 /// Checks that a claim statement spells exactly the reasons of [`Transition::CLAIM_REASONS`]:

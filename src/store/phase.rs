@@ -118,6 +118,84 @@ where
     }
 }
 
+/// The reason history gives for a step whose atomic phase committed.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) const COMMITTED_REASON: &str =
+    "atomic phase: the step's writes and this record committed together";
+
+/// The step's record of a committed phase: `done` with the phase's answer, by the worker.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) fn step_record(answer: &StoredResponse) -> crate::store::Finish {
+    crate::store::Finish {
+        to: crate::state::KeyState::Done,
+        response: Some(answer.clone()),
+        error: None,
+        actor: crate::record::Actor::Worker,
+        reason: COMMITTED_REASON.to_owned(),
+    }
+}
+
+/// Writes a step's record on a phase's transaction: `true` when it was written (the step is
+/// still held under the token), `false` when the step was taken over.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) type RecordStep<DB> = for<'c> fn(
+    &'c mut <DB as sqlx::Database>::Connection,
+    &'c KeyId,
+    LeaseToken,
+    &'c StoredResponse,
+) -> std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<bool, sqlx::Error>> + Send + 'c>,
+>;
+
+/// The atomic phase of a pooled SQL store (PostgreSQL, MariaDB/MySQL): `BEGIN` on a pooled
+/// connection, the application's writes, the answer's checks, the step's record (each backend's
+/// [`RecordStep`]), `COMMIT`; run [`detached`]. Any failure drops the transaction, which rolls
+/// back.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) struct PooledPhase<DB: sqlx::Database, F> {
+    pub(crate) backend: &'static str,
+    pub(crate) pool: sqlx::Pool<DB>,
+    pub(crate) writes: F,
+    pub(crate) record: RecordStep<DB>,
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[async_trait]
+impl<DB, F> AtomicPhase for PooledPhase<DB, F>
+where
+    DB: sqlx::Database,
+    F: for<'c> FnOnce(&'c mut DB::Connection) -> WritesFuture<'c> + Send + 'static,
+{
+    async fn commit(
+        self: Box<Self>,
+        step: &KeyId,
+        token: LeaseToken,
+        prepare: Prepare,
+    ) -> Result<StoredResponse, PhaseError> {
+        let PooledPhase {
+            backend,
+            pool,
+            writes,
+            record,
+        } = *self;
+        let step = step.clone();
+        let failed = move |e: sqlx::Error| PhaseError::Store(StoreError::database(backend, e));
+        detached(backend, async move {
+            let mut tx = pool.begin().await.map_err(failed)?;
+            let answer = prepare(writes(&mut *tx).await.map_err(PhaseError::Writes)?)?;
+            if !record(&mut *tx, &step, token, &answer)
+                .await
+                .map_err(failed)?
+            {
+                return Err(PhaseError::LeaseLost);
+            }
+            tx.commit().await.map_err(failed)?;
+            Ok(answer)
+        })
+        .await
+    }
+}
+
 /// A phase chosen at run time (`Box<dyn AtomicPhase>`, e.g. by backend) is a phase too.
 #[async_trait]
 impl AtomicPhase for Box<dyn AtomicPhase> {

@@ -619,7 +619,7 @@ impl Sweeper {
         // lease renewed above has not run out, and the provider's window (less the
         // margin) has not closed while the store answered.
         let send_now = clock.latest();
-        let refusal = if asked.elapsed() >= crate::store::surely_held_for(self.config.lease) {
+        let refusal = if asked.elapsed() >= crate::store::kit::surely_held_for(self.config.lease) {
             Some("the lease ran out before the re-drive could be sent".to_owned())
         } else if !spec
             .as_ref()
@@ -730,14 +730,9 @@ impl Sweeper {
                     error,
                     actor: Actor::Sweeper,
                     reason,
-                    expect_token: None,
                 };
                 tracing::info!(to = %to, reason = %finish.reason, "sweeper settled key");
-                return match self
-                    .store
-                    .finish(id, Some(record.lease_token), &finish)
-                    .await
-                {
+                return match self.store.finish(id, record.lease_token, &finish).await {
                     Ok(_) => Ok(KeyResult::Finished(to)),
                     Err(e) => lost_or(e, record),
                 };

@@ -43,7 +43,7 @@ async fn renew_forever(
     renewed_at: &mut Instant,
 ) -> Infallible {
     // Capped as the store caps it: `Instant + Duration::MAX` would panic.
-    let every = (crate::store::capped(lease) / 3).max(Duration::from_millis(1));
+    let every = (crate::store::kit::capped(lease) / 3).max(Duration::from_millis(1));
     // After a renewal that failed on a store error (not a refusal), the next round comes this
     // soon, as the executor's heartbeat retries: a short lease leaves little room for a blip.
     let retry = every.min(Duration::from_secs(1));

@@ -98,16 +98,15 @@ async fn run_atomic(
                 error: Some(reason.clone()),
                 actor: Actor::Worker,
                 reason: "atomic phase rolled back; a retry runs it again".to_owned(),
-                expect_token: None,
             };
-            store.finish(&id, Some(lease.token), &finish).await?;
+            store.finish(&id, lease.token, &finish).await?;
             Err(Error::FailedRetryable {
                 key: id.to_string(),
                 reason,
             })
         }
         Err(PhaseError::LeaseLost) => Err(Error::LeaseLost(
-            crate::store::refused_write(&**store, &id, Some(lease.token)).await,
+            crate::store::kit::refused_write(&**store, &id, Some(lease.token)).await,
         )),
         Err(PhaseError::Store(e)) => {
             // A failed commit may have committed: the row says. If it did not, the step

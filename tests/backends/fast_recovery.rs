@@ -61,12 +61,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use idemflow::conformance::Delegate;
 use idemflow::provider::config::{ProviderConfig, build_with_env};
-use idemflow::store::{ClaimOutcome, Finish, NewClaim, Release, Stats, Stuck, TakeStale};
+use idemflow::store::{ClaimOutcome, Finish, NewClaim};
 use idemflow::testkit::FakeStripe;
 use idemflow::{
-    Actor, Idempotency, KeyEvent, KeyId, KeyRecord, KeyState, LeaseToken, Providers, Store,
-    StoreError, Sweeper, async_trait,
+    Actor, Idempotency, KeyId, KeyRecord, KeyState, LeaseToken, Providers, Store, StoreError,
+    Sweeper, async_trait,
 };
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
@@ -198,15 +199,9 @@ struct CrashPoints {
 }
 
 #[async_trait]
-impl Store for CrashPoints {
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    async fn migrate(&self) -> Result<(), StoreError> {
-        self.inner.migrate().await
-    }
-    async fn now(&self) -> Result<DateTime<Utc>, StoreError> {
-        self.inner.now().await
+impl Delegate for CrashPoints {
+    fn inner(&self) -> &dyn Store {
+        &*self.inner
     }
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         let r = self.inner.claim(claim).await;
@@ -220,7 +215,7 @@ impl Store for CrashPoints {
     async fn finish(
         &self,
         id: &KeyId,
-        token: Option<LeaseToken>,
+        token: LeaseToken,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
         let key = id.key.as_str();
@@ -229,17 +224,6 @@ impl Store for CrashPoints {
             std::future::pending::<()>().await;
         }
         self.inner.finish(id, token, finish).await
-    }
-    async fn release(
-        &self,
-        id: &KeyId,
-        token: LeaseToken,
-        release: &Release,
-    ) -> Result<(), StoreError> {
-        self.inner.release(id, token, release).await
-    }
-    async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
-        self.inner.mark_attempt(id, token).await
     }
     async fn extend(
         &self,
@@ -254,27 +238,6 @@ impl Store for CrashPoints {
                 .send(Reached::Renewed(id.key.as_str().to_owned()));
         }
         r
-    }
-    async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
-        self.inner.get(id).await
-    }
-    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
-        self.inner.history(id).await
-    }
-    async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
-        self.inner.take_stale(take).await
-    }
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
-    }
-    async fn stats(&self) -> Result<Stats, StoreError> {
-        self.inner.stats().await
-    }
-    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
-        self.inner.stuck(older_than, limit).await
-    }
-    async fn count_expired(&self) -> Result<u64, StoreError> {
-        self.inner.count_expired().await
     }
 }
 

@@ -163,12 +163,12 @@ mod simultaneous_assignment {
             assert!(r.lease_expires_at.unwrap() > store.now().await.unwrap());
             assert!(matches!(
                 store
-                    .finish(&id, Some(zombie.token), &done(StoredResponse::new(299)))
+                    .finish(&id, zombie.token, &done(StoredResponse::new(299)))
                     .await,
                 Err(StoreError::LeaseLost { .. })
             ));
             store
-                .finish(&id, Some(winner.token), &done(StoredResponse::new(201)))
+                .finish(&id, winner.token, &done(StoredResponse::new(201)))
                 .await
                 .unwrap();
         });
@@ -217,7 +217,7 @@ mod round_trips {
     async fn new_key(store: &Arc<dyn Store>, key: &idemflow::KeyId) {
         let lease = claimed(store, &claim_for(key, "{}", Duration::from_secs(30))).await;
         store
-            .finish(key, Some(lease.token), &done(StoredResponse::new(201)))
+            .finish(key, lease.token, &done(StoredResponse::new(201)))
             .await
             .unwrap();
     }

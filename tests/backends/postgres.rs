@@ -1,6 +1,7 @@
 //! The conformance and sweeper suites on PostgreSQL (a fresh schema per test, found through
 //! `search_path`), the SQL fault suite, and the sweeper's plan on a big table.
 
+use idemflow::store::SweeperStore;
 use std::time::Duration;
 
 use idemflow::store::postgres::{PostgresStore, TAKE_STALE_SQL};

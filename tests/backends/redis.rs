@@ -3,6 +3,7 @@
 //! sweepers, the server clock, prefix isolation, history retention and the native expiry
 //! backstop.
 
+use idemflow::store::{OperatorStore, SweeperStore};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -98,7 +99,7 @@ async fn every_write_with_a_superseded_token_is_fenced() {
     };
     assert!(lost(
         store
-            .finish(&id, Some(first.token), &done(StoredResponse::new(201)))
+            .finish(&id, first.token, &done(StoredResponse::new(201)))
             .await
             .map(|_| ())
     ));
@@ -109,16 +110,14 @@ async fn every_write_with_a_superseded_token_is_fenced() {
     assert_eq!(store.get(&id).await.unwrap().unwrap(), before);
     // An operator override moves the token on again: the sweeper is fenced out too.
     let r = store
-        .finish(
+        .override_finish(
             &id,
-            None,
             &Finish {
                 to: KeyState::Done,
                 response: Some(StoredResponse::new(200)),
                 error: None,
                 actor: Actor::Operator,
                 reason: "provider shows the charge".into(),
-                expect_token: None,
             },
         )
         .await
@@ -126,7 +125,7 @@ async fn every_write_with_a_superseded_token_is_fenced() {
     assert_eq!(r.lease_token, LeaseToken(second.0 + 1));
     assert!(matches!(
         store
-            .finish(&id, Some(second), &done(StoredResponse::new(201)))
+            .finish(&id, second, &done(StoredResponse::new(201)))
             .await,
         Err(StoreError::LeaseLost {
             state: KeyState::Done,
@@ -267,7 +266,7 @@ async fn purge_keeps_history_with_its_own_ttl() {
         "no expiry while processing"
     );
     store
-        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+        .finish(&id, l.token, &done(StoredResponse::new(201)))
         .await
         .unwrap();
     let hash_ttl = pttl(store.record_key(&id)).await;
@@ -300,7 +299,7 @@ async fn native_expiry_backstop_is_recorded_by_the_next_purge() {
     c.retention = Duration::from_millis(1);
     let l = claimed_on(&store, &c).await;
     store
-        .finish(&id, Some(l.token), &done(StoredResponse::new(201)))
+        .finish(&id, l.token, &done(StoredResponse::new(201)))
         .await
         .unwrap();
     // Redis deletes the hash itself (lazily on access, or by its active expiry cycle).
@@ -571,7 +570,7 @@ async fn cluster_scripts_are_not_re_sent_when_their_answer_is_lost() {
     let lease = claimed_on(&store, &claim_for(&k2, "{}", LEASE)).await;
     let (s, k) = (store.clone(), k2.clone());
     let finished = with_answer_lost(&store, &store.record_key(&k2), async move {
-        s.finish(&k, Some(lease.token), &done(StoredResponse::new(201)))
+        s.finish(&k, lease.token, &done(StoredResponse::new(201)))
             .await
     })
     .await;

@@ -5,6 +5,7 @@
 //! A backend provides the few statements that differ ([`SqlDatabase`]); the story and every
 //! assertion live here.
 
+use idemflow::store::OperatorStore;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -103,7 +104,7 @@ pub async fn killed_connection_mid_transaction_leaves_old_state_and_retry_succee
         let id = id.clone();
         tokio::spawn(async move {
             store
-                .finish(&id, Some(lease.token), &done(StoredResponse::new(201)))
+                .finish(&id, lease.token, &done(StoredResponse::new(201)))
                 .await
         })
     };
@@ -142,7 +143,7 @@ pub async fn killed_connection_mid_transaction_leaves_old_state_and_retry_succee
     assert_eq!(store.history(&id).await.unwrap().len(), 1);
     // The pool reconnects and the retry succeeds.
     let r = store
-        .finish(&id, Some(lease.token), &done(StoredResponse::new(201)))
+        .finish(&id, lease.token, &done(StoredResponse::new(201)))
         .await
         .unwrap();
     assert_eq!(r.state, KeyState::Done);

@@ -7,8 +7,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use idemflow::store::{ClaimOutcome, Finish, NewClaim, Release, Stats, Stuck, TakeStale};
-use idemflow::{KeyEvent, KeyId, KeyRecord, LeaseToken, Store, StoreError, async_trait};
+use idemflow::conformance::Delegate;
+use idemflow::store::{ClaimOutcome, Finish, NewClaim, Release, TakeStale};
+use idemflow::{KeyId, KeyRecord, LeaseToken, Store, StoreError, async_trait};
 
 use crate::gate::{SharedRef, park};
 use crate::rng::Rng;
@@ -98,6 +99,36 @@ impl GatedStore {
         Some(cut)
     }
 
+    /// A finish (`operator`: an override, whose new token is a lease no worker holds) between
+    /// its park points.
+    async fn finish_gated<F, Fut>(
+        &self,
+        id: &KeyId,
+        operator: bool,
+        call: F,
+    ) -> Result<KeyRecord, StoreError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<KeyRecord, StoreError>>,
+    {
+        let l = label(id);
+        park("store.finish", "before", &l).await;
+        let seen = |r: &Result<KeyRecord, StoreError>, _known: bool| {
+            if operator && let Ok(rec) = r {
+                self.shared.lock().unwrap().granted(
+                    &l,
+                    &rec.provider_key,
+                    rec.lease_token.0,
+                    None,
+                    "operator override",
+                );
+            }
+        };
+        let r = self.run("store.finish", &l, call, seen).await;
+        park("store.finish", "after", &l).await;
+        r
+    }
+
     /// Runs `call` as the connection allows; `seen(result, known)` is told of every run, with
     /// `known` false for a run whose answer the caller never gets.
     async fn run<T, F, Fut>(
@@ -133,13 +164,9 @@ impl GatedStore {
 }
 
 #[async_trait]
-impl Store for GatedStore {
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-
-    async fn migrate(&self) -> Result<(), StoreError> {
-        self.inner.migrate().await
+impl Delegate for GatedStore {
+    fn inner(&self) -> &dyn Store {
+        &*self.inner
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, StoreError> {
@@ -194,34 +221,26 @@ impl Store for GatedStore {
     async fn finish(
         &self,
         id: &KeyId,
-        token: Option<LeaseToken>,
+        token: LeaseToken,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        let l = label(id);
-        park("store.finish", "before", &l).await;
-        let seen = |r: &Result<KeyRecord, StoreError>, _known: bool| {
-            if token.is_none()
-                && let Ok(rec) = r
-            {
-                self.shared.lock().unwrap().granted(
-                    &l,
-                    &rec.provider_key,
-                    rec.lease_token.0,
-                    None,
-                    "operator override",
-                );
-            }
-        };
-        let r = self
-            .run(
-                "store.finish",
-                &l,
-                || self.inner.finish(id, token, finish),
-                seen,
-            )
-            .await;
-        park("store.finish", "after", &l).await;
-        r
+        self.finish_gated(id, false, || self.inner.finish(id, token, finish))
+            .await
+    }
+
+    async fn override_finish(&self, id: &KeyId, f: &Finish) -> Result<KeyRecord, StoreError> {
+        self.finish_gated(id, true, || self.inner.override_finish(id, f))
+            .await
+    }
+
+    async fn override_finish_if(
+        &self,
+        id: &KeyId,
+        expected: LeaseToken,
+        f: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        self.finish_gated(id, true, || self.inner.override_finish_if(id, expected, f))
+            .await
     }
 
     async fn release(
@@ -280,10 +299,6 @@ impl Store for GatedStore {
             .await
     }
 
-    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
-        self.inner.history(id).await
-    }
-
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         park("store.take_stale", "before", "-").await;
         let seen = |r: &Result<Vec<KeyRecord>, StoreError>, known: bool| {
@@ -317,17 +332,5 @@ impl Store for GatedStore {
         let r = self.inner.purge_expired(batch).await;
         park("store.purge_expired", "after", "-").await;
         r
-    }
-
-    async fn stats(&self) -> Result<Stats, StoreError> {
-        self.inner.stats().await
-    }
-
-    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
-        self.inner.stuck(older_than, limit).await
-    }
-
-    async fn count_expired(&self) -> Result<u64, StoreError> {
-        self.inner.count_expired().await
     }
 }

@@ -1246,11 +1246,13 @@ async fn operator(store: Arc<dyn Store>, key: KeyDef, shared: SharedRef) -> Stri
         error: Some("resolved by an operator: sim".into()),
         actor: Actor::Operator,
         reason: "operator: sim".into(),
-        // As `idemflow resolve` does (issue 11, finding 5): only while the key is still as read.
-        expect_token: Some(current.lease_token),
     };
     park("operator.resolve", "decided", &key.label).await;
-    match store.finish(&key.id, None, &finish).await {
+    // As `idemflow resolve` does: only while the key is still as read.
+    match store
+        .override_finish_if(&key.id, current.lease_token, &finish)
+        .await
+    {
         Ok(rec) => {
             let from = store
                 .history(&key.id)

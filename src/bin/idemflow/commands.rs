@@ -599,9 +599,15 @@ async fn resolve(cli: &Cli, store: &Arc<dyn Store>, args: &ResolveArgs) -> anyho
         error: Some(format!("resolved by an operator: {}", args.reason)),
         actor: Actor::Operator,
         reason: format!("operator: {}", args.reason),
-        expect_token: (!args.force).then_some(current.lease_token),
     };
-    let record = store.finish(&id, None, &finish).await.map_err(store_err)?;
+    let written = if args.force {
+        store.override_finish(&id, &finish).await
+    } else {
+        store
+            .override_finish_if(&id, current.lease_token, &finish)
+            .await
+    };
+    let record = written.map_err(store_err)?;
     out(
         cli,
         json!({"resolved": true, "from": current.state, "key": record_json(&record)}),

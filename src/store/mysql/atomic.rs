@@ -1,13 +1,15 @@
 //! Atomic phases on MariaDB / MySQL: the application's writes and a workflow step's record in
-//! one transaction (`idemflow::store::phase::AtomicPhase`, `docs/workflows.md`).
+//! one transaction (`idemflow::store::phase::AtomicPhase`, `docs/workflows.md`); the
+//! transaction itself is the pooled stores' one scaffold (`store::phase::PooledPhase`).
 
-use async_trait::async_trait;
+use std::future::Future;
+use std::pin::Pin;
+
 use sqlx::MySqlConnection;
-use sqlx::mysql::MySqlPool;
 
-use super::{MySqlStore, db, sql};
+use super::{BACKEND, MySqlStore, sql};
 use crate::record::LeaseToken;
-use crate::store::phase::{AtomicPhase, PhaseError, Prepare, WritesFuture};
+use crate::store::phase::{AtomicPhase, COMMITTED_REASON, PooledPhase, WritesFuture};
 use crate::{KeyId, StoredResponse};
 
 impl MySqlStore {
@@ -18,52 +20,33 @@ impl MySqlStore {
     where
         F: for<'c> FnOnce(&'c mut MySqlConnection) -> WritesFuture<'c> + Send + 'static,
     {
-        MySqlPhase {
+        PooledPhase {
+            backend: BACKEND,
             pool: self.pool().clone(),
             writes,
+            record: record_step,
         }
     }
 }
 
-struct MySqlPhase<F> {
-    pool: MySqlPool,
-    writes: F,
-}
-
-#[async_trait]
-impl<F> AtomicPhase for MySqlPhase<F>
-where
-    F: for<'c> FnOnce(&'c mut MySqlConnection) -> WritesFuture<'c> + Send + 'static,
-{
-    async fn commit(
-        self: Box<Self>,
-        step: &KeyId,
-        token: LeaseToken,
-        prepare: Prepare,
-    ) -> Result<StoredResponse, PhaseError> {
-        let MySqlPhase { pool, writes } = *self;
-        let step = step.clone();
-        crate::store::phase::detached(super::BACKEND, async move {
-            let mut tx = pool.begin().await.map_err(|e| PhaseError::Store(db(e)))?;
-            // A failure below drops `tx`: the transaction rolls back.
-            let answer = prepare(writes(&mut tx).await.map_err(PhaseError::Writes)?)?;
-            let done = sqlx::query(sql::ATOMIC_DONE)
-                .bind(i32::from(answer.status()))
-                .bind(answer.headers_json())
-                .bind(answer.body())
-                .bind("atomic phase: the step's writes and this record committed together")
-                .bind(step.scope.as_str())
-                .bind(step.key.as_str())
-                .bind(token.0)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| PhaseError::Store(db(e)))?;
-            if done.rows_affected() != 1 {
-                return Err(PhaseError::LeaseLost);
-            }
-            tx.commit().await.map_err(|e| PhaseError::Store(db(e)))?;
-            Ok(answer)
-        })
-        .await
-    }
+/// The step's record, fenced by its token ([`sql::ATOMIC_DONE`]).
+fn record_step<'c>(
+    conn: &'c mut MySqlConnection,
+    step: &'c KeyId,
+    token: LeaseToken,
+    answer: &'c StoredResponse,
+) -> Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send + 'c>> {
+    Box::pin(async move {
+        let done = sqlx::query(sql::ATOMIC_DONE)
+            .bind(i32::from(answer.status()))
+            .bind(answer.headers_json())
+            .bind(answer.body())
+            .bind(COMMITTED_REASON)
+            .bind(step.scope.as_str())
+            .bind(step.key.as_str())
+            .bind(token.0)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    })
 }

@@ -28,11 +28,12 @@ use sqlx::mysql::{MySqlPool, MySqlRow};
 use sqlx::{AssertSqlSafe, Executor, Row};
 use tracing::{Instrument, instrument};
 
+use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refused_write};
 use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 use super::{
-    ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
-    claimable, fenced_write, millis, refused_write,
+    ClaimOutcome, Finish, NewClaim, OperatorStore, Release, Stats, Store, Stuck, SweeperStore,
+    TakeStale,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -339,10 +340,10 @@ impl MySqlStore {
     async fn finish_now(
         &self,
         id: &KeyId,
-        token: Option<LeaseToken>,
+        mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        check_finish(token, finish.to)?;
+        check_finish(mode, finish.to)?;
         let (status, headers, body) = finish.response_columns();
         // The update and the read-back share a transaction inside the procedure, so the row
         // returned is the one written (the update's row lock is held until commit).
@@ -355,16 +356,16 @@ impl MySqlStore {
             .bind(headers)
             .bind(body)
             .bind(finish.error.as_deref())
-            .bind(token.map(|t| t.0))
+            .bind(mode.holder().map(|t| t.0))
             .bind(finish.actor.as_str())
             .bind(&finish.reason)
-            .bind(finish.expect_token.map(|t| t.0))
+            .bind(mode.expected().map(|t| t.0))
             .fetch_all(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
         match rows.first() {
             Some(row) => decode_record(row),
-            None => Err(refused_write(self, id, token.or(finish.expect_token)).await),
+            None => Err(refused_write(self, id, mode.presented()).await),
         }
     }
     async fn extend_now(
@@ -437,6 +438,21 @@ impl MySqlStore {
     }
 }
 
+impl MySqlStore {
+    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
+    /// The three finish writes ([`FinishMode`]) in one statement.
+    async fn finish_as(
+        &self,
+        id: &KeyId,
+        mode: FinishMode,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        let (id, finish) = (id.clone(), finish.clone());
+        self.detached(move |s| async move { s.finish_now(&id, mode, &finish).await })
+            .await
+    }
+}
+
 #[async_trait]
 impl Store for MySqlStore {
     fn backend(&self) -> &'static str {
@@ -499,16 +515,13 @@ impl Store for MySqlStore {
         )))
     }
 
-    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
     async fn finish(
         &self,
         id: &KeyId,
-        token: Option<LeaseToken>,
+        token: LeaseToken,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        let (id, finish) = (id.clone(), finish.clone());
-        self.detached(move |s| async move { s.finish_now(&id, token, &finish).await })
-            .await
+        self.finish_as(id, FinishMode::Holder(token), finish).await
     }
 
     #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]
@@ -561,17 +574,10 @@ impl Store for MySqlStore {
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
         Ok(self.read_with_now(id).await?.map(|(r, _)| r))
     }
+}
 
-    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
-        let rows = sqlx::query(sql::HISTORY)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        rows.iter().map(decode_event).collect()
-    }
-
+#[async_trait]
+impl SweeperStore for MySqlStore {
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         let take = take.clone();
@@ -583,6 +589,27 @@ impl Store for MySqlStore {
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         self.detached(move |s| async move { s.purge_expired_now(batch).await })
             .await
+    }
+
+    async fn count_expired(&self) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+}
+
+#[async_trait]
+impl OperatorStore for MySqlStore {
+    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
+        let rows = sqlx::query(sql::HISTORY)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        rows.iter().map(decode_event).collect()
     }
 
     async fn stats(&self) -> Result<Stats, StoreError> {
@@ -611,11 +638,17 @@ impl Store for MySqlStore {
         })
     }
 
-    async fn count_expired(&self) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
-            .fetch_one(&self.pool)
+    async fn override_finish(&self, id: &KeyId, finish: &Finish) -> Result<KeyRecord, StoreError> {
+        self.finish_as(id, FinishMode::Override, finish).await
+    }
+
+    async fn override_finish_if(
+        &self,
+        id: &KeyId,
+        expected: LeaseToken,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        self.finish_as(id, FinishMode::OverrideIf(expected), finish)
             .await
-            .map_err(|e| self.err(e))?;
-        Ok(u64::try_from(n).unwrap_or(0))
     }
 }

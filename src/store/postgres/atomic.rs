@@ -1,15 +1,16 @@
 //! Atomic phases on PostgreSQL: the application's writes and a workflow step's record in one
-//! transaction (`idemflow::store::phase::AtomicPhase`, `docs/workflows.md`).
+//! transaction (`idemflow::store::phase::AtomicPhase`, `docs/workflows.md`); the transaction
+//! itself is the pooled stores' one scaffold (`store::phase::PooledPhase`).
 
-use async_trait::async_trait;
+use std::future::Future;
+use std::pin::Pin;
+
 use sqlx::PgConnection;
-use sqlx::postgres::PgPool;
 
-use super::{PostgresStore, db, finish_query};
-use crate::record::{Actor, LeaseToken};
-use crate::state::KeyState;
-use crate::store::Finish;
-use crate::store::phase::{AtomicPhase, PhaseError, Prepare, WritesFuture};
+use super::{BACKEND, PostgresStore, finish_query};
+use crate::record::LeaseToken;
+use crate::store::kit::FinishMode;
+use crate::store::phase::{AtomicPhase, PooledPhase, WritesFuture, step_record};
 use crate::{KeyId, StoredResponse};
 
 impl PostgresStore {
@@ -35,55 +36,35 @@ impl PostgresStore {
     where
         F: for<'c> FnOnce(&'c mut PgConnection) -> WritesFuture<'c> + Send + 'static,
     {
-        PgPhase {
+        PooledPhase {
+            backend: BACKEND,
             pool: self.pool.clone(),
             writes,
+            record: record_step,
         }
     }
 }
 
-struct PgPhase<F> {
-    pool: PgPool,
-    writes: F,
-}
-
-#[async_trait]
-impl<F> AtomicPhase for PgPhase<F>
-where
-    F: for<'c> FnOnce(&'c mut PgConnection) -> WritesFuture<'c> + Send + 'static,
-{
-    async fn commit(
-        self: Box<Self>,
-        step: &KeyId,
-        token: LeaseToken,
-        prepare: Prepare,
-    ) -> Result<StoredResponse, PhaseError> {
-        let PgPhase { pool, writes } = *self;
-        let step = step.clone();
-        crate::store::phase::detached(super::BACKEND, async move {
-            let mut tx = pool.begin().await.map_err(|e| PhaseError::Store(db(e)))?;
-            // A failure below drops `tx`: the transaction rolls back.
-            let answer = prepare(writes(&mut tx).await.map_err(PhaseError::Writes)?)?;
-            let finish = Finish {
-                to: KeyState::Done,
-                response: Some(answer.clone()),
-                error: None,
-                actor: Actor::Worker,
-                reason: "atomic phase: the step's writes and this record committed together"
-                    .to_owned(),
-                expect_token: None,
-            };
-            let (status, headers, body) = finish.response_columns();
-            let row = finish_query(&step, Some(token), &finish, status, headers, body)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(|e| PhaseError::Store(db(e)))?;
-            if row.is_none() {
-                return Err(PhaseError::LeaseLost);
-            }
-            tx.commit().await.map_err(|e| PhaseError::Store(db(e)))?;
-            Ok(answer)
-        })
-        .await
-    }
+/// The step's record: the store's own finish statement, fenced by the step's token.
+fn record_step<'c>(
+    conn: &'c mut PgConnection,
+    step: &'c KeyId,
+    token: LeaseToken,
+    answer: &'c StoredResponse,
+) -> Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send + 'c>> {
+    Box::pin(async move {
+        let finish = step_record(answer);
+        let (status, headers, body) = finish.response_columns();
+        let row = finish_query(
+            step,
+            FinishMode::Holder(token),
+            &finish,
+            status,
+            headers,
+            body,
+        )
+        .fetch_optional(conn)
+        .await?;
+        Ok(row.is_some())
+    })
 }

@@ -24,11 +24,12 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, PgRow};
 use tracing::instrument;
 
+use super::kit::{FinishMode, check_finish, fenced_write, millis, refused_write};
 use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 use super::{
-    ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
-    fenced_write, millis, refused_write,
+    ClaimOutcome, Finish, NewClaim, OperatorStore, Release, Stats, Store, Stuck, SweeperStore,
+    TakeStale,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -136,11 +137,10 @@ impl PostgresStore {
     }
 }
 
-/// The finish statement of `id` (fenced by `token`), for the pool or an atomic phase's
-/// transaction.
+/// The finish statement of `id` (in `mode`), for the pool or an atomic phase's transaction.
 fn finish_query<'q>(
     id: &'q KeyId,
-    token: Option<LeaseToken>,
+    mode: FinishMode,
     finish: &'q Finish,
     status: Option<i32>,
     headers: Option<String>,
@@ -155,10 +155,10 @@ fn finish_query<'q>(
         .bind(headers)
         .bind(body)
         .bind(finish.error.as_deref())
-        .bind(token.map(|t| t.0))
+        .bind(mode.holder().map(|t| t.0))
         .bind(finish.actor.as_str())
         .bind(&finish.reason)
-        .bind(finish.expect_token.map(|t| t.0))
+        .bind(mode.expected().map(|t| t.0))
 }
 
 impl SqlRow for PgRow {
@@ -170,6 +170,28 @@ impl SqlRow for PgRow {
 
     fn text(&self, col: &str) -> Result<Option<String>, StoreError> {
         self.try_get(col).map_err(db)
+    }
+}
+
+impl PostgresStore {
+    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
+    /// The three finish writes ([`FinishMode`]) in one statement.
+    async fn finish_as(
+        &self,
+        id: &KeyId,
+        mode: FinishMode,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        check_finish(mode, finish.to)?;
+        let (status, headers, body) = finish.response_columns();
+        let row = finish_query(id, mode, finish, status, headers, body)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        match row {
+            Some(row) => decode_record(&row),
+            None => Err(refused_write(self, id, mode.presented()).await),
+        }
     }
 }
 
@@ -248,23 +270,13 @@ impl Store for PostgresStore {
         })
     }
 
-    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
     async fn finish(
         &self,
         id: &KeyId,
-        token: Option<LeaseToken>,
+        token: LeaseToken,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        check_finish(token, finish.to)?;
-        let (status, headers, body) = finish.response_columns();
-        let row = finish_query(id, token, finish, status, headers, body)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        match row {
-            Some(row) => decode_record(&row),
-            None => Err(refused_write(self, id, token.or(finish.expect_token)).await),
-        }
+        self.finish_as(id, FinishMode::Holder(token), finish).await
     }
 
     #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]
@@ -324,17 +336,10 @@ impl Store for PostgresStore {
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
         Ok(self.read_with_now(id).await?.map(|(r, _)| r))
     }
+}
 
-    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
-        let rows = sqlx::query(sql::HISTORY)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        rows.iter().map(decode_event).collect()
-    }
-
+#[async_trait]
+impl SweeperStore for PostgresStore {
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         let rows = sqlx::query(sql::TAKE_STALE)
@@ -355,6 +360,27 @@ impl Store for PostgresStore {
             .await
             .map_err(|e| self.err(e))?;
         Ok(done.rows_affected())
+    }
+
+    async fn count_expired(&self) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+}
+
+#[async_trait]
+impl OperatorStore for PostgresStore {
+    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
+        let rows = sqlx::query(sql::HISTORY)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        rows.iter().map(decode_event).collect()
     }
 
     async fn stats(&self) -> Result<Stats, StoreError> {
@@ -383,11 +409,17 @@ impl Store for PostgresStore {
         })
     }
 
-    async fn count_expired(&self) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
-            .fetch_one(&self.pool)
+    async fn override_finish(&self, id: &KeyId, finish: &Finish) -> Result<KeyRecord, StoreError> {
+        self.finish_as(id, FinishMode::Override, finish).await
+    }
+
+    async fn override_finish_if(
+        &self,
+        id: &KeyId,
+        expected: LeaseToken,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        self.finish_as(id, FinishMode::OverrideIf(expected), finish)
             .await
-            .map_err(|e| self.err(e))?;
-        Ok(u64::try_from(n).unwrap_or(0))
     }
 }

@@ -10,8 +10,8 @@ use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 use crate::state::KeyState;
+use crate::store::kit::{RawEvent, RawRecord};
 use crate::store::rows::ms_to_time;
-use crate::store::{RawEvent, RawRecord};
 
 pub(super) fn text(v: Option<&Value>) -> Option<String> {
     match v? {

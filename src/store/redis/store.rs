@@ -25,11 +25,12 @@ use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 use crate::state::KeyState;
 use crate::state::Transition;
 use crate::store::connect_error::{redis_cause, within};
+use crate::store::kit::{FinishMode, check_finish, claimable, millis};
 use crate::store::known_keys::KnownKeys;
 use crate::store::rows::ms_to_time;
 use crate::store::{
-    ClaimOutcome, Finish, Lease, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
-    claimable, millis,
+    ClaimOutcome, Finish, Lease, NewClaim, OperatorStore, Release, Stats, Store, Stuck,
+    SweeperStore, TakeStale,
 };
 
 /// The claims a claim script makes, in the order it takes their history reasons as arguments.
@@ -455,6 +456,49 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
+    /// The three finish writes ([`FinishMode`]) in one statement.
+    async fn finish_as(
+        &self,
+        id: &KeyId,
+        mode: FinishMode,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        check_finish(mode, finish.to)?;
+        let m = member(id);
+        let k = self.layout.keys(&m);
+        let (status, headers) = match &finish.response {
+            Some(r) => (Some(r.status().to_string()), Some(r.headers_json())),
+            None => (None, None),
+        };
+        let token_arg = mode.holder().map(|t| t.0.to_string());
+        let expect_arg = mode.expected().map(|t| t.0.to_string());
+        let mut inv = self.per_key(&SCRIPTS.finish, &k);
+        let code = match finish.to {
+            KeyState::Processing => 0,
+            KeyState::Done => 1,
+            KeyState::Failed { retryable: true } => 2,
+            KeyState::Failed { retryable: false } => 3,
+        };
+        inv.arg(&m)
+            .arg(code)
+            .arg(opt(status.as_deref().map(str::as_bytes)))
+            .arg(opt(headers.as_deref().map(str::as_bytes)))
+            .arg(opt(finish.response.as_ref().map(|r| r.body())))
+            .arg(opt(finish.error.as_deref().map(str::as_bytes)))
+            .arg(opt(token_arg.as_deref().map(str::as_bytes)))
+            .arg(finish.actor.as_str())
+            .arg(&finish.reason)
+            .arg(opt(expect_arg.as_deref().map(str::as_bytes)));
+        let mut reply = array(self.invoke(&inv).await?)?;
+        if text(reply.first()).as_deref() == Some("ok") && reply.len() == 2 {
+            return record(id, reply.swap_remove(1));
+        }
+        Err(refusal(id, mode.presented(), &reply))
+    }
+}
+
 #[async_trait]
 impl Store for RedisStore {
     fn backend(&self) -> &'static str {
@@ -552,44 +596,13 @@ impl Store for RedisStore {
         }
     }
 
-    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
     async fn finish(
         &self,
         id: &KeyId,
-        token: Option<LeaseToken>,
+        token: LeaseToken,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        check_finish(token, finish.to)?;
-        let m = member(id);
-        let k = self.layout.keys(&m);
-        let (status, headers) = match &finish.response {
-            Some(r) => (Some(r.status().to_string()), Some(r.headers_json())),
-            None => (None, None),
-        };
-        let token_arg = token.map(|t| t.0.to_string());
-        let expect_arg = finish.expect_token.map(|t| t.0.to_string());
-        let mut inv = self.per_key(&SCRIPTS.finish, &k);
-        let code = match finish.to {
-            KeyState::Processing => 0,
-            KeyState::Done => 1,
-            KeyState::Failed { retryable: true } => 2,
-            KeyState::Failed { retryable: false } => 3,
-        };
-        inv.arg(&m)
-            .arg(code)
-            .arg(opt(status.as_deref().map(str::as_bytes)))
-            .arg(opt(headers.as_deref().map(str::as_bytes)))
-            .arg(opt(finish.response.as_ref().map(|r| r.body())))
-            .arg(opt(finish.error.as_deref().map(str::as_bytes)))
-            .arg(opt(token_arg.as_deref().map(str::as_bytes)))
-            .arg(finish.actor.as_str())
-            .arg(&finish.reason)
-            .arg(opt(expect_arg.as_deref().map(str::as_bytes)));
-        let mut reply = array(self.invoke(&inv).await?)?;
-        if text(reply.first()).as_deref() == Some("ok") && reply.len() == 2 {
-            return record(id, reply.swap_remove(1));
-        }
-        Err(refusal(id, token.or(finish.expect_token), &reply))
+        self.finish_as(id, FinishMode::Holder(token), finish).await
     }
 
     #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]
@@ -658,18 +671,10 @@ impl Store for RedisStore {
             .await?;
         maybe_record(id, raw)
     }
+}
 
-    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
-        let rec = self.record_key(id);
-        let raw: Option<Vec<u8>> = self
-            .read(|mut con| {
-                let rec = rec.clone();
-                async move { redis::cmd("GET").arg(rec).query_async(&mut con).await }
-            })
-            .await?;
-        raw.map_or(Ok(Vec::new()), |raw| history_of(&raw))
-    }
-
+#[async_trait]
+impl SweeperStore for RedisStore {
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         let mut out = Vec::new();
@@ -699,6 +704,31 @@ impl Store for RedisStore {
             total += u64::try_from(n).map_err(|_| corrupt("purge reply"))?;
         }
         Ok(total)
+    }
+
+    async fn count_expired(&self) -> Result<u64, StoreError> {
+        let mut total = 0u64;
+        for bucket in 0..self.layout.buckets() {
+            let inv = self.per_bucket(&SCRIPTS.count_expired, bucket);
+            let n = int(Some(&self.invoke(&inv).await?))
+                .ok_or_else(|| corrupt("count_expired reply"))?;
+            total += u64::try_from(n).map_err(|_| corrupt("count_expired reply"))?;
+        }
+        Ok(total)
+    }
+}
+
+#[async_trait]
+impl OperatorStore for RedisStore {
+    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
+        let rec = self.record_key(id);
+        let raw: Option<Vec<u8>> = self
+            .read(|mut con| {
+                let rec = rec.clone();
+                async move { redis::cmd("GET").arg(rec).query_async(&mut con).await }
+            })
+            .await?;
+        raw.map_or(Ok(Vec::new()), |raw| history_of(&raw))
     }
 
     /// Per bucket: the counts from the index bands, and the processing keys read page by page
@@ -772,15 +802,18 @@ impl Store for RedisStore {
         Ok(Stuck { count, oldest })
     }
 
-    async fn count_expired(&self) -> Result<u64, StoreError> {
-        let mut total = 0u64;
-        for bucket in 0..self.layout.buckets() {
-            let inv = self.per_bucket(&SCRIPTS.count_expired, bucket);
-            let n = int(Some(&self.invoke(&inv).await?))
-                .ok_or_else(|| corrupt("count_expired reply"))?;
-            total += u64::try_from(n).map_err(|_| corrupt("count_expired reply"))?;
-        }
-        Ok(total)
+    async fn override_finish(&self, id: &KeyId, finish: &Finish) -> Result<KeyRecord, StoreError> {
+        self.finish_as(id, FinishMode::Override, finish).await
+    }
+
+    async fn override_finish_if(
+        &self,
+        id: &KeyId,
+        expected: LeaseToken,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        self.finish_as(id, FinishMode::OverrideIf(expected), finish)
+            .await
     }
 }
 

@@ -19,8 +19,7 @@ use sqlx::SqliteConnection;
 use super::writer::{BoxFut, JobAborted, job};
 use super::{SqliteStore, db, sql};
 use crate::record::LeaseToken;
-use crate::store::Finish;
-use crate::store::phase::{AtomicPhase, PhaseError, Prepare, WritesFuture};
+use crate::store::phase::{AtomicPhase, PhaseError, Prepare, WritesFuture, step_record};
 use crate::{KeyId, StoredResponse};
 
 /// What one run of the phase inside the writer came to.
@@ -126,14 +125,7 @@ async fn run(
         },
         Err(e) => return Ok(Ran::WritesFailed(e.to_string())),
     };
-    let finish = Finish {
-        to: crate::state::KeyState::Done,
-        response: Some(answer.clone()),
-        error: None,
-        actor: crate::record::Actor::Worker,
-        reason: "atomic phase: the step's writes and this record committed together".to_owned(),
-        expect_token: None,
-    };
+    let finish = step_record(&answer);
     let (status, headers, body) = finish.response_columns();
     let row = sqlx::query(sql::FINISH)
         .bind(scope)

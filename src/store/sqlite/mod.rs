@@ -28,10 +28,11 @@ use sqlx::sqlite::{
 use sqlx::{ConnectOptions, Row};
 use tracing::instrument;
 
+use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refused_write};
 use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats, ms_to_time};
 use super::{
-    ClaimOutcome, Finish, NewClaim, Release, Stats, Store, Stuck, TakeStale, check_finish,
-    claimable, fenced_write, millis, refused_write,
+    ClaimOutcome, Finish, NewClaim, OperatorStore, Release, Stats, Store, Stuck, SweeperStore,
+    TakeStale,
 };
 use crate::KeyId;
 use crate::error::StoreError;
@@ -425,6 +426,56 @@ impl SqlRow for SqliteRow {
     }
 }
 
+impl SqliteStore {
+    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
+    /// The three finish writes ([`FinishMode`]) in one statement.
+    async fn finish_as(
+        &self,
+        id: &KeyId,
+        mode: FinishMode,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        check_finish(mode, finish.to)?;
+        let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
+        let finish_data = Arc::new(finish.clone());
+        let row = self
+            .writer
+            .call(job(move |conn| {
+                let (scope, key, finish) = (scope.clone(), key.clone(), finish_data.clone());
+                Box::pin(async move {
+                    let (status, headers, body) = finish.response_columns();
+                    sqlx::query(sql::FINISH)
+                        .bind(scope)
+                        .bind(key)
+                        .bind(finish.to.as_str())
+                        .bind(finish.to.is_retryable())
+                        .bind(status)
+                        .bind(headers)
+                        .bind(body)
+                        .bind(finish.error.as_deref())
+                        .bind(mode.holder().map(|t| t.0))
+                        .bind(finish.actor.as_str())
+                        .bind(&finish.reason)
+                        .bind(mode.expected().map(|t| t.0))
+                        .fetch_optional(&mut *conn)
+                        .await
+                        .map_err(db)?
+                        .as_ref()
+                        .map(decode_record)
+                        .transpose()
+                })
+            }))
+            .await?;
+        match row {
+            Some(record) => {
+                self.seen.insert(known_keys::of(id));
+                Ok(record)
+            }
+            None => Err(refused_write(self, id, mode.presented()).await),
+        }
+    }
+}
+
 #[async_trait]
 impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
@@ -468,51 +519,13 @@ impl Store for SqliteStore {
         Ok(outcome)
     }
 
-    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
     async fn finish(
         &self,
         id: &KeyId,
-        token: Option<LeaseToken>,
+        token: LeaseToken,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        check_finish(token, finish.to)?;
-        let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
-        let finish_data = Arc::new(finish.clone());
-        let row = self
-            .writer
-            .call(job(move |conn| {
-                let (scope, key, finish) = (scope.clone(), key.clone(), finish_data.clone());
-                Box::pin(async move {
-                    let (status, headers, body) = finish.response_columns();
-                    sqlx::query(sql::FINISH)
-                        .bind(scope)
-                        .bind(key)
-                        .bind(finish.to.as_str())
-                        .bind(finish.to.is_retryable())
-                        .bind(status)
-                        .bind(headers)
-                        .bind(body)
-                        .bind(finish.error.as_deref())
-                        .bind(token.map(|t| t.0))
-                        .bind(finish.actor.as_str())
-                        .bind(&finish.reason)
-                        .bind(finish.expect_token.map(|t| t.0))
-                        .fetch_optional(&mut *conn)
-                        .await
-                        .map_err(db)?
-                        .as_ref()
-                        .map(decode_record)
-                        .transpose()
-                })
-            }))
-            .await?;
-        match row {
-            Some(record) => {
-                self.seen.insert(known_keys::of(id));
-                Ok(record)
-            }
-            None => Err(refused_write(self, id, token.or(finish.expect_token)).await),
-        }
+        self.finish_as(id, FinishMode::Holder(token), finish).await
     }
 
     #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]
@@ -581,17 +594,10 @@ impl Store for SqliteStore {
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
         Ok(self.read_with_now(id).await?.map(|(r, _)| r))
     }
+}
 
-    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
-        let rows = sqlx::query(sql::HISTORY)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_all(&self.reader)
-            .await
-            .map_err(db)?;
-        rows.iter().map(decode_event).collect()
-    }
-
+#[async_trait]
+impl SweeperStore for SqliteStore {
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         let (owner, lease, limit) = (take.owner.clone(), millis(take.lease), take.limit);
@@ -621,6 +627,27 @@ impl Store for SqliteStore {
             .await
     }
 
+    async fn count_expired(&self) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
+            .fetch_one(&self.reader)
+            .await
+            .map_err(db)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+}
+
+#[async_trait]
+impl OperatorStore for SqliteStore {
+    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
+        let rows = sqlx::query(sql::HISTORY)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .fetch_all(&self.reader)
+            .await
+            .map_err(db)?;
+        rows.iter().map(decode_event).collect()
+    }
+
     async fn stats(&self) -> Result<Stats, StoreError> {
         let row = sqlx::query(sql::STATS)
             .fetch_one(&self.reader)
@@ -647,11 +674,17 @@ impl Store for SqliteStore {
         })
     }
 
-    async fn count_expired(&self) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
-            .fetch_one(&self.reader)
+    async fn override_finish(&self, id: &KeyId, finish: &Finish) -> Result<KeyRecord, StoreError> {
+        self.finish_as(id, FinishMode::Override, finish).await
+    }
+
+    async fn override_finish_if(
+        &self,
+        id: &KeyId,
+        expected: LeaseToken,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        self.finish_as(id, FinishMode::OverrideIf(expected), finish)
             .await
-            .map_err(db)?;
-        Ok(u64::try_from(n).unwrap_or(0))
     }
 }

@@ -1,0 +1,184 @@
+//! Helpers for writing a store: what every backend in this crate uses to keep the contract of
+//! [`Store`], [`SweeperStore`] and [`OperatorStore`] the same way. A store of your own can use
+//! them too (`docs/writing-a-store.md`); nothing here is needed to *use* a store.
+//!
+//! - [`FinishMode`]: which of the three finish writes is asked for, with [`check_finish`] to
+//!   check it against the state machine;
+//! - [`fenced_write`] and [`refused_write`]: the error for a write that changed nothing;
+//! - [`claimable`]: whether a claim may change an existing row;
+//! - [`millis`] and [`capped`]: the one cap on every duration a store keeps;
+//! - [`RawRecord`] and [`RawEvent`]: rows as plain column values, checked into typed records.
+//!
+//! [`SweeperStore`]: super::SweeperStore
+//! [`OperatorStore`]: super::OperatorStore
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use super::{NewClaim, Store};
+use crate::KeyId;
+use crate::error::StoreError;
+use crate::record::{KeyRecord, LeaseToken};
+use crate::state::{KeyState, Transition};
+
+pub use super::rows::{RawEvent, RawRecord};
+
+/// Which finish write is asked for: the lease holder's ([`Store::finish`]) or an operator's
+/// ([`OperatorStore::override_finish`], [`OperatorStore::override_finish_if`]). A backend
+/// usually writes one statement for all three, with [`holder`](Self::holder) and
+/// [`expected`](Self::expected) as its two token parameters.
+///
+/// [`OperatorStore::override_finish`]: super::OperatorStore::override_finish
+/// [`OperatorStore::override_finish_if`]: super::OperatorStore::override_finish_if
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishMode {
+    /// The lease holder finishes: only while the key is processing under this token.
+    Holder(LeaseToken),
+    /// An operator's override from any state; it also moves the token on, fencing out any
+    /// worker still running.
+    Override,
+    /// An operator's override that holds only while the key is still processing under this
+    /// token (the lease the operator read): a compare-and-set.
+    OverrideIf(LeaseToken),
+}
+
+impl FinishMode {
+    /// The holder's token (the fence of a holder's write), if this is one.
+    pub fn holder(self) -> Option<LeaseToken> {
+        match self {
+            Self::Holder(t) => Some(t),
+            Self::Override | Self::OverrideIf(_) => None,
+        }
+    }
+
+    /// The token a compare-and-set override expects, if this is one.
+    pub fn expected(self) -> Option<LeaseToken> {
+        match self {
+            Self::OverrideIf(t) => Some(t),
+            Self::Holder(_) | Self::Override => None,
+        }
+    }
+
+    /// The token the write presented, for [`refused_write`]: `None` for an unconditional
+    /// override.
+    pub fn presented(self) -> Option<LeaseToken> {
+        self.holder().or(self.expected())
+    }
+}
+
+/// The result of a fenced write that should have changed exactly one row: `Ok` when it did,
+/// else the [`refused_write`] error for the row as it is now.
+pub async fn fenced_write<S: Store + ?Sized>(
+    store: &S,
+    id: &KeyId,
+    token: LeaseToken,
+    rows_affected: u64,
+) -> Result<(), StoreError> {
+    if rows_affected == 1 {
+        Ok(())
+    } else {
+        Err(refused_write(store, id, Some(token)).await)
+    }
+}
+
+/// The error for a fenced write that changed nothing, from the row as it is now: the key is
+/// gone ([`StoreError::NotFound`]) or someone else holds it ([`StoreError::LeaseLost`]). An
+/// unconditional override (`presented: None`) is refused only when the key is gone, so the row
+/// is not read.
+pub async fn refused_write<S: Store + ?Sized>(
+    store: &S,
+    id: &KeyId,
+    presented: Option<LeaseToken>,
+) -> StoreError {
+    let not_found = || StoreError::NotFound {
+        key: id.to_string(),
+    };
+    let Some(presented) = presented else {
+        return not_found();
+    };
+    match store.get(id).await {
+        Ok(Some(r)) => StoreError::LeaseLost {
+            key: id.to_string(),
+            presented,
+            current: r.lease_token,
+            state: r.state,
+        },
+        Ok(None) => not_found(),
+        Err(e) => e,
+    }
+}
+
+/// The longest duration any store keeps, in ms: about 100 years, so that `now + d` stays a valid
+/// timestamp on every backend and exact in Lua's doubles (and never turns SQLite's integer
+/// arithmetic into floating point).
+pub const MAX_DURATION_MS: i64 = 100 * 366 * 24 * 3600 * 1000;
+
+/// Milliseconds of a duration, capped at [`MAX_DURATION_MS`]: the one place every store caps
+/// durations (leases, retention, windows, recheck delays).
+pub fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis())
+        .unwrap_or(i64::MAX)
+        .min(MAX_DURATION_MS)
+}
+
+/// A duration capped as [`millis`] caps it: what a store actually grants for `d`. Local clocks
+/// must use it too (`Instant + Duration::MAX` would panic, and a lease the store capped must not
+/// be believed longer locally).
+pub fn capped(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(millis(d)).unwrap_or(0))
+}
+
+/// How long a lease of `lease` is surely held, counted on the caller's clock from when it was
+/// asked for: [`capped`], less a millisecond, the grain of the coarsest store clock (SQLite and
+/// Redis read milliseconds, so a lease granted at `t` may end up to 1 ms before `t + lease`).
+pub fn surely_held_for(lease: Duration) -> Duration {
+    capped(lease).saturating_sub(Duration::from_millis(1))
+}
+
+/// Checks a finish into `to` against the state machine: a holder's write completes, rejects or
+/// fails retryably; an override may go to any final state. Finishing into processing is never
+/// legal.
+pub fn check_finish(mode: FinishMode, to: KeyState) -> Result<Transition, StoreError> {
+    let t = match (mode, to) {
+        (FinishMode::Holder(_), KeyState::Done) => Transition::Complete,
+        (FinishMode::Holder(_), KeyState::Failed { retryable: false }) => Transition::Reject,
+        (FinishMode::Holder(_), KeyState::Failed { retryable: true }) => Transition::FailRetryable,
+        // Finishing into processing is never legal; the state machine refuses it below.
+        (FinishMode::Override | FinishMode::OverrideIf(_), to)
+        | (FinishMode::Holder(_), to @ KeyState::Processing) => Transition::Override(to),
+    };
+    let from = match t {
+        Transition::Override(_) => Some(KeyState::Done),
+        _ => Some(KeyState::Processing),
+    };
+    crate::state::transition(from, t)?;
+    Ok(t)
+}
+
+/// Whether a claim could change the existing row `r` (so a write is worth trying): a
+/// `failed{retryable}` row with the same fingerprint, or an expired processing row inside the
+/// claim's takeover window, provided the claim names the provider the row recorded. A
+/// `failed{retryable}` row on which no attempt may have acted may also be reclaimed through
+/// another provider; the reclaim then records the claim's provider and provider key, so the
+/// sweeper asks the provider that may act. A takeover never changes the provider: the earlier
+/// attempt may have acted at the recorded one (`docs/design.md`, "One provider per attempt
+/// that may have acted").
+pub fn claimable(claim: &NewClaim, r: &KeyRecord, now: DateTime<Utc>) -> bool {
+    if r.fingerprint != claim.fingerprint {
+        return false;
+    }
+    let same_provider = r.provider == claim.provider;
+    match r.state {
+        KeyState::Failed { retryable: true } => same_provider || !r.may_have_acted,
+        KeyState::Processing => match (claim.takeover_window, r.lease_expires_at) {
+            (Some(window), Some(exp)) => {
+                same_provider
+                    && exp <= now
+                    && r.created_at + chrono::Duration::milliseconds(millis(window)) > now
+            }
+            _ => false,
+        },
+        _ => false,
+    }
+}
