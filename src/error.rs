@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::key::KeyError;
+use crate::key::{KeyError, KeyId};
 use crate::record::LeaseToken;
 use crate::state::{InvalidTransition, KeyState};
 
@@ -21,8 +21,8 @@ pub enum StoreError {
         "lease lost on {key}: the write carried token {presented}, the key now has token {current} in state {state}; nothing was changed"
     )]
     LeaseLost {
-        /// `scope/key`.
-        key: String,
+        /// The key (`scope/key` when shown).
+        key: KeyId,
         /// The token the caller presented.
         presented: LeaseToken,
         /// The key's token now.
@@ -33,8 +33,8 @@ pub enum StoreError {
     /// No row for this key.
     #[error("no idempotency key {key}")]
     NotFound {
-        /// `scope/key`.
-        key: String,
+        /// The key (`scope/key` when shown).
+        key: KeyId,
     },
     /// The state machine refuses the transition.
     #[error(transparent)]
@@ -133,8 +133,8 @@ pub enum Error {
         "idempotency key {key} was first used with a different request (stored fingerprint {stored}, this request {presented}); it is refused, not replayed"
     )]
     FingerprintMismatch {
-        /// `scope/key`.
-        key: String,
+        /// The key (`scope/key` when shown).
+        key: KeyId,
         /// The fingerprint stored at first use.
         stored: String,
         /// This request's fingerprint.
@@ -143,8 +143,8 @@ pub enum Error {
     /// The first request with this key is still running (HTTP 409 + `Retry-After`).
     #[error("idempotency key {key} is in flight; retry after {retry_after:?}")]
     InFlight {
-        /// `scope/key`.
-        key: String,
+        /// The key (`scope/key` when shown).
+        key: KeyId,
         /// How long to wait before retrying.
         retry_after: Duration,
     },
@@ -155,8 +155,8 @@ pub enum Error {
         "outcome for {key} is unknown ({reason}); the sweeper will settle it, retry after {retry_after:?}"
     )]
     OutcomeUnknown {
-        /// `scope/key`.
-        key: String,
+        /// The key (`scope/key` when shown).
+        key: KeyId,
         /// What happened.
         reason: String,
         /// How long to wait before retrying.
@@ -166,8 +166,8 @@ pub enum Error {
     /// a retry with the same key and request runs it again (HTTP 503).
     #[error("operation for {key} failed and may be retried with the same key: {reason}")]
     FailedRetryable {
-        /// `scope/key`.
-        key: String,
+        /// The key (`scope/key` when shown).
+        key: KeyId,
         /// What happened.
         reason: String,
     },
@@ -185,8 +185,8 @@ pub enum Error {
     /// without one, or an oversized response); its recorded reason is returned.
     #[error("idempotency key {key} is {state} without a stored response: {reason}")]
     NoStoredResponse {
-        /// `scope/key`.
-        key: String,
+        /// The key (`scope/key` when shown).
+        key: KeyId,
         /// Its state.
         state: KeyState,
         /// The recorded error or reason.
@@ -209,8 +209,8 @@ pub enum Error {
         match found { Some(f) => format!("now runs {f:?} there"), None => "ended without running it".to_owned() }
     )]
     StepChanged {
-        /// `scope/key` of the workflow.
-        key: String,
+        /// The workflow's key.
+        key: KeyId,
         /// The step's position (0 for the first step).
         position: u32,
         /// The step name recorded at that position.
@@ -225,8 +225,8 @@ pub enum Error {
         "{key} is not a workflow: declare the request with IdempotentRequest::workflow() to run steps (steps do not nest)"
     )]
     NotAWorkflow {
-        /// `scope/key`.
-        key: String,
+        /// The key (`scope/key` when shown).
+        key: KeyId,
     },
     /// The workflow is older than the retention its finished steps are kept for, so a step's
     /// record may already be purged; resuming could run it again, so it is not resumed. The
@@ -235,8 +235,8 @@ pub enum Error {
         "workflow {key} was first claimed more than its retention ({retention:?}, less one lease) ago; its step records may be purged, so it is not resumed"
     )]
     WorkflowExpired {
-        /// `scope/key`.
-        key: String,
+        /// The key (`scope/key` when shown).
+        key: KeyId,
         /// The retention the executor keeps finished keys for.
         retention: Duration,
     },
@@ -249,8 +249,8 @@ pub enum Error {
         "idempotency key {key} is unsettled at provider {recorded:?}; refusing to send it through {requested:?}"
     )]
     ProviderChanged {
-        /// `scope/key`.
-        key: String,
+        /// The key (`scope/key` when shown).
+        key: KeyId,
         /// The provider the key's row records (the one an attempt may have reached).
         recorded: Option<String>,
         /// The provider of this request.

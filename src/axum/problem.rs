@@ -119,6 +119,13 @@ mod tests {
     use crate::key::KeyError;
     use crate::state::KeyState;
 
+    fn test_id() -> crate::KeyId {
+        crate::KeyId::new(
+            crate::Scope::new("a").unwrap(),
+            crate::IdempotencyKey::new("k").unwrap(),
+        )
+    }
+
     /// One of each variant; the match below stops compiling when a variant is added unlisted.
     fn every_error() -> Vec<Error> {
         let errors = vec![
@@ -129,44 +136,44 @@ mod tests {
             Error::DuplicateJsonKey { name: "a".into() },
             Error::RequestTooLarge { size: 2, limit: 1 },
             Error::FingerprintMismatch {
-                key: "a/k".into(),
+                key: test_id(),
                 stored: "v1:aa".into(),
                 presented: "v1:bb".into(),
             },
             Error::InFlight {
-                key: "a/k".into(),
+                key: test_id(),
                 retry_after: Duration::from_millis(1500),
             },
             Error::OutcomeUnknown {
-                key: "a/k".into(),
+                key: test_id(),
                 reason: "timeout".into(),
                 retry_after: Duration::from_secs(5),
             },
             Error::FailedRetryable {
-                key: "a/k".into(),
+                key: test_id(),
                 reason: "429".into(),
             },
             Error::ResponseTooLarge { size: 2, limit: 1 },
             Error::NoStoredResponse {
-                key: "a/k".into(),
+                key: test_id(),
                 state: KeyState::Failed { retryable: false },
                 reason: "operator".into(),
             },
-            Error::LeaseLost(StoreError::NotFound { key: "a/k".into() }),
+            Error::LeaseLost(StoreError::NotFound { key: test_id() }),
             Error::Store(StoreError::Config("bad".into())),
             Error::StepChanged {
-                key: "a/k".into(),
+                key: test_id(),
                 position: 1,
                 recorded: "charge".into(),
                 found: Some("email".into()),
             },
-            Error::NotAWorkflow { key: "a/k".into() },
+            Error::NotAWorkflow { key: test_id() },
             Error::WorkflowExpired {
-                key: "a/k".into(),
+                key: test_id(),
                 retention: Duration::from_secs(3600),
             },
             Error::ProviderChanged {
-                key: "a/k".into(),
+                key: test_id(),
                 recorded: Some("mail_a".into()),
                 requested: Some("mail_b".into()),
             },

@@ -460,7 +460,8 @@ pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
     assert_eq!(mail.calls(), 0);
 }
 
-/// Issue 11, finding 1 (Postmark-like: no keys, a lagging search). Claimed, 429 ->
+/// A double send a review found (Postmark-like: no keys, a lagging search; `docs/providers.md`,
+/// the Postmark row: an empty search is trusted only after `search_lag`). Claimed, 429 ->
 /// `failed{retryable}`; retried well after the search lag, the email is sent but the response is
 /// lost -> unknown; the sweeper looks it up at once: the search has not caught up with the second
 /// send, so the empty result must not be trusted (search lag counts from the latest attempt, not
@@ -552,7 +553,8 @@ pub async fn a_late_clock_read_never_trusts_a_search_early(store: Arc<dyn Store>
     assert_eq!(mail.effects().len(), 1, "a second email was sent");
 }
 
-/// Issue 11, finding 2 (Stripe-like). The first send charges and its response is lost ->
+/// A double charge a review found (Stripe-like; `docs/operations.md`, "What `reconcile`
+/// does": a re-send's 429 defers, it never makes the key retryable). The first send charges and its response is lost ->
 /// unknown; a retry takes the key over and its re-send gets a 429: the key must not become
 /// retryable (a retry after the provider's window would charge again). It stays for the
 /// sweeper, which settles it with the first charge.
@@ -895,7 +897,8 @@ pub async fn hanging_provider_is_deferred_after_the_call_timeout(store: Arc<dyn 
     assert_eq!(row(&store, &id).await.state, KeyState::Processing);
 }
 
-/// Issue 11, finding 10: the sweeper extended only the key in hand, so while one key of a batch
+/// A takeover of a live batch a review found (`docs/operations.md`, "Leases, heartbeat and
+/// deadlines"): the sweeper extended only the key in hand, so while one key of a batch
 /// waited on a slow provider, the rest of the batch expired and another sweeper took it. Every
 /// key of the batch is renewed while the sweeper works through it.
 pub async fn sweeper_renews_its_whole_batch(store: Arc<dyn Store>) {

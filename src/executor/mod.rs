@@ -472,7 +472,7 @@ impl Idempotency {
                 };
                 self.store.finish(&id, lease.token, &finish).await?;
                 return Err(Error::FailedRetryable {
-                    key: id.to_string(),
+                    key: id.clone(),
                     reason: error,
                 });
             }
@@ -490,7 +490,7 @@ impl Idempotency {
                 };
                 self.store.release(&id, lease.token, &release).await?;
                 return Err(Error::OutcomeUnknown {
-                    key: id.to_string(),
+                    key: id.clone(),
                     reason: told,
                     retry_after: cfg.unknown_retry_after,
                 });
@@ -577,13 +577,13 @@ impl Idempotency {
         record: KeyRecord,
         now: chrono::DateTime<chrono::Utc>,
     ) -> Result<Execution, Error> {
-        let key = request.id.to_string();
+        let key = request.id.clone();
         if let Some(of) = &request.step
             && record.operation != request.operation
         {
             tracing::Span::current().record("outcome", "workflow_changed");
             return Err(Error::StepChanged {
-                key: of.workflow.to_string(),
+                key: of.workflow.clone(),
                 position: of.position,
                 recorded: record.operation,
                 found: Some(request.operation.clone()),

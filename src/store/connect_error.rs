@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use crate::error::{ConnectCause, StoreError};
+use crate::error::ConnectCause;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
+use crate::error::StoreError;
 
 /// How long a store's first connection may take by default before `connect` gives up.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);

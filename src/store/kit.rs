@@ -91,15 +91,13 @@ pub async fn refused_write<S: Store + ?Sized>(
     id: &KeyId,
     presented: Option<LeaseToken>,
 ) -> StoreError {
-    let not_found = || StoreError::NotFound {
-        key: id.to_string(),
-    };
+    let not_found = || StoreError::NotFound { key: id.clone() };
     let Some(presented) = presented else {
         return not_found();
     };
     match store.get(id).await {
         Ok(Some(r)) => StoreError::LeaseLost {
-            key: id.to_string(),
+            key: id.clone(),
             presented,
             current: r.lease_token,
             state: r.state,

@@ -8,9 +8,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::KeyId;
-
 /// Slots the SQL stores use (8 bytes each).
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
 pub(crate) const DEFAULT_SLOTS: usize = 65_536;
 
 /// FNV-1a, 64 bits.
@@ -24,7 +23,8 @@ pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 /// The hash of a key id (scope and key, kept apart).
-pub(crate) fn of(id: &KeyId) -> u64 {
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub(crate) fn of(id: &crate::KeyId) -> u64 {
     let mut bytes = Vec::with_capacity(id.scope.as_str().len() + id.key.as_str().len() + 1);
     bytes.extend_from_slice(id.scope.as_str().as_bytes());
     bytes.push(0);

@@ -36,6 +36,8 @@ pub mod phase;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod pool;
 mod rows;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+mod sql_core;
 pub use connect::connect;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use pool::{PoolExhausted, PoolOptions};

@@ -124,7 +124,7 @@ pub(crate) const COMMITTED_REASON: &str =
     "atomic phase: the step's writes and this record committed together";
 
 /// The step's record of a committed phase: `done` with the phase's answer, by the worker.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) fn step_record(answer: &StoredResponse) -> crate::store::Finish {
     crate::store::Finish {
         to: crate::state::KeyState::Done,

@@ -187,7 +187,7 @@ macro_rules! event_columns {
 pub(crate) use event_columns;
 
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub(crate) use sql::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
+pub(crate) use sql::{Plain, SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 
 /// The decoders of the SQL backends, written once over [`SqlRow`].
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]

@@ -754,6 +754,19 @@ impl Sweeper {
             }
         };
         tracing::warn!(kind = ?kind, reason = %reason, recheck_after = ?recheck, "key left unresolved");
+        self.release_unresolved(id, record, kind, reason, recheck)
+            .await
+    }
+
+    /// Gives a key back unresolved, to be looked at again `recheck` from now.
+    async fn release_unresolved(
+        &self,
+        id: &KeyId,
+        record: &KeyRecord,
+        kind: Unresolved,
+        reason: String,
+        recheck: Duration,
+    ) -> Result<KeyResult, StoreError> {
         let release = Release {
             actor: Actor::Sweeper,
             reason: format!("{reason}; next check in {}s", recheck.as_secs()),

@@ -12,10 +12,9 @@ use chrono::{DateTime, Utc};
 
 use super::decide::{self, Decision};
 use super::report::{SweepReport, Unresolved};
-use super::{KeyResult, Sweeper, lost_or, unresolved};
+use super::{KeyResult, Sweeper, lost_or};
 use crate::error::{Error, StoreError};
-use crate::record::{Actor, KeyRecord};
-use crate::store::Release;
+use crate::record::KeyRecord;
 use crate::{KeyId, KeyState};
 
 /// The shortest wait before a workflow that waits for one of its steps is looked at again.
@@ -79,7 +78,7 @@ impl Sweeper {
         if closes.is_some_and(|c| now >= c) {
             tracing::Span::current().record("decision", "needs_operator");
             let e = Error::WorkflowExpired {
-                key: id.to_string(),
+                key: id.clone(),
                 retention: crate::workflow::stored_retention(&record),
             };
             let decision = Decision::NeedsOperator {
@@ -126,31 +125,5 @@ impl Sweeper {
         tracing::info!(reason = %reason, "workflow waits for a resumer");
         self.release_unresolved(id, record, Unresolved::WaitingForResumer, reason, recheck)
             .await
-    }
-
-    /// Gives the workflow back unresolved, to be looked at again `recheck` from now.
-    async fn release_unresolved(
-        &self,
-        id: &KeyId,
-        record: &KeyRecord,
-        kind: Unresolved,
-        reason: String,
-        recheck: Duration,
-    ) -> Result<KeyResult, StoreError> {
-        let release = Release {
-            actor: Actor::Sweeper,
-            reason: format!("{reason}; next check in {}s", recheck.as_secs()),
-            error: Some(reason.clone()),
-            recheck_after: Some(recheck),
-        };
-        match self.store.release(id, record.lease_token, &release).await {
-            Ok(()) => Ok(KeyResult::Unresolved(unresolved(
-                record,
-                kind,
-                reason,
-                Some(recheck),
-            ))),
-            Err(e) => lost_or(e, record),
-        }
     }
 }

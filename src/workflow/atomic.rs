@@ -101,7 +101,7 @@ async fn run_atomic(
             };
             store.finish(&id, lease.token, &finish).await?;
             Err(Error::FailedRetryable {
-                key: id.to_string(),
+                key: id.clone(),
                 reason,
             })
         }

@@ -138,9 +138,7 @@ pub(crate) async fn stored_step_window(
     lease: std::time::Duration,
 ) -> Result<(std::time::Duration, std::time::Duration), crate::StoreError> {
     let Some(workflow) = store.get(id).await? else {
-        return Err(crate::StoreError::NotFound {
-            key: id.to_string(),
-        });
+        return Err(crate::StoreError::NotFound { key: id.clone() });
     };
     let steps = steps(store, id).await?;
     let window = step_window(store, &workflow, &steps, lease).await?;
@@ -265,7 +263,7 @@ impl Step {
 /// The fields of an [`Error::StepChanged`], kept by the running workflow.
 #[derive(Debug)]
 pub(crate) struct Changed {
-    key: String,
+    key: KeyId,
     position: u32,
     recorded: String,
     found: Option<String>,
@@ -361,18 +359,18 @@ impl Context {
             .as_ref()
             .and_then(|run| run.as_any().downcast_ref::<Workflow>())
             .ok_or_else(|| Error::NotAWorkflow {
-                key: self.id.to_string(),
+                key: self.id.clone(),
             })?;
         if Instant::now() >= wf.resume_by {
             return Err(Error::WorkflowExpired {
-                key: self.id.to_string(),
+                key: self.id.clone(),
                 retention: wf.retention,
             });
         }
         let position = wf.next.fetch_add(1, Ordering::SeqCst);
         if position >= MAX_STEPS {
             let e = Error::StepChanged {
-                key: self.id.to_string(),
+                key: self.id.clone(),
                 position,
                 recorded: format!("nothing (at most {MAX_STEPS} steps)"),
                 found: Some(step.name.clone()),

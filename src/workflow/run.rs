@@ -85,7 +85,7 @@ async fn dropped_step(
         .get(&next)
         .await?
         .map(|recorded| Error::StepChanged {
-            key: id.to_string(),
+            key: id.clone(),
             position: steps_run,
             recorded: recorded.operation,
             found: None,
@@ -115,7 +115,7 @@ pub(crate) async fn resume(
     );
     let Some(canonical) = record.request.clone() else {
         return Err(Error::NoStoredResponse {
-            key: id.to_string(),
+            key: id.clone(),
             state: record.state,
             reason: "the workflow's request was not stored (store_request is off), so it \
                      cannot be resumed"

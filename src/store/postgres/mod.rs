@@ -26,14 +26,12 @@ use tracing::instrument;
 
 use super::kit::{FinishMode, check_finish, fenced_write, millis, refused_write};
 use super::pool::PoolOptions;
-use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats};
-use super::{
-    ClaimOutcome, Finish, NewClaim, OperatorStore, Release, Stats, Store, Stuck, SweeperStore,
-    TakeStale,
-};
+use super::rows::{SqlRow, decode_lease, decode_record};
+use super::sql_core::{self, SqlCore, sql_operator_store};
+use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeStale};
 use crate::KeyId;
 use crate::error::StoreError;
-use crate::record::{KeyEvent, KeyRecord, LeaseToken};
+use crate::record::{KeyRecord, LeaseToken};
 
 mod atomic;
 mod sql;
@@ -79,6 +77,17 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
+    /// The reads written once for the SQL stores (`store::sql_core`).
+    fn core(&self) -> SqlCore<'_, sqlx::Postgres> {
+        SqlCore {
+            backend: BACKEND,
+            pool: &self.pool,
+            sql: &sql::READS,
+            duration: millis,
+            error: super::pool::pool_error,
+        }
+    }
+
     /// Connects a pool with the default [`PoolOptions`] (32 connections at most, callers
     /// beyond that wait up to 5 s for a connection) to `url`.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
@@ -203,13 +212,7 @@ impl Store for PostgresStore {
 
     #[instrument(skip(self), err)]
     async fn migrate(&self) -> Result<(), StoreError> {
-        migrator()
-            .run(&self.pool)
-            .await
-            .map_err(|e| StoreError::Migrate {
-                backend: BACKEND,
-                source: Box::new(e),
-            })
+        sql_core::migrate(BACKEND, &self.pool, migrator()).await
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, StoreError> {
@@ -363,63 +366,8 @@ impl SweeperStore for PostgresStore {
     }
 
     async fn count_expired(&self) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        Ok(u64::try_from(n).unwrap_or(0))
+        self.core().count_expired().await
     }
 }
 
-#[async_trait]
-impl OperatorStore for PostgresStore {
-    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
-        let rows = sqlx::query(sql::HISTORY)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        rows.iter().map(decode_event).collect()
-    }
-
-    async fn stats(&self) -> Result<Stats, StoreError> {
-        let row = sqlx::query(sql::STATS)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        decode_stats(&row)
-    }
-
-    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
-        let count: i64 = sqlx::query_scalar(sql::STUCK_COUNT)
-            .bind(ms(older_than))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        let rows = sqlx::query(sql::STUCK_LIST)
-            .bind(ms(older_than))
-            .bind(i64::from(limit))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        Ok(Stuck {
-            count,
-            oldest: rows.iter().map(decode_record).collect::<Result<_, _>>()?,
-        })
-    }
-
-    async fn override_finish(&self, id: &KeyId, finish: &Finish) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::Override, finish).await
-    }
-
-    async fn override_finish_if(
-        &self,
-        id: &KeyId,
-        expected: LeaseToken,
-        finish: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::OverrideIf(expected), finish)
-            .await
-    }
-}
+sql_operator_store!(PostgresStore);

@@ -9,6 +9,7 @@ macro_rules! now {
 }
 
 use crate::store::rows::{event_columns, key_columns};
+use crate::store::sql_core::ReadSql;
 
 macro_rules! cols {
     ($t:literal) => {
@@ -211,6 +212,15 @@ pub(super) const COUNT_EXPIRED: &str = concat!(
     "SELECT count(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
     now!()
 );
+
+/// The statements of the reads written once in `store::sql_core`.
+pub(super) const READS: ReadSql = ReadSql {
+    history: HISTORY,
+    stats: STATS,
+    stuck_count: STUCK_COUNT,
+    stuck_list: STUCK_LIST,
+    count_expired: COUNT_EXPIRED,
+};
 
 #[cfg(test)]
 mod tests {

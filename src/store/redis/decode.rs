@@ -335,7 +335,7 @@ pub(super) fn refusal(id: &KeyId, presented: Option<LeaseToken>, reply: &[Value]
             let rt = text(reply.get(3)).as_deref() == Some("1");
             match KeyState::from_columns(&st, rt) {
                 Ok(state) => StoreError::LeaseLost {
-                    key: id.to_string(),
+                    key: id.clone(),
                     presented,
                     current: LeaseToken(current),
                     state,
@@ -343,9 +343,7 @@ pub(super) fn refusal(id: &KeyId, presented: Option<LeaseToken>, reply: &[Value]
                 Err(e) => corrupt(e.to_string()),
             }
         }
-        (Some("notfound"), _) => StoreError::NotFound {
-            key: id.to_string(),
-        },
+        (Some("notfound"), _) => StoreError::NotFound { key: id.clone() },
         (other, _) => corrupt(format!("unexpected script reply {other:?}")),
     }
 }

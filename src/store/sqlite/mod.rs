@@ -29,14 +29,12 @@ use sqlx::{ConnectOptions, Row};
 use tracing::instrument;
 
 use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refused_write};
-use super::rows::{SqlRow, decode_event, decode_lease, decode_record, decode_stats, ms_to_time};
-use super::{
-    ClaimOutcome, Finish, NewClaim, OperatorStore, Release, Stats, Store, Stuck, SweeperStore,
-    TakeStale,
-};
+use super::rows::{SqlRow, decode_lease, decode_record, ms_to_time};
+use super::sql_core::{self, SqlCore, sql_operator_store};
+use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeStale};
 use crate::KeyId;
 use crate::error::StoreError;
-use crate::record::{KeyEvent, KeyRecord, LeaseToken};
+use crate::record::{KeyRecord, LeaseToken};
 use crate::store::known_keys::{self, KnownKeys};
 
 mod atomic;
@@ -167,6 +165,17 @@ fn is_memory(url: &str) -> bool {
 }
 
 impl SqliteStore {
+    /// The reads written once for the SQL stores (`store::sql_core`).
+    fn core(&self) -> SqlCore<'_, sqlx::Sqlite> {
+        SqlCore {
+            backend: BACKEND,
+            pool: &self.reader,
+            sql: &sql::READS,
+            duration: millis,
+            error: |backend, _, e| StoreError::database(backend, e),
+        }
+    }
+
     /// Opens (creating if missing) the database at `url` with the defaults of [`SqliteConfig`].
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         Self::connect_with(SqliteConfig::new(url)).await
@@ -272,25 +281,14 @@ impl SqliteStore {
         self.writer.call(f).await
     }
 
+    /// A key's row and the database's time, read on a reader by `statement`: `sql::GET`, or
+    /// `sql::CLAIM_READ` for the claim's read (without the stored request).
     async fn read_with_now(
         &self,
+        statement: &'static str,
         id: &KeyId,
     ) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
-        let row = sqlx::query(sql::GET)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_optional(&self.reader)
-            .await
-            .map_err(db)?;
-        row.as_ref().map(decode_with_now).transpose()
-    }
-
-    /// The claim's read on a reader (without the stored request).
-    async fn claim_read(
-        &self,
-        id: &KeyId,
-    ) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
-        let row = sqlx::query(sql::CLAIM_READ)
+        let row = sqlx::query(statement)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .fetch_optional(&self.reader)
@@ -484,13 +482,7 @@ impl Store for SqliteStore {
 
     #[instrument(skip(self), err)]
     async fn migrate(&self) -> Result<(), StoreError> {
-        migrator()
-            .run(&self.writer_pool)
-            .await
-            .map_err(|e| StoreError::Migrate {
-                backend: BACKEND,
-                source: Box::new(e),
-            })
+        sql_core::migrate(BACKEND, &self.writer_pool, migrator()).await
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, StoreError> {
@@ -506,7 +498,7 @@ impl Store for SqliteStore {
         // A key seen before is most likely there: read first, on a reader, so replays and
         // in-flight duplicates never queue behind the writer. Any other key: write first.
         if self.seen.contains(known_keys::of(&claim.id))
-            && let Some((record, now)) = self.claim_read(&claim.id).await?
+            && let Some((record, now)) = self.read_with_now(sql::CLAIM_READ, &claim.id).await?
             && !claimable(claim, &record, now)
         {
             return Ok(ClaimOutcome::Existing {
@@ -592,7 +584,7 @@ impl Store for SqliteStore {
     }
 
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
-        Ok(self.read_with_now(id).await?.map(|(r, _)| r))
+        Ok(self.read_with_now(sql::GET, id).await?.map(|(r, _)| r))
     }
 }
 
@@ -628,63 +620,8 @@ impl SweeperStore for SqliteStore {
     }
 
     async fn count_expired(&self) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar(sql::COUNT_EXPIRED)
-            .fetch_one(&self.reader)
-            .await
-            .map_err(db)?;
-        Ok(u64::try_from(n).unwrap_or(0))
+        self.core().count_expired().await
     }
 }
 
-#[async_trait]
-impl OperatorStore for SqliteStore {
-    async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
-        let rows = sqlx::query(sql::HISTORY)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_all(&self.reader)
-            .await
-            .map_err(db)?;
-        rows.iter().map(decode_event).collect()
-    }
-
-    async fn stats(&self) -> Result<Stats, StoreError> {
-        let row = sqlx::query(sql::STATS)
-            .fetch_one(&self.reader)
-            .await
-            .map_err(db)?;
-        decode_stats(&row)
-    }
-
-    async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
-        let count: i64 = sqlx::query_scalar(sql::STUCK_COUNT)
-            .bind(millis(older_than))
-            .fetch_one(&self.reader)
-            .await
-            .map_err(db)?;
-        let rows = sqlx::query(sql::STUCK_LIST)
-            .bind(millis(older_than))
-            .bind(i64::from(limit))
-            .fetch_all(&self.reader)
-            .await
-            .map_err(db)?;
-        Ok(Stuck {
-            count,
-            oldest: rows.iter().map(decode_record).collect::<Result<_, _>>()?,
-        })
-    }
-
-    async fn override_finish(&self, id: &KeyId, finish: &Finish) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::Override, finish).await
-    }
-
-    async fn override_finish_if(
-        &self,
-        id: &KeyId,
-        expected: LeaseToken,
-        finish: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::OverrideIf(expected), finish)
-            .await
-    }
-}
+sql_operator_store!(SqliteStore);
