@@ -195,7 +195,8 @@ macro_rules! conformance_tests {
             tokens_only_grow_across_purge,
             cancelled_calls_leave_the_store_usable,
             provider_changes_only_while_no_attempt_may_have_acted,
-            a_re_created_key_gets_its_own_provider_key
+            a_re_created_key_gets_its_own_provider_key,
+            attempt_history_follows_every_write
         );
     };
     (@each $factory:path, $suite:ident; $($name:ident),* $(,)?) => {

@@ -1036,3 +1036,45 @@ pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
     let l = claimed(&store, &claim_for(&other, "{}", LEASE)).await;
     assert_eq!(l.provider_key, "pk-k2");
 }
+
+/// The attempt history on the row, which the sweeper's search-lag and retry rules read
+/// (`docs/design.md`, "Attempt history and the one rule"), through the writes that move it
+/// without their history event telling: a sweeper's takeover of a lease that ran out (the
+/// crashed holder may have sent until the lease's end, and may have acted), `mark_attempt` before
+/// a re-drive, a finish into `failed{retryable}` (then nothing may have acted), and the reclaim
+/// after it, which also takes the claim's retention.
+pub async fn attempt_history_follows_every_write(store: Arc<dyn Store>) {
+    let id = id(&unique("attempts"), "k1");
+    let first = claimed(&store, &claim_for(&id, "{}", Duration::from_millis(50))).await;
+    assert!(!first.may_have_acted);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The holder crashed; the sweeper takes the key over.
+    let swept = taken(&store, "sweeper", LEASE, 10).await;
+    assert_eq!(swept.len(), 1);
+    let token = swept[0].lease_token;
+    assert!(swept[0].may_have_acted, "the crashed holder may have acted");
+    assert_eq!(
+        swept[0].last_attempt_at, first.expires_at,
+        "the crashed holder may have sent until its lease ended"
+    );
+    // The sweeper is about to re-drive.
+    let before = store.now().await.unwrap();
+    store.mark_attempt(&id, token).await.unwrap();
+    let marked = store.get(&id).await.unwrap().unwrap();
+    assert!(
+        marked.last_attempt_at >= before && marked.may_have_acted,
+        "mark_attempt at {before}: {marked:?}"
+    );
+    // The provider shows surely nothing: failed{retryable}, and nothing may have acted now.
+    let failed = store.finish(&id, token, &fail(true)).await.unwrap();
+    assert!(!failed.may_have_acted, "{failed:?}");
+    // The retry reclaims it as a clean attempt, under the retention it asks for.
+    let mut retry = claim_for(&id, "{}", LEASE);
+    retry.retention = Duration::from_secs(7200);
+    let again = claimed(&store, &retry).await;
+    assert_eq!(again.transition, Transition::Reclaim);
+    assert!(!again.may_have_acted);
+    let r = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(r.retention_ms, 7_200_000);
+    assert!(r.last_attempt_at >= marked.last_attempt_at, "{r:?}");
+}

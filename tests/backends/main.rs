@@ -21,6 +21,7 @@ mod fast_recovery;
 #[cfg(feature = "testkit")]
 mod sweeper_kill;
 
+mod memory_store;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
