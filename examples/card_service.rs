@@ -29,7 +29,7 @@
 //! The payment id is derived from the Stripe PaymentIntent id, so an answer the sweeper recorded
 //! from Stripe's own record renders the same as one the handler produced.
 
-// This file is also compiled into tests/card_service.rs, which uses only part of it.
+// This file is also compiled into tests/services/card_service.rs, which uses only part of it.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;

@@ -23,7 +23,7 @@
 //! the layer (`docs/http.md`). While a step's outcome is unknown the answer is 503 with
 //! `Retry-After`; the sweeper settles the step from the provider and resumes the order.
 
-// This file is also compiled into tests/checkout_service.rs, which uses only part of it.
+// This file is also compiled into tests/services/checkout_service.rs, which uses only part of it.
 #![allow(dead_code)]
 
 use std::process::ExitCode;

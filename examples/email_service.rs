@@ -18,7 +18,7 @@
 //! (not stored); 400 when Resend rejects the email (stored and replayed); 400 / 409 / 422 / 503
 //! from the layer (see `docs/http.md`).
 
-// tests/email_service.rs includes this file as a module and uses `router` only.
+// tests/services/email_service.rs includes this file as a module and uses `router` only.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;

@@ -35,8 +35,8 @@
 //! every request future in flight (with the heartbeats running inside them) and the store's
 //! connections are dropped where they stand. Nothing is finished or released; the store's rows
 //! stay as written. Not a process kill: the crash points need a hook inside the service (the
-//! store decorator), which the example binary does not offer (`tests/card_service.rs` kills that
-//! binary with SIGKILL mid-load, at no chosen point, and reconciles with `--once`).
+//! store decorator), which the example binary does not offer (`tests/services/card_service.rs`
+//! kills that binary with SIGKILL mid-load, at no chosen point, and reconciles with `--once`).
 //!
 //! **The reconciler** is `idemflow reconcile --every 5s --config <file naming the fake as
 //! stripe>` against the run's `DATABASE_URL` (a SQLite file, a fresh PostgreSQL schema through

@@ -1,11 +1,14 @@
 //! The conformance suite and the sweeper suite on SQLite: a fresh in-memory database per test,
-//! and the same suites on a WAL file database with separate writer and reader connections.
+//! and the same suites on a WAL file database with separate writer and reader connections;
+//! and, in [`group_commit`], what the single writer's batching must not change.
 
 use std::sync::Arc;
 
 use idemflow::Store;
 
 use crate::support::sqlite;
+
+mod group_commit;
 
 async fn memory_store() -> Option<Arc<dyn Store>> {
     Some(sqlite::memory().await)

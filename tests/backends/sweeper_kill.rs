@@ -193,7 +193,7 @@ async fn killed_sweeper_strands_nothing(name: &str, spec: StoreSpec) {
     let child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "sweeper_kill::child_sweeps_until_killed",
+            &crate::support::test_name(module_path!(), "child_sweeps_until_killed"),
             "--ignored",
             "--nocapture",
             "--test-threads=1",

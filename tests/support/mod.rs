@@ -1,10 +1,14 @@
-//! Backend support shared by the test binaries: an isolated store per test on each backend (a
+//! The one helper root of the test binaries, included by each as
+//! `#[path = "../support/mod.rs"] mod support;`: an isolated store per test on each backend (a
 //! fresh SQLite database, PostgreSQL schema, MariaDB database or Redis key prefix), its clean-up,
 //! and the one rule for a backend that is not there: an unset URL skips the test with a printed
-//! reason, and under `CI=true` an unset or unreachable backend is a failure.
+//! reason, and under `CI=true` an unset or unreachable backend is a failure; the fake card
+//! processor of the executor-level tests ([`charger`]); and [`test_name`], the name a test
+//! re-running its own binary as a child passes to `--exact`.
 
 #![allow(dead_code)]
 
+pub mod charger;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(feature = "postgres")]
@@ -76,4 +80,14 @@ pub fn left_behind(name: &str) -> bool {
         .and_then(|rest| rest.split('_').next())
         .and_then(|s| s.parse().ok());
     born.is_some_and(|b| b + 3600 < now_secs())
+}
+
+/// The name libtest gives test `name` in the module at `module_path` (pass `module_path!()`):
+/// the module path without the crate's own name, then `name`. A test that re-runs its own binary
+/// as a child passes it to `--exact`, so that the name follows the module wherever it moves.
+pub fn test_name(module_path: &str, name: &str) -> String {
+    match module_path.split_once("::") {
+        Some((_crate, path)) => format!("{path}::{name}"),
+        None => name.to_owned(),
+    }
 }

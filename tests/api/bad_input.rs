@@ -1,11 +1,9 @@
 //! Bad input gets a typed error that names the problem, and leaves no row behind.
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::memory;
+use crate::support::sqlite::memory;
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{
     Error, Idempotency, IdempotentRequest, KeyError, KeyState, Outcome, Store, StoredResponse,

@@ -1,5 +1,4 @@
 //! `Idempotency::call` end to end: SQLite in memory, the real adapters, the fake providers.
-#![cfg(all(feature = "testkit", feature = "sqlite"))]
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,16 +1,9 @@
-//! Helpers shared by the executor-level tests.
-
-#![allow(dead_code)]
+//! The executor-level tests' fake card processor ([`Charger`]) and request body ([`body`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idemflow::{Context, Outcome, StoredResponse};
-
-#[path = "../support/sqlite.rs"]
-mod sqlite;
-#[allow(unused_imports)]
-pub use sqlite::{file, memory};
 
 /// A fake card processor: counts charges and answers with the charge number.
 #[derive(Debug, Default)]

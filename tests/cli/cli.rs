@@ -1,11 +1,6 @@
 //! Runs the built `idemflow` binary against a temporary SQLite file: every subcommand, `--json`
 //! output, exit codes (0 ok, 1 error, 2 usage, 3 unresolved) and configuration errors.
 
-#![cfg(feature = "cli")]
-
-#[cfg(feature = "postgres")]
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;

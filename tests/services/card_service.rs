@@ -3,15 +3,8 @@
 //! (with feature `cli`) the example run as a process, killed with SIGKILL mid-load, restarted,
 //! reconciled with `idemflow reconcile --once`, and every key retried.
 
-#![cfg(all(
-    feature = "axum",
-    feature = "http",
-    feature = "testkit",
-    feature = "sqlite"
-))]
-
-#[path = "../examples/card_service.rs"]
-mod card_service;
+#[path = "../../examples/card_service.rs"]
+mod example;
 
 use idemflow::store::OperatorStore;
 use std::sync::Arc;
@@ -33,16 +26,16 @@ struct Service {
 
 async fn start(fake: &FakeStripe, lease: Duration) -> Service {
     let dir = tempfile::tempdir().unwrap();
-    let settings = card_service::Settings {
+    let settings = example::Settings {
         database_url: format!("sqlite://{}", dir.path().join("cards.db").display()),
         listen_addr: "127.0.0.1:0".into(),
         stripe_base: fake.base_url().to_owned(),
         stripe_key: FakeStripe::API_KEY.into(),
         lease: Some(lease),
     };
-    let (idem, stripe) = card_service::connect(&settings).await.unwrap();
+    let (idem, stripe) = example::connect(&settings).await.unwrap();
     let store = idem.store().clone();
-    let app = card_service::router(idem, stripe.clone());
+    let app = example::router(idem, stripe.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });

@@ -3,8 +3,6 @@
 //! stores it; the application's own fields are masked by `redact_with`; and neither `inspect`
 //! nor `reconcile --json` prints the client secret or the API key.
 
-#![cfg(all(feature = "testkit", feature = "sqlite"))]
-
 use std::sync::Arc;
 use std::time::Duration;
 

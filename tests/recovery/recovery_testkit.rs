@@ -5,8 +5,6 @@
 //! SQLite (a file database) and on PostgreSQL (a fresh schema) when `IDEMFLOW_TEST_POSTGRES_URL`
 //! is set.
 
-#![cfg(all(feature = "testkit", feature = "sqlite"))]
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,7 +27,7 @@ fn once() -> HttpConfig {
 }
 
 #[cfg(feature = "postgres")]
-mod support;
+use crate::support;
 
 type Backend = (Arc<dyn Store>, String);
 

@@ -1,13 +1,12 @@
 //! The executor's promises, end to end on SQLite.
 
-mod common;
-
 use idemflow::store::{OperatorStore, SweeperStore};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{Charger, body, file, memory};
+use crate::support::charger::{Charger, body};
+use crate::support::sqlite::{file, memory};
 use idemflow::store::TakeStale;
 use idemflow::{
     Actor, Error, Execution, Idempotency, IdempotentRequest, KeyState, Outcome, Store,

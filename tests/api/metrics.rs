@@ -2,8 +2,6 @@
 //! recorder installed for this thread only: after a known sequence of calls, every counter holds
 //! what happened.
 
-#![cfg(all(feature = "cli", feature = "sqlite"))]
-
 use std::sync::Arc;
 
 use idemflow::store::sqlite::SqliteStore;

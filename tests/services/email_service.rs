@@ -2,15 +2,8 @@
 //! sent once despite a lost response and client retries, replays are marked, another account's
 //! same key is another email, and invalid input is refused without being stored.
 
-#![cfg(all(
-    feature = "axum",
-    feature = "http",
-    feature = "testkit",
-    feature = "sqlite"
-))]
-
-#[path = "../examples/email_service.rs"]
-mod email_service;
+#[path = "../../examples/email_service.rs"]
+mod example;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,7 +24,7 @@ async fn start(fake: &FakeResend) -> String {
             ..HttpConfig::default()
         })
         .unwrap();
-    let app = email_service::router(Idempotency::new(store), Arc::new(resend));
+    let app = example::router(Idempotency::new(store), Arc::new(resend));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });

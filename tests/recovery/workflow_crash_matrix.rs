@@ -13,8 +13,6 @@
 //! workflow `done`, and the same final answer on every retry. Runs on SQLite (a file database)
 //! and on PostgreSQL (a fresh schema) when `IDEMFLOW_TEST_POSTGRES_URL` is set.
 
-#![cfg(all(feature = "testkit", feature = "sqlite"))]
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -30,7 +28,7 @@ use idemflow::{
 use serde_json::json;
 
 #[cfg(feature = "postgres")]
-mod support;
+use crate::support;
 
 const LEASE: Duration = Duration::from_millis(400);
 

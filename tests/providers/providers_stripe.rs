@@ -1,5 +1,4 @@
 //! The Stripe adapter against the fake Stripe and, where the exact request matters, wiremock.
-#![cfg(feature = "testkit")]
 
 use std::time::Duration;
 

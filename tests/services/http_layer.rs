@@ -1,8 +1,6 @@
 //! The axum Idempotency-Key layer, driven with `tower::ServiceExt::oneshot` on a Router: every
 //! status of the semantics table, quoted and bare keys, replays, scoping and pass-through.
 
-#![cfg(all(feature = "axum", feature = "sqlite"))]
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

@@ -7,9 +7,7 @@
 //! nothing else can write in between, and a dropped caller does not stop a started job.) Module
 //! `crash`: a process SIGKILLed during phases on all three, with a second process writing.
 
-#![cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -221,7 +219,8 @@ async fn a_failure_between_the_writes_and_the_record_leaves_neither(b: Backend) 
 /// The caller goes away after the insert, and the phase hangs before its record: nothing was
 /// committed; the sweeper makes the step retryable once its lease runs out; the hung phase is cut
 /// off after the phase timeout (its fenced record could not have landed anyway), and the retry
-/// writes the order once. (A killed process: `tests/group_commit.rs` and the crash tests.)
+/// writes the order once. (A killed process: `tests/backends/sqlite/group_commit.rs` and the crash
+/// tests.)
 async fn a_crash_before_the_commit_leaves_neither(b: Backend) {
     let idem = Idempotency::new(b.store.clone()).lease(LEASE);
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -1620,7 +1619,7 @@ mod crash {
             let mut child = Command::new(std::env::current_exe().unwrap())
                 .args([
                     "--exact",
-                    "crash::child",
+                    &support::test_name(module_path!(), "child"),
                     "--ignored",
                     "--nocapture",
                     "--test-threads=1",

@@ -1,5 +1,4 @@
 //! The Resend and Postmark adapters against their fakes (and wiremock for exact requests).
-#![cfg(feature = "testkit")]
 
 use std::time::Duration;
 

@@ -103,7 +103,7 @@ fn acknowledged_writes_survive_a_kill_mid_batch() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "child_writes_and_acknowledges",
+            &crate::support::test_name(module_path!(), "child_writes_and_acknowledges"),
             "--ignored",
             "--nocapture",
             "--test-threads=1",

@@ -2,7 +2,6 @@
 //! tables): the same key on every attempt, a lost response then a retry is one effect, every
 //! error class mapped, and each one's recovery path (Adyen: replay inside the window; Square:
 //! void by key; PayPal: a same-id re-send returns the order's current state).
-#![cfg(feature = "testkit")]
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -7,8 +7,6 @@
 //! SQLite (a file database) and on PostgreSQL (a fresh schema) when `IDEMFLOW_TEST_POSTGRES_URL`
 //! is set.
 
-#![cfg(all(feature = "testkit", feature = "sqlite"))]
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +21,7 @@ use idemflow::{
 use serde_json::{Value, json};
 
 #[cfg(feature = "postgres")]
-mod support;
+use crate::support;
 
 type Backend = Arc<dyn Store>;
 

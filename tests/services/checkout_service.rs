@@ -3,15 +3,8 @@
 //! card, and a lost receipt answer settled and resumed by the service's own sweeper; and a
 //! black-box judge that runs the example as a process, kills it mid-load and injects faults.
 
-#![cfg(all(
-    feature = "axum",
-    feature = "http",
-    feature = "testkit",
-    feature = "sqlite"
-))]
-
-#[path = "../examples/checkout_service.rs"]
-mod checkout_service;
+#[path = "../../examples/checkout_service.rs"]
+mod example;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,7 +18,7 @@ const LEASE: Duration = Duration::from_millis(400);
 struct Service {
     base: String,
     idem: Idempotency,
-    shop: Arc<checkout_service::Shop>,
+    shop: Arc<example::Shop>,
     stripe: FakeStripe,
     resend: FakeResend,
     _dir: tempfile::TempDir,
@@ -35,7 +28,7 @@ async fn start() -> Service {
     let stripe = FakeStripe::start().await.unwrap();
     let resend = FakeResend::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let settings = checkout_service::Settings {
+    let settings = example::Settings {
         database_url: format!("sqlite://{}", dir.path().join("shop.db").display()),
         listen_addr: "127.0.0.1:0".into(),
         stripe: (stripe.base_url().to_owned(), FakeStripe::API_KEY.into()),
@@ -43,8 +36,8 @@ async fn start() -> Service {
         receipt_from: "shop@example.com".into(),
         lease: Some(LEASE),
     };
-    let (idem, shop) = checkout_service::connect(&settings).await.unwrap();
-    let app = checkout_service::router(idem.clone(), shop.clone());
+    let (idem, shop) = example::connect(&settings).await.unwrap();
+    let app = example::router(idem.clone(), shop.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
@@ -122,8 +115,7 @@ async fn a_lost_receipt_answer_is_settled_and_the_order_resumed() {
     assert_eq!(status, 503, "the receipt's outcome is still unknown");
 
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
-    let sweeper =
-        checkout_service::sweeper(&s.idem, s.shop.clone()).backoff(Duration::ZERO, Duration::ZERO);
+    let sweeper = example::sweeper(&s.idem, s.shop.clone()).backoff(Duration::ZERO, Duration::ZERO);
     let id = idemflow::KeyId::new(
         idemflow::Scope::new("acct_1").unwrap(),
         idemflow::IdempotencyKey::new("order-3").unwrap(),
@@ -177,10 +169,10 @@ fn child_serves_the_checkout_example() {
         eprintln!("skipping: run by the checkout judge as its child process");
         return;
     }
-    let settings = checkout_service::Settings::from_env().unwrap();
+    let settings = example::Settings::from_env().unwrap();
     tokio::runtime::Runtime::new()
         .unwrap()
-        .block_on(checkout_service::serve(settings))
+        .block_on(example::serve(settings))
         .unwrap();
 }
 
@@ -198,9 +190,10 @@ impl Drop for ServiceProcess {
 async fn spawn_service(env: &[(&str, String)]) -> (ServiceProcess, String) {
     use std::io::BufRead;
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    let name = crate::support::test_name(module_path!(), "child_serves_the_checkout_example");
     cmd.args([
         "--exact",
-        "child_serves_the_checkout_example",
+        &name,
         "--ignored",
         "--nocapture",
         "--test-threads=1",

@@ -24,23 +24,15 @@
 //! * `IDEMFLOW_SIM_KNOWN_FINDINGS=0`: also fail on the checks tied to open findings (see
 //!   [`checks::OPEN_FINDINGS`]).
 
-#[path = "simulation/atomic.rs"]
 mod atomic;
-#[path = "simulation/backends.rs"]
 mod backends;
-#[path = "simulation/checks.rs"]
 mod checks;
-#[path = "simulation/gate.rs"]
 mod gate;
-#[path = "simulation/provider.rs"]
 mod provider;
-#[path = "simulation/rng.rs"]
 mod rng;
-#[path = "simulation/store.rs"]
 mod store;
-#[path = "support/mod.rs"]
+#[path = "../support/mod.rs"]
 mod support;
-#[path = "simulation/world.rs"]
 mod world;
 
 use std::collections::BTreeMap;

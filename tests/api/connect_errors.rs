@@ -3,9 +3,7 @@
 //! missing", for PostgreSQL, MariaDB and Redis, in the library and in the CLI; the URL in the
 //! message has its password masked.
 
-#![cfg(all(feature = "postgres", feature = "mysql", feature = "redis"))]
-
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

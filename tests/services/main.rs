@@ -1,0 +1,24 @@
+//! The HTTP side: the axum `Idempotency-Key` layer driven with `tower::ServiceExt::oneshot`
+//! (`http_layer`), and the three example services (`examples/{card,checkout,email}_service.rs`,
+//! included as modules) over real sockets on 127.0.0.1 against the testkit's fake Stripe and
+//! Resend (`card_service`, `checkout_service`, `email_service`, features `http` and `testkit`).
+//! `checkout_service`'s black-box judge re-runs this binary as a child (`--exact
+//! checkout_service::child_serves_the_checkout_example`) serving the example, and kills it
+//! mid-load (`IDEMFLOW_CHECKOUT_JUDGE_SEED=S` replays one fault schedule). With feature `cli`,
+//! `card_service` also builds the example with `cargo build --example card_service`, runs it as a
+//! process, kills it mid-load and reconciles with the `idemflow` binary.
+//!
+//! The target requires features `axum` and `sqlite`. Needs no environment and no server: SQLite
+//! files in temporary directories.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+// Features `axum` and `sqlite` are the target's `required-features` (Cargo.toml).
+#[cfg(all(feature = "http", feature = "testkit"))]
+mod card_service;
+#[cfg(all(feature = "http", feature = "testkit"))]
+mod checkout_service;
+#[cfg(all(feature = "http", feature = "testkit"))]
+mod email_service;
+mod http_layer;
