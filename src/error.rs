@@ -284,9 +284,11 @@ impl From<crate::fingerprint::JsonError> for Error {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idemflow::Error;
+/// use idemflow::{Error, IdempotencyKey, KeyId, Scope};
 ///
-/// let e = Error::InFlight { key: "acct/k1".into(), retry_after: Duration::from_secs(2) };
+/// let key = KeyId::new(Scope::new("acct").unwrap(), IdempotencyKey::new("k1").unwrap());
+/// let e = Error::InFlight { key, retry_after: Duration::from_secs(2) };
+/// assert!(e.to_string().starts_with("idempotency key acct/k1 is in flight"));
 /// let a = e.http_answer();
 /// assert_eq!((a.status, a.retry_after), (409, Some(Duration::from_secs(2))));
 /// assert_eq!(a.problem_type(), "urn:idemflow:problem:request-in-flight");
