@@ -767,7 +767,7 @@ pub async fn huge_durations_are_capped_and_read_back_sane(store: Arc<dyn Store>)
 }
 
 /// An operator's conditional write (`idemflow resolve` without `--force`): it reads the key,
-/// then writes with [`OperatorStore::override_finish_if`] on the token it read. A worker that finished in between keeps
+/// then writes with [`OperatorStore::override_finish_if`](crate::store::OperatorStore::override_finish_if) on the token it read. A worker that finished in between keeps
 /// its result: the write is `LeaseLost` and changes nothing. A takeover in between too.
 pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dyn Store>) {
     let id = id(&unique("cas"), "k1");

@@ -2,7 +2,7 @@
 //! lost the provider's answer, from the provider's own records.
 //!
 //! Each [`Sweeper::run_once`] takes stale keys (lease expired, next check due) in batches with a
-//! fenced takeover ([`Store::take_stale`]), and for each key, with the key's provider (see
+//! fenced takeover ([`SweeperStore::take_stale`](crate::store::SweeperStore::take_stale)), and for each key, with the key's provider (see
 //! [`decide`] for the full table):
 //!
 //! * no provider recorded, or not registered here: nothing is guessed; the key is released with a

@@ -162,7 +162,7 @@ pub fn unsettled_step(steps: &[crate::KeyRecord]) -> Option<(u32, &crate::KeyRec
 /// [resumer](crate::Sweeper::resumer) for their operation moves them on; `idemflow stats`
 /// counts them.
 ///
-/// It reads every processing key ([`Store::stuck`](crate::Store::stuck) with no age), then the
+/// It reads every processing key ([`OperatorStore::stuck`](crate::store::OperatorStore::stuck) with no age), then the
 /// steps of each stale workflow among them: an operator's query, not one for a hot path.
 ///
 /// ```

@@ -26,7 +26,7 @@ pub struct RedisConfig {
     /// history behind, and Redis deletes it this long after.
     pub history_ttl: Duration,
     /// Redis deletes a finished key (with its history) this long after its `expires_at` if
-    /// [`Store::purge_expired`](crate::Store::purge_expired) has not (default 1 hour; `None`:
+    /// [`SweeperStore::purge_expired`](crate::store::SweeperStore::purge_expired) has not (default 1 hour; `None`:
     /// never, purge only). The next purge records that Redis expired it, in a new history.
     pub expiry_grace: Option<Duration>,
     /// Timeout of one command (default 5 s).

@@ -38,7 +38,7 @@
 //! Every time is Redis `TIME` read inside the script (Redis 7 replicates scripts by effects, so
 //! replicas and the AOF get the computed values; on a cluster, each shard's clock decides the
 //! leases of its buckets). A finished key's record gets a native `PXAT expires_at +
-//! expiry_grace` as a backstop; [`Store::purge_expired`](crate::Store::purge_expired) deletes
+//! expiry_grace` as a backstop; [`SweeperStore::purge_expired`](crate::store::SweeperStore::purge_expired) deletes
 //! due keys before that in bounded batches and records each purge in history: the record is
 //! replaced by a tombstone holding only the history and the last token, which expires
 //! [`RedisConfig::history_ttl`] after the purge (a new claim of the key continues its history
