@@ -32,7 +32,8 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::answers::Answers;
+use super::http::{Classified, HttpReply, RetryUnknown};
 use super::replay::ReplayLookup;
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
 
@@ -51,6 +52,15 @@ pub const DEFAULT_REDRIVE_MARGIN: Duration = super::DEFAULT_REDRIVE_MARGIN;
 /// none. The `Idempotency-Key` Adyen echoes is our provider key, not the client's, and the PSP
 /// reference is in the body (`pspReference`).
 const KEPT_HEADERS: &[&str] = &[];
+
+const ANSWERS: Answers = Answers {
+    provider: "Adyen",
+    credential: "API key",
+    effect: "done",
+    kept_headers: KEPT_HEADERS,
+    in_flight_on_409: true,
+    rejects: |s| matches!(s, 400 | 404 | 405 | 413 | 415 | 422),
+};
 
 /// Adyen Checkout `/payments`.
 #[derive(Debug, Clone)]
@@ -76,36 +86,14 @@ impl Adyen {
     }
 
     fn classify(reply: &HttpReply) -> Classified {
-        let message = reply.message("/message");
-        let status = reply.status;
-        let outcome = match status {
-            200..=299 => {
-                let result = reply.json_str("/resultCode").unwrap_or_default();
-                if matches!(result.as_str(), "Refused" | "Cancelled" | "Error") {
-                    // The payment made under the key, as the provider reports it: definitive.
-                    return Classified::definitive(CallOutcome::Rejected {
-                        response: reply.to_response(KEPT_HEADERS),
-                    });
-                } else {
-                    CallOutcome::Succeeded {
-                        response: reply.to_response(KEPT_HEADERS),
-                        replayed: false,
-                    }
-                }
-            }
-            401 | 403 => CallOutcome::Retryable {
-                reason: format!("Adyen refused the API key ({status}), nothing was done: {message}"),
-                retry_after: None,
-            },
-            409 => CallOutcome::InFlight {
-                retry_after: reply.retry_after(),
-            },
-            400 | 404 | 405 | 413 | 415 | 422 => CallOutcome::Rejected {
-                response: reply.to_response(KEPT_HEADERS),
-            },
-            _ => classify_status(reply),
-        };
-        Classified::new(outcome)
+        if (200..=299).contains(&reply.status) {
+            // The payment made under the key, as the provider reports it: a refusal is
+            // definitive.
+            let result = reply.json_str("/resultCode").unwrap_or_default();
+            let refused = matches!(result.as_str(), "Refused" | "Cancelled" | "Error");
+            return ANSWERS.payment(reply, refused);
+        }
+        Classified::new(ANSWERS.classify(reply, None, &reply.message("/message")))
     }
 }
 

@@ -37,7 +37,8 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::answers::Answers;
+use super::http::{Classified, HttpReply, RetryUnknown};
 use super::replay::ReplayLookup;
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
 
@@ -53,6 +54,15 @@ pub const KEY_MAX_LEN: usize = 108;
 pub const DEFAULT_REDRIVE_MARGIN: Duration = super::DEFAULT_REDRIVE_MARGIN;
 
 const KEPT_HEADERS: &[&str] = &["paypal-debug-id"];
+
+const ANSWERS: Answers = Answers {
+    provider: "PayPal",
+    credential: "access token",
+    effect: "done",
+    kept_headers: KEPT_HEADERS,
+    in_flight_on_409: true,
+    rejects: |s| matches!(s, 400 | 404 | 405 | 415 | 422),
+};
 
 /// PayPal Orders v2 (create order).
 #[derive(Debug, Clone)]
@@ -86,40 +96,21 @@ impl PayPal {
     }
 
     fn classify(reply: &HttpReply) -> Classified {
-        let status = reply.status;
         let name = reply.json_str("/name").unwrap_or_default();
         let issue = reply.json_str("/details/0/issue").unwrap_or_default();
         let message = reply.message("/message");
-        let outcome = match status {
-            200..=299 => CallOutcome::Succeeded {
-                response: reply.to_response(KEPT_HEADERS),
-                replayed: false,
-            },
-            _ if matches!(
-                issue.as_str(),
+        let reused = |s: &str| {
+            matches!(
+                s,
                 "PAYPAL_REQUEST_ID_PREVIOUSLY_USED" | "DUPLICATE_REQUEST_ID"
-            ) || matches!(
-                name.as_str(),
-                "PAYPAL_REQUEST_ID_PREVIOUSLY_USED" | "DUPLICATE_REQUEST_ID"
-            ) =>
-            {
-                CallOutcome::KeyConflict {
-                    detail: format!("{name} {issue}: {message}"),
-                }
-            }
-            401 | 403 => CallOutcome::Retryable {
-                reason: format!(
-                    "PayPal refused the access token ({status} {name}), nothing was done: {message}"
-                ),
-                retry_after: None,
+            )
+        };
+        let outcome = match reply.status {
+            200..=299 => ANSWERS.succeeded(reply, false),
+            _ if reused(&issue) || reused(&name) => CallOutcome::KeyConflict {
+                detail: format!("{name} {issue}: {message}"),
             },
-            409 => CallOutcome::InFlight {
-                retry_after: reply.retry_after(),
-            },
-            400 | 404 | 405 | 415 | 422 => CallOutcome::Rejected {
-                response: reply.to_response(KEPT_HEADERS),
-            },
-            _ => classify_status(reply),
+            _ => ANSWERS.classify(reply, Some(&name), &message),
         };
         Classified::new(outcome)
     }

@@ -30,7 +30,8 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::answers::Answers;
+use super::http::{Classified, HttpReply, RetryUnknown};
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
 use crate::Outcome;
 
@@ -41,6 +42,15 @@ pub const RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// Default margin kept before the end of [`RETENTION`] when re-sending as a lookup: the
 /// sweeper's default (`provider::DEFAULT_REDRIVE_MARGIN`, 1 h).
 pub const DEFAULT_REDRIVE_MARGIN: Duration = super::DEFAULT_REDRIVE_MARGIN;
+
+const ANSWERS: Answers = Answers {
+    provider: "Resend",
+    credential: "API key",
+    effect: "sent",
+    kept_headers: &[],
+    in_flight_on_409: true,
+    rejects: |s| matches!(s, 400 | 404 | 405 | 413 | 422),
+};
 
 /// Resend transactional email.
 #[derive(Debug, Clone)]
@@ -69,28 +79,11 @@ impl Resend {
     fn classify(reply: &HttpReply) -> Classified {
         let name = reply.json_str("/name").unwrap_or_default();
         let message = reply.message("/message");
-        let status = reply.status;
-        let outcome = match status {
-            200..=299 => CallOutcome::Succeeded {
-                response: reply.to_response(&[]),
-                replayed: false,
-            },
+        let outcome = match reply.status {
             409 if name == "invalid_idempotent_request" => {
                 CallOutcome::KeyConflict { detail: message }
             }
-            409 => CallOutcome::InFlight {
-                retry_after: reply.retry_after(),
-            },
-            401 | 403 => CallOutcome::Retryable {
-                reason: format!(
-                    "Resend refused the API key ({status} {name}), nothing was sent: {message}"
-                ),
-                retry_after: None,
-            },
-            400 | 404 | 405 | 413 | 422 => CallOutcome::Rejected {
-                response: reply.to_response(&[]),
-            },
-            _ => classify_status(reply),
+            _ => ANSWERS.classify(reply, Some(&name), &message),
         };
         Classified::new(outcome)
     }

@@ -48,7 +48,8 @@ use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::answers::Answers;
+use super::http::{Classified, HttpReply, RetryUnknown};
 use super::replay::answer_of_resend;
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider, VoidOutcome};
 use crate::StoredResponse;
@@ -68,6 +69,15 @@ pub const KEY_MAX_LEN: usize = 45;
 pub const DEFAULT_PROCESSING_WINDOW: std::time::Duration = std::time::Duration::from_secs(300);
 /// The Square API version sent in `Square-Version`.
 pub const API_VERSION: &str = "2025-01-23";
+
+const ANSWERS: Answers = Answers {
+    provider: "Square",
+    credential: "access token",
+    effect: "done",
+    kept_headers: &[],
+    in_flight_on_409: true,
+    rejects: |s| matches!(s, 400 | 402 | 404 | 405 | 413 | 415 | 422),
+};
 
 /// Square Payments API (CreatePayment, CancelPaymentByIdempotencyKey).
 #[derive(Debug, Clone)]
@@ -118,42 +128,23 @@ impl Square {
 
     fn classify(reply: &HttpReply) -> Classified {
         let status = reply.status;
+        if (200..=299).contains(&status) {
+            // The payment made under the key, as the provider reports it: a refusal is
+            // definitive.
+            let state = reply.json_str("/payment/status").unwrap_or_default();
+            return ANSWERS.payment(reply, matches!(state.as_str(), "CANCELED" | "FAILED"));
+        }
         let (category, code, detail) = Self::first_error(reply);
-        let outcome = match status {
-            200..=299 => {
-                let state = reply.json_str("/payment/status").unwrap_or_default();
-                if matches!(state.as_str(), "CANCELED" | "FAILED") {
-                    // The payment made under the key, as the provider reports it: definitive.
-                    return Classified::definitive(CallOutcome::Rejected {
-                        response: reply.to_response(&[]),
-                    });
-                } else {
-                    CallOutcome::Succeeded {
-                        response: reply.to_response(&[]),
-                        replayed: false,
-                    }
-                }
-            }
-            _ if code == "IDEMPOTENCY_KEY_REUSED" => CallOutcome::KeyConflict { detail },
-            _ if code == "TEMPORARY_ERROR" => CallOutcome::Unknown {
+        let outcome = if code == "IDEMPOTENCY_KEY_REUSED" {
+            CallOutcome::KeyConflict { detail }
+        } else if code == "TEMPORARY_ERROR" {
+            CallOutcome::Unknown {
                 reason: format!("Square {status} TEMPORARY_ERROR: {detail}"),
-            },
-            _ if category == "PAYMENT_METHOD_ERROR" => CallOutcome::Rejected {
-                response: reply.to_response(&[]),
-            },
-            401 | 403 => CallOutcome::Retryable {
-                reason: format!(
-                    "Square refused the access token ({status} {code}), nothing was done: {detail}"
-                ),
-                retry_after: None,
-            },
-            409 => CallOutcome::InFlight {
-                retry_after: reply.retry_after(),
-            },
-            400 | 402 | 404 | 405 | 413 | 415 | 422 => CallOutcome::Rejected {
-                response: reply.to_response(&[]),
-            },
-            _ => classify_status(reply),
+            }
+        } else if category == "PAYMENT_METHOD_ERROR" {
+            ANSWERS.rejected(reply)
+        } else {
+            ANSWERS.classify(reply, Some(&code), &detail)
         };
         Classified::new(outcome)
     }

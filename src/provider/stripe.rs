@@ -44,6 +44,7 @@ use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
+use super::answers::Answers;
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
 use super::search::MetadataSearch;
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
@@ -61,6 +62,17 @@ pub const DEFAULT_SEARCH_LAG: Duration = Duration::from_secs(60);
 /// marks *Stripe's* replay (read into the `replayed` flag of `CallOutcome::Succeeded` instead), which must
 /// never pass for idemflow's own (see `docs/http.md`, "What is fingerprinted and what is stored").
 const KEPT_HEADERS: &[&str] = &[];
+
+/// A 402 (a decline) and the other 4xx but 424 refuse the request; 429, 401 and 403 are read
+/// before.
+const ANSWERS: Answers = Answers {
+    provider: "Stripe",
+    credential: "API key",
+    effect: "done",
+    kept_headers: KEPT_HEADERS,
+    in_flight_on_409: true,
+    rejects: |s| (400..=499).contains(&s) && s != 424,
+};
 
 /// Stripe PaymentIntents (create + confirm).
 #[derive(Debug, Clone)]
@@ -116,37 +128,24 @@ impl Stripe {
             .map(|v| v.eq_ignore_ascii_case("true"));
         let status = reply.status;
         let outcome = match status {
-            200..=299 => CallOutcome::Succeeded {
-                response: reply.to_response(KEPT_HEADERS),
-                replayed: reply
+            200..=299 => ANSWERS.succeeded(
+                reply,
+                reply
                     .header("idempotent-replayed")
                     .is_some_and(|v| v.eq_ignore_ascii_case("true")),
-            },
-            402 => CallOutcome::Rejected {
-                response: reply.to_response(KEPT_HEADERS),
-            },
+            ),
             400 if err_type == "idempotency_error" => CallOutcome::KeyConflict { detail: message },
-            409 => CallOutcome::InFlight {
-                retry_after: reply.retry_after(),
-            },
             429 => CallOutcome::Retryable {
                 reason: format!("Stripe 429 {err_code}: {message}"),
                 retry_after: reply.retry_after(),
             },
-            401 | 403 => CallOutcome::Retryable {
-                reason: format!(
-                    "Stripe refused the API key ({status}), nothing was done: {message}"
-                ),
-                retry_after: None,
-            },
-            400..=499 if status != 424 => CallOutcome::Rejected {
-                response: reply.to_response(KEPT_HEADERS),
-            },
-            _ if should_retry == Some(true) => CallOutcome::Retryable {
-                reason: format!("Stripe {status} with Stripe-Should-Retry: true: {message}"),
-                retry_after: reply.retry_after(),
-            },
-            _ => classify_status(reply),
+            _ => ANSWERS.classify_or(reply, None, &message, || match should_retry {
+                Some(true) => CallOutcome::Retryable {
+                    reason: format!("Stripe {status} with Stripe-Should-Retry: true: {message}"),
+                    retry_after: reply.retry_after(),
+                },
+                _ => classify_status(reply),
+            }),
         };
         let classified = match should_retry {
             Some(false) => Classified::final_answer(outcome),
