@@ -1,7 +1,7 @@
 //! Lookups by same-key re-send (feature `http`): for providers that answer a re-send with the
-//! same key inside their dedup window from their own records (Adyen, PayPal, Square) and offer
-//! no way to find a request by our key, the lookup *is* the re-send, allowed only while the key
-//! is surely still remembered.
+//! same key inside their dedup window from their own records (Adyen, PayPal, Resend, Square)
+//! and offer no way to find a request by our key, the lookup *is* the re-send, allowed only
+//! while the key is surely still remembered.
 //!
 //! | Situation                                                   | [`Lookup`]                   |
 //! |-------------------------------------------------------------|------------------------------|

@@ -32,8 +32,8 @@ use serde_json::Value;
 use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::answers::Answers;
 use super::http::{Classified, HttpReply, RetryUnknown};
+use super::replay::ReplayLookup;
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
-use crate::Outcome;
 
 /// Resend's API base.
 pub const DEFAULT_BASE_URL: &str = "https://api.resend.com";
@@ -123,39 +123,16 @@ impl Provider for Resend {
         attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
-        if request.is_null() {
-            // Re-sending `null` draws a 400 that would read as a refusal of the email.
-            return Lookup::NeedsOperator {
-                reason: "the request was not stored, so it cannot be re-sent, and Resend cannot be searched by our key".to_owned(),
-            };
+        // Resend's key window counts from the first send, not from a later attempt. Without a
+        // stored request (re-sending `null` draws a 400 that would read as a refusal of the
+        // email), or near or past the window's end (a re-send could send a second email),
+        // nothing is sent: Resend cannot be searched by our key, and waiting does not help.
+        ReplayLookup {
+            provider: "Resend",
+            window: RETENTION,
+            margin: self.redrive_margin,
         }
-        // Resend's key window counts from the first send, not from a later attempt: a re-send
-        // near or past it could send a second email.
-        let age = (now - attempts.first_sent_at).to_std().unwrap_or_default();
-        if age.saturating_add(self.redrive_margin) >= RETENTION {
-            // Resend may have forgotten the key: a re-send could send a second email, and
-            // Resend cannot be searched by our key. Waiting does not help.
-            return Lookup::NeedsOperator {
-                reason: format!(
-                    "first sent {}s ago, within {}s of the end of Resend's 24 h key window or past it: a re-send could send a second email, and Resend cannot be searched by our key",
-                    age.as_secs(),
-                    self.redrive_margin.as_secs()
-                ),
-            };
-        }
-        match self.call(provider_key, request).await {
-            CallOutcome::Succeeded { response, .. } => Lookup::Found(Outcome::Succeeded(response)),
-            CallOutcome::Rejected { response } => Lookup::Found(Outcome::Rejected(response)),
-            CallOutcome::Retryable { retry_after, .. } | CallOutcome::InFlight { retry_after } => {
-                Lookup::Unknown { retry_after }
-            }
-            CallOutcome::KeyConflict { detail } => Lookup::NeedsOperator {
-                reason: format!("Resend holds this key for another payload: {detail}"),
-            },
-            CallOutcome::Unknown { reason } => {
-                tracing::warn!(%reason, "resend re-send outcome unknown");
-                Lookup::Unknown { retry_after: None }
-            }
-        }
+        .run(request, attempts, now, self.call(provider_key, request))
+        .await
     }
 }
