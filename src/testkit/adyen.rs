@@ -1,7 +1,6 @@
 //! The fake Adyen (`POST /v71/payments`).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{Extension, State};
@@ -11,8 +10,8 @@ use serde_json::{Value, json};
 
 use super::server::{KillSwitch, Received, Shared, fake_handle};
 use super::{
-    Effect, Fault, KeyEntry, deliver, header_value, json_response, lock, raw_response,
-    retry_after_secs,
+    Delivery, Effect, Keys, Saved, header_value, json_object, json_response, missing_field,
+    raw_response,
 };
 
 fake_handle! {
@@ -25,7 +24,7 @@ fake_handle! {
 
 #[derive(Debug, Default)]
 struct AdyenState {
-    keys: Mutex<HashMap<String, KeyEntry>>,
+    keys: Keys<Saved>,
 }
 
 impl FakeAdyen {
@@ -56,28 +55,24 @@ async fn payments(
             "security",
         );
     }
-    let after = match s.common.faults.next().await {
-        Some(Fault::ServerError { status }) => {
-            return adyen_error(
-                status,
-                "905",
-                "injected server error (nothing executed)",
-                "internal",
-            );
-        }
-        Some(Fault::RateLimited { retry_after }) => {
-            return json_response(
-                429,
-                &json!({"status": 429, "errorCode": "000", "message": "Too many requests",
-                        "errorType": "validation"}),
-                &[("retry-after", retry_after_secs(retry_after))],
-            );
-        }
-        other => other,
+    let server_error = |status| {
+        adyen_error(
+            status,
+            "905",
+            "injected server error (nothing executed)",
+            "internal",
+        )
     };
-    let payment: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        _ => return adyen_error(400, "702", "Malformed JSON", "validation"),
+    let rate_limited = || {
+        json!({"status": 429, "errorCode": "000", "message": "Too many requests",
+               "errorType": "validation"})
+    };
+    let delivery = match Delivery::take(&s.common.faults, kill, server_error, rate_limited).await {
+        Ok(d) => d,
+        Err(r) => return r,
+    };
+    let Some(payment) = json_object(&body) else {
+        return adyen_error(400, "702", "Malformed JSON", "validation");
     };
     let key = header_value(&headers, "idempotency-key");
     let params = crate::fingerprint::canonical_json(&payment);
@@ -95,48 +90,33 @@ async fn payments(
                 "validation",
             );
         }
-        let replay = {
-            let mut keys = lock(&s.keys);
-            match keys.get(key) {
-                // Not documented by Adyen: the fake answers 409 while the first runs.
-                Some(KeyEntry::Running) => {
-                    return adyen_error(
-                        409,
-                        "000",
-                        "a request with this Idempotency-Key is in progress",
-                        "validation",
-                    );
-                }
-                // Not documented by Adyen either: another payload under a used key is refused.
-                Some(KeyEntry::Done { params: p, .. }) if *p != params => {
-                    return adyen_error(
-                        422,
-                        "000",
-                        "Idempotency-Key already used with another request",
-                        "validation",
-                    );
-                }
-                Some(KeyEntry::Done { status, body, .. }) => Some(raw_response(
-                    *status,
-                    body.clone(),
-                    &echo(&Some(key.clone())),
-                )),
-                None => {
-                    keys.insert(key.clone(), KeyEntry::Running);
-                    None
-                }
-            }
+        // Not documented by Adyen: the fake answers 409 while the first runs, and refuses
+        // another payload under a used key.
+        let running = || {
+            adyen_error(
+                409,
+                "000",
+                "a request with this Idempotency-Key is in progress",
+                "validation",
+            )
         };
-        if let Some(r) = replay {
-            return deliver(after, &kill, r).await;
+        let conflict = || {
+            adyen_error(
+                422,
+                "000",
+                "Idempotency-Key already used with another request",
+                "validation",
+            )
+        };
+        let done = |saved: &Saved| saved.answer(&params, conflict, &echo(&Some(key.clone())));
+        if let Err(r) = delivery.claim(&s.keys, key, running, done).await {
+            return r;
         }
     }
-    let missing = ["amount", "merchantAccount", "paymentMethod", "reference"]
-        .into_iter()
-        .find(|f| payment.get(*f).is_none_or(Value::is_null));
-    if let Some(field) = missing {
+    let required = ["amount", "merchantAccount", "paymentMethod", "reference"];
+    if let Some(field) = missing_field(&payment, &required) {
         if let Some(key) = &key {
-            lock(&s.keys).remove(key);
+            s.keys.release(key);
         }
         return adyen_error(
             422,
@@ -146,12 +126,8 @@ async fn payments(
         );
     }
 
-    let task_state = s.clone();
     let task_key = key.clone();
-    let exec = tokio::spawn(async move {
-        let s = task_state;
-        tokio::time::sleep(s.common.faults.latency()).await;
-        let n = s.common.next_id();
+    let exec = s.execute(move |s, n| {
         let psp = format!("FAKEPSP{n:09}");
         let refused = payment
             .pointer("/paymentMethod/number")
@@ -178,21 +154,22 @@ async fn payments(
         });
         let bytes = serde_json::to_vec(&answer).unwrap_or_default();
         if let Some(key) = task_key {
-            lock(&s.keys).insert(
+            let body = bytes.clone();
+            s.keys.finish(
                 key,
-                KeyEntry::Done {
+                Saved {
                     params,
                     status: 200,
-                    body: bytes.clone(),
+                    body,
                 },
             );
         }
         (bytes, psp)
     });
-    let Ok((bytes, psp)) = exec.await else {
+    let Some((bytes, psp)) = exec.await else {
         return adyen_error(500, "905", "fake failed", "internal");
     };
     let mut extra = echo(&key);
     extra.push(("pspreference", psp));
-    deliver(after, &kill, raw_response(200, bytes, &extra)).await
+    delivery.deliver(raw_response(200, bytes, &extra)).await
 }

@@ -10,7 +10,10 @@ use axum::routing::post;
 use serde_json::{Value, json};
 
 use super::server::{KillSwitch, Received, Shared, fake_handle};
-use super::{Effect, Fault, deliver, header_value, json_response, lock, retry_after_secs};
+use super::{
+    Delivery, Effect, Keys, Known, bearer_is, header_value, json_object, json_response, lock,
+    missing_field,
+};
 use crate::provider::paypal::{KEY_MAX_LEN, ORDERS_PATH};
 
 fake_handle! {
@@ -21,15 +24,10 @@ fake_handle! {
     faults: "Fault injection and latency settings.",
 }
 
-#[derive(Debug, Clone)]
-enum IdState {
-    Running,
-    Order(String),
-}
-
 #[derive(Debug, Default)]
 struct PayPalState {
-    ids: Mutex<HashMap<String, IdState>>,
+    /// The order each `PayPal-Request-Id` created.
+    ids: Keys<String>,
     orders: Mutex<HashMap<String, Value>>,
 }
 
@@ -62,9 +60,7 @@ async fn create(
     Extension(kill): Extension<KillSwitch>,
     Received { headers, body, .. }: Received,
 ) -> Response {
-    if header_value(&headers, "authorization").as_deref()
-        != Some(&format!("Bearer {}", FakePayPal::API_KEY))
-    {
+    if !bearer_is(&headers, FakePayPal::API_KEY) {
         return paypal_error(
             401,
             "AUTHENTICATION_FAILURE",
@@ -72,34 +68,26 @@ async fn create(
             "Authentication failed due to invalid authentication credentials or a missing Authorization header.",
         );
     }
-    let after = match s.common.faults.next().await {
-        Some(Fault::ServerError { status }) => {
-            return paypal_error(
-                status,
-                "INTERNAL_SERVER_ERROR",
-                None,
-                "injected server error (nothing executed)",
-            );
-        }
-        Some(Fault::RateLimited { retry_after }) => {
-            return json_response(
-                429,
-                &json!({"name": "RATE_LIMIT_REACHED", "message": "Too many requests."}),
-                &[("retry-after", retry_after_secs(retry_after))],
-            );
-        }
-        other => other,
+    let server_error = |status| {
+        paypal_error(
+            status,
+            "INTERNAL_SERVER_ERROR",
+            None,
+            "injected server error (nothing executed)",
+        )
     };
-    let order_req: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        _ => {
-            return paypal_error(
-                400,
-                "INVALID_REQUEST",
-                Some("MALFORMED_REQUEST_JSON"),
-                "The request JSON is not well formed.",
-            );
-        }
+    let rate_limited = || json!({"name": "RATE_LIMIT_REACHED", "message": "Too many requests."});
+    let delivery = match Delivery::take(&s.common.faults, kill, server_error, rate_limited).await {
+        Ok(d) => d,
+        Err(r) => return r,
+    };
+    let Some(order_req) = json_object(&body) else {
+        return paypal_error(
+            400,
+            "INVALID_REQUEST",
+            Some("MALFORMED_REQUEST_JSON"),
+            "The request JSON is not well formed.",
+        );
     };
     let request_id = header_value(&headers, "paypal-request-id");
     if let Some(rid) = &request_id {
@@ -111,40 +99,30 @@ async fn create(
                 "PayPal-Request-Id must be 1 to 108 characters.",
             );
         }
-        let replay = {
-            let mut ids = lock(&s.ids);
-            match ids.get(rid) {
-                // "PayPal processes the first request and might fail the second."
-                Some(IdState::Running) => {
-                    return paypal_error(
-                        409,
-                        "RESOURCE_CONFLICT",
-                        None,
-                        "A request with this PayPal-Request-Id is in progress.",
-                    );
-                }
-                // "Returns the latest status of the previous request."
-                Some(IdState::Order(id)) => Some(json_response(
-                    200,
-                    &lock(&s.orders)[id.as_str()],
-                    &[("paypal-debug-id", "fakedebug".to_owned())],
-                )),
-                None => {
-                    ids.insert(rid.clone(), IdState::Running);
-                    None
-                }
-            }
+        // "PayPal processes the first request and might fail the second."
+        let running = || {
+            paypal_error(
+                409,
+                "RESOURCE_CONFLICT",
+                None,
+                "A request with this PayPal-Request-Id is in progress.",
+            )
         };
-        if let Some(r) = replay {
-            return deliver(after, &kill, r).await;
+        // "Returns the latest status of the previous request."
+        let done = |id: &String| {
+            Known::Replay(json_response(
+                200,
+                &lock(&s.orders)[id.as_str()],
+                &[("paypal-debug-id", "fakedebug".to_owned())],
+            ))
+        };
+        if let Err(r) = delivery.claim(&s.ids, rid, running, done).await {
+            return r;
         }
     }
-    let missing = ["intent", "purchase_units"]
-        .into_iter()
-        .find(|f| order_req.get(*f).is_none_or(Value::is_null));
-    if let Some(field) = missing {
+    if let Some(field) = missing_field(&order_req, &["intent", "purchase_units"]) {
         if let Some(rid) = &request_id {
-            lock(&s.ids).remove(rid);
+            s.ids.release(rid);
         }
         return paypal_error(
             400,
@@ -159,7 +137,7 @@ async fn create(
         .map(str::to_owned);
     if card.as_deref() == Some(FakePayPal::DECLINED_CARD) {
         if let Some(rid) = &request_id {
-            lock(&s.ids).remove(rid);
+            s.ids.release(rid);
         }
         return paypal_error(
             422,
@@ -169,12 +147,8 @@ async fn create(
         );
     }
 
-    let task_state = s.clone();
     let task_id = request_id.clone();
-    let exec = tokio::spawn(async move {
-        let s = task_state;
-        tokio::time::sleep(s.common.faults.latency()).await;
-        let n = s.common.next_id();
+    let exec = s.execute(move |s, n| {
         let id = format!("FAKEORDER{n:08}");
         // A card order with intent CAPTURE completes at once; others wait for the buyer.
         let status = if card.is_some()
@@ -201,13 +175,13 @@ async fn create(
         });
         lock(&s.orders).insert(id.clone(), order.clone());
         if let Some(rid) = task_id {
-            lock(&s.ids).insert(rid, IdState::Order(id));
+            s.ids.finish(rid, id);
         }
         order
     });
-    let Ok(order) = exec.await else {
+    let Some(order) = exec.await else {
         return paypal_error(500, "INTERNAL_SERVER_ERROR", None, "fake failed");
     };
     let r = json_response(201, &order, &[("paypal-debug-id", "fakedebug".to_owned())]);
-    deliver(after, &kill, r).await
+    delivery.deliver(r).await
 }

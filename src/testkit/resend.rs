@@ -1,18 +1,17 @@
 //! The fake Resend (`POST /emails`).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{Extension, State};
 use axum::response::Response;
 use axum::routing::post;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use super::server::{KillSwitch, Received, Shared, fake_handle};
 use super::{
-    Effect, Fault, KeyEntry, deliver, header_value, json_response, lock, raw_response,
-    retry_after_secs,
+    Delivery, Effect, Keys, Saved, header_value, json_object, json_response, missing_field,
+    raw_response,
 };
 
 fake_handle! {
@@ -25,7 +24,7 @@ fake_handle! {
 
 #[derive(Debug, Default)]
 struct ResendState {
-    keys: Mutex<HashMap<String, KeyEntry>>,
+    keys: Keys<Saved>,
 }
 
 impl FakeResend {
@@ -59,27 +58,23 @@ async fn send(
         }
         Some(_) => {}
     }
-    let after = match s.common.faults.next().await {
-        Some(Fault::ServerError { status }) => {
-            return resend_error(
-                status,
-                "internal_server_error",
-                "injected server error (nothing sent)",
-            );
-        }
-        Some(Fault::RateLimited { retry_after }) => {
-            return json_response(
-                429,
-                &json!({"statusCode": 429, "name": "rate_limit_exceeded",
-                        "message": "Too many requests."}),
-                &[("retry-after", retry_after_secs(retry_after))],
-            );
-        }
-        other => other,
+    let server_error = |status| {
+        resend_error(
+            status,
+            "internal_server_error",
+            "injected server error (nothing sent)",
+        )
     };
-    let email: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        _ => return resend_error(400, "validation_error", "The body must be a JSON object."),
+    let rate_limited = || {
+        json!({"statusCode": 429, "name": "rate_limit_exceeded",
+               "message": "Too many requests."})
+    };
+    let delivery = match Delivery::take(&s.common.faults, kill, server_error, rate_limited).await {
+        Ok(d) => d,
+        Err(r) => return r,
+    };
+    let Some(email) = json_object(&body) else {
+        return resend_error(400, "validation_error", "The body must be a JSON object.");
     };
     let key = header_value(&headers, "idempotency-key");
     // The fingerprint of the payload: canonical JSON, so key order does not matter.
@@ -92,42 +87,28 @@ async fn send(
                 "The key must be between 1-256 chars.",
             );
         }
-        let replay = {
-            let mut keys = lock(&s.keys);
-            match keys.get(key) {
-                Some(KeyEntry::Running) => {
-                    return resend_error(
-                        409,
-                        "concurrent_idempotent_requests",
-                        "Same idempotency key used while original request is still in progress.",
-                    );
-                }
-                Some(KeyEntry::Done { params: p, .. }) if *p != params => {
-                    return resend_error(
-                        409,
-                        "invalid_idempotent_request",
-                        "Same idempotency key used with a different request payload.",
-                    );
-                }
-                Some(KeyEntry::Done { status, body, .. }) => {
-                    Some(raw_response(*status, body.clone(), &[]))
-                }
-                None => {
-                    keys.insert(key.clone(), KeyEntry::Running);
-                    None
-                }
-            }
+        let running = || {
+            resend_error(
+                409,
+                "concurrent_idempotent_requests",
+                "Same idempotency key used while original request is still in progress.",
+            )
         };
-        if let Some(r) = replay {
-            return deliver(after, &kill, r).await;
+        let conflict = || {
+            resend_error(
+                409,
+                "invalid_idempotent_request",
+                "Same idempotency key used with a different request payload.",
+            )
+        };
+        let done = |saved: &Saved| saved.answer(&params, conflict, &[]);
+        if let Err(r) = delivery.claim(&s.keys, key, running, done).await {
+            return r;
         }
     }
-    let missing = ["from", "to", "subject"]
-        .into_iter()
-        .find(|f| email.get(*f).is_none_or(Value::is_null));
-    if let Some(field) = missing {
+    if let Some(field) = missing_field(&email, &["from", "to", "subject"]) {
         if let Some(key) = &key {
-            lock(&s.keys).remove(key);
+            s.keys.release(key);
         }
         return resend_error(
             422,
@@ -136,12 +117,8 @@ async fn send(
         );
     }
 
-    let task_state = s.clone();
     let task_key = key.clone();
-    let exec = tokio::spawn(async move {
-        let s = task_state;
-        tokio::time::sleep(s.common.faults.latency()).await;
-        let n = s.common.next_id();
+    let exec = s.execute(move |s, n| {
         let id = format!("4ef9a417-02e9-4d39-ad75-{n:012}");
         s.common.ledger.push(Effect {
             id: id.clone(),
@@ -153,19 +130,20 @@ async fn send(
         });
         let bytes = serde_json::to_vec(&json!({ "id": id })).unwrap_or_default();
         if let Some(key) = task_key {
-            lock(&s.keys).insert(
+            let body = bytes.clone();
+            s.keys.finish(
                 key,
-                KeyEntry::Done {
+                Saved {
                     params,
                     status: 200,
-                    body: bytes.clone(),
+                    body,
                 },
             );
         }
         bytes
     });
-    let Ok(bytes) = exec.await else {
+    let Some(bytes) = exec.await else {
         return resend_error(500, "application_error", "fake failed");
     };
-    deliver(after, &kill, raw_response(200, bytes, &[])).await
+    delivery.deliver(raw_response(200, bytes, &[])).await
 }

@@ -94,6 +94,24 @@ impl<S> std::ops::Deref for Shared<S> {
     }
 }
 
+impl<S: Send + Sync + 'static> Shared<S> {
+    /// Executes an effect in a task of its own (like the real thing, it completes even if the
+    /// client disconnects), after the configured latency: `work` gets the state and a fresh
+    /// sequence number for ids. `None` if the task failed.
+    pub(crate) async fn execute<T: Send + 'static>(
+        self: &Arc<Self>,
+        work: impl FnOnce(&Self, u64) -> T + Send + 'static,
+    ) -> Option<T> {
+        let s = self.clone();
+        let task = tokio::spawn(async move {
+            tokio::time::sleep(s.common.faults.latency()).await;
+            let n = s.common.next_id();
+            work(&s, n)
+        });
+        task.await.ok()
+    }
+}
+
 /// A fake's routes, served with its shared state.
 pub(crate) type Routes<S> = Router<Arc<Shared<S>>>;
 
