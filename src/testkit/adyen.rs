@@ -3,12 +3,13 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
+use super::server::{FakeApi, Received, Shared, fake_handle};
 use super::{
     Delivery, Effect, Keys, Saved, header_value, json_object, json_response, missing_field,
     raw_response,
@@ -34,6 +35,33 @@ impl FakeAdyen {
     pub const REFUSED_CARD: &'static str = "4000300011112220";
 }
 
+impl FakeApi for AdyenState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        (header_value(headers, "x-api-key").as_deref() != Some(FakeAdyen::API_KEY)).then(|| {
+            adyen_error(
+                401,
+                "000",
+                "HTTP Status Response - Unauthorized",
+                "security",
+            )
+        })
+    }
+
+    fn server_error(status: u16) -> Response {
+        adyen_error(
+            status,
+            "905",
+            "injected server error (nothing executed)",
+            "internal",
+        )
+    }
+
+    fn rate_limited() -> Value {
+        json!({"status": 429, "errorCode": "000", "message": "Too many requests",
+               "errorType": "validation"})
+    }
+}
+
 fn adyen_error(status: u16, code: &str, message: &str, kind: &str) -> Response {
     json_response(
         status,
@@ -42,32 +70,9 @@ fn adyen_error(status: u16, code: &str, message: &str, kind: &str) -> Response {
     )
 }
 
-async fn payments(
-    State(s): State<Arc<Shared<AdyenState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    Received { headers, body, .. }: Received,
-) -> Response {
-    if header_value(&headers, "x-api-key").as_deref() != Some(FakeAdyen::API_KEY) {
-        return adyen_error(
-            401,
-            "000",
-            "HTTP Status Response - Unauthorized",
-            "security",
-        );
-    }
-    let server_error = |status| {
-        adyen_error(
-            status,
-            "905",
-            "injected server error (nothing executed)",
-            "internal",
-        )
-    };
-    let rate_limited = || {
-        json!({"status": 429, "errorCode": "000", "message": "Too many requests",
-               "errorType": "validation"})
-    };
-    let delivery = match Delivery::take(&s.common.faults, kill, server_error, rate_limited).await {
+async fn payments(State(s): State<Arc<Shared<AdyenState>>>, received: Received) -> Response {
+    let (headers, body, kill) = (received.headers, received.body, received.kill);
+    let delivery = match Delivery::take::<AdyenState>(&s.common.faults, kill).await {
         Ok(d) => d,
         Err(r) => return r,
     };
@@ -115,15 +120,13 @@ async fn payments(
     }
     let required = ["amount", "merchantAccount", "paymentMethod", "reference"];
     if let Some(field) = missing_field(&payment, &required) {
-        if let Some(key) = &key {
-            s.keys.release(key);
-        }
-        return adyen_error(
+        let refusal = adyen_error(
             422,
             "14_0",
             &format!("Required field '{field}' is not provided."),
             "validation",
         );
+        return s.keys.refuse(key.as_deref(), refusal);
     }
 
     let task_key = key.clone();

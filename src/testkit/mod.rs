@@ -427,9 +427,17 @@ impl<T> Keys<T> {
         lock(&self.0).get(key).cloned()
     }
 
-    /// Forgets `key` (a request refused by validation is not saved).
-    pub(crate) fn release(&self, key: &str) {
-        lock(&self.0).remove(key);
+    /// Forgets `key`, if any, and answers `refusal`: a request refused by validation is not
+    /// saved, so the key can be used again.
+    pub(crate) fn refuse(
+        &self,
+        key: Option<&str>,
+        refusal: axum::response::Response,
+    ) -> axum::response::Response {
+        if let Some(key) = key {
+            lock(&self.0).remove(key);
+        }
+        refusal
     }
 
     /// Saves what the fake keeps for `key` once its request is done.
@@ -470,21 +478,20 @@ pub(crate) struct Delivery {
 }
 
 impl Delivery {
-    /// Takes the fault queued for an effect request (after waiting out a [`Fault::Delay`]): an
-    /// injected 5xx (`server_error`, in the fake's error shape) or 429 (with `rate_limited` as
-    /// its body and a `Retry-After`) is the answer at once, nothing executed; any other fault
-    /// waits for the answer.
-    pub(crate) async fn take(
+    /// Takes the fault queued for an effect request to the fake `A` (after waiting out a
+    /// [`Fault::Delay`]): an injected 5xx ([`FakeApi::server_error`](server::FakeApi::server_error))
+    /// or 429 (with [`FakeApi::rate_limited`](server::FakeApi::rate_limited) as its body and a
+    /// `Retry-After`) is the answer at once, nothing executed; any other fault waits for the
+    /// answer.
+    pub(crate) async fn take<A: server::FakeApi>(
         faults: &Faults,
         kill: server::KillSwitch,
-        server_error: impl FnOnce(u16) -> axum::response::Response,
-        rate_limited: impl FnOnce() -> serde_json::Value,
     ) -> Result<Self, axum::response::Response> {
         match faults.next().await {
-            Some(Fault::ServerError { status }) => Err(server_error(status)),
+            Some(Fault::ServerError { status }) => Err(A::server_error(status)),
             Some(Fault::RateLimited { retry_after }) => Err(json_response(
                 429,
-                &rate_limited(),
+                &A::rate_limited(),
                 &[("retry-after", retry_after_secs(retry_after))],
             )),
             after => Ok(Self { after, kill }),

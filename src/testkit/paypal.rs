@@ -4,12 +4,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
+use super::server::{FakeApi, Received, Shared, fake_handle};
 use super::{
     Delivery, Effect, Keys, Known, bearer_is, header_value, json_object, json_response, lock,
     missing_field,
@@ -47,6 +48,32 @@ impl FakePayPal {
     }
 }
 
+impl FakeApi for PayPalState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        (!bearer_is(headers, FakePayPal::API_KEY)).then(|| {
+            paypal_error(
+                401,
+                "AUTHENTICATION_FAILURE",
+                None,
+                "Authentication failed due to invalid authentication credentials or a missing Authorization header.",
+            )
+        })
+    }
+
+    fn server_error(status: u16) -> Response {
+        paypal_error(
+            status,
+            "INTERNAL_SERVER_ERROR",
+            None,
+            "injected server error (nothing executed)",
+        )
+    }
+
+    fn rate_limited() -> Value {
+        json!({"name": "RATE_LIMIT_REACHED", "message": "Too many requests."})
+    }
+}
+
 fn paypal_error(status: u16, name: &str, issue: Option<&str>, message: &str) -> Response {
     let mut body = json!({"name": name, "message": message, "debug_id": "fakedebug"});
     if let Some(issue) = issue {
@@ -55,29 +82,30 @@ fn paypal_error(status: u16, name: &str, issue: Option<&str>, message: &str) -> 
     json_response(status, &body, &[])
 }
 
-async fn create(
-    State(s): State<Arc<Shared<PayPalState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    Received { headers, body, .. }: Received,
-) -> Response {
-    if !bearer_is(&headers, FakePayPal::API_KEY) {
-        return paypal_error(
-            401,
-            "AUTHENTICATION_FAILURE",
-            None,
-            "Authentication failed due to invalid authentication credentials or a missing Authorization header.",
-        );
+/// Why PayPal refuses an order request without creating anything (nothing is saved under its
+/// id): a missing field, or the declined card.
+fn refusal(order_req: &Value, card: Option<&str>) -> Option<Response> {
+    if let Some(field) = missing_field(order_req, &["intent", "purchase_units"]) {
+        return Some(paypal_error(
+            400,
+            "INVALID_REQUEST",
+            Some("MISSING_REQUIRED_PARAMETER"),
+            &format!("A required field / parameter is missing: /{field}."),
+        ));
     }
-    let server_error = |status| {
+    (card == Some(FakePayPal::DECLINED_CARD)).then(|| {
         paypal_error(
-            status,
-            "INTERNAL_SERVER_ERROR",
-            None,
-            "injected server error (nothing executed)",
+            422,
+            "UNPROCESSABLE_ENTITY",
+            Some("INSTRUMENT_DECLINED"),
+            "The instrument presented was either declined by the processor or bank, or it can't be used for this payment.",
         )
-    };
-    let rate_limited = || json!({"name": "RATE_LIMIT_REACHED", "message": "Too many requests."});
-    let delivery = match Delivery::take(&s.common.faults, kill, server_error, rate_limited).await {
+    })
+}
+
+async fn create(State(s): State<Arc<Shared<PayPalState>>>, received: Received) -> Response {
+    let (headers, body, kill) = (received.headers, received.body, received.kill);
+    let delivery = match Delivery::take::<PayPalState>(&s.common.faults, kill).await {
         Ok(d) => d,
         Err(r) => return r,
     };
@@ -120,31 +148,12 @@ async fn create(
             return r;
         }
     }
-    if let Some(field) = missing_field(&order_req, &["intent", "purchase_units"]) {
-        if let Some(rid) = &request_id {
-            s.ids.release(rid);
-        }
-        return paypal_error(
-            400,
-            "INVALID_REQUEST",
-            Some("MISSING_REQUIRED_PARAMETER"),
-            &format!("A required field / parameter is missing: /{field}."),
-        );
-    }
     let card = order_req
         .pointer("/payment_source/card/number")
         .and_then(Value::as_str)
         .map(str::to_owned);
-    if card.as_deref() == Some(FakePayPal::DECLINED_CARD) {
-        if let Some(rid) = &request_id {
-            s.ids.release(rid);
-        }
-        return paypal_error(
-            422,
-            "UNPROCESSABLE_ENTITY",
-            Some("INSTRUMENT_DECLINED"),
-            "The instrument presented was either declined by the processor or bank, or it can't be used for this payment.",
-        );
+    if let Some(refusal) = refusal(&order_req, card.as_deref()) {
+        return s.ids.refuse(request_id.as_deref(), refusal);
     }
 
     let task_id = request_id.clone();

@@ -3,13 +3,13 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
+use super::server::{FakeApi, Received, Shared, fake_handle};
 use super::{
     Delivery, Effect, Searchable, header_value, json_object, json_response, query_pairs,
     raw_response,
@@ -40,21 +40,26 @@ fn pm_error(status: u16, code: i64, message: &str) -> Response {
     json_response(status, &json!({"ErrorCode": code, "Message": message}), &[])
 }
 
-fn authorized(headers: &HeaderMap) -> bool {
-    header_value(headers, "x-postmark-server-token").as_deref() == Some(FakePostmark::API_KEY)
+impl FakeApi for PostmarkState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        (header_value(headers, "x-postmark-server-token").as_deref() != Some(FakePostmark::API_KEY))
+            .then(|| pm_error(401, 10, "Request does not contain a valid Server token."))
+    }
+
+    fn server_error(status: u16) -> Response {
+        pm_error(status, 0, "injected server error (nothing sent)")
+    }
+
+    fn rate_limited() -> Value {
+        json!({"ErrorCode": 429, "Message": "Rate limit exceeded."})
+    }
 }
 
 async fn send(
     State(s): State<Arc<Shared<PostmarkState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    Received { headers, body, .. }: Received,
+    Received { body, kill, .. }: Received,
 ) -> Response {
-    if !authorized(&headers) {
-        return pm_error(401, 10, "Request does not contain a valid Server token.");
-    }
-    let server_error = |status| pm_error(status, 0, "injected server error (nothing sent)");
-    let rate_limited = || json!({"ErrorCode": 429, "Message": "Rate limit exceeded."});
-    let delivery = match Delivery::take(&s.common.faults, kill, server_error, rate_limited).await {
+    let delivery = match Delivery::take::<PostmarkState>(&s.common.faults, kill).await {
         Ok(d) => d,
         Err(r) => return r,
     };
@@ -112,11 +117,8 @@ async fn send(
 
 async fn search(
     State(s): State<Arc<Shared<PostmarkState>>>,
-    Received { uri, headers, .. }: Received,
+    Received { uri, .. }: Received,
 ) -> Response {
-    if !authorized(&headers) {
-        return pm_error(401, 10, "Request does not contain a valid Server token.");
-    }
     let params = query_pairs(&uri);
     let count = params
         .iter()

@@ -3,12 +3,13 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
-use serde_json::json;
+use serde_json::{Value, json};
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
+use super::server::{FakeApi, Received, Shared, fake_handle};
 use super::{
     Delivery, Effect, Keys, Saved, header_value, json_object, json_response, missing_field,
     raw_response,
@@ -32,6 +33,35 @@ impl FakeResend {
     pub const API_KEY: &'static str = "re_test_idemflow_fake";
 }
 
+impl FakeApi for ResendState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        match header_value(headers, "authorization") {
+            None => Some(resend_error(
+                401,
+                "missing_api_key",
+                "Missing API key in the authorization header.",
+            )),
+            Some(v) if v != format!("Bearer {}", FakeResend::API_KEY) => {
+                Some(resend_error(403, "invalid_api_key", "API key is invalid."))
+            }
+            Some(_) => None,
+        }
+    }
+
+    fn server_error(status: u16) -> Response {
+        resend_error(
+            status,
+            "internal_server_error",
+            "injected server error (nothing sent)",
+        )
+    }
+
+    fn rate_limited() -> Value {
+        json!({"statusCode": 429, "name": "rate_limit_exceeded",
+               "message": "Too many requests."})
+    }
+}
+
 fn resend_error(status: u16, name: &str, message: &str) -> Response {
     json_response(
         status,
@@ -40,36 +70,9 @@ fn resend_error(status: u16, name: &str, message: &str) -> Response {
     )
 }
 
-async fn send(
-    State(s): State<Arc<Shared<ResendState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    Received { headers, body, .. }: Received,
-) -> Response {
-    match header_value(&headers, "authorization") {
-        None => {
-            return resend_error(
-                401,
-                "missing_api_key",
-                "Missing API key in the authorization header.",
-            );
-        }
-        Some(v) if v != format!("Bearer {}", FakeResend::API_KEY) => {
-            return resend_error(403, "invalid_api_key", "API key is invalid.");
-        }
-        Some(_) => {}
-    }
-    let server_error = |status| {
-        resend_error(
-            status,
-            "internal_server_error",
-            "injected server error (nothing sent)",
-        )
-    };
-    let rate_limited = || {
-        json!({"statusCode": 429, "name": "rate_limit_exceeded",
-               "message": "Too many requests."})
-    };
-    let delivery = match Delivery::take(&s.common.faults, kill, server_error, rate_limited).await {
+async fn send(State(s): State<Arc<Shared<ResendState>>>, received: Received) -> Response {
+    let (headers, body, kill) = (received.headers, received.body, received.kill);
+    let delivery = match Delivery::take::<ResendState>(&s.common.faults, kill).await {
         Ok(d) => d,
         Err(r) => return r,
     };
@@ -107,14 +110,12 @@ async fn send(
         }
     }
     if let Some(field) = missing_field(&email, &["from", "to", "subject"]) {
-        if let Some(key) = &key {
-            s.keys.release(key);
-        }
-        return resend_error(
+        let refusal = resend_error(
             422,
             "missing_required_field",
             &format!("Missing `{field}` field."),
         );
+        return s.keys.refuse(key.as_deref(), refusal);
     }
 
     let task_key = key.clone();

@@ -124,26 +124,56 @@ pub(crate) async fn start<S: Default + Send + Sync + 'static>(
     Ok((server, state))
 }
 
-/// A request as a fake's effect or search endpoint received it, already recorded in
-/// [`Common::record`]: the extractor every handler starts with.
+/// What a fake answers in its own error shapes: a request without its credential, and the
+/// faults injected before anything runs.
+pub(crate) trait FakeApi {
+    /// The fake's answer to a request whose headers lack its credential (`None`: it has it).
+    fn refusal(headers: &HeaderMap) -> Option<axum::response::Response>;
+
+    /// The fake's answer to an injected [`Fault::ServerError`](super::Fault::ServerError).
+    fn server_error(status: u16) -> axum::response::Response;
+
+    /// The body of the fake's answer to an injected
+    /// [`Fault::RateLimited`](super::Fault::RateLimited) (sent as a 429 with `Retry-After`).
+    fn rate_limited() -> serde_json::Value;
+}
+
+/// A request as one of a fake's endpoints received it, already recorded in [`Common::record`]
+/// and carrying the fake's credential (a request without it is answered with the fake's
+/// [`FakeApi::refusal`], after being recorded): the extractor every handler starts with.
 pub(crate) struct Received {
     pub(crate) uri: Uri,
     pub(crate) headers: HeaderMap,
     pub(crate) body: Bytes,
+    /// Closes the request's connection (a lost response).
+    pub(crate) kill: KillSwitch,
 }
 
-impl<S: Send + Sync> FromRequest<Arc<Shared<S>>> for Received {
+impl<S: FakeApi + Send + Sync> FromRequest<Arc<Shared<S>>> for Received {
     type Rejection = axum::response::Response;
 
     async fn from_request(req: Request, state: &Arc<Shared<S>>) -> Result<Self, Self::Rejection> {
         let method = req.method().clone();
         let uri = req.uri().clone();
         let headers = req.headers().clone();
+        let kill = req.extensions().get::<KillSwitch>().cloned();
         let body = Bytes::from_request(req, state)
             .await
             .map_err(IntoResponse::into_response)?;
         state.common.record(&method, &uri, &headers, &body);
-        Ok(Self { uri, headers, body })
+        if let Some(refusal) = S::refusal(&headers) {
+            return Err(refusal);
+        }
+        let Some(kill) = kill else {
+            let status = axum::http::StatusCode::INTERNAL_SERVER_ERROR;
+            return Err((status, "the fake's server set no kill switch").into_response());
+        };
+        Ok(Self {
+            uri,
+            headers,
+            body,
+            kill,
+        })
     }
 }
 

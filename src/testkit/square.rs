@@ -4,13 +4,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
+use super::server::{FakeApi, Received, Shared, fake_handle};
 use super::{
     Delivery, Effect, KeyEntry, Keys, Known, bearer_is, json_object, json_response, lock,
     missing_field,
@@ -56,15 +56,31 @@ fn square_error(status: u16, category: &str, code: &str, detail: &str) -> Respon
     )
 }
 
-fn unauthorized(headers: &HeaderMap) -> Option<Response> {
-    (!bearer_is(headers, FakeSquare::API_KEY)).then(|| {
+impl FakeApi for SquareState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        (!bearer_is(headers, FakeSquare::API_KEY)).then(|| {
+            square_error(
+                401,
+                "AUTHENTICATION_ERROR",
+                "UNAUTHORIZED",
+                "This request could not be authorized.",
+            )
+        })
+    }
+
+    fn server_error(status: u16) -> Response {
         square_error(
-            401,
-            "AUTHENTICATION_ERROR",
-            "UNAUTHORIZED",
-            "This request could not be authorized.",
+            status,
+            "API_ERROR",
+            "INTERNAL_SERVER_ERROR",
+            "injected server error (nothing executed)",
         )
-    })
+    }
+
+    fn rate_limited() -> Value {
+        json!({"errors": [{"category": "RATE_LIMIT_ERROR", "code": "RATE_LIMITED",
+                           "detail": "Too many requests"}]})
+    }
 }
 
 fn payment_response(payment: &Value) -> Response {
@@ -73,12 +89,8 @@ fn payment_response(payment: &Value) -> Response {
 
 /// CreatePayment, handled to its end in a task of its own: a request Square received is
 /// processed even when its client stops waiting (a timeout during a [`Fault::Delay`] included).
-async fn create(
-    State(s): State<Arc<Shared<SquareState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    received: Received,
-) -> Response {
-    match tokio::spawn(create_to_the_end(s, kill, received)).await {
+async fn create(State(s): State<Arc<Shared<SquareState>>>, received: Received) -> Response {
+    match tokio::spawn(create_to_the_end(s, received)).await {
         Ok(response) => response,
         Err(_) => square_error(500, "API_ERROR", "INTERNAL_SERVER_ERROR", "fake failed"),
     }
@@ -86,25 +98,9 @@ async fn create(
 
 async fn create_to_the_end(
     s: Arc<Shared<SquareState>>,
-    kill: KillSwitch,
-    Received { headers, body, .. }: Received,
+    Received { body, kill, .. }: Received,
 ) -> Response {
-    if let Some(r) = unauthorized(&headers) {
-        return r;
-    }
-    let server_error = |status| {
-        square_error(
-            status,
-            "API_ERROR",
-            "INTERNAL_SERVER_ERROR",
-            "injected server error (nothing executed)",
-        )
-    };
-    let rate_limited = || {
-        json!({"errors": [{"category": "RATE_LIMIT_ERROR", "code": "RATE_LIMITED",
-                           "detail": "Too many requests"}]})
-    };
-    let delivery = match Delivery::take(&s.common.faults, kill, server_error, rate_limited).await {
+    let delivery = match Delivery::take::<SquareState>(&s.common.faults, kill).await {
         Ok(d) => d,
         Err(r) => return r,
     };
@@ -162,13 +158,13 @@ async fn create_to_the_end(
         return r;
     }
     if let Some(field) = missing_field(&request, &["source_id", "amount_money"]) {
-        s.keys.release(&key);
-        return square_error(
+        let refusal = square_error(
             400,
             "INVALID_REQUEST_ERROR",
             "MISSING_REQUIRED_PARAMETER",
             &format!("Field `{field}` is missing."),
         );
+        return s.keys.refuse(Some(&key), refusal);
     }
 
     let exec = s.execute(move |s, n| {
@@ -203,13 +199,13 @@ async fn create_to_the_end(
         lock(&s.payments).insert(id.clone(), payment.clone());
         if declined {
             // Only a successful answer is kept for the key: a decline can be retried.
-            s.keys.release(&key);
-            square_error(
+            let decline = square_error(
                 402,
                 "PAYMENT_METHOD_ERROR",
                 "GENERIC_DECLINE",
                 "Authorization error: 'GENERIC_DECLINE'",
-            )
+            );
+            s.keys.refuse(Some(&key), decline)
         } else {
             s.keys.finish(key, KeptPayment { params, id });
             payment_response(&payment)
@@ -223,11 +219,8 @@ async fn create_to_the_end(
 
 async fn cancel_by_key(
     State(s): State<Arc<Shared<SquareState>>>,
-    Received { headers, body, .. }: Received,
+    Received { body, .. }: Received,
 ) -> Response {
-    if let Some(r) = unauthorized(&headers) {
-        return r;
-    }
     let key = serde_json::from_slice::<Value>(&body)
         .ok()
         .and_then(|b| b.get("idempotency_key")?.as_str().map(str::to_owned));

@@ -3,13 +3,13 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::{get, post};
 use serde_json::{Map, Value, json};
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
+use super::server::{FakeApi, Received, Shared, fake_handle};
 use super::{
     Delivery, Effect, Keys, Saved, Searchable, bearer_is, header_value, json_response, query_pairs,
     raw_response,
@@ -42,32 +42,32 @@ fn stripe_error(status: u16, error: Value) -> Response {
     json_response(status, &json!({ "error": error }), &[])
 }
 
-fn authorized(headers: &HeaderMap) -> bool {
-    bearer_is(headers, FakeStripe::API_KEY)
-}
-
-async fn create(
-    State(s): State<Arc<Shared<StripeState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    Received { headers, body, .. }: Received,
-) -> Response {
-    if !authorized(&headers) {
-        return stripe_error(
-            401,
-            json!({"type": "invalid_request_error", "message": "Invalid API Key provided"}),
-        );
+impl FakeApi for StripeState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        (!bearer_is(headers, FakeStripe::API_KEY)).then(|| {
+            stripe_error(
+                401,
+                json!({"type": "invalid_request_error", "message": "Invalid API Key provided"}),
+            )
+        })
     }
-    let server_error = |status| {
+
+    fn server_error(status: u16) -> Response {
         stripe_error(
             status,
             json!({"type": "api_error", "message": "injected server error (nothing executed)"}),
         )
-    };
-    let rate_limited = || {
+    }
+
+    fn rate_limited() -> Value {
         json!({"error": {"type": "invalid_request_error", "code": "rate_limit",
                          "message": "Too many requests"}})
-    };
-    let delivery = match Delivery::take(&s.common.faults, kill, server_error, rate_limited).await {
+    }
+}
+
+async fn create(State(s): State<Arc<Shared<StripeState>>>, received: Received) -> Response {
+    let (headers, body, kill) = (received.headers, received.body, received.kill);
+    let delivery = match Delivery::take::<StripeState>(&s.common.faults, kill).await {
         Ok(d) => d,
         Err(r) => return r,
     };
@@ -121,14 +121,12 @@ async fn create(
         _ => None,
     };
     if let Some(param) = missing {
-        if let Some(key) = &key {
-            s.keys.release(key);
-        }
-        return stripe_error(
+        let refusal = stripe_error(
             400,
             json!({"type": "invalid_request_error", "code": "parameter_missing", "param": param,
                    "message": format!("Missing or invalid required param: {param}.")}),
         );
+        return s.keys.refuse(key.as_deref(), refusal);
     }
 
     let task_key = key.clone();
@@ -223,14 +221,8 @@ fn parse_query(q: &str) -> Option<(String, String)> {
 
 async fn search(
     State(s): State<Arc<Shared<StripeState>>>,
-    Received { uri, headers, .. }: Received,
+    Received { uri, .. }: Received,
 ) -> Response {
-    if !authorized(&headers) {
-        return stripe_error(
-            401,
-            json!({"type": "invalid_request_error", "message": "Invalid API Key provided"}),
-        );
-    }
     let Some((k, v)) = query_pairs(&uri)
         .iter()
         .find(|(n, _)| n == "query")
