@@ -9,10 +9,9 @@ use axum::response::Response;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use super::server::{FakeApi, Received, Shared, fake_handle};
+use super::server::{EffectRequest, FakeApi, Shared, fake_handle};
 use super::{
-    Delivery, Effect, Keys, Saved, header_value, json_object, json_response, missing_field,
-    raw_response,
+    Effect, Keys, Saved, header_value, json_object, json_response, missing_field, raw_response,
 };
 
 fake_handle! {
@@ -70,12 +69,8 @@ fn adyen_error(status: u16, code: &str, message: &str, kind: &str) -> Response {
     )
 }
 
-async fn payments(State(s): State<Arc<Shared<AdyenState>>>, received: Received) -> Response {
-    let (headers, body, kill) = (received.headers, received.body, received.kill);
-    let delivery = match Delivery::take::<AdyenState>(&s.common.faults, kill).await {
-        Ok(d) => d,
-        Err(r) => return r,
-    };
+async fn payments(State(s): State<Arc<Shared<AdyenState>>>, request: EffectRequest) -> Response {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
     let Some(payment) = json_object(&body) else {
         return adyen_error(400, "702", "Malformed JSON", "validation");
     };
@@ -156,17 +151,7 @@ async fn payments(State(s): State<Arc<Shared<AdyenState>>>, received: Received) 
             request: payment,
         });
         let bytes = serde_json::to_vec(&answer).unwrap_or_default();
-        if let Some(key) = task_key {
-            let body = bytes.clone();
-            s.keys.finish(
-                key,
-                Saved {
-                    params,
-                    status: 200,
-                    body,
-                },
-            );
-        }
+        s.keys.save(task_key, params, 200, &bytes);
         (bytes, psp)
     });
     let Some((bytes, psp)) = exec.await else {

@@ -381,6 +381,24 @@ impl Saved {
     }
 }
 
+impl Keys<Saved> {
+    /// Saves the answer (`status`, `body`) to a request with fingerprint `params` under its key,
+    /// if it had one.
+    pub(crate) fn save(&self, key: Option<String>, params: String, status: u16, body: &[u8]) {
+        if let Some(key) = key {
+            let body = body.to_vec();
+            self.finish(
+                key,
+                Saved {
+                    params,
+                    status,
+                    body,
+                },
+            );
+        }
+    }
+}
+
 /// A fake's answer to a request under a key it already knows.
 pub(crate) enum Known {
     /// Refused at once (the first still runs, another request under the key).

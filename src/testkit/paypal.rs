@@ -10,10 +10,9 @@ use axum::response::Response;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use super::server::{FakeApi, Received, Shared, fake_handle};
+use super::server::{EffectRequest, FakeApi, Shared, fake_handle};
 use super::{
-    Delivery, Effect, Keys, Known, bearer_is, header_value, json_object, json_response, lock,
-    missing_field,
+    Effect, Keys, Known, bearer_is, header_value, json_object, json_response, lock, missing_field,
 };
 use crate::provider::paypal::{KEY_MAX_LEN, ORDERS_PATH};
 
@@ -103,12 +102,8 @@ fn refusal(order_req: &Value, card: Option<&str>) -> Option<Response> {
     })
 }
 
-async fn create(State(s): State<Arc<Shared<PayPalState>>>, received: Received) -> Response {
-    let (headers, body, kill) = (received.headers, received.body, received.kill);
-    let delivery = match Delivery::take::<PayPalState>(&s.common.faults, kill).await {
-        Ok(d) => d,
-        Err(r) => return r,
-    };
+async fn create(State(s): State<Arc<Shared<PayPalState>>>, request: EffectRequest) -> Response {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
     let Some(order_req) = json_object(&body) else {
         return paypal_error(
             400,

@@ -9,10 +9,9 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 
-use super::server::{FakeApi, Received, Shared, fake_handle};
+use super::server::{EffectRequest, FakeApi, Received, Shared, fake_handle};
 use super::{
-    Delivery, Effect, Searchable, header_value, json_object, json_response, query_pairs,
-    raw_response,
+    Effect, Searchable, header_value, json_object, json_response, query_pairs, raw_response,
 };
 
 fake_handle! {
@@ -55,14 +54,8 @@ impl FakeApi for PostmarkState {
     }
 }
 
-async fn send(
-    State(s): State<Arc<Shared<PostmarkState>>>,
-    Received { body, kill, .. }: Received,
-) -> Response {
-    let delivery = match Delivery::take::<PostmarkState>(&s.common.faults, kill).await {
-        Ok(d) => d,
-        Err(r) => return r,
-    };
+async fn send(State(s): State<Arc<Shared<PostmarkState>>>, request: EffectRequest) -> Response {
+    let EffectRequest { body, delivery, .. } = request;
     let Some(email) = json_object(&body) else {
         return pm_error(422, 402, "Received invalid JSON input.");
     };

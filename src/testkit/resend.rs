@@ -9,10 +9,9 @@ use axum::response::Response;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use super::server::{FakeApi, Received, Shared, fake_handle};
+use super::server::{EffectRequest, FakeApi, Shared, fake_handle};
 use super::{
-    Delivery, Effect, Keys, Saved, header_value, json_object, json_response, missing_field,
-    raw_response,
+    Effect, Keys, Saved, header_value, json_object, json_response, missing_field, raw_response,
 };
 
 fake_handle! {
@@ -70,12 +69,8 @@ fn resend_error(status: u16, name: &str, message: &str) -> Response {
     )
 }
 
-async fn send(State(s): State<Arc<Shared<ResendState>>>, received: Received) -> Response {
-    let (headers, body, kill) = (received.headers, received.body, received.kill);
-    let delivery = match Delivery::take::<ResendState>(&s.common.faults, kill).await {
-        Ok(d) => d,
-        Err(r) => return r,
-    };
+async fn send(State(s): State<Arc<Shared<ResendState>>>, request: EffectRequest) -> Response {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
     let Some(email) = json_object(&body) else {
         return resend_error(400, "validation_error", "The body must be a JSON object.");
     };
@@ -130,17 +125,7 @@ async fn send(State(s): State<Arc<Shared<ResendState>>>, received: Received) -> 
             request: email,
         });
         let bytes = serde_json::to_vec(&json!({ "id": id })).unwrap_or_default();
-        if let Some(key) = task_key {
-            let body = bytes.clone();
-            s.keys.finish(
-                key,
-                Saved {
-                    params,
-                    status: 200,
-                    body,
-                },
-            );
-        }
+        s.keys.save(task_key, params, 200, &bytes);
         bytes
     });
     let Some(bytes) = exec.await else {

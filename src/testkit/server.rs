@@ -14,7 +14,7 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 
-use super::Common;
+use super::{Common, Delivery};
 
 /// Lets a handler close the connection it is serving.
 #[derive(Debug, Clone)]
@@ -173,6 +173,28 @@ impl<S: FakeApi + Send + Sync> FromRequest<Arc<Shared<S>>> for Received {
             headers,
             body,
             kill,
+        })
+    }
+}
+
+/// A request to one of a fake's effect endpoints: [`Received`], with the fault queued for it
+/// taken ([`Delivery::take`]): an injected 5xx or 429 is answered before the handler runs.
+pub(crate) struct EffectRequest {
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+    pub(crate) delivery: Delivery,
+}
+
+impl<S: FakeApi + Send + Sync> FromRequest<Arc<Shared<S>>> for EffectRequest {
+    type Rejection = axum::response::Response;
+
+    async fn from_request(req: Request, state: &Arc<Shared<S>>) -> Result<Self, Self::Rejection> {
+        let received = Received::from_request(req, state).await?;
+        let delivery = Delivery::take::<S>(&state.common.faults, received.kill).await?;
+        Ok(Self {
+            headers: received.headers,
+            body: received.body,
+            delivery,
         })
     }
 }

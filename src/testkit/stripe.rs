@@ -9,9 +9,9 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use serde_json::{Map, Value, json};
 
-use super::server::{FakeApi, Received, Shared, fake_handle};
+use super::server::{EffectRequest, FakeApi, Received, Shared, fake_handle};
 use super::{
-    Delivery, Effect, Keys, Saved, Searchable, bearer_is, header_value, json_response, query_pairs,
+    Effect, Keys, Saved, Searchable, bearer_is, header_value, json_response, query_pairs,
     raw_response,
 };
 
@@ -65,12 +65,8 @@ impl FakeApi for StripeState {
     }
 }
 
-async fn create(State(s): State<Arc<Shared<StripeState>>>, received: Received) -> Response {
-    let (headers, body, kill) = (received.headers, received.body, received.kill);
-    let delivery = match Delivery::take::<StripeState>(&s.common.faults, kill).await {
-        Ok(d) => d,
-        Err(r) => return r,
-    };
+async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectRequest) -> Response {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
     let mut fields: Vec<(String, String)> = match serde_urlencoded::from_bytes(&body) {
         Ok(f) => f,
         Err(e) => {
@@ -191,10 +187,7 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, received: Received) -
             (200, pi)
         };
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
-        if let Some(key) = task_key {
-            let body = bytes.clone();
-            s.keys.finish(key, Saved { params, status: code, body });
-        }
+        s.keys.save(task_key, params, code, &bytes);
         (code, bytes, n)
     });
     let Some((code, bytes, n)) = exec.await else {
