@@ -11,7 +11,7 @@
 //! re-drives inside the window, and `lookup` is a re-send while the key is surely remembered
 //! (younger than 31 days minus [`Adyen::redrive_margin`]): Adyen has no search by our key.
 //!
-//! | Adyen answers                                                 | [`CallOutcome`]             |
+//! | Adyen answers                                                 | [`CallOutcome`](super::CallOutcome) |
 //! |---------------------------------------------------------------|-----------------------------|
 //! | 2xx, `resultCode` `Refused`, `Cancelled` or `Error`           | `Rejected` (the answer is stored) |
 //! | 2xx, any other `resultCode` (`Authorised`, `Pending`, ...)     | `Succeeded`                 |
@@ -27,15 +27,10 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
-use chrono::{DateTime, Utc};
-use serde_json::Value;
-
-use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::answers::Answers;
-use super::http::{Classified, HttpReply, RetryUnknown};
-use super::replay::ReplayLookup;
-use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
+use super::endpoint::{Auth, Endpoint, http_adapter};
+use super::http::{Classified, HttpReply};
+use super::replay::same_key_provider;
 
 /// Adyen's Checkout API base (test environment; live accounts use their own prefix URL).
 pub const DEFAULT_BASE_URL: &str = "https://checkout-test.adyen.com";
@@ -74,17 +69,14 @@ http_adapter!(Adyen {
     key: "an API key (sent as `X-API-Key`)",
     auth: Auth::Header("X-API-Key"),
     headers: &[("Accept", "application/json")],
-    defaults: { redrive_margin: DEFAULT_REDRIVE_MARGIN },
+    settings: {
+        /// Sets the margin kept before the end of Adyen's 31-day key window: `lookup` re-sends
+        /// only while `age + margin < 31 days`. Keep it at least the sweeper's `redrive_margin`.
+        redrive_margin: Duration = DEFAULT_REDRIVE_MARGIN,
+    },
 });
 
 impl Adyen {
-    /// Sets the margin kept before the end of Adyen's 31-day key window: `lookup` re-sends only
-    /// while `age + margin < 31 days`. Keep it at least the sweeper's `redrive_margin`.
-    pub fn redrive_margin(mut self, margin: Duration) -> Self {
-        self.redrive_margin = margin;
-        self
-    }
-
     fn classify(reply: &HttpReply) -> Classified {
         if (200..=299).contains(&reply.status) {
             // The payment made under the key, as the provider reports it: a refusal is
@@ -97,46 +89,10 @@ impl Adyen {
     }
 }
 
-#[async_trait]
-impl Provider for Adyen {
-    fn name(&self) -> &str {
-        self.endpoint.name()
-    }
-
-    fn key_spec(&self) -> KeySpec {
-        KeySpec {
-            max_len: KEY_MAX_LEN,
-            retention: Some(RETENTION),
-            replays_same_key: true,
-        }
-    }
-
-    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
-        self.endpoint
-            .send(
-                RetryUnknown::SameKeyReplays,
-                PAYMENTS_PATH,
-                |req| req.header("Idempotency-Key", provider_key).json(request),
-                Self::classify,
-            )
-            .await
-    }
-
-    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn lookup(
-        &self,
-        provider_key: &str,
-        request: &Value,
-        attempts: Attempts,
-        now: DateTime<Utc>,
-    ) -> Lookup {
-        ReplayLookup {
-            provider: "Adyen",
-            window: RETENTION,
-            margin: self.redrive_margin,
-        }
-        .run(request, attempts, now, self.call(provider_key, request))
-        .await
-    }
-}
+same_key_provider!(Adyen {
+    provider: "Adyen",
+    path: PAYMENTS_PATH,
+    key_header: "Idempotency-Key",
+    max_len: KEY_MAX_LEN,
+    key_window: |_| RETENTION,
+});

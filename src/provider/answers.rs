@@ -7,6 +7,17 @@
 
 use super::CallOutcome;
 use super::http::{Classified, HttpReply, classify_status};
+use crate::StoredResponse;
+
+/// A request the adapter cannot shape into the provider's request (not a JSON object, ...),
+/// refused before anything is sent: `Rejected`, with `body` (in the provider's own error shape)
+/// stored as the answer with `status`.
+pub(crate) fn refused_unsent(status: u16, body: &serde_json::Value) -> CallOutcome {
+    CallOutcome::Rejected {
+        response: StoredResponse::json(status, body)
+            .unwrap_or_else(|_| StoredResponse::new(status)),
+    }
+}
 
 /// How one provider's ordinary answers read.
 #[derive(Debug, Clone, Copy)]

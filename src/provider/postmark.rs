@@ -27,7 +27,7 @@ use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::answers::Answers;
+use super::answers::{Answers, refused_unsent};
 use super::http::{Classified, HttpReply, RetryUnknown};
 use super::search::MetadataSearch;
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
@@ -65,16 +65,13 @@ http_adapter!(Postmark {
     key: "a server token",
     auth: Auth::Header("X-Postmark-Server-Token"),
     headers: &[("Accept", "application/json")],
-    defaults: { search_lag: DEFAULT_SEARCH_LAG },
+    settings: {
+        /// Sets how long after the first send an empty search result is still not trusted.
+        search_lag: Duration = DEFAULT_SEARCH_LAG,
+    },
 });
 
 impl Postmark {
-    /// Sets how long after the first send an empty search result is still not trusted.
-    pub fn search_lag(mut self, lag: Duration) -> Self {
-        self.search_lag = lag;
-        self
-    }
-
     /// The body sent for `request`: the request with `Metadata.idemflow_key` set.
     pub fn body(provider_key: &str, request: &Value) -> Result<Value, String> {
         let Value::Object(map) = request else {
@@ -147,10 +144,7 @@ impl Provider for Postmark {
         let body = match Self::body(provider_key, request) {
             Ok(b) => b,
             Err(detail) => {
-                return CallOutcome::Rejected {
-                    response: StoredResponse::json(422, &json!({"ErrorCode": 300, "Message": detail}))
-                        .unwrap_or_else(|_| StoredResponse::new(422)),
-                };
+                return refused_unsent(422, &json!({"ErrorCode": 300, "Message": detail}));
             }
         };
         self.endpoint

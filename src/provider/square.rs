@@ -48,11 +48,10 @@ use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::answers::Answers;
+use super::answers::{Answers, refused_unsent};
 use super::http::{Classified, HttpReply, RetryUnknown};
 use super::replay::answer_of_resend;
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider, VoidOutcome};
-use crate::StoredResponse;
 
 /// Square's API base (production; the sandbox is `https://connect.squareupsandbox.com`).
 pub const DEFAULT_BASE_URL: &str = "https://connect.squareup.com";
@@ -91,19 +90,16 @@ http_adapter!(Square {
     key: "an access token",
     auth: Auth::Bearer,
     headers: &[("Square-Version", API_VERSION), ("Accept", "application/json")],
-    defaults: { processing_window: DEFAULT_PROCESSING_WINDOW },
+    settings: {
+        /// Sets how long after a CreatePayment was sent Square may still make the payment
+        /// (default [`DEFAULT_PROCESSING_WINDOW`]): a void by key confirmed sooner after the key's
+        /// latest attempt leaves the key processing, and the sweeper voids (or finds the payment)
+        /// again once the window has passed.
+        processing_window: std::time::Duration = DEFAULT_PROCESSING_WINDOW,
+    },
 });
 
 impl Square {
-    /// Sets how long after a CreatePayment was sent Square may still make the payment (default
-    /// [`DEFAULT_PROCESSING_WINDOW`]): a void by key confirmed sooner after the key's latest
-    /// attempt leaves the key processing, and the sweeper voids (or finds the payment) again
-    /// once the window has passed.
-    pub fn processing_window(mut self, window: std::time::Duration) -> Self {
-        self.processing_window = window;
-        self
-    }
-
     /// The body sent for `request` with `provider_key`: the request with `idempotency_key` set.
     pub fn body(provider_key: &str, request: &Value) -> Result<Value, String> {
         let Value::Object(map) = request else {
@@ -191,14 +187,9 @@ impl Provider for Square {
         let body = match Self::body(provider_key, request) {
             Ok(b) => b,
             Err(detail) => {
-                return CallOutcome::Rejected {
-                    response: StoredResponse::json(
-                        400,
-                        &json!({"errors": [{"category": "INVALID_REQUEST_ERROR",
-                                            "code": "BAD_REQUEST", "detail": detail}]}),
-                    )
-                    .unwrap_or_else(|_| StoredResponse::new(400)),
-                };
+                let error = json!({"category": "INVALID_REQUEST_ERROR",
+                                   "code": "BAD_REQUEST", "detail": detail});
+                return refused_unsent(400, &json!({ "errors": [error] }));
             }
         };
         self.endpoint

@@ -44,7 +44,7 @@ use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::answers::Answers;
+use super::answers::{Answers, refused_unsent};
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
 use super::search::MetadataSearch;
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
@@ -86,16 +86,13 @@ http_adapter!(Stripe {
     key: "a secret key (`sk_...`)",
     auth: Auth::Bearer,
     headers: &[],
-    defaults: { search_lag: DEFAULT_SEARCH_LAG },
+    settings: {
+        /// Sets how long after the first send an empty search result is still not trusted.
+        search_lag: Duration = DEFAULT_SEARCH_LAG,
+    },
 });
 
 impl Stripe {
-    /// Sets how long after the first send an empty search result is still not trusted.
-    pub fn search_lag(mut self, lag: Duration) -> Self {
-        self.search_lag = lag;
-        self
-    }
-
     /// The form fields sent for `request` with `provider_key`, in the order sent.
     pub fn form_fields(
         provider_key: &str,
@@ -261,13 +258,8 @@ impl Provider for Stripe {
         let fields = match Self::form_fields(provider_key, request) {
             Ok(f) => f,
             Err(detail) => {
-                return CallOutcome::Rejected {
-                    response: StoredResponse::json(
-                        400,
-                        &json!({"error": {"type": "idemflow_invalid_request", "message": detail}}),
-                    )
-                    .unwrap_or_else(|_| StoredResponse::new(400)),
-                };
+                let error = json!({"type": "idemflow_invalid_request", "message": detail});
+                return refused_unsent(400, &json!({ "error": error }));
             }
         };
         self.endpoint
