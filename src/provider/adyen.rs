@@ -11,7 +11,7 @@
 //! re-drives inside the window, and `lookup` is a re-send while the key is surely remembered
 //! (younger than 31 days minus [`Adyen::redrive_margin`]): Adyen has no search by our key.
 //!
-//! | Adyen answers                                                 | [`CallOutcome`]             |
+//! | Adyen answers                                                 | [`CallOutcome`](super::CallOutcome) |
 //! |---------------------------------------------------------------|-----------------------------|
 //! | 2xx, `resultCode` `Refused`, `Cancelled` or `Error`           | `Rejected` (the answer is stored) |
 //! | 2xx, any other `resultCode` (`Authorised`, `Pending`, ...)     | `Succeeded`                 |
@@ -27,14 +27,10 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
-use chrono::{DateTime, Utc};
-use serde_json::Value;
-
+use super::answers::Answers;
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
-use super::replay::ReplayLookup;
-use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
+use super::http::{Classified, HttpReply};
+use super::replay::same_key_provider;
 
 /// Adyen's Checkout API base (test environment; live accounts use their own prefix URL).
 pub const DEFAULT_BASE_URL: &str = "https://checkout-test.adyen.com";
@@ -52,6 +48,15 @@ pub const DEFAULT_REDRIVE_MARGIN: Duration = super::DEFAULT_REDRIVE_MARGIN;
 /// reference is in the body (`pspReference`).
 const KEPT_HEADERS: &[&str] = &[];
 
+const ANSWERS: Answers = Answers {
+    provider: "Adyen",
+    credential: "API key",
+    effect: "done",
+    kept_headers: KEPT_HEADERS,
+    in_flight_on_409: true,
+    rejects: |s| matches!(s, 400 | 404 | 405 | 413 | 415 | 422),
+};
+
 /// Adyen Checkout `/payments`.
 #[derive(Debug, Clone)]
 pub struct Adyen {
@@ -64,91 +69,30 @@ http_adapter!(Adyen {
     key: "an API key (sent as `X-API-Key`)",
     auth: Auth::Header("X-API-Key"),
     headers: &[("Accept", "application/json")],
-    defaults: { redrive_margin: DEFAULT_REDRIVE_MARGIN },
+    settings: {
+        /// Sets the margin kept before the end of Adyen's 31-day key window: `lookup` re-sends
+        /// only while `age + margin < 31 days`. Keep it at least the sweeper's `redrive_margin`.
+        redrive_margin: Duration = DEFAULT_REDRIVE_MARGIN,
+    },
 });
 
 impl Adyen {
-    /// Sets the margin kept before the end of Adyen's 31-day key window: `lookup` re-sends only
-    /// while `age + margin < 31 days`. Keep it at least the sweeper's `redrive_margin`.
-    pub fn redrive_margin(mut self, margin: Duration) -> Self {
-        self.redrive_margin = margin;
-        self
-    }
-
     fn classify(reply: &HttpReply) -> Classified {
-        let message = reply.message("/message");
-        let status = reply.status;
-        let outcome = match status {
-            200..=299 => {
-                let result = reply.json_str("/resultCode").unwrap_or_default();
-                if matches!(result.as_str(), "Refused" | "Cancelled" | "Error") {
-                    // The payment made under the key, as the provider reports it: definitive.
-                    return Classified::definitive(CallOutcome::Rejected {
-                        response: reply.to_response(KEPT_HEADERS),
-                    });
-                } else {
-                    CallOutcome::Succeeded {
-                        response: reply.to_response(KEPT_HEADERS),
-                        replayed: false,
-                    }
-                }
-            }
-            401 | 403 => CallOutcome::Retryable {
-                reason: format!("Adyen refused the API key ({status}), nothing was done: {message}"),
-                retry_after: None,
-            },
-            409 => CallOutcome::InFlight {
-                retry_after: reply.retry_after(),
-            },
-            400 | 404 | 405 | 413 | 415 | 422 => CallOutcome::Rejected {
-                response: reply.to_response(KEPT_HEADERS),
-            },
-            _ => classify_status(reply),
-        };
-        Classified::new(outcome)
+        if (200..=299).contains(&reply.status) {
+            // The payment made under the key, as the provider reports it: a refusal is
+            // definitive.
+            let result = reply.json_str("/resultCode").unwrap_or_default();
+            let refused = matches!(result.as_str(), "Refused" | "Cancelled" | "Error");
+            return ANSWERS.payment(reply, refused);
+        }
+        Classified::new(ANSWERS.classify(reply, None, &reply.message("/message")))
     }
 }
 
-#[async_trait]
-impl Provider for Adyen {
-    fn name(&self) -> &str {
-        self.endpoint.name()
-    }
-
-    fn key_spec(&self) -> KeySpec {
-        KeySpec {
-            max_len: KEY_MAX_LEN,
-            retention: Some(RETENTION),
-            replays_same_key: true,
-        }
-    }
-
-    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
-        self.endpoint
-            .send(
-                RetryUnknown::SameKeyReplays,
-                PAYMENTS_PATH,
-                |req| req.header("Idempotency-Key", provider_key).json(request),
-                Self::classify,
-            )
-            .await
-    }
-
-    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn lookup(
-        &self,
-        provider_key: &str,
-        request: &Value,
-        attempts: Attempts,
-        now: DateTime<Utc>,
-    ) -> Lookup {
-        ReplayLookup {
-            provider: "Adyen",
-            window: RETENTION,
-            margin: self.redrive_margin,
-        }
-        .run(request, attempts, now, self.call(provider_key, request))
-        .await
-    }
-}
+same_key_provider!(Adyen {
+    provider: "Adyen",
+    path: PAYMENTS_PATH,
+    key_header: "Idempotency-Key",
+    max_len: KEY_MAX_LEN,
+    key_window: |_| RETENTION,
+});

@@ -173,96 +173,73 @@ fn build_http(
             .clone()
             .unwrap_or_else(|| default.to_owned())
     };
-    let resends = matches!(config.kind.as_str(), "resend" | "adyen" | "paypal");
-    if config.redrive_margin.is_some() && !resends {
-        return Err(ProviderConfigError::Invalid {
-            provider: name,
-            detail: "redrive_margin applies to resend, adyen and paypal only (their lookup is a re-send); the sweeper's [sweeper] redrive_margin governs re-drives".to_owned(),
-        });
-    }
-    if config.search_lag.is_some() && !matches!(config.kind.as_str(), "stripe" | "postmark") {
-        return Err(ProviderConfigError::Invalid {
-            provider: name,
-            detail: format!(
-                "search_lag does not apply to {} (its lookup is a same-key re-send, not a search)",
-                config.kind
-            ),
-        });
-    }
-    if config.retention.is_some() && config.kind != "paypal" {
-        return Err(ProviderConfigError::Invalid {
-            provider: name,
-            detail: "retention applies to paypal only (PayPal-Request-Id retention, 6 h unless PayPal raised it)".to_owned(),
-        });
-    }
-    if config.processing_window.is_some() && config.kind != "square" {
-        return Err(ProviderConfigError::Invalid {
-            provider: name,
-            detail: "processing_window applies to square only (how long a void by key waits after the latest attempt)".to_owned(),
-        });
+    check_settings(config, &name)?;
+    // One adapter, at the configured base URL (or its own), named, with the settings it takes.
+    macro_rules! adapter {
+        ($adapter:ident, $module:ident $(, $setting:ident)*) => {{
+            let mut p = $adapter::with_base_url(&base($module::DEFAULT_BASE_URL), api_key)
+                .map_err(http)?
+                .with_name(name.clone());
+            $(
+                if let Some(value) = config.$setting {
+                    p = p.$setting(value);
+                }
+            )*
+            Ok(Arc::new(p))
+        }};
     }
     match config.kind.as_str() {
-        "stripe" => {
-            let mut p = Stripe::with_base_url(&base(stripe::DEFAULT_BASE_URL), api_key)
-                .map_err(http)?
-                .with_name(name.clone());
-            if let Some(lag) = config.search_lag {
-                p = p.search_lag(lag);
-            }
-            Ok(Arc::new(p))
-        }
-        "postmark" => {
-            let mut p = Postmark::with_base_url(&base(postmark::DEFAULT_BASE_URL), api_key)
-                .map_err(http)?
-                .with_name(name.clone());
-            if let Some(lag) = config.search_lag {
-                p = p.search_lag(lag);
-            }
-            Ok(Arc::new(p))
-        }
-        "adyen" => {
-            let mut p = Adyen::with_base_url(&base(adyen::DEFAULT_BASE_URL), api_key)
-                .map_err(http)?
-                .with_name(name.clone());
-            if let Some(margin) = config.redrive_margin {
-                p = p.redrive_margin(margin);
-            }
-            Ok(Arc::new(p))
-        }
-        "square" => {
-            let mut p = Square::with_base_url(&base(square::DEFAULT_BASE_URL), api_key)
-                .map_err(http)?
-                .with_name(name.clone());
-            if let Some(window) = config.processing_window {
-                p = p.processing_window(window);
-            }
-            Ok(Arc::new(p))
-        }
-        "paypal" => {
-            let mut p = PayPal::with_base_url(&base(paypal::DEFAULT_BASE_URL), api_key)
-                .map_err(http)?
-                .with_name(name.clone());
-            if let Some(margin) = config.redrive_margin {
-                p = p.redrive_margin(margin);
-            }
-            if let Some(retention) = config.retention {
-                p = p.retention(retention);
-            }
-            Ok(Arc::new(p))
-        }
-        "resend" => {
-            let mut p = Resend::with_base_url(&base(resend::DEFAULT_BASE_URL), api_key)
-                .map_err(http)?
-                .with_name(name.clone());
-            if let Some(margin) = config.redrive_margin {
-                p = p.redrive_margin(margin);
-            }
-            Ok(Arc::new(p))
-        }
+        "stripe" => adapter!(Stripe, stripe, search_lag),
+        "postmark" => adapter!(Postmark, postmark, search_lag),
+        "adyen" => adapter!(Adyen, adyen, redrive_margin),
+        "square" => adapter!(Square, square, processing_window),
+        "paypal" => adapter!(PayPal, paypal, redrive_margin, retention),
+        "resend" => adapter!(Resend, resend, redrive_margin),
         other => Err(ProviderConfigError::UnknownKind {
             kind: other.to_owned(),
             known: known_kinds().join(", "),
         }),
+    }
+}
+
+/// Refuses a setting given for a kind it does not apply to.
+#[cfg(feature = "http")]
+fn check_settings(config: &ProviderConfig, name: &str) -> Result<(), ProviderConfigError> {
+    let kind = config.kind.as_str();
+    // (given, the kinds it applies to, why not here)
+    let settings: [(bool, &[&str], String); 4] = [
+        (
+            config.redrive_margin.is_some(),
+            &["resend", "adyen", "paypal"],
+            "redrive_margin applies to resend, adyen and paypal only (their lookup is a re-send); the sweeper's [sweeper] redrive_margin governs re-drives".to_owned(),
+        ),
+        (
+            config.search_lag.is_some(),
+            &["stripe", "postmark"],
+            format!(
+                "search_lag does not apply to {kind} (its lookup is a same-key re-send, not a search)"
+            ),
+        ),
+        (
+            config.retention.is_some(),
+            &["paypal"],
+            "retention applies to paypal only (PayPal-Request-Id retention, 6 h unless PayPal raised it)".to_owned(),
+        ),
+        (
+            config.processing_window.is_some(),
+            &["square"],
+            "processing_window applies to square only (how long a void by key waits after the latest attempt)".to_owned(),
+        ),
+    ];
+    match settings
+        .into_iter()
+        .find(|(given, kinds, _)| *given && !kinds.contains(&kind))
+    {
+        Some((_, _, detail)) => Err(ProviderConfigError::Invalid {
+            provider: name.to_owned(),
+            detail,
+        }),
+        None => Ok(()),
     }
 }
 

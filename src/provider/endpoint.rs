@@ -125,7 +125,9 @@ impl Endpoint {
 
 /// Generates what every HTTP adapter shares around its `endpoint` field: the constructors
 /// `new` (the provider's `DEFAULT_BASE_URL`) and `with_base_url`, and the builder methods
-/// `with_name`, `http_config` and `base_url`; `defaults` sets the adapter's other fields.
+/// `with_name`, `http_config` and `base_url`. Each of `settings` is another field of the
+/// adapter: its default, and a builder method of its name that sets it (documented by the
+/// setting's doc comment).
 macro_rules! http_adapter {
     (
         $adapter:ident {
@@ -133,7 +135,9 @@ macro_rules! http_adapter {
             key: $key_doc:literal,
             auth: $auth:expr,
             headers: $headers:expr,
-            defaults: { $($field:ident: $value:expr),* $(,)? } $(,)?
+            settings: {
+                $( $(#[$setting_doc:meta])* $field:ident: $ty:ty = $value:expr ),* $(,)?
+            } $(,)?
         }
     ) => {
         impl $adapter {
@@ -177,6 +181,14 @@ macro_rules! http_adapter {
             pub fn base_url(&self) -> &str {
                 self.endpoint.base_url()
             }
+
+            $(
+                $(#[$setting_doc])*
+                pub fn $field(mut self, $field: $ty) -> Self {
+                    self.$field = $field;
+                    self
+                }
+            )*
         }
     };
 }

@@ -44,6 +44,9 @@ http_modules! {
 }
 
 #[cfg(feature = "http")]
+mod answers;
+
+#[cfg(feature = "http")]
 pub use adyen::Adyen;
 #[cfg(feature = "http")]
 pub use paypal::PayPal;

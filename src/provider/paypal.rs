@@ -32,14 +32,11 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
-use chrono::{DateTime, Utc};
-use serde_json::Value;
-
+use super::CallOutcome;
+use super::answers::Answers;
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
-use super::replay::ReplayLookup;
-use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
+use super::http::{Classified, HttpReply};
+use super::replay::same_key_provider;
 
 /// PayPal's REST API base (live; the sandbox is `https://api-m.sandbox.paypal.com`).
 pub const DEFAULT_BASE_URL: &str = "https://api-m.paypal.com";
@@ -54,6 +51,15 @@ pub const DEFAULT_REDRIVE_MARGIN: Duration = super::DEFAULT_REDRIVE_MARGIN;
 
 const KEPT_HEADERS: &[&str] = &["paypal-debug-id"];
 
+const ANSWERS: Answers = Answers {
+    provider: "PayPal",
+    credential: "access token",
+    effect: "done",
+    kept_headers: KEPT_HEADERS,
+    in_flight_on_409: true,
+    rejects: |s| matches!(s, 400 | 404 | 405 | 415 | 422),
+};
+
 /// PayPal Orders v2 (create order).
 #[derive(Debug, Clone)]
 pub struct PayPal {
@@ -67,104 +73,42 @@ http_adapter!(PayPal {
     key: "an OAuth access token",
     auth: Auth::Bearer,
     headers: &[("Prefer", "return=representation")],
-    defaults: { retention: DEFAULT_RETENTION, redrive_margin: DEFAULT_REDRIVE_MARGIN },
+    settings: {
+        /// Sets how long PayPal keeps a `PayPal-Request-Id` for this account (default 6 h; 72 h
+        /// when PayPal raised it). Never set it longer than PayPal confirmed.
+        retention: Duration = DEFAULT_RETENTION,
+        /// Sets the margin kept before the end of the retention: `lookup` re-sends only while
+        /// `age + margin < retention`. Keep it at least the sweeper's `redrive_margin`.
+        redrive_margin: Duration = DEFAULT_REDRIVE_MARGIN,
+    },
 });
 
 impl PayPal {
-    /// Sets how long PayPal keeps a `PayPal-Request-Id` for this account (default 6 h; 72 h
-    /// when PayPal raised it). Never set it longer than PayPal confirmed.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
-        self
-    }
-
-    /// Sets the margin kept before the end of the retention: `lookup` re-sends only while
-    /// `age + margin < retention`. Keep it at least the sweeper's `redrive_margin`.
-    pub fn redrive_margin(mut self, margin: Duration) -> Self {
-        self.redrive_margin = margin;
-        self
-    }
-
     fn classify(reply: &HttpReply) -> Classified {
-        let status = reply.status;
         let name = reply.json_str("/name").unwrap_or_default();
         let issue = reply.json_str("/details/0/issue").unwrap_or_default();
         let message = reply.message("/message");
-        let outcome = match status {
-            200..=299 => CallOutcome::Succeeded {
-                response: reply.to_response(KEPT_HEADERS),
-                replayed: false,
-            },
-            _ if matches!(
-                issue.as_str(),
+        let reused = |s: &str| {
+            matches!(
+                s,
                 "PAYPAL_REQUEST_ID_PREVIOUSLY_USED" | "DUPLICATE_REQUEST_ID"
-            ) || matches!(
-                name.as_str(),
-                "PAYPAL_REQUEST_ID_PREVIOUSLY_USED" | "DUPLICATE_REQUEST_ID"
-            ) =>
-            {
-                CallOutcome::KeyConflict {
-                    detail: format!("{name} {issue}: {message}"),
-                }
-            }
-            401 | 403 => CallOutcome::Retryable {
-                reason: format!(
-                    "PayPal refused the access token ({status} {name}), nothing was done: {message}"
-                ),
-                retry_after: None,
+            )
+        };
+        let outcome = match reply.status {
+            200..=299 => ANSWERS.succeeded(reply, false),
+            _ if reused(&issue) || reused(&name) => CallOutcome::KeyConflict {
+                detail: format!("{name} {issue}: {message}"),
             },
-            409 => CallOutcome::InFlight {
-                retry_after: reply.retry_after(),
-            },
-            400 | 404 | 405 | 415 | 422 => CallOutcome::Rejected {
-                response: reply.to_response(KEPT_HEADERS),
-            },
-            _ => classify_status(reply),
+            _ => ANSWERS.classify(reply, Some(&name), &message),
         };
         Classified::new(outcome)
     }
 }
 
-#[async_trait]
-impl Provider for PayPal {
-    fn name(&self) -> &str {
-        self.endpoint.name()
-    }
-
-    fn key_spec(&self) -> KeySpec {
-        KeySpec {
-            max_len: KEY_MAX_LEN,
-            retention: Some(self.retention),
-            replays_same_key: true,
-        }
-    }
-
-    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
-        self.endpoint
-            .send(
-                RetryUnknown::SameKeyReplays,
-                ORDERS_PATH,
-                |req| req.header("PayPal-Request-Id", provider_key).json(request),
-                Self::classify,
-            )
-            .await
-    }
-
-    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn lookup(
-        &self,
-        provider_key: &str,
-        request: &Value,
-        attempts: Attempts,
-        now: DateTime<Utc>,
-    ) -> Lookup {
-        ReplayLookup {
-            provider: "PayPal",
-            window: self.retention,
-            margin: self.redrive_margin,
-        }
-        .run(request, attempts, now, self.call(provider_key, request))
-        .await
-    }
-}
+same_key_provider!(PayPal {
+    provider: "PayPal",
+    path: ORDERS_PATH,
+    key_header: "PayPal-Request-Id",
+    max_len: KEY_MAX_LEN,
+    key_window: |paypal| paypal.retention,
+});

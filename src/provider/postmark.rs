@@ -27,7 +27,8 @@ use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::answers::{Answers, refused_unsent};
+use super::http::{Classified, HttpReply, RetryUnknown};
 use super::search::MetadataSearch;
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
 use crate::{Outcome, StoredResponse};
@@ -43,6 +44,15 @@ pub const MESSAGE_RETENTION: Duration = Duration::from_secs(45 * 24 * 3600);
 /// Postmark's limit on a metadata value's length.
 pub const METADATA_VALUE_MAX: usize = 80;
 
+const ANSWERS: Answers = Answers {
+    provider: "Postmark",
+    credential: "server token",
+    effect: "sent",
+    kept_headers: &[],
+    in_flight_on_409: false,
+    rejects: |s| matches!(s, 400 | 404 | 413 | 422),
+};
+
 /// Postmark transactional email.
 #[derive(Debug, Clone)]
 pub struct Postmark {
@@ -55,16 +65,13 @@ http_adapter!(Postmark {
     key: "a server token",
     auth: Auth::Header("X-Postmark-Server-Token"),
     headers: &[("Accept", "application/json")],
-    defaults: { search_lag: DEFAULT_SEARCH_LAG },
+    settings: {
+        /// Sets how long after the first send an empty search result is still not trusted.
+        search_lag: Duration = DEFAULT_SEARCH_LAG,
+    },
 });
 
 impl Postmark {
-    /// Sets how long after the first send an empty search result is still not trusted.
-    pub fn search_lag(mut self, lag: Duration) -> Self {
-        self.search_lag = lag;
-        self
-    }
-
     /// The body sent for `request`: the request with `Metadata.idemflow_key` set.
     pub fn body(provider_key: &str, request: &Value) -> Result<Value, String> {
         let Value::Object(map) = request else {
@@ -88,23 +95,10 @@ impl Postmark {
 
     fn classify(reply: &HttpReply) -> Classified {
         let code = reply.json().and_then(|b| b.get("ErrorCode")?.as_i64());
-        let message = reply.message("/Message");
-        let status = reply.status;
-        let outcome = match status {
-            200..=299 if code.unwrap_or(0) == 0 => CallOutcome::Succeeded {
-                response: reply.to_response(&[]),
-                replayed: false,
-            },
-            200..=299 | 400 | 404 | 413 | 422 => CallOutcome::Rejected {
-                response: reply.to_response(&[]),
-            },
-            401 | 403 => CallOutcome::Retryable {
-                reason: format!(
-                    "Postmark refused the server token ({status}), nothing was sent: {message}"
-                ),
-                retry_after: None,
-            },
-            _ => classify_status(reply),
+        let outcome = match reply.status {
+            200..=299 if code.unwrap_or(0) == 0 => ANSWERS.succeeded(reply, false),
+            200..=299 => ANSWERS.rejected(reply),
+            _ => ANSWERS.classify(reply, None, &reply.message("/Message")),
         };
         Classified::new(outcome)
     }
@@ -150,10 +144,7 @@ impl Provider for Postmark {
         let body = match Self::body(provider_key, request) {
             Ok(b) => b,
             Err(detail) => {
-                return CallOutcome::Rejected {
-                    response: StoredResponse::json(422, &json!({"ErrorCode": 300, "Message": detail}))
-                        .unwrap_or_else(|_| StoredResponse::new(422)),
-                };
+                return refused_unsent(422, &json!({"ErrorCode": 300, "Message": detail}));
             }
         };
         self.endpoint

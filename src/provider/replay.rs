@@ -1,7 +1,7 @@
 //! Lookups by same-key re-send (feature `http`): for providers that answer a re-send with the
-//! same key inside their dedup window from their own records (Adyen, PayPal, Square) and offer
-//! no way to find a request by our key, the lookup *is* the re-send, allowed only while the key
-//! is surely still remembered.
+//! same key inside their dedup window from their own records (Adyen, PayPal, Resend, Square)
+//! and offer no way to find a request by our key, the lookup *is* the re-send, allowed only
+//! while the key is surely still remembered.
 //!
 //! | Situation                                                   | [`Lookup`]                   |
 //! |-------------------------------------------------------------|------------------------------|
@@ -96,6 +96,81 @@ pub fn answer_of_resend(provider: &str, outcome: CallOutcome) -> Lookup {
         }
     }
 }
+
+/// Implements [`Provider`](super::Provider) for an adapter whose provider replays a same-key
+/// re-send inside its key window and cannot be searched by our key (Adyen, PayPal, Resend): the
+/// stored JSON request is the body, the provider key travels in `key_header`, `call` posts it to
+/// `path` (re-sent with the same key after an unknown outcome) and reads each answer with the
+/// adapter's `classify`, and `lookup` is a [`ReplayLookup`] over `key_window` (counted from the
+/// first send) less the adapter's `redrive_margin`.
+macro_rules! same_key_provider {
+    (
+        $adapter:ident {
+            provider: $label:literal,
+            path: $path:expr,
+            key_header: $key_header:literal,
+            max_len: $max_len:expr,
+            key_window: $key_window:expr $(,)?
+        }
+    ) => {
+        impl $adapter {
+            fn key_window(&self) -> std::time::Duration {
+                let window: fn(&Self) -> std::time::Duration = $key_window;
+                window(self)
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl $crate::provider::Provider for $adapter {
+            fn name(&self) -> &str {
+                self.endpoint.name()
+            }
+
+            fn key_spec(&self) -> $crate::provider::KeySpec {
+                $crate::provider::KeySpec {
+                    max_len: $max_len,
+                    retention: Some(self.key_window()),
+                    replays_same_key: true,
+                }
+            }
+
+            #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
+            async fn call(
+                &self,
+                provider_key: &str,
+                request: &serde_json::Value,
+            ) -> $crate::provider::CallOutcome {
+                self.endpoint
+                    .send(
+                        $crate::provider::http::RetryUnknown::SameKeyReplays,
+                        $path,
+                        |req| req.header($key_header, provider_key).json(request),
+                        Self::classify,
+                    )
+                    .await
+            }
+
+            #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
+            async fn lookup(
+                &self,
+                provider_key: &str,
+                request: &serde_json::Value,
+                attempts: $crate::provider::Attempts,
+                now: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::provider::Lookup {
+                $crate::provider::replay::ReplayLookup {
+                    provider: $label,
+                    window: self.key_window(),
+                    margin: self.redrive_margin,
+                }
+                .run(request, attempts, now, self.call(provider_key, request))
+                .await
+            }
+        }
+    };
+}
+
+pub(crate) use same_key_provider;
 
 #[cfg(test)]
 mod tests {

@@ -13,26 +13,23 @@
 //! | 429 (rate limit, daily quota)                    | `Retryable { retry_after }`  |
 //! | 5xx, anything else                               | `Unknown`                    |
 //!
-//! Resend keeps keys for 24 h and answers a same-key, same-payload re-send with the first
-//! result "without actually sending", so the adapter's retry loop re-sends after an unknown
-//! outcome, and `lookup` is a re-send while the key is still remembered: younger than 24 h
-//! minus [`Resend::redrive_margin`] (default [`DEFAULT_REDRIVE_MARGIN`], the sweeper's default
-//! `redrive_margin`; keep the two equal, or this one larger). Resend offers no way to find an
-//! email by our key, so `lookup` answers [`Lookup::NeedsOperator`] without sending anything when
-//! the key is within that margin of the window's end or past it, or when the request to re-send
-//! was not stored (the sweeper passes `Null`), or when Resend holds the key for another
-//! payload: the sweeper reports the key for an operator.
+//! Resend keeps keys for 24 h and answers a same-key, same-payload re-send with the first result
+//! "without actually sending", so the adapter's retry loop re-sends after an unknown outcome, and
+//! `lookup` is a re-send while the key is still remembered: younger than 24 h minus
+//! [`Resend::redrive_margin`] (default [`DEFAULT_REDRIVE_MARGIN`], the sweeper's default
+//! `redrive_margin`; keep the two equal, or this one larger). Resend offers no way to find an email
+//! by our key, so `lookup` answers [`Lookup::NeedsOperator`](super::Lookup::NeedsOperator) without
+//! sending anything when the key is within that margin of the window's end or past it, or when the
+//! request to re-send was not stored (the sweeper passes `Null`), or when Resend holds the key for
+//! another payload: the sweeper reports the key for an operator.
 
 use std::time::Duration;
 
-use async_trait::async_trait;
-use chrono::{DateTime, Utc};
-use serde_json::Value;
-
+use super::CallOutcome;
+use super::answers::Answers;
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
-use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
-use crate::Outcome;
+use super::http::{Classified, HttpReply};
+use super::replay::same_key_provider;
 
 /// Resend's API base.
 pub const DEFAULT_BASE_URL: &str = "https://api.resend.com";
@@ -41,6 +38,15 @@ pub const RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// Default margin kept before the end of [`RETENTION`] when re-sending as a lookup: the
 /// sweeper's default (`provider::DEFAULT_REDRIVE_MARGIN`, 1 h).
 pub const DEFAULT_REDRIVE_MARGIN: Duration = super::DEFAULT_REDRIVE_MARGIN;
+
+const ANSWERS: Answers = Answers {
+    provider: "Resend",
+    credential: "API key",
+    effect: "sent",
+    kept_headers: &[],
+    in_flight_on_409: true,
+    rejects: |s| matches!(s, 400 | 404 | 405 | 413 | 422),
+};
 
 /// Resend transactional email.
 #[derive(Debug, Clone)]
@@ -54,115 +60,36 @@ http_adapter!(Resend {
     key: "an API key (`re_...`)",
     auth: Auth::Bearer,
     headers: &[],
-    defaults: { redrive_margin: DEFAULT_REDRIVE_MARGIN },
+    settings: {
+        /// Sets the margin kept before the end of Resend's 24 h key window: `lookup` re-sends
+        /// only while `age + margin < 24 h`. Keep it at least the sweeper's `redrive_margin`
+        /// (both default to 1 h): the sweeper looks a key up once it judges a re-send unsafe.
+        redrive_margin: Duration = DEFAULT_REDRIVE_MARGIN,
+    },
 });
 
 impl Resend {
-    /// Sets the margin kept before the end of Resend's 24 h key window: `lookup` re-sends only
-    /// while `age + margin < 24 h`. Keep it at least the sweeper's `redrive_margin` (both
-    /// default to 1 h): the sweeper looks a key up once it judges a re-send unsafe.
-    pub fn redrive_margin(mut self, margin: Duration) -> Self {
-        self.redrive_margin = margin;
-        self
-    }
-
     fn classify(reply: &HttpReply) -> Classified {
         let name = reply.json_str("/name").unwrap_or_default();
         let message = reply.message("/message");
-        let status = reply.status;
-        let outcome = match status {
-            200..=299 => CallOutcome::Succeeded {
-                response: reply.to_response(&[]),
-                replayed: false,
-            },
+        let outcome = match reply.status {
             409 if name == "invalid_idempotent_request" => {
                 CallOutcome::KeyConflict { detail: message }
             }
-            409 => CallOutcome::InFlight {
-                retry_after: reply.retry_after(),
-            },
-            401 | 403 => CallOutcome::Retryable {
-                reason: format!(
-                    "Resend refused the API key ({status} {name}), nothing was sent: {message}"
-                ),
-                retry_after: None,
-            },
-            400 | 404 | 405 | 413 | 422 => CallOutcome::Rejected {
-                response: reply.to_response(&[]),
-            },
-            _ => classify_status(reply),
+            _ => ANSWERS.classify(reply, Some(&name), &message),
         };
         Classified::new(outcome)
     }
 }
 
-#[async_trait]
-impl Provider for Resend {
-    fn name(&self) -> &str {
-        self.endpoint.name()
-    }
-
-    fn key_spec(&self) -> KeySpec {
-        KeySpec {
-            max_len: 256,
-            retention: Some(RETENTION),
-            replays_same_key: true,
-        }
-    }
-
-    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
-        self.endpoint
-            .send(
-                RetryUnknown::SameKeyReplays,
-                "/emails",
-                |req| req.header("Idempotency-Key", provider_key).json(request),
-                Self::classify,
-            )
-            .await
-    }
-
-    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn lookup(
-        &self,
-        provider_key: &str,
-        request: &Value,
-        attempts: Attempts,
-        now: DateTime<Utc>,
-    ) -> Lookup {
-        if request.is_null() {
-            // Re-sending `null` draws a 400 that would read as a refusal of the email.
-            return Lookup::NeedsOperator {
-                reason: "the request was not stored, so it cannot be re-sent, and Resend cannot be searched by our key".to_owned(),
-            };
-        }
-        // Resend's key window counts from the first send, not from a later attempt: a re-send
-        // near or past it could send a second email.
-        let age = (now - attempts.first_sent_at).to_std().unwrap_or_default();
-        if age.saturating_add(self.redrive_margin) >= RETENTION {
-            // Resend may have forgotten the key: a re-send could send a second email, and
-            // Resend cannot be searched by our key. Waiting does not help.
-            return Lookup::NeedsOperator {
-                reason: format!(
-                    "first sent {}s ago, within {}s of the end of Resend's 24 h key window or past it: a re-send could send a second email, and Resend cannot be searched by our key",
-                    age.as_secs(),
-                    self.redrive_margin.as_secs()
-                ),
-            };
-        }
-        match self.call(provider_key, request).await {
-            CallOutcome::Succeeded { response, .. } => Lookup::Found(Outcome::Succeeded(response)),
-            CallOutcome::Rejected { response } => Lookup::Found(Outcome::Rejected(response)),
-            CallOutcome::Retryable { retry_after, .. } | CallOutcome::InFlight { retry_after } => {
-                Lookup::Unknown { retry_after }
-            }
-            CallOutcome::KeyConflict { detail } => Lookup::NeedsOperator {
-                reason: format!("Resend holds this key for another payload: {detail}"),
-            },
-            CallOutcome::Unknown { reason } => {
-                tracing::warn!(%reason, "resend re-send outcome unknown");
-                Lookup::Unknown { retry_after: None }
-            }
-        }
-    }
-}
+// Resend's key window counts from the first send, not from a later attempt. Without a stored
+// request (re-sending `null` draws a 400 that would read as a refusal of the email), or near or
+// past the window's end (a re-send could send a second email), `lookup` sends nothing: Resend
+// cannot be searched by our key, and waiting does not help.
+same_key_provider!(Resend {
+    provider: "Resend",
+    path: "/emails",
+    key_header: "Idempotency-Key",
+    max_len: 256,
+    key_window: |_| RETENTION,
+});

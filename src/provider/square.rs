@@ -48,10 +48,10 @@ use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
-use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
+use super::answers::{Answers, refused_unsent};
+use super::http::{Classified, HttpReply, RetryUnknown};
 use super::replay::answer_of_resend;
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider, VoidOutcome};
-use crate::StoredResponse;
 
 /// Square's API base (production; the sandbox is `https://connect.squareupsandbox.com`).
 pub const DEFAULT_BASE_URL: &str = "https://connect.squareup.com";
@@ -69,6 +69,15 @@ pub const DEFAULT_PROCESSING_WINDOW: std::time::Duration = std::time::Duration::
 /// The Square API version sent in `Square-Version`.
 pub const API_VERSION: &str = "2025-01-23";
 
+const ANSWERS: Answers = Answers {
+    provider: "Square",
+    credential: "access token",
+    effect: "done",
+    kept_headers: &[],
+    in_flight_on_409: true,
+    rejects: |s| matches!(s, 400 | 402 | 404 | 405 | 413 | 415 | 422),
+};
+
 /// Square Payments API (CreatePayment, CancelPaymentByIdempotencyKey).
 #[derive(Debug, Clone)]
 pub struct Square {
@@ -81,19 +90,16 @@ http_adapter!(Square {
     key: "an access token",
     auth: Auth::Bearer,
     headers: &[("Square-Version", API_VERSION), ("Accept", "application/json")],
-    defaults: { processing_window: DEFAULT_PROCESSING_WINDOW },
+    settings: {
+        /// Sets how long after a CreatePayment was sent Square may still make the payment
+        /// (default [`DEFAULT_PROCESSING_WINDOW`]): a void by key confirmed sooner after the key's
+        /// latest attempt leaves the key processing, and the sweeper voids (or finds the payment)
+        /// again once the window has passed.
+        processing_window: std::time::Duration = DEFAULT_PROCESSING_WINDOW,
+    },
 });
 
 impl Square {
-    /// Sets how long after a CreatePayment was sent Square may still make the payment (default
-    /// [`DEFAULT_PROCESSING_WINDOW`]): a void by key confirmed sooner after the key's latest
-    /// attempt leaves the key processing, and the sweeper voids (or finds the payment) again
-    /// once the window has passed.
-    pub fn processing_window(mut self, window: std::time::Duration) -> Self {
-        self.processing_window = window;
-        self
-    }
-
     /// The body sent for `request` with `provider_key`: the request with `idempotency_key` set.
     pub fn body(provider_key: &str, request: &Value) -> Result<Value, String> {
         let Value::Object(map) = request else {
@@ -118,42 +124,23 @@ impl Square {
 
     fn classify(reply: &HttpReply) -> Classified {
         let status = reply.status;
+        if (200..=299).contains(&status) {
+            // The payment made under the key, as the provider reports it: a refusal is
+            // definitive.
+            let state = reply.json_str("/payment/status").unwrap_or_default();
+            return ANSWERS.payment(reply, matches!(state.as_str(), "CANCELED" | "FAILED"));
+        }
         let (category, code, detail) = Self::first_error(reply);
-        let outcome = match status {
-            200..=299 => {
-                let state = reply.json_str("/payment/status").unwrap_or_default();
-                if matches!(state.as_str(), "CANCELED" | "FAILED") {
-                    // The payment made under the key, as the provider reports it: definitive.
-                    return Classified::definitive(CallOutcome::Rejected {
-                        response: reply.to_response(&[]),
-                    });
-                } else {
-                    CallOutcome::Succeeded {
-                        response: reply.to_response(&[]),
-                        replayed: false,
-                    }
-                }
-            }
-            _ if code == "IDEMPOTENCY_KEY_REUSED" => CallOutcome::KeyConflict { detail },
-            _ if code == "TEMPORARY_ERROR" => CallOutcome::Unknown {
+        let outcome = if code == "IDEMPOTENCY_KEY_REUSED" {
+            CallOutcome::KeyConflict { detail }
+        } else if code == "TEMPORARY_ERROR" {
+            CallOutcome::Unknown {
                 reason: format!("Square {status} TEMPORARY_ERROR: {detail}"),
-            },
-            _ if category == "PAYMENT_METHOD_ERROR" => CallOutcome::Rejected {
-                response: reply.to_response(&[]),
-            },
-            401 | 403 => CallOutcome::Retryable {
-                reason: format!(
-                    "Square refused the access token ({status} {code}), nothing was done: {detail}"
-                ),
-                retry_after: None,
-            },
-            409 => CallOutcome::InFlight {
-                retry_after: reply.retry_after(),
-            },
-            400 | 402 | 404 | 405 | 413 | 415 | 422 => CallOutcome::Rejected {
-                response: reply.to_response(&[]),
-            },
-            _ => classify_status(reply),
+            }
+        } else if category == "PAYMENT_METHOD_ERROR" {
+            ANSWERS.rejected(reply)
+        } else {
+            ANSWERS.classify(reply, Some(&code), &detail)
         };
         Classified::new(outcome)
     }
@@ -200,14 +187,9 @@ impl Provider for Square {
         let body = match Self::body(provider_key, request) {
             Ok(b) => b,
             Err(detail) => {
-                return CallOutcome::Rejected {
-                    response: StoredResponse::json(
-                        400,
-                        &json!({"errors": [{"category": "INVALID_REQUEST_ERROR",
-                                            "code": "BAD_REQUEST", "detail": detail}]}),
-                    )
-                    .unwrap_or_else(|_| StoredResponse::new(400)),
-                };
+                let error = json!({"category": "INVALID_REQUEST_ERROR",
+                                   "code": "BAD_REQUEST", "detail": detail});
+                return refused_unsent(400, &json!({ "errors": [error] }));
             }
         };
         self.endpoint

@@ -44,6 +44,7 @@ use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 
 use super::endpoint::{Auth, Endpoint, http_adapter};
+use super::answers::{Answers, refused_unsent};
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
 use super::search::MetadataSearch;
 use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
@@ -62,6 +63,17 @@ pub const DEFAULT_SEARCH_LAG: Duration = Duration::from_secs(60);
 /// never pass for idemflow's own (see `docs/http.md`, "What is fingerprinted and what is stored").
 const KEPT_HEADERS: &[&str] = &[];
 
+/// A 402 (a decline) and the other 4xx but 424 refuse the request; 429, 401 and 403 are read
+/// before.
+const ANSWERS: Answers = Answers {
+    provider: "Stripe",
+    credential: "API key",
+    effect: "done",
+    kept_headers: KEPT_HEADERS,
+    in_flight_on_409: true,
+    rejects: |s| (400..=499).contains(&s) && s != 424,
+};
+
 /// Stripe PaymentIntents (create + confirm).
 #[derive(Debug, Clone)]
 pub struct Stripe {
@@ -74,16 +86,13 @@ http_adapter!(Stripe {
     key: "a secret key (`sk_...`)",
     auth: Auth::Bearer,
     headers: &[],
-    defaults: { search_lag: DEFAULT_SEARCH_LAG },
+    settings: {
+        /// Sets how long after the first send an empty search result is still not trusted.
+        search_lag: Duration = DEFAULT_SEARCH_LAG,
+    },
 });
 
 impl Stripe {
-    /// Sets how long after the first send an empty search result is still not trusted.
-    pub fn search_lag(mut self, lag: Duration) -> Self {
-        self.search_lag = lag;
-        self
-    }
-
     /// The form fields sent for `request` with `provider_key`, in the order sent.
     pub fn form_fields(
         provider_key: &str,
@@ -116,37 +125,24 @@ impl Stripe {
             .map(|v| v.eq_ignore_ascii_case("true"));
         let status = reply.status;
         let outcome = match status {
-            200..=299 => CallOutcome::Succeeded {
-                response: reply.to_response(KEPT_HEADERS),
-                replayed: reply
+            200..=299 => ANSWERS.succeeded(
+                reply,
+                reply
                     .header("idempotent-replayed")
                     .is_some_and(|v| v.eq_ignore_ascii_case("true")),
-            },
-            402 => CallOutcome::Rejected {
-                response: reply.to_response(KEPT_HEADERS),
-            },
+            ),
             400 if err_type == "idempotency_error" => CallOutcome::KeyConflict { detail: message },
-            409 => CallOutcome::InFlight {
-                retry_after: reply.retry_after(),
-            },
             429 => CallOutcome::Retryable {
                 reason: format!("Stripe 429 {err_code}: {message}"),
                 retry_after: reply.retry_after(),
             },
-            401 | 403 => CallOutcome::Retryable {
-                reason: format!(
-                    "Stripe refused the API key ({status}), nothing was done: {message}"
-                ),
-                retry_after: None,
-            },
-            400..=499 if status != 424 => CallOutcome::Rejected {
-                response: reply.to_response(KEPT_HEADERS),
-            },
-            _ if should_retry == Some(true) => CallOutcome::Retryable {
-                reason: format!("Stripe {status} with Stripe-Should-Retry: true: {message}"),
-                retry_after: reply.retry_after(),
-            },
-            _ => classify_status(reply),
+            _ => ANSWERS.classify_or(reply, None, &message, || match should_retry {
+                Some(true) => CallOutcome::Retryable {
+                    reason: format!("Stripe {status} with Stripe-Should-Retry: true: {message}"),
+                    retry_after: reply.retry_after(),
+                },
+                _ => classify_status(reply),
+            }),
         };
         let classified = match should_retry {
             Some(false) => Classified::final_answer(outcome),
@@ -262,13 +258,8 @@ impl Provider for Stripe {
         let fields = match Self::form_fields(provider_key, request) {
             Ok(f) => f,
             Err(detail) => {
-                return CallOutcome::Rejected {
-                    response: StoredResponse::json(
-                        400,
-                        &json!({"error": {"type": "idemflow_invalid_request", "message": detail}}),
-                    )
-                    .unwrap_or_else(|_| StoredResponse::new(400)),
-                };
+                let error = json!({"type": "idemflow_invalid_request", "message": detail});
+                return refused_unsent(400, &json!({ "error": error }));
             }
         };
         self.endpoint

@@ -1,18 +1,17 @@
 //! The fake Adyen (`POST /v71/payments`).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
+use super::server::{EffectRequest, FakeApi, Shared, fake_handle};
 use super::{
-    Effect, Fault, KeyEntry, deliver, header_value, json_response, lock, raw_response,
-    retry_after_secs,
+    Effect, Keys, Saved, header_value, json_object, json_response, missing_field, raw_response,
 };
 
 fake_handle! {
@@ -25,7 +24,7 @@ fake_handle! {
 
 #[derive(Debug, Default)]
 struct AdyenState {
-    keys: Mutex<HashMap<String, KeyEntry>>,
+    keys: Keys<Saved>,
 }
 
 impl FakeAdyen {
@@ -33,6 +32,33 @@ impl FakeAdyen {
     pub const API_KEY: &'static str = "AQE_test_idemflow_fake";
     /// A `paymentMethod.number` that is refused (`resultCode: Refused`).
     pub const REFUSED_CARD: &'static str = "4000300011112220";
+}
+
+impl FakeApi for AdyenState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        (header_value(headers, "x-api-key").as_deref() != Some(FakeAdyen::API_KEY)).then(|| {
+            adyen_error(
+                401,
+                "000",
+                "HTTP Status Response - Unauthorized",
+                "security",
+            )
+        })
+    }
+
+    fn server_error(status: u16) -> Response {
+        adyen_error(
+            status,
+            "905",
+            "injected server error (nothing executed)",
+            "internal",
+        )
+    }
+
+    fn rate_limited() -> Value {
+        json!({"status": 429, "errorCode": "000", "message": "Too many requests",
+               "errorType": "validation"})
+    }
 }
 
 fn adyen_error(status: u16, code: &str, message: &str, kind: &str) -> Response {
@@ -43,41 +69,10 @@ fn adyen_error(status: u16, code: &str, message: &str, kind: &str) -> Response {
     )
 }
 
-async fn payments(
-    State(s): State<Arc<Shared<AdyenState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    Received { headers, body, .. }: Received,
-) -> Response {
-    if header_value(&headers, "x-api-key").as_deref() != Some(FakeAdyen::API_KEY) {
-        return adyen_error(
-            401,
-            "000",
-            "HTTP Status Response - Unauthorized",
-            "security",
-        );
-    }
-    let after = match s.common.faults.next().await {
-        Some(Fault::ServerError { status }) => {
-            return adyen_error(
-                status,
-                "905",
-                "injected server error (nothing executed)",
-                "internal",
-            );
-        }
-        Some(Fault::RateLimited { retry_after }) => {
-            return json_response(
-                429,
-                &json!({"status": 429, "errorCode": "000", "message": "Too many requests",
-                        "errorType": "validation"}),
-                &[("retry-after", retry_after_secs(retry_after))],
-            );
-        }
-        other => other,
-    };
-    let payment: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        _ => return adyen_error(400, "702", "Malformed JSON", "validation"),
+async fn payments(State(s): State<Arc<Shared<AdyenState>>>, request: EffectRequest) -> Response {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
+    let Some(payment) = json_object(&body) else {
+        return adyen_error(400, "702", "Malformed JSON", "validation");
     };
     let key = header_value(&headers, "idempotency-key");
     let params = crate::fingerprint::canonical_json(&payment);
@@ -95,63 +90,42 @@ async fn payments(
                 "validation",
             );
         }
-        let replay = {
-            let mut keys = lock(&s.keys);
-            match keys.get(key) {
-                // Not documented by Adyen: the fake answers 409 while the first runs.
-                Some(KeyEntry::Running) => {
-                    return adyen_error(
-                        409,
-                        "000",
-                        "a request with this Idempotency-Key is in progress",
-                        "validation",
-                    );
-                }
-                // Not documented by Adyen either: another payload under a used key is refused.
-                Some(KeyEntry::Done { params: p, .. }) if *p != params => {
-                    return adyen_error(
-                        422,
-                        "000",
-                        "Idempotency-Key already used with another request",
-                        "validation",
-                    );
-                }
-                Some(KeyEntry::Done { status, body, .. }) => Some(raw_response(
-                    *status,
-                    body.clone(),
-                    &echo(&Some(key.clone())),
-                )),
-                None => {
-                    keys.insert(key.clone(), KeyEntry::Running);
-                    None
-                }
-            }
+        // Not documented by Adyen: the fake answers 409 while the first runs, and refuses
+        // another payload under a used key.
+        let running = || {
+            adyen_error(
+                409,
+                "000",
+                "a request with this Idempotency-Key is in progress",
+                "validation",
+            )
         };
-        if let Some(r) = replay {
-            return deliver(after, &kill, r).await;
+        let conflict = || {
+            adyen_error(
+                422,
+                "000",
+                "Idempotency-Key already used with another request",
+                "validation",
+            )
+        };
+        let done = |saved: &Saved| saved.answer(&params, conflict, &echo(&Some(key.clone())));
+        if let Err(r) = delivery.claim(&s.keys, key, running, done).await {
+            return r;
         }
     }
-    let missing = ["amount", "merchantAccount", "paymentMethod", "reference"]
-        .into_iter()
-        .find(|f| payment.get(*f).is_none_or(Value::is_null));
-    if let Some(field) = missing {
-        if let Some(key) = &key {
-            lock(&s.keys).remove(key);
-        }
-        return adyen_error(
+    let required = ["amount", "merchantAccount", "paymentMethod", "reference"];
+    if let Some(field) = missing_field(&payment, &required) {
+        let refusal = adyen_error(
             422,
             "14_0",
             &format!("Required field '{field}' is not provided."),
             "validation",
         );
+        return s.keys.refuse(key.as_deref(), refusal);
     }
 
-    let task_state = s.clone();
     let task_key = key.clone();
-    let exec = tokio::spawn(async move {
-        let s = task_state;
-        tokio::time::sleep(s.common.faults.latency()).await;
-        let n = s.common.next_id();
+    let exec = s.execute(move |s, n| {
         let psp = format!("FAKEPSP{n:09}");
         let refused = payment
             .pointer("/paymentMethod/number")
@@ -177,22 +151,13 @@ async fn payments(
             request: payment,
         });
         let bytes = serde_json::to_vec(&answer).unwrap_or_default();
-        if let Some(key) = task_key {
-            lock(&s.keys).insert(
-                key,
-                KeyEntry::Done {
-                    params,
-                    status: 200,
-                    body: bytes.clone(),
-                },
-            );
-        }
+        s.keys.save(task_key, params, 200, &bytes);
         (bytes, psp)
     });
-    let Ok((bytes, psp)) = exec.await else {
+    let Some((bytes, psp)) = exec.await else {
         return adyen_error(500, "905", "fake failed", "internal");
     };
     let mut extra = echo(&key);
     extra.push(("pspreference", psp));
-    deliver(after, &kill, raw_response(200, bytes, &extra)).await
+    delivery.deliver(raw_response(200, bytes, &extra)).await
 }

@@ -59,9 +59,11 @@
 //! Faults (see [`Faults`]) apply to the effect endpoint (the `POST`), one queued fault per
 //! request, in order; latency and search lag are settings.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 mod adyen;
 mod paypal;
@@ -347,35 +349,232 @@ impl Common {
     }
 }
 
-/// Where an idempotency key stands at a fake.
+/// Where an idempotency key stands at a fake: its first request still running, or done with
+/// what the fake keeps for it (`T`).
 #[derive(Debug, Clone)]
-pub(crate) enum KeyEntry {
+pub(crate) enum KeyEntry<T> {
     Running,
-    Done {
-        params: String,
-        status: u16,
-        body: Vec<u8>,
-    },
+    Done(T),
 }
 
-/// What to do after executing: answer, drop the connection, or hang.
-pub(crate) async fn deliver(
-    after: Option<Fault>,
-    kill: &server::KillSwitch,
-    response: axum::response::Response,
-) -> axum::response::Response {
-    match after {
-        Some(Fault::LoseResponse) => {
-            kill.kill();
-            std::future::pending::<()>().await;
-            response
+/// What a fake keeps for a key whose answer it saved: the request's fingerprint and the answer.
+#[derive(Debug, Clone)]
+pub(crate) struct Saved {
+    pub(crate) params: String,
+    pub(crate) status: u16,
+    pub(crate) body: Vec<u8>,
+}
+
+impl Saved {
+    /// The answer to a same-key request with fingerprint `params`: the saved answer with the
+    /// `extra` headers, or `conflict` when the request differs from the first.
+    pub(crate) fn answer(
+        &self,
+        params: &str,
+        conflict: impl FnOnce() -> axum::response::Response,
+        extra: &[(&str, String)],
+    ) -> Known {
+        if self.params != params {
+            return Known::Refuse(conflict());
         }
-        Some(Fault::Hang) => {
-            std::future::pending::<()>().await;
-            response
-        }
-        _ => response,
+        Known::Replay(raw_response(self.status, self.body.clone(), extra))
     }
+}
+
+impl Keys<Saved> {
+    /// Saves the answer (`status`, `body`) to a request with fingerprint `params` under its key,
+    /// if it had one.
+    pub(crate) fn save(&self, key: Option<String>, params: String, status: u16, body: &[u8]) {
+        if let Some(key) = key {
+            let body = body.to_vec();
+            self.finish(
+                key,
+                Saved {
+                    params,
+                    status,
+                    body,
+                },
+            );
+        }
+    }
+}
+
+/// A fake's answer to a request under a key it already knows.
+pub(crate) enum Known {
+    /// Refused at once (the first still runs, another request under the key).
+    Refuse(axum::response::Response),
+    /// The answer for the key, replayed (a queued lost-response fault applies to it too).
+    Replay(axum::response::Response),
+}
+
+/// A fake's idempotency keys.
+#[derive(Debug)]
+pub(crate) struct Keys<T>(Mutex<HashMap<String, KeyEntry<T>>>);
+
+impl<T> Default for Keys<T> {
+    fn default() -> Self {
+        Self(Mutex::default())
+    }
+}
+
+impl<T> Keys<T> {
+    /// Claims `key` (marks it running) for a new request when the fake does not know it;
+    /// otherwise answers from the key: `running` while its first request runs, `done` after.
+    pub(crate) fn claim(
+        &self,
+        key: &str,
+        running: impl FnOnce() -> axum::response::Response,
+        done: impl FnOnce(&T) -> Known,
+    ) -> Option<Known> {
+        let mut keys = lock(&self.0);
+        match keys.get(key) {
+            Some(KeyEntry::Running) => Some(Known::Refuse(running())),
+            Some(KeyEntry::Done(kept)) => Some(done(kept)),
+            None => {
+                keys.insert(key.to_owned(), KeyEntry::Running);
+                None
+            }
+        }
+    }
+
+    /// Where `key` stands, if the fake knows it.
+    pub(crate) fn get(&self, key: &str) -> Option<KeyEntry<T>>
+    where
+        T: Clone,
+    {
+        lock(&self.0).get(key).cloned()
+    }
+
+    /// Forgets `key`, if any, and answers `refusal`: a request refused by validation is not
+    /// saved, so the key can be used again.
+    pub(crate) fn refuse(
+        &self,
+        key: Option<&str>,
+        refusal: axum::response::Response,
+    ) -> axum::response::Response {
+        if let Some(key) = key {
+            lock(&self.0).remove(key);
+        }
+        refusal
+    }
+
+    /// Saves what the fake keeps for `key` once its request is done.
+    pub(crate) fn finish(&self, key: String, kept: T) {
+        lock(&self.0).insert(key, KeyEntry::Done(kept));
+    }
+}
+
+/// What a fake keeps visible to search only once the search lag has passed.
+#[derive(Debug, Default)]
+pub(crate) struct Searchable(Mutex<Vec<(Instant, serde_json::Value)>>);
+
+impl Searchable {
+    /// Adds `item`, visible `lag` from now.
+    pub(crate) fn push(&self, lag: Duration, item: serde_json::Value) {
+        lock(&self.0).push((Instant::now() + lag, item));
+    }
+
+    /// The items visible now that `matches` accepts, oldest first.
+    pub(crate) fn find(
+        &self,
+        matches: impl Fn(&serde_json::Value) -> bool,
+    ) -> Vec<serde_json::Value> {
+        let now = Instant::now();
+        lock(&self.0)
+            .iter()
+            .filter(|(visible, item)| *visible <= now && matches(item))
+            .map(|(_, item)| item.clone())
+            .collect()
+    }
+}
+
+/// What the fault queued for an effect request does to its answer once the request was
+/// executed: nothing, drop the connection, or hang.
+pub(crate) struct Delivery {
+    after: Option<Fault>,
+    kill: server::KillSwitch,
+}
+
+impl Delivery {
+    /// Takes the fault queued for an effect request to the fake `A` (after waiting out a
+    /// [`Fault::Delay`]): an injected 5xx ([`FakeApi::server_error`](server::FakeApi::server_error))
+    /// or 429 (with [`FakeApi::rate_limited`](server::FakeApi::rate_limited) as its body and a
+    /// `Retry-After`) is the answer at once, nothing executed; any other fault waits for the
+    /// answer.
+    pub(crate) async fn take<A: server::FakeApi>(
+        faults: &Faults,
+        kill: server::KillSwitch,
+    ) -> Result<Self, axum::response::Response> {
+        match faults.next().await {
+            Some(Fault::ServerError { status }) => Err(A::server_error(status)),
+            Some(Fault::RateLimited { retry_after }) => Err(json_response(
+                429,
+                &A::rate_limited(),
+                &[("retry-after", retry_after_secs(retry_after))],
+            )),
+            after => Ok(Self { after, kill }),
+        }
+    }
+
+    /// Answers, drops the connection, or hangs, as the fault says.
+    pub(crate) async fn deliver(
+        &self,
+        response: axum::response::Response,
+    ) -> axum::response::Response {
+        match self.after {
+            Some(Fault::LoseResponse) => {
+                self.kill.kill();
+                std::future::pending::<()>().await;
+                response
+            }
+            Some(Fault::Hang) => {
+                std::future::pending::<()>().await;
+                response
+            }
+            _ => response,
+        }
+    }
+
+    /// Claims `key` in `keys` for this request, or answers from the key (see [`Keys::claim`]):
+    /// a refusal at once, a replay delivered as the fault says.
+    pub(crate) async fn claim<T>(
+        &self,
+        keys: &Keys<T>,
+        key: &str,
+        running: impl FnOnce() -> axum::response::Response,
+        done: impl FnOnce(&T) -> Known,
+    ) -> Result<(), axum::response::Response> {
+        match keys.claim(key, running, done) {
+            None => Ok(()),
+            Some(Known::Refuse(r)) => Err(r),
+            Some(Known::Replay(r)) => Err(self.deliver(r).await),
+        }
+    }
+}
+
+/// The request body as a JSON object, if it is one.
+fn json_object(body: &[u8]) -> Option<serde_json::Value> {
+    serde_json::from_slice(body)
+        .ok()
+        .filter(serde_json::Value::is_object)
+}
+
+/// The first of the required `fields` that `request` lacks (or has as `null`).
+fn missing_field(request: &serde_json::Value, fields: &[&'static str]) -> Option<&'static str> {
+    fields
+        .iter()
+        .copied()
+        .find(|f| request.get(*f).is_none_or(serde_json::Value::is_null))
+}
+
+/// Whether `headers` carry `Authorization: Bearer <key>`.
+fn bearer_is(headers: &axum::http::HeaderMap, key: &str) -> bool {
+    header_value(headers, "authorization").as_deref() == Some(&format!("Bearer {key}"))
+}
+
+/// The query string's parameters, in order.
+fn query_pairs(uri: &axum::http::Uri) -> Vec<(String, String)> {
+    serde_urlencoded::from_str(uri.query().unwrap_or("")).unwrap_or_default()
 }
 
 fn header_value(headers: &axum::http::HeaderMap, name: &str) -> Option<String> {

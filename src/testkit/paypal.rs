@@ -4,13 +4,16 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
-use super::{Effect, Fault, deliver, header_value, json_response, lock, retry_after_secs};
+use super::server::{EffectRequest, FakeApi, Shared, fake_handle};
+use super::{
+    Effect, Keys, Known, bearer_is, header_value, json_object, json_response, lock, missing_field,
+};
 use crate::provider::paypal::{KEY_MAX_LEN, ORDERS_PATH};
 
 fake_handle! {
@@ -21,15 +24,10 @@ fake_handle! {
     faults: "Fault injection and latency settings.",
 }
 
-#[derive(Debug, Clone)]
-enum IdState {
-    Running,
-    Order(String),
-}
-
 #[derive(Debug, Default)]
 struct PayPalState {
-    ids: Mutex<HashMap<String, IdState>>,
+    /// The order each `PayPal-Request-Id` created.
+    ids: Keys<String>,
     orders: Mutex<HashMap<String, Value>>,
 }
 
@@ -49,6 +47,32 @@ impl FakePayPal {
     }
 }
 
+impl FakeApi for PayPalState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        (!bearer_is(headers, FakePayPal::API_KEY)).then(|| {
+            paypal_error(
+                401,
+                "AUTHENTICATION_FAILURE",
+                None,
+                "Authentication failed due to invalid authentication credentials or a missing Authorization header.",
+            )
+        })
+    }
+
+    fn server_error(status: u16) -> Response {
+        paypal_error(
+            status,
+            "INTERNAL_SERVER_ERROR",
+            None,
+            "injected server error (nothing executed)",
+        )
+    }
+
+    fn rate_limited() -> Value {
+        json!({"name": "RATE_LIMIT_REACHED", "message": "Too many requests."})
+    }
+}
+
 fn paypal_error(status: u16, name: &str, issue: Option<&str>, message: &str) -> Response {
     let mut body = json!({"name": name, "message": message, "debug_id": "fakedebug"});
     if let Some(issue) = issue {
@@ -57,49 +81,36 @@ fn paypal_error(status: u16, name: &str, issue: Option<&str>, message: &str) -> 
     json_response(status, &body, &[])
 }
 
-async fn create(
-    State(s): State<Arc<Shared<PayPalState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    Received { headers, body, .. }: Received,
-) -> Response {
-    if header_value(&headers, "authorization").as_deref()
-        != Some(&format!("Bearer {}", FakePayPal::API_KEY))
-    {
-        return paypal_error(
-            401,
-            "AUTHENTICATION_FAILURE",
-            None,
-            "Authentication failed due to invalid authentication credentials or a missing Authorization header.",
-        );
+/// Why PayPal refuses an order request without creating anything (nothing is saved under its
+/// id): a missing field, or the declined card.
+fn refusal(order_req: &Value, card: Option<&str>) -> Option<Response> {
+    if let Some(field) = missing_field(order_req, &["intent", "purchase_units"]) {
+        return Some(paypal_error(
+            400,
+            "INVALID_REQUEST",
+            Some("MISSING_REQUIRED_PARAMETER"),
+            &format!("A required field / parameter is missing: /{field}."),
+        ));
     }
-    let after = match s.common.faults.next().await {
-        Some(Fault::ServerError { status }) => {
-            return paypal_error(
-                status,
-                "INTERNAL_SERVER_ERROR",
-                None,
-                "injected server error (nothing executed)",
-            );
-        }
-        Some(Fault::RateLimited { retry_after }) => {
-            return json_response(
-                429,
-                &json!({"name": "RATE_LIMIT_REACHED", "message": "Too many requests."}),
-                &[("retry-after", retry_after_secs(retry_after))],
-            );
-        }
-        other => other,
-    };
-    let order_req: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        _ => {
-            return paypal_error(
-                400,
-                "INVALID_REQUEST",
-                Some("MALFORMED_REQUEST_JSON"),
-                "The request JSON is not well formed.",
-            );
-        }
+    (card == Some(FakePayPal::DECLINED_CARD)).then(|| {
+        paypal_error(
+            422,
+            "UNPROCESSABLE_ENTITY",
+            Some("INSTRUMENT_DECLINED"),
+            "The instrument presented was either declined by the processor or bank, or it can't be used for this payment.",
+        )
+    })
+}
+
+async fn create(State(s): State<Arc<Shared<PayPalState>>>, request: EffectRequest) -> Response {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
+    let Some(order_req) = json_object(&body) else {
+        return paypal_error(
+            400,
+            "INVALID_REQUEST",
+            Some("MALFORMED_REQUEST_JSON"),
+            "The request JSON is not well formed.",
+        );
     };
     let request_id = header_value(&headers, "paypal-request-id");
     if let Some(rid) = &request_id {
@@ -111,70 +122,37 @@ async fn create(
                 "PayPal-Request-Id must be 1 to 108 characters.",
             );
         }
-        let replay = {
-            let mut ids = lock(&s.ids);
-            match ids.get(rid) {
-                // "PayPal processes the first request and might fail the second."
-                Some(IdState::Running) => {
-                    return paypal_error(
-                        409,
-                        "RESOURCE_CONFLICT",
-                        None,
-                        "A request with this PayPal-Request-Id is in progress.",
-                    );
-                }
-                // "Returns the latest status of the previous request."
-                Some(IdState::Order(id)) => Some(json_response(
-                    200,
-                    &lock(&s.orders)[id.as_str()],
-                    &[("paypal-debug-id", "fakedebug".to_owned())],
-                )),
-                None => {
-                    ids.insert(rid.clone(), IdState::Running);
-                    None
-                }
-            }
+        // "PayPal processes the first request and might fail the second."
+        let running = || {
+            paypal_error(
+                409,
+                "RESOURCE_CONFLICT",
+                None,
+                "A request with this PayPal-Request-Id is in progress.",
+            )
         };
-        if let Some(r) = replay {
-            return deliver(after, &kill, r).await;
+        // "Returns the latest status of the previous request."
+        let done = |id: &String| {
+            Known::Replay(json_response(
+                200,
+                &lock(&s.orders)[id.as_str()],
+                &[("paypal-debug-id", "fakedebug".to_owned())],
+            ))
+        };
+        if let Err(r) = delivery.claim(&s.ids, rid, running, done).await {
+            return r;
         }
-    }
-    let missing = ["intent", "purchase_units"]
-        .into_iter()
-        .find(|f| order_req.get(*f).is_none_or(Value::is_null));
-    if let Some(field) = missing {
-        if let Some(rid) = &request_id {
-            lock(&s.ids).remove(rid);
-        }
-        return paypal_error(
-            400,
-            "INVALID_REQUEST",
-            Some("MISSING_REQUIRED_PARAMETER"),
-            &format!("A required field / parameter is missing: /{field}."),
-        );
     }
     let card = order_req
         .pointer("/payment_source/card/number")
         .and_then(Value::as_str)
         .map(str::to_owned);
-    if card.as_deref() == Some(FakePayPal::DECLINED_CARD) {
-        if let Some(rid) = &request_id {
-            lock(&s.ids).remove(rid);
-        }
-        return paypal_error(
-            422,
-            "UNPROCESSABLE_ENTITY",
-            Some("INSTRUMENT_DECLINED"),
-            "The instrument presented was either declined by the processor or bank, or it can't be used for this payment.",
-        );
+    if let Some(refusal) = refusal(&order_req, card.as_deref()) {
+        return s.ids.refuse(request_id.as_deref(), refusal);
     }
 
-    let task_state = s.clone();
     let task_id = request_id.clone();
-    let exec = tokio::spawn(async move {
-        let s = task_state;
-        tokio::time::sleep(s.common.faults.latency()).await;
-        let n = s.common.next_id();
+    let exec = s.execute(move |s, n| {
         let id = format!("FAKEORDER{n:08}");
         // A card order with intent CAPTURE completes at once; others wait for the buyer.
         let status = if card.is_some()
@@ -201,13 +179,13 @@ async fn create(
         });
         lock(&s.orders).insert(id.clone(), order.clone());
         if let Some(rid) = task_id {
-            lock(&s.ids).insert(rid, IdState::Order(id));
+            s.ids.finish(rid, id);
         }
         order
     });
-    let Ok(order) = exec.await else {
+    let Some(order) = exec.await else {
         return paypal_error(500, "INTERNAL_SERVER_ERROR", None, "fake failed");
     };
     let r = json_response(201, &order, &[("paypal-debug-id", "fakedebug".to_owned())]);
-    deliver(after, &kill, r).await
+    delivery.deliver(r).await
 }

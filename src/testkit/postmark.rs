@@ -1,18 +1,17 @@
 //! The fake Postmark (`POST /email`, `GET /messages/outbound`).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::{get, post};
 use serde_json::{Value, json};
-use tokio::time::Instant;
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
+use super::server::{EffectRequest, FakeApi, Received, Shared, fake_handle};
 use super::{
-    Effect, Fault, deliver, header_value, json_response, lock, raw_response, retry_after_secs,
+    Effect, Searchable, header_value, json_object, json_response, query_pairs, raw_response,
 };
 
 fake_handle! {
@@ -28,7 +27,7 @@ fake_handle! {
 
 #[derive(Debug, Default)]
 struct PostmarkState {
-    messages: Mutex<Vec<(Instant, Value)>>,
+    messages: Searchable,
 }
 
 impl FakePostmark {
@@ -40,34 +39,25 @@ fn pm_error(status: u16, code: i64, message: &str) -> Response {
     json_response(status, &json!({"ErrorCode": code, "Message": message}), &[])
 }
 
-fn authorized(headers: &HeaderMap) -> bool {
-    header_value(headers, "x-postmark-server-token").as_deref() == Some(FakePostmark::API_KEY)
+impl FakeApi for PostmarkState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        (header_value(headers, "x-postmark-server-token").as_deref() != Some(FakePostmark::API_KEY))
+            .then(|| pm_error(401, 10, "Request does not contain a valid Server token."))
+    }
+
+    fn server_error(status: u16) -> Response {
+        pm_error(status, 0, "injected server error (nothing sent)")
+    }
+
+    fn rate_limited() -> Value {
+        json!({"ErrorCode": 429, "Message": "Rate limit exceeded."})
+    }
 }
 
-async fn send(
-    State(s): State<Arc<Shared<PostmarkState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    Received { headers, body, .. }: Received,
-) -> Response {
-    if !authorized(&headers) {
-        return pm_error(401, 10, "Request does not contain a valid Server token.");
-    }
-    let after = match s.common.faults.next().await {
-        Some(Fault::ServerError { status }) => {
-            return pm_error(status, 0, "injected server error (nothing sent)");
-        }
-        Some(Fault::RateLimited { retry_after }) => {
-            return json_response(
-                429,
-                &json!({"ErrorCode": 429, "Message": "Rate limit exceeded."}),
-                &[("retry-after", retry_after_secs(retry_after))],
-            );
-        }
-        other => other,
-    };
-    let email: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        _ => return pm_error(422, 402, "Received invalid JSON input."),
+async fn send(State(s): State<Arc<Shared<PostmarkState>>>, request: EffectRequest) -> Response {
+    let EffectRequest { body, delivery, .. } = request;
+    let Some(email) = json_object(&body) else {
+        return pm_error(422, 402, "Received invalid JSON input.");
     };
     let to = email
         .get("To")
@@ -84,11 +74,7 @@ async fn send(
             "You tried to send to recipient(s) that have been marked as inactive.",
         );
     }
-    let task_state = s.clone();
-    let exec = tokio::spawn(async move {
-        let s = task_state;
-        tokio::time::sleep(s.common.faults.latency()).await;
-        let n = s.common.next_id();
+    let exec = s.execute(move |s, n| {
         let id = format!("b7bc2f4a-e38e-4336-af7d-{n:012}");
         let now = chrono::Utc::now().to_rfc3339();
         let metadata = email.get("Metadata").cloned().unwrap_or_else(|| json!({}));
@@ -112,25 +98,21 @@ async fn send(
             "ReceivedAt": now,
             "Metadata": metadata,
         });
-        lock(&s.messages).push((Instant::now() + s.common.faults.search_lag(), record));
+        s.messages.push(s.common.faults.search_lag(), record);
         json!({"To": to, "SubmittedAt": now, "MessageID": id, "ErrorCode": 0, "Message": "OK"})
     });
-    let Ok(answer) = exec.await else {
+    let Some(answer) = exec.await else {
         return pm_error(500, 0, "fake failed");
     };
     let bytes = serde_json::to_vec(&answer).unwrap_or_default();
-    deliver(after, &kill, raw_response(200, bytes, &[])).await
+    delivery.deliver(raw_response(200, bytes, &[])).await
 }
 
 async fn search(
     State(s): State<Arc<Shared<PostmarkState>>>,
-    Received { uri, headers, .. }: Received,
+    Received { uri, .. }: Received,
 ) -> Response {
-    if !authorized(&headers) {
-        return pm_error(401, 10, "Request does not contain a valid Server token.");
-    }
-    let params: Vec<(String, String)> =
-        serde_urlencoded::from_str(uri.query().unwrap_or("")).unwrap_or_default();
+    let params = query_pairs(&uri);
     let count = params
         .iter()
         .find(|(k, _)| k == "count")
@@ -150,17 +132,11 @@ async fn search(
                 .map(|m| (m.to_owned(), v.clone()))
         })
         .collect();
-    let now = Instant::now();
-    let matching: Vec<Value> = lock(&s.messages)
-        .iter()
-        .filter(|(visible, m)| {
-            *visible <= now
-                && filters
-                    .iter()
-                    .all(|(k, v)| m["Metadata"][k].as_str() == Some(v.as_str()))
-        })
-        .map(|(_, m)| m.clone())
-        .collect();
+    let matching = s.messages.find(|m| {
+        filters
+            .iter()
+            .all(|(k, v)| m["Metadata"][k].as_str() == Some(v.as_str()))
+    });
     let total = matching.len();
     let page: Vec<Value> = matching.into_iter().skip(offset).take(count).collect();
     json_response(200, &json!({"TotalCount": total, "Messages": page}), &[])

@@ -1,18 +1,17 @@
 //! The fake Resend (`POST /emails`).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
+use super::server::{EffectRequest, FakeApi, Shared, fake_handle};
 use super::{
-    Effect, Fault, KeyEntry, deliver, header_value, json_response, lock, raw_response,
-    retry_after_secs,
+    Effect, Keys, Saved, header_value, json_object, json_response, missing_field, raw_response,
 };
 
 fake_handle! {
@@ -25,12 +24,41 @@ fake_handle! {
 
 #[derive(Debug, Default)]
 struct ResendState {
-    keys: Mutex<HashMap<String, KeyEntry>>,
+    keys: Keys<Saved>,
 }
 
 impl FakeResend {
     /// The API key the fake accepts (`Authorization: Bearer ...`).
     pub const API_KEY: &'static str = "re_test_idemflow_fake";
+}
+
+impl FakeApi for ResendState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        match header_value(headers, "authorization") {
+            None => Some(resend_error(
+                401,
+                "missing_api_key",
+                "Missing API key in the authorization header.",
+            )),
+            Some(v) if v != format!("Bearer {}", FakeResend::API_KEY) => {
+                Some(resend_error(403, "invalid_api_key", "API key is invalid."))
+            }
+            Some(_) => None,
+        }
+    }
+
+    fn server_error(status: u16) -> Response {
+        resend_error(
+            status,
+            "internal_server_error",
+            "injected server error (nothing sent)",
+        )
+    }
+
+    fn rate_limited() -> Value {
+        json!({"statusCode": 429, "name": "rate_limit_exceeded",
+               "message": "Too many requests."})
+    }
 }
 
 fn resend_error(status: u16, name: &str, message: &str) -> Response {
@@ -41,45 +69,10 @@ fn resend_error(status: u16, name: &str, message: &str) -> Response {
     )
 }
 
-async fn send(
-    State(s): State<Arc<Shared<ResendState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    Received { headers, body, .. }: Received,
-) -> Response {
-    match header_value(&headers, "authorization") {
-        None => {
-            return resend_error(
-                401,
-                "missing_api_key",
-                "Missing API key in the authorization header.",
-            );
-        }
-        Some(v) if v != format!("Bearer {}", FakeResend::API_KEY) => {
-            return resend_error(403, "invalid_api_key", "API key is invalid.");
-        }
-        Some(_) => {}
-    }
-    let after = match s.common.faults.next().await {
-        Some(Fault::ServerError { status }) => {
-            return resend_error(
-                status,
-                "internal_server_error",
-                "injected server error (nothing sent)",
-            );
-        }
-        Some(Fault::RateLimited { retry_after }) => {
-            return json_response(
-                429,
-                &json!({"statusCode": 429, "name": "rate_limit_exceeded",
-                        "message": "Too many requests."}),
-                &[("retry-after", retry_after_secs(retry_after))],
-            );
-        }
-        other => other,
-    };
-    let email: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        _ => return resend_error(400, "validation_error", "The body must be a JSON object."),
+async fn send(State(s): State<Arc<Shared<ResendState>>>, request: EffectRequest) -> Response {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
+    let Some(email) = json_object(&body) else {
+        return resend_error(400, "validation_error", "The body must be a JSON object.");
     };
     let key = header_value(&headers, "idempotency-key");
     // The fingerprint of the payload: canonical JSON, so key order does not matter.
@@ -92,56 +85,36 @@ async fn send(
                 "The key must be between 1-256 chars.",
             );
         }
-        let replay = {
-            let mut keys = lock(&s.keys);
-            match keys.get(key) {
-                Some(KeyEntry::Running) => {
-                    return resend_error(
-                        409,
-                        "concurrent_idempotent_requests",
-                        "Same idempotency key used while original request is still in progress.",
-                    );
-                }
-                Some(KeyEntry::Done { params: p, .. }) if *p != params => {
-                    return resend_error(
-                        409,
-                        "invalid_idempotent_request",
-                        "Same idempotency key used with a different request payload.",
-                    );
-                }
-                Some(KeyEntry::Done { status, body, .. }) => {
-                    Some(raw_response(*status, body.clone(), &[]))
-                }
-                None => {
-                    keys.insert(key.clone(), KeyEntry::Running);
-                    None
-                }
-            }
+        let running = || {
+            resend_error(
+                409,
+                "concurrent_idempotent_requests",
+                "Same idempotency key used while original request is still in progress.",
+            )
         };
-        if let Some(r) = replay {
-            return deliver(after, &kill, r).await;
+        let conflict = || {
+            resend_error(
+                409,
+                "invalid_idempotent_request",
+                "Same idempotency key used with a different request payload.",
+            )
+        };
+        let done = |saved: &Saved| saved.answer(&params, conflict, &[]);
+        if let Err(r) = delivery.claim(&s.keys, key, running, done).await {
+            return r;
         }
     }
-    let missing = ["from", "to", "subject"]
-        .into_iter()
-        .find(|f| email.get(*f).is_none_or(Value::is_null));
-    if let Some(field) = missing {
-        if let Some(key) = &key {
-            lock(&s.keys).remove(key);
-        }
-        return resend_error(
+    if let Some(field) = missing_field(&email, &["from", "to", "subject"]) {
+        let refusal = resend_error(
             422,
             "missing_required_field",
             &format!("Missing `{field}` field."),
         );
+        return s.keys.refuse(key.as_deref(), refusal);
     }
 
-    let task_state = s.clone();
     let task_key = key.clone();
-    let exec = tokio::spawn(async move {
-        let s = task_state;
-        tokio::time::sleep(s.common.faults.latency()).await;
-        let n = s.common.next_id();
+    let exec = s.execute(move |s, n| {
         let id = format!("4ef9a417-02e9-4d39-ad75-{n:012}");
         s.common.ledger.push(Effect {
             id: id.clone(),
@@ -152,20 +125,11 @@ async fn send(
             request: email,
         });
         let bytes = serde_json::to_vec(&json!({ "id": id })).unwrap_or_default();
-        if let Some(key) = task_key {
-            lock(&s.keys).insert(
-                key,
-                KeyEntry::Done {
-                    params,
-                    status: 200,
-                    body: bytes.clone(),
-                },
-            );
-        }
+        s.keys.save(task_key, params, 200, &bytes);
         bytes
     });
-    let Ok(bytes) = exec.await else {
+    let Some(bytes) = exec.await else {
         return resend_error(500, "application_error", "fake failed");
     };
-    deliver(after, &kill, raw_response(200, bytes, &[])).await
+    delivery.deliver(raw_response(200, bytes, &[])).await
 }

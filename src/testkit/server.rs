@@ -14,7 +14,7 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 
-use super::Common;
+use super::{Common, Delivery};
 
 /// Lets a handler close the connection it is serving.
 #[derive(Debug, Clone)]
@@ -94,6 +94,24 @@ impl<S> std::ops::Deref for Shared<S> {
     }
 }
 
+impl<S: Send + Sync + 'static> Shared<S> {
+    /// Executes an effect in a task of its own (like the real thing, it completes even if the
+    /// client disconnects), after the configured latency: `work` gets the state and a fresh
+    /// sequence number for ids. `None` if the task failed.
+    pub(crate) async fn execute<T: Send + 'static>(
+        self: &Arc<Self>,
+        work: impl FnOnce(&Self, u64) -> T + Send + 'static,
+    ) -> Option<T> {
+        let s = self.clone();
+        let task = tokio::spawn(async move {
+            tokio::time::sleep(s.common.faults.latency()).await;
+            let n = s.common.next_id();
+            work(&s, n)
+        });
+        task.await.ok()
+    }
+}
+
 /// A fake's routes, served with its shared state.
 pub(crate) type Routes<S> = Router<Arc<Shared<S>>>;
 
@@ -106,26 +124,78 @@ pub(crate) async fn start<S: Default + Send + Sync + 'static>(
     Ok((server, state))
 }
 
-/// A request as a fake's effect or search endpoint received it, already recorded in
-/// [`Common::record`]: the extractor every handler starts with.
+/// What a fake answers in its own error shapes: a request without its credential, and the
+/// faults injected before anything runs.
+pub(crate) trait FakeApi {
+    /// The fake's answer to a request whose headers lack its credential (`None`: it has it).
+    fn refusal(headers: &HeaderMap) -> Option<axum::response::Response>;
+
+    /// The fake's answer to an injected [`Fault::ServerError`](super::Fault::ServerError).
+    fn server_error(status: u16) -> axum::response::Response;
+
+    /// The body of the fake's answer to an injected
+    /// [`Fault::RateLimited`](super::Fault::RateLimited) (sent as a 429 with `Retry-After`).
+    fn rate_limited() -> serde_json::Value;
+}
+
+/// A request as one of a fake's endpoints received it, already recorded in [`Common::record`]
+/// and carrying the fake's credential (a request without it is answered with the fake's
+/// [`FakeApi::refusal`], after being recorded): the extractor every handler starts with.
 pub(crate) struct Received {
     pub(crate) uri: Uri,
     pub(crate) headers: HeaderMap,
     pub(crate) body: Bytes,
+    /// Closes the request's connection (a lost response).
+    pub(crate) kill: KillSwitch,
 }
 
-impl<S: Send + Sync> FromRequest<Arc<Shared<S>>> for Received {
+impl<S: FakeApi + Send + Sync> FromRequest<Arc<Shared<S>>> for Received {
     type Rejection = axum::response::Response;
 
     async fn from_request(req: Request, state: &Arc<Shared<S>>) -> Result<Self, Self::Rejection> {
         let method = req.method().clone();
         let uri = req.uri().clone();
         let headers = req.headers().clone();
+        let kill = req.extensions().get::<KillSwitch>().cloned();
         let body = Bytes::from_request(req, state)
             .await
             .map_err(IntoResponse::into_response)?;
         state.common.record(&method, &uri, &headers, &body);
-        Ok(Self { uri, headers, body })
+        if let Some(refusal) = S::refusal(&headers) {
+            return Err(refusal);
+        }
+        let Some(kill) = kill else {
+            let status = axum::http::StatusCode::INTERNAL_SERVER_ERROR;
+            return Err((status, "the fake's server set no kill switch").into_response());
+        };
+        Ok(Self {
+            uri,
+            headers,
+            body,
+            kill,
+        })
+    }
+}
+
+/// A request to one of a fake's effect endpoints: [`Received`], with the fault queued for it
+/// taken ([`Delivery::take`]): an injected 5xx or 429 is answered before the handler runs.
+pub(crate) struct EffectRequest {
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+    pub(crate) delivery: Delivery,
+}
+
+impl<S: FakeApi + Send + Sync> FromRequest<Arc<Shared<S>>> for EffectRequest {
+    type Rejection = axum::response::Response;
+
+    async fn from_request(req: Request, state: &Arc<Shared<S>>) -> Result<Self, Self::Rejection> {
+        let received = Received::from_request(req, state).await?;
+        let delivery = Delivery::take::<S>(&state.common.faults, received.kill).await?;
+        Ok(Self {
+            headers: received.headers,
+            body: received.body,
+            delivery,
+        })
     }
 }
 

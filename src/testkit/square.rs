@@ -4,14 +4,17 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
-use super::{Effect, Fault, deliver, header_value, json_response, lock, retry_after_secs};
+use super::server::{FakeApi, Received, Shared, fake_handle};
+use super::{
+    Delivery, Effect, KeyEntry, Keys, Known, bearer_is, json_object, json_response, lock,
+    missing_field,
+};
 use crate::provider::square::{CANCEL_BY_KEY_PATH, KEY_MAX_LEN, PAYMENTS_PATH};
 
 fake_handle! {
@@ -24,19 +27,16 @@ fake_handle! {
     faults: "Fault injection (on CreatePayment) and latency settings.",
 }
 
+/// What the fake keeps for a key: the body it was first used with, and the payment made.
 #[derive(Debug, Clone)]
-enum KeyState {
-    Running,
-    /// The body it was first used with, and the payment made.
-    Payment {
-        params: String,
-        id: String,
-    },
+struct KeptPayment {
+    params: String,
+    id: String,
 }
 
 #[derive(Debug, Default)]
 struct SquareState {
-    keys: Mutex<HashMap<String, KeyState>>,
+    keys: Keys<KeptPayment>,
     payments: Mutex<HashMap<String, Value>>,
 }
 
@@ -56,17 +56,31 @@ fn square_error(status: u16, category: &str, code: &str, detail: &str) -> Respon
     )
 }
 
-fn unauthorized(headers: &HeaderMap) -> Option<Response> {
-    (header_value(headers, "authorization").as_deref()
-        != Some(&format!("Bearer {}", FakeSquare::API_KEY)))
-    .then(|| {
+impl FakeApi for SquareState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        (!bearer_is(headers, FakeSquare::API_KEY)).then(|| {
+            square_error(
+                401,
+                "AUTHENTICATION_ERROR",
+                "UNAUTHORIZED",
+                "This request could not be authorized.",
+            )
+        })
+    }
+
+    fn server_error(status: u16) -> Response {
         square_error(
-            401,
-            "AUTHENTICATION_ERROR",
-            "UNAUTHORIZED",
-            "This request could not be authorized.",
+            status,
+            "API_ERROR",
+            "INTERNAL_SERVER_ERROR",
+            "injected server error (nothing executed)",
         )
-    })
+    }
+
+    fn rate_limited() -> Value {
+        json!({"errors": [{"category": "RATE_LIMIT_ERROR", "code": "RATE_LIMITED",
+                           "detail": "Too many requests"}]})
+    }
 }
 
 fn payment_response(payment: &Value) -> Response {
@@ -75,12 +89,8 @@ fn payment_response(payment: &Value) -> Response {
 
 /// CreatePayment, handled to its end in a task of its own: a request Square received is
 /// processed even when its client stops waiting (a timeout during a [`Fault::Delay`] included).
-async fn create(
-    State(s): State<Arc<Shared<SquareState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    received: Received,
-) -> Response {
-    match tokio::spawn(create_to_the_end(s, kill, received)).await {
+async fn create(State(s): State<Arc<Shared<SquareState>>>, received: Received) -> Response {
+    match tokio::spawn(create_to_the_end(s, received)).await {
         Ok(response) => response,
         Err(_) => square_error(500, "API_ERROR", "INTERNAL_SERVER_ERROR", "fake failed"),
     }
@@ -88,41 +98,19 @@ async fn create(
 
 async fn create_to_the_end(
     s: Arc<Shared<SquareState>>,
-    kill: KillSwitch,
-    Received { headers, body, .. }: Received,
+    Received { body, kill, .. }: Received,
 ) -> Response {
-    if let Some(r) = unauthorized(&headers) {
-        return r;
-    }
-    let after = match s.common.faults.next().await {
-        Some(Fault::ServerError { status }) => {
-            return square_error(
-                status,
-                "API_ERROR",
-                "INTERNAL_SERVER_ERROR",
-                "injected server error (nothing executed)",
-            );
-        }
-        Some(Fault::RateLimited { retry_after }) => {
-            return json_response(
-                429,
-                &json!({"errors": [{"category": "RATE_LIMIT_ERROR", "code": "RATE_LIMITED",
-                                    "detail": "Too many requests"}]}),
-                &[("retry-after", retry_after_secs(retry_after))],
-            );
-        }
-        other => other,
+    let delivery = match Delivery::take::<SquareState>(&s.common.faults, kill).await {
+        Ok(d) => d,
+        Err(r) => return r,
     };
-    let mut request: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        _ => {
-            return square_error(
-                400,
-                "INVALID_REQUEST_ERROR",
-                "BAD_REQUEST",
-                "The body must be a JSON object.",
-            );
-        }
+    let Some(mut request) = json_object(&body) else {
+        return square_error(
+            400,
+            "INVALID_REQUEST_ERROR",
+            "BAD_REQUEST",
+            "The body must be a JSON object.",
+        );
     };
     let key = match request.get("idempotency_key").and_then(Value::as_str) {
         Some(k) if !k.is_empty() && k.chars().count() <= KEY_MAX_LEN => k.to_owned(),
@@ -144,58 +132,42 @@ async fn create_to_the_end(
         }
     };
     let params = crate::fingerprint::canonical_json(&request);
-    let replay = {
-        let mut keys = lock(&s.keys);
-        match keys.get(&key) {
-            // Not documented for CreatePayment: the fake answers 409 while the first runs.
-            Some(KeyState::Running) => {
-                return square_error(
-                    409,
-                    "INVALID_REQUEST_ERROR",
-                    "CONFLICT",
-                    "A request with this idempotency key is in progress.",
-                );
-            }
-            Some(KeyState::Payment { params: p, .. }) if *p != params => {
-                return square_error(
-                    400,
-                    "INVALID_REQUEST_ERROR",
-                    "IDEMPOTENCY_KEY_REUSED",
-                    "The idempotency key can only be retried with the same request data.",
-                );
-            }
-            // The payment made with the key, as it stands now (a payment voided by key comes
-            // back `CANCELED`).
-            Some(KeyState::Payment { id, .. }) => {
-                Some(payment_response(&lock(&s.payments)[id.as_str()]))
-            }
-            None => {
-                keys.insert(key.clone(), KeyState::Running);
-                None
-            }
-        }
+    // Not documented for CreatePayment: the fake answers 409 while the first runs.
+    let running = || {
+        square_error(
+            409,
+            "INVALID_REQUEST_ERROR",
+            "CONFLICT",
+            "A request with this idempotency key is in progress.",
+        )
     };
-    if let Some(r) = replay {
-        return deliver(after, &kill, r).await;
+    // The payment made with the key, as it stands now (a payment voided by key comes back
+    // `CANCELED`).
+    let done = |kept: &KeptPayment| {
+        if kept.params != params {
+            return Known::Refuse(square_error(
+                400,
+                "INVALID_REQUEST_ERROR",
+                "IDEMPOTENCY_KEY_REUSED",
+                "The idempotency key can only be retried with the same request data.",
+            ));
+        }
+        Known::Replay(payment_response(&lock(&s.payments)[kept.id.as_str()]))
+    };
+    if let Err(r) = delivery.claim(&s.keys, &key, running, done).await {
+        return r;
     }
-    let missing = ["source_id", "amount_money"]
-        .into_iter()
-        .find(|f| request.get(*f).is_none_or(Value::is_null));
-    if let Some(field) = missing {
-        lock(&s.keys).remove(&key);
-        return square_error(
+    if let Some(field) = missing_field(&request, &["source_id", "amount_money"]) {
+        let refusal = square_error(
             400,
             "INVALID_REQUEST_ERROR",
             "MISSING_REQUIRED_PARAMETER",
             &format!("Field `{field}` is missing."),
         );
+        return s.keys.refuse(Some(&key), refusal);
     }
 
-    let task_state = s.clone();
-    let exec = tokio::spawn(async move {
-        let s = task_state;
-        tokio::time::sleep(s.common.faults.latency()).await;
-        let n = s.common.next_id();
+    let exec = s.execute(move |s, n| {
         let id = format!("fake_sq_pay_{n:06}");
         let declined =
             request.get("source_id").and_then(Value::as_str) == Some(FakeSquare::DECLINED_CARD);
@@ -227,31 +199,28 @@ async fn create_to_the_end(
         lock(&s.payments).insert(id.clone(), payment.clone());
         if declined {
             // Only a successful answer is kept for the key: a decline can be retried.
-            lock(&s.keys).remove(&key);
-            square_error(
+            let decline = square_error(
                 402,
                 "PAYMENT_METHOD_ERROR",
                 "GENERIC_DECLINE",
                 "Authorization error: 'GENERIC_DECLINE'",
-            )
+            );
+            s.keys.refuse(Some(&key), decline)
         } else {
-            lock(&s.keys).insert(key, KeyState::Payment { params, id });
+            s.keys.finish(key, KeptPayment { params, id });
             payment_response(&payment)
         }
     });
-    let Ok(response) = exec.await else {
+    let Some(response) = exec.await else {
         return square_error(500, "API_ERROR", "INTERNAL_SERVER_ERROR", "fake failed");
     };
-    deliver(after, &kill, response).await
+    delivery.deliver(response).await
 }
 
 async fn cancel_by_key(
     State(s): State<Arc<Shared<SquareState>>>,
-    Received { headers, body, .. }: Received,
+    Received { body, .. }: Received,
 ) -> Response {
-    if let Some(r) = unauthorized(&headers) {
-        return r;
-    }
     let key = serde_json::from_slice::<Value>(&body)
         .ok()
         .and_then(|b| b.get("idempotency_key")?.as_str().map(str::to_owned));
@@ -263,9 +232,9 @@ async fn cancel_by_key(
             "Field `idempotency_key` is missing.",
         );
     };
-    let id = match lock(&s.keys).get(&key) {
-        Some(KeyState::Payment { id, .. }) => id.clone(),
-        Some(KeyState::Running) => {
+    let id = match s.keys.get(&key) {
+        Some(KeyEntry::Done(kept)) => kept.id,
+        Some(KeyEntry::Running) => {
             return square_error(
                 409,
                 "INVALID_REQUEST_ERROR",

@@ -1,20 +1,18 @@
 //! The fake Stripe (PaymentIntents + search).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::{get, post};
 use serde_json::{Map, Value, json};
-use tokio::time::Instant;
 
-use super::server::{KillSwitch, Received, Shared, fake_handle};
+use super::server::{EffectRequest, FakeApi, Received, Shared, fake_handle};
 use super::{
-    Effect, Fault, KeyEntry, deliver, header_value, json_response, lock, raw_response,
-    retry_after_secs,
+    Effect, Keys, Saved, Searchable, bearer_is, header_value, json_response, query_pairs,
+    raw_response,
 };
 
 fake_handle! {
@@ -29,8 +27,8 @@ fake_handle! {
 
 #[derive(Debug, Default)]
 struct StripeState {
-    keys: Mutex<HashMap<String, KeyEntry>>,
-    intents: Mutex<Vec<(Instant, Value)>>,
+    keys: Keys<Saved>,
+    intents: Searchable,
 }
 
 impl FakeStripe {
@@ -44,39 +42,31 @@ fn stripe_error(status: u16, error: Value) -> Response {
     json_response(status, &json!({ "error": error }), &[])
 }
 
-fn authorized(headers: &HeaderMap) -> bool {
-    header_value(headers, "authorization").as_deref()
-        == Some(&format!("Bearer {}", FakeStripe::API_KEY))
+impl FakeApi for StripeState {
+    fn refusal(headers: &HeaderMap) -> Option<Response> {
+        (!bearer_is(headers, FakeStripe::API_KEY)).then(|| {
+            stripe_error(
+                401,
+                json!({"type": "invalid_request_error", "message": "Invalid API Key provided"}),
+            )
+        })
+    }
+
+    fn server_error(status: u16) -> Response {
+        stripe_error(
+            status,
+            json!({"type": "api_error", "message": "injected server error (nothing executed)"}),
+        )
+    }
+
+    fn rate_limited() -> Value {
+        json!({"error": {"type": "invalid_request_error", "code": "rate_limit",
+                         "message": "Too many requests"}})
+    }
 }
 
-async fn create(
-    State(s): State<Arc<Shared<StripeState>>>,
-    Extension(kill): Extension<KillSwitch>,
-    Received { headers, body, .. }: Received,
-) -> Response {
-    if !authorized(&headers) {
-        return stripe_error(
-            401,
-            json!({"type": "invalid_request_error", "message": "Invalid API Key provided"}),
-        );
-    }
-    let after = match s.common.faults.next().await {
-        Some(Fault::ServerError { status }) => {
-            return stripe_error(
-                status,
-                json!({"type": "api_error", "message": "injected server error (nothing executed)"}),
-            );
-        }
-        Some(Fault::RateLimited { retry_after }) => {
-            return json_response(
-                429,
-                &json!({"error": {"type": "invalid_request_error", "code": "rate_limit",
-                        "message": "Too many requests"}}),
-                &[("retry-after", retry_after_secs(retry_after))],
-            );
-        }
-        other => other,
-    };
+async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectRequest) -> Response {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
     let mut fields: Vec<(String, String)> = match serde_urlencoded::from_bytes(&body) {
         Ok(f) => f,
         Err(e) => {
@@ -98,36 +88,24 @@ async fn create(
                        "message": "Idempotency-Key must be at most 255 characters"}),
             );
         }
-        let replay = {
-            let mut keys = lock(&s.keys);
-            match keys.get(key) {
-                Some(KeyEntry::Running) => {
-                    return stripe_error(
-                        409,
-                        json!({"type": "invalid_request_error", "code": "idempotency_key_in_use",
-                           "message": "There is currently another in-progress request using this Idempotent Key (that probably means you submitted twice, and the other request is still going through): ..."}),
-                    );
-                }
-                Some(KeyEntry::Done { params: p, .. }) if *p != params => {
-                    return stripe_error(
-                        400,
-                        json!({"type": "idempotency_error",
-                           "message": "Keys for idempotent requests can only be used with the same parameters they were first used with."}),
-                    );
-                }
-                Some(KeyEntry::Done { status, body, .. }) => Some(raw_response(
-                    *status,
-                    body.clone(),
-                    &[("idempotent-replayed", "true".to_owned())],
-                )),
-                None => {
-                    keys.insert(key.clone(), KeyEntry::Running);
-                    None
-                }
-            }
+        let running = || {
+            stripe_error(
+                409,
+                json!({"type": "invalid_request_error", "code": "idempotency_key_in_use",
+                   "message": "There is currently another in-progress request using this Idempotent Key (that probably means you submitted twice, and the other request is still going through): ..."}),
+            )
         };
-        if let Some(r) = replay {
-            return deliver(after, &kill, r).await;
+        let conflict = || {
+            stripe_error(
+                400,
+                json!({"type": "idempotency_error",
+                   "message": "Keys for idempotent requests can only be used with the same parameters they were first used with."}),
+            )
+        };
+        let replayed = [("idempotent-replayed", "true".to_owned())];
+        let done = |saved: &Saved| saved.answer(&params, conflict, &replayed);
+        if let Err(r) = delivery.claim(&s.keys, key, running, done).await {
+            return r;
         }
     }
 
@@ -139,25 +117,17 @@ async fn create(
         _ => None,
     };
     if let Some(param) = missing {
-        if let Some(key) = &key {
-            lock(&s.keys).remove(key);
-        }
-        return stripe_error(
+        let refusal = stripe_error(
             400,
             json!({"type": "invalid_request_error", "code": "parameter_missing", "param": param,
                    "message": format!("Missing or invalid required param: {param}.")}),
         );
+        return s.keys.refuse(key.as_deref(), refusal);
     }
 
-    // Execute in a task of its own: like the real thing, it completes even if the client
-    // disconnects (a timeout after sending).
-    let task_state = s.clone();
     let task_key = key.clone();
-    let exec = tokio::spawn(async move {
-        let s = task_state;
+    let exec = s.execute(move |s, n| {
         let get = |name: &str| field(&fields, name);
-        tokio::time::sleep(s.common.faults.latency()).await;
-        let n = s.common.next_id();
         let mut metadata = Map::new();
         let mut request = Map::new();
         for (k, v) in &fields {
@@ -206,7 +176,7 @@ async fn create(
             status: status.to_owned(),
             request: Value::Object(request),
         });
-        lock(&s.intents).push((Instant::now() + s.common.faults.search_lag(), pi.clone()));
+        s.intents.push(s.common.faults.search_lag(), pi.clone());
         let (code, body) = if declined {
             let mut err = decline;
             if let Value::Object(m) = &mut err {
@@ -217,23 +187,14 @@ async fn create(
             (200, pi)
         };
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
-        if let Some(key) = task_key {
-            lock(&s.keys).insert(
-                key,
-                KeyEntry::Done {
-                    params,
-                    status: code,
-                    body: bytes.clone(),
-                },
-            );
-        }
+        s.keys.save(task_key, params, code, &bytes);
         (code, bytes, n)
     });
-    let Ok((code, bytes, n)) = exec.await else {
+    let Some((code, bytes, n)) = exec.await else {
         return stripe_error(500, json!({"type": "api_error", "message": "fake failed"}));
     };
     let r = raw_response(code, bytes, &[("request-id", format!("req_fake_{n:06}"))]);
-    deliver(after, &kill, r).await
+    delivery.deliver(r).await
 }
 
 fn field(fields: &[(String, String)], name: &str) -> Option<String> {
@@ -253,17 +214,9 @@ fn parse_query(q: &str) -> Option<(String, String)> {
 
 async fn search(
     State(s): State<Arc<Shared<StripeState>>>,
-    Received { uri, headers, .. }: Received,
+    Received { uri, .. }: Received,
 ) -> Response {
-    if !authorized(&headers) {
-        return stripe_error(
-            401,
-            json!({"type": "invalid_request_error", "message": "Invalid API Key provided"}),
-        );
-    }
-    let params: Vec<(String, String)> =
-        serde_urlencoded::from_str(uri.query().unwrap_or("")).unwrap_or_default();
-    let Some((k, v)) = params
+    let Some((k, v)) = query_pairs(&uri)
         .iter()
         .find(|(n, _)| n == "query")
         .and_then(|(_, q)| parse_query(q))
@@ -274,12 +227,9 @@ async fn search(
                    "message": "the fake understands only metadata['k']:'v'"}),
         );
     };
-    let now = Instant::now();
-    let data: Vec<Value> = lock(&s.intents)
-        .iter()
-        .filter(|(visible, pi)| *visible <= now && pi["metadata"][&k].as_str() == Some(v.as_str()))
-        .map(|(_, pi)| pi.clone())
-        .collect();
+    let data = s
+        .intents
+        .find(|pi| pi["metadata"][&k].as_str() == Some(v.as_str()));
     json_response(
         200,
         &json!({"object": "search_result", "url": "/v1/payment_intents/search",
