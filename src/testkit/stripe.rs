@@ -110,13 +110,7 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
     }
 
     // Validation: not saved, as at Stripe.
-    let missing = match (field(&fields, "amount"), field(&fields, "currency")) {
-        (None, _) => Some("amount"),
-        (_, None) => Some("currency"),
-        (Some(a), _) if a.parse::<u64>().map_or(true, |a| a == 0) => Some("amount"),
-        _ => None,
-    };
-    if let Some(param) = missing {
+    if let Some(param) = missing_param(&fields) {
         let refusal = stripe_error(
             400,
             json!({"type": "invalid_request_error", "code": "parameter_missing", "param": param,
@@ -128,17 +122,7 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
     let task_key = key.clone();
     let exec = s.execute(move |s, n| {
         let get = |name: &str| field(&fields, name);
-        let mut metadata = Map::new();
-        let mut request = Map::new();
-        for (k, v) in &fields {
-            if let Some(m) = k
-                .strip_prefix("metadata[")
-                .and_then(|r| r.strip_suffix(']'))
-            {
-                metadata.insert(m.to_owned(), Value::String(v.clone()));
-            }
-            request.insert(k.clone(), Value::String(v.clone()));
-        }
+        let (metadata, request) = metadata_and_request(&fields);
         let declined = get("payment_method").as_deref() == Some(FakeStripe::DECLINED_CARD);
         let confirm = get("confirm").as_deref() == Some("true");
         let status = if declined {
@@ -195,6 +179,32 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
     };
     let r = raw_response(code, bytes, &[("request-id", format!("req_fake_{n:06}"))]);
     delivery.deliver(r).await
+}
+
+/// The first required parameter missing or invalid (`amount` must be a positive integer).
+fn missing_param(fields: &[(String, String)]) -> Option<&'static str> {
+    match (field(fields, "amount"), field(fields, "currency")) {
+        (None, _) => Some("amount"),
+        (_, None) => Some("currency"),
+        (Some(a), _) if a.parse::<u64>().map_or(true, |a| a == 0) => Some("amount"),
+        _ => None,
+    }
+}
+
+/// The form's `metadata[...]` entries, and every field as the request the ledger records.
+fn metadata_and_request(fields: &[(String, String)]) -> (Map<String, Value>, Map<String, Value>) {
+    let mut metadata = Map::new();
+    let mut request = Map::new();
+    for (k, v) in fields {
+        if let Some(m) = k
+            .strip_prefix("metadata[")
+            .and_then(|r| r.strip_suffix(']'))
+        {
+            metadata.insert(m.to_owned(), Value::String(v.clone()));
+        }
+        request.insert(k.clone(), Value::String(v.clone()));
+    }
+    (metadata, request)
 }
 
 fn field(fields: &[(String, String)], name: &str) -> Option<String> {
