@@ -10,6 +10,7 @@ use sqlx::{ConnectOptions, Connection, Database, Pool};
 
 use super::connect_error::{sqlx_cause, within};
 use crate::error::StoreError;
+use crate::setters::setters;
 
 /// How `PostgresStore::connect_with` and `MySqlStore::connect_with` size their pool.
 ///
@@ -57,22 +58,15 @@ impl PoolOptions {
     /// Default [`PoolOptions::acquire_timeout`].
     pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
-    /// Connections at most (at least 1).
-    pub fn max_connections(mut self, n: u32) -> Self {
-        self.max_connections = n;
-        self
-    }
+    setters! {
+        /// Connections at most (at least 1).
+        max_connections(max_connections: u32);
 
-    /// Connections kept open when idle (capped at `max_connections`).
-    pub fn min_connections(mut self, n: u32) -> Self {
-        self.min_connections = n;
-        self
-    }
+        /// Connections kept open when idle (capped at `max_connections`).
+        min_connections(min_connections: u32);
 
-    /// How long a call waits for a free connection before failing.
-    pub fn acquire_timeout(mut self, d: Duration) -> Self {
-        self.acquire_timeout = d;
-        self
+        /// How long a call waits for a free connection before failing.
+        acquire_timeout(acquire_timeout: Duration);
     }
 }
 

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::setters::setters;
+
 /// Options for [`RedisStore::connect_with`](super::RedisStore::connect_with).
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
@@ -79,34 +81,21 @@ impl RedisConfig {
         self
     }
 
-    /// Sets the history cap per key (0: unlimited).
-    pub fn history_cap(mut self, cap: u32) -> Self {
-        self.history_cap = cap;
-        self
-    }
+    setters! {
+        /// Sets the history cap per key (0: unlimited).
+        history_cap(history_cap: u32);
 
-    /// Sets how long history outlives a key's `expires_at`.
-    pub fn history_ttl(mut self, ttl: Duration) -> Self {
-        self.history_ttl = ttl;
-        self
-    }
+        /// Sets how long history outlives a key's `expires_at`.
+        history_ttl(history_ttl: Duration);
 
-    /// Sets the native-expiry backstop (`None`: keys are deleted by purge only).
-    pub fn expiry_grace(mut self, grace: Option<Duration>) -> Self {
-        self.expiry_grace = grace;
-        self
-    }
+        /// Sets the native-expiry backstop (`None`: keys are deleted by purge only).
+        expiry_grace(expiry_grace: Option<Duration>);
 
-    /// Sets the number of slots of the known-keys hint (0: no hint, every claim runs the
-    /// claim script).
-    pub fn known_keys(mut self, slots: usize) -> Self {
-        self.known_keys = slots;
-        self
-    }
+        /// Sets the number of slots of the known-keys hint (0: no hint, every claim runs the
+        /// claim script).
+        known_keys(known_keys: usize);
 
-    /// Sets the command timeout.
-    pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
-        self
+        /// Sets the command timeout.
+        response_timeout(response_timeout: Duration);
     }
 }

@@ -35,6 +35,7 @@ use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeSt
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyRecord, LeaseToken};
+use crate::setters::setters;
 use crate::store::known_keys::{self, KnownKeys};
 
 mod atomic;
@@ -94,24 +95,17 @@ impl SqliteConfig {
         }
     }
 
-    /// Sets how long an atomic phase's writes may hold the writer
-    /// ([`SqliteConfig::phase_timeout`]).
-    pub fn phase_timeout(mut self, timeout: Duration) -> Self {
-        self.phase_timeout = timeout;
-        self
-    }
+    setters! {
+        /// Sets how long an atomic phase's writes may hold the writer
+        /// ([`SqliteConfig::phase_timeout`]).
+        phase_timeout(phase_timeout: Duration);
 
-    /// Sets the `synchronous` pragma (for example `Normal` when losing the last commits on power
-    /// loss is acceptable).
-    pub fn synchronous(mut self, synchronous: SqliteSynchronous) -> Self {
-        self.synchronous = synchronous;
-        self
-    }
+        /// Sets the `synchronous` pragma (for example `Normal` when losing the last commits on power
+        /// loss is acceptable).
+        synchronous(synchronous: SqliteSynchronous);
 
-    /// Sets the busy timeout.
-    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
-        self.busy_timeout = timeout;
-        self
+        /// Sets the busy timeout.
+        busy_timeout(busy_timeout: Duration);
     }
 
     /// Sets the number of reader connections (at least 1).
