@@ -23,13 +23,10 @@ use crate::{IdempotencyKey, KeyId, Scope};
 /// dies mid-call, and a provider only recognises the re-send when both are identical.
 #[derive(Debug, Clone)]
 pub struct IdempotencyContext {
-    pub(crate) id: KeyId,
     pub(crate) operation: String,
-    pub(crate) provider_key: String,
-    pub(crate) attempt: i32,
-    pub(crate) token: LeaseToken,
     pub(crate) request: Arc<Value>,
-    /// The executor's view of this attempt (its lease, renewed while the handler runs).
+    /// The executor's view of this attempt (its key, provider key, token and lease, renewed
+    /// while the handler runs).
     pub(crate) attempt_ctx: crate::Context,
 }
 
@@ -37,22 +34,22 @@ impl IdempotencyContext {
     /// The key to forward to the provider: the same on every attempt, in every process, and for
     /// the sweeper.
     pub fn provider_key(&self) -> &str {
-        &self.provider_key
+        self.attempt_ctx.provider_key()
     }
 
     /// Scope and key.
     pub fn id(&self) -> &KeyId {
-        &self.id
+        self.attempt_ctx.id()
     }
 
     /// The scope.
     pub fn scope(&self) -> &Scope {
-        &self.id.scope
+        &self.id().scope
     }
 
     /// The client's key.
     pub fn key(&self) -> &IdempotencyKey {
-        &self.id.key
+        &self.id().key
     }
 
     /// The operation name recorded with the key.
@@ -62,12 +59,12 @@ impl IdempotencyContext {
 
     /// 1 on the first attempt, more after a retryable failure.
     pub fn attempt(&self) -> i32 {
-        self.attempt
+        self.attempt_ctx.attempt()
     }
 
     /// The fencing token of this attempt.
     pub fn lease_token(&self) -> LeaseToken {
-        self.token
+        self.attempt_ctx.lease_token()
     }
 
     /// Whether this attempt may still send the request that acts: its lease is surely held and,

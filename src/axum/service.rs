@@ -145,13 +145,9 @@ where
                     return Outcome::retryable(format!("handler not run: {why}"));
                 }
                 let handler_ctx = IdempotencyContext {
-                    id: ctx.id().clone(),
                     operation,
-                    provider_key: ctx.provider_key().to_owned(),
-                    attempt: ctx.attempt(),
-                    token: ctx.lease_token(),
                     request: Arc::new(serde_json::from_str(ctx.request()).unwrap_or(Value::Null)),
-                    attempt_ctx: ctx.clone(),
+                    attempt_ctx: ctx,
                 };
                 let mut req = Request::from_parts(parts, Body::from(bytes));
                 req.extensions_mut().insert(handler_ctx);

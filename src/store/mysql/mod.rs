@@ -400,10 +400,6 @@ impl MySqlStore {
             None => Err(refused_write(self, id, Some(token)).await),
         }
     }
-    async fn take_stale_now(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
-        retry_lock_conflicts(|| self.take_stale_once(take)).await
-    }
-
     async fn take_stale_once(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         let lease = micros(take.lease);
         let taken = self
@@ -427,10 +423,6 @@ impl MySqlStore {
             .await?;
         Ok(taken.unwrap_or_default())
     }
-    async fn purge_expired_now(&self, batch: u32) -> Result<u64, StoreError> {
-        retry_lock_conflicts(|| self.purge_expired_once(batch)).await
-    }
-
     async fn purge_expired_once(&self, batch: u32) -> Result<u64, StoreError> {
         let deleted = self
             .with_picked(sql::PICK_EXPIRED, batch, async |tx, picked| {
@@ -584,14 +576,18 @@ impl SweeperStore for MySqlStore {
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         let take = take.clone();
-        self.detached(move |s| async move { s.take_stale_now(&take).await })
-            .await
+        self.detached(
+            move |s| async move { retry_lock_conflicts(|| s.take_stale_once(&take)).await },
+        )
+        .await
     }
 
     #[instrument(name = "idemflow.purge", skip(self), fields(backend = BACKEND), err)]
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.detached(move |s| async move { s.purge_expired_now(batch).await })
-            .await
+        self.detached(
+            move |s| async move { retry_lock_conflicts(|| s.purge_expired_once(batch)).await },
+        )
+        .await
     }
 
     async fn count_expired(&self) -> Result<u64, StoreError> {
