@@ -119,6 +119,17 @@ impl<'de> DeserializeSeed<'de> for Unique<'_> {
     }
 }
 
+/// A scalar holds no object member: each `visit_*` of one accepts it.
+macro_rules! accept_scalars {
+    ($($visit:ident: $ty:ty),* $(,)?) => {
+        $(
+            fn $visit<E>(self, _: $ty) -> Result<(), E> {
+                Ok(())
+            }
+        )*
+    };
+}
+
 impl<'de> Visitor<'de> for Unique<'_> {
     type Value = ();
 
@@ -126,32 +137,14 @@ impl<'de> Visitor<'de> for Unique<'_> {
         f.write_str("any JSON value")
     }
 
-    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_i128<E>(self, _: i128) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_u128<E>(self, _: u128) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_str<E>(self, _: &str) -> Result<(), E> {
-        Ok(())
+    accept_scalars! {
+        visit_bool: bool,
+        visit_i64: i64,
+        visit_u64: u64,
+        visit_i128: i128,
+        visit_u128: u128,
+        visit_f64: f64,
+        visit_str: &str,
     }
 
     fn visit_unit<E>(self) -> Result<(), E> {

@@ -43,6 +43,7 @@ use tracing::{Instrument, info_span};
 use crate::error::StoreError;
 use crate::provider::{Attempts, CallOutcome, Lookup, Providers};
 use crate::record::{Actor, KeyKind, KeyRecord};
+use crate::setters::setters;
 use crate::store::{Finish, Release, Store, TakeStale};
 use crate::{KeyId, KeyState};
 
@@ -205,13 +206,6 @@ impl Sweeper {
         self
     }
 
-    /// Sets the lease of taken keys ([`SweeperConfig::lease`]): how long the keys of a sweeper
-    /// that died stay held. Keep it short; the heartbeat renews it while the sweeper works.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.config.lease = lease;
-        self
-    }
-
     /// Sets the owner name recorded on taken keys.
     pub fn owner(mut self, owner: impl Into<String>) -> Self {
         self.config.owner = owner.into();
@@ -225,28 +219,26 @@ impl Sweeper {
         self
     }
 
-    /// Sets the recheck delay of keys that need an operator.
-    pub fn operator_recheck(mut self, after: Duration) -> Self {
-        self.config.operator_recheck = after;
-        self
-    }
-
-    /// Sets the safety margin kept before the end of a provider's dedup window.
-    pub fn redrive_margin(mut self, margin: Duration) -> Self {
-        self.config.redrive_margin = margin;
-        self
-    }
-
     /// Sets the most keys one run handles (at least 1).
     pub fn max_keys_per_run(mut self, n: u64) -> Self {
         self.config.max_keys_per_run = n.max(1);
         self
     }
 
-    /// Sets the longest wait for one provider call or lookup.
-    pub fn call_timeout(mut self, timeout: Duration) -> Self {
-        self.config.call_timeout = timeout;
-        self
+    setters! { in config;
+        /// Sets the lease of taken keys ([`SweeperConfig::lease`]): how long the keys of a
+        /// sweeper that died stay held. Keep it short; the heartbeat renews it while the
+        /// sweeper works.
+        lease(lease: Duration);
+
+        /// Sets the recheck delay of keys that need an operator.
+        operator_recheck(operator_recheck: Duration);
+
+        /// Sets the safety margin kept before the end of a provider's dedup window.
+        redrive_margin(redrive_margin: Duration);
+
+        /// Sets the longest wait for one provider call or lookup.
+        call_timeout(call_timeout: Duration);
     }
 
     /// The settings.

@@ -482,15 +482,7 @@ async fn inspect(cli: &Cli, store: &Arc<dyn Store>, id: &KeyId) -> anyhow::Resul
                     s.error.as_deref().unwrap_or("")
                 ));
                 for e in history {
-                    t.push_str(&format!(
-                        "\n        #{:<4} {}  {:<8} {} -> {}  {}",
-                        e.seq,
-                        e.at.to_rfc3339(),
-                        e.actor.as_str(),
-                        state_name(e.from),
-                        state_name(e.to),
-                        e.reason.as_deref().unwrap_or("")
-                    ));
+                    t.push_str(&history_line("        ", e, false));
                 }
             }
         }
@@ -545,19 +537,31 @@ fn human_record(id: &KeyId, r: Option<&KeyRecord>, history: &[KeyEvent]) -> Stri
     }
     t.push_str("history:");
     for e in history {
-        t.push_str(&format!(
-            "\n  #{:<4} {}  {:<8} {} -> {}  token {}  {}",
-            e.seq,
-            e.at.to_rfc3339(),
-            e.actor.as_str(),
-            state_name(e.from),
-            state_name(e.to),
-            e.lease_token
-                .map_or_else(|| "-".to_owned(), |t| t.to_string()),
-            e.reason.as_deref().unwrap_or("")
-        ));
+        t.push_str(&history_line("  ", e, true));
     }
     t
+}
+
+/// One history event on a line of its own, after `indent`, with its fencing token when
+/// `with_token`.
+fn history_line(indent: &str, e: &KeyEvent, with_token: bool) -> String {
+    let token = if with_token {
+        let token = e
+            .lease_token
+            .map_or_else(|| "-".to_owned(), |t| t.to_string());
+        format!("  token {token}")
+    } else {
+        String::new()
+    };
+    format!(
+        "\n{indent}#{:<4} {}  {:<8} {} -> {}{token}  {}",
+        e.seq,
+        e.at.to_rfc3339(),
+        e.actor.as_str(),
+        state_name(e.from),
+        state_name(e.to),
+        e.reason.as_deref().unwrap_or("")
+    )
 }
 
 async fn resolve(cli: &Cli, store: &Arc<dyn Store>, args: &ResolveArgs) -> anyhow::Result<Exit> {
