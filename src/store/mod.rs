@@ -337,3 +337,20 @@ pub(crate) fn assert_claim_reasons(statement: &str) {
         .collect();
     assert_eq!(spelled, reasons, "claim reasons in {statement}");
 }
+
+#[cfg(all(test, any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+mod tests {
+    /// Every SQL backend's claim statement (SQLite's `INSERT`, PostgreSQL's functions, MariaDB's
+    /// procedure) spells exactly the claim reasons.
+    #[test]
+    fn every_claim_statement_spells_the_claim_reasons() {
+        #[cfg(feature = "sqlite")]
+        super::assert_claim_reasons(super::sqlite::sql::CLAIM);
+        #[cfg(feature = "postgres")]
+        for source in super::postgres::sql::CLAIM_FUNCTIONS {
+            super::assert_claim_reasons(source);
+        }
+        #[cfg(feature = "mysql")]
+        super::assert_claim_reasons(super::mysql::sql::CLAIM_PROCEDURE);
+    }
+}

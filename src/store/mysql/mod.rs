@@ -39,7 +39,7 @@ use crate::record::{KeyRecord, LeaseToken};
 use crate::store::known_keys::{self, KnownKeys};
 
 mod atomic;
-mod sql;
+pub(super) mod sql;
 
 const BACKEND: &str = "mysql";
 

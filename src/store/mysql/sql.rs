@@ -40,7 +40,7 @@ pub(super) const CLAIM: &str = "CALL idempotency_keys_claim(?, ?, ?, ?, ?, ?, ?,
 
 /// The claim procedure's source, for the test that checks its reason spellings.
 #[cfg(test)]
-const CLAIM_PROCEDURE: &str =
+pub(in crate::store) const CLAIM_PROCEDURE: &str =
     include_str!("../../../migrations/mysql/20261201220001_claim_provider_rule.sql");
 
 /// The finish, one round trip: the fenced `UPDATE` and the read of the row it wrote, in one
@@ -134,61 +134,43 @@ pub(super) const DELETE_PICKED: &str =
 
 pub(super) const READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
-pub(super) const HISTORY: &str = concat!(
-    "SELECT ",
-    event_columns!(),
-    " FROM idempotency_key_events WHERE scope = ? AND `key` = ? ORDER BY id"
-);
-
-pub(super) const STATS: &str = concat!(
-    "SELECT \
-       COUNT(CASE WHEN state = 'processing' THEN 1 END) AS processing, \
-       COUNT(CASE WHEN state = 'processing' AND lease_expires_at <= ",
-    now!(),
-    " THEN 1 END) AS stale, \
-       COUNT(CASE WHEN state = 'done' THEN 1 END) AS done, \
-       COUNT(CASE WHEN state = 'failed' AND retryable THEN 1 END) AS failed_retryable, \
-       COUNT(CASE WHEN state = 'failed' AND NOT retryable THEN 1 END) AS failed_permanent, \
-       MIN(CASE WHEN state = 'processing' THEN created_at END) AS oldest_processing, ",
-    now!(),
-    " AS db_now FROM idempotency_keys"
-);
-
-/// Processing keys first claimed at least the given µs ago.
-pub(super) const STUCK_COUNT: &str = concat!(
-    "SELECT COUNT(*) FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
-    now!(),
-    " - INTERVAL ? MICROSECOND"
-);
-
-/// The oldest of them, oldest first. Parameters: age µs, limit.
-pub(super) const STUCK_LIST: &str = concat!(
-    "SELECT ",
-    cols!(),
-    " FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
-    now!(),
-    " - INTERVAL ? MICROSECOND ORDER BY created_at, scope, `key` LIMIT ?"
-);
-
-/// Finished keys a purge would delete now.
-pub(super) const COUNT_EXPIRED: &str = concat!(
-    "SELECT COUNT(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
-    now!()
-);
-
 /// The statements of the reads written once in `store::sql_core`.
 pub(super) const READS: ReadSql = ReadSql {
-    history: HISTORY,
-    stats: STATS,
-    stuck_count: STUCK_COUNT,
-    stuck_list: STUCK_LIST,
-    count_expired: COUNT_EXPIRED,
+    history: concat!(
+        "SELECT ",
+        event_columns!(),
+        " FROM idempotency_key_events WHERE scope = ? AND `key` = ? ORDER BY id"
+    ),
+    stats: concat!(
+        "SELECT \
+           COUNT(CASE WHEN state = 'processing' THEN 1 END) AS processing, \
+           COUNT(CASE WHEN state = 'processing' AND lease_expires_at <= ",
+        now!(),
+        " THEN 1 END) AS stale, \
+           COUNT(CASE WHEN state = 'done' THEN 1 END) AS done, \
+           COUNT(CASE WHEN state = 'failed' AND retryable THEN 1 END) AS failed_retryable, \
+           COUNT(CASE WHEN state = 'failed' AND NOT retryable THEN 1 END) AS failed_permanent, \
+           MIN(CASE WHEN state = 'processing' THEN created_at END) AS oldest_processing, ",
+        now!(),
+        " AS db_now FROM idempotency_keys"
+    ),
+    // Processing keys first claimed at least the given µs ago.
+    stuck_count: concat!(
+        "SELECT COUNT(*) FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+        now!(),
+        " - INTERVAL ? MICROSECOND"
+    ),
+    // The oldest of them, oldest first. Parameters: age µs, limit.
+    stuck_list: concat!(
+        "SELECT ",
+        cols!(),
+        " FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+        now!(),
+        " - INTERVAL ? MICROSECOND ORDER BY created_at, scope, `key` LIMIT ?"
+    ),
+    // Finished keys a purge would delete now.
+    count_expired: concat!(
+        "SELECT COUNT(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
+        now!()
+    ),
 };
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn claim_spells_the_claim_reasons() {
-        crate::store::assert_claim_reasons(super::CLAIM_PROCEDURE);
-    }
-}

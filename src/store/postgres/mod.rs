@@ -34,7 +34,7 @@ use crate::error::StoreError;
 use crate::record::{KeyRecord, LeaseToken};
 
 mod atomic;
-mod sql;
+pub(super) mod sql;
 
 const BACKEND: &str = "postgres";
 

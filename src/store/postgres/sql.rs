@@ -78,7 +78,7 @@ pub(super) const CLAIM: &str = concat!(
 
 /// The claim functions' sources, for the test that checks their reason spellings.
 #[cfg(test)]
-const CLAIM_FUNCTIONS: [&str; 3] = [
+pub(in crate::store) const CLAIM_FUNCTIONS: [&str; 3] = [
     include_str!("../../../migrations/postgres/20261130180001_claim_function.sql"),
     include_str!("../../../migrations/postgres/20261130200001_lean_writes.sql"),
     include_str!("../../../migrations/postgres/20261201220001_claim_provider_rule.sql"),
@@ -171,63 +171,43 @@ pub(super) const PURGE: &str = concat!(
      WHERE k.scope = picked.scope AND k.key = picked.key AND k.state <> 'processing'"
 );
 
-pub(super) const HISTORY: &str = concat!(
-    "SELECT ",
-    event_columns!(),
-    " FROM idempotency_key_events WHERE scope = $1 AND key = $2 ORDER BY id"
-);
-
-pub(super) const STATS: &str = concat!(
-    "SELECT \
-       count(*) FILTER (WHERE state = 'processing') AS processing, \
-       count(*) FILTER (WHERE state = 'processing' AND lease_expires_at <= ",
-    now!(),
-    ") AS stale, \
-       count(*) FILTER (WHERE state = 'done') AS done, \
-       count(*) FILTER (WHERE state = 'failed' AND retryable) AS failed_retryable, \
-       count(*) FILTER (WHERE state = 'failed' AND NOT retryable) AS failed_permanent, \
-       min(created_at) FILTER (WHERE state = 'processing') AS oldest_processing, ",
-    now!(),
-    " AS db_now FROM idempotency_keys"
-);
-
-/// Processing keys first claimed at least `$1` ms ago.
-pub(super) const STUCK_COUNT: &str = concat!(
-    "SELECT count(*) FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
-    now!(),
-    " - $1::bigint * interval '1 millisecond'"
-);
-
-/// The oldest `$2` of them, oldest first.
-pub(super) const STUCK_LIST: &str = concat!(
-    "SELECT ",
-    cols!(""),
-    " FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
-    now!(),
-    " - $1::bigint * interval '1 millisecond' ORDER BY created_at, scope, key LIMIT $2::bigint"
-);
-
-/// Finished keys `PURGE` would delete now.
-pub(super) const COUNT_EXPIRED: &str = concat!(
-    "SELECT count(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
-    now!()
-);
-
 /// The statements of the reads written once in `store::sql_core`.
 pub(super) const READS: ReadSql = ReadSql {
-    history: HISTORY,
-    stats: STATS,
-    stuck_count: STUCK_COUNT,
-    stuck_list: STUCK_LIST,
-    count_expired: COUNT_EXPIRED,
+    history: concat!(
+        "SELECT ",
+        event_columns!(),
+        " FROM idempotency_key_events WHERE scope = $1 AND key = $2 ORDER BY id"
+    ),
+    stats: concat!(
+        "SELECT \
+           count(*) FILTER (WHERE state = 'processing') AS processing, \
+           count(*) FILTER (WHERE state = 'processing' AND lease_expires_at <= ",
+        now!(),
+        ") AS stale, \
+           count(*) FILTER (WHERE state = 'done') AS done, \
+           count(*) FILTER (WHERE state = 'failed' AND retryable) AS failed_retryable, \
+           count(*) FILTER (WHERE state = 'failed' AND NOT retryable) AS failed_permanent, \
+           min(created_at) FILTER (WHERE state = 'processing') AS oldest_processing, ",
+        now!(),
+        " AS db_now FROM idempotency_keys"
+    ),
+    // Processing keys first claimed at least `$1` ms ago.
+    stuck_count: concat!(
+        "SELECT count(*) FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+        now!(),
+        " - $1::bigint * interval '1 millisecond'"
+    ),
+    // The oldest `$2` of them, oldest first.
+    stuck_list: concat!(
+        "SELECT ",
+        cols!(""),
+        " FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+        now!(),
+        " - $1::bigint * interval '1 millisecond' ORDER BY created_at, scope, key LIMIT $2::bigint"
+    ),
+    // Finished keys `PURGE` would delete now.
+    count_expired: concat!(
+        "SELECT count(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
+        now!()
+    ),
 };
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn claim_spells_the_claim_reasons() {
-        for source in super::CLAIM_FUNCTIONS {
-            crate::store::assert_claim_reasons(source);
-        }
-    }
-}

@@ -39,7 +39,7 @@ use crate::setters::setters;
 use crate::store::known_keys::{self, KnownKeys};
 
 mod atomic;
-mod sql;
+pub(super) mod sql;
 mod writer;
 
 pub use writer::{BatchFailed, BoxFut, JobAborted, WriterStats};

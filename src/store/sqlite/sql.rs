@@ -44,7 +44,7 @@ pub(super) const CLAIM_READ: &str = concat!(
     " AS db_now FROM idempotency_keys WHERE scope = ?1 AND key = ?2"
 );
 
-pub(super) const CLAIM: &str = concat!(
+pub(in crate::store) const CLAIM: &str = concat!(
     "INSERT INTO idempotency_keys (scope, key, operation, provider, provider_key, state, retryable, \
        fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, created_at, \
        updated_at, retention_ms, version, last_actor, last_reason, last_attempt_at, \
@@ -170,58 +170,40 @@ pub(super) const PURGE: &str = concat!(
     " ORDER BY expires_at LIMIT ?1)"
 );
 
-pub(super) const HISTORY: &str = concat!(
-    "SELECT ",
-    event_columns!(),
-    " FROM idempotency_key_events WHERE scope = ?1 AND key = ?2 ORDER BY id"
-);
-
-pub(super) const STATS: &str = concat!(
-    "SELECT \
-       COALESCE(SUM(state = 'processing'), 0) AS processing, \
-       COALESCE(SUM(state = 'processing' AND lease_expires_at <= ",
-    now!(),
-    "), 0) AS stale, \
-       COALESCE(SUM(state = 'done'), 0) AS done, \
-       COALESCE(SUM(state = 'failed' AND retryable = 1), 0) AS failed_retryable, \
-       COALESCE(SUM(state = 'failed' AND retryable = 0), 0) AS failed_permanent, \
-       MIN(CASE WHEN state = 'processing' THEN created_at END) AS oldest_processing, ",
-    now!(),
-    " AS db_now FROM idempotency_keys"
-);
-
-pub(super) const STUCK_COUNT: &str = concat!(
-    "SELECT COUNT(*) FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
-    now!(),
-    " - ?1"
-);
-
-pub(super) const STUCK_LIST: &str = concat!(
-    "SELECT ",
-    cols!(),
-    " FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
-    now!(),
-    " - ?1 ORDER BY created_at LIMIT ?2"
-);
-
-pub(super) const COUNT_EXPIRED: &str = concat!(
-    "SELECT COUNT(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
-    now!()
-);
-
 /// The statements of the reads written once in `store::sql_core`.
 pub(super) const READS: ReadSql = ReadSql {
-    history: HISTORY,
-    stats: STATS,
-    stuck_count: STUCK_COUNT,
-    stuck_list: STUCK_LIST,
-    count_expired: COUNT_EXPIRED,
+    history: concat!(
+        "SELECT ",
+        event_columns!(),
+        " FROM idempotency_key_events WHERE scope = ?1 AND key = ?2 ORDER BY id"
+    ),
+    stats: concat!(
+        "SELECT \
+           COALESCE(SUM(state = 'processing'), 0) AS processing, \
+           COALESCE(SUM(state = 'processing' AND lease_expires_at <= ",
+        now!(),
+        "), 0) AS stale, \
+           COALESCE(SUM(state = 'done'), 0) AS done, \
+           COALESCE(SUM(state = 'failed' AND retryable = 1), 0) AS failed_retryable, \
+           COALESCE(SUM(state = 'failed' AND retryable = 0), 0) AS failed_permanent, \
+           MIN(CASE WHEN state = 'processing' THEN created_at END) AS oldest_processing, ",
+        now!(),
+        " AS db_now FROM idempotency_keys"
+    ),
+    stuck_count: concat!(
+        "SELECT COUNT(*) FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+        now!(),
+        " - ?1"
+    ),
+    stuck_list: concat!(
+        "SELECT ",
+        cols!(),
+        " FROM idempotency_keys WHERE state = 'processing' AND created_at <= ",
+        now!(),
+        " - ?1 ORDER BY created_at LIMIT ?2"
+    ),
+    count_expired: concat!(
+        "SELECT COUNT(*) FROM idempotency_keys WHERE state <> 'processing' AND expires_at <= ",
+        now!()
+    ),
 };
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn claim_spells_the_claim_reasons() {
-        crate::store::assert_claim_reasons(super::CLAIM);
-    }
-}
