@@ -12,11 +12,112 @@ use std::time::Duration;
 use sqlx::migrate::Migrator;
 use sqlx::{ColumnIndex, Database, Encode, Executor, FromRow, IntoArguments, Pool, Type};
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use super::kit::FinishMode;
 use super::rows::{Plain, SqlRow, decode_event, decode_record, decode_stats};
 use super::{Stats, Stuck};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use super::{Finish, NewClaim};
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::KeyEvent;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use crate::record::LeaseToken;
+
+/// A statement with its parameters, on any SQL backend.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) type Statement<'q, DB> = sqlx::query::Query<'q, DB, <DB as Database>::Arguments>;
+
+/// Binds a claim's parameters, in the order the claim statement of every pooled SQL backend
+/// takes them: scope, key, operation, provider, provider key, fingerprint, request, owner, lease,
+/// retention (ms), takeover window (or NULL), then `nonce` when given (MariaDB's), then the
+/// provider key of a re-created key (or NULL). The lease and the window are bound in
+/// `duration`'s unit (the backend's, as [`SqlCore::duration`]).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn bind_claim<'q, DB>(
+    q: Statement<'q, DB>,
+    claim: &NewClaim,
+    duration: fn(Duration) -> i64,
+    nonce: Option<i64>,
+) -> Statement<'q, DB>
+where
+    DB: Database,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<&'t str>: Encode<'t, DB> + Type<DB>,
+    for<'t> i64: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<i64>: Encode<'t, DB> + Type<DB>,
+{
+    let q = q
+        .bind(claim.id.scope.as_str())
+        .bind(claim.id.key.as_str())
+        .bind(claim.operation.as_str())
+        .bind(claim.provider.as_deref())
+        .bind(claim.provider_key.as_str())
+        .bind(claim.fingerprint.as_str())
+        .bind(claim.request.as_deref())
+        .bind(claim.owner.as_str())
+        .bind(duration(claim.lease))
+        .bind(super::kit::millis(claim.retention))
+        .bind(claim.takeover_window.map(duration));
+    let q = match nonce {
+        Some(nonce) => q.bind(nonce),
+        None => q,
+    };
+    q.bind(claim.reused_provider_key.as_deref())
+}
+
+/// Binds a finish's parameters, in the order the finish statement of every pooled SQL backend
+/// takes them: scope, key, state, retryable, status, headers, body, error, the holder's token
+/// (or NULL), actor, reason, the expected token of a compare-and-set override (or NULL).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn bind_finish<'q, DB>(
+    q: Statement<'q, DB>,
+    id: &KeyId,
+    mode: FinishMode,
+    finish: &Finish,
+) -> Statement<'q, DB>
+where
+    DB: Database,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<&'t str>: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<&'t [u8]>: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<String>: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<i32>: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<i64>: Encode<'t, DB> + Type<DB>,
+    for<'t> bool: Encode<'t, DB> + Type<DB>,
+{
+    let (status, headers, body) = finish.response_columns();
+    q.bind(id.scope.as_str())
+        .bind(id.key.as_str())
+        .bind(finish.to.as_str())
+        .bind(finish.to.is_retryable())
+        .bind(status)
+        .bind(headers)
+        .bind(body)
+        .bind(finish.error.as_deref())
+        .bind(mode.holder().map(|t| t.0))
+        .bind(finish.actor.as_str())
+        .bind(finish.reason.as_str())
+        .bind(mode.expected().map(|t| t.0))
+}
+
+/// Binds the key and the holder's token, the first parameters of every fenced write of the
+/// pooled SQL backends (mark_attempt, extend).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn bind_fence<'q, DB>(
+    q: Statement<'q, DB>,
+    id: &KeyId,
+    token: LeaseToken,
+) -> Statement<'q, DB>
+where
+    DB: Database,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> i64: Encode<'t, DB> + Type<DB>,
+{
+    q.bind(id.scope.as_str())
+        .bind(id.key.as_str())
+        .bind(token.0)
+}
 
 /// A backend's statements for the shared reads. Parameters: `history` scope, key; `stuck_count`
 /// the age; `stuck_list` the age, the limit. Ages are bound in the backend's

@@ -212,20 +212,7 @@ impl MySqlStore {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let res = sqlx::query(sql::CLAIM)
-                .bind(claim.id.scope.as_str())
-                .bind(claim.id.key.as_str())
-                .bind(&claim.operation)
-                .bind(claim.provider.as_deref())
-                .bind(&claim.provider_key)
-                .bind(claim.fingerprint.as_str())
-                .bind(claim.request.as_deref())
-                .bind(&claim.owner)
-                .bind(micros(claim.lease))
-                .bind(millis(claim.retention))
-                .bind(claim.takeover_window.map(micros))
-                .bind(nonce)
-                .bind(claim.reused_provider_key.as_deref())
+            let res = sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, micros, Some(nonce))
                 // All of it: the procedure's result set, then its status.
                 .fetch_all(&self.pool)
                 .await;
@@ -353,22 +340,9 @@ impl MySqlStore {
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
         check_finish(mode, finish.to)?;
-        let (status, headers, body) = finish.response_columns();
         // The update and the read-back share a transaction inside the procedure, so the row
         // returned is the one written (the update's row lock is held until commit).
-        let rows = sqlx::query(sql::FINISH)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(finish.to.as_str())
-            .bind(finish.to.is_retryable())
-            .bind(status)
-            .bind(headers)
-            .bind(body)
-            .bind(finish.error.as_deref())
-            .bind(mode.holder().map(|t| t.0))
-            .bind(finish.actor.as_str())
-            .bind(&finish.reason)
-            .bind(mode.expected().map(|t| t.0))
+        let rows = sql_core::bind_finish(sqlx::query(sql::FINISH), id, mode, finish)
             .fetch_all(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
@@ -544,10 +518,7 @@ impl Store for MySqlStore {
 
     #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
-        let done = sqlx::query(sql::MARK_ATTEMPT)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(token.0)
+        let done = sql_core::bind_fence(sqlx::query(sql::MARK_ATTEMPT), id, token)
             .execute(&self.pool)
             .await
             .map_err(|e| self.err(e))?;

@@ -54,17 +54,9 @@ fn record_step<'c>(
 ) -> Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send + 'c>> {
     Box::pin(async move {
         let finish = step_record(answer);
-        let (status, headers, body) = finish.response_columns();
-        let row = finish_query(
-            step,
-            FinishMode::Holder(token),
-            &finish,
-            status,
-            headers,
-            body,
-        )
-        .fetch_optional(conn)
-        .await?;
+        let row = finish_query(step, FinishMode::Holder(token), &finish)
+            .fetch_optional(conn)
+            .await?;
         Ok(row.is_some())
     })
 }

@@ -148,26 +148,11 @@ impl PostgresStore {
 
 /// The finish statement of `id` (in `mode`), for the pool or an atomic phase's transaction.
 fn finish_query<'q>(
-    id: &'q KeyId,
+    id: &KeyId,
     mode: FinishMode,
-    finish: &'q Finish,
-    status: Option<i32>,
-    headers: Option<String>,
-    body: Option<&'q [u8]>,
-) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-    sqlx::query(sql::FINISH)
-        .bind(id.scope.as_str())
-        .bind(id.key.as_str())
-        .bind(finish.to.as_str())
-        .bind(finish.to.is_retryable())
-        .bind(status)
-        .bind(headers)
-        .bind(body)
-        .bind(finish.error.as_deref())
-        .bind(mode.holder().map(|t| t.0))
-        .bind(finish.actor.as_str())
-        .bind(&finish.reason)
-        .bind(mode.expected().map(|t| t.0))
+    finish: &Finish,
+) -> sql_core::Statement<'q, sqlx::Postgres> {
+    sql_core::bind_finish(sqlx::query(sql::FINISH), id, mode, finish)
 }
 
 impl SqlRow for PgRow {
@@ -192,8 +177,7 @@ impl PostgresStore {
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
         check_finish(mode, finish.to)?;
-        let (status, headers, body) = finish.response_columns();
-        let row = finish_query(id, mode, finish, status, headers, body)
+        let row = finish_query(id, mode, finish)
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
@@ -225,19 +209,7 @@ impl Store for PostgresStore {
     #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         for _ in 0..3 {
-            let row = sqlx::query(sql::CLAIM)
-                .bind(claim.id.scope.as_str())
-                .bind(claim.id.key.as_str())
-                .bind(&claim.operation)
-                .bind(claim.provider.as_deref())
-                .bind(&claim.provider_key)
-                .bind(claim.fingerprint.as_str())
-                .bind(claim.request.as_deref())
-                .bind(&claim.owner)
-                .bind(ms(claim.lease))
-                .bind(ms(claim.retention))
-                .bind(claim.takeover_window.map(ms))
-                .bind(claim.reused_provider_key.as_deref())
+            let row = sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, ms, None)
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(|e| self.err(e))?;
@@ -305,10 +277,7 @@ impl Store for PostgresStore {
 
     #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
-        let done = sqlx::query(sql::MARK_ATTEMPT)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(token.0)
+        let done = sql_core::bind_fence(sqlx::query(sql::MARK_ATTEMPT), id, token)
             .execute(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
