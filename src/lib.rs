@@ -117,7 +117,7 @@ pub use executor::{Context, Execution, ExecutorConfig, Idempotency, IdempotentRe
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KeyId, Scope};
 pub use outcome::Outcome;
-pub use provider::{Attempts, CallOutcome, KeySpec, Lookup, Provider, Providers};
+pub use provider::{Attempts, CallReply, KeySpec, Lookup, Provider, Providers};
 pub use record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 pub use response::StoredResponse;
 pub use state::KeyState;
