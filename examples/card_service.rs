@@ -46,7 +46,7 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem, ScopeSource};
 use idemflow::provider::{Provider, Stripe};
-use idemflow::{CallOutcome, Idempotency, Store};
+use idemflow::{CallReply, Idempotency, Store};
 use serde_json::{Map, Value, json};
 
 /// The service's settings, from the environment.
@@ -212,10 +212,10 @@ fn payment_params(parts: &Parts, body: &Bytes) -> Result<Value, Problem> {
 async fn create_payment(State(stripe): State<Arc<Stripe>>, ctx: IdempotencyContext) -> Response {
     // The stored request, with the stored provider key: exactly what the sweeper would send.
     match stripe.call(ctx.provider_key(), ctx.request()).await {
-        CallOutcome::Succeeded { response, .. } | CallOutcome::Rejected { response } => {
+        CallReply::Succeeded { response, .. } | CallReply::Rejected { response } => {
             to_http(render(response))
         }
-        CallOutcome::Retryable {
+        CallReply::Retryable {
             reason,
             retry_after,
         } => {
@@ -231,11 +231,9 @@ async fn create_payment(State(stripe): State<Arc<Stripe>>, ctx: IdempotencyConte
         }
         other => {
             let reason = match other {
-                CallOutcome::Unknown { reason } => reason,
-                CallOutcome::InFlight { .. } => {
-                    "Stripe reports this payment still in flight".into()
-                }
-                CallOutcome::KeyConflict { detail } => detail,
+                CallReply::Unknown { reason } => reason,
+                CallReply::InFlight { .. } => "Stripe reports this payment still in flight".into(),
+                CallReply::KeyConflict { detail } => detail,
                 _ => "unexpected answer".into(),
             };
             // Not stored: the key stays for the sweeper, which asks Stripe.

@@ -35,7 +35,7 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem, ScopeSource};
 use idemflow::provider::{Provider, Resend};
-use idemflow::{CallOutcome, Idempotency};
+use idemflow::{CallReply, Idempotency};
 use serde_json::{Map, Value, json};
 
 fn invalid(field: &str, detail: impl Into<String>) -> Problem {
@@ -135,7 +135,7 @@ fn render(resend: idemflow::StoredResponse) -> idemflow::StoredResponse {
 
 async fn send_email(State(resend): State<Arc<Resend>>, ctx: IdempotencyContext) -> Response {
     match resend.call(ctx.provider_key(), ctx.request()).await {
-        CallOutcome::Succeeded { response, .. } | CallOutcome::Rejected { response } => {
+        CallReply::Succeeded { response, .. } | CallReply::Rejected { response } => {
             let (status, headers, body) = render(response).into_parts();
             let mut resp = (
                 StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
@@ -152,7 +152,7 @@ async fn send_email(State(resend): State<Arc<Resend>>, ctx: IdempotencyContext) 
             }
             resp
         }
-        CallOutcome::Retryable {
+        CallReply::Retryable {
             reason,
             retry_after,
         } => (

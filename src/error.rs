@@ -95,17 +95,31 @@ impl StoreError {
     }
 }
 
-/// Errors from [`Idempotency::execute`](crate::Idempotency::execute) and request building.
+/// A request that breaks a rule, found before anything touches the store: its key, scope or
+/// operation name or its body (when the [`IdempotentRequest`](crate::IdempotentRequest) or
+/// [`Step`](crate::Step) is built), or its size (when the executor checks it against its cap).
+/// Nothing was run and no row was written. Inside an [`Error`] it is [`Error::Request`]; its
+/// HTTP answer is [`RequestError::http_answer`] (400, or 413 for a request too large).
+///
+/// ```
+/// use idemflow::{Error, IdempotentRequest, RequestError};
+///
+/// let e = IdempotentRequest::new("acct", "", "charge", &1).unwrap_err();
+/// assert!(matches!(e, RequestError::InvalidKey(_)));
+/// assert!(e.to_string().starts_with("invalid idempotency key: "));
+/// let e = Error::from(e);
+/// assert_eq!(e.http_answer().slug, "key-malformed");
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum Error {
+pub enum RequestError {
     /// The idempotency key broke a rule (HTTP 400).
     #[error("invalid idempotency key: {0}")]
     InvalidKey(#[source] KeyError),
     /// The scope broke a rule (HTTP 400).
     #[error("invalid scope: {0}")]
     InvalidScope(#[source] KeyError),
-    /// The operation name broke a rule.
+    /// The operation name broke a rule (HTTP 400).
     #[error("invalid operation name: {0}")]
     InvalidOperation(#[source] KeyError),
     /// The request body is not valid JSON (HTTP 400).
@@ -128,6 +142,28 @@ pub enum Error {
         /// The configured cap.
         limit: usize,
     },
+}
+
+impl From<crate::fingerprint::JsonError> for RequestError {
+    fn from(e: crate::fingerprint::JsonError) -> Self {
+        match e {
+            crate::fingerprint::JsonError::DuplicateKey { name } => {
+                RequestError::DuplicateJsonKey { name }
+            }
+            crate::fingerprint::JsonError::Syntax(e) => RequestError::InvalidJson(e),
+        }
+    }
+}
+
+/// Errors from [`Idempotency::execute`](crate::Idempotency::execute) and the calls built on it
+/// (a provider call, a workflow's steps). A request that breaks a rule is [`Error::Request`];
+/// the others are the protocol's answers and the store's failures.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The request broke a rule (HTTP 400, or 413 when too large); nothing was run.
+    #[error(transparent)]
+    Request(#[from] RequestError),
     /// The same key was used with a different request (HTTP 422). Nothing was run.
     #[error(
         "idempotency key {key} was first used with a different request (stored fingerprint {stored}, this request {presented}); it is refused, not replayed"
@@ -267,19 +303,9 @@ impl From<StoreError> for Error {
     }
 }
 
-impl From<crate::fingerprint::JsonError> for Error {
-    fn from(e: crate::fingerprint::JsonError) -> Self {
-        match e {
-            crate::fingerprint::JsonError::DuplicateKey { name } => {
-                Error::DuplicateJsonKey { name }
-            }
-            crate::fingerprint::JsonError::Syntax(e) => Error::InvalidJson(e),
-        }
-    }
-}
-
 /// How an [`Error`] is answered over HTTP: status, `Retry-After` and the problem kind. This is
-/// the one error-to-HTTP mapping: [`Error::http_status`] and [`Error::retry_after`] read it, and
+/// the one error-to-HTTP mapping ([`Error::http_answer`], which answers a refused request with
+/// [`RequestError::http_answer`]): [`Error::http_status`] and [`Error::retry_after`] read it, and
 /// the axum layer answers every executor error with it (as `application/problem+json`).
 ///
 /// ```
@@ -320,24 +346,44 @@ impl HttpAnswer {
 /// The wait given when the error itself names none but a retry soon is the right move.
 const RETRY_SOON: Duration = Duration::from_secs(1);
 
+impl RequestError {
+    /// The HTTP answer to this refusal: 400 with the rule broken, or 413 for a request too large
+    /// (no `Retry-After`: the same request would be refused again).
+    pub fn http_answer(&self) -> HttpAnswer {
+        let (status, slug, title) = match self {
+            RequestError::InvalidKey(_) => (400, "key-malformed", "Idempotency key malformed"),
+            RequestError::InvalidScope(_) => (400, "scope-invalid", "Scope invalid"),
+            RequestError::InvalidOperation(_) => {
+                (400, "operation-invalid", "Operation name invalid")
+            }
+            RequestError::InvalidJson(_) => (400, "body-invalid", "Request body invalid"),
+            RequestError::DuplicateJsonKey { .. } => (
+                400,
+                "body-duplicate-key",
+                "Request body names a member twice",
+            ),
+            RequestError::RequestTooLarge { .. } => (413, "body-too-large", "Request too large"),
+        };
+        HttpAnswer {
+            status,
+            retry_after: None,
+            slug,
+            title,
+        }
+    }
+
+    /// The HTTP status code of [`http_answer`](Self::http_answer).
+    pub fn http_status(&self) -> u16 {
+        self.http_answer().status
+    }
+}
+
 impl Error {
     /// The HTTP answer to this error (status, `Retry-After`, problem type and title), as the
     /// IETF draft and common practice give it.
     pub fn http_answer(&self) -> HttpAnswer {
         let (status, retry_after, slug, title) = match self {
-            Error::InvalidKey(_) => (400, None, "key-malformed", "Idempotency key malformed"),
-            Error::InvalidScope(_) => (400, None, "scope-invalid", "Scope invalid"),
-            Error::InvalidOperation(_) => {
-                (400, None, "operation-invalid", "Operation name invalid")
-            }
-            Error::InvalidJson(_) => (400, None, "body-invalid", "Request body invalid"),
-            Error::DuplicateJsonKey { .. } => (
-                400,
-                None,
-                "body-duplicate-key",
-                "Request body names a member twice",
-            ),
-            Error::RequestTooLarge { .. } => (413, None, "body-too-large", "Request too large"),
+            Error::Request(e) => return e.http_answer(),
             Error::FingerprintMismatch { .. } => (
                 422,
                 None,

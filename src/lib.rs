@@ -113,12 +113,12 @@ pub(crate) static WORKFLOW_RUNS: &dyn executor::hook::RunHook = &workflow::Runs;
 pub struct ReadmeDoctests;
 
 pub use async_trait::async_trait;
-pub use error::{Error, HttpAnswer, StoreError};
+pub use error::{Error, HttpAnswer, RequestError, StoreError};
 pub use executor::{Context, Execution, ExecutorConfig, Idempotency, IdempotentRequest};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KeyId, Scope};
 pub use outcome::Outcome;
-pub use provider::{Attempts, CallOutcome, KeySpec, Lookup, Provider, Providers};
+pub use provider::{Attempts, CallReply, KeySpec, Lookup, Provider, Providers};
 pub use record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 pub use response::StoredResponse;
 pub use state::KeyState;

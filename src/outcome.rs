@@ -4,7 +4,10 @@
 
 use crate::StoredResponse;
 
-/// How the caller classifies one run of the operation (`docs/design.md`, *States*).
+/// What one run of an operation did, as its caller classifies it: the operation's outcome, which
+/// decides the key's state (`docs/design.md`, *States*). A provider's reply to a call is a
+/// [`CallReply`](crate::provider::CallReply); what `execute` gives back is an
+/// [`Execution`](crate::Execution).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     /// It worked: the key becomes `done` and this response is replayed.

@@ -115,7 +115,7 @@ mod tests {
     use axum::response::IntoResponse;
 
     use super::Problem;
-    use crate::error::{Error, StoreError};
+    use crate::error::{Error, RequestError, StoreError};
     use crate::key::KeyError;
     use crate::state::KeyState;
 
@@ -129,12 +129,12 @@ mod tests {
     /// One of each variant; the match below stops compiling when a variant is added unlisted.
     fn every_error() -> Vec<Error> {
         let errors = vec![
-            Error::InvalidKey(KeyError::Empty { what: "key" }),
-            Error::InvalidScope(KeyError::Empty { what: "scope" }),
-            Error::InvalidOperation(KeyError::Empty { what: "operation" }),
-            Error::InvalidJson(serde_json::from_str::<u8>("{").unwrap_err()),
-            Error::DuplicateJsonKey { name: "a".into() },
-            Error::RequestTooLarge { size: 2, limit: 1 },
+            RequestError::InvalidKey(KeyError::Empty { what: "key" }).into(),
+            RequestError::InvalidScope(KeyError::Empty { what: "scope" }).into(),
+            RequestError::InvalidOperation(KeyError::Empty { what: "operation" }).into(),
+            RequestError::InvalidJson(serde_json::from_str::<u8>("{").unwrap_err()).into(),
+            RequestError::DuplicateJsonKey { name: "a".into() }.into(),
+            RequestError::RequestTooLarge { size: 2, limit: 1 }.into(),
             Error::FingerprintMismatch {
                 key: test_id(),
                 stored: "v1:aa".into(),
@@ -180,12 +180,14 @@ mod tests {
         ];
         for e in &errors {
             match e {
-                Error::InvalidKey(_)
-                | Error::InvalidScope(_)
-                | Error::InvalidOperation(_)
-                | Error::InvalidJson(_)
-                | Error::DuplicateJsonKey { .. }
-                | Error::RequestTooLarge { .. }
+                Error::Request(
+                    RequestError::InvalidKey(_)
+                    | RequestError::InvalidScope(_)
+                    | RequestError::InvalidOperation(_)
+                    | RequestError::InvalidJson(_)
+                    | RequestError::DuplicateJsonKey { .. }
+                    | RequestError::RequestTooLarge { .. },
+                )
                 | Error::FingerprintMismatch { .. }
                 | Error::InFlight { .. }
                 | Error::OutcomeUnknown { .. }

@@ -21,7 +21,7 @@ use super::context::{IdempotencyContext, NothingHappened};
 use super::problem::{Problem, retry_after_value};
 use super::{REPLAYED_HEADER, Settings, parse_key_header};
 use crate::fingerprint::{Fingerprint, JsonError, canonical_json, hex, parse_json};
-use crate::{Error, Execution, IdempotentRequest, KeyId, Outcome, StoredResponse};
+use crate::{Error, Execution, IdempotentRequest, KeyId, Outcome, RequestError, StoredResponse};
 
 /// The service [`IdempotencyLayer`](super::IdempotencyLayer) wraps around an inner service.
 pub struct IdempotencyService<S> {
@@ -341,9 +341,9 @@ async fn parse(settings: &Settings, req: Request) -> Result<Parsed, NotRun> {
     let json = match parse_json(&bytes) {
         Ok(v) => Some(v),
         Err(JsonError::DuplicateKey { name }) => {
-            return Err(NotRun::Answer(error_response(&Error::DuplicateJsonKey {
-                name,
-            })));
+            return Err(NotRun::Answer(error_response(&Error::from(
+                RequestError::DuplicateJsonKey { name },
+            ))));
         }
         Err(_) => None,
     };
@@ -365,7 +365,7 @@ async fn parse(settings: &Settings, req: Request) -> Result<Parsed, NotRun> {
     );
     let mut request = match request {
         Ok(r) => r,
-        Err(e) => return Err(NotRun::Answer(error_response(&e))),
+        Err(e) => return Err(NotRun::Answer(error_response(&Error::from(e)))),
     };
     if let Some(p) = &settings.provider {
         request = request.with_provider(p.clone());

@@ -5,9 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::{
-    Attempts, CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait,
-};
+use crate::{Attempts, CallReply, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait};
 use chrono::{DateTime, Utc};
 
 /// One thing the provider did (a charge, or a declined attempt).
@@ -135,13 +133,13 @@ impl FakeProvider {
         self.lock().lookups.clone()
     }
 
-    fn answer(e: &Effect, replayed: bool) -> CallOutcome {
+    fn answer(e: &Effect, replayed: bool) -> CallReply {
         if e.declined {
-            CallOutcome::Rejected {
+            CallReply::Rejected {
                 response: e.response.clone(),
             }
         } else {
-            CallOutcome::Succeeded {
+            CallReply::Succeeded {
                 response: e.response.clone(),
                 replayed,
             }
@@ -159,7 +157,7 @@ impl Provider for FakeProvider {
         self.spec.clone()
     }
 
-    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallOutcome {
+    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallReply {
         if self.hangs() {
             std::future::pending::<()>().await;
         }
@@ -206,7 +204,7 @@ impl Provider for FakeProvider {
         };
         if l.lose_responses > 0 {
             l.lose_responses -= 1;
-            return CallOutcome::Unknown {
+            return CallReply::Unknown {
                 reason: "timed out after sending (response lost)".into(),
             };
         }

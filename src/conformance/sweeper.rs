@@ -1043,7 +1043,7 @@ impl crate::Provider for LeaseWitness {
     fn key_spec(&self) -> crate::provider::KeySpec {
         self.inner.key_spec()
     }
-    async fn call(&self, pk: &str, request: &serde_json::Value) -> crate::provider::CallOutcome {
+    async fn call(&self, pk: &str, request: &serde_json::Value) -> crate::provider::CallReply {
         let rec = self.store.get(&self.id).await.unwrap().expect("key row");
         let now = self.store.now().await.unwrap();
         let held = rec.lease_expires_at.is_some_and(|exp| exp > now);

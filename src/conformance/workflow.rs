@@ -11,8 +11,8 @@ use std::time::Duration;
 use crate::sweeper::Unresolved;
 use crate::workflow::step_key;
 use crate::{
-    Error, Execution, IdempotentRequest, KeyError, KeyState, Outcome, Providers, Step, Store,
-    StoredResponse, Sweeper,
+    Error, Execution, IdempotentRequest, KeyError, KeyState, Outcome, Providers, RequestError,
+    Step, Store, StoredResponse, Sweeper,
 };
 
 use super::FaultyStore;
@@ -423,7 +423,10 @@ pub async fn steps_outside_a_workflow_are_refused(store: Arc<dyn Store>) {
 
     let reserved = IdempotentRequest::new(&scope, "o1#step:0", "checkout", &1);
     assert!(
-        matches!(reserved, Err(Error::InvalidKey(KeyError::Reserved { .. }))),
+        matches!(
+            reserved,
+            Err(RequestError::InvalidKey(KeyError::Reserved { .. }))
+        ),
         "{reserved:?}"
     );
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tracing::{Instrument, info_span};
 
-use crate::error::{Error, StoreError};
+use crate::error::{Error, RequestError, StoreError};
 use crate::provider_key;
 use crate::record::{Actor, KeyRecord, LeaseToken};
 use crate::state::KeyState;
@@ -311,10 +311,11 @@ impl Idempotency {
     {
         let cfg = &*self.config;
         if request.canonical.len() > cfg.max_request_bytes {
-            return Err(Error::RequestTooLarge {
+            return Err(RequestError::RequestTooLarge {
                 size: request.canonical.len(),
                 limit: cfg.max_request_bytes,
-            });
+            }
+            .into());
         }
         let claim = self.new_claim(&request);
         // Sent before the claim: the lease the database grants runs at least `lease` from here.

@@ -115,7 +115,8 @@ impl Context {
     }
 }
 
-/// The result of [`Idempotency::execute`](crate::Idempotency::execute).
+/// What [`Idempotency::execute`](crate::Idempotency::execute) gives back: the operation was
+/// executed now, or its stored answer was replayed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Execution {
     /// The operation ran now; this is its response (success or permanent refusal).

@@ -3,7 +3,7 @@
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::error::Error;
+use crate::error::RequestError;
 use crate::fingerprint::{Fingerprint, canonical_json, parse_json};
 use crate::key::{IdempotencyKey, KeyError, KeyId, Scope};
 use crate::record::KeyKind;
@@ -47,10 +47,10 @@ pub(crate) struct StepOf {
     pub(crate) takeover: Option<std::time::Duration>,
 }
 
-pub(crate) fn validate_operation(operation: &str) -> Result<(), Error> {
+pub(crate) fn validate_operation(operation: &str) -> Result<(), RequestError> {
     // Same rules as keys: visible ASCII, 1..=255 bytes.
     IdempotencyKey::new(operation).map(|_| ()).map_err(|e| {
-        Error::InvalidOperation(match e {
+        RequestError::InvalidOperation(match e {
             KeyError::Empty { .. } => KeyError::Empty { what: "operation" },
             KeyError::TooLong { len, .. } => KeyError::TooLong {
                 what: "operation",
@@ -68,27 +68,28 @@ pub(crate) fn validate_operation(operation: &str) -> Result<(), Error> {
 
 impl IdempotentRequest {
     /// Builds a request from any serialisable body. A body that serialises an object member
-    /// twice (e.g. through `#[serde(flatten)]`) is [`Error::DuplicateJsonKey`].
+    /// twice (e.g. through `#[serde(flatten)]`) is [`RequestError::DuplicateJsonKey`].
     pub fn new<B: Serialize + ?Sized>(
         scope: &str,
         key: &str,
         operation: &str,
         body: &B,
-    ) -> Result<Self, Error> {
+    ) -> Result<Self, RequestError> {
         // Through the bytes, not `to_value`: a `Value` keeps the last of two equal names.
-        let bytes = serde_json::to_vec(body).map_err(Error::InvalidJson)?;
+        let bytes = serde_json::to_vec(body).map_err(RequestError::InvalidJson)?;
         Self::from_json_bytes(scope, key, operation, &bytes)
     }
 
     /// Builds a request from raw JSON bytes (an HTTP body); invalid JSON is
-    /// [`Error::InvalidJson`], an object naming a member twice [`Error::DuplicateJsonKey`].
+    /// [`RequestError::InvalidJson`], an object naming a member twice
+    /// [`RequestError::DuplicateJsonKey`].
     pub fn from_json_bytes(
         scope: &str,
         key: &str,
         operation: &str,
         body: &[u8],
-    ) -> Result<Self, Error> {
-        let value = parse_json(body).map_err(Error::from)?;
+    ) -> Result<Self, RequestError> {
+        let value = parse_json(body)?;
         Self::from_value(scope, key, operation, &value)
     }
 
@@ -98,10 +99,10 @@ impl IdempotentRequest {
         key: &str,
         operation: &str,
         body: &Value,
-    ) -> Result<Self, Error> {
-        let scope = Scope::new(scope).map_err(Error::InvalidScope)?;
-        let key = IdempotencyKey::new(key).map_err(Error::InvalidKey)?;
-        crate::key::check_client_key(&key).map_err(Error::InvalidKey)?;
+    ) -> Result<Self, RequestError> {
+        let scope = Scope::new(scope).map_err(RequestError::InvalidScope)?;
+        let key = IdempotencyKey::new(key).map_err(RequestError::InvalidKey)?;
+        crate::key::check_client_key(&key).map_err(RequestError::InvalidKey)?;
         validate_operation(operation)?;
         let canonical = canonical_json(body);
         let fingerprint = Fingerprint::compute(operation, &canonical);
@@ -126,7 +127,7 @@ impl IdempotentRequest {
         operation: String,
         canonical: String,
         fingerprint: Fingerprint,
-    ) -> Result<Self, Error> {
+    ) -> Result<Self, RequestError> {
         validate_operation(&operation)?;
         Ok(Self {
             id,

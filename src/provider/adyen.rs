@@ -11,7 +11,7 @@
 //! re-drives inside the window, and `lookup` is a re-send while the key is surely remembered
 //! (younger than 31 days minus [`Adyen::redrive_margin`]): Adyen has no search by our key.
 //!
-//! | Adyen answers                                                 | [`CallOutcome`](super::CallOutcome) |
+//! | Adyen answers                                                 | [`CallReply`](super::CallReply) |
 //! |---------------------------------------------------------------|-----------------------------|
 //! | 2xx, `resultCode` `Refused`, `Cancelled` or `Error`           | `Rejected` (the answer is stored) |
 //! | 2xx, any other `resultCode` (`Authorised`, `Pending`, ...)     | `Succeeded`                 |

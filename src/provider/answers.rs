@@ -5,15 +5,15 @@
 //! special answers first (key conflicts, refused payments, replay markers) and hands the rest to
 //! its [`Answers`].
 
-use super::CallOutcome;
+use super::CallReply;
 use super::http::{Classified, HttpReply, classify_status};
 use crate::StoredResponse;
 
 /// A request the adapter cannot shape into the provider's request (not a JSON object, ...),
 /// refused before anything is sent: `Rejected`, with `body` (in the provider's own error shape)
 /// stored as the answer with `status`.
-pub(crate) fn refused_unsent(status: u16, body: &serde_json::Value) -> CallOutcome {
-    CallOutcome::Rejected {
+pub(crate) fn refused_unsent(status: u16, body: &serde_json::Value) -> CallReply {
+    CallReply::Rejected {
         response: StoredResponse::json(status, body)
             .unwrap_or_else(|_| StoredResponse::new(status)),
     }
@@ -39,16 +39,16 @@ pub(crate) struct Answers {
 
 impl Answers {
     /// The answer, as stored, as a success (`replayed` when the provider marked it a replay).
-    pub(crate) fn succeeded(&self, reply: &HttpReply, replayed: bool) -> CallOutcome {
-        CallOutcome::Succeeded {
+    pub(crate) fn succeeded(&self, reply: &HttpReply, replayed: bool) -> CallReply {
+        CallReply::Succeeded {
             response: reply.to_response(self.kept_headers),
             replayed,
         }
     }
 
     /// The answer, as stored, as a refusal.
-    pub(crate) fn rejected(&self, reply: &HttpReply) -> CallOutcome {
-        CallOutcome::Rejected {
+    pub(crate) fn rejected(&self, reply: &HttpReply) -> CallReply {
+        CallReply::Rejected {
             response: reply.to_response(self.kept_headers),
         }
     }
@@ -71,7 +71,7 @@ impl Answers {
         reply: &HttpReply,
         code: Option<&str>,
         message: &str,
-    ) -> CallOutcome {
+    ) -> CallReply {
         self.classify_or(reply, code, message, || classify_status(reply))
     }
 
@@ -82,8 +82,8 @@ impl Answers {
         reply: &HttpReply,
         code: Option<&str>,
         message: &str,
-        otherwise: impl FnOnce() -> CallOutcome,
-    ) -> CallOutcome {
+        otherwise: impl FnOnce() -> CallReply,
+    ) -> CallReply {
         let status = reply.status;
         match status {
             200..=299 => self.succeeded(reply, false),
@@ -92,7 +92,7 @@ impl Answers {
                     Some(code) => format!("{status} {code}"),
                     None => status.to_string(),
                 };
-                CallOutcome::Retryable {
+                CallReply::Retryable {
                     reason: format!(
                         "{} refused the {} ({answered}), nothing was {}: {message}",
                         self.provider, self.credential, self.effect
@@ -100,7 +100,7 @@ impl Answers {
                     retry_after: None,
                 }
             }
-            409 if self.in_flight_on_409 => CallOutcome::InFlight {
+            409 if self.in_flight_on_409 => CallReply::InFlight {
                 retry_after: reply.retry_after(),
             },
             s if (self.rejects)(s) => self.rejected(reply),

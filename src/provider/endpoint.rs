@@ -7,7 +7,7 @@
 //! [`Endpoint::new`], send the effect with [`Endpoint::send`] and, for a search-based lookup,
 //! use [`MetadataSearch`](super::search::MetadataSearch).
 
-use super::CallOutcome;
+use super::CallReply;
 use super::http::{ApiKey, Classified, HttpClient, HttpConfig, HttpError, HttpReply, RetryUnknown};
 
 /// How the credentials travel.
@@ -105,7 +105,7 @@ impl Endpoint {
         path: &str,
         body: B,
         classify: C,
-    ) -> CallOutcome
+    ) -> CallReply
     where
         B: Fn(reqwest::RequestBuilder) -> reqwest::RequestBuilder,
         C: Fn(&HttpReply) -> Classified,

@@ -3,7 +3,7 @@
 //! provider key on every attempt and honours `Retry-After`, and the transport-level
 //! classification every adapter shares.
 //!
-//! | What happened                                   | [`CallOutcome`]                          |
+//! | What happened                                   | [`CallReply`]                          |
 //! |-------------------------------------------------|------------------------------------------|
 //! | connection refused / DNS / TLS (nothing sent)   | `Retryable`                              |
 //! | timeout after sending, reset, body cut short    | `Unknown`                                |
@@ -29,7 +29,7 @@ use std::hash::BuildHasher;
 use std::time::Duration;
 
 use crate::StoredResponse;
-use crate::provider::CallOutcome;
+use crate::provider::CallReply;
 
 /// Timeouts and retry settings of an [`HttpClient`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -231,7 +231,7 @@ pub fn parse_retry_after(value: &str) -> Option<Duration> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Classified {
     /// The outcome of this attempt.
-    pub outcome: CallOutcome,
+    pub outcome: CallReply,
     /// Whether another attempt with the same key may follow (still subject to the loop's
     /// policy and limits).
     pub retry: bool,
@@ -244,12 +244,12 @@ pub struct Classified {
 
 impl Classified {
     /// An outcome that a later attempt may improve on (`Retryable`, `InFlight`, `Unknown`).
-    pub fn new(outcome: CallOutcome) -> Self {
+    pub fn new(outcome: CallReply) -> Self {
         let retry = matches!(
             outcome,
-            CallOutcome::Retryable { .. }
-                | CallOutcome::InFlight { .. }
-                | CallOutcome::Unknown { .. }
+            CallReply::Retryable { .. }
+                | CallReply::InFlight { .. }
+                | CallReply::Unknown { .. }
         );
         Self {
             outcome,
@@ -259,7 +259,7 @@ impl Classified {
     }
 
     /// The same outcome, never retried in this call (e.g. `Stripe-Should-Retry: false`).
-    pub fn final_answer(outcome: CallOutcome) -> Self {
+    pub fn final_answer(outcome: CallReply) -> Self {
         Self {
             outcome,
             retry: false,
@@ -270,7 +270,7 @@ impl Classified {
     /// A refusal the provider documents as the answer about the key's request itself (a
     /// payment under the key reported failed or cancelled): it ends the call as `Rejected`
     /// even after an earlier attempt that may have acted.
-    pub fn definitive(outcome: CallOutcome) -> Self {
+    pub fn definitive(outcome: CallReply) -> Self {
         Self {
             definitive: true,
             ..Self::new(outcome)
@@ -278,8 +278,8 @@ impl Classified {
     }
 }
 
-impl From<CallOutcome> for Classified {
-    fn from(outcome: CallOutcome) -> Self {
+impl From<CallReply> for Classified {
+    fn from(outcome: CallReply) -> Self {
         Self::new(outcome)
     }
 }
@@ -328,7 +328,7 @@ impl HttpClient {
     pub async fn send_once(
         &self,
         request: reqwest::RequestBuilder,
-    ) -> Result<HttpReply, CallOutcome> {
+    ) -> Result<HttpReply, CallReply> {
         let resp = request.send().await.map_err(|e| classify_transport(&e))?;
         let status = resp.status().as_u16();
         let headers = resp.headers().clone();
@@ -338,7 +338,7 @@ impl HttpClient {
                 headers,
                 body: body.to_vec(),
             }),
-            Err(e) => Err(CallOutcome::Unknown {
+            Err(e) => Err(CallReply::Unknown {
                 reason: format!("status {status} arrived but its body was cut short: {e}"),
             }),
         }
@@ -353,7 +353,7 @@ impl HttpClient {
         retry_unknown: RetryUnknown,
         build: B,
         classify: C,
-    ) -> CallOutcome
+    ) -> CallReply
     where
         B: Fn(&reqwest::Client) -> reqwest::RequestBuilder,
         C: Fn(&HttpReply) -> Classified,
@@ -368,27 +368,27 @@ impl HttpClient {
             let outcome = classified.outcome;
             let definitive = classified.definitive;
             let hint = match &outcome {
-                CallOutcome::Retryable { retry_after, .. } => Some(*retry_after),
+                CallReply::Retryable { retry_after, .. } => Some(*retry_after),
                 // A request with this key is in progress: maybe an earlier try of this call.
-                CallOutcome::InFlight { retry_after } => {
+                CallReply::InFlight { retry_after } => {
                     maybe_acted = true;
                     Some(*retry_after)
                 }
-                CallOutcome::Unknown { .. } => {
+                CallReply::Unknown { .. } => {
                     maybe_acted = true;
                     (retry_unknown == RetryUnknown::SameKeyReplays).then_some(None)
                 }
                 _ => None,
             };
-            let give_up = |outcome: CallOutcome| match outcome {
-                CallOutcome::Retryable { reason, .. } if maybe_acted => CallOutcome::Unknown {
+            let give_up = |outcome: CallReply| match outcome {
+                CallReply::Retryable { reason, .. } if maybe_acted => CallReply::Unknown {
                     reason: format!(
                         "an earlier attempt's outcome is unknown; the last said: {reason}"
                     ),
                 },
                 // A refusal of this attempt says nothing about an earlier one still at work.
-                CallOutcome::Rejected { response } if maybe_acted && !definitive => {
-                    CallOutcome::Unknown {
+                CallReply::Rejected { response } if maybe_acted && !definitive => {
+                    CallReply::Unknown {
                         reason: format!(
                             "an earlier attempt's outcome is unknown; the last was refused with \
                              status {}, which does not say what the earlier one did",
@@ -430,23 +430,23 @@ impl HttpClient {
 
 /// Classifies a reqwest transport error: a connection that never opened sent nothing
 /// (`Retryable`); anything after that may have reached the provider (`Unknown`).
-pub fn classify_transport(e: &reqwest::Error) -> CallOutcome {
+pub fn classify_transport(e: &reqwest::Error) -> CallReply {
     if e.is_connect() {
-        CallOutcome::Retryable {
+        CallReply::Retryable {
             reason: format!("could not connect, nothing was sent: {e}"),
             retry_after: None,
         }
     } else if e.is_builder() {
-        CallOutcome::Retryable {
+        CallReply::Retryable {
             reason: format!("the request could not be built, nothing was sent: {e}"),
             retry_after: None,
         }
     } else if e.is_timeout() {
-        CallOutcome::Unknown {
+        CallReply::Unknown {
             reason: format!("timed out after sending: {e}"),
         }
     } else {
-        CallOutcome::Unknown {
+        CallReply::Unknown {
             reason: format!("the connection failed after sending: {e}"),
         }
     }
@@ -454,14 +454,14 @@ pub fn classify_transport(e: &reqwest::Error) -> CallOutcome {
 
 /// The shared status classification for answers an adapter does not recognise: 429 is
 /// `Retryable`, 5xx and anything unexpected `Unknown`.
-pub fn classify_status(reply: &HttpReply) -> CallOutcome {
+pub fn classify_status(reply: &HttpReply) -> CallReply {
     let snippet = body_snippet(&reply.body);
     match reply.status {
-        429 => CallOutcome::Retryable {
+        429 => CallReply::Retryable {
             reason: format!("rate limited (429): {snippet}"),
             retry_after: reply.retry_after(),
         },
-        s => CallOutcome::Unknown {
+        s => CallReply::Unknown {
             reason: format!("status {s}: {snippet}"),
         },
     }

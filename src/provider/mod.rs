@@ -111,9 +111,10 @@ impl KeySpec {
     }
 }
 
-/// The classified result of one call.
+/// What a provider replied to one [`Provider::call`], classified. This is the provider's reply;
+/// the operation's own [`Outcome`] is made from it by [`into_outcome`](Self::into_outcome).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CallOutcome {
+pub enum CallReply {
     /// It worked; `replayed` when the provider says it answered from its own key cache.
     Succeeded {
         /// The provider's answer, as stored and replayed.
@@ -150,21 +151,21 @@ pub enum CallOutcome {
     },
 }
 
-impl CallOutcome {
+impl CallReply {
     /// The executor's classification: success and refusal are stored; a provider-side in-flight
     /// answer, a key conflict and anything unknown leave the key processing for the sweeper.
     pub fn into_outcome(self) -> Outcome {
         match self {
-            CallOutcome::Succeeded { response, .. } => Outcome::Succeeded(response),
-            CallOutcome::Rejected { response } => Outcome::Rejected(response),
-            CallOutcome::Retryable { reason, .. } => Outcome::Retryable { reason },
-            CallOutcome::InFlight { .. } => Outcome::Unknown {
+            CallReply::Succeeded { response, .. } => Outcome::Succeeded(response),
+            CallReply::Rejected { response } => Outcome::Rejected(response),
+            CallReply::Retryable { reason, .. } => Outcome::Retryable { reason },
+            CallReply::InFlight { .. } => Outcome::Unknown {
                 reason: "the provider reports a request with this key still in flight".to_owned(),
             },
-            CallOutcome::KeyConflict { detail } => Outcome::Unknown {
+            CallReply::KeyConflict { detail } => Outcome::Unknown {
                 reason: format!("the provider holds this key for another request: {detail}"),
             },
-            CallOutcome::Unknown { reason } => Outcome::Unknown { reason },
+            CallReply::Unknown { reason } => Outcome::Unknown { reason },
         }
     }
 }
@@ -193,9 +194,9 @@ pub enum Lookup {
     },
 }
 
-/// The answer to [`Provider::void_by_key`].
+/// The provider's reply to [`Provider::void_by_key`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum VoidOutcome {
+pub enum VoidReply {
     /// The provider confirmed that nothing stands charged under the key: no payment was made
     /// with it, or the one made is now voided. The key may become retryable.
     Voided {
@@ -236,7 +237,7 @@ pub trait Provider: Debug + Send + Sync + 'static {
         &[]
     }
 
-    /// Whether a refusal (`CallOutcome::Rejected`) answering a re-send of the key is the
+    /// Whether a refusal (`CallReply::Rejected`) answering a re-send of the key is the
     /// provider's answer about the key's own request, so it ends the key even after an earlier
     /// attempt that may have acted (`docs/providers.md`, "Error → outcome (cards)"). Default: a
     /// 2xx reporting the key's payment refused or failed (Adyen, Square); any other refusal may
@@ -246,26 +247,26 @@ pub trait Provider: Debug + Send + Sync + 'static {
     }
 
     /// Sends `request` (the canonical JSON stored in the key row) with `provider_key`.
-    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallOutcome;
+    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallReply;
 
     /// Voids whatever the request sent with `provider_key` did, identified by that key alone
     /// (Square's `CancelPaymentByIdempotencyKey`). The sweeper tries it before
-    /// [`lookup`](Provider::lookup): a [`VoidOutcome::Voided`] turns an unknown outcome into
-    /// "surely not charged" and the key retryable. Default: [`VoidOutcome::Unsupported`].
+    /// [`lookup`](Provider::lookup): a [`VoidReply::Voided`] turns an unknown outcome into
+    /// "surely not charged" and the key retryable. Default: [`VoidReply::Unsupported`].
     /// `request` is the stored request (`Null` when it was not stored): an adapter may decline
     /// to void a request whose effect a void would destroy rather than undo (Square: a delayed
-    /// capture), answering [`VoidOutcome::Unsupported`] so the sweeper looks it up instead.
-    async fn void_by_key(&self, provider_key: &str, request: &serde_json::Value) -> VoidOutcome {
+    /// capture), answering [`VoidReply::Unsupported`] so the sweeper looks it up instead.
+    async fn void_by_key(&self, provider_key: &str, request: &serde_json::Value) -> VoidReply {
         let _ = (provider_key, request);
-        VoidOutcome::Unsupported
+        VoidReply::Unsupported
     }
 
     /// How long after a request was sent the provider may still be acting on it (a create
     /// queued or running on its side, after the client gave up waiting). A
-    /// [`VoidOutcome::Voided`] counts as "nothing stands charged" only once the key's latest
+    /// [`VoidReply::Voided`] counts as "nothing stands charged" only once the key's latest
     /// attempt is at least this old (database clock): a void answered sooner can precede a
     /// payment that lands after it, so the sweeper checks the key again once the window has
-    /// passed (`sweeper::decide::after_void`). Default: zero.
+    /// passed (the sweeper's `after_void`, `src/sweeper/decide.rs`). Default: zero.
     fn processing_window(&self) -> Duration {
         Duration::ZERO
     }

@@ -16,7 +16,7 @@
 //! window less [`PayPal::redrive_margin`] nothing is re-sent and the key needs an operator
 //! (Transaction Search lags up to 3 h and cannot filter by our id).
 //!
-//! | PayPal answers                                                  | [`CallOutcome`]             |
+//! | PayPal answers                                                  | [`CallReply`]             |
 //! |-----------------------------------------------------------------|-----------------------------|
 //! | 2xx (the order, as it stands)                                    | `Succeeded`                 |
 //! | 422 `PAYPAL_REQUEST_ID_PREVIOUSLY_USED` / `DUPLICATE_REQUEST_ID` | `KeyConflict`               |
@@ -32,7 +32,7 @@
 
 use std::time::Duration;
 
-use super::CallOutcome;
+use super::CallReply;
 use super::answers::Answers;
 use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::http::{Classified, HttpReply};
@@ -96,7 +96,7 @@ impl PayPal {
         };
         let outcome = match reply.status {
             200..=299 => ANSWERS.succeeded(reply, false),
-            _ if reused(&issue) || reused(&name) => CallOutcome::KeyConflict {
+            _ if reused(&issue) || reused(&name) => CallReply::KeyConflict {
                 detail: format!("{name} {issue}: {message}"),
             },
             _ => ANSWERS.classify(reply, Some(&name), &message),

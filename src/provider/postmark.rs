@@ -8,7 +8,7 @@
 //! its [`KeySpec`] forbids the sweeper to re-drive: a lost result is settled by `lookup`,
 //! `GET /messages/outbound?metadata_idemflow_key=<key>`.
 //!
-//! | Postmark answers                                  | [`CallOutcome`]              |
+//! | Postmark answers                                  | [`CallReply`]              |
 //! |---------------------------------------------------|------------------------------|
 //! | 200 with `ErrorCode: 0`                           | `Succeeded`                  |
 //! | 422 `ErrorCode` 300 (invalid request), 406 (inactive recipient), other API error codes | `Rejected` |
@@ -30,7 +30,7 @@ use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::answers::{Answers, refused_unsent};
 use super::http::{Classified, HttpReply, RetryUnknown};
 use super::search::MetadataSearch;
-use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
+use super::{Attempts, CallReply, KeySpec, Lookup, Provider};
 use crate::{Outcome, StoredResponse};
 
 /// Postmark's API base.
@@ -140,7 +140,7 @@ impl Provider for Postmark {
     }
 
     #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
+    async fn call(&self, provider_key: &str, request: &Value) -> CallReply {
         let body = match Self::body(provider_key, request) {
             Ok(b) => b,
             Err(detail) => {

@@ -18,7 +18,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 
-use super::{Attempts, CallOutcome, Lookup};
+use super::{Attempts, CallReply, Lookup};
 use crate::Outcome;
 
 /// One lookup by re-send.
@@ -70,7 +70,7 @@ impl ReplayLookup<'_> {
         resend: F,
     ) -> Lookup
     where
-        F: Future<Output = CallOutcome>,
+        F: Future<Output = CallReply>,
     {
         if let Err(reason) = self.check(request, attempts, now) {
             return Lookup::NeedsOperator { reason };
@@ -80,17 +80,17 @@ impl ReplayLookup<'_> {
 }
 
 /// What a same-key re-send's answer says about the first send.
-pub fn answer_of_resend(provider: &str, outcome: CallOutcome) -> Lookup {
+pub fn answer_of_resend(provider: &str, outcome: CallReply) -> Lookup {
     match outcome {
-        CallOutcome::Succeeded { response, .. } => Lookup::Found(Outcome::Succeeded(response)),
-        CallOutcome::Rejected { response } => Lookup::Found(Outcome::Rejected(response)),
-        CallOutcome::Retryable { retry_after, .. } | CallOutcome::InFlight { retry_after } => {
+        CallReply::Succeeded { response, .. } => Lookup::Found(Outcome::Succeeded(response)),
+        CallReply::Rejected { response } => Lookup::Found(Outcome::Rejected(response)),
+        CallReply::Retryable { retry_after, .. } | CallReply::InFlight { retry_after } => {
             Lookup::Unknown { retry_after }
         }
-        CallOutcome::KeyConflict { detail } => Lookup::NeedsOperator {
+        CallReply::KeyConflict { detail } => Lookup::NeedsOperator {
             reason: format!("{provider} holds this key for another request: {detail}"),
         },
-        CallOutcome::Unknown { reason } => {
+        CallReply::Unknown { reason } => {
             tracing::warn!(%provider, %reason, "re-send outcome unknown");
             Lookup::Unknown { retry_after: None }
         }
@@ -139,7 +139,7 @@ macro_rules! same_key_provider {
                 &self,
                 provider_key: &str,
                 request: &serde_json::Value,
-            ) -> $crate::provider::CallOutcome {
+            ) -> $crate::provider::CallReply {
                 self.endpoint
                     .send(
                         $crate::provider::http::RetryUnknown::SameKeyReplays,

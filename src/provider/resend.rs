@@ -3,7 +3,7 @@
 //! `call` sends `POST /emails` with the canonical JSON request as the body (Resend's own fields:
 //! `from`, `to`, `subject`, `html`, `text`, ...) and `Idempotency-Key: <provider key>`.
 //!
-//! | Resend answers                                   | [`CallOutcome`]              |
+//! | Resend answers                                   | [`CallReply`]              |
 //! |--------------------------------------------------|------------------------------|
 //! | 2xx                                              | `Succeeded` (Resend has no replay marker) |
 //! | 409 `invalid_idempotent_request` (other payload) | `KeyConflict`                |
@@ -25,7 +25,7 @@
 
 use std::time::Duration;
 
-use super::CallOutcome;
+use super::CallReply;
 use super::answers::Answers;
 use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::http::{Classified, HttpReply};
@@ -74,7 +74,7 @@ impl Resend {
         let message = reply.message("/message");
         let outcome = match reply.status {
             409 if name == "invalid_idempotent_request" => {
-                CallOutcome::KeyConflict { detail: message }
+                CallReply::KeyConflict { detail: message }
             }
             _ => ANSWERS.classify(reply, Some(&name), &message),
         };

@@ -6,7 +6,7 @@
 //! derived with `max_len` 45). A same-key, same-body re-send returns "the first successful
 //! response" and takes no second payment.
 //!
-//! | Square answers                                                  | [`CallOutcome`]             |
+//! | Square answers                                                  | [`CallReply`]             |
 //! |-----------------------------------------------------------------|-----------------------------|
 //! | 2xx with a payment `COMPLETED`, `APPROVED` or `PENDING`          | `Succeeded`                 |
 //! | 2xx with a payment `CANCELED` or `FAILED` (e.g. voided by key)   | `Rejected` (stored as answered) |
@@ -28,7 +28,7 @@
 //! key, and succeeds when there is none. [`Square::void_by_key`] sends it; the sweeper tries it
 //! before a lookup:
 //!
-//! | CancelPaymentByIdempotencyKey answers                   | [`VoidOutcome`]                       |
+//! | CancelPaymentByIdempotencyKey answers                   | [`VoidReply`]                       |
 //! |---------------------------------------------------------|---------------------------------------|
 //! | 200 without `errors`                                    | `Voided`: nothing stands charged; the key turns retryable once the latest attempt is [`Square::processing_window`] old (sooner: checked again after it) |
 //! | 400 / 404 (the payment cannot be voided: it completed or failed) | `Refused`: look it up         |
@@ -36,7 +36,7 @@
 //!
 //! The void is not sent for a delayed capture (`"autocomplete": false`): it would destroy the
 //! authorisation rather than undo a charge, and Square keeps the key, so the retry could not
-//! authorise again. Such a key is looked up instead ([`VoidOutcome::Unsupported`]).
+//! authorise again. Such a key is looked up instead ([`VoidReply::Unsupported`]).
 //!
 //! `lookup` is a same-key re-send of the stored request, answered from the payment Square holds
 //! under the key. Square does not document how long it remembers a key, so the [`KeySpec`] has
@@ -51,7 +51,7 @@ use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::answers::{Answers, refused_unsent};
 use super::http::{Classified, HttpReply, RetryUnknown};
 use super::replay::answer_of_resend;
-use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider, VoidOutcome};
+use super::{Attempts, CallReply, KeySpec, Lookup, Provider, VoidReply};
 
 /// Square's API base (production; the sandbox is `https://connect.squareupsandbox.com`).
 pub const DEFAULT_BASE_URL: &str = "https://connect.squareup.com";
@@ -132,9 +132,9 @@ impl Square {
         }
         let (category, code, detail) = Self::first_error(reply);
         let outcome = if code == "IDEMPOTENCY_KEY_REUSED" {
-            CallOutcome::KeyConflict { detail }
+            CallReply::KeyConflict { detail }
         } else if code == "TEMPORARY_ERROR" {
-            CallOutcome::Unknown {
+            CallReply::Unknown {
                 reason: format!("Square {status} TEMPORARY_ERROR: {detail}"),
             }
         } else if category == "PAYMENT_METHOD_ERROR" {
@@ -145,7 +145,7 @@ impl Square {
         Classified::new(outcome)
     }
 
-    fn classify_void(reply: &HttpReply) -> VoidOutcome {
+    fn classify_void(reply: &HttpReply) -> VoidReply {
         let status = reply.status;
         let (_, code, detail) = Self::first_error(reply);
         let has_errors = reply
@@ -153,14 +153,14 @@ impl Square {
             .and_then(|b| b.get("errors").and_then(Value::as_array).map(|a| !a.is_empty()))
             .unwrap_or(false);
         match status {
-            200..=299 if !has_errors => VoidOutcome::Voided {
+            200..=299 if !has_errors => VoidReply::Voided {
                 detail: "Square voided the payment made with this key, or there was none"
                     .to_owned(),
             },
-            400 | 404 => VoidOutcome::Refused {
+            400 | 404 => VoidReply::Refused {
                 reason: format!("Square refused to void ({status} {code}): {detail}"),
             },
-            _ => VoidOutcome::Unknown {
+            _ => VoidReply::Unknown {
                 reason: format!("Square answered the void with {status} {code}: {detail}"),
                 retry_after: reply.retry_after(),
             },
@@ -183,7 +183,7 @@ impl Provider for Square {
     }
 
     #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
+    async fn call(&self, provider_key: &str, request: &Value) -> CallReply {
         let body = match Self::body(provider_key, request) {
             Ok(b) => b,
             Err(detail) => {
@@ -207,11 +207,11 @@ impl Provider for Square {
     }
 
     #[tracing::instrument(name = "idemflow.provider.void_by_key", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn void_by_key(&self, provider_key: &str, request: &Value) -> VoidOutcome {
+    async fn void_by_key(&self, provider_key: &str, request: &Value) -> VoidReply {
         if request.get("autocomplete") == Some(&Value::Bool(false)) {
             // A delayed capture: voiding would destroy the authorisation under a key Square
             // keeps; a same-key re-send finds it instead.
-            return VoidOutcome::Unsupported;
+            return VoidReply::Unsupported;
         }
         let req = self
             .endpoint
@@ -219,7 +219,7 @@ impl Provider for Square {
             .json(&json!({ "idempotency_key": provider_key }));
         match self.endpoint.http().send_once(req).await {
             Ok(reply) => Self::classify_void(&reply),
-            Err(outcome) => VoidOutcome::Unknown {
+            Err(outcome) => VoidReply::Unknown {
                 reason: format!("the void did not get an answer: {outcome:?}"),
                 retry_after: None,
             },

@@ -12,7 +12,7 @@
 //! {"amount": 500, "currency": "usd", "customer": "cus_1", "payment_method": "pm_card_visa"}
 //! ```
 //!
-//! | Stripe answers                                        | [`CallOutcome`]                  |
+//! | Stripe answers                                        | [`CallReply`]                  |
 //! |-------------------------------------------------------|----------------------------------|
 //! | 2xx (`Idempotent-Replayed: true` sets `replayed`)     | `Succeeded`                      |
 //! | 402 (`card_error`: declined; definitive for the key)  | `Rejected`                       |
@@ -47,7 +47,7 @@ use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::answers::{Answers, refused_unsent};
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
 use super::search::MetadataSearch;
-use super::{Attempts, CallOutcome, KeySpec, Lookup, Provider};
+use super::{Attempts, CallReply, KeySpec, Lookup, Provider};
 use crate::{Outcome, StoredResponse};
 
 /// Stripe's API base.
@@ -59,7 +59,7 @@ pub const DEFAULT_SEARCH_LAG: Duration = Duration::from_secs(60);
 
 /// The headers of Stripe's answer kept in the answer idemflow stores (besides `content-type`):
 /// none. `Request-Id` would replay one request's id on every replay, and `Idempotent-Replayed`
-/// marks *Stripe's* replay (read into the `replayed` flag of `CallOutcome::Succeeded` instead), which must
+/// marks *Stripe's* replay (read into the `replayed` flag of `CallReply::Succeeded` instead), which must
 /// never pass for idemflow's own (see `docs/http.md`, "What is fingerprinted and what is stored").
 const KEPT_HEADERS: &[&str] = &[];
 
@@ -131,13 +131,13 @@ impl Stripe {
                     .header("idempotent-replayed")
                     .is_some_and(|v| v.eq_ignore_ascii_case("true")),
             ),
-            400 if err_type == "idempotency_error" => CallOutcome::KeyConflict { detail: message },
-            429 => CallOutcome::Retryable {
+            400 if err_type == "idempotency_error" => CallReply::KeyConflict { detail: message },
+            429 => CallReply::Retryable {
                 reason: format!("Stripe 429 {err_code}: {message}"),
                 retry_after: reply.retry_after(),
             },
             _ => ANSWERS.classify_or(reply, None, &message, || match should_retry {
-                Some(true) => CallOutcome::Retryable {
+                Some(true) => CallReply::Retryable {
                     reason: format!("Stripe {status} with Stripe-Should-Retry: true: {message}"),
                     retry_after: reply.retry_after(),
                 },
@@ -254,7 +254,7 @@ impl Provider for Stripe {
     }
 
     #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn call(&self, provider_key: &str, request: &Value) -> CallOutcome {
+    async fn call(&self, provider_key: &str, request: &Value) -> CallReply {
         let fields = match Self::form_fields(provider_key, request) {
             Ok(f) => f,
             Err(detail) => {

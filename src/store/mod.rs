@@ -101,7 +101,8 @@ pub struct Lease {
     pub created_at: DateTime<Utc>,
 }
 
-/// What a claim found.
+/// The store's answer to a claim ([`Store::claim`]): the key is the caller's now, or the row
+/// that stood in the way.
 #[derive(Debug, Clone)]
 pub enum ClaimOutcome {
     /// The caller holds the key now.

@@ -12,13 +12,13 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::provider::{CallOutcome, KeySpec, Lookup, VoidOutcome};
+use crate::provider::{CallReply, KeySpec, Lookup, VoidReply};
 use crate::state::{RetryEvidence, may_become_retryable};
 use crate::{KeyRecord, KeyState, Outcome, StoredResponse};
 
-/// What to do with a stale key before asking the provider anything.
+/// The sweeper's plan for a stale key, before it asks the provider anything.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Plan {
+pub(crate) enum RecoveryPlan {
     /// No provider can settle it: an operator must decide.
     NeedsOperator {
         /// Why.
@@ -39,9 +39,9 @@ pub enum Plan {
     },
 }
 
-/// What the sweeper does to the key after hearing from the provider.
+/// The sweeper's decision for a key, once it has heard from the provider.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum RecoveryDecision {
     /// Finish the key (`done`, `failed{permanent}` or `failed{retryable}`).
     Finish {
         /// The final state.
@@ -69,14 +69,14 @@ pub enum Decision {
 
 /// Chooses the action for `record` whose provider has `spec` (`None`: not registered), judged at
 /// `now` (database clock) keeping `margin` before the end of the provider's dedup window.
-pub fn plan(
+pub(crate) fn plan(
     record: &KeyRecord,
     provider: Option<(&str, &KeySpec)>,
     now: DateTime<Utc>,
     margin: Duration,
-) -> Plan {
+) -> RecoveryPlan {
     let Some(name) = record.provider.as_deref() else {
-        return Plan::NeedsOperator {
+        return RecoveryPlan::NeedsOperator {
             reason: format!(
                 "operation {:?} recorded no provider, so nothing can tell whether it ran; an operator must decide (idemflow resolve)",
                 record.operation
@@ -84,7 +84,7 @@ pub fn plan(
         };
     };
     let Some((_, spec)) = provider else {
-        return Plan::NeedsOperator {
+        return RecoveryPlan::NeedsOperator {
             reason: format!(
                 "provider {name:?} is not registered with this sweeper; an operator must configure it or decide the key (idemflow resolve)"
             ),
@@ -97,19 +97,19 @@ pub fn plan(
     let request_missing = stored.is_none();
     let request = stored.unwrap_or(serde_json::Value::Null);
     if request_missing {
-        return Plan::Lookup {
+        return RecoveryPlan::Lookup {
             request,
             why: "the request was not stored, so it can only be looked up".to_owned(),
         };
     }
     if !spec.replays_same_key {
-        return Plan::Lookup {
+        return RecoveryPlan::Lookup {
             request,
             why: format!("{name} does not dedupe by key, so it is never re-driven"),
         };
     }
     if spec.retention.is_none() {
-        return Plan::Lookup {
+        return RecoveryPlan::Lookup {
             request,
             why: format!(
                 "{name} documents no key window, so a re-send is never known to be deduped; it is never re-driven"
@@ -117,9 +117,9 @@ pub fn plan(
         };
     }
     if spec.may_redrive(record.created_at, now, margin) {
-        Plan::Redrive { request }
+        RecoveryPlan::Redrive { request }
     } else {
-        Plan::Lookup {
+        RecoveryPlan::Lookup {
             request,
             why: format!(
                 "first sent at {} which is past {name}'s dedup window less a margin of {margin:?}; re-driving could act twice",
@@ -133,9 +133,9 @@ pub fn plan(
 /// `Retryable` answer to the *re-send* says nothing about the first send (a 429 comes before the
 /// provider's key lookup), so the key is kept and re-driven later, or looked up once the window
 /// closes.
-pub fn after_call(provider: &str, outcome: CallOutcome) -> Decision {
-    match outcome {
-        CallOutcome::Succeeded { response, replayed } => Decision::Finish {
+pub(crate) fn after_call(provider: &str, reply: CallReply) -> RecoveryDecision {
+    match reply {
+        CallReply::Succeeded { response, replayed } => RecoveryDecision::Finish {
             to: KeyState::Done,
             reason: format!(
                 "sweeper re-drove the stored request to {provider} with the same provider key; it answered {}{}",
@@ -149,7 +149,7 @@ pub fn after_call(provider: &str, outcome: CallOutcome) -> Decision {
             response: Some(response),
             error: None,
         },
-        CallOutcome::Rejected { response } => Decision::Finish {
+        CallReply::Rejected { response } => RecoveryDecision::Finish {
             to: KeyState::Failed { retryable: false },
             reason: format!(
                 "sweeper re-drove the stored request to {provider} with the same provider key; it refused permanently ({})",
@@ -158,24 +158,24 @@ pub fn after_call(provider: &str, outcome: CallOutcome) -> Decision {
             error: Some(format!("{provider} refused the request")),
             response: Some(response),
         },
-        CallOutcome::Retryable {
+        CallReply::Retryable {
             reason,
             retry_after,
-        } => Decision::Defer {
+        } => RecoveryDecision::Defer {
             reason: format!(
                 "re-drive to {provider} answered retryable ({reason}); that says nothing about the first send, trying again later"
             ),
             retry_after,
         },
-        CallOutcome::InFlight { retry_after } => Decision::Defer {
+        CallReply::InFlight { retry_after } => RecoveryDecision::Defer {
             reason: format!("{provider} reports a request with this key still in flight"),
             retry_after,
         },
-        CallOutcome::Unknown { reason } => Decision::Defer {
+        CallReply::Unknown { reason } => RecoveryDecision::Defer {
             reason: format!("re-drive to {provider} has an unknown outcome: {reason}"),
             retry_after: None,
         },
-        CallOutcome::KeyConflict { detail } => Decision::NeedsOperator {
+        CallReply::KeyConflict { detail } => RecoveryDecision::NeedsOperator {
             reason: format!(
                 "{provider} holds this provider key for another request ({detail}); an operator must decide"
             ),
@@ -184,9 +184,9 @@ pub fn after_call(provider: &str, outcome: CallOutcome) -> Decision {
 }
 
 /// What a lookup's answer means. Only an authoritative absence turns a key retryable.
-pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
+pub(crate) fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> RecoveryDecision {
     match lookup {
-        Lookup::Found(Outcome::Succeeded(response)) => Decision::Finish {
+        Lookup::Found(Outcome::Succeeded(response)) => RecoveryDecision::Finish {
             to: KeyState::Done,
             reason: format!(
                 "sweeper looked the key up at {provider} ({why}): it acted and answered {}",
@@ -195,7 +195,7 @@ pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
             response: Some(response),
             error: None,
         },
-        Lookup::Found(Outcome::Rejected(response)) => Decision::Finish {
+        Lookup::Found(Outcome::Rejected(response)) => RecoveryDecision::Finish {
             to: KeyState::Failed { retryable: false },
             reason: format!(
                 "sweeper looked the key up at {provider} ({why}): it refused permanently ({})",
@@ -205,7 +205,7 @@ pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
             response: Some(response),
         },
         Lookup::Found(Outcome::Retryable { reason } | Outcome::Unknown { reason }) => {
-            Decision::Defer {
+            RecoveryDecision::Defer {
                 reason: format!(
                     "lookup at {provider} found the request but not a final answer: {reason}"
                 ),
@@ -217,25 +217,27 @@ pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
         // when an attempt may have acted.
         Lookup::NotFound {
             authoritative: true,
-        } if may_become_retryable(true, RetryEvidence::AuthoritativeNotFound) => Decision::Finish {
-            to: KeyState::Failed { retryable: true },
-            response: None,
-            error: Some(format!("{provider} has no record of this request")),
-            reason: format!(
-                "sweeper looked the key up at {provider} ({why}): authoritatively not found, so it never ran; the client's next retry runs it"
-            ),
-        },
-        Lookup::NotFound { .. } => Decision::Defer {
+        } if may_become_retryable(true, RetryEvidence::AuthoritativeNotFound) => {
+            RecoveryDecision::Finish {
+                to: KeyState::Failed { retryable: true },
+                response: None,
+                error: Some(format!("{provider} has no record of this request")),
+                reason: format!(
+                    "sweeper looked the key up at {provider} ({why}): authoritatively not found, so it never ran; the client's next retry runs it"
+                ),
+            }
+        }
+        Lookup::NotFound { .. } => RecoveryDecision::Defer {
             reason: format!(
                 "lookup at {provider} found nothing yet, but its search may lag; looking again later"
             ),
             retry_after: None,
         },
-        Lookup::Unknown { retry_after } => Decision::Defer {
+        Lookup::Unknown { retry_after } => RecoveryDecision::Defer {
             reason: format!("{provider} could not say what happened"),
             retry_after,
         },
-        Lookup::NeedsOperator { reason } => Decision::NeedsOperator {
+        Lookup::NeedsOperator { reason } => RecoveryDecision::NeedsOperator {
             reason: format!(
                 "{provider} cannot settle the key ({why}): {reason}; an operator must decide (idemflow resolve)"
             ),
@@ -252,16 +254,16 @@ pub fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Decision {
 /// provider is still making (a create queued or running after the client gave up), so the key
 /// is deferred until the window has passed, and the void (or the lookup it then leads to)
 /// decides.
-pub fn after_void(
+pub(crate) fn after_void(
     provider: &str,
-    void: VoidOutcome,
+    void: VoidReply,
     since_last_attempt: Duration,
     processing_window: Duration,
-) -> Option<Decision> {
+) -> Option<RecoveryDecision> {
     match void {
-        VoidOutcome::Voided { detail } if since_last_attempt < processing_window => {
+        VoidReply::Voided { detail } if since_last_attempt < processing_window => {
             let left = processing_window - since_last_attempt;
-            Some(Decision::Defer {
+            Some(RecoveryDecision::Defer {
                 reason: format!(
                     "{provider} confirmed the void by key ({detail}), but the latest attempt was \
                      sent {}ms ago, inside {provider}'s processing window of {}ms: a payment \
@@ -272,10 +274,10 @@ pub fn after_void(
                 retry_after: Some(left),
             })
         }
-        VoidOutcome::Voided { detail }
+        VoidReply::Voided { detail }
             if may_become_retryable(true, RetryEvidence::ConfirmedVoid) =>
         {
-            Some(Decision::Finish {
+            Some(RecoveryDecision::Finish {
                 to: KeyState::Failed { retryable: true },
                 response: None,
                 error: Some(format!(
@@ -288,20 +290,20 @@ pub fn after_void(
                 ),
             })
         }
-        VoidOutcome::Unknown {
+        VoidReply::Unknown {
             reason,
             retry_after,
-        } => Some(Decision::Defer {
+        } => Some(RecoveryDecision::Defer {
             reason: format!("void by key at {provider} has an unknown outcome: {reason}"),
             retry_after,
         }),
-        VoidOutcome::Voided { .. } | VoidOutcome::Refused { .. } | VoidOutcome::Unsupported => None,
+        VoidReply::Voided { .. } | VoidReply::Refused { .. } | VoidReply::Unsupported => None,
     }
 }
 
 /// The recheck delay after the `attempts`-th claim/takeover: `base * 2^(takeovers - 1)`, capped
 /// at `cap`, and never earlier than the provider's `retry_after`.
-pub fn backoff(
+pub(crate) fn backoff(
     attempts: i32,
     base: Duration,
     cap: Duration,
@@ -366,23 +368,29 @@ mod tests {
         let now = Utc::now();
         let spec = keyed(3600);
         let r = record(None, Some("{}"), 10);
-        assert!(matches!(plan(&r, None, now, M), Plan::NeedsOperator { .. }));
+        assert!(matches!(
+            plan(&r, None, now, M),
+            RecoveryPlan::NeedsOperator { .. }
+        ));
         let r = record(Some("p"), Some("{}"), 10);
-        assert!(matches!(plan(&r, None, now, M), Plan::NeedsOperator { .. }));
+        assert!(matches!(
+            plan(&r, None, now, M),
+            RecoveryPlan::NeedsOperator { .. }
+        ));
         assert!(matches!(
             plan(&r, Some(("p", &spec)), now, M),
-            Plan::Redrive { .. }
+            RecoveryPlan::Redrive { .. }
         ));
         // Past the window less the margin: lookup.
         let old = record(Some("p"), Some("{}"), 3600 - 30);
         assert!(matches!(
             plan(&old, Some(("p", &spec)), now, M),
-            Plan::Lookup { .. }
+            RecoveryPlan::Lookup { .. }
         ));
         // No keys: lookup, however young.
         assert!(matches!(
             plan(&r, Some(("p", &KeySpec::no_keys())), now, M),
-            Plan::Lookup { .. }
+            RecoveryPlan::Lookup { .. }
         ));
         // Keys but no replay: lookup.
         let no_replay = KeySpec {
@@ -391,13 +399,13 @@ mod tests {
         };
         assert!(matches!(
             plan(&r, Some(("p", &no_replay)), now, M),
-            Plan::Lookup { .. }
+            RecoveryPlan::Lookup { .. }
         ));
         // Request missing: lookup with Null.
         let missing = record(Some("p"), None, 10);
         assert_eq!(
             plan(&missing, Some(("p", &spec)), now, M),
-            Plan::Lookup {
+            RecoveryPlan::Lookup {
                 request: serde_json::Value::Null,
                 why: "the request was not stored, so it can only be looked up".into()
             }
@@ -410,12 +418,12 @@ mod tests {
         assert!(matches!(
             after_call(
                 "p",
-                CallOutcome::Succeeded {
+                CallReply::Succeeded {
                     response: ok.clone(),
                     replayed: true
                 }
             ),
-            Decision::Finish {
+            RecoveryDecision::Finish {
                 to: KeyState::Done,
                 ..
             }
@@ -423,41 +431,41 @@ mod tests {
         assert!(matches!(
             after_call(
                 "p",
-                CallOutcome::Rejected {
+                CallReply::Rejected {
                     response: ok.clone()
                 }
             ),
-            Decision::Finish {
+            RecoveryDecision::Finish {
                 to: KeyState::Failed { retryable: false },
                 ..
             }
         ));
         for o in [
-            CallOutcome::Retryable {
+            CallReply::Retryable {
                 reason: "429".into(),
                 retry_after: None,
             },
-            CallOutcome::InFlight { retry_after: None },
-            CallOutcome::Unknown {
+            CallReply::InFlight { retry_after: None },
+            CallReply::Unknown {
                 reason: "timeout".into(),
             },
         ] {
-            assert!(matches!(after_call("p", o), Decision::Defer { .. }));
+            assert!(matches!(after_call("p", o), RecoveryDecision::Defer { .. }));
         }
         assert!(matches!(
-            after_call("p", CallOutcome::KeyConflict { detail: "x".into() }),
-            Decision::NeedsOperator { .. }
+            after_call("p", CallReply::KeyConflict { detail: "x".into() }),
+            RecoveryDecision::NeedsOperator { .. }
         ));
         assert!(matches!(
             after_lookup("p", "", Lookup::Found(Outcome::Succeeded(ok.clone()))),
-            Decision::Finish {
+            RecoveryDecision::Finish {
                 to: KeyState::Done,
                 ..
             }
         ));
         assert!(matches!(
             after_lookup("p", "", Lookup::Found(Outcome::Rejected(ok))),
-            Decision::Finish {
+            RecoveryDecision::Finish {
                 to: KeyState::Failed { retryable: false },
                 ..
             }
@@ -470,7 +478,7 @@ mod tests {
                     authoritative: true
                 }
             ),
-            Decision::Finish {
+            RecoveryDecision::Finish {
                 to: KeyState::Failed { retryable: true },
                 response: None,
                 ..
@@ -484,7 +492,7 @@ mod tests {
                     authoritative: false
                 }
             ),
-            Decision::Defer { .. }
+            RecoveryDecision::Defer { .. }
         ));
         assert_eq!(
             after_lookup(
@@ -494,13 +502,13 @@ mod tests {
                     retry_after: Some(Duration::from_secs(9))
                 }
             ),
-            Decision::Defer {
+            RecoveryDecision::Defer {
                 reason: "p could not say what happened".into(),
                 retry_after: Some(Duration::from_secs(9))
             }
         );
         // A provider that cannot be asked (window closing, no stored request): an operator.
-        let Decision::NeedsOperator { reason } = after_lookup(
+        let RecoveryDecision::NeedsOperator { reason } = after_lookup(
             "p",
             "why",
             Lookup::NeedsOperator {
@@ -522,13 +530,13 @@ mod tests {
         assert!(matches!(
             after_void(
                 "p",
-                VoidOutcome::Voided {
+                VoidReply::Voided {
                     detail: "ok".into()
                 },
                 past,
                 window
             ),
-            Some(Decision::Finish {
+            Some(RecoveryDecision::Finish {
                 to: KeyState::Failed { retryable: true },
                 response: None,
                 ..
@@ -537,14 +545,14 @@ mod tests {
         assert!(matches!(
             after_void(
                 "p",
-                VoidOutcome::Unknown {
+                VoidReply::Unknown {
                     reason: "503".into(),
                     retry_after: Some(Duration::from_secs(3))
                 },
                 past,
                 window
             ),
-            Some(Decision::Defer {
+            Some(RecoveryDecision::Defer {
                 retry_after: Some(_),
                 ..
             })
@@ -552,7 +560,7 @@ mod tests {
         assert_eq!(
             after_void(
                 "p",
-                VoidOutcome::Refused {
+                VoidReply::Refused {
                     reason: "completed".into()
                 },
                 past,
@@ -560,22 +568,19 @@ mod tests {
             ),
             None
         );
-        assert_eq!(
-            after_void("p", VoidOutcome::Unsupported, past, window),
-            None
-        );
+        assert_eq!(after_void("p", VoidReply::Unsupported, past, window), None);
         // Confirmed inside the processing window: deferred until the window has passed.
         assert_eq!(
             after_void(
                 "p",
-                VoidOutcome::Voided {
+                VoidReply::Voided {
                     detail: "ok".into()
                 },
                 Duration::from_secs(10),
                 window
             )
             .map(|d| match d {
-                Decision::Defer { retry_after, .. } => retry_after,
+                RecoveryDecision::Defer { retry_after, .. } => retry_after,
                 other => panic!("{other:?}"),
             }),
             Some(Some(Duration::from_secs(290)))

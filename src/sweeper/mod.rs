@@ -2,16 +2,19 @@
 //! lost the provider's answer, from the provider's own records.
 //!
 //! Each [`Sweeper::run_once`] takes stale keys (lease expired, next check due) in batches with a
-//! fenced takeover ([`SweeperStore::take_stale`](crate::store::SweeperStore::take_stale)), and for each key, with the key's provider (see
-//! [`decide`] for the full table):
+//! fenced takeover ([`SweeperStore::take_stale`](crate::store::SweeperStore::take_stale)), and
+//! for each key, with the key's provider (the full decision table is the sweeper's own, in
+//! `src/sweeper/decide.rs`):
 //!
 //! * no provider recorded, or not registered here: nothing is guessed; the key is released with a
 //!   long recheck and reported as needing an operator;
 //! * inside the provider's dedup window, when a same-key re-send replays the first result: the
 //!   stored request is re-driven with the stored provider key;
-//! * otherwise it is looked up: found -> `done` / `failed{permanent}` with the provider's answer;
-//!   authoritatively not found -> `failed{retryable}`; anything uncertain -> backed off
-//!   (`next_check_at`, exponential by attempts, capped) and reported.
+//! * otherwise it is voided by key where the provider offers that (a void confirmed once the
+//!   provider's processing window has passed -> `failed{retryable}`), else looked up: found ->
+//!   `done` / `failed{permanent}` with the provider's answer; authoritatively not found ->
+//!   `failed{retryable}`; anything uncertain -> backed off (`next_check_at`, exponential by
+//!   attempts, capped) and reported.
 //!
 //! Every decision is one store transition with actor [`Actor::Sweeper`] and its reason, so the
 //! key's history tells the story. A write that gets `LeaseLost` (someone else decided first) is
@@ -41,22 +44,22 @@ use tokio::sync::watch;
 use tracing::{Instrument, info_span};
 
 use crate::error::StoreError;
-use crate::provider::{Attempts, CallOutcome, Lookup, Providers};
+use crate::provider::{Attempts, CallReply, Lookup, Providers};
 use crate::record::{Actor, KeyKind, KeyRecord};
 use crate::setters::setters;
 use crate::store::{Finish, Release, Store, TakeStale};
 use crate::{KeyId, KeyState};
 
 mod clock;
-pub mod decide;
+mod decide;
 mod renew;
 mod report;
 mod workflow;
 
-pub use decide::{Decision, Plan};
 pub use report::{LostKey, RunSummary, SweepReport, Unresolved, UnresolvedKey};
 
 use clock::BatchClock;
+use decide::{RecoveryDecision, RecoveryPlan};
 use report::ms;
 
 /// A key about to be re-driven, and through whom (`Sweeper::redrive`).
@@ -507,11 +510,11 @@ impl Sweeper {
             self.config.redrive_margin,
         );
         let decision = match (plan, provider) {
-            (Plan::NeedsOperator { reason }, _) => {
+            (RecoveryPlan::NeedsOperator { reason }, _) => {
                 tracing::Span::current().record("decision", "needs_operator");
-                Decision::NeedsOperator { reason }
+                RecoveryDecision::NeedsOperator { reason }
             }
-            (Plan::Redrive { request }, Some(p)) => {
+            (RecoveryPlan::Redrive { request }, Some(p)) => {
                 report.redrives += 1;
                 crate::telemetry::sweeper("redrive");
                 tracing::Span::current().record("decision", "redrive");
@@ -527,7 +530,7 @@ impl Sweeper {
                     Err(e) => return lost_or(e, &record),
                 }
             }
-            (Plan::Lookup { request, why }, Some(p)) => {
+            (RecoveryPlan::Lookup { request, why }, Some(p)) => {
                 report.lookups += 1;
                 crate::telemetry::sweeper("lookup");
                 tracing::Span::current().record("decision", "lookup");
@@ -535,21 +538,21 @@ impl Sweeper {
                     .await
             }
             // plan() only re-drives or looks up with a registered provider.
-            (_, None) => Decision::NeedsOperator {
+            (_, None) => RecoveryDecision::NeedsOperator {
                 reason: format!("provider {name:?} is not registered with this sweeper"),
             },
         };
         // The provider's secrets never reach the store, whoever settles the key.
         let decision = match (decision, &provider_secrets) {
             (
-                Decision::Finish {
+                RecoveryDecision::Finish {
                     to,
                     response: Some(r),
                     error,
                     reason,
                 },
                 Some(fields),
-            ) => Decision::Finish {
+            ) => RecoveryDecision::Finish {
                 to,
                 response: Some(crate::provider::secrets::mask_fields(
                     r,
@@ -573,7 +576,7 @@ impl Sweeper {
         // An atomic phase's record commits with its writes: still processing with its
         // lease run out, its transaction never committed, so it surely did nothing.
         tracing::Span::current().record("decision", "local_rolled_back");
-        let decision = Decision::Finish {
+        let decision = RecoveryDecision::Finish {
             to: KeyState::Failed { retryable: true },
             response: None,
             error: Some("the atomic phase's transaction never committed".to_owned()),
@@ -584,7 +587,7 @@ impl Sweeper {
         self.apply(id, record, decision).await
     }
 
-    /// Re-drives a taken key inside its provider's window (`Plan::Redrive`): what the answer
+    /// Re-drives a taken key inside its provider's window (`RecoveryPlan::Redrive`): what the answer
     /// means for the key. A store error (the lease lost) ends the key's handling.
     async fn redrive(
         &self,
@@ -597,7 +600,7 @@ impl Sweeper {
         }: Redrive<'_>,
         request: &serde_json::Value,
         clock: BatchClock,
-    ) -> Result<Decision, StoreError> {
+    ) -> Result<RecoveryDecision, StoreError> {
         // The re-drive may act: hold the key for a full lease from here (the batch
         // lease may have run out while this process was paused, and a fenced write
         // alone does not renew it), then record the attempt before sending, so a later
@@ -625,7 +628,7 @@ impl Sweeper {
             None
         };
         if let Some(why) = refusal {
-            return Ok(Decision::Defer {
+            return Ok(RecoveryDecision::Defer {
                 reason: format!("{why}; nothing sent, the key is checked again later"),
                 retry_after: None,
             });
@@ -633,21 +636,21 @@ impl Sweeper {
         let call = p.call(&record.provider_key, request);
         let outcome = tokio::time::timeout(self.config.call_timeout, call)
             .await
-            .unwrap_or_else(|_| CallOutcome::Unknown {
+            .unwrap_or_else(|_| CallReply::Unknown {
                 reason: format!(
                     "no answer within {:?} (sweeper call timeout)",
                     self.config.call_timeout
                 ),
             });
         let decision = decide::after_call(name, outcome);
-        if !matches!(decision, Decision::Finish { .. }) {
+        if !matches!(decision, RecoveryDecision::Finish { .. }) {
             // Not settled: the re-drive may have reached the provider until its answer.
             self.store.mark_attempt(id, record.lease_token).await?;
         }
         Ok(decision)
     }
 
-    /// Asks the provider what happened to a taken key (`Plan::Lookup`): a void by key first
+    /// Asks the provider what happened to a taken key (`RecoveryPlan::Lookup`): a void by key first
     /// where the provider has one, then a lookup.
     async fn look_up(
         &self,
@@ -657,7 +660,7 @@ impl Sweeper {
         request: &serde_json::Value,
         why: &str,
         clock: BatchClock,
-    ) -> Decision {
+    ) -> RecoveryDecision {
         // A provider that voids by key turns "unknown" into "surely not charged"
         // before anything is looked up (Square's CancelPaymentByIdempotencyKey).
         // The void is sent no earlier than this (the database's time at the earliest).
@@ -667,7 +670,7 @@ impl Sweeper {
             p.void_by_key(&record.provider_key, request),
         )
         .await
-        .unwrap_or_else(|_| crate::provider::VoidOutcome::Unknown {
+        .unwrap_or_else(|_| crate::provider::VoidReply::Unknown {
             reason: format!(
                 "no answer within {:?} (sweeper call timeout)",
                 self.config.call_timeout
@@ -706,11 +709,11 @@ impl Sweeper {
         &self,
         id: &KeyId,
         record: &KeyRecord,
-        decision: Decision,
+        decision: RecoveryDecision,
     ) -> Result<KeyResult, StoreError> {
         let cfg = &self.config;
         let (kind, reason, recheck) = match decision {
-            Decision::Finish {
+            RecoveryDecision::Finish {
                 to,
                 response,
                 error,
@@ -729,7 +732,7 @@ impl Sweeper {
                     Err(e) => lost_or(e, record),
                 };
             }
-            Decision::Defer {
+            RecoveryDecision::Defer {
                 reason,
                 retry_after,
             } => {
@@ -741,7 +744,7 @@ impl Sweeper {
                 );
                 (Unresolved::Deferred, reason, after)
             }
-            Decision::NeedsOperator { reason } => {
+            RecoveryDecision::NeedsOperator { reason } => {
                 (Unresolved::NeedsOperator, reason, cfg.operator_recheck)
             }
         };

@@ -30,7 +30,7 @@ use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
 use crate::Outcome;
-use crate::error::Error;
+use crate::error::{Error, RequestError};
 use crate::executor::StepOf;
 use crate::executor::{Context, Execution, Idempotency, IdempotentRequest};
 use crate::fingerprint::{Fingerprint, canonical_json, hex, parse_json};
@@ -233,9 +233,9 @@ pub struct Step {
 impl Step {
     /// A step named `name` (the rules of an operation name: 1 to 255 bytes of visible ASCII)
     /// acting on `body`.
-    pub fn new<B: Serialize + ?Sized>(name: &str, body: &B) -> Result<Self, Error> {
-        let bytes = serde_json::to_vec(body).map_err(Error::InvalidJson)?;
-        let value = parse_json(&bytes).map_err(Error::from)?;
+    pub fn new<B: Serialize + ?Sized>(name: &str, body: &B) -> Result<Self, RequestError> {
+        let bytes = serde_json::to_vec(body).map_err(RequestError::InvalidJson)?;
+        let value = parse_json(&bytes)?;
         crate::executor::validate_operation(name)?;
         let canonical = canonical_json(&value);
         let fingerprint = Fingerprint::compute(name, &canonical);

@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::support::sqlite::memory;
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{
-    Error, Idempotency, IdempotentRequest, KeyError, KeyState, Outcome, Store, StoredResponse,
+    Error, Idempotency, IdempotentRequest, KeyError, KeyState, Outcome, RequestError, Store,
+    StoredResponse,
 };
 
 async fn rows(store: &SqliteStore) -> (i64, i64) {
@@ -41,14 +42,14 @@ async fn malformed_keys_and_scopes_are_refused_by_name() {
             "{err:?} should mention {needle}"
         );
         match (&err, scope.is_empty()) {
-            (Error::InvalidScope(KeyError::Empty { what: "scope" }), true) => {}
-            (Error::InvalidKey(_), false) => {}
+            (RequestError::InvalidScope(KeyError::Empty { what: "scope" }), true) => {}
+            (RequestError::InvalidKey(_), false) => {}
             other => panic!("wrong variant: {other:?}"),
         }
     }
     assert!(matches!(
         IdempotentRequest::new("acct", "k", "", &1),
-        Err(Error::InvalidOperation(KeyError::Empty { .. }))
+        Err(RequestError::InvalidOperation(KeyError::Empty { .. }))
     ));
 }
 
@@ -57,7 +58,7 @@ async fn invalid_json_body_is_refused() {
     let err =
         IdempotentRequest::from_json_bytes("acct", "k1", "payments.create", b"{\"amount\": 5,}")
             .unwrap_err();
-    assert!(matches!(err, Error::InvalidJson(_)), "{err:?}");
+    assert!(matches!(err, RequestError::InvalidJson(_)), "{err:?}");
     assert!(err.to_string().contains("not valid JSON"));
     assert_eq!(err.http_status(), 400);
     let ok = IdempotentRequest::from_json_bytes(
@@ -82,14 +83,14 @@ async fn duplicate_json_object_keys_are_refused_not_last_wins() {
         let err =
             IdempotentRequest::from_json_bytes("acct", "k1", "payments.create", body).unwrap_err();
         assert!(
-            matches!(&err, Error::DuplicateJsonKey { .. }),
+            matches!(&err, RequestError::DuplicateJsonKey { .. }),
             "{}: {err:?}",
             String::from_utf8_lossy(body)
         );
         assert_eq!(err.http_status(), 400);
         assert!(err.to_string().contains("more than once"), "{err}");
     }
-    let Err(Error::DuplicateJsonKey { name }) = IdempotentRequest::from_json_bytes(
+    let Err(RequestError::DuplicateJsonKey { name }) = IdempotentRequest::from_json_bytes(
         "acct",
         "k1",
         "payments.create",
@@ -127,7 +128,7 @@ async fn serialised_bodies_with_duplicate_members_are_refused() {
     };
     let err = IdempotentRequest::new("acct", "k1", "payments.create", &body).unwrap_err();
     assert!(
-        matches!(err, Error::DuplicateJsonKey { ref name } if name == "amount"),
+        matches!(err, RequestError::DuplicateJsonKey { ref name } if name == "amount"),
         "{err:?}"
     );
 }
@@ -145,7 +146,10 @@ async fn oversized_request_leaves_no_row() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, Error::RequestTooLarge { limit: 100, .. }),
+        matches!(
+            err,
+            Error::Request(RequestError::RequestTooLarge { limit: 100, .. })
+        ),
         "{err}"
     );
     assert_eq!(rows(&store).await, (0, 0));

@@ -545,8 +545,8 @@ impl idemflow::Provider for RateLimited {
         idemflow::KeySpec::no_keys()
     }
 
-    async fn call(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallOutcome {
-        idemflow::CallOutcome::Retryable {
+    async fn call(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallReply {
+        idemflow::CallReply::Retryable {
             reason: "429".into(),
             retry_after: None,
         }
@@ -640,13 +640,13 @@ impl idemflow::Provider for SlowThenRefuses {
         }
     }
 
-    async fn call(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallOutcome {
+    async fn call(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallReply {
         if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
-            idemflow::CallOutcome::Unknown {
+            idemflow::CallReply::Unknown {
                 reason: "timed out after sending".into(),
             }
         } else {
-            idemflow::CallOutcome::Rejected {
+            idemflow::CallReply::Rejected {
                 response: StoredResponse::json(422, &serde_json::json!({"name": "UNPROCESSABLE"}))
                     .unwrap(),
             }

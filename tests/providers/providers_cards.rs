@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use chrono::Utc;
 use idemflow::provider::http::HttpConfig;
-use idemflow::provider::{Adyen, PayPal, Provider, Square, VoidOutcome};
+use idemflow::provider::{Adyen, PayPal, Provider, Square, VoidReply};
 use idemflow::testkit::{FakeAdyen, FakePayPal, FakeSquare};
-use idemflow::{Attempts, CallOutcome, IdempotencyKey, Lookup, Outcome, Scope};
+use idemflow::{Attempts, CallReply, IdempotencyKey, Lookup, Outcome, Scope};
 use serde_json::{Value, json};
 use wiremock::matchers::{header, method, path};
 use wiremock::{Mock, MockServer, ResponseTemplate};
@@ -69,23 +69,19 @@ fn paypal_order() -> Value {
     })
 }
 
-fn kind(out: &CallOutcome) -> &'static str {
+fn kind(out: &CallReply) -> &'static str {
     match out {
-        CallOutcome::Succeeded { .. } => "succeeded",
-        CallOutcome::Rejected { .. } => "rejected",
-        CallOutcome::Retryable { .. } => "retryable",
-        CallOutcome::InFlight { .. } => "in_flight",
-        CallOutcome::KeyConflict { .. } => "conflict",
-        CallOutcome::Unknown { .. } => "unknown",
+        CallReply::Succeeded { .. } => "succeeded",
+        CallReply::Rejected { .. } => "rejected",
+        CallReply::Retryable { .. } => "retryable",
+        CallReply::InFlight { .. } => "in_flight",
+        CallReply::KeyConflict { .. } => "conflict",
+        CallReply::Unknown { .. } => "unknown",
     }
 }
 
 /// Answers every POST with `status` and `body`, and gives the adapter's outcome.
-async fn mapped(
-    status: u16,
-    body: Value,
-    call: impl AsyncFnOnce(&str) -> CallOutcome,
-) -> CallOutcome {
+async fn mapped(status: u16, body: Value, call: impl AsyncFnOnce(&str) -> CallReply) -> CallReply {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .respond_with(
@@ -183,7 +179,7 @@ async fn adyen_lost_response_then_retry_is_one_payment() {
     let out = adyen(fake.base_url(), 3)
         .call("idf_adyen_lost", &adyen_payment())
         .await;
-    let CallOutcome::Succeeded { response, .. } = out else {
+    let CallReply::Succeeded { response, .. } = out else {
         panic!("{out:?}")
     };
     let body: Value = response.body_json().unwrap();
@@ -275,7 +271,7 @@ async fn adyen_fake_refusals_and_key_reuse() {
     let mut refused = adyen_payment();
     refused["paymentMethod"]["number"] = json!(FakeAdyen::REFUSED_CARD);
     let out = a.call("idf_refused", &refused).await;
-    let CallOutcome::Rejected { response } = &out else {
+    let CallReply::Rejected { response } = &out else {
         panic!("{out:?}")
     };
     assert_eq!(
@@ -288,13 +284,13 @@ async fn adyen_fake_refusals_and_key_reuse() {
     // Missing fields: 422, nothing saved.
     let out = a.call("idf_invalid", &json!({"reference": "x"})).await;
     assert!(
-        matches!(&out, CallOutcome::Rejected { response } if response.status() == 422),
+        matches!(&out, CallReply::Rejected { response } if response.status() == 422),
         "{out:?}"
     );
     // A key over 64 characters: 400.
     let out = a.call(&"k".repeat(65), &adyen_payment()).await;
     assert!(
-        matches!(&out, CallOutcome::Rejected { response } if response.status() == 400),
+        matches!(&out, CallReply::Rejected { response } if response.status() == 400),
         "{out:?}"
     );
     // Wrong API key: nothing done.
@@ -310,7 +306,7 @@ async fn adyen_fake_refusals_and_key_reuse() {
     fake.faults().rate_limit_next(Duration::from_secs(1));
     let out = a.call("idf_429", &adyen_payment()).await;
     assert!(
-        matches!(out, CallOutcome::Retryable { retry_after: Some(d), .. } if d == Duration::from_secs(1)),
+        matches!(out, CallReply::Retryable { retry_after: Some(d), .. } if d == Duration::from_secs(1)),
         "{out:?}"
     );
     assert_eq!(fake.ledger().len(), 1, "only the refused payment was made");
@@ -394,7 +390,7 @@ async fn square_lost_response_then_retry_is_one_payment() {
     let out = square(fake.base_url(), 3)
         .call("idf_sq_lost", &square_payment())
         .await;
-    let CallOutcome::Succeeded { response, .. } = out else {
+    let CallReply::Succeeded { response, .. } = out else {
         panic!("{out:?}")
     };
     let body: Value = response.body_json().unwrap();
@@ -496,7 +492,7 @@ async fn square_fake_declines_and_key_reuse() {
     let declined = json!({"source_id": FakeSquare::DECLINED_CARD, "amount_money": {"amount": 1, "currency": "USD"}});
     let out = s.call("idf_declined", &declined).await;
     assert!(
-        matches!(&out, CallOutcome::Rejected { response } if response.status() == 402),
+        matches!(&out, CallReply::Rejected { response } if response.status() == 402),
         "{out:?}"
     );
     assert_eq!(kind(&s.call("idf_a", &square_payment()).await), "succeeded");
@@ -504,7 +500,7 @@ async fn square_fake_declines_and_key_reuse() {
     assert_eq!(kind(&s.call("idf_a", &other).await), "conflict");
     let out = s.call(&"k".repeat(46), &square_payment()).await;
     assert!(
-        matches!(&out, CallOutcome::Rejected { response } if response.status() == 400),
+        matches!(&out, CallReply::Rejected { response } if response.status() == 400),
         "{out:?}"
     );
     let wrong = Square::with_base_url(fake.base_url(), "EAAA_wrong")
@@ -524,14 +520,14 @@ async fn square_void_by_key_covers_every_case() {
     let s = square(fake.base_url(), 1);
     // No payment with the key: Square answers success, nothing stands charged.
     let v = s.void_by_key("idf_none", &square_payment()).await;
-    assert!(matches!(v, VoidOutcome::Voided { .. }), "{v:?}");
+    assert!(matches!(v, VoidReply::Voided { .. }), "{v:?}");
     // A completed payment cannot be voided: refused, so the sweeper looks it up.
     assert_eq!(
         kind(&s.call("idf_done", &square_payment()).await),
         "succeeded"
     );
     let v = s.void_by_key("idf_done", &square_payment()).await;
-    assert!(matches!(v, VoidOutcome::Refused { .. }), "{v:?}");
+    assert!(matches!(v, VoidReply::Refused { .. }), "{v:?}");
     assert_eq!(fake.ledger().entries()[0].status, "COMPLETED");
     // A delayed capture is never voided by the adapter (it would burn the key).
     let mut delayed = square_payment();
@@ -539,15 +535,15 @@ async fn square_void_by_key_covers_every_case() {
     assert_eq!(kind(&s.call("idf_auth", &delayed).await), "succeeded");
     assert_eq!(
         s.void_by_key("idf_auth", &delayed).await,
-        VoidOutcome::Unsupported
+        VoidReply::Unsupported
     );
     // Voided at Square anyway (by hand): a same-key re-send gets the CANCELED payment, which is
     // stored as a refusal, never as a charge.
     let v = s.void_by_key("idf_auth", &json!({})).await;
-    assert!(matches!(v, VoidOutcome::Voided { .. }), "{v:?}");
+    assert!(matches!(v, VoidReply::Voided { .. }), "{v:?}");
     assert_eq!(fake.ledger().entries()[1].status, "CANCELED");
     let out = s.call("idf_auth", &delayed).await;
-    let CallOutcome::Rejected { response } = &out else {
+    let CallReply::Rejected { response } = &out else {
         panic!("{out:?}")
     };
     assert_eq!(
@@ -620,9 +616,9 @@ async fn square_void_answers_map() {
             .void_by_key("idf_v", &square_payment())
             .await;
         let got = match &v {
-            VoidOutcome::Voided { .. } => "voided",
-            VoidOutcome::Refused { .. } => "refused",
-            VoidOutcome::Unknown { retry_after, .. } => {
+            VoidReply::Voided { .. } => "voided",
+            VoidReply::Refused { .. } => "refused",
+            VoidReply::Unknown { retry_after, .. } => {
                 assert_eq!(*retry_after, Some(Duration::from_secs(2)), "{status}");
                 "unknown"
             }
@@ -634,7 +630,7 @@ async fn square_void_answers_map() {
     let v = square("http://127.0.0.1:1", 1)
         .void_by_key("idf_v", &square_payment())
         .await;
-    assert!(matches!(v, VoidOutcome::Unknown { .. }), "{v:?}");
+    assert!(matches!(v, VoidReply::Unknown { .. }), "{v:?}");
 }
 
 #[tokio::test]
@@ -698,7 +694,7 @@ async fn paypal_lost_response_then_retry_is_one_order() {
     let out = paypal(fake.base_url(), 3)
         .call("idf_pp_lost", &paypal_order())
         .await;
-    let CallOutcome::Succeeded { response, .. } = out else {
+    let CallReply::Succeeded { response, .. } = out else {
         panic!("{out:?}")
     };
     assert_eq!(
@@ -781,12 +777,12 @@ async fn paypal_fake_declines_and_bad_ids() {
         json!({"card": {"number": FakePayPal::DECLINED_CARD, "expiry": "2030-01"}});
     let out = p.call("idf_declined", &declined).await;
     assert!(
-        matches!(&out, CallOutcome::Rejected { response } if response.status() == 422),
+        matches!(&out, CallReply::Rejected { response } if response.status() == 422),
         "{out:?}"
     );
     let out = p.call(&"k".repeat(109), &paypal_order()).await;
     assert!(
-        matches!(&out, CallOutcome::Rejected { response } if response.status() == 400),
+        matches!(&out, CallReply::Rejected { response } if response.status() == 400),
         "{out:?}"
     );
     let wrong = PayPal::with_base_url(fake.base_url(), "A21AA_wrong")
@@ -801,7 +797,7 @@ async fn paypal_fake_declines_and_bad_ids() {
     let mut card = paypal_order();
     card["payment_source"] = json!({"card": {"number": "4111111111111111", "expiry": "2030-01"}});
     let out = p.call("idf_card", &card).await;
-    let CallOutcome::Succeeded { response, .. } = &out else {
+    let CallReply::Succeeded { response, .. } = &out else {
         panic!("{out:?}")
     };
     assert_eq!(
@@ -1006,8 +1002,8 @@ async fn the_sweeper_settles_each_card_provider_by_its_own_path() {
 async fn after_a_500(
     status: u16,
     body: Value,
-    call: impl AsyncFnOnce(&str) -> CallOutcome,
-) -> CallOutcome {
+    call: impl AsyncFnOnce(&str) -> CallReply,
+) -> CallReply {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .respond_with(ResponseTemplate::new(500).set_body_json(json!({"errors": []})))

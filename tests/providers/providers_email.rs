@@ -6,7 +6,7 @@ use chrono::Utc;
 use idemflow::provider::http::HttpConfig;
 use idemflow::provider::{Postmark, Provider, Resend};
 use idemflow::testkit::{FakePostmark, FakeResend};
-use idemflow::{CallOutcome, IdempotencyKey, KeySpec, Lookup, Outcome, Scope};
+use idemflow::{CallReply, IdempotencyKey, KeySpec, Lookup, Outcome, Scope};
 use serde_json::{Value, json};
 use wiremock::matchers::{header, method, path, query_param};
 use wiremock::{Mock, MockServer, ResponseTemplate};
@@ -61,7 +61,7 @@ async fn resend_sends_json_body_with_key_header() {
     assert!(
         matches!(
             out,
-            CallOutcome::Succeeded {
+            CallReply::Succeeded {
                 replayed: false,
                 ..
             }
@@ -78,7 +78,7 @@ async fn resend_lost_response_then_retry_sends_once_with_the_same_key() {
     let fake = FakeResend::start().await.unwrap();
     fake.faults().lose_next_response();
     let out = resend(fake.base_url(), 3).call("idf_lost", &email()).await;
-    let CallOutcome::Succeeded { response, .. } = out else {
+    let CallReply::Succeeded { response, .. } = out else {
         panic!("{out:?}")
     };
     assert_eq!(fake.ledger().len(), 1);
@@ -98,39 +98,39 @@ async fn resend_errors_map_to_outcomes() {
     let r = resend(fake.base_url(), 1);
     assert!(matches!(
         r.call("idf_a", &email()).await,
-        CallOutcome::Succeeded { .. }
+        CallReply::Succeeded { .. }
     ));
     // Same key, other payload: 409 invalid_idempotent_request.
     let other = json!({"from": "shop@example.test", "to": ["bob@example.test"], "subject": "Hi", "text": "x"});
     assert!(matches!(
         r.call("idf_a", &other).await,
-        CallOutcome::KeyConflict { .. }
+        CallReply::KeyConflict { .. }
     ));
     // Malformed key: 400 invalid_idempotency_key -> Rejected (nothing sent).
     let long = "k".repeat(300);
     let out = r.call(&long, &email()).await;
     assert!(
-        matches!(out, CallOutcome::Rejected { ref response } if response.status() == 400),
+        matches!(out, CallReply::Rejected { ref response } if response.status() == 400),
         "{out:?}"
     );
     // Validation: 422 -> Rejected.
     let out = r.call("idf_v", &json!({"from": "a@x.test"})).await;
     assert!(
-        matches!(out, CallOutcome::Rejected { ref response } if response.status() == 422),
+        matches!(out, CallReply::Rejected { ref response } if response.status() == 422),
         "{out:?}"
     );
     // 429 -> Retryable with Retry-After.
     fake.faults().rate_limit_next(Duration::from_secs(1));
     let out = r.call("idf_429", &email()).await;
     assert!(
-        matches!(out, CallOutcome::Retryable { retry_after: Some(d), .. } if d == Duration::from_secs(1)),
+        matches!(out, CallReply::Retryable { retry_after: Some(d), .. } if d == Duration::from_secs(1)),
         "{out:?}"
     );
     // 5xx -> Unknown.
     fake.faults().server_error_next(500);
     assert!(matches!(
         r.call("idf_500", &email()).await,
-        CallOutcome::Unknown { .. }
+        CallReply::Unknown { .. }
     ));
     // Wrong API key -> Retryable.
     let wrong = Resend::with_base_url(fake.base_url(), "re_wrong")
@@ -139,7 +139,7 @@ async fn resend_errors_map_to_outcomes() {
         .unwrap();
     assert!(matches!(
         wrong.call("idf_auth", &email()).await,
-        CallOutcome::Retryable { .. }
+        CallReply::Retryable { .. }
     ));
     assert_eq!(fake.ledger().len(), 1, "only the first email was sent");
 }
@@ -154,12 +154,9 @@ async fn resend_concurrent_same_key_is_in_flight() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(matches!(
         r.call("idf_c", &email()).await,
-        CallOutcome::InFlight { .. }
+        CallReply::InFlight { .. }
     ));
-    assert!(matches!(
-        first.await.unwrap(),
-        CallOutcome::Succeeded { .. }
-    ));
+    assert!(matches!(first.await.unwrap(), CallReply::Succeeded { .. }));
     assert_eq!(fake.ledger().len(), 1);
 }
 
@@ -170,7 +167,7 @@ async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
     let r = resend(fake.base_url(), 1);
     assert!(matches!(
         r.call("idf_l", &email()).await,
-        CallOutcome::Unknown { .. }
+        CallReply::Unknown { .. }
     ));
     let Lookup::Found(Outcome::Succeeded(resp)) = r
         .lookup(
@@ -263,7 +260,7 @@ async fn resend_lookup_of_a_key_held_for_another_payload_needs_an_operator() {
     let r = resend(fake.base_url(), 1);
     assert!(matches!(
         r.call("idf_c", &email()).await,
-        CallOutcome::Succeeded { .. }
+        CallReply::Succeeded { .. }
     ));
     let other = json!({"from": "shop@example.test", "to": ["bob@example.test"], "subject": "Receipt", "text": "Thanks"});
     let found = r
@@ -324,7 +321,7 @@ async fn postmark_puts_our_key_in_metadata_and_searches_by_it() {
     let p = postmark(&server.uri(), 1);
     assert!(matches!(
         p.call("idf_p1", &pm_email()).await,
-        CallOutcome::Succeeded { .. }
+        CallReply::Succeeded { .. }
     ));
     let reqs = server.received_requests().await.unwrap();
     let sent: Value = serde_json::from_slice(&reqs[0].body).unwrap();
@@ -354,7 +351,7 @@ async fn postmark_lost_response_is_never_resent_and_lookup_finds_it() {
     let p = postmark(fake.base_url(), 3);
     let sent_at = Utc::now();
     let out = p.call("idf_pl", &pm_email()).await;
-    assert!(matches!(out, CallOutcome::Unknown { .. }), "{out:?}");
+    assert!(matches!(out, CallReply::Unknown { .. }), "{out:?}");
     assert_eq!(
         fake.requests().len(),
         1,
@@ -384,19 +381,19 @@ async fn postmark_errors_map_to_outcomes() {
     let fake = FakePostmark::start().await.unwrap();
     let p = postmark(fake.base_url(), 1);
     let out = p.call("idf_300", &json!({"To": "ada@example.test"})).await;
-    let CallOutcome::Rejected { response } = out else {
+    let CallReply::Rejected { response } = out else {
         panic!("{out:?}")
     };
     assert_eq!(response.body_json::<Value>().unwrap()["ErrorCode"], 300);
     let inactive = json!({"From": "shop@example.test", "To": "inactive@example.test", "Subject": "x", "TextBody": "x"});
-    let CallOutcome::Rejected { response } = p.call("idf_406", &inactive).await else {
+    let CallReply::Rejected { response } = p.call("idf_406", &inactive).await else {
         panic!()
     };
     assert_eq!(response.body_json::<Value>().unwrap()["ErrorCode"], 406);
     fake.faults().rate_limit_next(Duration::from_secs(1));
     assert!(matches!(
         p.call("idf_429", &pm_email()).await,
-        CallOutcome::Retryable {
+        CallReply::Retryable {
             retry_after: Some(_),
             ..
         }
@@ -404,7 +401,7 @@ async fn postmark_errors_map_to_outcomes() {
     fake.faults().server_error_next(500);
     assert!(matches!(
         p.call("idf_500", &pm_email()).await,
-        CallOutcome::Unknown { .. }
+        CallReply::Unknown { .. }
     ));
     let wrong = Postmark::with_base_url(fake.base_url(), "nope")
         .unwrap()
@@ -412,7 +409,7 @@ async fn postmark_errors_map_to_outcomes() {
         .unwrap();
     assert!(matches!(
         wrong.call("idf_401", &pm_email()).await,
-        CallOutcome::Retryable { .. }
+        CallReply::Retryable { .. }
     ));
     assert!(fake.ledger().is_empty());
 }
@@ -424,7 +421,7 @@ async fn postmark_retries_only_what_surely_did_nothing() {
     let p = postmark(fake.base_url(), 3);
     assert!(matches!(
         p.call("idf_rl", &pm_email()).await,
-        CallOutcome::Succeeded { .. }
+        CallReply::Succeeded { .. }
     ));
     assert_eq!(fake.requests().len(), 2);
     assert_eq!(fake.ledger().count_for_key("idf_rl"), 1);
@@ -438,7 +435,7 @@ async fn postmark_search_lag_and_authority() {
     let now = Utc::now();
     assert!(matches!(
         p.call("idf_s", &pm_email()).await,
-        CallOutcome::Succeeded { .. }
+        CallReply::Succeeded { .. }
     ));
     assert_eq!(
         p.lookup(

@@ -6,7 +6,7 @@ use chrono::Utc;
 use idemflow::provider::http::HttpConfig;
 use idemflow::provider::{Provider, Stripe};
 use idemflow::testkit::FakeStripe;
-use idemflow::{CallOutcome, IdempotencyKey, Lookup, Outcome, Scope};
+use idemflow::{CallReply, IdempotencyKey, Lookup, Outcome, Scope};
 use serde_json::{Value, json};
 use wiremock::matchers::{header, method, path};
 use wiremock::{Mock, MockServer, ResponseTemplate};
@@ -75,7 +75,7 @@ async fn stripe_sends_exact_form_fields_and_key_header() {
         .mount(&server)
         .await;
     let out = stripe(&server.uri(), 1).call("idf_k1", &charge()).await;
-    let CallOutcome::Succeeded { response, replayed } = out else {
+    let CallReply::Succeeded { response, replayed } = out else {
         panic!("{out:?}")
     };
     assert!(!replayed);
@@ -120,7 +120,7 @@ async fn stripe_retries_keep_the_same_key_and_params() {
         .await;
     let out = stripe(&server.uri(), 3).call("idf_same", &charge()).await;
     assert!(
-        matches!(out, CallOutcome::Succeeded { replayed: true, .. }),
+        matches!(out, CallReply::Succeeded { replayed: true, .. }),
         "{out:?}"
     );
     let reqs = server.received_requests().await.unwrap();
@@ -143,7 +143,7 @@ async fn stripe_should_retry_header_is_honoured() {
         .mount(&server)
         .await;
     let out = stripe(&server.uri(), 1).call("idf_sr", &charge()).await;
-    assert!(matches!(out, CallOutcome::Retryable { .. }), "{out:?}");
+    assert!(matches!(out, CallReply::Retryable { .. }), "{out:?}");
 
     let server = MockServer::start().await;
     Mock::given(method("POST"))
@@ -155,7 +155,7 @@ async fn stripe_should_retry_header_is_honoured() {
         .mount(&server)
         .await;
     let out = stripe(&server.uri(), 3).call("idf_sr", &charge()).await;
-    assert!(matches!(out, CallOutcome::Unknown { .. }), "{out:?}");
+    assert!(matches!(out, CallReply::Unknown { .. }), "{out:?}");
     assert_eq!(
         server.received_requests().await.unwrap().len(),
         1,
@@ -210,21 +210,21 @@ async fn stripe_status_mapping_from_wiremock() {
             .await;
         let out = stripe(&server.uri(), 1).call("idf_map", &charge()).await;
         let got = match &out {
-            CallOutcome::Retryable { .. } => "retryable",
-            CallOutcome::Rejected { response } => {
+            CallReply::Retryable { .. } => "retryable",
+            CallReply::Rejected { response } => {
                 assert_eq!(response.status(), status);
                 "rejected"
             }
-            CallOutcome::KeyConflict { detail } => {
+            CallReply::KeyConflict { detail } => {
                 assert_eq!(detail, "other params");
                 "conflict"
             }
-            CallOutcome::InFlight { retry_after } => {
+            CallReply::InFlight { retry_after } => {
                 assert_eq!(*retry_after, Some(Duration::from_secs(1)));
                 "in_flight"
             }
-            CallOutcome::Unknown { .. } => "unknown",
-            CallOutcome::Succeeded { .. } => "succeeded",
+            CallReply::Unknown { .. } => "unknown",
+            CallReply::Succeeded { .. } => "succeeded",
         };
         assert_eq!(got, want, "status {status}: {out:?}");
     }
@@ -236,7 +236,7 @@ async fn stripe_lost_response_then_retry_charges_once() {
     fake.faults().lose_next_response();
     let out = stripe(fake.base_url(), 3).call("idf_lost", &charge()).await;
     assert!(
-        matches!(out, CallOutcome::Succeeded { replayed: true, .. }),
+        matches!(out, CallReply::Succeeded { replayed: true, .. }),
         "{out:?}"
     );
     assert_eq!(fake.ledger().len(), 1);
@@ -263,7 +263,7 @@ async fn stripe_answers_carry_none_of_stripes_own_headers() {
     let fake = FakeStripe::start().await.unwrap();
     fake.faults().lose_next_response();
     let out = stripe(fake.base_url(), 3).call("idf_hdr", &charge()).await;
-    let CallOutcome::Succeeded { response, replayed } = out else {
+    let CallReply::Succeeded { response, replayed } = out else {
         panic!("{out:?}")
     };
     assert!(replayed, "Stripe replayed its answer to the retry");
@@ -309,10 +309,10 @@ async fn stripe_lost_response_without_retry_is_unknown_then_retry_replays() {
     fake.faults().lose_next_response();
     let s = stripe(fake.base_url(), 1);
     let first = s.call("idf_u", &charge()).await;
-    assert!(matches!(first, CallOutcome::Unknown { .. }), "{first:?}");
+    assert!(matches!(first, CallReply::Unknown { .. }), "{first:?}");
     let again = s.call("idf_u", &charge()).await;
     assert!(
-        matches!(again, CallOutcome::Succeeded { replayed: true, .. }),
+        matches!(again, CallReply::Succeeded { replayed: true, .. }),
         "{again:?}"
     );
     assert_eq!(fake.ledger().count_for_key("idf_u"), 1);
@@ -332,7 +332,7 @@ async fn a_stripe_decline_after_a_lost_answer_is_definitive() {
         .call("idf_lost_decline", &declined)
         .await;
     assert!(
-        matches!(&out, CallOutcome::Rejected { response } if response.status() == 402),
+        matches!(&out, CallReply::Rejected { response } if response.status() == 402),
         "{out:?}"
     );
     assert_eq!(fake.ledger().count_for_key("idf_lost_decline"), 1);
@@ -379,7 +379,7 @@ async fn stripe_fake_errors_map_to_outcomes() {
     let declined =
         json!({"amount": 500, "currency": "usd", "payment_method": FakeStripe::DECLINED_CARD});
     let out = s.call("idf_decline", &declined).await;
-    let CallOutcome::Rejected { response } = out else {
+    let CallReply::Rejected { response } = out else {
         panic!("{out:?}")
     };
     assert_eq!(response.status(), 402);
@@ -387,14 +387,14 @@ async fn stripe_fake_errors_map_to_outcomes() {
     assert_eq!(body["error"]["type"], "card_error");
     assert!(matches!(
         s.call("idf_decline", &declined).await,
-        CallOutcome::Rejected { .. }
+        CallReply::Rejected { .. }
     ));
     assert_eq!(fake.ledger().count_for_key("idf_decline"), 1);
 
     // Same key, other parameters -> KeyConflict.
     assert!(matches!(
         s.call("idf_decline", &charge()).await,
-        CallOutcome::KeyConflict { .. }
+        CallReply::KeyConflict { .. }
     ));
 
     // 429 before anything -> Retryable with Retry-After.
@@ -402,7 +402,7 @@ async fn stripe_fake_errors_map_to_outcomes() {
     let out = s.call("idf_429", &charge()).await;
     assert_eq!(
         out,
-        CallOutcome::Retryable {
+        CallReply::Retryable {
             reason: out_reason(&out),
             retry_after: Some(Duration::from_secs(2))
         }
@@ -411,14 +411,14 @@ async fn stripe_fake_errors_map_to_outcomes() {
     fake.faults().server_error_next(500);
     assert!(matches!(
         s.call("idf_500", &charge()).await,
-        CallOutcome::Unknown { .. }
+        CallReply::Unknown { .. }
     ));
     assert_eq!(fake.ledger().count_for_key("idf_500"), 0);
 
     // Missing amount -> Rejected (validation; not saved, so a fixed retry could pass).
     let out = s.call("idf_bad", &json!({"currency": "usd"})).await;
     assert!(
-        matches!(out, CallOutcome::Rejected { ref response } if response.status() == 400),
+        matches!(out, CallReply::Rejected { ref response } if response.status() == 400),
         "{out:?}"
     );
 
@@ -429,13 +429,13 @@ async fn stripe_fake_errors_map_to_outcomes() {
         .unwrap();
     assert!(matches!(
         wrong.call("idf_auth", &charge()).await,
-        CallOutcome::Retryable { .. }
+        CallReply::Retryable { .. }
     ));
 }
 
-fn out_reason(o: &CallOutcome) -> String {
+fn out_reason(o: &CallReply) -> String {
     match o {
-        CallOutcome::Retryable { reason, .. } | CallOutcome::Unknown { reason } => reason.clone(),
+        CallReply::Retryable { reason, .. } | CallReply::Unknown { reason } => reason.clone(),
         _ => String::new(),
     }
 }
@@ -449,10 +449,10 @@ async fn stripe_concurrent_same_key_is_in_flight() {
     let first = tokio::spawn(async move { s2.call("idf_conc", &charge()).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let second = s.call("idf_conc", &charge()).await;
-    assert!(matches!(second, CallOutcome::InFlight { .. }), "{second:?}");
+    assert!(matches!(second, CallReply::InFlight { .. }), "{second:?}");
     assert!(matches!(
         first.await.unwrap(),
-        CallOutcome::Succeeded {
+        CallReply::Succeeded {
             replayed: false,
             ..
         }
@@ -473,7 +473,7 @@ async fn stripe_timeout_after_send_is_unknown_and_connection_refused_is_retryabl
         .unwrap();
     assert!(matches!(
         s.call("idf_hang", &charge()).await,
-        CallOutcome::Unknown { .. }
+        CallReply::Unknown { .. }
     ));
     assert_eq!(
         fake.ledger().count_for_key("idf_hang"),
@@ -487,7 +487,7 @@ async fn stripe_timeout_after_send_is_unknown_and_connection_refused_is_retryabl
     };
     let closed = stripe(&format!("http://127.0.0.1:{port}"), 2);
     let out = closed.call("idf_refused", &charge()).await;
-    assert!(matches!(out, CallOutcome::Retryable { .. }), "{out:?}");
+    assert!(matches!(out, CallReply::Retryable { .. }), "{out:?}");
 }
 
 #[tokio::test]
@@ -498,7 +498,7 @@ async fn stripe_lookup_respects_search_lag() {
     let sent_at = Utc::now();
     assert!(matches!(
         s.call("idf_look", &charge()).await,
-        CallOutcome::Succeeded { .. }
+        CallReply::Succeeded { .. }
     ));
     // Not yet visible, and too early to trust an empty result.
     assert_eq!(
@@ -597,7 +597,7 @@ async fn stripe_long_keys_are_derived_to_fit_and_stay_stable() {
     );
     assert!(matches!(
         s.call(&a, &charge()).await,
-        CallOutcome::Succeeded { .. }
+        CallReply::Succeeded { .. }
     ));
     assert_eq!(
         fake.requests()[0].header("idempotency-key"),
@@ -708,6 +708,6 @@ async fn stripe_409_then_429_is_unknown_not_retryable() {
     let out = stripe(&server.uri(), 2)
         .call("idf_409_429", &charge())
         .await;
-    assert!(matches!(out, CallOutcome::Unknown { .. }), "{out:?}");
+    assert!(matches!(out, CallReply::Unknown { .. }), "{out:?}");
     assert_eq!(server.received_requests().await.unwrap().len(), 2);
 }

@@ -209,7 +209,7 @@ mod layer {
     use axum::response::{IntoResponse, Response};
     use axum::routing::post;
     use http_body_util::BodyExt;
-    use idemflow::CallOutcome;
+    use idemflow::CallReply;
     use idemflow::axum::{IdempotencyContext, IdempotencyLayer, ScopeSource};
     use idemflow::provider::Provider;
     use tower::ServiceExt;
@@ -220,9 +220,7 @@ mod layer {
     /// answer as it came (status, every header it kept, body).
     async fn pay(State(stripe): State<Arc<Stripe>>, ctx: IdempotencyContext) -> Response {
         let answer = match stripe.call(ctx.provider_key(), ctx.request()).await {
-            CallOutcome::Succeeded { response, .. } | CallOutcome::Rejected { response } => {
-                response
-            }
+            CallReply::Succeeded { response, .. } | CallReply::Rejected { response } => response,
             other => return (StatusCode::BAD_GATEWAY, format!("{other:?}")).into_response(),
         };
         let (status, headers, body) = answer.into_parts();

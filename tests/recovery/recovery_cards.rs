@@ -204,7 +204,7 @@ impl Card {
                 let body: Value = serde_json::from_str(ctx.request()).unwrap();
                 let answer = p.call(ctx.provider_key(), &body).await;
                 assert!(
-                    matches!(answer, idemflow::CallOutcome::Succeeded { .. }),
+                    matches!(answer, idemflow::CallReply::Succeeded { .. }),
                     "{answer:?}"
                 );
                 let _ = at.send(());

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use idemflow::{
-    Attempts, CallOutcome, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait,
+    Attempts, CallReply, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait,
 };
 
 use crate::gate::{Effect, SharedRef, current_actor, park};
@@ -107,11 +107,11 @@ impl SimProvider {
             .cloned()
     }
 
-    fn outcome_of(response: StoredResponse, replayed: bool) -> CallOutcome {
+    fn outcome_of(response: StoredResponse, replayed: bool) -> CallReply {
         if response.status() < 300 {
-            CallOutcome::Succeeded { response, replayed }
+            CallReply::Succeeded { response, replayed }
         } else {
-            CallOutcome::Rejected { response }
+            CallReply::Rejected { response }
         }
     }
 }
@@ -133,7 +133,7 @@ impl Provider for SimProvider {
         }
     }
 
-    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallOutcome {
+    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallReply {
         let actor = current_actor();
         {
             let mut sh = self.shared.lock().unwrap();
@@ -161,13 +161,13 @@ impl Provider for SimProvider {
         };
         park("provider.call", "before", provider_key).await;
         if self.roll(self.faults.retryable) {
-            return CallOutcome::Retryable {
+            return CallReply::Retryable {
                 reason: "429 Too Many Requests".into(),
                 retry_after: Some(Duration::from_millis(5)),
             };
         }
         if self.roll(self.faults.error_before) {
-            return CallOutcome::Unknown {
+            return CallReply::Unknown {
                 reason: "503 before acting".into(),
             };
         }
@@ -178,7 +178,7 @@ impl Provider for SimProvider {
             let mut sh = self.shared.lock().unwrap();
             let n = sh.processing.entry(provider_key.to_owned()).or_default();
             if *n > 0 {
-                return CallOutcome::InFlight {
+                return CallReply::InFlight {
                     retry_after: Some(Duration::from_millis(5)),
                 };
             }
@@ -233,12 +233,12 @@ impl Provider for SimProvider {
         guard.processing = false;
         park("provider.call", "acted", provider_key).await;
         if self.roll(self.faults.lost) {
-            return CallOutcome::Unknown {
+            return CallReply::Unknown {
                 reason: "timeout after sending (response lost)".into(),
             };
         }
         if self.roll(self.faults.error_after) {
-            return CallOutcome::Unknown {
+            return CallReply::Unknown {
                 reason: "502 after acting".into(),
             };
         }
