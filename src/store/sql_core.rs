@@ -15,9 +15,9 @@ use sqlx::{ColumnIndex, Database, Encode, Executor, FromRow, IntoArguments, Pool
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use super::kit::FinishMode;
 use super::rows::{Plain, SqlRow, decode_event, decode_record, decode_stats};
-use super::{Stats, Stuck};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use super::{Finish, NewClaim};
+use super::{Stats, Stuck};
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::KeyEvent;

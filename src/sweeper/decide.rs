@@ -135,9 +135,8 @@ pub(crate) fn plan(
 /// closes.
 pub(crate) fn after_call(provider: &str, reply: CallReply) -> RecoveryDecision {
     match reply {
-        CallReply::Succeeded { response, replayed } => RecoveryDecision::Finish {
-            to: KeyState::Done,
-            reason: format!(
+        CallReply::Succeeded { response, replayed } => {
+            let reason = format!(
                 "sweeper re-drove the stored request to {provider} with the same provider key; it answered {}{}",
                 response.status(),
                 if replayed {
@@ -145,19 +144,16 @@ pub(crate) fn after_call(provider: &str, reply: CallReply) -> RecoveryDecision {
                 } else {
                     ""
                 }
-            ),
-            response: Some(response),
-            error: None,
-        },
-        CallReply::Rejected { response } => RecoveryDecision::Finish {
-            to: KeyState::Failed { retryable: false },
-            reason: format!(
+            );
+            settled(provider, response, false, reason)
+        }
+        CallReply::Rejected { response } => {
+            let reason = format!(
                 "sweeper re-drove the stored request to {provider} with the same provider key; it refused permanently ({})",
                 response.status()
-            ),
-            error: Some(format!("{provider} refused the request")),
-            response: Some(response),
-        },
+            );
+            settled(provider, response, true, reason)
+        }
         CallReply::Retryable {
             reason,
             retry_after,
@@ -183,27 +179,45 @@ pub(crate) fn after_call(provider: &str, reply: CallReply) -> RecoveryDecision {
     }
 }
 
+/// The finish of a key the provider settled: `done` with its answer, or `failed{permanent}`
+/// when it `refused`; `reason` says how the sweeper learnt it.
+fn settled(
+    provider: &str,
+    response: StoredResponse,
+    refused: bool,
+    reason: String,
+) -> RecoveryDecision {
+    let (to, error) = if refused {
+        let error = format!("{provider} refused the request");
+        (KeyState::Failed { retryable: false }, Some(error))
+    } else {
+        (KeyState::Done, None)
+    };
+    RecoveryDecision::Finish {
+        to,
+        response: Some(response),
+        error,
+        reason,
+    }
+}
+
 /// What a lookup's answer means. Only an authoritative absence turns a key retryable.
 pub(crate) fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> RecoveryDecision {
     match lookup {
-        Lookup::Found(Outcome::Succeeded(response)) => RecoveryDecision::Finish {
-            to: KeyState::Done,
-            reason: format!(
+        Lookup::Found(Outcome::Succeeded(response)) => {
+            let reason = format!(
                 "sweeper looked the key up at {provider} ({why}): it acted and answered {}",
                 response.status()
-            ),
-            response: Some(response),
-            error: None,
-        },
-        Lookup::Found(Outcome::Rejected(response)) => RecoveryDecision::Finish {
-            to: KeyState::Failed { retryable: false },
-            reason: format!(
+            );
+            settled(provider, response, false, reason)
+        }
+        Lookup::Found(Outcome::Rejected(response)) => {
+            let reason = format!(
                 "sweeper looked the key up at {provider} ({why}): it refused permanently ({})",
                 response.status()
-            ),
-            error: Some(format!("{provider} refused the request")),
-            response: Some(response),
-        },
+            );
+            settled(provider, response, true, reason)
+        }
         Lookup::Found(Outcome::Retryable { reason } | Outcome::Unknown { reason }) => {
             RecoveryDecision::Defer {
                 reason: format!(
