@@ -12,10 +12,8 @@ use std::time::Duration;
 use sqlx::migrate::Migrator;
 use sqlx::{ColumnIndex, Database, Encode, Executor, FromRow, IntoArguments, Pool, Type};
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 use super::kit::FinishMode;
 use super::rows::{Plain, SqlRow, decode_event, decode_record, decode_stats};
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 use super::{Finish, NewClaim};
 use super::{Stats, Stuck};
 use crate::KeyId;
@@ -25,15 +23,12 @@ use crate::record::KeyEvent;
 use crate::record::LeaseToken;
 
 /// A statement with its parameters, on any SQL backend.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) type Statement<'q, DB> = sqlx::query::Query<'q, DB, <DB as Database>::Arguments>;
 
-/// Binds a claim's parameters, in the order the claim statement of every pooled SQL backend
-/// takes them: scope, key, operation, provider, provider key, fingerprint, request, owner, lease,
+/// Binds a claim's parameters, in the order the claim statement of every SQL backend takes them: scope, key, operation, provider, provider key, fingerprint, request, owner, lease,
 /// retention (ms), takeover window (or NULL), then `nonce` when given (MariaDB's), then the
 /// provider key of a re-created key (or NULL). The lease and the window are bound in
 /// `duration`'s unit (the backend's, as [`SqlCore::duration`]).
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn bind_claim<'q, DB>(
     q: Statement<'q, DB>,
     claim: &NewClaim,
@@ -66,10 +61,9 @@ where
     q.bind(claim.reused_provider_key.as_deref())
 }
 
-/// Binds a finish's parameters, in the order the finish statement of every pooled SQL backend
-/// takes them: scope, key, state, retryable, status, headers, body, error, the holder's token
-/// (or NULL), actor, reason, the expected token of a compare-and-set override (or NULL).
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+/// Binds a finish's parameters, in the order the finish statement of every SQL backend takes
+/// them: scope, key, state, retryable, status, headers, body, error, the holder's token (or
+/// NULL), actor, reason, the expected token of a compare-and-set override (or NULL).
 pub(crate) fn bind_finish<'q, DB>(
     q: Statement<'q, DB>,
     id: &KeyId,

@@ -361,19 +361,7 @@ async fn claim_on(
     claim: &NewClaim,
 ) -> Result<ClaimOutcome, StoreError> {
     for _ in 0..3 {
-        let row = sqlx::query(sql::CLAIM)
-            .bind(claim.id.scope.as_str())
-            .bind(claim.id.key.as_str())
-            .bind(&claim.operation)
-            .bind(claim.provider.as_deref())
-            .bind(&claim.provider_key)
-            .bind(claim.fingerprint.as_str())
-            .bind(claim.request.as_deref())
-            .bind(&claim.owner)
-            .bind(millis(claim.lease))
-            .bind(millis(claim.retention))
-            .bind(claim.takeover_window.map(millis))
-            .bind(claim.reused_provider_key.as_deref())
+        let row = sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, millis, None)
             .fetch_optional(&mut *conn)
             .await
             .map_err(db)?;
@@ -428,27 +416,13 @@ impl SqliteStore {
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
         check_finish(mode, finish.to)?;
-        let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
-        let finish_data = Arc::new(finish.clone());
+        let (key, finish_data) = (id.clone(), Arc::new(finish.clone()));
         let row = self
             .writer
             .call(job(move |conn| {
-                let (scope, key, finish) = (scope.clone(), key.clone(), finish_data.clone());
+                let (id, finish) = (key.clone(), finish_data.clone());
                 Box::pin(async move {
-                    let (status, headers, body) = finish.response_columns();
-                    sqlx::query(sql::FINISH)
-                        .bind(scope)
-                        .bind(key)
-                        .bind(finish.to.as_str())
-                        .bind(finish.to.is_retryable())
-                        .bind(status)
-                        .bind(headers)
-                        .bind(body)
-                        .bind(finish.error.as_deref())
-                        .bind(mode.holder().map(|t| t.0))
-                        .bind(finish.actor.as_str())
-                        .bind(&finish.reason)
-                        .bind(mode.expected().map(|t| t.0))
+                    sql_core::bind_finish(sqlx::query(sql::FINISH), &id, mode, &finish)
                         .fetch_optional(&mut *conn)
                         .await
                         .map_err(db)?
