@@ -295,43 +295,36 @@ impl Idempotency {
         );
         let operation = request.operation.clone();
         let started = std::time::Instant::now();
-        let result = self.execute_inner(request, op).instrument(span).await;
+        let result = async {
+            let cfg = &*self.config;
+            if request.canonical.len() > cfg.max_request_bytes {
+                return Err(RequestError::RequestTooLarge {
+                    size: request.canonical.len(),
+                    limit: cfg.max_request_bytes,
+                }
+                .into());
+            }
+            let claim = self.new_claim(&request);
+            // Sent before the claim: the lease the database grants runs at least `lease` from
+            // here.
+            let asked = tokio::time::Instant::now();
+            let claimed =
+                crate::telemetry::timed(self.store.backend(), "claim", self.store.claim(&claim))
+                    .await?;
+            let lease = match claimed {
+                ClaimOutcome::Existing { record, now } => {
+                    return self.existing(&request, *record, now);
+                }
+                ClaimOutcome::Claimed(lease) => lease,
+            };
+            crate::telemetry::claim(&request.operation, lease.transition);
+            let (_, stored) = self.run_claimed(request, lease, asked, op).await?;
+            Ok(Execution::Executed(stored))
+        }
+        .instrument(span)
+        .await;
         record_result(&operation, &result, started.elapsed());
         result
-    }
-
-    async fn execute_inner<F, Fut>(
-        &self,
-        request: IdempotentRequest,
-        op: F,
-    ) -> Result<Execution, Error>
-    where
-        F: FnOnce(Context) -> Fut,
-        Fut: Future<Output = Outcome>,
-    {
-        let cfg = &*self.config;
-        if request.canonical.len() > cfg.max_request_bytes {
-            return Err(RequestError::RequestTooLarge {
-                size: request.canonical.len(),
-                limit: cfg.max_request_bytes,
-            }
-            .into());
-        }
-        let claim = self.new_claim(&request);
-        // Sent before the claim: the lease the database grants runs at least `lease` from here.
-        let asked = tokio::time::Instant::now();
-        let claimed =
-            crate::telemetry::timed(self.store.backend(), "claim", self.store.claim(&claim))
-                .await?;
-        let lease = match claimed {
-            ClaimOutcome::Existing { record, now } => {
-                return self.existing(&request, *record, now);
-            }
-            ClaimOutcome::Claimed(lease) => lease,
-        };
-        crate::telemetry::claim(&request.operation, lease.transition);
-        let (_, stored) = self.run_claimed(request, lease, asked, op).await?;
-        Ok(Execution::Executed(stored))
     }
 
     pub(crate) fn new_claim(&self, request: &IdempotentRequest) -> NewClaim {
