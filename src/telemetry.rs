@@ -8,80 +8,64 @@ use std::time::Duration;
 
 use crate::state::KeyState;
 
-/// Counter: keys claimed by a worker (`transition`: `claim`, `reclaim`, `takeover`).
-pub const CLAIMS: &str = "idemflow_claims_total";
-/// Counter: requests answered from a stored outcome.
-pub const REPLAYS: &str = "idemflow_replays_total";
-/// Counter: requests refused because the first one is still running.
-pub const IN_FLIGHT: &str = "idemflow_in_flight_total";
-/// Counter: requests refused because the key was first used with another request.
-pub const FINGERPRINT_MISMATCHES: &str = "idemflow_fingerprint_mismatches_total";
-/// Counter: outcomes of operations that ran (`outcome`: `succeeded`, `rejected`, `retryable`,
-/// `unknown`).
-pub const OUTCOMES: &str = "idemflow_outcomes_total";
-/// Counter: writes refused because the writer's lease was lost (`actor`: `worker`, `sweeper`).
-pub const LEASE_LOST: &str = "idemflow_lease_lost_total";
-/// Counter: the sweeper's decisions per key (`decision`: `done`, `failed_permanent`,
-/// `retryable`, `deferred`, `needs_operator`, `waiting_for_resumer`, `released`, `lease_lost`)
-/// and its provider calls (`decision`: `redrive`, `lookup`, `resume`).
-pub const SWEEPER_DECISIONS: &str = "idemflow_sweeper_decisions_total";
-/// Histogram, seconds: one `execute` / `call`, from the claim to the stored outcome.
-pub const OPERATION_SECONDS: &str = "idemflow_operation_duration_seconds";
-/// Histogram, seconds: one store call made by the executor or the sweeper (`call`: `claim`,
-/// `finish`, `release`, `take_stale`, `stats`).
-pub const STORE_SECONDS: &str = "idemflow_store_duration_seconds";
-/// Gauge: keys in `processing` (set by the sweeper after each run and by `idemflow stats`).
-pub const PROCESSING_KEYS: &str = "idemflow_processing_keys";
-/// Gauge: processing keys whose lease has run out (waiting for the sweeper).
-pub const STALE_KEYS: &str = "idemflow_stale_keys";
-/// Gauge, seconds: age of the oldest processing key (0 when none).
-pub const OLDEST_PROCESSING_SECONDS: &str = "idemflow_oldest_processing_age_seconds";
+/// Declares every metric once: its name constant (with its doc), its kind, unit and
+/// description; writes [`ALL`] and [`describe`] from the same list.
+macro_rules! metrics_table {
+    ($($(#[$doc:meta])* $name:ident = $value:literal, $kind:ident $(($unit:ident))?, $desc:literal;)*) => {
+        $(
+            $(#[$doc])*
+            pub const $name: &str = $value;
+        )*
 
-/// Every metric name, for the docs test and exporters that want to describe them.
-pub const ALL: &[&str] = &[
-    CLAIMS,
-    REPLAYS,
-    IN_FLIGHT,
-    FINGERPRINT_MISMATCHES,
-    OUTCOMES,
-    LEASE_LOST,
-    SWEEPER_DECISIONS,
-    OPERATION_SECONDS,
-    STORE_SECONDS,
-    PROCESSING_KEYS,
-    STALE_KEYS,
-    OLDEST_PROCESSING_SECONDS,
-];
+        /// Every metric name, for the docs test and exporters that want to describe them.
+        pub const ALL: &[&str] = &[$($name),*];
 
-/// Registers a description of every metric with the installed recorder.
-pub fn describe() {
-    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
-    describe_counter!(CLAIMS, "Keys claimed by a worker, by transition");
-    describe_counter!(REPLAYS, "Requests answered from a stored outcome");
-    describe_counter!(
-        IN_FLIGHT,
-        "Requests refused: the first one is still running"
-    );
-    describe_counter!(
-        FINGERPRINT_MISMATCHES,
-        "Requests refused: key reused with another request"
-    );
-    describe_counter!(OUTCOMES, "Outcomes of operations that ran, by kind");
-    describe_counter!(LEASE_LOST, "Writes refused because the lease was lost");
-    describe_counter!(SWEEPER_DECISIONS, "Sweeper decisions and provider calls");
-    describe_histogram!(
-        OPERATION_SECONDS,
-        Unit::Seconds,
-        "One execute/call, claim to stored outcome"
-    );
-    describe_histogram!(STORE_SECONDS, Unit::Seconds, "One store call");
-    describe_gauge!(PROCESSING_KEYS, "Keys in processing");
-    describe_gauge!(STALE_KEYS, "Processing keys whose lease ran out");
-    describe_gauge!(
-        OLDEST_PROCESSING_SECONDS,
-        Unit::Seconds,
-        "Age of the oldest processing key"
-    );
+        /// Registers a description of every metric with the installed recorder.
+        pub fn describe() {
+            $(metrics_table!(@describe $kind, $name $(, metrics::Unit::$unit)?, $desc);)*
+        }
+    };
+    (@describe counter, $($args:tt)*) => { metrics::describe_counter!($($args)*) };
+    (@describe gauge, $($args:tt)*) => { metrics::describe_gauge!($($args)*) };
+    (@describe histogram, $($args:tt)*) => { metrics::describe_histogram!($($args)*) };
+}
+
+metrics_table! {
+    /// Counter: keys claimed by a worker (`transition`: `claim`, `reclaim`, `takeover`).
+    CLAIMS = "idemflow_claims_total", counter, "Keys claimed by a worker, by transition";
+    /// Counter: requests answered from a stored outcome.
+    REPLAYS = "idemflow_replays_total", counter, "Requests answered from a stored outcome";
+    /// Counter: requests refused because the first one is still running.
+    IN_FLIGHT = "idemflow_in_flight_total", counter,
+        "Requests refused: the first one is still running";
+    /// Counter: requests refused because the key was first used with another request.
+    FINGERPRINT_MISMATCHES = "idemflow_fingerprint_mismatches_total", counter,
+        "Requests refused: key reused with another request";
+    /// Counter: outcomes of operations that ran (`outcome`: `succeeded`, `rejected`,
+    /// `retryable`, `unknown`).
+    OUTCOMES = "idemflow_outcomes_total", counter, "Outcomes of operations that ran, by kind";
+    /// Counter: writes refused because the writer's lease was lost (`actor`: `worker`,
+    /// `sweeper`).
+    LEASE_LOST = "idemflow_lease_lost_total", counter,
+        "Writes refused because the lease was lost";
+    /// Counter: the sweeper's decisions per key (`decision`: `done`, `failed_permanent`,
+    /// `retryable`, `deferred`, `needs_operator`, `waiting_for_resumer`, `released`,
+    /// `lease_lost`) and its provider calls (`decision`: `redrive`, `lookup`, `resume`).
+    SWEEPER_DECISIONS = "idemflow_sweeper_decisions_total", counter,
+        "Sweeper decisions and provider calls";
+    /// Histogram, seconds: one `execute` / `call`, from the claim to the stored outcome.
+    OPERATION_SECONDS = "idemflow_operation_duration_seconds", histogram(Seconds),
+        "One execute/call, claim to stored outcome";
+    /// Histogram, seconds: one store call made by the executor or the sweeper (`call`:
+    /// `claim`, `finish`, `release`, `take_stale`, `stats`).
+    STORE_SECONDS = "idemflow_store_duration_seconds", histogram(Seconds), "One store call";
+    /// Gauge: keys in `processing` (set by the sweeper after each run and by `idemflow stats`).
+    PROCESSING_KEYS = "idemflow_processing_keys", gauge, "Keys in processing";
+    /// Gauge: processing keys whose lease has run out (waiting for the sweeper).
+    STALE_KEYS = "idemflow_stale_keys", gauge, "Processing keys whose lease ran out";
+    /// Gauge, seconds: age of the oldest processing key (0 when none).
+    OLDEST_PROCESSING_SECONDS = "idemflow_oldest_processing_age_seconds", gauge(Seconds),
+        "Age of the oldest processing key";
 }
 
 pub(crate) fn claim(operation: &str, transition: crate::state::Transition) {
@@ -159,4 +143,71 @@ pub(crate) async fn timed<T>(
     let out = fut.await;
     store_time(backend, call, started.elapsed());
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use metrics::{
+        Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+    };
+
+    /// Records what [`super::describe`] registers: (kind, name, unit).
+    #[derive(Default)]
+    struct Described(Mutex<Vec<(&'static str, String, Option<Unit>)>>);
+
+    impl Described {
+        fn note(&self, kind: &'static str, key: KeyName, unit: Option<Unit>) {
+            let name = key.as_str().to_owned();
+            self.0.lock().unwrap().push((kind, name, unit));
+        }
+    }
+
+    impl Recorder for Described {
+        fn describe_counter(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
+            self.note("counter", key, unit);
+        }
+        fn describe_gauge(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
+            self.note("gauge", key, unit);
+        }
+        fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
+            self.note("histogram", key, unit);
+        }
+        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::noop()
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    /// Every metric of [`super::ALL`] is described once, as the kind its name says (a
+    /// `*_total` is a counter), and every one measured in seconds says so.
+    #[test]
+    fn describe_registers_every_metric_once_with_its_kind_and_unit() {
+        let recorder = Described::default();
+        metrics::with_local_recorder(&recorder, super::describe);
+        let described = recorder.0.into_inner().unwrap();
+        let names: Vec<&str> = described.iter().map(|(_, n, _)| n.as_str()).collect();
+        assert_eq!(names, super::ALL);
+        for (kind, name, unit) in &described {
+            assert_eq!(
+                *kind == "counter",
+                name.ends_with("_total"),
+                "{name} is a {kind}"
+            );
+            let seconds = name.ends_with("_seconds");
+            assert_eq!(
+                *unit == Some(Unit::Seconds),
+                seconds,
+                "{name}: unit {unit:?}"
+            );
+        }
+        let histograms = described.iter().filter(|(k, ..)| *k == "histogram").count();
+        assert_eq!(histograms, 2, "{described:?}");
+    }
 }
