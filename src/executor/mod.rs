@@ -457,18 +457,8 @@ impl Idempotency {
             Settle::Store { to, response } => (to, response),
             Settle::Retryable { error } => {
                 tracing::Span::current().record("outcome", "retryable");
-                let finish = Finish {
-                    to: KeyState::Failed { retryable: true },
-                    response: None,
-                    error: Some(error.clone()),
-                    actor: Actor::Worker,
-                    reason: "the provider surely did nothing; a retry runs it again".to_owned(),
-                };
-                self.store.finish(&id, lease.token, &finish).await?;
-                return Err(Error::FailedRetryable {
-                    key: id.clone(),
-                    reason: error,
-                });
+                let why = "the provider surely did nothing; a retry runs it again";
+                return Err(fail_retryable(&*self.store, &id, lease.token, error, why).await);
             }
             Settle::Release {
                 reason,
@@ -693,5 +683,31 @@ fn record_result(operation: &str, result: &Result<Execution, Error>, took: Durat
         Err(Error::FingerprintMismatch { .. }) => t::fingerprint_mismatch(operation),
         Err(Error::LeaseLost(_)) => t::lease_lost("worker"),
         Err(_) => {}
+    }
+}
+
+/// Ends a worker's attempt that surely did nothing: the key becomes `failed{retryable}` (`why`
+/// in its history, `error` on the row), and the caller gets [`Error::FailedRetryable`], or the
+/// store's error when that write failed.
+pub(crate) async fn fail_retryable(
+    store: &dyn Store,
+    id: &KeyId,
+    token: LeaseToken,
+    error: String,
+    why: &str,
+) -> Error {
+    let finish = Finish {
+        to: KeyState::Failed { retryable: true },
+        response: None,
+        error: Some(error.clone()),
+        actor: Actor::Worker,
+        reason: why.to_owned(),
+    };
+    match store.finish(id, token, &finish).await {
+        Ok(_) => Error::FailedRetryable {
+            key: id.clone(),
+            reason: error,
+        },
+        Err(e) => e.into(),
     }
 }

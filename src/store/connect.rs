@@ -5,6 +5,17 @@ use std::sync::Arc;
 use super::Store;
 use crate::error::StoreError;
 
+/// Opens `$store` (`connect(url)`) when this build has `$feature`, else the error that names the
+/// feature.
+macro_rules! open {
+    ($feature:literal, $store:ty, $url:expr, $scheme:expr) => {{
+        #[cfg(feature = $feature)]
+        return Ok(Arc::new(<$store>::connect($url).await?));
+        #[cfg(not(feature = $feature))]
+        return Err(missing($feature, $scheme));
+    }};
+}
+
 /// Opens the store a URL names: `sqlite:` (feature `sqlite`), `postgres://` / `postgresql://`
 /// (feature `postgres`), `mysql://` / `mariadb://` (feature `mysql`), `redis://` / `rediss://`
 /// (feature `redis`). It does not migrate: call [`Store::migrate`] when you own the schema.
@@ -25,32 +36,12 @@ use crate::error::StoreError;
 pub async fn connect(url: &str) -> Result<Arc<dyn Store>, StoreError> {
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {
-        "sqlite" => {
-            #[cfg(feature = "sqlite")]
-            return Ok(Arc::new(super::sqlite::SqliteStore::connect(url).await?));
-            #[cfg(not(feature = "sqlite"))]
-            return Err(missing("sqlite", scheme));
-        }
+        "sqlite" => open!("sqlite", super::sqlite::SqliteStore, url, scheme),
         "postgres" | "postgresql" => {
-            #[cfg(feature = "postgres")]
-            return Ok(Arc::new(
-                super::postgres::PostgresStore::connect(url).await?,
-            ));
-            #[cfg(not(feature = "postgres"))]
-            return Err(missing("postgres", scheme));
+            open!("postgres", super::postgres::PostgresStore, url, scheme)
         }
-        "mysql" | "mariadb" => {
-            #[cfg(feature = "mysql")]
-            return Ok(Arc::new(super::mysql::MySqlStore::connect(url).await?));
-            #[cfg(not(feature = "mysql"))]
-            return Err(missing("mysql", scheme));
-        }
-        "redis" | "rediss" => {
-            #[cfg(feature = "redis")]
-            return Ok(Arc::new(super::redis::RedisStore::connect(url).await?));
-            #[cfg(not(feature = "redis"))]
-            return Err(missing("redis", scheme));
-        }
+        "mysql" | "mariadb" => open!("mysql", super::mysql::MySqlStore, url, scheme),
+        "redis" | "rediss" => open!("redis", super::redis::RedisStore, url, scheme),
         "" => Err(StoreError::Config("the database URL is empty".to_owned())),
         other => Err(StoreError::Config(format!(
             "unsupported database URL scheme {other:?} (expected sqlite:, postgres://, mysql:// or redis://)"

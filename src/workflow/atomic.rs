@@ -20,11 +20,9 @@ use tracing::{Instrument, info_span};
 
 use crate::error::Error;
 use crate::executor::heartbeat;
-use crate::executor::{Context, Execution, Idempotency, IdempotentRequest};
-use crate::record::Actor;
-use crate::state::KeyState;
+use crate::executor::{Context, Execution, Idempotency, IdempotentRequest, fail_retryable};
+use crate::store::ClaimOutcome;
 use crate::store::phase::{AtomicPhase, PhaseError, Prepare};
-use crate::store::{ClaimOutcome, Finish};
 
 use super::Step;
 
@@ -91,19 +89,9 @@ async fn run_atomic(
         Ok(resp) => Ok(Execution::Executed(resp)),
         Err(PhaseError::Writes(e)) => {
             // Rolled back: nothing happened, so a retry may run the step again.
-            let reason = format!("the step's writes failed and were rolled back: {e}");
-            let finish = Finish {
-                to: KeyState::Failed { retryable: true },
-                response: None,
-                error: Some(reason.clone()),
-                actor: Actor::Worker,
-                reason: "atomic phase rolled back; a retry runs it again".to_owned(),
-            };
-            store.finish(&id, lease.token, &finish).await?;
-            Err(Error::FailedRetryable {
-                key: id.clone(),
-                reason,
-            })
+            let error = format!("the step's writes failed and were rolled back: {e}");
+            let why = "atomic phase rolled back; a retry runs it again";
+            Err(fail_retryable(&**store, &id, lease.token, error, why).await)
         }
         Err(PhaseError::LeaseLost) => Err(Error::LeaseLost(
             crate::store::kit::refused_write(&**store, &id, Some(lease.token)).await,
