@@ -42,6 +42,16 @@
 //! The suite functions are public too, for a store that needs its own test harness:
 //! `idemflow::conformance::store::scopes_are_isolated(store).await`.
 
+/// Asserts that `$value` matches `$pattern`, showing the value when it does not: how the suites
+/// check which error a call gave.
+macro_rules! expect_match {
+    ($value:expr, $pattern:pat) => {
+        match &$value {
+            value => assert!(matches!(value, $pattern), "{value:?}"),
+        }
+    };
+}
+
 mod delegate;
 pub mod fake;
 mod faulty;

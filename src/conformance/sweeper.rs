@@ -480,18 +480,12 @@ pub async fn search_lag_counts_from_the_latest_attempt(store: Arc<dyn Store>) {
             Outcome::retryable("429 Too Many Requests")
         })
         .await;
-    assert!(
-        matches!(first, Err(Error::FailedRetryable { .. })),
-        "{first:?}"
-    );
+    expect_match!(first, Err(Error::FailedRetryable { .. }));
     // Much later than the search lag (the "10 minutes later").
     tokio::time::sleep(LAG + Duration::from_millis(300)).await;
     mail.lose_next(1);
     let second = idem.call(pay(&scope, "k1", 100), &*mail).await;
-    assert!(
-        matches!(second, Err(Error::OutcomeUnknown { .. })),
-        "{second:?}"
-    );
+    expect_match!(second, Err(Error::OutcomeUnknown { .. }));
     assert_eq!(mail.effects().len(), 1, "the second try sent the email");
     let r = row(&store, req.id()).await;
     assert!(r.may_have_acted);
@@ -528,10 +522,7 @@ pub async fn a_late_clock_read_never_trusts_a_search_early(store: Arc<dyn Store>
     let idem = live_worker(&store);
     mail.lose_next(1);
     let sent = idem.call(pay(&scope, "k1", 100), &*mail).await;
-    assert!(
-        matches!(sent, Err(Error::OutcomeUnknown { .. })),
-        "{sent:?}"
-    );
+    expect_match!(sent, Err(Error::OutcomeUnknown { .. }));
     assert_eq!(mail.effects().len(), 1, "the email was sent");
 
     let slow: Arc<dyn Store> = Arc::new(FaultyStore::new(store.clone()).read_clock_late(LATE));
@@ -566,10 +557,7 @@ pub async fn retryable_after_an_attempt_that_may_have_acted_is_unknown(store: Ar
     let req = as_call(pay(&scope, "k1", 700), &cards);
     cards.lose_next(1);
     let first = idem.call(pay(&scope, "k1", 700), &*cards).await;
-    assert!(
-        matches!(first, Err(Error::OutcomeUnknown { .. })),
-        "{first:?}"
-    );
+    expect_match!(first, Err(Error::OutcomeUnknown { .. }));
     assert_eq!(cards.effects().len(), 1, "the first send charged");
 
     // The retry takes the released key over; its re-send is refused with a 429.
@@ -578,10 +566,7 @@ pub async fn retryable_after_an_attempt_that_may_have_acted_is_unknown(store: Ar
             Outcome::retryable("429 Too Many Requests")
         })
         .await;
-    assert!(
-        matches!(retry, Err(Error::OutcomeUnknown { .. })),
-        "{retry:?}"
-    );
+    expect_match!(retry, Err(Error::OutcomeUnknown { .. }));
     let r = row(&store, req.id()).await;
     assert_eq!(r.state, KeyState::Processing, "must not become retryable");
     assert!(r.may_have_acted);
@@ -604,7 +589,7 @@ pub async fn retryable_after_attempts_that_did_nothing_stays_retryable(store: Ar
         let r = idem
             .execute(req.clone(), |_ctx| async { Outcome::retryable("429") })
             .await;
-        assert!(matches!(r, Err(Error::FailedRetryable { .. })), "{r:?}");
+        expect_match!(r, Err(Error::FailedRetryable { .. }));
         let row = row(&store, req.id()).await;
         assert_eq!(row.state, KeyState::Failed { retryable: true });
         assert!(!row.may_have_acted);

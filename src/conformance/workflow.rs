@@ -103,10 +103,7 @@ pub async fn finished_steps_never_run_again(store: Arc<dyn Store>) {
     let first = idem
         .execute(checkout(&scope, "o1"), run(charges.clone(), emails.clone()))
         .await;
-    assert!(
-        matches!(first, Err(Error::FailedRetryable { .. })),
-        "{first:?}"
-    );
+    expect_match!(first, Err(Error::FailedRetryable { .. }));
     assert_eq!(
         (
             charges.load(Ordering::SeqCst),
@@ -258,7 +255,7 @@ pub async fn a_crash_after_a_step_resumes_from_the_next(store: Arc<dyn Store>) {
             ok(serde_json::json!({"unexpected": true}))
         })
         .await;
-    assert!(matches!(early, Err(Error::InFlight { .. })), "{early:?}");
+    expect_match!(early, Err(Error::InFlight { .. }));
     wait_stale().await;
     let run = |charges: Arc<AtomicU32>, emails: Arc<AtomicU32>| {
         move |ctx: crate::Context| async move {
@@ -325,10 +322,7 @@ pub async fn renamed_or_removed_steps_are_refused(store: Arc<dyn Store>) {
             Outcome::retryable("inventory service unavailable")
         })
         .await;
-    assert!(
-        matches!(first, Err(Error::FailedRetryable { .. })),
-        "{first:?}"
-    );
+    expect_match!(first, Err(Error::FailedRetryable { .. }));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 
     // Deploy 2 renamed "charge" to "payment": refused at position 0, nothing runs.
@@ -413,21 +407,15 @@ pub async fn steps_outside_a_workflow_are_refused(store: Arc<dyn Store>) {
             Outcome::from_step_error(&e)
         })
         .await;
-    assert!(
-        matches!(result, Err(Error::OutcomeUnknown { .. })),
-        "{result:?}"
-    );
+    expect_match!(result, Err(Error::OutcomeUnknown { .. }));
     let seen = seen.lock().unwrap().clone().unwrap();
     assert!(seen.starts_with("NotAWorkflow"), "{seen}");
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 
     let reserved = IdempotentRequest::new(&scope, "o1#step:0", "checkout", &1);
-    assert!(
-        matches!(
-            reserved,
-            Err(RequestError::InvalidKey(KeyError::Reserved { .. }))
-        ),
-        "{reserved:?}"
+    expect_match!(
+        reserved,
+        Err(RequestError::InvalidKey(KeyError::Reserved { .. }))
     );
 }
 
@@ -461,10 +449,7 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     };
     cards.lose_next(1);
     let first = idem.execute(checkout(&scope, "o1"), op.clone()).await;
-    assert!(
-        matches!(first, Err(Error::OutcomeUnknown { .. })),
-        "{first:?}"
-    );
+    expect_match!(first, Err(Error::OutcomeUnknown { .. }));
     assert_eq!((cards.effects().len(), mail.effects().len()), (1, 0));
     wait_stale().await;
     let id = checkout(&scope, "o1").id().clone();
@@ -572,17 +557,11 @@ pub async fn keyless_steps_are_never_taken_over(store: Arc<dyn Store>) {
     };
     mail.lose_next(1);
     let first = idem.execute(checkout(&scope, "o1"), op.clone()).await;
-    assert!(
-        matches!(first, Err(Error::OutcomeUnknown { .. })),
-        "{first:?}"
-    );
+    expect_match!(first, Err(Error::OutcomeUnknown { .. }));
     assert_eq!(mail.effects().len(), 1);
     wait_stale().await;
     let retry = idem.execute(checkout(&scope, "o1"), op).await;
-    assert!(
-        matches!(retry, Err(Error::OutcomeUnknown { .. })),
-        "{retry:?}"
-    );
+    expect_match!(retry, Err(Error::OutcomeUnknown { .. }));
     assert_eq!(
         mail.effects().len(),
         1,
@@ -625,10 +604,7 @@ pub async fn cut_off_follows_the_stored_retention(store: Arc<dyn Store>) {
     let before = worker(&store).retention(OLD);
     for key in ["o1", "o2"] {
         let first = before.execute(checkout(&scope, key), op.clone()).await;
-        assert!(
-            matches!(first, Err(Error::OutcomeUnknown { .. })),
-            "{first:?}"
-        );
+        expect_match!(first, Err(Error::OutcomeUnknown { .. }));
     }
     assert_eq!(charges.load(Ordering::SeqCst), 2);
     // The charges' records expire under the old retention and are purged.
