@@ -25,7 +25,8 @@ use crate::record::LeaseToken;
 /// A statement with its parameters, on any SQL backend.
 pub(crate) type Statement<'q, DB> = sqlx::query::Query<'q, DB, <DB as Database>::Arguments>;
 
-/// Binds a claim's parameters, in the order the claim statement of every SQL backend takes them: scope, key, operation, provider, provider key, fingerprint, request, owner, lease,
+/// Binds a claim's parameters, in the order the claim statement of every SQL backend takes
+/// them: scope, key, operation, provider, provider key, fingerprint, request, owner, lease,
 /// retention (ms), takeover window (or NULL), then `nonce` when given (MariaDB's), then the
 /// provider key of a re-created key (or NULL). The lease and the window are bound in
 /// `duration`'s unit (the backend's, as [`SqlCore::duration`]).
@@ -95,8 +96,8 @@ where
         .bind(mode.expected().map(|t| t.0))
 }
 
-/// Binds the key and the holder's token, the first parameters of every fenced write of the
-/// pooled SQL backends (mark_attempt, extend).
+/// Binds the key and the holder's token: all the parameters of the pooled SQL backends'
+/// `mark_attempt`.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn bind_fence<'q, DB>(
     q: Statement<'q, DB>,
