@@ -17,6 +17,8 @@
 //!   each get a pool of min(callers, this) connections.
 //! - `IDEMFLOW_BENCH_PG_IDEMFLOW_POOL`: the cap of idemflow's PostgreSQL pool alone (default
 //!   `IDEMFLOW_BENCH_PG_POOL`), to vary idemflow's pool beside a fixed floor.
+//! - `IDEMFLOW_BENCH_MYSQL_POOL`, `IDEMFLOW_BENCH_MYSQL_IDEMFLOW_POOL`: the same for MariaDB /
+//!   MySQL (default 64).
 //! - `IDEMFLOW_BENCH_PG_WAL=1`: around each PostgreSQL new-key measurement, also print per key
 //!   the server's `pg_stat_wal` counts (records, full-page images, bytes, writes, syncs) and the
 //!   database's commits (`pg_stat_database.xact_commit`); adds ~1.2 s per measurement. The
@@ -841,19 +843,27 @@ mod my {
             .unwrap();
     }
 
+    /// idemflow's and the floor's pool caps: `IDEMFLOW_BENCH_MYSQL_IDEMFLOW_POOL` (idemflow's
+    /// alone) and `IDEMFLOW_BENCH_MYSQL_POOL` (both; default 64).
+    pub fn pool_caps() -> (usize, usize) {
+        let both = super::env("IDEMFLOW_BENCH_MYSQL_POOL", 64);
+        (super::env("IDEMFLOW_BENCH_MYSQL_IDEMFLOW_POOL", both), both)
+    }
+
     pub async fn phase(url: &str, conc: usize) -> Phase {
-        let size = conc.min(64) as u32;
+        let (idemflow_cap, cap) = pool_caps();
+        let (idemflow_size, size) = (conc.min(idemflow_cap) as u32, conc.min(cap) as u32);
         let options = MySqlConnectOptions::from_str(url)
             .unwrap()
             .database(&database());
-        let pool = || {
+        let pool = |size: u32| {
             MySqlPoolOptions::new()
                 .max_connections(size)
                 .connect_with(options.clone())
         };
-        let store = MySqlStore::from_pool(pool().await.unwrap());
+        let store = MySqlStore::from_pool(pool(idemflow_size).await.unwrap());
         store.migrate().await.unwrap();
-        let raw = pool().await.unwrap();
+        let raw = pool(size).await.unwrap();
         let p = raw.clone();
         let raw_new: RawNew = Arc::new(move |key, body| {
             let pool = p.clone();
@@ -1172,8 +1182,11 @@ fn main() {
         #[cfg(feature = "mysql")]
         Some(url) => {
             println!(
-                "\n== {} (a pool of min(callers, 64) connections each for idemflow and the floor)",
-                block(my::describe(&url))
+                "\n== {} (pools of min(callers, {}) connections for idemflow and min(callers, {}) \
+                 for the floor)",
+                block(my::describe(&url)),
+                my::pool_caps().0,
+                my::pool_caps().1
             );
             block(my::setup(&url));
             let m = run_backend(
