@@ -662,11 +662,8 @@ mod pg {
                 .max_connections(size)
                 .connect_with(options.clone().application_name(name))
         };
-        let store = PostgresStore::from_pool(
-            pool("idemflow_bench_store", idemflow_size)
-                .await
-                .unwrap(),
-        );
+        let store =
+            PostgresStore::from_pool(pool("idemflow_bench_store", idemflow_size).await.unwrap());
         store.migrate().await.unwrap();
         let raw = pool("idemflow_bench_floor", size).await.unwrap();
         let p = raw.clone();
