@@ -11,6 +11,19 @@
 //! that is dropped afterwards. `IDEMFLOW_BENCH_SQLITE=0` skips SQLite.
 //!
 //! - `IDEMFLOW_BENCH_N`: keys per measurement (default 10,000).
+//! - `IDEMFLOW_BENCH_CALLERS`: only these new-key measurements, e.g. `64` or `8,64` (default
+//!   all: `1,8,64`); when set, the replays, the storm, the bytes pass and the targets are skipped.
+//! - `IDEMFLOW_BENCH_PG_POOL`: PostgreSQL pool size cap (default 24): idemflow and the floor
+//!   each get a pool of min(callers, this) connections.
+//! - `IDEMFLOW_BENCH_PG_IDEMFLOW_POOL`: the cap of idemflow's PostgreSQL pool alone (default
+//!   `IDEMFLOW_BENCH_PG_POOL`), to vary idemflow's pool beside a fixed floor.
+//! - `IDEMFLOW_BENCH_MYSQL_POOL`, `IDEMFLOW_BENCH_MYSQL_IDEMFLOW_POOL`: the same for MariaDB /
+//!   MySQL (default 64).
+//! - `IDEMFLOW_BENCH_PG_WAL=1`: around each PostgreSQL new-key measurement, also print per key
+//!   the server's `pg_stat_wal` counts (records, full-page images, bytes, writes, syncs) and the
+//!   database's commits (`pg_stat_database.xact_commit`); adds ~1.2 s per measurement. The
+//!   PostgreSQL pools are named (`application_name`) `idemflow_bench_store` and
+//!   `idemflow_bench_floor`, so that `pg_stat_activity` can be grouped by side.
 //!
 //! Per backend: `Idempotency::execute` on new, distinct keys with 1, 8 and 64 concurrent callers
 //! (tokio `current_thread` for 1 caller, `multi_thread` for 8 and 64), replays (1 caller) and
@@ -41,6 +54,9 @@ type RawNew = Arc<dyn Fn(String, Duration) -> BoxFut<bool> + Send + Sync>;
 type RawRead = Arc<dyn Fn(String) -> BoxFut<bool> + Send + Sync>;
 /// Bytes counter (WAL size or position, used_memory); `true` for idemflow's side.
 type Counter = Arc<dyn Fn(bool) -> BoxFut<i64> + Send + Sync>;
+/// Server-side counters (name, cumulative value) read before and after each new-key
+/// measurement, printed per key (PostgreSQL with `IDEMFLOW_BENCH_PG_WAL=1`).
+type Probe = Arc<dyn Fn() -> BoxFut<Vec<(&'static str, i64)>> + Send + Sync>;
 
 /// What one measurement phase needs, connected inside the phase's runtime.
 struct Phase {
@@ -48,6 +64,7 @@ struct Phase {
     raw_new: RawNew,
     raw_read: RawRead,
     counter: Option<Counter>,
+    probe: Option<Probe>,
 }
 
 fn env(name: &str, default: usize) -> usize {
@@ -64,7 +81,7 @@ fn url_var(name: &str) -> Option<String> {
 // ---------------------------------------------------------------------------------------------
 // Measuring and printing
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Stats {
     ops_per_s: f64,
     p50: Duration,
@@ -109,6 +126,12 @@ where
         p99: pct(0.99),
         max: lat[lat.len() - 1],
     }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 fn ms(d: Duration) -> f64 {
@@ -165,7 +188,8 @@ fn respond() -> Outcome {
     Outcome::Succeeded(StoredResponse::new(201).with_body(BODY))
 }
 
-/// Targets of issue 12, filled as the backends run and printed at the end.
+/// Targets of issue 12, filled as the backends run and printed at the end (not when
+/// `IDEMFLOW_BENCH_CALLERS` leaves measurements out).
 struct Targets(Vec<String>);
 
 impl Targets {
@@ -174,6 +198,9 @@ impl Targets {
     }
 
     fn put(&mut self, what: &str, measured: String, v: &str) {
+        if callers() != CALLERS {
+            return;
+        }
         let s = format!("  {what:<58} {measured:<28} {v}");
         println!("{s}");
         self.0.push(s);
@@ -189,6 +216,19 @@ struct Measured {
 }
 
 const CALLERS: [usize; 3] = [1, 8, 64];
+
+/// The caller counts to measure: `IDEMFLOW_BENCH_CALLERS` (a comma-separated subset of
+/// `CALLERS`), or all of them.
+fn callers() -> Vec<usize> {
+    match std::env::var("IDEMFLOW_BENCH_CALLERS") {
+        Ok(v) if !v.trim().is_empty() => v
+            .split(',')
+            .map(|c| c.trim().parse().expect("IDEMFLOW_BENCH_CALLERS: numbers"))
+            .filter(|c| CALLERS.contains(c))
+            .collect(),
+        _ => CALLERS.to_vec(),
+    }
+}
 
 /// Runs every measurement on one backend. `phase(conc, tag)` connects inside the current runtime;
 /// `tag` names the phase (keys are `{tag}-{i}`).
@@ -206,19 +246,35 @@ where
     let mut new = Vec::new();
     let mut replay = 0.0;
     for conc in CALLERS {
+        if !callers().contains(&conc) {
+            new.push(Default::default());
+            continue;
+        }
         let (rt, rt_name) = runtime(conc);
         rt.block_on(async {
             let p = phase(conc, false).await;
             let tag = format!("c{conc}");
+            let probe = p.probe.clone();
+            let s0 = match &probe {
+                Some(probe) => probe().await,
+                None => Vec::new(),
+            };
             let raw_new = p.raw_new.clone();
             let t = tag.clone();
+            let floor_from = unix_now();
             let floor = measure(n, conc, move |i| {
                 let f = raw_new(format!("{t}-{i}"), Duration::ZERO);
                 Box::pin(async move { assert!(f.await, "raw floor: a new key was not inserted") })
             })
             .await;
+            let floor_to = unix_now();
+            let s1 = match &probe {
+                Some(probe) => probe().await,
+                None => Vec::new(),
+            };
             let idem = p.idem.clone();
             let t = tag.clone();
+            let ours_from = unix_now();
             let ours = measure(n, conc, move |i| {
                 let idem = idem.clone();
                 let key = format!("{t}-{i}");
@@ -231,6 +287,11 @@ where
                 })
             })
             .await;
+            let ours_to = unix_now();
+            let s2 = match &probe {
+                Some(probe) => probe().await,
+                None => Vec::new(),
+            };
             pair(
                 &format!("{name}: new keys, {conc} caller(s)"),
                 rt_name,
@@ -238,6 +299,16 @@ where
                 &floor,
                 &format!("raw floor: {floor_name}"),
             );
+            if !s0.is_empty() {
+                println!(
+                    "    server counters per key (idemflow / floor); unix time: idemflow \
+                     {ours_from:.3}-{ours_to:.3}, floor {floor_from:.3}-{floor_to:.3}"
+                );
+                for (((k, a), (_, b)), (_, c)) in s0.iter().zip(&s1).zip(&s2) {
+                    let per = |d: i64| d as f64 / n as f64;
+                    println!("      {k:<12} {:>9.3} / {:>9.3}", per(c - b), per(b - a));
+                }
+            }
             new.push((ours, floor));
             if conc == 1 {
                 let raw_read = p.raw_read.clone();
@@ -271,6 +342,13 @@ where
         });
     }
 
+    if callers() != CALLERS {
+        return Measured {
+            new: [new[0], new[1], new[2]],
+            replay,
+            bytes: None,
+        };
+    }
     // The duplicate storm.
     let (rt, rt_name) = runtime(DUPLICATES);
     rt.block_on(async {
@@ -493,6 +571,7 @@ mod sqlite {
             raw_new,
             raw_read,
             counter,
+            probe: None,
         }
     }
 
@@ -510,13 +589,14 @@ mod sqlite {
 mod pg {
     use std::str::FromStr;
     use std::sync::Arc;
+    use std::time::Duration;
 
     use idemflow::store::postgres::PostgresStore;
     use idemflow::{Idempotency, Store};
-    use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
+    use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
     use sqlx::{AssertSqlSafe, Connection, Executor};
 
-    use super::{BODY, Counter, Phase, RawNew, RawRead};
+    use super::{BODY, Counter, Phase, Probe, RawNew, RawRead};
 
     pub fn schema() -> String {
         format!("idemflow_bench_{}", std::process::id())
@@ -565,19 +645,27 @@ mod pg {
         super::env("IDEMFLOW_BENCH_PG_POOL", 24)
     }
 
+    /// idemflow's pool cap alone: `IDEMFLOW_BENCH_PG_IDEMFLOW_POOL`, default [`pool_cap`].
+    pub fn idemflow_pool_cap() -> usize {
+        super::env("IDEMFLOW_BENCH_PG_IDEMFLOW_POOL", pool_cap())
+    }
+
     pub async fn phase(url: &str, conc: usize) -> Phase {
         let size = conc.min(pool_cap()) as u32;
+        let idemflow_size = conc.min(idemflow_pool_cap()) as u32;
         let options = PgConnectOptions::from_str(url)
             .unwrap()
             .options([("search_path", schema().as_str())]);
-        let pool = || {
+        // Named so that pg_stat_activity tells idemflow's connections from the floor's.
+        let pool = |name: &str, size: u32| {
             PgPoolOptions::new()
                 .max_connections(size)
-                .connect_with(options.clone())
+                .connect_with(options.clone().application_name(name))
         };
-        let store = PostgresStore::from_pool(pool().await.unwrap());
+        let store =
+            PostgresStore::from_pool(pool("idemflow_bench_store", idemflow_size).await.unwrap());
         store.migrate().await.unwrap();
-        let raw = pool().await.unwrap();
+        let raw = pool("idemflow_bench_floor", size).await.unwrap();
         let p = raw.clone();
         let raw_new: RawNew = Arc::new(move |key, body| {
             let pool = p.clone();
@@ -637,12 +725,56 @@ mod pg {
                 lsn
             })
         });
+        let probe = (std::env::var("IDEMFLOW_BENCH_PG_WAL").as_deref() == Ok("1"))
+            .then(|| probe(url, vec![store.pool().clone(), raw.clone()]));
         Phase {
             idem: Idempotency::new(Arc::new(store)),
             raw_new,
             raw_read,
             counter: Some(counter),
+            probe,
         }
+    }
+
+    /// Reads `pg_stat_wal` and the database's commit count. A backend publishes its WAL and
+    /// transaction counts when it goes idle at least 1 s after its last report, so the probe
+    /// waits 1.1 s, then runs `SELECT 1` on every connection of `pools` before reading.
+    /// Server-wide: other clients of the server add to these counts.
+    fn probe(url: &str, pools: Vec<PgPool>) -> Probe {
+        let url = url.to_string();
+        Arc::new(move || {
+            let (url, pools) = (url.clone(), pools.clone());
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(1100)).await;
+                for pool in &pools {
+                    let mut held = Vec::new();
+                    for _ in 0..pool.options().get_max_connections() {
+                        let mut c = pool.acquire().await.unwrap();
+                        sqlx::query("SELECT 1").execute(&mut *c).await.unwrap();
+                        held.push(c);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let mut c = PgConnection::connect(&url).await.unwrap();
+                let row: (i64, i64, i64, i64, i64, i64) = sqlx::query_as(
+                    "SELECT w.wal_records, w.wal_fpi, w.wal_bytes::bigint, w.wal_write, \
+                     w.wal_sync, d.xact_commit FROM pg_stat_wal w, pg_stat_database d \
+                     WHERE d.datname = current_database()",
+                )
+                .fetch_one(&mut c)
+                .await
+                .unwrap();
+                let _ = c.close().await;
+                vec![
+                    ("wal_records", row.0),
+                    ("wal_fpi", row.1),
+                    ("wal_bytes", row.2),
+                    ("wal_write", row.3),
+                    ("wal_sync", row.4),
+                    ("xact_commit", row.5),
+                ]
+            })
+        })
     }
 }
 
@@ -708,19 +840,27 @@ mod my {
             .unwrap();
     }
 
+    /// idemflow's and the floor's pool caps: `IDEMFLOW_BENCH_MYSQL_IDEMFLOW_POOL` (idemflow's
+    /// alone) and `IDEMFLOW_BENCH_MYSQL_POOL` (both; default 64).
+    pub fn pool_caps() -> (usize, usize) {
+        let both = super::env("IDEMFLOW_BENCH_MYSQL_POOL", 64);
+        (super::env("IDEMFLOW_BENCH_MYSQL_IDEMFLOW_POOL", both), both)
+    }
+
     pub async fn phase(url: &str, conc: usize) -> Phase {
-        let size = conc.min(64) as u32;
+        let (idemflow_cap, cap) = pool_caps();
+        let (idemflow_size, size) = (conc.min(idemflow_cap) as u32, conc.min(cap) as u32);
         let options = MySqlConnectOptions::from_str(url)
             .unwrap()
             .database(&database());
-        let pool = || {
+        let pool = |size: u32| {
             MySqlPoolOptions::new()
                 .max_connections(size)
                 .connect_with(options.clone())
         };
-        let store = MySqlStore::from_pool(pool().await.unwrap());
+        let store = MySqlStore::from_pool(pool(idemflow_size).await.unwrap());
         store.migrate().await.unwrap();
-        let raw = pool().await.unwrap();
+        let raw = pool(size).await.unwrap();
         let p = raw.clone();
         let raw_new: RawNew = Arc::new(move |key, body| {
             let pool = p.clone();
@@ -771,6 +911,7 @@ mod my {
             raw_new,
             raw_read,
             counter: None,
+            probe: None,
         }
     }
 }
@@ -916,6 +1057,7 @@ mod rd {
             raw_new,
             raw_read,
             counter: Some(counter),
+            probe: None,
         }
     }
 }
@@ -989,8 +1131,10 @@ fn main() {
         #[cfg(feature = "postgres")]
         Some(url) => {
             println!(
-                "\n== {} (a pool of min(callers, {}) connections each for idemflow and the floor)",
+                "\n== {} (pools of min(callers, {}) connections for idemflow and min(callers, {}) \
+                 for the floor)",
                 block(pg::describe(&url)),
+                pg::idemflow_pool_cap(),
                 pg::pool_cap()
             );
             block(pg::setup(&url));
@@ -1035,8 +1179,11 @@ fn main() {
         #[cfg(feature = "mysql")]
         Some(url) => {
             println!(
-                "\n== {} (a pool of min(callers, 64) connections each for idemflow and the floor)",
-                block(my::describe(&url))
+                "\n== {} (pools of min(callers, {}) connections for idemflow and min(callers, {}) \
+                 for the floor)",
+                block(my::describe(&url)),
+                my::pool_caps().0,
+                my::pool_caps().1
             );
             block(my::setup(&url));
             let m = run_backend(

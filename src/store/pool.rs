@@ -32,7 +32,7 @@ use crate::setters::setters;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PoolOptions {
-    /// Connections at most (default [`Self::DEFAULT_MAX_CONNECTIONS`], 32).
+    /// Connections at most (default [`Self::DEFAULT_MAX_CONNECTIONS`], 16).
     pub max_connections: u32,
     /// Connections kept open when idle (default 0).
     pub min_connections: u32,
@@ -52,8 +52,12 @@ impl Default for PoolOptions {
 }
 
 impl PoolOptions {
-    /// Default [`PoolOptions::max_connections`].
-    pub const DEFAULT_MAX_CONNECTIONS: u32 = 32;
+    /// Default [`PoolOptions::max_connections`]: 16 (was 32). On the 2-core benchmark machine,
+    /// 64 concurrent callers on PostgreSQL got the same throughput from 16 connections as from
+    /// 24 and 32, with a lower p99, and MariaDB's did no worse than with 32; 8 lost throughput
+    /// (`docs/performance.md`, "PostgreSQL with 64 callers: where the time goes"). A server
+    /// with more cores may do better with more: raise it with [`PoolOptions::max_connections`].
+    pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
 
     /// Default [`PoolOptions::acquire_timeout`].
     pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);

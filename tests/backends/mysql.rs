@@ -276,8 +276,8 @@ mod pool {
             return;
         };
         let store = MySqlStore::connect(&url).await.unwrap();
-        assert_eq!(PoolOptions::DEFAULT_MAX_CONNECTIONS, 32);
-        assert_eq!(store.pool().options().get_max_connections(), 32);
+        assert_eq!(PoolOptions::DEFAULT_MAX_CONNECTIONS, 16);
+        assert_eq!(store.pool().options().get_max_connections(), 16);
         assert_eq!(
             store.pool().options().get_acquire_timeout(),
             Duration::from_secs(5)

@@ -181,8 +181,8 @@ async fn connect_sizes_the_pool_for_concurrency_and_connect_with_is_honoured() {
         return;
     };
     let store = PostgresStore::connect(&url).await.unwrap();
-    assert_eq!(PoolOptions::DEFAULT_MAX_CONNECTIONS, 32);
-    assert_eq!(store.pool().options().get_max_connections(), 32);
+    assert_eq!(PoolOptions::DEFAULT_MAX_CONNECTIONS, 16);
+    assert_eq!(store.pool().options().get_max_connections(), 16);
     assert_eq!(
         store.pool().options().get_acquire_timeout(),
         Duration::from_secs(5)

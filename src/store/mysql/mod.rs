@@ -139,7 +139,7 @@ impl MySqlStore {
         }
     }
 
-    /// Connects a pool with the default [`PoolOptions`] (32 connections at most, callers
+    /// Connects a pool with the default [`PoolOptions`] (16 connections at most, callers
     /// beyond that wait up to 5 s for a connection) to `url`.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         Self::connect_with(url, PoolOptions::default()).await

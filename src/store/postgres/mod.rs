@@ -88,7 +88,7 @@ impl PostgresStore {
         }
     }
 
-    /// Connects a pool with the default [`PoolOptions`] (32 connections at most, callers
+    /// Connects a pool with the default [`PoolOptions`] (16 connections at most, callers
     /// beyond that wait up to 5 s for a connection) to `url`.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         Self::connect_with(url, PoolOptions::default()).await
