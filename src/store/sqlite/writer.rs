@@ -135,11 +135,19 @@ struct Call<T, F> {
     phase: bool,
 }
 
-impl<T, F> Job for Call<T, F>
-where
-    T: Send + 'static,
-    F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>> + Send + 'static,
+/// The statements of a job, run on the writer connection: the higher-ranked closure type,
+/// named once.
+pub(super) trait JobFn<T>:
+    for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>> + Send + 'static
 {
+}
+
+impl<T, F> JobFn<T> for F where
+    F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>> + Send + 'static
+{
+}
+
+impl<T: Send + 'static, F: JobFn<T>> Job for Call<T, F> {
     fn wanted(&self) -> bool {
         !self.tx.is_closed()
     }
@@ -303,36 +311,25 @@ impl Writer {
 
     /// Runs `f` on the writer connection, batched with other callers' jobs; returns its result
     /// once it is committed (durable as `synchronous` says).
-    pub(super) async fn call<T, F>(&self, f: F) -> Result<T, StoreError>
-    where
-        T: Send + 'static,
-        F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>>
-            + Send
-            + 'static,
-    {
+    pub(super) async fn call<T: Send + 'static>(&self, f: impl JobFn<T>) -> Result<T, StoreError> {
         self.send(f, false).await
     }
 
     /// Runs `f`, the application's statements with the store's, as a guarded phase job (module
     /// docs): inside a transaction of the task's, cut off after the phase timeout, its panics
     /// caught. An abort is a [`JobAborted`] error; nothing of the job was then written.
-    pub(super) async fn call_phase<T, F>(&self, f: F) -> Result<T, StoreError>
-    where
-        T: Send + 'static,
-        F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>>
-            + Send
-            + 'static,
-    {
+    pub(super) async fn call_phase<T: Send + 'static>(
+        &self,
+        f: impl JobFn<T>,
+    ) -> Result<T, StoreError> {
         self.send(f, true).await
     }
 
-    async fn send<T, F>(&self, f: F, phase: bool) -> Result<T, StoreError>
-    where
-        T: Send + 'static,
-        F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>>
-            + Send
-            + 'static,
-    {
+    async fn send<T: Send + 'static>(
+        &self,
+        f: impl JobFn<T>,
+        phase: bool,
+    ) -> Result<T, StoreError> {
         if WRITER_TASK.try_with(|id| *id == self.id()).unwrap_or(false) {
             return Err(StoreError::database(BACKEND, JobAborted::Reentrant));
         }
