@@ -15,20 +15,22 @@ use crate::error::Error;
 use crate::store::Lease;
 use crate::{KeyId, Outcome};
 
+/// A workflow key about to run: its executor and key, the `lease` a claim sent at `asked`
+/// granted (claimed or taken over), and the key's takeover `window`.
+pub(crate) struct RunStart<'a> {
+    pub(crate) executor: &'a Idempotency,
+    pub(crate) id: &'a KeyId,
+    pub(crate) lease: &'a Lease,
+    pub(crate) asked: Instant,
+    pub(crate) window: Option<Duration>,
+}
+
 /// The run of a workflow key, as the executor drives it.
 #[async_trait]
 pub(crate) trait RunHook: Send + Sync {
-    /// Before the operation runs under `lease` (claimed or taken over by a claim sent at
-    /// `asked`, with the key's takeover `window`): the state its [`Context`](super::Context)
-    /// carries while it runs.
-    async fn begin(
-        &self,
-        executor: &Idempotency,
-        id: &KeyId,
-        lease: &Lease,
-        asked: Instant,
-        window: Option<Duration>,
-    ) -> Result<Arc<dyn RunState>, Error>;
+    /// Before the operation runs: the state its [`Context`](super::Context) carries while it
+    /// runs.
+    async fn begin(&self, start: RunStart<'_>) -> Result<Arc<dyn RunState>, Error>;
 }
 
 /// One run's state, kept by the operation's [`Context`](super::Context).

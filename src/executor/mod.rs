@@ -407,7 +407,13 @@ impl Idempotency {
         let run = if request.is_workflow() {
             Some(
                 crate::WORKFLOW_RUNS
-                    .begin(self, &id, &lease, asked, window)
+                    .begin(hook::RunStart {
+                        executor: self,
+                        id: &id,
+                        lease: &lease,
+                        asked,
+                        window,
+                    })
                     .await?,
             )
         } else {

@@ -11,7 +11,7 @@ use tracing::{Instrument, info_span};
 
 use super::{Resume, Workflow, step_key, stored_step_window};
 use crate::error::Error;
-use crate::executor::hook::{RunHook, RunState};
+use crate::executor::hook::{RunHook, RunStart, RunState};
 use crate::executor::{Idempotency, IdempotentRequest};
 use crate::record::KeyRecord;
 use crate::state::{KeyState, Transition};
@@ -23,14 +23,14 @@ pub(crate) struct Runs;
 
 #[async_trait]
 impl RunHook for Runs {
-    async fn begin(
-        &self,
-        executor: &Idempotency,
-        id: &KeyId,
-        lease: &Lease,
-        asked: Instant,
-        window: Option<Duration>,
-    ) -> Result<Arc<dyn RunState>, Error> {
+    async fn begin(&self, start: RunStart<'_>) -> Result<Arc<dyn RunState>, Error> {
+        let RunStart {
+            executor,
+            id,
+            lease,
+            asked,
+            window,
+        } = start;
         let cfg = executor.config();
         // No step may start once its records may be purged: judged by the retention stored
         // with the workflow and its finished steps (`step_window`), which a key claimed now has
