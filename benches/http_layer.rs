@@ -30,6 +30,8 @@ use axum::routing::post;
 use idemflow::axum::{IdempotencyLayer, ScopeSource};
 use idemflow::{Idempotency, IdempotentRequest, Outcome, Scope, Store, StoredResponse};
 
+mod support;
+
 const BODY: &str = r#"{"id":"pi_3NxYz2eZvKYlo2C0","status":"succeeded","amount":1999}"#;
 
 /// The handler measured, bare and behind the layer: it answers at once.
@@ -309,27 +311,5 @@ async fn delete_redis_keys(url: &str) {
         .await
         .unwrap();
     let pattern = format!("*idemflow-bench-http-{}*", std::process::id());
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(&mut c)
-            .await
-            .unwrap();
-        if !keys.is_empty() {
-            let _: i64 = redis::cmd("UNLINK")
-                .arg(&keys)
-                .query_async(&mut c)
-                .await
-                .unwrap();
-        }
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
+    support::unlink_matching(&mut c, &pattern).await;
 }

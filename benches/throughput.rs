@@ -41,6 +41,8 @@ use std::time::{Duration, Instant};
 
 use idemflow::{Execution, Idempotency, IdempotentRequest, Outcome, StoredResponse};
 
+mod support;
+
 const BODY: &[u8] = br#"{"id":"pi_3NxYz2eZvKYlo2C0","status":"succeeded","amount":1999}"#;
 const DUPLICATES: usize = 1000;
 /// How long the body of the duplicate storm's winner takes.
@@ -972,29 +974,7 @@ mod rd {
     /// Deletes every key of this run (idemflow's prefix and the raw floor's).
     pub async fn cleanup(url: &str) {
         let mut c = con(url).await;
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{}*", prefix()))
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut c)
-                .await
-                .unwrap();
-            if !keys.is_empty() {
-                let _: i64 = redis::cmd("UNLINK")
-                    .arg(&keys)
-                    .query_async(&mut c)
-                    .await
-                    .unwrap();
-            }
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
+        crate::support::unlink_matching(&mut c, &format!("{}*", prefix())).await;
     }
 
     pub async fn phase(url: &str) -> Phase {
