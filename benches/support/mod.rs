@@ -15,7 +15,11 @@ pub async fn unlink_matching<C: redis::aio::ConnectionLike>(c: &mut C, pattern: 
             .await
             .unwrap();
         if !keys.is_empty() {
-            let _: i64 = redis::cmd("UNLINK").arg(&keys).query_async(c).await.unwrap();
+            let _: i64 = redis::cmd("UNLINK")
+                .arg(&keys)
+                .query_async(c)
+                .await
+                .unwrap();
         }
         if next == 0 {
             break;
