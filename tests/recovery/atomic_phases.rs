@@ -12,13 +12,15 @@ use crate::support;
 use std::sync::Arc;
 use std::time::Duration;
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use idemflow::conformance::sweeper::cut_when;
-use idemflow::store::Finish;
 use idemflow::store::phase::AtomicPhase;
 use idemflow::workflow::step_key;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use idemflow::{Actor, store::Finish};
 use idemflow::{
-    Actor, Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Step,
-    Store, StoredResponse, Sweeper,
+    Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Step, Store,
+    StoredResponse, Sweeper,
 };
 use serde_json::json;
 
@@ -42,11 +44,13 @@ mod futures_count {
 
 /// A future that gives up on `inner` once it has returned `Pending` `waits` times: a caller that
 /// goes away at a chosen point.
+#[cfg(feature = "mysql")]
 struct CutAfter<F> {
     inner: std::pin::Pin<Box<F>>,
     waits: u32,
 }
 
+#[cfg(feature = "mysql")]
 impl<F: std::future::Future> CutAfter<F> {
     fn new(waits: u32, inner: F) -> Self {
         Self {
@@ -56,6 +60,7 @@ impl<F: std::future::Future> CutAfter<F> {
     }
 }
 
+#[cfg(feature = "mysql")]
 impl<F: std::future::Future> std::future::Future for CutAfter<F> {
     type Output = Option<F::Output>;
     fn poll(
@@ -174,6 +179,7 @@ async fn a_write_failing_after_the_insert_leaves_neither(b: Backend) {
 
 /// The step is decided by an operator between the order insert and the step's record: the
 /// record's fenced write matches nothing, the transaction rolls back, neither is there.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 async fn a_failure_between_the_writes_and_the_record_leaves_neither(b: Backend) {
     let idem = Idempotency::new(b.store.clone()).lease(LEASE);
     let store = b.store.clone();
@@ -221,6 +227,7 @@ async fn a_failure_between_the_writes_and_the_record_leaves_neither(b: Backend) 
 /// off after the phase timeout (its fenced record could not have landed anyway), and the retry
 /// writes the order once. (A killed process: `tests/backends/sqlite/group_commit.rs` and the crash
 /// tests.)
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 async fn a_crash_before_the_commit_leaves_neither(b: Backend) {
     let idem = Idempotency::new(b.store.clone()).lease(LEASE);
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -1140,6 +1147,10 @@ mod crash {
 
     /// Opens the database; `child` prints each server session it opens (`conn <id>`), so the
     /// parent can wait until the killed child's sessions are gone before it reads.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql")),
+        allow(unused_variables)
+    )]
     async fn open(target: &Target, child: bool) -> Db {
         match target {
             #[cfg(feature = "sqlite")]
