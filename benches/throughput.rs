@@ -130,6 +130,14 @@ where
     }
 }
 
+/// The probe's counters now, or none without a probe.
+async fn counters(probe: &Option<Probe>) -> Vec<(&'static str, i64)> {
+    match probe {
+        Some(probe) => probe().await,
+        None => Vec::new(),
+    }
+}
+
 fn unix_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -257,10 +265,7 @@ where
             let p = phase(conc, false).await;
             let tag = format!("c{conc}");
             let probe = p.probe.clone();
-            let s0 = match &probe {
-                Some(probe) => probe().await,
-                None => Vec::new(),
-            };
+            let s0 = counters(&probe).await;
             let raw_new = p.raw_new.clone();
             let t = tag.clone();
             let floor_from = unix_now();
@@ -270,10 +275,7 @@ where
             })
             .await;
             let floor_to = unix_now();
-            let s1 = match &probe {
-                Some(probe) => probe().await,
-                None => Vec::new(),
-            };
+            let s1 = counters(&probe).await;
             let idem = p.idem.clone();
             let t = tag.clone();
             let ours_from = unix_now();
@@ -290,10 +292,7 @@ where
             })
             .await;
             let ours_to = unix_now();
-            let s2 = match &probe {
-                Some(probe) => probe().await,
-                None => Vec::new(),
-            };
+            let s2 = counters(&probe).await;
             pair(
                 &format!("{name}: new keys, {conc} caller(s)"),
                 rt_name,
