@@ -329,6 +329,14 @@ pub(crate) fn assert_claim_reasons(statement: &str) {
         "subsec",
         "1 millisecond",
         "1970-01-01 00:00:00",
+        // History entries: separators, flags, escapes.
+        "",
+        "|",
+        "0",
+        "1",
+        "\\",
+        "\\\\",
+        "\\n",
     ];
     let literals: BTreeSet<&str> = statement.split('\'').skip(1).step_by(2).collect();
     let reasons: BTreeSet<&str> = Transition::CLAIM_REASONS.iter().map(|(_, r)| *r).collect();
@@ -341,16 +349,16 @@ pub(crate) fn assert_claim_reasons(statement: &str) {
 
 #[cfg(all(test, any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
 mod tests {
-    /// Every SQL backend's claim statement (SQLite's `INSERT`, PostgreSQL's functions, MariaDB's
-    /// procedure) spells exactly the claim reasons.
+    /// Every SQL backend's claim statements (SQLite's and PostgreSQL's claim and reclaim, MariaDB's
+    /// procedure) spell exactly the claim reasons.
     #[test]
     fn every_claim_statement_spells_the_claim_reasons() {
         #[cfg(feature = "sqlite")]
-        super::assert_claim_reasons(super::sqlite::sql::CLAIM);
+        super::assert_claim_reasons(&[super::sqlite::sql::CLAIM, super::sqlite::sql::RECLAIM].concat());
         #[cfg(feature = "postgres")]
-        for source in super::postgres::sql::CLAIM_FUNCTIONS {
-            super::assert_claim_reasons(source);
-        }
+        super::assert_claim_reasons(
+            &[super::postgres::sql::CLAIM, super::postgres::sql::RECLAIM].concat(),
+        );
         #[cfg(feature = "mysql")]
         super::assert_claim_reasons(super::mysql::sql::CLAIM_PROCEDURE);
     }

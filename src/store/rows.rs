@@ -147,6 +147,97 @@ impl RawEvent {
     }
 }
 
+/// One history entry as the Redis scripts and the SQLite / PostgreSQL statements write it:
+/// `seq|from|from_rt|to|to_rt|token|at_ms|#actor|actor[|reason]`. Absent values are empty; the
+/// actor is length-prefixed and the reason, last, is the rest of the entry. `escaped`: the
+/// reason has `\` and line feeds escaped (`\\`, `\n`), as in a SQL history column, whose
+/// entries are separated by line feeds.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql", feature = "redis"))]
+pub(crate) fn decode_history_entry(
+    backend: &'static str,
+    raw: &str,
+    escaped: bool,
+) -> Result<KeyEvent, StoreError> {
+    let bad = || corrupt(backend, format!("history entry {raw:?}"));
+    let mut it = raw.splitn(8, '|');
+    let mut next = || it.next().ok_or_else(bad);
+    let seq: i64 = next()?.parse().map_err(|_| bad())?;
+    let opt = |v: &str| (!v.is_empty()).then(|| v.to_owned());
+    let from_state = opt(next()?);
+    let from_retryable = opt(next()?).map(|v| v == "1");
+    let to_state = opt(next()?);
+    let to_retryable = opt(next()?).map(|v| v == "1");
+    let lease_token = opt(next()?)
+        .map(|v| v.parse::<i64>().map_err(|_| bad()))
+        .transpose()?;
+    let at: i64 = next()?.parse().map_err(|_| bad())?;
+    let rest = next()?;
+    let (len, rest) = rest.split_once('|').ok_or_else(bad)?;
+    let len: usize = len.parse().map_err(|_| bad())?;
+    let actor = rest.get(..len).ok_or_else(bad)?.to_owned();
+    let reason = match rest.get(len..).ok_or_else(bad)? {
+        "" => None,
+        r => {
+            let r = r.strip_prefix('|').ok_or_else(bad)?;
+            Some(if escaped { unescape_reason(r) } else { r.to_owned() })
+        }
+    };
+    RawEvent {
+        seq,
+        from_state,
+        from_retryable,
+        to_state,
+        to_retryable,
+        lease_token,
+        actor,
+        reason,
+        at: ms_to_time(backend, at)?,
+    }
+    .into_event(backend)
+}
+
+/// Undoes the SQL statements' escape of a history reason: `\\` -> `\`, `\n` -> line feed; any
+/// other backslash (a reason cut short inside an escape) is kept as it is.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql", feature = "redis"))]
+fn unescape_reason(r: &str) -> String {
+    let mut out = String::with_capacity(r.len());
+    let mut chars = r.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('\\') => out.push('\\'),
+            Some('n') => out.push('\n'),
+            Some(other) => {
+                out.push('\\');
+                out.push(other);
+            }
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
+/// The history of a key on SQLite / PostgreSQL: what the tombstone of its purged rows kept
+/// (`archived`), then the live row's (`live`); each a column of entries separated by line
+/// feeds, oldest first ([`decode_history_entry`]).
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) fn decode_history_columns(
+    backend: &'static str,
+    archived: Option<&str>,
+    live: Option<&str>,
+) -> Result<Vec<KeyEvent>, StoreError> {
+    archived
+        .into_iter()
+        .chain(live)
+        .flat_map(|text| text.split('\n'))
+        .filter(|entry| !entry.is_empty())
+        .map(|entry| decode_history_entry(backend, entry, true))
+        .collect()
+}
+
 /// The key row's columns, listed once for every SQL statement that reads the whole row
 /// ([`decode_record`] reads them by these names). `$t`: a table alias with its dot, or `""`;
 /// `$key`: the `key` column as the dialect spells it (MariaDB reserves the word). The

@@ -13,7 +13,9 @@ use sqlx::migrate::Migrator;
 use sqlx::{ColumnIndex, Database, Encode, Executor, FromRow, IntoArguments, Pool, Type};
 
 use super::kit::FinishMode;
-use super::rows::{Plain, SqlRow, decode_event, decode_record, decode_stats};
+use super::rows::{
+    Plain, SqlRow, decode_event, decode_history_columns, decode_record, decode_stats,
+};
 use super::{Finish, NewClaim};
 use super::{Stats, Stuck};
 use crate::KeyId;
@@ -119,11 +121,24 @@ where
 /// [`SqlCore::duration`] unit.
 #[derive(Debug)]
 pub(crate) struct ReadSql {
-    pub(crate) history: &'static str,
+    pub(crate) history: HistorySql,
     pub(crate) stats: &'static str,
     pub(crate) stuck_count: &'static str,
     pub(crate) stuck_list: &'static str,
     pub(crate) count_expired: &'static str,
+}
+
+/// How a backend keeps a key's history.
+#[derive(Debug)]
+pub(crate) enum HistorySql {
+    /// One row per event (MariaDB/MySQL), selected with
+    /// [`event_columns!`](super::rows::event_columns) in order.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    Rows(&'static str),
+    /// In the key's row and its tombstone (SQLite, PostgreSQL): one row of two text columns,
+    /// `archived` and `live` ([`decode_history_columns`]).
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    Columns(&'static str),
 }
 
 /// One SQL backend's pool for reads, its statements and its duration unit.
@@ -157,13 +172,25 @@ where
     }
 
     pub(crate) async fn history(&self, id: &KeyId) -> Result<Vec<KeyEvent>, StoreError> {
-        let rows = sqlx::query(self.sql.history)
+        let statement = match self.sql.history {
+            HistorySql::Rows(s) | HistorySql::Columns(s) => s,
+        };
+        let rows = sqlx::query(statement)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .fetch_all(self.pool)
             .await
             .map_err(|e| self.err(e))?;
-        rows.iter().map(decode_event).collect()
+        match self.sql.history {
+            HistorySql::Rows(_) => rows.iter().map(decode_event).collect(),
+            HistorySql::Columns(_) => {
+                let Some(row) = rows.first() else {
+                    return Ok(Vec::new());
+                };
+                let (archived, live) = (row.text("archived")?, row.text("live")?);
+                decode_history_columns(self.backend, archived.as_deref(), live.as_deref())
+            }
+        }
     }
 
     pub(crate) async fn stats(&self) -> Result<Stats, StoreError> {

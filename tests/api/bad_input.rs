@@ -15,11 +15,11 @@ async fn rows(store: &SqliteStore) -> (i64, i64) {
         .fetch_one(store.writer_pool())
         .await
         .unwrap();
-    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_key_events")
+    let tombstones: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_key_tombstones")
         .fetch_one(store.writer_pool())
         .await
         .unwrap();
-    (keys, events)
+    (keys, tombstones)
 }
 
 #[tokio::test]

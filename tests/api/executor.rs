@@ -175,12 +175,13 @@ async fn completion_after_takeover_is_lease_lost_and_changes_nothing() {
 }
 
 #[tokio::test]
-async fn failure_between_row_update_and_history_insert_keeps_the_old_state() {
+async fn failure_inside_the_finish_statement_keeps_the_old_state_and_history() {
     let store = memory().await;
-    // Inject a failure into the history write of the completion.
+    // Inject a failure into the completion's statement, which writes the row and its history
+    // entry together.
     sqlx::query(
-        "CREATE TRIGGER inject_failure BEFORE INSERT ON idempotency_key_events \
-         WHEN NEW.to_state = 'done' BEGIN SELECT RAISE(ABORT, 'injected history failure'); END",
+        "CREATE TRIGGER inject_failure BEFORE UPDATE ON idempotency_keys \
+         WHEN NEW.state = 'done' BEGIN SELECT RAISE(ABORT, 'injected history failure'); END",
     )
     .execute(store.writer_pool())
     .await

@@ -125,9 +125,9 @@ async fn stale_key_query_uses_the_partial_index_on_a_big_table() {
     sqlx::query(
         "INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, fingerprint, \
            lease_token, attempts, created_at, updated_at, expires_at, retention_ms, version, \
-           last_actor) \
+           history) \
          SELECT 'big', 'done-' || g, 'op', 'pk-' || g, 'done', 'v1:x', 1, 1, now(), now(), \
-           now() + interval '1 day', 86400000, 1, 'worker' \
+           now() + interval '1 day', 86400000, 1, '' \
          FROM generate_series(1, 100000) g",
     )
     .execute(&pool)
@@ -136,9 +136,9 @@ async fn stale_key_query_uses_the_partial_index_on_a_big_table() {
     sqlx::query(
         "INSERT INTO idempotency_keys (scope, key, operation, provider_key, state, fingerprint, \
            lease_token, lease_expires_at, attempts, created_at, updated_at, retention_ms, \
-           version, last_actor) \
+           version, history) \
          SELECT 'big', 'stale-' || g, 'op', 'pk-' || g, 'processing', 'v1:x', 1, \
-           now() - interval '1 minute', 1, now(), now(), 86400000, 1, 'worker' \
+           now() - interval '1 minute', 1, now(), now(), 86400000, 1, '' \
          FROM generate_series(1, 100) g",
     )
     .execute(&pool)

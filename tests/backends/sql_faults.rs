@@ -180,6 +180,7 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
             "claim function",
             "lean writes",
             "claim provider rule",
+            "history in the row",
         ]
     } else {
         &[

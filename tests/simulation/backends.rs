@@ -223,28 +223,32 @@ impl StorePool {
     }
 }
 
-/// The tables of the SQL stores (`migrations/*/`), events first.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-const TABLES: [&str; 2] = ["idempotency_key_events", "idempotency_keys"];
+/// The tables of the PostgreSQL store (`migrations/postgres/`).
+#[cfg(feature = "postgres")]
+const PG_TABLES: [&str; 2] = ["idempotency_key_tombstones", "idempotency_keys"];
 
-/// Deletes every row of `TABLES` through `$pool` until none is left (the same SQL on
+/// The tables of the MariaDB/MySQL store (`migrations/mysql/`), events first.
+#[cfg(feature = "mysql")]
+const MYSQL_TABLES: [&str; 2] = ["idempotency_key_events", "idempotency_keys"];
+
+/// Deletes every row of `$tables` through `$pool` until none is left (the same SQL on
 /// PostgreSQL and MariaDB/MySQL, on two pool types). A statement sent by an actor that the
 /// schedule aborted mid-query can still commit on the server after the first `DELETE` (the
 /// server runs what it received; dropping the future only closes the connection), so a few
 /// rounds are allowed before a leftover row is an error.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 macro_rules! empty_tables {
-    ($pool:expr) => {{
+    ($pool:expr, $tables:expr) => {{
         let mut left = Vec::new();
         for _ in 0..40 {
             left.clear();
-            for t in TABLES {
+            for t in $tables {
                 sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {t}")))
                     .execute($pool)
                     .await
                     .map_err(|e| e.to_string())?;
             }
-            for t in TABLES {
+            for t in $tables {
                 let n: i64 =
                     sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {t}")))
                         .fetch_one($pool)
@@ -273,11 +277,11 @@ async fn empty(kind: &SlotKind) -> Result<bool, String> {
         SlotKind::OneShot => Ok(false),
         #[cfg(feature = "postgres")]
         SlotKind::Postgres { pool, .. } => {
-            empty_tables!(pool)
+            empty_tables!(pool, PG_TABLES)
         }
         #[cfg(feature = "mysql")]
         SlotKind::MySql { pool, .. } => {
-            empty_tables!(pool)
+            empty_tables!(pool, MYSQL_TABLES)
         }
     }
 }

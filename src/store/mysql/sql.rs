@@ -10,7 +10,7 @@ macro_rules! now {
 }
 
 use crate::store::rows::{event_columns, key_columns};
-use crate::store::sql_core::ReadSql;
+use crate::store::sql_core::{HistorySql, ReadSql};
 
 macro_rules! cols {
     () => {
@@ -136,11 +136,11 @@ pub(super) const READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ CO
 
 /// The statements of the reads written once in `store::sql_core`.
 pub(super) const READS: ReadSql = ReadSql {
-    history: concat!(
+    history: HistorySql::Rows(concat!(
         "SELECT ",
         event_columns!(),
         " FROM idempotency_key_events WHERE scope = ? AND `key` = ? ORDER BY id"
-    ),
+    )),
     stats: concat!(
         "SELECT \
            COUNT(CASE WHEN state = 'processing' THEN 1 END) AS processing, \

@@ -1,14 +1,14 @@
 //! The PostgreSQL store (feature `postgres`): many app instances, workers and sweepers on one
 //! database, coordinated by row locks, `ON CONFLICT` and `FOR UPDATE SKIP LOCKED`.
 //!
-//! - A claim is one statement: a replay is one round trip, one primary-key read (the
-//!   `idempotency_keys_claim` function is not called) and takes no lock; a new key is one round
-//!   trip through that function (two only when a concurrent claimer commits the same key at the
-//!   same moment). A finish is one more: a new key is two statements in all.
+//! - A claim is one plain statement (`INSERT .. ON CONFLICT DO NOTHING` and a primary-key
+//!   read): a new key and a replay are one round trip each, and a replay takes no lock and
+//!   writes nothing. A reclaim or a takeover is one more (`sql::RECLAIM`). A finish is one
+//!   more: a new key is two statements in all. No trigger and no function runs on that path.
 //! - Every time is the server's `statement_timestamp()`; the application hosts' clocks are
 //!   never used.
-//! - History rows are written by a trigger keyed on the row's `version`, inside the statement
-//!   that makes the transition.
+//! - A key's history is in its row (`history`, one entry per transition, appended by the
+//!   statement that makes the transition); a purge moves it into `idempotency_key_tombstones`.
 //! - Tables live in the first schema of the connection's `search_path`; idemflow's migrations
 //!   are recorded in [`MIGRATIONS_TABLE`], never in the host app's `_sqlx_migrations`.
 //!
@@ -24,7 +24,7 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, PgRow};
 use tracing::instrument;
 
-use super::kit::{FinishMode, check_finish, fenced_write, millis, refused_write};
+use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refused_write};
 use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_lease, decode_record};
 use super::sql_core::{self, SqlCore, sql_operator_store};
@@ -229,12 +229,28 @@ impl Store for PostgresStore {
                 },
             };
             let claimed: bool = row.try_get("claimed").map_err(|e| self.err(e))?;
-            if !claimed {
-                return Ok(ClaimOutcome::Existing {
-                    record: Box::new(decode_record(&row)?),
-                    now: row.time_at("db_now")?,
-                });
-            }
+            let row = if claimed {
+                row
+            } else {
+                let (record, now) = (decode_record(&row)?, row.time_at("db_now")?);
+                if !claimable(claim, &record, now) {
+                    return Ok(ClaimOutcome::Existing {
+                        record: Box::new(record),
+                        now,
+                    });
+                }
+                let reclaim = sql_core::bind_claim(sqlx::query(sql::RECLAIM), claim, ms, None)
+                    .bind(record.state.as_str());
+                match reclaim
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(|e| self.err(e))?
+                {
+                    Some(row) => row,
+                    // The row changed since it was read: claim again.
+                    None => continue,
+                }
+            };
             let lease = decode_lease(&row)?;
             tracing::debug!(transition = ?lease.transition, "key claimed");
             return Ok(ClaimOutcome::Claimed(lease));

@@ -353,9 +353,10 @@ fn decode_with_now(row: &SqliteRow) -> Result<(KeyRecord, DateTime<Utc>), StoreE
     Ok((decode_record(row)?, row.time_at("db_now")?))
 }
 
-/// The claim on one connection: the upsert, then, if it changed nothing, the row as it is. In a
-/// batch both run in one transaction; a lone job runs them in autocommit mode, where the row may
-/// be purged in between, hence the retries.
+/// The claim on one connection: the insert of a new key; when the key is there, its row as it
+/// is, and when that row is claimable, the reclaim (at most one of the two writes changes
+/// anything). In a batch they run in one transaction; a lone job runs them in autocommit mode,
+/// where another process may change or purge the row in between, hence the retries.
 async fn claim_on(
     conn: &mut SqliteConnection,
     claim: &NewClaim,
@@ -366,9 +367,7 @@ async fn claim_on(
             .await
             .map_err(db)?;
         if let Some(row) = row {
-            let lease = decode_lease(&row)?;
-            tracing::debug!(transition = ?lease.transition, "key claimed");
-            return Ok(ClaimOutcome::Claimed(lease));
+            return claimed(&row);
         }
         let row = sqlx::query(sql::CLAIM_READ)
             .bind(claim.id.scope.as_str())
@@ -376,19 +375,35 @@ async fn claim_on(
             .fetch_optional(&mut *conn)
             .await
             .map_err(db)?;
-        if let Some(row) = row {
-            let (record, now) = decode_with_now(&row)?;
+        // The row vanished between the insert and the read (purged): try again.
+        let Some(row) = row else { continue };
+        let (record, now) = decode_with_now(&row)?;
+        if !claimable(claim, &record, now) {
             return Ok(ClaimOutcome::Existing {
                 record: Box::new(record),
                 now,
             });
         }
-        // The row vanished between the write and the read (purged): try again.
+        let row = sql_core::bind_claim(sqlx::query(sql::RECLAIM), claim, millis, None)
+            .bind(record.state.as_str())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(db)?;
+        if let Some(row) = row {
+            return claimed(&row);
+        }
+        // The row changed since it was read (another process): try again.
     }
     Err(StoreError::Corrupt {
         backend: BACKEND,
         detail: format!("claim of {} neither inserted nor found a row", claim.id),
     })
+}
+
+fn claimed(row: &SqliteRow) -> Result<ClaimOutcome, StoreError> {
+    let lease = decode_lease(row)?;
+    tracing::debug!(transition = ?lease.transition, "key claimed");
+    Ok(ClaimOutcome::Claimed(lease))
 }
 
 impl SqlRow for SqliteRow {

@@ -15,8 +15,8 @@ macro_rules! now_us {
     };
 }
 
-use crate::store::rows::{event_columns, key_columns};
-use crate::store::sql_core::ReadSql;
+use crate::store::rows::key_columns;
+use crate::store::sql_core::{HistorySql, ReadSql};
 
 macro_rules! cols {
     () => {
@@ -44,14 +44,46 @@ pub(super) const CLAIM_READ: &str = concat!(
     " AS db_now FROM idempotency_keys WHERE scope = ?1 AND key = ?2"
 );
 
+/// One history entry (`rows::decode_history_entry`) as an expression over SQL fragments: seq,
+/// from state, from retryable, to state, to retryable, token, actor, reason (`NULL` fields are
+/// written empty). The reason is cut to 512 characters, then its `\` and line feeds are escaped,
+/// so an entry never holds a line feed.
+macro_rules! entry {
+    ($seq:expr, $from:expr, $from_rt:expr, $to:expr, $to_rt:expr, $tok:expr, $actor:expr,
+     $reason:expr) => {
+        concat!(
+            "((", $seq, ") || '|' || ifnull(", $from, ", '') || '|' || ifnull(", $from_rt,
+            ", '') || '|' || ifnull(", $to, ", '') || '|' || ifnull(", $to_rt,
+            ", '') || '|' || ifnull(", $tok, ", '') || '|' || ", now!(), " || '|' || length(",
+            $actor, ") || '|' || ", $actor, " || ifnull('|' || replace(replace(substr(", $reason,
+            ", 1, 512), '\\', '\\\\'), char(10), '\\n'), ''))"
+        )
+    };
+}
+
+/// `$history` with `$entry` appended, its oldest entries dropped past 14,336 characters (an
+/// entry is at most ~1.2 KB, so the column stays under 16 KB).
+macro_rules! append {
+    ($history:expr, $entry:expr) => {
+        concat!(
+            "CASE WHEN length(", $history, ") <= 14336 THEN ", $history,
+            " ELSE substr(substr(", $history, ", -14336), instr(substr(", $history,
+            ", -14336), char(10)) + 1) END || char(10) || ", $entry
+        )
+    };
+}
+
+/// Claim a new key: `INSERT .. ON CONFLICT DO NOTHING`, with its first history entry, numbered
+/// after any purged life's in the tombstone. A present key is not written (no row returned):
+/// the store reads it, and runs [`RECLAIM`] when it is claimable.
+///
+/// Bound by `sql_core::bind_claim` (?1 scope .. ?12 the provider key of a re-created key).
 pub(in crate::store) const CLAIM: &str = concat!(
-    "INSERT INTO idempotency_keys (scope, key, operation, provider, provider_key, state, retryable, \
-       fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, created_at, \
-       updated_at, retention_ms, version, last_actor, last_reason, last_attempt_at, \
-       may_have_acted) \
-     VALUES (?1, ?2, ?3, ?4, \
-       CASE WHEN ?12 IS NOT NULL AND EXISTS (SELECT 1 FROM idempotency_key_events \
-         WHERE scope = ?1 AND key = ?2) THEN ?12 ELSE ?5 END, 'processing', 0, ?6, ?7, ",
+    "INSERT INTO idempotency_keys (scope, key, operation, provider, provider_key, state, \
+       retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
+       created_at, updated_at, retention_ms, version, history, last_attempt_at, may_have_acted) \
+     SELECT ?1, ?2, ?3, ?4, CASE WHEN ?12 IS NOT NULL AND s.seq > 1 THEN ?12 ELSE ?5 END, \
+       'processing', 0, ?6, ?7, ",
     now_us!(),
     ", ?8, ",
     now!(),
@@ -59,51 +91,110 @@ pub(in crate::store) const CLAIM: &str = concat!(
     now!(),
     ", ",
     now!(),
-    ", ?10, 1, 'worker', 'claimed', ",
+    ", ?10, s.seq, ",
+    entry!(
+        "s.seq",
+        "NULL",
+        "NULL",
+        "'processing'",
+        "'0'",
+        now_us!(),
+        "'worker'",
+        "'claimed'"
+    ),
+    ", ",
     now!(),
-    ", 0) \
-     ON CONFLICT (scope, key) DO UPDATE SET \
-       state = 'processing', retryable = 0, \
-       request = COALESCE(excluded.request, idempotency_keys.request), \
-       provider_key = CASE WHEN idempotency_keys.state = 'failed' \
-         AND idempotency_keys.provider IS NOT excluded.provider \
-         THEN excluded.provider_key ELSE idempotency_keys.provider_key END, \
-       provider = CASE WHEN idempotency_keys.state = 'failed' \
-         THEN excluded.provider ELSE idempotency_keys.provider END, \
-       lease_token = idempotency_keys.lease_token + 1, lease_owner = excluded.lease_owner, \
-       lease_expires_at = excluded.lease_expires_at, attempts = idempotency_keys.attempts + 1, \
-       updated_at = excluded.updated_at, expires_at = NULL, next_check_at = NULL, error = NULL, \
-       response_status = NULL, response_headers = NULL, response_body = NULL, \
-       retention_ms = excluded.retention_ms, version = idempotency_keys.version + 1, \
-       last_actor = 'worker', last_attempt_at = excluded.last_attempt_at, \
-       may_have_acted = CASE WHEN idempotency_keys.state = 'failed' \
-         THEN idempotency_keys.may_have_acted ELSE 1 END, \
-       last_reason = CASE WHEN idempotency_keys.state = 'failed' \
-         THEN 'reclaimed after a retryable failure' ELSE 'retry took over an expired lease' END \
-     WHERE idempotency_keys.fingerprint = excluded.fingerprint AND ( \
-       (idempotency_keys.state = 'failed' AND idempotency_keys.retryable = 1 \
-         AND (idempotency_keys.provider IS excluded.provider \
-           OR idempotency_keys.may_have_acted = 0)) \
-       OR (?11 IS NOT NULL AND idempotency_keys.state = 'processing' \
-           AND idempotency_keys.provider IS excluded.provider \
-           AND idempotency_keys.lease_expires_at <= excluded.updated_at \
-           AND idempotency_keys.created_at > excluded.updated_at - ?11)) \
-     RETURNING lease_token, lease_expires_at, attempts, provider_key, may_have_acted, last_reason, \
-       created_at"
+    ", 0 FROM (SELECT COALESCE((SELECT last_seq FROM idempotency_key_tombstones \
+       WHERE scope = ?1 AND key = ?2), 0) + 1 AS seq) s WHERE true \
+     ON CONFLICT (scope, key) DO NOTHING \
+     RETURNING lease_token, lease_expires_at, attempts, provider_key, may_have_acted, \
+       'claimed' AS last_reason, created_at"
 );
+
+/// The reason a reclaim records (`?13`: the state the store read).
+macro_rules! reclaim_reason {
+    () => {
+        "CASE WHEN ?13 = 'failed' THEN 'reclaimed after a retryable failure' \
+         ELSE 'retry took over an expired lease' END"
+    };
+}
+
+/// Claim a present row that `kit::claimable` judged claimable when the store read it in state
+/// `?13`: a reclaim of `failed{retryable}` or a takeover of an expired lease. The `WHERE` judges
+/// the row as it is now (the same rule, on the writer), so no row means it changed since it was
+/// read, and the store claims again. Bound as [`CLAIM`], then `?13`.
+pub(in crate::store) const RECLAIM: &str = concat!(
+    "UPDATE idempotency_keys SET state = 'processing', retryable = 0, \
+       request = COALESCE(?7, request), \
+       provider_key = CASE WHEN state = 'failed' AND provider IS NOT ?4 THEN ?5 \
+         ELSE provider_key END, \
+       provider = CASE WHEN state = 'failed' THEN ?4 ELSE provider END, \
+       lease_token = lease_token + 1, lease_owner = ?8, lease_expires_at = ",
+    now!(),
+    " + ?9, attempts = attempts + 1, updated_at = ",
+    now!(),
+    ", expires_at = NULL, next_check_at = NULL, error = NULL, response_status = NULL, \
+       response_headers = NULL, response_body = NULL, retention_ms = ?10, \
+       version = version + 1, last_attempt_at = ",
+    now!(),
+    ", may_have_acted = CASE WHEN state = 'failed' THEN may_have_acted ELSE 1 END, history = ",
+    append!(
+        "history",
+        entry!(
+            "version + 1",
+            "state",
+            "retryable",
+            "'processing'",
+            "'0'",
+            "lease_token + 1",
+            "'worker'",
+            reclaim_reason!()
+        )
+    ),
+    " WHERE scope = ?1 AND key = ?2 AND state = ?13 AND fingerprint = ?6 AND ( \
+       (state = 'failed' AND retryable = 1 AND (provider IS ?4 OR may_have_acted = 0)) \
+       OR (?11 IS NOT NULL AND state = 'processing' AND provider IS ?4 \
+         AND lease_expires_at <= ",
+    now!(),
+    " AND created_at > ",
+    now!(),
+    " - ?11)) \
+     RETURNING lease_token, lease_expires_at, attempts, provider_key, may_have_acted, ",
+    reclaim_reason!(),
+    " AS last_reason, created_at"
+);
+
+/// The new token of a finish (`?9`: the holder's token, or NULL for an override).
+macro_rules! finish_token {
+    () => {
+        "CASE WHEN ?9 IS NULL THEN lease_token + 1 ELSE lease_token END"
+    };
+}
 
 pub(super) const FINISH: &str = concat!(
     "UPDATE idempotency_keys SET state = ?3, retryable = ?4, response_status = ?5, \
-       response_headers = ?6, response_body = ?7, error = ?8, \
-       lease_token = CASE WHEN ?9 IS NULL THEN lease_token + 1 ELSE lease_token END, \
-       lease_owner = NULL, lease_expires_at = NULL, \
+       response_headers = ?6, response_body = ?7, error = ?8, lease_token = ",
+    finish_token!(),
+    ", lease_owner = NULL, lease_expires_at = NULL, \
        may_have_acted = CASE WHEN ?4 THEN 0 ELSE may_have_acted END, updated_at = ",
     now!(),
     ", expires_at = ",
     now!(),
-    " + retention_ms, next_check_at = NULL, version = version + 1, \
-       last_actor = ?10, last_reason = ?11 \
-     WHERE scope = ?1 AND key = ?2 AND (?9 IS NULL OR (state = 'processing' AND lease_token = ?9)) \
+    " + retention_ms, next_check_at = NULL, version = version + 1, history = ",
+    append!(
+        "history",
+        entry!(
+            "version + 1",
+            "state",
+            "retryable",
+            "?3",
+            "CASE WHEN ?4 THEN '1' ELSE '0' END",
+            finish_token!(),
+            "?10",
+            "?11"
+        )
+    ),
+    " WHERE scope = ?1 AND key = ?2 AND (?9 IS NULL OR (state = 'processing' AND lease_token = ?9)) \
        AND (?12 IS NULL OR (state = 'processing' AND lease_token = ?12)) \
      RETURNING ",
     cols!()
@@ -121,8 +212,21 @@ pub(super) const RELEASE: &str = concat!(
     now!(),
     " ELSE last_attempt_at END, \
        may_have_acted = CASE WHEN ?6 = 'worker' THEN 1 ELSE may_have_acted END, \
-       version = version + 1, last_actor = ?6, last_reason = ?7 \
-     WHERE scope = ?1 AND key = ?2 AND state = 'processing' AND lease_token = ?3"
+       version = version + 1, history = ",
+    append!(
+        "history",
+        entry!(
+            "version + 1",
+            "state",
+            "retryable",
+            "state",
+            "retryable",
+            "lease_token",
+            "?6",
+            "?7"
+        )
+    ),
+    " WHERE scope = ?1 AND key = ?2 AND state = 'processing' AND lease_token = ?3"
 );
 
 pub(super) const MARK_ATTEMPT: &str = concat!(
@@ -149,9 +253,21 @@ pub(super) const TAKE_STALE: &str = concat!(
     now!(),
     " + ?2, attempts = attempts + 1, updated_at = ",
     now!(),
-    ", version = version + 1, last_actor = 'sweeper', \
-       last_reason = 'sweeper took over an expired lease' \
-     WHERE state = 'processing' AND (scope, key) IN ( \
+    ", version = version + 1, history = ",
+    append!(
+        "history",
+        entry!(
+            "version + 1",
+            "state",
+            "retryable",
+            "state",
+            "retryable",
+            "lease_token + 1",
+            "'sweeper'",
+            "'sweeper took over an expired lease'"
+        )
+    ),
+    " WHERE state = 'processing' AND (scope, key) IN ( \
        SELECT scope, key FROM idempotency_keys \
        WHERE state = 'processing' AND lease_expires_at <= ",
     now!(),
@@ -162,6 +278,9 @@ pub(super) const TAKE_STALE: &str = concat!(
     cols!()
 );
 
+/// Deletes up to `?1` expired finished keys. The `idempotency_keys_archive` trigger (purge only,
+/// never on a claim or a finish) moves each one's history, with a last entry for the purge, into
+/// its tombstone, inside this statement.
 pub(super) const PURGE: &str = concat!(
     "DELETE FROM idempotency_keys WHERE (scope, key) IN ( \
        SELECT scope, key FROM idempotency_keys \
@@ -172,10 +291,10 @@ pub(super) const PURGE: &str = concat!(
 
 /// The statements of the reads written once in `store::sql_core`.
 pub(super) const READS: ReadSql = ReadSql {
-    history: concat!(
-        "SELECT ",
-        event_columns!(),
-        " FROM idempotency_key_events WHERE scope = ?1 AND key = ?2 ORDER BY id"
+    history: HistorySql::Columns(
+        "SELECT (SELECT history FROM idempotency_key_tombstones \
+           WHERE scope = ?1 AND key = ?2) AS archived, \
+         (SELECT history FROM idempotency_keys WHERE scope = ?1 AND key = ?2) AS live",
     ),
     stats: concat!(
         "SELECT \
