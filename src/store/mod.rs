@@ -354,7 +354,9 @@ mod tests {
     #[test]
     fn every_claim_statement_spells_the_claim_reasons() {
         #[cfg(feature = "sqlite")]
-        super::assert_claim_reasons(&[super::sqlite::sql::CLAIM, super::sqlite::sql::RECLAIM].concat());
+        super::assert_claim_reasons(
+            &[super::sqlite::sql::CLAIM, super::sqlite::sql::RECLAIM].concat(),
+        );
         #[cfg(feature = "postgres")]
         super::assert_claim_reasons(
             &[super::postgres::sql::CLAIM, super::postgres::sql::RECLAIM].concat(),

@@ -152,7 +152,12 @@ impl RawEvent {
 /// actor is length-prefixed and the reason, last, is the rest of the entry. `escaped`: the
 /// reason has `\` and line feeds escaped (`\\`, `\n`), as in a SQL history column, whose
 /// entries are separated by line feeds.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql", feature = "redis"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "redis"
+))]
 pub(crate) fn decode_history_entry(
     backend: &'static str,
     raw: &str,
@@ -179,7 +184,11 @@ pub(crate) fn decode_history_entry(
         "" => None,
         r => {
             let r = r.strip_prefix('|').ok_or_else(bad)?;
-            Some(if escaped { unescape_reason(r) } else { r.to_owned() })
+            Some(if escaped {
+                unescape_reason(r)
+            } else {
+                r.to_owned()
+            })
         }
     };
     RawEvent {
@@ -198,7 +207,12 @@ pub(crate) fn decode_history_entry(
 
 /// Undoes the SQL statements' escape of a history reason: `\\` -> `\`, `\n` -> line feed; any
 /// other backslash (a reason cut short inside an escape) is kept as it is.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql", feature = "redis"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "redis"
+))]
 fn unescape_reason(r: &str) -> String {
     let mut out = String::with_capacity(r.len());
     let mut chars = r.chars();

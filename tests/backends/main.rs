@@ -21,6 +21,10 @@ mod fast_recovery;
 #[cfg(feature = "testkit")]
 mod sweeper_kill;
 
+// Issue 22's history in the row: existing rows carried forward, the column's bound, escapes.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod history_in_row;
+
 mod memory_store;
 #[cfg(feature = "mysql")]
 mod mysql;

@@ -57,9 +57,26 @@ macro_rules! entry {
     ($seq:expr, $from:expr, $from_rt:expr, $to:expr, $to_rt:expr, $tok:expr,
      $actor:expr, $reason:expr) => {
         concat!(
-            "concat(", $seq, ", '|', ", $from, ", '|', ", $from_rt, ", '|', ", $to, ", '|', ",
-            $to_rt, ", '|', ", $tok, ", '|', ", now_ms!(), ", '|', length(", $actor, "), '|', ",
-            $actor, ", '|' || replace(replace(left(", $reason,
+            "concat(",
+            $seq,
+            ", '|', ",
+            $from,
+            ", '|', ",
+            $from_rt,
+            ", '|', ",
+            $to,
+            ", '|', ",
+            $to_rt,
+            ", '|', ",
+            $tok,
+            ", '|', ",
+            now_ms!(),
+            ", '|', length(",
+            $actor,
+            "), '|', ",
+            $actor,
+            ", '|' || replace(replace(left(",
+            $reason,
             ", 512), '\\', '\\\\'), E'\\n', '\\n'))"
         )
     };
@@ -70,9 +87,16 @@ macro_rules! entry {
 macro_rules! append {
     ($history:expr, $entry:expr) => {
         concat!(
-            "CASE WHEN length(", $history, ") <= 14336 THEN ", $history,
-            " ELSE substr(right(", $history, ", 14336), strpos(right(", $history,
-            ", 14336), E'\\n') + 1) END || E'\\n' || ", $entry
+            "CASE WHEN length(",
+            $history,
+            ") <= 14336 THEN ",
+            $history,
+            " ELSE substr(right(",
+            $history,
+            ", 14336), strpos(right(",
+            $history,
+            ", 14336), E'\\n') + 1) END || E'\\n' || ",
+            $entry
         )
     };
 }

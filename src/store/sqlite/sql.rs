@@ -52,10 +52,26 @@ macro_rules! entry {
     ($seq:expr, $from:expr, $from_rt:expr, $to:expr, $to_rt:expr, $tok:expr, $actor:expr,
      $reason:expr) => {
         concat!(
-            "((", $seq, ") || '|' || ifnull(", $from, ", '') || '|' || ifnull(", $from_rt,
-            ", '') || '|' || ifnull(", $to, ", '') || '|' || ifnull(", $to_rt,
-            ", '') || '|' || ifnull(", $tok, ", '') || '|' || ", now!(), " || '|' || length(",
-            $actor, ") || '|' || ", $actor, " || ifnull('|' || replace(replace(substr(", $reason,
+            "((",
+            $seq,
+            ") || '|' || ifnull(",
+            $from,
+            ", '') || '|' || ifnull(",
+            $from_rt,
+            ", '') || '|' || ifnull(",
+            $to,
+            ", '') || '|' || ifnull(",
+            $to_rt,
+            ", '') || '|' || ifnull(",
+            $tok,
+            ", '') || '|' || ",
+            now!(),
+            " || '|' || length(",
+            $actor,
+            ") || '|' || ",
+            $actor,
+            " || ifnull('|' || replace(replace(substr(",
+            $reason,
             ", 1, 512), '\\', '\\\\'), char(10), '\\n'), ''))"
         )
     };
@@ -66,9 +82,16 @@ macro_rules! entry {
 macro_rules! append {
     ($history:expr, $entry:expr) => {
         concat!(
-            "CASE WHEN length(", $history, ") <= 14336 THEN ", $history,
-            " ELSE substr(substr(", $history, ", -14336), instr(substr(", $history,
-            ", -14336), char(10)) + 1) END || char(10) || ", $entry
+            "CASE WHEN length(",
+            $history,
+            ") <= 14336 THEN ",
+            $history,
+            " ELSE substr(substr(",
+            $history,
+            ", -14336), instr(substr(",
+            $history,
+            ", -14336), char(10)) + 1) END || char(10) || ",
+            $entry
         )
     };
 }
