@@ -451,3 +451,32 @@ mod sql {
         })
     }
 }
+
+#[cfg(all(test, any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn history_columns_decode_archived_then_live_with_escaped_reasons() {
+        let archived = "1|||processing|0|7|1700000000000|6|worker|claimed\n\
+                        2|processing|0|done|0|7|1700000000100|6|worker|succeeded\n\
+                        3|done|0|||7|1700000000200|5|purge|retention expired";
+        let live = "4|||processing|0|9|1700000000300|6|worker|claimed\n\
+                    5|processing|0|failed|1|9|1700000000400|6|worker|a\\nb \\\\ c \\x|d";
+        let h = decode_history_columns("sqlite", Some(archived), Some(live)).unwrap();
+        assert_eq!(h.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+        assert_eq!((h[2].to, h[2].actor), (None, Actor::Purge));
+        assert_eq!(h[4].to, Some(KeyState::Failed { retryable: true }));
+        assert_eq!(h[4].reason.as_deref(), Some("a\nb \\ c \\x|d"));
+        assert_eq!(h[4].at.timestamp_millis(), 1_700_000_000_400);
+        assert!(decode_history_columns("sqlite", None, None).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_damaged_history_entry_is_a_corrupt_error() {
+        for bad in ["x|||processing|0|1|1|6|worker", "1|||processing|0|1|1|9|worker", "1|"] {
+            let err = decode_history_columns("postgres", None, Some(bad)).unwrap_err();
+            assert!(matches!(err, StoreError::Corrupt { .. }), "{bad}: {err}");
+        }
+    }
+}
