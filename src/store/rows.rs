@@ -280,15 +280,15 @@ macro_rules! key_columns {
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) use key_columns;
 
-/// The history row's columns, listed once for every SQL backend ([`decode_event`] reads them by
-/// these names).
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+/// The history row's columns on MariaDB/MySQL, the one SQL backend that keeps history in rows of
+/// their own ([`decode_event`] reads them by these names).
+#[cfg(feature = "mysql")]
 macro_rules! event_columns {
     () => {
         "id, from_state, from_retryable, to_state, to_retryable, lease_token, actor, reason, at"
     };
 }
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[cfg(feature = "mysql")]
 pub(crate) use event_columns;
 
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
@@ -469,12 +469,20 @@ mod tests {
         assert_eq!(h[4].to, Some(KeyState::Failed { retryable: true }));
         assert_eq!(h[4].reason.as_deref(), Some("a\nb \\ c \\x|d"));
         assert_eq!(h[4].at.timestamp_millis(), 1_700_000_000_400);
-        assert!(decode_history_columns("sqlite", None, None).unwrap().is_empty());
+        assert!(
+            decode_history_columns("sqlite", None, None)
+                .unwrap()
+                .is_empty()
+        );
     }
 
     #[test]
     fn a_damaged_history_entry_is_a_corrupt_error() {
-        for bad in ["x|||processing|0|1|1|6|worker", "1|||processing|0|1|1|9|worker", "1|"] {
+        for bad in [
+            "x|||processing|0|1|1|6|worker",
+            "1|||processing|0|1|1|9|worker",
+            "1|",
+        ] {
             let err = decode_history_columns("postgres", None, Some(bad)).unwrap_err();
             assert!(matches!(err, StoreError::Corrupt { .. }), "{bad}: {err}");
         }
