@@ -2,14 +2,14 @@
 //! says which keys this store has seen exist. A claim of a known key reads first (a replay or an
 //! in-flight duplicate is then one plain read); any other claim writes first. It only chooses
 //! the order of the statements; it is never trusted for a decision (the claim's write decides,
-//! atomically, whenever the read does not settle it). Used by the SQLite, MariaDB/MySQL and Redis
-//! stores.
+//! atomically, whenever the read does not settle it). Used by the SQLite, PostgreSQL, MariaDB/MySQL
+//! and Redis stores.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Slots the SQL stores use (8 bytes each).
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) const DEFAULT_SLOTS: usize = 65_536;
 
 /// FNV-1a, 64 bits.
@@ -23,7 +23,7 @@ pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 /// The hash of a key id (scope and key, kept apart).
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) fn of(id: &crate::KeyId) -> u64 {
     let mut bytes = Vec::with_capacity(id.scope.as_str().len() + id.key.as_str().len() + 1);
     bytes.extend_from_slice(id.scope.as_str().as_bytes());

@@ -3,7 +3,8 @@
 //!
 //! - A claim is one plain statement (`INSERT .. ON CONFLICT DO NOTHING` and a primary-key
 //!   read): a new key and a replay are one round trip each, and a replay takes no lock and
-//!   writes nothing. A reclaim or a takeover is one more (`sql::RECLAIM`). A finish is one
+//!   writes nothing. A claim of a key this store has seen (a bounded set of hashes, only a
+//!   hint) is a plain primary-key read first, which settles a replay alone. A reclaim or a takeover is one more (`sql::RECLAIM`). A finish is one
 //!   more: a new key is two statements in all. No trigger and no function runs on that path.
 //! - Every time is the server's `statement_timestamp()`; the application hosts' clocks are
 //!   never used.
@@ -32,6 +33,7 @@ use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeSt
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyRecord, LeaseToken};
+use crate::store::known_keys::{self, KnownKeys};
 
 mod atomic;
 pub(super) mod sql;
@@ -74,6 +76,9 @@ fn db(e: sqlx::Error) -> StoreError {
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    /// Keys this store has seen exist: their claims read first (a replay is one plain
+    /// primary-key read); any other claim runs the claim statement first.
+    known: KnownKeys,
 }
 
 impl PostgresStore {
@@ -117,7 +122,10 @@ impl PostgresStore {
 
     /// Uses a pool you manage (its `search_path` decides the schema).
     pub fn from_pool(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            known: KnownKeys::new(known_keys::DEFAULT_SLOTS),
+        }
     }
 
     fn err(&self, e: sqlx::Error) -> StoreError {
@@ -208,6 +216,18 @@ impl Store for PostgresStore {
 
     #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
+        // A key seen before is most likely there: a plain read settles a replay or an
+        // in-flight duplicate (the claim statements decide everything else, atomically).
+        if self.known.contains(known_keys::of(&claim.id))
+            && let Some((record, now)) = self.read_with_now(&claim.id).await?
+            && !claimable(claim, &record, now)
+        {
+            return Ok(ClaimOutcome::Existing {
+                record: Box::new(record),
+                now,
+            });
+        }
+        self.known.insert(known_keys::of(&claim.id));
         for _ in 0..3 {
             let row = sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, ms, None)
                 .fetch_optional(&self.pool)
