@@ -30,7 +30,12 @@ pub mod sqlite;
 mod connect;
 pub mod connect_error;
 pub mod kit;
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql", feature = "redis"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "redis"
+))]
 pub(crate) mod known_keys;
 pub mod phase;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

@@ -10,7 +10,7 @@ use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 use crate::state::KeyState;
-use crate::store::kit::{RawEvent, RawRecord};
+use crate::store::kit::RawRecord;
 use crate::store::rows::ms_to_time;
 
 pub(super) fn text(v: Option<&Value>) -> Option<String> {
@@ -349,41 +349,11 @@ pub(super) fn refusal(id: &KeyId, presented: Option<LeaseToken>, reply: &[Value]
 }
 
 /// Decodes one history entry as `record_event` in `common.lua` writes it:
-/// `seq|from|from_rt|to|to_rt|token|at|#actor|actor[|reason]`.
+/// `seq|from|from_rt|to|to_rt|token|at|#actor|actor[|reason]`, the format the SQL history
+/// columns share (`rows::decode_history_entry`; a Redis entry is an array element, so its reason
+/// is not escaped).
 pub(super) fn event(raw: &str) -> Result<KeyEvent, StoreError> {
-    let bad = || corrupt(format!("history entry {raw:?}"));
-    let mut it = raw.splitn(8, '|');
-    let mut next = || it.next().ok_or_else(bad);
-    let seq: i64 = next()?.parse().map_err(|_| bad())?;
-    let opt = |v: &str| (!v.is_empty()).then(|| v.to_owned());
-    let from_state = opt(next()?);
-    let from_retryable = opt(next()?).map(|v| v == "1");
-    let to_state = opt(next()?);
-    let to_retryable = opt(next()?).map(|v| v == "1");
-    let lease_token = opt(next()?)
-        .map(|v| v.parse::<i64>().map_err(|_| bad()))
-        .transpose()?;
-    let at: i64 = next()?.parse().map_err(|_| bad())?;
-    let rest = next()?;
-    let (len, rest) = rest.split_once('|').ok_or_else(bad)?;
-    let len: usize = len.parse().map_err(|_| bad())?;
-    let actor = rest.get(..len).ok_or_else(bad)?.to_owned();
-    let reason = match rest.get(len..).ok_or_else(bad)? {
-        "" => None,
-        r => Some(r.strip_prefix('|').ok_or_else(bad)?.to_owned()),
-    };
-    RawEvent {
-        seq,
-        from_state,
-        from_retryable,
-        to_state,
-        to_retryable,
-        lease_token,
-        actor,
-        reason,
-        at: ms_to_time(BACKEND, at)?,
-    }
-    .into_event(BACKEND)
+    crate::store::rows::decode_history_entry(BACKEND, raw, false)
 }
 
 #[cfg(test)]
