@@ -4,8 +4,9 @@
 //! - A claim is one plain statement (`INSERT .. ON CONFLICT DO NOTHING` and a primary-key
 //!   read): a new key and a replay are one round trip each, and a replay takes no lock and
 //!   writes nothing. A claim of a key this store has seen (a bounded set of hashes, only a
-//!   hint) is a plain primary-key read first, which settles a replay alone. A reclaim or a takeover is one more (`sql::RECLAIM`). A finish is one
-//!   more: a new key is two statements in all. No trigger and no function runs on that path.
+//!   hint) is a plain primary-key read first, which settles a replay alone. A reclaim or a
+//!   takeover is one more (`sql::RECLAIM`). A finish is one more: a new key is two statements
+//!   in all. No trigger and no function runs on that path.
 //! - Every time is the server's `statement_timestamp()`; the application hosts' clocks are
 //!   never used.
 //! - A key's history is in its row (`history`, one entry per transition, appended by the
