@@ -292,6 +292,27 @@ pub enum Error {
         /// The provider of this request.
         requested: Option<String>,
     },
+    /// The application's writes of a one-commit run (`Idempotency::execute_atomic`) failed:
+    /// they and the key's claim were rolled back together, so nothing of this request was
+    /// recorded and a retry with the same key runs them again (HTTP 503).
+    #[error("the writes for {key} failed and were rolled back with the key's claim: {source}")]
+    RolledBack {
+        /// The key (`scope/key` when shown).
+        key: KeyId,
+        /// The writes' error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// `Idempotency::execute_atomic` cannot commit the application's writes with the key
+    /// (HTTP 500, a mistake in the code, not in the request). Nothing was run.
+    #[error("{key} cannot run in one commit with the application's writes: {reason}")]
+    NoSharedTransaction {
+        /// The key (`scope/key` when shown).
+        key: KeyId,
+        /// Why: the store has no transactions to share (Redis), the phase was made by
+        /// another store, or the request names a provider.
+        reason: &'static str,
+    },
 }
 
 impl From<StoreError> for Error {
@@ -438,6 +459,18 @@ impl Error {
                 None,
                 "provider-changed",
                 "Idempotency key reused through another provider while its outcome is unsettled",
+            ),
+            Error::RolledBack { .. } => (
+                503,
+                Some(RETRY_SOON),
+                "rolled-back",
+                "The request failed and nothing of it was kept; retry it with the same key",
+            ),
+            Error::NoSharedTransaction { .. } => (
+                500,
+                None,
+                "no-shared-transaction",
+                "The request's writes cannot commit with its idempotency key",
             ),
         };
         HttpAnswer {

@@ -177,6 +177,14 @@ mod tests {
                 recorded: Some("mail_a".into()),
                 requested: Some("mail_b".into()),
             },
+            Error::RolledBack {
+                key: test_id(),
+                source: "constraint".into(),
+            },
+            Error::NoSharedTransaction {
+                key: test_id(),
+                reason: "redis",
+            },
         ];
         for e in &errors {
             match e {
@@ -199,7 +207,9 @@ mod tests {
                 | Error::StepChanged { .. }
                 | Error::NotAWorkflow { .. }
                 | Error::WorkflowExpired { .. }
-                | Error::ProviderChanged { .. } => {}
+                | Error::ProviderChanged { .. }
+                | Error::RolledBack { .. }
+                | Error::NoSharedTransaction { .. } => {}
             }
         }
         errors
@@ -270,6 +280,8 @@ mod tests {
                 (500, None, "not-a-workflow"),
                 (500, None, "workflow-needs-operator"),
                 (422, None, "provider-changed"),
+                (503, Some(1000), "rolled-back"),
+                (500, None, "no-shared-transaction"),
             ]
         );
     }

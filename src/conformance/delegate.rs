@@ -69,6 +69,9 @@ pub trait Delegate: Debug + Send + Sync + 'static {
     fn backend(&self) -> &'static str {
         self.inner().backend()
     }
+    fn phase_store(&self) -> Option<crate::store::phase::StoreId> {
+        self.inner().phase_store()
+    }
     async fn migrate(&self) -> Result<(), StoreError> {
         self.inner().migrate().await
     }
@@ -138,6 +141,9 @@ pub trait Delegate: Debug + Send + Sync + 'static {
 impl<D: Delegate> Store for D {
     fn backend(&self) -> &'static str {
         Delegate::backend(self)
+    }
+    fn phase_store(&self) -> Option<crate::store::phase::StoreId> {
+        Delegate::phase_store(self)
     }
     async fn migrate(&self) -> Result<(), StoreError> {
         Delegate::migrate(self).await

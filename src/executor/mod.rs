@@ -15,6 +15,7 @@ use crate::{KeyId, StoredResponse};
 
 pub(crate) mod heartbeat;
 pub(crate) mod hook;
+mod one_commit;
 mod outcome;
 mod provider_call;
 mod request;

@@ -44,6 +44,12 @@ impl std::fmt::Debug for KnownKeys {
 }
 
 impl KnownKeys {
+    /// The address of the slots, shared by the clones of one store: that store's identity
+    /// (`store::phase::StoreId`).
+    pub(crate) fn identity(&self) -> usize {
+        self.slots.as_ptr() as usize
+    }
+
     /// A hint of `slots` slots (0: a hint that knows nothing).
     pub(crate) fn new(slots: usize) -> Self {
         Self {

@@ -218,6 +218,13 @@ pub trait Store: SweeperStore + OperatorStore + Debug + Send + Sync + 'static {
     /// A short backend name (`"sqlite"`, `"postgres"`, ...).
     fn backend(&self) -> &'static str;
 
+    /// The store whose atomic phases write through the same database as this store's keys
+    /// (`Idempotency::execute_atomic` refuses a phase of any other). `None`: this store has no
+    /// transaction to share with the application's writes (Redis).
+    fn phase_store(&self) -> Option<phase::StoreId> {
+        None
+    }
+
     /// Applies idemflow's migrations, tracked in idemflow's own migrations table.
     async fn migrate(&self) -> Result<(), StoreError>;
 

@@ -54,6 +54,74 @@ pub enum PhaseError {
     },
 }
 
+/// The answer the application's writes give to refuse, kept as the key's answer while the
+/// writes are undone: return `Err(Refusal::new(answer).into())` from the writes (for example
+/// when a constraint of the application's own tables, one order per cart, says no). The key is
+/// finished `done` with `answer`, none of the writes is kept, and a retry with the same key
+/// replays `answer`. Any other error of the writes rolls back the key's claim as well: the key
+/// is not recorded and a retry runs the writes again.
+#[derive(Debug, Clone)]
+pub struct Refusal(pub StoredResponse);
+
+impl Refusal {
+    /// A refusal answering `answer`.
+    pub fn new(answer: StoredResponse) -> Self {
+        Self(answer)
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the application's writes refused with status {}",
+            self.0.status()
+        )
+    }
+}
+
+impl std::error::Error for Refusal {}
+
+/// Which store a phase writes through, to refuse a phase given to an executor of another store
+/// (the key would then be claimed in a database the executor never reads). Each store and its
+/// clones share one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreId(pub(crate) usize);
+
+/// What [`AtomicPhase::claim_and_commit`] came to: the key's claim, the application's writes
+/// and the key's answer in one commit, or the row that stood in the way.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum OneCommit {
+    /// The writes, the claim and the answer committed together.
+    Committed(StoredResponse),
+    /// The writes refused ([`Refusal`]): they were undone, and the claim and this answer
+    /// committed.
+    Refused(StoredResponse),
+    /// The key was there and not claimable: nothing ran, nothing was written.
+    Existing {
+        /// The row as read.
+        record: Box<crate::record::KeyRecord>,
+        /// The database clock at the read.
+        now: chrono::DateTime<chrono::Utc>,
+    },
+}
+
+/// The reason history gives for a key claimed and finished in one commit.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) const ONE_COMMIT_REASON: &str =
+    "one commit: the claim, the application's writes and this answer committed together";
+
+/// The reason history gives for a key whose writes refused in one commit.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) const REFUSED_REASON: &str =
+    "one commit: the application's writes refused and were undone; their answer is kept";
+
+/// The error of writes that refused, when they did.
+pub(crate) fn refusal(e: &WritesError) -> Option<StoredResponse> {
+    e.downcast_ref::<Refusal>().map(|r| r.0.clone())
+}
+
 /// The application's writes for one atomic phase, bound to a SQL store; made by the store's
 /// `atomic_phase` and run by the workflow's `Context::atomic_step`.
 #[async_trait]
@@ -67,6 +135,26 @@ pub trait AtomicPhase: Send {
         token: LeaseToken,
         prepare: Prepare,
     ) -> Result<StoredResponse, PhaseError>;
+}
+
+/// A phase that can also claim its key: the key's claim, the application's writes and the
+/// key's answer in one commit, for `Idempotency::execute_atomic`. The SQL stores' phases
+/// (`atomic_phase`) are both.
+#[async_trait]
+pub trait OneCommitPhase: Send {
+    /// The store the phase writes through.
+    fn store_id(&self) -> StoreId;
+
+    /// Begins a transaction, claims the key of `claim`, and when it is the caller's, runs the
+    /// writes and finishes the key `done` with their answer (after `prepare`), then commits:
+    /// one commit for all of it. When the key stands in the way, nothing runs
+    /// ([`OneCommit::Existing`]). A failure of the writes rolls everything back, the claim
+    /// included ([`PhaseError::Writes`]); a [`Refusal`] keeps the claim and its answer only.
+    async fn claim_and_commit(
+        self: Box<Self>,
+        claim: &crate::store::NewClaim,
+        prepare: Prepare,
+    ) -> Result<OneCommit, PhaseError>;
 }
 
 /// How long a SQL store's atomic phase may run (its writes included) before it is cut off and
@@ -84,12 +172,10 @@ pub const DEFAULT_PHASE_TIMEOUT: std::time::Duration = std::time::Duration::from
 /// rolls back. A panic in the application's writes fails the step only
 /// ([`PhaseError::Writes`]); its transaction is dropped and rolls back.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(crate) async fn detached<Fut>(
-    backend: &'static str,
-    phase: Fut,
-) -> Result<StoredResponse, PhaseError>
+pub(crate) async fn detached<T, Fut>(backend: &'static str, phase: Fut) -> Result<T, PhaseError>
 where
-    Fut: std::future::Future<Output = Result<StoredResponse, PhaseError>> + Send + 'static,
+    T: Send + 'static,
+    Fut: std::future::Future<Output = Result<T, PhaseError>> + Send + 'static,
 {
     use tracing::Instrument;
     let bounded = async move {
@@ -123,40 +209,81 @@ where
 pub(crate) const COMMITTED_REASON: &str =
     "atomic phase: the step's writes and this record committed together";
 
-/// The step's record of a committed phase: `done` with the phase's answer, by the worker.
+/// The key's record of a committed phase: `done` with the phase's answer, by the worker, for
+/// `reason` ([`COMMITTED_REASON`] for a step, [`ONE_COMMIT_REASON`] or [`REFUSED_REASON`]).
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-pub(crate) fn step_record(answer: &StoredResponse) -> crate::store::Finish {
+pub(crate) fn step_record(answer: &StoredResponse, reason: &str) -> crate::store::Finish {
     crate::store::Finish {
         to: crate::state::KeyState::Done,
         response: Some(answer.clone()),
         error: None,
         actor: crate::record::Actor::Worker,
-        reason: COMMITTED_REASON.to_owned(),
+        reason: reason.to_owned(),
     }
 }
 
-/// Writes a step's record on a phase's transaction: `true` when it was written (the step is
-/// still held under the token), `false` when the step was taken over.
+/// Writes a key's record on a phase's transaction (`done` with the answer, for the reason):
+/// `true` when it was written (the key is still held under the token), `false` when it was
+/// taken over.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) type RecordStep<DB> = for<'c> fn(
     &'c mut <DB as sqlx::Database>::Connection,
     &'c KeyId,
     LeaseToken,
     &'c StoredResponse,
+    &'static str,
 ) -> std::pin::Pin<
     Box<dyn std::future::Future<Output = Result<bool, sqlx::Error>> + Send + 'c>,
 >;
 
+/// Claims a key on a phase's transaction (each backend's claim, run on one connection).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) type ClaimOn<DB> = for<'c> fn(
+    &'c mut <DB as sqlx::Database>::Connection,
+    &'c crate::store::NewClaim,
+) -> std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = Result<crate::store::ClaimOutcome, StoreError>>
+            + Send
+            + 'c,
+    >,
+>;
+
+/// How a pooled SQL store takes part in a phase: its claim and its record, run on the phase's
+/// transaction.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) struct PooledOps<DB: sqlx::Database> {
+    pub(crate) backend: &'static str,
+    pub(crate) id: StoreId,
+    /// A statement run on the connection before `BEGIN` (MariaDB/MySQL: `READ COMMITTED`, so
+    /// the claim's read after a concurrent claim commits sees that claim's row).
+    pub(crate) before_begin: Option<&'static str>,
+    pub(crate) claim: ClaimOn<DB>,
+    pub(crate) record: RecordStep<DB>,
+    /// Whether a claim's error rolled its transaction back whole and may be tried again in a
+    /// new one (a lock conflict; nothing else had run in it).
+    pub(crate) claim_again: fn(&StoreError) -> bool,
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+impl<DB: sqlx::Database> Clone for PooledOps<DB> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+impl<DB: sqlx::Database> Copy for PooledOps<DB> {}
+
 /// The atomic phase of a pooled SQL store (PostgreSQL, MariaDB/MySQL): `BEGIN` on a pooled
-/// connection, the application's writes, the answer's checks, the step's record (each backend's
-/// [`RecordStep`]), `COMMIT`; run [`detached`]. Any failure drops the transaction, which rolls
-/// back.
+/// connection, (the key's claim,) the application's writes, the answer's checks, the key's
+/// record (each backend's [`RecordStep`]), `COMMIT`; run [`detached`]. Any failure drops the
+/// transaction, which rolls back.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) struct PooledPhase<DB: sqlx::Database, F> {
-    pub(crate) backend: &'static str,
     pub(crate) pool: sqlx::Pool<DB>,
     pub(crate) writes: F,
-    pub(crate) record: RecordStep<DB>,
+    pub(crate) ops: PooledOps<DB>,
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -164,6 +291,7 @@ pub(crate) struct PooledPhase<DB: sqlx::Database, F> {
 impl<DB, F> AtomicPhase for PooledPhase<DB, F>
 where
     DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     F: for<'c> FnOnce(&'c mut DB::Connection) -> WritesFuture<'c> + Send + 'static,
 {
     async fn commit(
@@ -172,18 +300,15 @@ where
         token: LeaseToken,
         prepare: Prepare,
     ) -> Result<StoredResponse, PhaseError> {
-        let PooledPhase {
-            backend,
-            pool,
-            writes,
-            record,
-        } = *self;
+        let PooledPhase { pool, writes, ops } = *self;
         let step = step.clone();
+        let backend = ops.backend;
         let failed = move |e: sqlx::Error| PhaseError::Store(StoreError::database(backend, e));
         detached(backend, async move {
-            let mut tx = pool.begin().await.map_err(failed)?;
+            let mut conn = acquire(&pool, &ops).await?;
+            let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(failed)?;
             let answer = prepare(writes(&mut *tx).await.map_err(PhaseError::Writes)?)?;
-            if !record(&mut *tx, &step, token, &answer)
+            if !(ops.record)(&mut *tx, &step, token, &answer, COMMITTED_REASON)
                 .await
                 .map_err(failed)?
             {
@@ -196,6 +321,110 @@ where
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[async_trait]
+impl<DB, F> OneCommitPhase for PooledPhase<DB, F>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    F: for<'c> FnOnce(&'c mut DB::Connection) -> WritesFuture<'c> + Send + 'static,
+{
+    fn store_id(&self) -> StoreId {
+        self.ops.id
+    }
+
+    async fn claim_and_commit(
+        self: Box<Self>,
+        claim: &crate::store::NewClaim,
+        prepare: Prepare,
+    ) -> Result<OneCommit, PhaseError> {
+        use crate::store::ClaimOutcome;
+        let PooledPhase { pool, writes, ops } = *self;
+        let claim = claim.clone();
+        let backend = ops.backend;
+        let failed = move |e: sqlx::Error| PhaseError::Store(StoreError::database(backend, e));
+        detached(backend, async move {
+            let mut writes = Some(writes);
+            // Set when the writes refused: their transaction was rolled back whole, and the
+            // next one commits the claim with the refusal's answer only.
+            let mut refused: Option<StoredResponse> = None;
+            for attempt in 1..=4 {
+                let mut conn = acquire(&pool, &ops).await?;
+                // A dropped transaction rolls back (also on every early return below).
+                let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(failed)?;
+                let lease = match (ops.claim)(&mut *tx, &claim).await {
+                    Ok(ClaimOutcome::Claimed(lease)) => lease,
+                    // Nothing ran, nothing was written.
+                    Ok(ClaimOutcome::Existing { record, now }) => {
+                        return Ok(OneCommit::Existing { record, now });
+                    }
+                    Err(e) if attempt < 3 && (ops.claim_again)(&e) => continue,
+                    Err(e) => return Err(PhaseError::Store(e)),
+                };
+                let (answer, reason) = match (refused.take(), writes.take()) {
+                    (Some(answer), _) => (answer, REFUSED_REASON),
+                    (None, Some(writes)) => match writes(&mut *tx).await {
+                        Ok(answer) => (prepare(answer)?, ONE_COMMIT_REASON),
+                        Err(e) => match refusal(&e) {
+                            Some(answer) => {
+                                // No savepoint (on PostgreSQL each costs a transaction id):
+                                // undo everything, then claim again with the answer alone.
+                                refused = Some(prepare(answer)?);
+                                tx.rollback().await.map_err(failed)?;
+                                continue;
+                            }
+                            None => return Err(PhaseError::Writes(e)),
+                        },
+                    },
+                    (None, None) => break,
+                };
+                if !(ops.record)(&mut *tx, &claim.id, lease.token, &answer, reason)
+                    .await
+                    .map_err(failed)?
+                {
+                    return Err(PhaseError::LeaseLost);
+                }
+                tx.commit().await.map_err(failed)?;
+                return Ok(if reason == REFUSED_REASON {
+                    OneCommit::Refused(answer)
+                } else {
+                    OneCommit::Committed(answer)
+                });
+            }
+            Err(PhaseError::Store(StoreError::Corrupt {
+                backend,
+                detail: format!(
+                    "the one-commit claim of {} ended without an answer",
+                    claim.id
+                ),
+            }))
+        })
+        .await
+    }
+}
+
+/// A pooled connection for a phase, with the store's statement before `BEGIN` run on it.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+async fn acquire<DB>(
+    pool: &sqlx::Pool<DB>,
+    ops: &PooledOps<DB>,
+) -> Result<sqlx::pool::PoolConnection<DB>, PhaseError>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let backend = ops.backend;
+    let failed = move |e: sqlx::Error| PhaseError::Store(StoreError::database(backend, e));
+    let mut conn = pool.acquire().await.map_err(failed)?;
+    if let Some(sql) = ops.before_begin {
+        sqlx::raw_sql(sql)
+            .execute(&mut *conn)
+            .await
+            .map_err(failed)?;
+    }
+    Ok(conn)
+}
+
 /// A phase chosen at run time (`Box<dyn AtomicPhase>`, e.g. by backend) is a phase too.
 #[async_trait]
 impl AtomicPhase for Box<dyn AtomicPhase> {
@@ -206,6 +435,23 @@ impl AtomicPhase for Box<dyn AtomicPhase> {
         prepare: Prepare,
     ) -> Result<StoredResponse, PhaseError> {
         (*self).commit(step, token, prepare).await
+    }
+}
+
+/// A one-commit phase chosen at run time (`Box<dyn OneCommitPhase>`, e.g. by backend) is one
+/// too.
+#[async_trait]
+impl OneCommitPhase for Box<dyn OneCommitPhase> {
+    fn store_id(&self) -> StoreId {
+        (**self).store_id()
+    }
+
+    async fn claim_and_commit(
+        self: Box<Self>,
+        claim: &crate::store::NewClaim,
+        prepare: Prepare,
+    ) -> Result<OneCommit, PhaseError> {
+        (*self).claim_and_commit(claim, prepare).await
     }
 }
 

@@ -25,6 +25,10 @@ mod sweeper_kill;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod history_in_row;
 
+// Issue 23's one commit for local work on the SQL backends.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+mod one_commit;
+
 mod memory_store;
 #[cfg(feature = "mysql")]
 mod mysql;

@@ -7,24 +7,31 @@ use std::pin::Pin;
 
 use sqlx::MySqlConnection;
 
-use super::{BACKEND, MySqlStore, sql};
+use super::{BACKEND, MySqlStore, claim_on, is_lock_conflict, sql};
 use crate::record::LeaseToken;
-use crate::store::phase::{AtomicPhase, COMMITTED_REASON, PooledPhase, WritesFuture};
+use crate::store::phase::{AtomicPhase, OneCommitPhase, PooledOps, PooledPhase, WritesFuture};
 use crate::{KeyId, StoredResponse};
 
 impl MySqlStore {
     /// An atomic phase for [`Context::atomic_step`](crate::Context::atomic_step): `writes` runs
     /// on the transaction's connection and returns the step's answer; the step's record commits
     /// with them, or neither does (see `PostgresStore::atomic_phase` for an example).
-    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + 'static
+    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static
     where
         F: for<'c> FnOnce(&'c mut MySqlConnection) -> WritesFuture<'c> + Send + 'static,
     {
         PooledPhase {
-            backend: BACKEND,
             pool: self.pool().clone(),
             writes,
-            record: record_step,
+            ops: PooledOps {
+                backend: BACKEND,
+                id: self.store_id(),
+                // The claim's read after a concurrent claim commits must see that claim's row.
+                before_begin: Some(sql::READ_COMMITTED),
+                claim: |conn, claim| Box::pin(claim_on(conn, claim)),
+                record: record_step,
+                claim_again: is_lock_conflict,
+            },
         }
     }
 }
@@ -35,13 +42,14 @@ fn record_step<'c>(
     step: &'c KeyId,
     token: LeaseToken,
     answer: &'c StoredResponse,
+    reason: &'static str,
 ) -> Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send + 'c>> {
     Box::pin(async move {
         let done = sqlx::query(sql::ATOMIC_DONE)
             .bind(i32::from(answer.status()))
             .bind(answer.headers_json())
             .bind(answer.body())
-            .bind(COMMITTED_REASON)
+            .bind(reason)
             .bind(step.scope.as_str())
             .bind(step.key.as_str())
             .bind(token.0)

@@ -128,6 +128,11 @@ pub struct MySqlStore {
 }
 
 impl MySqlStore {
+    /// This store's identity, shared by its clones (`store::phase::StoreId`).
+    pub(crate) fn store_id(&self) -> crate::store::phase::StoreId {
+        crate::store::phase::StoreId(self.known.identity())
+    }
+
     /// The reads written once for the SQL stores (`store::sql_core`).
     fn core(&self) -> SqlCore<'_, sqlx::MySql> {
         SqlCore {
@@ -291,6 +296,46 @@ fn with_in_list(prefix: &str, n: usize) -> AssertSqlSafe<String> {
     AssertSqlSafe(sql)
 }
 
+/// What the claim procedure's row says: the lease when this call's nonce won, else the row
+/// that stood in the way; `None` when there was no row (purged between the write and the
+/// read: claim again).
+fn claim_outcome(row: Option<MySqlRow>, nonce: i64) -> Result<Option<ClaimOutcome>, StoreError> {
+    let Some(row) = row else { return Ok(None) };
+    let won: Option<i64> = row.try_get("claim_nonce").map_err(db)?;
+    if won != Some(nonce) {
+        return Ok(Some(ClaimOutcome::Existing {
+            record: Box::new(decode_record(&row)?),
+            now: row.time_at("db_now")?,
+        }));
+    }
+    let lease = decode_lease(&row)?;
+    tracing::debug!(transition = ?lease.transition, "key claimed");
+    Ok(Some(ClaimOutcome::Claimed(lease)))
+}
+
+/// The claim on an atomic phase's transaction (`READ COMMITTED`, so the procedure's read after
+/// a concurrent claim commits sees that claim's row). A lock conflict is returned as it is: it
+/// rolled the whole transaction back, and the phase begins again.
+pub(super) async fn claim_on(
+    conn: &mut sqlx::MySqlConnection,
+    claim: &NewClaim,
+) -> Result<ClaimOutcome, StoreError> {
+    for _ in 0..3 {
+        let nonce = nonce();
+        let rows = sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, micros, Some(nonce))
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(db)?;
+        if let Some(outcome) = claim_outcome(rows.into_iter().next(), nonce)? {
+            return Ok(outcome);
+        }
+    }
+    Err(corrupt(format!(
+        "claim of {} neither inserted nor found a row",
+        claim.id
+    )))
+}
+
 impl SqlRow for MySqlRow {
     const BACKEND: &'static str = BACKEND;
 
@@ -434,6 +479,10 @@ impl Store for MySqlStore {
         BACKEND
     }
 
+    fn phase_store(&self) -> Option<crate::store::phase::StoreId> {
+        Some(self.store_id())
+    }
+
     #[instrument(skip(self), err)]
     async fn migrate(&self) -> Result<(), StoreError> {
         sql_core::migrate(BACKEND, &self.pool, migrator()).await
@@ -463,20 +512,10 @@ impl Store for MySqlStore {
         self.known.insert(known_keys::of(&claim.id));
         for _ in 0..3 {
             let nonce = nonce();
-            let Some(row) = self.claim_call(claim, nonce).await? else {
-                // Purged between the write and the read: try again.
-                continue;
-            };
-            let won: Option<i64> = row.try_get("claim_nonce").map_err(db)?;
-            if won != Some(nonce) {
-                return Ok(ClaimOutcome::Existing {
-                    record: Box::new(decode_record(&row)?),
-                    now: row.time_at("db_now")?,
-                });
+            let row = self.claim_call(claim, nonce).await?;
+            if let Some(outcome) = claim_outcome(row, nonce)? {
+                return Ok(outcome);
             }
-            let lease = decode_lease(&row)?;
-            tracing::debug!(transition = ?lease.transition, "key claimed");
-            return Ok(ClaimOutcome::Claimed(lease));
         }
         Err(corrupt(format!(
             "claim of {} neither inserted nor found a row",

@@ -7,10 +7,12 @@ use std::pin::Pin;
 
 use sqlx::PgConnection;
 
-use super::{BACKEND, PostgresStore, finish_query};
+use super::{BACKEND, PostgresStore, claim_on, finish_query};
 use crate::record::LeaseToken;
 use crate::store::kit::FinishMode;
-use crate::store::phase::{AtomicPhase, PooledPhase, WritesFuture, step_record};
+use crate::store::phase::{
+    AtomicPhase, OneCommitPhase, PooledOps, PooledPhase, WritesFuture, step_record,
+};
 use crate::{KeyId, StoredResponse};
 
 impl PostgresStore {
@@ -32,15 +34,21 @@ impl PostgresStore {
     /// ).await?;
     /// # Ok(()) }
     /// ```
-    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + 'static
+    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static
     where
         F: for<'c> FnOnce(&'c mut PgConnection) -> WritesFuture<'c> + Send + 'static,
     {
         PooledPhase {
-            backend: BACKEND,
             pool: self.pool.clone(),
             writes,
-            record: record_step,
+            ops: PooledOps {
+                backend: BACKEND,
+                id: self.store_id(),
+                before_begin: None,
+                claim: |conn, claim| Box::pin(claim_on(conn, claim)),
+                record: record_step,
+                claim_again: |_| false,
+            },
         }
     }
 }
@@ -51,9 +59,10 @@ fn record_step<'c>(
     step: &'c KeyId,
     token: LeaseToken,
     answer: &'c StoredResponse,
+    reason: &'static str,
 ) -> Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send + 'c>> {
     Box::pin(async move {
-        let finish = step_record(answer);
+        let finish = step_record(answer, reason);
         let row = finish_query(step, FinishMode::Holder(token), &finish)
             .fetch_optional(conn)
             .await?;

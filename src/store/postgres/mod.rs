@@ -23,7 +23,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use sqlx::Row;
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgPool, PgRow};
+use sqlx::postgres::{PgConnection, PgPool, PgRow};
 use tracing::instrument;
 
 use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refused_write};
@@ -83,6 +83,11 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
+    /// This store's identity, shared by its clones (`store::phase::StoreId`).
+    pub(crate) fn store_id(&self) -> crate::store::phase::StoreId {
+        crate::store::phase::StoreId(self.known.identity())
+    }
+
     /// The reads written once for the SQL stores (`store::sql_core`).
     fn core(&self) -> SqlCore<'_, sqlx::Postgres> {
         SqlCore {
@@ -164,6 +169,76 @@ fn finish_query<'q>(
     sql_core::bind_finish(sqlx::query(sql::FINISH), id, mode, finish)
 }
 
+/// The claim on one connection (the pool's, or an atomic phase's transaction): the insert of a
+/// new key and the row as it is, in one statement; when that row is claimable, the reclaim.
+pub(super) async fn claim_on(
+    conn: &mut PgConnection,
+    claim: &NewClaim,
+) -> Result<ClaimOutcome, StoreError> {
+    for _ in 0..3 {
+        let row = sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, ms, None)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(db)?;
+        let row = match row {
+            Some(row) => row,
+            // A concurrent claimer committed the key after this statement's snapshot: the
+            // row is there now.
+            None => match read_on(&mut *conn, &claim.id).await? {
+                Some((record, now)) => {
+                    return Ok(ClaimOutcome::Existing {
+                        record: Box::new(record),
+                        now,
+                    });
+                }
+                // ... or it was purged in between: try again.
+                None => continue,
+            },
+        };
+        let claimed: bool = row.try_get("claimed").map_err(db)?;
+        let row = if claimed {
+            row
+        } else {
+            let (record, now) = (decode_record(&row)?, row.time_at("db_now")?);
+            if !claimable(claim, &record, now) {
+                return Ok(ClaimOutcome::Existing {
+                    record: Box::new(record),
+                    now,
+                });
+            }
+            let reclaim = sql_core::bind_claim(sqlx::query(sql::RECLAIM), claim, ms, None)
+                .bind(record.state.as_str());
+            match reclaim.fetch_optional(&mut *conn).await.map_err(db)? {
+                Some(row) => row,
+                // The row changed since it was read: claim again.
+                None => continue,
+            }
+        };
+        let lease = decode_lease(&row)?;
+        tracing::debug!(transition = ?lease.transition, "key claimed");
+        return Ok(ClaimOutcome::Claimed(lease));
+    }
+    Err(StoreError::Corrupt {
+        backend: BACKEND,
+        detail: format!("claim of {} neither inserted nor found a row", claim.id),
+    })
+}
+
+/// A key's row and the database's time, read on `conn`.
+async fn read_on(
+    conn: &mut PgConnection,
+    id: &KeyId,
+) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
+    let row = sqlx::query(sql::GET)
+        .bind(id.scope.as_str())
+        .bind(id.key.as_str())
+        .fetch_optional(conn)
+        .await
+        .map_err(db)?;
+    row.map(|row| Ok((decode_record(&row)?, row.time_at("db_now")?)))
+        .transpose()
+}
+
 impl SqlRow for PgRow {
     const BACKEND: &'static str = BACKEND;
 
@@ -203,6 +278,10 @@ impl Store for PostgresStore {
         BACKEND
     }
 
+    fn phase_store(&self) -> Option<crate::store::phase::StoreId> {
+        Some(self.store_id())
+    }
+
     #[instrument(skip(self), err)]
     async fn migrate(&self) -> Result<(), StoreError> {
         sql_core::migrate(BACKEND, &self.pool, migrator()).await
@@ -229,57 +308,8 @@ impl Store for PostgresStore {
             });
         }
         self.known.insert(known_keys::of(&claim.id));
-        for _ in 0..3 {
-            let row = sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, ms, None)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(|e| self.err(e))?;
-            let row = match row {
-                Some(row) => row,
-                // A concurrent claimer committed the key after this statement's snapshot: the
-                // row is there now.
-                None => match self.read_with_now(&claim.id).await? {
-                    Some((record, now)) => {
-                        return Ok(ClaimOutcome::Existing {
-                            record: Box::new(record),
-                            now,
-                        });
-                    }
-                    // ... or it was purged in between: try again.
-                    None => continue,
-                },
-            };
-            let claimed: bool = row.try_get("claimed").map_err(|e| self.err(e))?;
-            let row = if claimed {
-                row
-            } else {
-                let (record, now) = (decode_record(&row)?, row.time_at("db_now")?);
-                if !claimable(claim, &record, now) {
-                    return Ok(ClaimOutcome::Existing {
-                        record: Box::new(record),
-                        now,
-                    });
-                }
-                let reclaim = sql_core::bind_claim(sqlx::query(sql::RECLAIM), claim, ms, None)
-                    .bind(record.state.as_str());
-                match reclaim
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(|e| self.err(e))?
-                {
-                    Some(row) => row,
-                    // The row changed since it was read: claim again.
-                    None => continue,
-                }
-            };
-            let lease = decode_lease(&row)?;
-            tracing::debug!(transition = ?lease.transition, "key claimed");
-            return Ok(ClaimOutcome::Claimed(lease));
-        }
-        Err(StoreError::Corrupt {
-            backend: BACKEND,
-            detail: format!("claim of {} neither inserted nor found a row", claim.id),
-        })
+        let mut conn = self.pool.acquire().await.map_err(|e| self.err(e))?;
+        claim_on(&mut conn, claim).await
     }
 
     async fn finish(

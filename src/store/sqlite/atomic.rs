@@ -17,18 +17,27 @@ use async_trait::async_trait;
 use sqlx::SqliteConnection;
 
 use super::writer::{BoxFut, JobAborted, job};
-use super::{SqliteStore, db, sql};
-use crate::record::LeaseToken;
-use crate::store::phase::{AtomicPhase, PhaseError, Prepare, WritesFuture, step_record};
+use super::{SqliteStore, claim_on, db, sql};
+use crate::record::{KeyRecord, LeaseToken};
+use crate::store::kit::FinishMode;
+use crate::store::phase::{
+    AtomicPhase, COMMITTED_REASON, ONE_COMMIT_REASON, OneCommit, OneCommitPhase, PhaseError,
+    Prepare, REFUSED_REASON, StoreId, WritesError, WritesFuture, refusal, step_record,
+};
+use crate::store::{ClaimOutcome, NewClaim, sql_core};
 use crate::{KeyId, StoredResponse};
 
 /// What one run of the phase inside the writer came to.
 enum Ran {
     Committed(StoredResponse),
+    /// The writes refused ([`crate::store::phase::Refusal`]): undone, their answer kept.
+    Refusal(StoredResponse),
+    /// The key stood in the way (one commit only): nothing ran.
+    Existing(Box<KeyRecord>, chrono::DateTime<chrono::Utc>),
     Fenced,
-    WritesFailed(String),
+    WritesFailed(WritesError),
     /// The answer was refused before the record (too large): rolled back.
-    Refused(PhaseError),
+    TooLarge(PhaseError),
 }
 
 type Writes = Arc<dyn for<'c> Fn(&'c mut SqliteConnection) -> WritesFuture<'c> + Send + Sync>;
@@ -39,7 +48,7 @@ impl SqliteStore {
     /// runs on the writer's connection inside the transaction, and returns the step's answer;
     /// the step's record commits with them, or neither does. `writes` may run more than once
     /// (see the module docs), each time from nothing written.
-    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + 'static
+    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static
     where
         F: for<'c> Fn(&'c mut SqliteConnection) -> WritesFuture<'c> + Send + Sync + 'static,
     {
@@ -63,25 +72,132 @@ impl AtomicPhase for SqlitePhase {
         token: LeaseToken,
         prepare: Prepare,
     ) -> Result<StoredResponse, PhaseError> {
+        let step = Arc::new(step.clone());
+        let ran = self
+            .run_guarded(prepare, move |conn, writes, prepare| {
+                let step = step.clone();
+                Box::pin(async move {
+                    let answer = match writes(&mut *conn).await {
+                        Ok(a) => match prepare(a) {
+                            Ok(a) => a,
+                            Err(e) => return Ok(Ran::TooLarge(e)),
+                        },
+                        Err(e) => return Ok(Ran::WritesFailed(e)),
+                    };
+                    record(conn, &step, token, answer, COMMITTED_REASON, false).await
+                })
+            })
+            .await?;
+        match ran {
+            Ran::Committed(answer) => Ok(answer),
+            Ran::Fenced => Err(PhaseError::LeaseLost),
+            Ran::WritesFailed(e) => Err(PhaseError::Writes(e)),
+            Ran::TooLarge(e) => Err(e),
+            Ran::Refusal(_) | Ran::Existing(..) => {
+                Err(PhaseError::Store(crate::StoreError::Corrupt {
+                    backend: super::BACKEND,
+                    detail: "a step's phase claimed nothing and refused nothing".into(),
+                }))
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl OneCommitPhase for SqlitePhase {
+    fn store_id(&self) -> StoreId {
+        self.store.store_id()
+    }
+
+    async fn claim_and_commit(
+        self: Box<Self>,
+        claim: &NewClaim,
+        prepare: Prepare,
+    ) -> Result<OneCommit, PhaseError> {
+        let claim = Arc::new(claim.clone());
+        let ran = self
+            .run_guarded(prepare, move |conn, writes, prepare| {
+                let claim = claim.clone();
+                Box::pin(async move {
+                    let lease = match claim_on(&mut *conn, &claim).await? {
+                        ClaimOutcome::Claimed(lease) => lease,
+                        ClaimOutcome::Existing { record, now } => {
+                            return Ok(Ran::Existing(record, now));
+                        }
+                    };
+                    savepoint(conn, "SAVEPOINT idemflow_writes").await?;
+                    let (answer, reason, refused) = match writes(&mut *conn).await {
+                        Ok(a) => {
+                            savepoint(conn, "RELEASE idemflow_writes").await?;
+                            (a, ONE_COMMIT_REASON, false)
+                        }
+                        Err(e) => match refusal(&e) {
+                            Some(a) => {
+                                savepoint(conn, "ROLLBACK TO idemflow_writes").await?;
+                                savepoint(conn, "RELEASE idemflow_writes").await?;
+                                (a, REFUSED_REASON, true)
+                            }
+                            None => return Ok(Ran::WritesFailed(e)),
+                        },
+                    };
+                    let answer = match prepare(answer) {
+                        Ok(a) => a,
+                        Err(e) => return Ok(Ran::TooLarge(e)),
+                    };
+                    record(conn, &claim.id, lease.token, answer, reason, refused).await
+                })
+            })
+            .await?;
+        match ran {
+            Ran::Committed(answer) => Ok(OneCommit::Committed(answer)),
+            Ran::Refusal(answer) => Ok(OneCommit::Refused(answer)),
+            Ran::Existing(record, now) => Ok(OneCommit::Existing { record, now }),
+            Ran::Fenced => Err(PhaseError::LeaseLost),
+            Ran::WritesFailed(e) => Err(PhaseError::Writes(e)),
+            Ran::TooLarge(e) => Err(e),
+        }
+    }
+}
+
+/// The statements of one run of a phase inside its savepoint, given the connection, the
+/// application's writes and the answer's checks.
+type PhaseRun = Arc<
+    dyn for<'c> Fn(
+            &'c mut SqliteConnection,
+            &'c Writes,
+            &'c Prepare,
+        ) -> BoxFut<'c, Result<Ran, crate::StoreError>>
+        + Send
+        + Sync,
+>;
+
+impl SqlitePhase {
+    /// Runs `run` as a guarded phase job of the writer (module docs) inside a savepoint of its
+    /// own: kept when it comes to [`Ran::Committed`], [`Ran::Refusal`] or [`Ran::Existing`],
+    /// undone otherwise.
+    async fn run_guarded<R>(self: Box<Self>, prepare: Prepare, run: R) -> Result<Ran, PhaseError>
+    where
+        R: for<'c> Fn(
+                &'c mut SqliteConnection,
+                &'c Writes,
+                &'c Prepare,
+            ) -> BoxFut<'c, Result<Ran, crate::StoreError>>
+            + Send
+            + Sync
+            + 'static,
+    {
         let SqlitePhase { store, writes } = *self;
-        let (scope, key) = (step.scope.as_str().to_owned(), step.key.as_str().to_owned());
+        let run: PhaseRun = Arc::new(run);
         let ran = store
             .writer
             .call_phase(job(move |conn: &mut SqliteConnection| -> BoxFut<'_, _> {
-                let (writes, scope, key) = (writes.clone(), scope.clone(), key.clone());
-                let prepare = prepare.clone();
+                let (writes, prepare, run) = (writes.clone(), prepare.clone(), run.clone());
                 Box::pin(async move {
-                    sqlx::query("SAVEPOINT idemflow_phase")
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(db)?;
-                    match run(conn, &writes, &prepare, &scope, &key, token).await {
-                        Ok(Ran::Committed(answer)) => {
-                            sqlx::query("RELEASE idemflow_phase")
-                                .execute(&mut *conn)
-                                .await
-                                .map_err(db)?;
-                            Ok(Ran::Committed(answer))
+                    savepoint(conn, "SAVEPOINT idemflow_phase").await?;
+                    match run(conn, &writes, &prepare).await {
+                        Ok(ran @ (Ran::Committed(_) | Ran::Refusal(_) | Ran::Existing(..))) => {
+                            savepoint(conn, "RELEASE idemflow_phase").await?;
+                            Ok(ran)
                         }
                         Ok(other) => {
                             undo(conn).await?;
@@ -97,10 +213,7 @@ impl AtomicPhase for SqlitePhase {
             }))
             .await;
         match ran {
-            Ok(Ran::Committed(answer)) => Ok(answer),
-            Ok(Ran::Fenced) => Err(PhaseError::LeaseLost),
-            Ok(Ran::WritesFailed(e)) => Err(PhaseError::Writes(e.into())),
-            Ok(Ran::Refused(e)) => Err(e),
+            Ok(ran) => Ok(ran),
             // The writer rolled the phase back (a panic, a timeout, its transaction ended):
             // nothing of it was written.
             Err(e) if JobAborted::of(&e).is_some() => Err(PhaseError::Writes(Box::new(e))),
@@ -109,43 +222,39 @@ impl AtomicPhase for SqlitePhase {
     }
 }
 
-/// The phase inside its savepoint: the writes, the answer's checks, the fenced record.
-async fn run(
+/// Runs one savepoint statement.
+async fn savepoint(
     conn: &mut SqliteConnection,
-    writes: &Writes,
-    prepare: &Prepare,
-    scope: &str,
-    key: &str,
+    sql: &'static str,
+) -> Result<(), crate::StoreError> {
+    sqlx::query(sql).execute(&mut *conn).await.map_err(db)?;
+    Ok(())
+}
+
+/// The key's record (`done` with `answer`, for `reason`), fenced by `token`: committed, or
+/// [`Ran::Fenced`] when the key was taken over.
+async fn record(
+    conn: &mut SqliteConnection,
+    id: &KeyId,
     token: LeaseToken,
+    answer: StoredResponse,
+    reason: &'static str,
+    refused: bool,
 ) -> Result<Ran, crate::StoreError> {
-    let answer = match writes(&mut *conn).await {
-        Ok(a) => match prepare(a) {
-            Ok(a) => a,
-            Err(e) => return Ok(Ran::Refused(e)),
-        },
-        Err(e) => return Ok(Ran::WritesFailed(e.to_string())),
-    };
-    let finish = step_record(&answer);
-    let (status, headers, body) = finish.response_columns();
-    let row = sqlx::query(sql::FINISH)
-        .bind(scope)
-        .bind(key)
-        .bind(finish.to.as_str())
-        .bind(false)
-        .bind(status)
-        .bind(headers)
-        .bind(body)
-        .bind(None::<String>)
-        .bind(Some(token.0))
-        .bind(finish.actor.as_str())
-        .bind(&finish.reason)
-        .bind(None::<i64>)
-        .fetch_optional(&mut *conn)
-        .await
-        .map_err(db)?;
-    Ok(match row {
-        Some(_) => Ran::Committed(answer),
-        None => Ran::Fenced,
+    let finish = step_record(&answer, reason);
+    let row = sql_core::bind_finish(
+        sqlx::query(sql::FINISH),
+        id,
+        FinishMode::Holder(token),
+        &finish,
+    )
+    .fetch_optional(&mut *conn)
+    .await
+    .map_err(db)?;
+    Ok(match (row, refused) {
+        (None, _) => Ran::Fenced,
+        (Some(_), false) => Ran::Committed(answer),
+        (Some(_), true) => Ran::Refusal(answer),
     })
 }
 

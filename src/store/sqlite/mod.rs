@@ -159,6 +159,11 @@ fn is_memory(url: &str) -> bool {
 }
 
 impl SqliteStore {
+    /// This store's identity, shared by its clones (`store::phase::StoreId`).
+    pub(crate) fn store_id(&self) -> crate::store::phase::StoreId {
+        crate::store::phase::StoreId(self.seen.identity())
+    }
+
     /// The reads written once for the SQL stores (`store::sql_core`).
     fn core(&self) -> SqlCore<'_, sqlx::Sqlite> {
         SqlCore {
@@ -461,6 +466,10 @@ impl SqliteStore {
 impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
         BACKEND
+    }
+
+    fn phase_store(&self) -> Option<crate::store::phase::StoreId> {
+        Some(self.store_id())
     }
 
     #[instrument(skip(self), err)]

@@ -1,0 +1,453 @@
+//! Issue 23's one commit for local work (`Idempotency::execute_atomic`), on SQLite (a WAL file),
+//! PostgreSQL and MariaDB: a new key is one commit (counted by the database), a replay and
+//! concurrent duplicates run the writes once, the application's own constraint violation is its
+//! answer and never the key's, a failure keeps neither the key nor the rows, and a phase of the
+//! wrong store or a store without transactions is refused. The crash test is
+//! `one_commit_kill.rs`.
+
+use std::sync::Arc;
+
+use idemflow::store::phase::{OneCommitPhase, Refusal, WritesError, WritesFuture};
+use idemflow::{
+    Error, Execution, Idempotency, IdempotencyKey, IdempotentRequest, KeyId, Scope, Store,
+    StoredResponse, async_trait,
+};
+use serde_json::json;
+
+/// What the application's writes do: insert one order for `cart`, and then...
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Then {
+    /// answer 201; a cart that already has an order is refused with 409 (the app's answer).
+    Answer,
+    /// fail (an error of the application after its insert).
+    Fail,
+    /// answer 201, and pass a violated constraint on as an error (not turned into an answer).
+    Unhandled,
+}
+
+/// The orders table, the same on the three backends.
+pub const ORDERS: &str =
+    "CREATE TABLE orders (id VARCHAR(64) PRIMARY KEY, cart VARCHAR(64) NOT NULL UNIQUE)";
+
+/// The outcome of the application's insert, as an answer (or an error).
+pub fn answer(
+    order: &str,
+    then: Then,
+    inserted: Result<(), sqlx::Error>,
+) -> Result<StoredResponse, WritesError> {
+    match (then, inserted) {
+        (Then::Fail, Ok(())) => Err("the application failed after its insert".into()),
+        (_, Ok(())) => Ok(StoredResponse::json(201, &json!({ "order": order }))?),
+        (Then::Answer, Err(e))
+            if e.as_database_error()
+                .is_some_and(|d| d.is_unique_violation()) =>
+        {
+            Err(Refusal::new(StoredResponse::json(
+                409,
+                &json!({ "error": "this cart already has an order" }),
+            )?)
+            .into())
+        }
+        (_, Err(e)) => Err(e.into()),
+    }
+}
+
+/// Writes closures for each backend's connection type: insert the order, then `then`.
+macro_rules! writes {
+    ($conn:ty, $insert:expr, $order:expr, $cart:expr, $then:expr) => {{
+        let (order, cart, then): (String, String, Then) = ($order, $cart, $then);
+        move |conn: &mut $conn| -> WritesFuture<'_> {
+            let (order, cart) = (order.clone(), cart.clone());
+            Box::pin(async move {
+                let inserted = sqlx::query($insert)
+                    .bind(order.clone())
+                    .bind(cart)
+                    .execute(&mut *conn)
+                    .await
+                    .map(|_| ());
+                answer(&order, then, inserted)
+            })
+        }
+    }};
+}
+
+/// One backend under test.
+#[async_trait]
+pub trait Db: Send + Sync {
+    fn store(&self) -> Arc<dyn Store>;
+    /// A phase of this store inserting order `order` for `cart`.
+    fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn OneCommitPhase>;
+    /// Runs a statement on the application's side.
+    async fn exec(&self, sql: &'static str);
+    /// How many orders there are.
+    async fn orders(&self) -> i64;
+    /// A counter of the database's commits (every session's).
+    async fn commits(&self) -> u64;
+}
+
+fn id(key: &str) -> KeyId {
+    KeyId::new(
+        Scope::new("shop").unwrap(),
+        IdempotencyKey::new(key).unwrap(),
+    )
+}
+
+fn request(key: &str, cart: &str) -> IdempotentRequest {
+    IdempotentRequest::new("shop", key, "create_order", &json!({ "cart": cart })).unwrap()
+}
+
+/// The commits `f` makes: the fewest over five tries (other tests' commits can only add).
+async fn fewest_commits<F, Fut>(db: &dyn Db, mut f: F) -> u64
+where
+    F: FnMut(u32) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut fewest = u64::MAX;
+    for i in 0..5 {
+        let before = db.commits().await;
+        f(i).await;
+        let after = db.commits().await;
+        fewest = fewest.min(after - before);
+    }
+    fewest
+}
+
+/// Every check of this file, on one backend.
+pub async fn suite(db: &dyn Db, tag: &str) {
+    db.exec(ORDERS).await;
+    let idem = Idempotency::new(db.store());
+
+    // A new key: one commit. (`execute` with a claim and a finish: two.)
+    let one = fewest_commits(db, |i| {
+        let key = format!("one-{i}");
+        let phase = db.phase(&format!("o-one-{i}"), &format!("c-one-{i}"), Then::Answer);
+        let idem = idem.clone();
+        async move {
+            let done = idem
+                .execute_atomic(request(&key, &format!("c-one-{i}")), phase)
+                .await
+                .unwrap();
+            assert!(matches!(done, Execution::Executed(_)));
+        }
+    })
+    .await;
+    let two = fewest_commits(db, |i| {
+        let idem = idem.clone();
+        async move {
+            idem.execute(request(&format!("two-{i}"), "c"), |_| async {
+                idemflow::Outcome::Succeeded(StoredResponse::new(200))
+            })
+            .await
+            .unwrap();
+        }
+    })
+    .await;
+    println!("{tag}: a new key through execute_atomic: {one} commit(s); through execute: {two}");
+    assert_eq!(one, 1, "{tag}: execute_atomic must be one commit");
+    assert!(two >= 2, "{tag}: the counter must tell one commit from two");
+    assert_eq!(db.orders().await, 5);
+
+    // A replay: the writes do not run again.
+    let again = idem
+        .execute_atomic(
+            request("one-0", "c-one-0"),
+            db.phase("o-x", "c-x", Then::Answer),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(&again, Execution::Replayed(r) if r.status() == 201));
+    assert_eq!(again.response().body(), br#"{"order":"o-one-0"}"#);
+    assert_eq!(db.orders().await, 5);
+
+    // Concurrent duplicates: one runs, the others replay its answer.
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let (idem, phase) = (
+                idem.clone(),
+                db.phase(&format!("o-dup-{i}"), "c-dup", Then::Answer),
+            );
+            tokio::spawn(async move { idem.execute_atomic(request("dup", "c-dup"), phase).await })
+        })
+        .collect();
+    let mut executed = 0;
+    let mut bodies = std::collections::BTreeSet::new();
+    for t in tasks {
+        let done = t.await.unwrap().unwrap();
+        executed += usize::from(matches!(done, Execution::Executed(_)));
+        assert_eq!(done.response().status(), 201);
+        bodies.insert(done.response().body().to_vec());
+    }
+    assert_eq!(executed, 1, "{tag}: one duplicate runs");
+    assert_eq!(bodies.len(), 1, "{tag}: the others replay its answer");
+    assert_eq!(db.orders().await, 6);
+
+    // The application's own constraint (one order per cart) is its answer, stored and
+    // replayed; its writes are undone. Never mistaken for the key's constraint.
+    let refused = idem
+        .execute_atomic(
+            request("other-key", "c-dup"),
+            db.phase("o-2", "c-dup", Then::Answer),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(&refused, Execution::Executed(r) if r.status() == 409));
+    let replayed = idem
+        .execute_atomic(
+            request("other-key", "c-dup"),
+            db.phase("o-3", "c-dup", Then::Answer),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(&replayed, Execution::Replayed(r) if r.status() == 409));
+    let record = db.store().get(&id("other-key")).await.unwrap().unwrap();
+    assert_eq!(record.state, idemflow::KeyState::Done);
+    assert_eq!(db.orders().await, 6);
+
+    // The same violation passed on as an error: everything rolled back, no key row; a
+    // retry runs again (and is refused the same way).
+    let err = idem
+        .execute_atomic(
+            request("unhandled", "c-dup"),
+            db.phase("o-4", "c-dup", Then::Unhandled),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::RolledBack { .. }), "{tag}: {err:?}");
+    assert!(db.store().get(&id("unhandled")).await.unwrap().is_none());
+
+    // A failure after the insert: neither the key nor the order is kept; the retry runs.
+    let err = idem
+        .execute_atomic(request("fails", "c-f"), db.phase("o-f", "c-f", Then::Fail))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::RolledBack { .. }), "{tag}: {err:?}");
+    assert!(db.store().get(&id("fails")).await.unwrap().is_none());
+    assert_eq!(db.orders().await, 6);
+    let retried = idem
+        .execute_atomic(
+            request("fails", "c-f"),
+            db.phase("o-f", "c-f", Then::Answer),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(retried, Execution::Executed(_)));
+    assert_eq!(db.orders().await, 7);
+
+    // The same key with another request: refused as ever, nothing runs.
+    let err = idem
+        .execute_atomic(
+            request("fails", "c-other"),
+            db.phase("o-g", "c-g", Then::Answer),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::FingerprintMismatch { .. }), "{err:?}");
+
+    // Refused before anything runs: a request that names a provider.
+    let err = idem
+        .execute_atomic(
+            request("prov", "c-p").with_provider("stripe"),
+            db.phase("o-p", "c-p", Then::Answer),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NoSharedTransaction { .. }), "{err:?}");
+    assert_eq!(db.orders().await, 7);
+
+    // History shows the claim and the answer.
+    let history = db.store().history(&id("one-0")).await.unwrap();
+    let reasons: Vec<_> = history
+        .iter()
+        .map(|e| e.reason.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(reasons.len(), 2, "{tag}: {reasons:?}");
+    assert!(reasons[1].starts_with("one commit"), "{tag}: {reasons:?}");
+}
+
+#[cfg(feature = "sqlite")]
+mod sqlite {
+    use super::*;
+    use idemflow::store::sqlite::SqliteStore;
+    use sqlx::SqliteConnection;
+
+    struct Sqlite(Arc<SqliteStore>);
+
+    #[async_trait]
+    impl Db for Sqlite {
+        fn store(&self) -> Arc<dyn Store> {
+            self.0.clone()
+        }
+        fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn OneCommitPhase> {
+            Box::new(self.0.atomic_phase(writes!(
+                SqliteConnection,
+                "INSERT INTO orders (id, cart) VALUES (?, ?)",
+                order.to_owned(),
+                cart.to_owned(),
+                then
+            )))
+        }
+        async fn exec(&self, sql: &'static str) {
+            sqlx::query(sql)
+                .execute(self.0.writer_pool())
+                .await
+                .unwrap();
+        }
+        async fn orders(&self) -> i64 {
+            sqlx::query_scalar("SELECT COUNT(*) FROM orders")
+                .fetch_one(self.0.writer_pool())
+                .await
+                .unwrap()
+        }
+        /// The writer's transactions: every write of the store goes through it.
+        async fn commits(&self) -> u64 {
+            self.0.writer_stats().commits
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_file() {
+        suite(&Sqlite(crate::support::sqlite::file().await), "sqlite").await;
+    }
+
+    /// A phase of another store, and a store without transactions, are refused.
+    #[tokio::test]
+    async fn refused_before_anything_runs() {
+        let (a, b) = (
+            crate::support::sqlite::memory().await,
+            crate::support::sqlite::memory().await,
+        );
+        Sqlite(b.clone()).exec(ORDERS).await;
+        let idem = Idempotency::new(a.clone());
+        let err = idem
+            .execute_atomic(
+                request("k", "c"),
+                Sqlite(b.clone()).phase("o", "c", Then::Answer),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::NoSharedTransaction { .. }), "{err:?}");
+        let memory: Arc<dyn Store> = Arc::new(crate::memory_store::MemoryStore::default());
+        let err = Idempotency::new(memory)
+            .execute_atomic(
+                request("k", "c"),
+                Sqlite(b.clone()).phase("o", "c", Then::Answer),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::NoSharedTransaction { .. }), "{err:?}");
+        assert_eq!(Sqlite(b).orders().await, 0);
+        assert!(a.get(&id("k")).await.unwrap().is_none());
+    }
+}
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use super::*;
+    use idemflow::store::postgres::PostgresStore;
+    use sqlx::PgConnection;
+
+    /// The store, and how many times the commit counter was read.
+    struct Pg(PostgresStore, std::sync::atomic::AtomicU64);
+
+    #[async_trait]
+    impl Db for Pg {
+        fn store(&self) -> Arc<dyn Store> {
+            Arc::new(self.0.clone())
+        }
+        fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn OneCommitPhase> {
+            Box::new(self.0.atomic_phase(writes!(
+                PgConnection,
+                "INSERT INTO orders (id, cart) VALUES ($1, $2)",
+                order.to_owned(),
+                cart.to_owned(),
+                then
+            )))
+        }
+        async fn exec(&self, sql: &'static str) {
+            sqlx::query(sql).execute(self.0.pool()).await.unwrap();
+        }
+        async fn orders(&self) -> i64 {
+            sqlx::query_scalar("SELECT COUNT(*) FROM orders")
+                .fetch_one(self.0.pool())
+                .await
+                .unwrap()
+        }
+        /// Transaction ids assigned: each writing transaction takes one, and so does each
+        /// read of this counter, which is counted out.
+        async fn commits(&self) -> u64 {
+            let xid: i64 = sqlx::query_scalar("SELECT txid_current()")
+                .fetch_one(self.0.pool())
+                .await
+                .unwrap();
+            let earlier_reads = self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            xid as u64 - earlier_reads
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        let Some((url, schema)) = crate::support::postgres::fresh_schema().await else {
+            return;
+        };
+        let store =
+            PostgresStore::from_pool(crate::support::postgres::pool_in(&url, &schema, 8).await);
+        store.migrate().await.unwrap();
+        suite(&Pg(store, Default::default()), "postgres").await;
+        crate::support::postgres::drop_schema(&url, &schema).await;
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod mysql {
+    use super::*;
+    use idemflow::store::mysql::MySqlStore;
+    use sqlx::MySqlConnection;
+
+    struct My(MySqlStore);
+
+    #[async_trait]
+    impl Db for My {
+        fn store(&self) -> Arc<dyn Store> {
+            Arc::new(self.0.clone())
+        }
+        fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn OneCommitPhase> {
+            Box::new(self.0.atomic_phase(writes!(
+                MySqlConnection,
+                "INSERT INTO orders (id, cart) VALUES (?, ?)",
+                order.to_owned(),
+                cart.to_owned(),
+                then
+            )))
+        }
+        async fn exec(&self, sql: &'static str) {
+            sqlx::query(sql).execute(self.0.pool()).await.unwrap();
+        }
+        async fn orders(&self) -> i64 {
+            sqlx::query_scalar("SELECT COUNT(*) FROM orders")
+                .fetch_one(self.0.pool())
+                .await
+                .unwrap()
+        }
+        /// InnoDB's redo log writes: one per committed writing transaction (reading the
+        /// counter writes none).
+        async fn commits(&self) -> u64 {
+            let (_, n): (String, String) =
+                sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Innodb_log_writes'")
+                    .fetch_one(self.0.pool())
+                    .await
+                    .unwrap();
+            n.parse().unwrap()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql() {
+        let Some((options, name)) = crate::support::mysql::fresh_database().await else {
+            return;
+        };
+        let store = MySqlStore::from_pool(crate::support::mysql::pool_for(&options, 8).await);
+        store.migrate().await.unwrap();
+        suite(&My(store), "mysql").await;
+        crate::support::mysql::drop_database(&options, &name).await;
+    }
+}
