@@ -46,6 +46,7 @@ impl std::fmt::Debug for KnownKeys {
 impl KnownKeys {
     /// The address of the slots, shared by the clones of one store: that store's identity
     /// (`store::phase::StoreId`).
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
     pub(crate) fn identity(&self) -> usize {
         self.slots.as_ptr() as usize
     }

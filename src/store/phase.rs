@@ -118,6 +118,7 @@ pub(crate) const REFUSED_REASON: &str =
     "one commit: the application's writes refused and were undone; their answer is kept";
 
 /// The error of writes that refused, when they did.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) fn refusal(e: &WritesError) -> Option<StoredResponse> {
     e.downcast_ref::<Refusal>().map(|r| r.0.clone())
 }
