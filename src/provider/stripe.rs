@@ -54,6 +54,13 @@ use crate::{Outcome, StoredResponse};
 pub const DEFAULT_BASE_URL: &str = "https://api.stripe.com";
 /// The metadata field that carries our key.
 pub const METADATA_KEY: &str = "idemflow_key";
+/// The webhook events that settle the key of the PaymentIntent they carry
+/// ([`Stripe::event_outcome`]): the PaymentIntent reached a state the create call answered.
+pub const SETTLING_EVENTS: &[&str] = &[
+    "payment_intent.succeeded",
+    "payment_intent.payment_failed",
+    "payment_intent.canceled",
+];
 /// Default margin before an empty search result is trusted.
 pub const DEFAULT_SEARCH_LAG: Duration = Duration::from_secs(60);
 
@@ -163,13 +170,38 @@ impl Stripe {
         declined(response.status(), &err_type)
     }
 
+    /// What a webhook event says about a request idemflow sent: for a
+    /// `payment_intent.succeeded`, `payment_intent.payment_failed` or `payment_intent.canceled`
+    /// event whose PaymentIntent carries `metadata.idemflow_key`, that provider key and the
+    /// answer the create call gave ([`payment_intent_outcome`](Self::payment_intent_outcome));
+    /// `None` for any other event.
+    pub fn event_outcome(event: &Value) -> Option<(&str, Outcome)> {
+        let kind = event.get("type").and_then(Value::as_str)?;
+        if !SETTLING_EVENTS.contains(&kind) {
+            return None;
+        }
+        let pi = event.pointer("/data/object")?;
+        if pi.get("object").and_then(Value::as_str) != Some("payment_intent") {
+            return None;
+        }
+        let key = pi
+            .get("metadata")
+            .and_then(|m| m.get(METADATA_KEY))
+            .and_then(Value::as_str)
+            .filter(|k| !k.is_empty())?;
+        Some((key, Self::payment_intent_outcome(pi)))
+    }
+
     /// The search query for a provider key.
     pub fn search_query(provider_key: &str) -> String {
         let escaped = provider_key.replace('\\', "\\\\").replace('\'', "\\'");
         format!("metadata['{METADATA_KEY}']:'{escaped}'")
     }
 
-    fn found(pi: &Value) -> Outcome {
+    /// The answer a create call that made the PaymentIntent `pi` gave, as it stands now: what
+    /// a lookup by search rebuilds, and what a webhook event carrying `pi` settles a key with
+    /// (see the module docs).
+    pub fn payment_intent_outcome(pi: &Value) -> Outcome {
         let status = pi.get("status").and_then(Value::as_str).unwrap_or("");
         let as_json = |code: u16, v: &Value| {
             StoredResponse::from_parts(
@@ -288,7 +320,7 @@ impl Provider for Stripe {
             search_lag: self.search_lag,
             retention: None,
         }
-        .run(&self.endpoint, attempts, now, Self::found)
+        .run(&self.endpoint, attempts, now, Self::payment_intent_outcome)
         .await
     }
 }
