@@ -80,7 +80,9 @@ pub async fn connect(
         .max_connections(4)
         .connect(&url)
         .await?;
-    sqlx::query("PRAGMA busy_timeout = 5000").execute(&pool).await?;
+    sqlx::query("PRAGMA busy_timeout = 5000")
+        .execute(&pool)
+        .await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS webhook_effects ( \
            id INTEGER PRIMARY KEY AUTOINCREMENT, \
@@ -120,12 +122,11 @@ pub fn router(idem: Idempotency, pool: SqlitePool, secrets: &[String]) -> Router
 
 /// `[{"event": "evt_...", "count": N}, ...]`, by event id.
 async fn effects_of(State(pool): State<SqlitePool>) -> Result<Json<Value>, StatusCode> {
-    let rows: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT event, COUNT(*) FROM webhook_effects GROUP BY event ORDER BY event",
-    )
-    .fetch_all(&pool)
-    .await
-    .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT event, COUNT(*) FROM webhook_effects GROUP BY event ORDER BY event")
+            .fetch_all(&pool)
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
     let list: Vec<Value> = rows
         .into_iter()
         .map(|(event, count)| json!({"event": event, "count": count}))

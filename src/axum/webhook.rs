@@ -356,7 +356,13 @@ impl WebhookReceiver {
         E: fmt::Display + Send + 'static,
     {
         // A constant of visible ASCII: a valid scope.
-        Self::build(idem, STRIPE_SCOPE.to_owned(), signature, stripe_event, handler)
+        Self::build(
+            idem,
+            STRIPE_SCOPE.to_owned(),
+            signature,
+            stripe_event,
+            handler,
+        )
     }
 
     fn set(&mut self, f: impl FnOnce(&mut Receiver)) {
@@ -422,7 +428,9 @@ impl WebhookReceiver {
         let run = tokio::spawn(
             async move {
                 let r = &this.inner;
-                r.idem.execute(request, |_ctx| this.run_handler(event)).await
+                r.idem
+                    .execute(request, |_ctx| this.run_handler(event))
+                    .await
             }
             .instrument(tracing::Span::current()),
         );
@@ -462,10 +470,14 @@ impl WebhookReceiver {
         }
         let id = event.id().to_owned();
         match tokio::spawn((r.handler)(event)).await {
-            Ok(Ok(())) => match StoredResponse::json(200, &json!({"received": true, "event": id})) {
-                Ok(ack) => Outcome::Succeeded(ack),
-                Err(e) => Outcome::retryable(format!("the acknowledgement did not serialise: {e}")),
-            },
+            Ok(Ok(())) => {
+                match StoredResponse::json(200, &json!({"received": true, "event": id})) {
+                    Ok(ack) => Outcome::Succeeded(ack),
+                    Err(e) => {
+                        Outcome::retryable(format!("the acknowledgement did not serialise: {e}"))
+                    }
+                }
+            }
             Ok(Err(reason)) => Outcome::retryable(format!("the handler failed: {reason}")),
             Err(e) if e.is_panic() => Outcome::retryable(format!(
                 "the handler panicked: {}",
@@ -581,11 +593,14 @@ mod settle {
             let Some((provider_key, outcome)) = Stripe::event_outcome(event.json()) else {
                 return Ok(None);
             };
-            let reported =
-                ProviderEvent::new(&self.provider, provider_key, outcome, event.id());
+            let reported = ProviderEvent::new(&self.provider, provider_key, outcome, event.id());
             let located;
             let target = match &self.locate {
-                Some(locate) => match event.json().pointer("/data/object").and_then(|pi| locate(pi)) {
+                Some(locate) => match event
+                    .json()
+                    .pointer("/data/object")
+                    .and_then(|pi| locate(pi))
+                {
                     Some(id) => {
                         located = id;
                         EventTarget::Key(&located)

@@ -32,6 +32,10 @@
 //! has passed since the first send. Within Stripe's 24 h key window a wrong "not found" is
 //! harmless anyway: the retry it allows carries the same key and is replayed, not re-executed.
 //!
+//! Webhooks: [`Stripe::event_outcome`] reads the same answer from a `payment_intent.*` event,
+//! for the webhook receiver to settle a stuck key without waiting for a search
+//! (`docs/consumers.md`); the webhook signature scheme is in `provider::stripe_signature`.
+//!
 //! A PaymentIntent found by search is replayed as a decline (402 `card_error`) only when it is
 //! `requires_payment_method` with a `last_payment_error`; any other one (waiting for a payment
 //! method, canceled, succeeded, ...) was created by the call and is replayed as 200 with the

@@ -232,7 +232,7 @@ fn parse_header(header: &[u8]) -> Result<(i64, Vec<Vec<u8>>), SignatureError> {
 
 /// Decodes hex (either case); `None` when it is not an even number of hex digits.
 fn decode_hex(s: &str) -> Option<Vec<u8>> {
-    if s.is_empty() || s.len() % 2 != 0 {
+    if s.is_empty() || !s.len().is_multiple_of(2) {
         return None;
     }
     s.as_bytes()
@@ -303,12 +303,18 @@ mod tests {
         let scheme = StripeSignature::new("whsec_test_secret");
         let stale = check(&scheme, &header(&[SIG_TEST]), T + 301);
         assert!(
-            matches!(stale, Err(SignatureError::OutsideTolerance { off_by: 301, .. })),
+            matches!(
+                stale,
+                Err(SignatureError::OutsideTolerance { off_by: 301, .. })
+            ),
             "{stale:?}"
         );
         let ahead = check(&scheme, &header(&[SIG_TEST]), T - 301);
         assert!(
-            matches!(ahead, Err(SignatureError::OutsideTolerance { off_by: 301, .. })),
+            matches!(
+                ahead,
+                Err(SignatureError::OutsideTolerance { off_by: 301, .. })
+            ),
             "{ahead:?}"
         );
         let wide = scheme.clone().tolerance(Duration::from_secs(3600));
@@ -335,15 +341,16 @@ mod tests {
     #[test]
     fn malformed_headers_are_typed_errors_not_panics() {
         let scheme = StripeSignature::new("whsec_test_secret");
-        assert_eq!(
-            scheme.verify(None, BODY, T),
-            Err(SignatureError::Missing)
-        );
+        assert_eq!(scheme.verify(None, BODY, T), Err(SignatureError::Missing));
         let v0_only = format!("t={T},v0={SIG_TEST}");
         let not_hex = format!("t={T},v1=zz{}", &SIG_TEST[2..]);
         let odd_hex = format!("t={T},v1=abc");
         for h in [v0_only.as_str(), not_hex.as_str(), odd_hex.as_str(), "t=1"] {
-            assert_eq!(check(&scheme, h, T), Err(SignatureError::NoSignature), "{h}");
+            assert_eq!(
+                check(&scheme, h, T),
+                Err(SignatureError::NoSignature),
+                "{h}"
+            );
         }
         let cases = [
             "",
@@ -366,7 +373,11 @@ mod tests {
             Err(SignatureError::Malformed { .. })
         ));
         // Extreme timestamps do not overflow the tolerance check.
-        let far = format!("t={},v1={}", i64::MIN, sign("whsec_test_secret", i64::MIN, BODY));
+        let far = format!(
+            "t={},v1={}",
+            i64::MIN,
+            sign("whsec_test_secret", i64::MIN, BODY)
+        );
         assert!(matches!(
             check(&scheme, &far, i64::MAX),
             Err(SignatureError::OutsideTolerance { .. })

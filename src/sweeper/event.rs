@@ -114,7 +114,10 @@ impl Sweeper {
             provider_key = %event.provider_key,
             result = tracing::field::Empty,
         );
-        let result = self.settle_event(target, event).instrument(span.clone()).await;
+        let result = self
+            .settle_event(target, event)
+            .instrument(span.clone())
+            .await;
         if let Ok(r) = &result {
             span.record("result", tracing::field::debug(r));
         }

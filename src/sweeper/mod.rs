@@ -797,10 +797,7 @@ fn masked(
             Some(p),
         ) => RecoveryDecision::Finish {
             to,
-            response: Some(crate::provider::secrets::mask_fields(
-                r,
-                p.secret_fields(),
-            )),
+            response: Some(crate::provider::secrets::mask_fields(r, p.secret_fields())),
             error,
             reason,
         },

@@ -68,7 +68,8 @@ fn statuses(answers: &[Delivered]) -> Vec<u16> {
 
 /// The stores the backend-generic tests run on: a SQLite file, and PostgreSQL when set.
 async fn stores() -> Vec<(&'static str, Arc<dyn Store>)> {
-    let mut out: Vec<(&'static str, Arc<dyn Store>)> = vec![("sqlite", super::support::sqlite::file().await)];
+    let mut out: Vec<(&'static str, Arc<dyn Store>)> =
+        vec![("sqlite", super::support::sqlite::file().await)];
     #[cfg(feature = "postgres")]
     if let Some(pg) = super::support::postgres::store().await {
         out.push(("postgres", pg));
@@ -112,7 +113,13 @@ async fn signatures_good_bad_stale_and_rotated() {
         400
     );
     let signed_other = sender.signature(b"{}");
-    assert_eq!(sender.send_raw(body.clone(), Some(signed_other)).await.status, 400);
+    assert_eq!(
+        sender
+            .send_raw(body.clone(), Some(signed_other))
+            .await
+            .status,
+        400
+    );
     let garbage = sender
         .send_raw(body.clone(), Some("t=x,v1=zz".into()))
         .await;
@@ -121,7 +128,11 @@ async fn signatures_good_bad_stale_and_rotated() {
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 
     // Signed right but not an event: 400, nothing recorded, no panic.
-    for bad in [b"not json".to_vec(), b"{\"type\":\"x\"}".to_vec(), b"[]".to_vec()] {
+    for bad in [
+        b"not json".to_vec(),
+        b"{\"type\":\"x\"}".to_vec(),
+        b"[]".to_vec(),
+    ] {
         let sig = sender.signature(&bad);
         let answer = sender.send_raw(bad, Some(sig)).await;
         assert_eq!(answer.status, 400, "{answer:?}");
@@ -132,7 +143,10 @@ async fn signatures_good_bad_stale_and_rotated() {
     assert_eq!(sender.send(&unusable_id).await.status, 400);
 
     // Good, within the tolerance (a few seconds off either way).
-    let good = WebhookSender::new(&url, NEW).clock_offset(-200).send(&e).await;
+    let good = WebhookSender::new(&url, NEW)
+        .clock_offset(-200)
+        .send(&e)
+        .await;
     assert_eq!(good.status, 200, "{good:?}");
     assert!(!good.replayed);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -164,7 +178,11 @@ async fn duplicates_run_the_handler_once() {
             sender.send(&event).await,
             sender.send(&event).await,
         ];
-        assert_eq!(statuses(&answers), [200, 200, 200], "{backend}: {answers:?}");
+        assert_eq!(
+            statuses(&answers),
+            [200, 200, 200],
+            "{backend}: {answers:?}"
+        );
         assert_eq!(
             answers.iter().map(|a| a.replayed).collect::<Vec<_>>(),
             [false, true, true],
@@ -197,12 +215,16 @@ async fn concurrent_duplicates_run_the_handler_once() {
             "{backend}: {codes:?}"
         );
         assert!(codes.contains(&200), "{backend}: {codes:?}");
-        assert!(codes.contains(&409), "{backend}: the first still ran: {codes:?}");
+        assert!(
+            codes.contains(&409),
+            "{backend}: the first still ran: {codes:?}"
+        );
         // A 409 carries Retry-After semantics in its problem; Stripe delivers again later.
-        let retried = sender
-            .deliver(&event, 10, Duration::from_millis(100))
-            .await;
-        assert!(retried.last().unwrap().is_success(), "{backend}: {retried:?}");
+        let retried = sender.deliver(&event, 10, Duration::from_millis(100)).await;
+        assert!(
+            retried.last().unwrap().is_success(),
+            "{backend}: {retried:?}"
+        );
         assert_eq!(runs.load(Ordering::SeqCst), 1, "{backend}");
     }
 }
@@ -234,8 +256,15 @@ async fn a_failing_or_panicking_handler_is_retried_and_takes_effect_once() {
         let sender = WebhookSender::new(format!("{base}/hook"), NEW);
         let event = stripe_event("charge.refunded", json!({"id": "ch_1"}));
         let answers = sender.deliver(&event, 5, Duration::from_millis(20)).await;
-        assert_eq!(statuses(&answers), [503, 503, 200], "{backend}: {answers:?}");
-        assert!(answers[1].body.contains("panicked"), "{backend}: {answers:?}");
+        assert_eq!(
+            statuses(&answers),
+            [503, 503, 200],
+            "{backend}: {answers:?}"
+        );
+        assert!(
+            answers[1].body.contains("panicked"),
+            "{backend}: {answers:?}"
+        );
         let again = sender.deliver(&event, 5, Duration::from_millis(20)).await;
         assert_eq!(statuses(&again), [200], "{backend}");
         assert_eq!(runs.load(Ordering::SeqCst), 3, "{backend}");
@@ -253,13 +282,14 @@ async fn a_crashed_run_is_taken_over_by_a_later_delivery() {
         let idem = Idempotency::new(store.clone()).lease(lease);
         let runs = Arc::new(AtomicUsize::new(0));
         let counted = runs.clone();
-        let receiver = WebhookReceiver::stripe(idem.clone(), StripeSignature::new(NEW), move |_| {
-            let runs = counted.clone();
-            async move {
-                runs.fetch_add(1, Ordering::SeqCst);
-                Ok::<(), String>(())
-            }
-        });
+        let receiver =
+            WebhookReceiver::stripe(idem.clone(), StripeSignature::new(NEW), move |_| {
+                let runs = counted.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok::<(), String>(())
+                }
+            });
         let base = serve(Router::new().route_service("/hook", receiver)).await;
         let sender = WebhookSender::new(format!("{base}/hook"), NEW);
         let event = stripe_event("customer.created", json!({"id": "cus_1"}));
@@ -302,7 +332,12 @@ fn fast_stripe(fake: &FakeStripe) -> Arc<Stripe> {
 #[tokio::test]
 async fn a_lost_response_is_settled_by_the_event_before_any_sweep() {
     for (card, kind, state, status) in [
-        ("pm_card_visa", "payment_intent.succeeded", KeyState::Done, 200),
+        (
+            "pm_card_visa",
+            "payment_intent.succeeded",
+            KeyState::Done,
+            200,
+        ),
         (
             FakeStripe::DECLINED_CARD,
             "payment_intent.payment_failed",
@@ -319,15 +354,22 @@ async fn a_lost_response_is_settled_by_the_event_before_any_sweep() {
 
         fake.faults().lose_next_response();
         let lost = idem.call(pay(), stripe.as_ref()).await;
-        assert!(matches!(lost, Err(Error::OutcomeUnknown { .. })), "{lost:?}");
+        assert!(
+            matches!(lost, Err(Error::OutcomeUnknown { .. })),
+            "{lost:?}"
+        );
         let retry = idem.call(pay(), stripe.as_ref()).await;
-        assert!(matches!(retry, Err(Error::OutcomeUnknown { .. })), "{retry:?}");
+        assert!(
+            matches!(retry, Err(Error::OutcomeUnknown { .. })),
+            "{retry:?}"
+        );
 
         let sweeper = Sweeper::new(store.clone(), Providers::new().with(stripe.clone()));
-        let receiver = WebhookReceiver::stripe(idem.clone(), StripeSignature::new(NEW), |_| async {
-            Ok::<(), String>(())
-        })
-        .settle_keys(SettleKeys::new(sweeper));
+        let receiver =
+            WebhookReceiver::stripe(idem.clone(), StripeSignature::new(NEW), |_| async {
+                Ok::<(), String>(())
+            })
+            .settle_keys(SettleKeys::new(sweeper));
         let base = serve(Router::new().route_service("/hook", receiver)).await;
         let pi = fake.ledger().entries()[0].id.clone();
         let event = fake.payment_intent_event(&pi).unwrap();
@@ -342,7 +384,10 @@ async fn a_lost_response_is_settled_by_the_event_before_any_sweep() {
         let last = store.history(pay().id()).await.unwrap().pop().unwrap();
         assert_eq!(last.actor, Actor::Sweeper);
         assert!(
-            last.reason.as_deref().unwrap_or("").contains(event["id"].as_str().unwrap()),
+            last.reason
+                .as_deref()
+                .unwrap_or("")
+                .contains(event["id"].as_str().unwrap()),
             "{last:?}"
         );
         let settled = idem.call(pay(), stripe.as_ref()).await.unwrap();
@@ -354,7 +399,10 @@ async fn a_lost_response_is_settled_by_the_event_before_any_sweep() {
         } else {
             &pi_json["error"]["payment_intent"]["client_secret"]
         };
-        assert_ne!(client_secret, &fake.payment_intent_event(&pi).unwrap()["data"]["object"]["client_secret"]);
+        assert_ne!(
+            client_secret,
+            &fake.payment_intent_event(&pi).unwrap()["data"]["object"]["client_secret"]
+        );
         assert_eq!(fake.ledger().len(), 1, "charged once");
     }
 }
@@ -383,7 +431,11 @@ async fn events_for_running_or_unknown_keys_change_nothing() {
     );
     assert_eq!(sender.send(&stranger).await.status, 200);
     let stats = store.stats().await.unwrap();
-    assert_eq!((stats.done, stats.processing), (1, 0), "only the event's own key");
+    assert_eq!(
+        (stats.done, stats.processing),
+        (1, 0),
+        "only the event's own key"
+    );
 
     // A key held by a live attempt: the event leaves it alone.
     let idem = Idempotency::new(store.clone()).lease(Duration::from_secs(30));
@@ -392,7 +444,9 @@ async fn events_for_running_or_unknown_keys_change_nothing() {
         .with_provider("stripe");
     let held = tokio::time::timeout(
         Duration::from_millis(50),
-        idem.execute(request.clone(), |_| std::future::pending::<idemflow::Outcome>()),
+        idem.execute(request.clone(), |_| {
+            std::future::pending::<idemflow::Outcome>()
+        }),
     )
     .await;
     assert!(held.is_err());
@@ -404,7 +458,11 @@ async fn events_for_running_or_unknown_keys_change_nothing() {
     );
     assert_eq!(sender.send(&live).await.status, 200);
     let row = store.get(request.id()).await.unwrap().unwrap();
-    assert_eq!(row.state, KeyState::Processing, "left to the attempt holding it");
+    assert_eq!(
+        row.state,
+        KeyState::Processing,
+        "left to the attempt holding it"
+    );
 }
 
 #[tokio::test]
@@ -424,7 +482,10 @@ async fn the_example_counts_one_effect_per_event() {
         assert!(sender.send(&first).await.is_success());
     }
     let burst = sender.send_concurrently(&second, 20).await;
-    assert!(burst.iter().all(|a| a.status == 200 || a.status == 409), "{burst:?}");
+    assert!(
+        burst.iter().all(|a| a.status == 200 || a.status == 409),
+        "{burst:?}"
+    );
     let last = sender.deliver(&second, 10, Duration::from_millis(50)).await;
     assert!(last.last().unwrap().is_success(), "{last:?}");
     let effects: Value = reqwest::get(format!("{base}/effects"))
