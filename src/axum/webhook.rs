@@ -311,23 +311,6 @@ impl WebhookReceiver {
         Fut: Future<Output = Result<(), E>> + Send + 'static,
         E: fmt::Display + Send + 'static,
     {
-        Self::build(idem, scope.as_str().to_owned(), verifier, extract, handler)
-    }
-
-    fn build<V, X, F, Fut, E>(
-        idem: Idempotency,
-        scope: String,
-        verifier: V,
-        extract: X,
-        handler: F,
-    ) -> Self
-    where
-        V: VerifyWebhook,
-        X: Fn(&HeaderMap, &Bytes) -> Result<WebhookEvent, WebhookError> + Send + Sync + 'static,
-        F: Fn(WebhookEvent) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<(), E>> + Send + 'static,
-        E: fmt::Display + Send + 'static,
-    {
         let retention = idem.config().retention;
         let handler: HandlerFn = Arc::new(move |event| {
             let run = handler(event);
@@ -336,7 +319,7 @@ impl WebhookReceiver {
         Self {
             inner: Arc::new(Receiver {
                 idem: idem.retry_takeover_window(Some(retention)),
-                scope,
+                scope: scope.as_str().to_owned(),
                 verifier: Arc::new(verifier),
                 extract: Arc::new(extract),
                 handler,
@@ -355,14 +338,12 @@ impl WebhookReceiver {
         Fut: Future<Output = Result<(), E>> + Send + 'static,
         E: fmt::Display + Send + 'static,
     {
-        // A constant of visible ASCII: a valid scope.
-        Self::build(
-            idem,
-            STRIPE_SCOPE.to_owned(),
-            signature,
-            stripe_event,
-            handler,
-        )
+        let scope = match Scope::new(STRIPE_SCOPE) {
+            Ok(scope) => scope,
+            // A constant of visible ASCII (`tests::the_stripe_scope_is_a_valid_scope`).
+            Err(e) => unreachable!("{STRIPE_SCOPE:?} is not a valid scope: {e}"),
+        };
+        Self::new(idem, scope, signature, stripe_event, handler)
     }
 
     fn set(&mut self, f: impl FnOnce(&mut Receiver)) {
@@ -624,6 +605,37 @@ mod settle {
         pub fn settle_keys(mut self, settle: SettleKeys) -> Self {
             self.set(|r| r.settle = Some(settle));
             self
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stripe_scope_is_a_valid_scope() {
+        assert_eq!(Scope::new(STRIPE_SCOPE).unwrap().as_str(), "webhook:stripe");
+    }
+
+    #[test]
+    fn a_stripe_event_needs_an_id_and_a_type() {
+        let read = |body: &'static [u8]| stripe_event(&HeaderMap::new(), &Bytes::from_static(body));
+        let event = read(br#"{"id":"evt_1","type":"invoice.paid","data":{}}"#).unwrap();
+        assert_eq!((event.id(), event.kind()), ("evt_1", "invoice.paid"));
+        assert_eq!(event.json()["data"], json!({}));
+        for bad in [
+            &b"nope"[..],
+            b"[]",
+            br#"{"id":1,"type":"x"}"#,
+            br#"{"id":"evt_1"}"#,
+        ] {
+            let refused = read(bad).unwrap_err();
+            assert!(
+                matches!(refused, WebhookError::InvalidEvent { .. }),
+                "{refused:?}"
+            );
+            assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
         }
     }
 }
