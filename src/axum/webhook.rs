@@ -45,7 +45,7 @@
 //! `docs/consumers.md` for what is promised and its limits.
 //!
 //! The run (claim, handler, finish) goes on in a task of its own, so a sender that hangs up
-//! (Stripe waits about 10 s) does not cut it between the handler's effect and the key's finish.
+//! (a timeout on its side) does not cut it between the handler's effect and the key's finish.
 //!
 //! With feature `http`, [`WebhookReceiver::settle_keys`] also settles idemflow keys still
 //! `processing` from the `payment_intent.*` events that report them (see [`SettleKeys`]).

@@ -61,8 +61,9 @@ pub enum EventTarget<'a> {
     /// if its provider key is the event's.
     Key(&'a KeyId),
     /// Search the processing keys for the event's provider key: one read of up to `limit`
-    /// processing keys, oldest first ([`OperatorStore::stuck`]). A key beyond the limit is not
-    /// found, and is left to the sweeper.
+    /// processing keys, oldest first
+    /// ([`OperatorStore::stuck`](crate::store::OperatorStore::stuck)). A key beyond the limit
+    /// is not found, and is left to the sweeper.
     ScanProcessing {
         /// How many processing keys one event reads at most.
         limit: u32,
@@ -85,8 +86,8 @@ pub enum EventSettlement {
     /// The event's provider is not registered with this sweeper (its secret fields could not
     /// be masked): nothing is done.
     ProviderNotRegistered,
-    /// The event's answer settles nothing (a pending PaymentIntent); the key is left for the
-    /// sweeper, checked again later.
+    /// The event's answer is not final ([`Outcome::Retryable`] or [`Outcome::Unknown`]; Stripe's
+    /// settling events never are): the key is left for the sweeper, checked again later.
     Deferred {
         /// Why.
         reason: String,
@@ -96,9 +97,13 @@ pub enum EventSettlement {
 }
 
 impl Sweeper {
-    /// Settles the key a provider's event belongs to, at once, through the sweeper's fenced
-    /// write (see the [module docs](self)). `target` says how to find the key. The history
-    /// records the actor `sweeper` and the event's id.
+    /// Settles the key a provider's event belongs to, at once, through the sweeper's own
+    /// decision and fenced write: the event's outcome is read as a lookup that found it (the
+    /// same attempt rule), the provider's secret fields are masked, and the finish carries the
+    /// token read with the key, so a key moved on meanwhile is left alone. Only a key still
+    /// `processing`, of the event's provider and provider key, whose lease has run out or was
+    /// given back, is settled; `target` says how to find it. The history records the actor
+    /// `sweeper` and the event's id (`docs/consumers.md`).
     ///
     /// Store errors are returned; a write refused because the key moved on is
     /// [`EventSettlement::Lost`].
