@@ -63,7 +63,7 @@
 //! | `mysql` | `store::mysql::MySqlStore` (MariaDB >= 10.6; MySQL untested, `docs/backends.md`) |
 //! | `redis` | `store::redis::RedisStore` (one Lua script per transition) |
 //! | `http` | `provider::http`, provider adapters: `provider::Stripe`, `provider::Resend`, `provider::Postmark` |
-//! | `axum` | `axum::IdempotencyLayer`, IETF `Idempotency-Key` semantics for axum services |
+//! | `axum` | `axum::IdempotencyLayer`, IETF `Idempotency-Key` semantics for axum services; `axum::webhook`, webhook receivers |
 //! | `testkit` | fake provider servers with a ledger and fault injection |
 //! | `cli` | the `idemflow` reconciler binary |
 //!

@@ -53,6 +53,9 @@
 //! The first caller gets the answer as stored (the provider's secret fields and
 //! [`Idempotency::redact_with`] applied, the stored headers as stored) plus the handler's
 //! headers that are not stored, so a replay is the first answer byte for byte.
+//!
+//! Webhook receivers (Stripe's, or any provider's) are in [`webhook`]: a tower service that
+//! verifies each delivery and runs its handler once per event id.
 
 // The stored closures answer with a `Response` (as axum's extractor rejections do); the public
 // builders take any `IntoResponse` error, so callers' closures stay small.
@@ -74,6 +77,7 @@ mod key_header;
 mod problem;
 mod scope;
 mod service;
+pub mod webhook;
 
 pub use context::{IdempotencyContext, NothingHappened};
 pub use key_header::{KeyHeaderError, parse_key_bytes, parse_key_header};

@@ -508,7 +508,7 @@ async fn masked_unstored(resp: Response, settings: &Settings) -> Response {
 }
 
 /// A stored answer as an HTTP response.
-fn to_http(stored: StoredResponse) -> Response {
+pub(super) fn to_http(stored: StoredResponse) -> Response {
     let (status, headers, body) = stored.into_parts();
     let mut resp = Response::new(Body::from(body));
     *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

@@ -17,6 +17,9 @@ use crate::{IdempotencyKey, Outcome, Scope, StoredResponse, provider_key};
 
 pub mod config;
 pub mod secrets;
+#[cfg(any(feature = "axum", feature = "testkit"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "axum", feature = "testkit"))))]
+pub mod stripe_signature;
 
 /// Declares the modules of the HTTP adapters, all behind the feature `http`.
 macro_rules! http_modules {

@@ -32,6 +32,10 @@
 //! has passed since the first send. Within Stripe's 24 h key window a wrong "not found" is
 //! harmless anyway: the retry it allows carries the same key and is replayed, not re-executed.
 //!
+//! Webhooks: [`Stripe::event_outcome`] reads the same answer from a `payment_intent.*` event,
+//! for the webhook receiver to settle a stuck key without waiting for a search
+//! (`docs/consumers.md`); the webhook signature scheme is in `provider::stripe_signature`.
+//!
 //! A PaymentIntent found by search is replayed as a decline (402 `card_error`) only when it is
 //! `requires_payment_method` with a `last_payment_error`; any other one (waiting for a payment
 //! method, canceled, succeeded, ...) was created by the call and is replayed as 200 with the
@@ -54,6 +58,13 @@ use crate::{Outcome, StoredResponse};
 pub const DEFAULT_BASE_URL: &str = "https://api.stripe.com";
 /// The metadata field that carries our key.
 pub const METADATA_KEY: &str = "idemflow_key";
+/// The webhook events that settle the key of the PaymentIntent they carry
+/// ([`Stripe::event_outcome`]): the PaymentIntent reached a state the create call answered.
+pub const SETTLING_EVENTS: &[&str] = &[
+    "payment_intent.succeeded",
+    "payment_intent.payment_failed",
+    "payment_intent.canceled",
+];
 /// Default margin before an empty search result is trusted.
 pub const DEFAULT_SEARCH_LAG: Duration = Duration::from_secs(60);
 
@@ -163,13 +174,38 @@ impl Stripe {
         declined(response.status(), &err_type)
     }
 
+    /// What a webhook event says about a request idemflow sent: for a
+    /// `payment_intent.succeeded`, `payment_intent.payment_failed` or `payment_intent.canceled`
+    /// event whose PaymentIntent carries `metadata.idemflow_key`, that provider key and the
+    /// answer the create call gave ([`payment_intent_outcome`](Self::payment_intent_outcome));
+    /// `None` for any other event.
+    pub fn event_outcome(event: &Value) -> Option<(&str, Outcome)> {
+        let kind = event.get("type").and_then(Value::as_str)?;
+        if !SETTLING_EVENTS.contains(&kind) {
+            return None;
+        }
+        let pi = event.pointer("/data/object")?;
+        if pi.get("object").and_then(Value::as_str) != Some("payment_intent") {
+            return None;
+        }
+        let key = pi
+            .get("metadata")
+            .and_then(|m| m.get(METADATA_KEY))
+            .and_then(Value::as_str)
+            .filter(|k| !k.is_empty())?;
+        Some((key, Self::payment_intent_outcome(pi)))
+    }
+
     /// The search query for a provider key.
     pub fn search_query(provider_key: &str) -> String {
         let escaped = provider_key.replace('\\', "\\\\").replace('\'', "\\'");
         format!("metadata['{METADATA_KEY}']:'{escaped}'")
     }
 
-    fn found(pi: &Value) -> Outcome {
+    /// The answer a create call that made the PaymentIntent `pi` gave, as it stands now: what
+    /// a lookup by search rebuilds, and what a webhook event carrying `pi` settles a key with
+    /// (see the module docs).
+    pub fn payment_intent_outcome(pi: &Value) -> Outcome {
         let status = pi.get("status").and_then(Value::as_str).unwrap_or("");
         let as_json = |code: u16, v: &Value| {
             StoredResponse::from_parts(
@@ -288,7 +324,7 @@ impl Provider for Stripe {
             search_lag: self.search_lag,
             retention: None,
         }
-        .run(&self.endpoint, attempts, now, Self::found)
+        .run(&self.endpoint, attempts, now, Self::payment_intent_outcome)
         .await
     }
 }

@@ -52,10 +52,12 @@ use crate::{KeyId, KeyState};
 
 mod clock;
 mod decide;
+mod event;
 mod renew;
 mod report;
 mod workflow;
 
+pub use event::{EventSettlement, EventTarget, ProviderEvent};
 pub use report::{LostKey, RunSummary, SweepReport, Unresolved, UnresolvedKey};
 
 use clock::BatchClock;
@@ -499,9 +501,6 @@ impl Sweeper {
             .and_then(|name| self.providers.get(name))
             .cloned();
         let spec = provider.as_ref().map(|p| p.key_spec());
-        let provider_secrets: Option<Vec<String>> = provider
-            .as_ref()
-            .map(|p| p.secret_fields().iter().map(|f| (*f).to_owned()).collect());
         let name = record.provider.clone().unwrap_or_default();
         let plan = decide::plan(
             &record,
@@ -509,7 +508,7 @@ impl Sweeper {
             now,
             self.config.redrive_margin,
         );
-        let decision = match (plan, provider) {
+        let decision = match (plan, provider.clone()) {
             (RecoveryPlan::NeedsOperator { reason }, _) => {
                 tracing::Span::current().record("decision", "needs_operator");
                 RecoveryDecision::NeedsOperator { reason }
@@ -542,27 +541,7 @@ impl Sweeper {
                 reason: format!("provider {name:?} is not registered with this sweeper"),
             },
         };
-        // The provider's secrets never reach the store, whoever settles the key.
-        let decision = match (decision, &provider_secrets) {
-            (
-                RecoveryDecision::Finish {
-                    to,
-                    response: Some(r),
-                    error,
-                    reason,
-                },
-                Some(fields),
-            ) => RecoveryDecision::Finish {
-                to,
-                response: Some(crate::provider::secrets::mask_fields(
-                    r,
-                    &fields.iter().map(String::as_str).collect::<Vec<_>>(),
-                )),
-                error,
-                reason,
-            },
-            (d, _) => d,
-        };
+        let decision = masked(decision, provider.as_deref());
         self.apply(&id, &record, decision).await
     }
 
@@ -798,6 +777,31 @@ impl Sweeper {
             ))),
             Err(e) => lost_or(e, &record),
         }
+    }
+}
+
+/// `decision` with the provider's secret fields masked in the answer it stores: the provider's
+/// secrets never reach the store, whoever settles the key.
+fn masked(
+    decision: RecoveryDecision,
+    provider: Option<&dyn crate::provider::Provider>,
+) -> RecoveryDecision {
+    match (decision, provider) {
+        (
+            RecoveryDecision::Finish {
+                to,
+                response: Some(r),
+                error,
+                reason,
+            },
+            Some(p),
+        ) => RecoveryDecision::Finish {
+            to,
+            response: Some(crate::provider::secrets::mask_fields(r, p.secret_fields())),
+            error,
+            reason,
+        },
+        (d, _) => d,
     }
 }
 

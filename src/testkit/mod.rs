@@ -56,6 +56,11 @@
 //!   `inactive`: 422 `ErrorCode` 406. `GET /messages/outbound?metadata_<k>=<v>` searches
 //!   metadata, after the search lag.
 //!
+//! [`WebhookSender`] delivers Stripe webhook events signed as Stripe signs them (`Stripe-Signature`,
+//! one `v1` per secret), once, with retries until a 2xx, or as concurrent duplicates;
+//! [`FakeStripe::payment_intent_event`] builds the event Stripe would send for a PaymentIntent the
+//! fake made.
+//!
 //! Faults (see [`Faults`]) apply to the effect endpoint (the `POST`), one queued fault per
 //! request, in order; latency and search lag are settings.
 
@@ -72,6 +77,7 @@ mod resend;
 mod server;
 mod square;
 mod stripe;
+mod webhook;
 
 pub use adyen::FakeAdyen;
 pub use paypal::FakePayPal;
@@ -79,6 +85,7 @@ pub use postmark::FakePostmark;
 pub use resend::FakeResend;
 pub use square::FakeSquare;
 pub use stripe::FakeStripe;
+pub use webhook::{Delivered, WebhookSender, stripe_event};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -485,6 +492,20 @@ impl Searchable {
             .filter(|(visible, item)| *visible <= now && matches(item))
             .map(|(_, item)| item.clone())
             .collect()
+    }
+
+    /// The newest item `matches` accepts, visible to search yet or not (what the provider
+    /// holds).
+    pub(crate) fn held(
+        &self,
+        matches: impl Fn(&serde_json::Value) -> bool,
+    ) -> Option<serde_json::Value> {
+        lock(&self.0)
+            .iter()
+            .rev()
+            .map(|(_, item)| item)
+            .find(|item| matches(item))
+            .cloned()
     }
 }
 

@@ -36,6 +36,24 @@ impl FakeStripe {
     pub const API_KEY: &'static str = "sk_test_idemflow_fake";
     /// A `payment_method` that is declined with 402 `card_error` / `card_declined`.
     pub const DECLINED_CARD: &'static str = "pm_card_chargeDeclined";
+
+    /// The event Stripe would send now for the PaymentIntent `id` the fake made (its search
+    /// lag does not apply): `payment_intent.succeeded`, `payment_intent.payment_failed` (a
+    /// decline) or `payment_intent.canceled` by its status, `payment_intent.created` otherwise;
+    /// `None` for an unknown id. Each call makes a new event id; deliver it with a
+    /// [`WebhookSender`](super::WebhookSender).
+    pub fn payment_intent_event(&self, id: &str) -> Option<Value> {
+        let pi = self.state.intents.held(|pi| pi["id"] == id)?;
+        let kind = match pi["status"].as_str() {
+            Some("succeeded") => "payment_intent.succeeded",
+            Some("canceled") => "payment_intent.canceled",
+            Some("requires_payment_method") if pi["last_payment_error"].is_object() => {
+                "payment_intent.payment_failed"
+            }
+            _ => "payment_intent.created",
+        };
+        Some(super::stripe_event(kind, pi))
+    }
 }
 
 fn stripe_error(status: u16, error: Value) -> Response {

@@ -8,6 +8,10 @@
 //! `card_service` also builds the example with `cargo build --example card_service`, runs it as a
 //! process, kills it mid-load and reconciles with the `idemflow` binary.
 //!
+//! `webhooks` drives the Stripe webhook receiver and `examples/webhook_service.rs` with the
+//! testkit's signed `WebhookSender` (features `http` and `testkit`; on PostgreSQL too when
+//! `IDEMFLOW_TEST_POSTGRES_URL` is set, feature `postgres`).
+//!
 //! The target requires features `axum` and `sqlite`. Needs no environment and no server: SQLite
 //! files in temporary directories.
 
@@ -22,3 +26,5 @@ mod checkout_service;
 #[cfg(all(feature = "http", feature = "testkit"))]
 mod email_service;
 mod http_layer;
+#[cfg(all(feature = "http", feature = "testkit"))]
+mod webhooks;
