@@ -1,7 +1,15 @@
-//! The seed article's payment demo, on idemflow: SQLite in memory and an in-process fake card
-//! processor. Run with `cargo run --example payments`.
+//! The seed article's payment demo, on idemflow, done the way the article says: the payment row
+//! and the key's answer are written in **one transaction** (`Idempotency::execute_atomic`), and
+//! the card is charged after the commit, from an outbox row written in that same transaction.
+//! SQLite in memory and an in-process fake card processor. Run with
+//! `cargo run --example payments`.
+//!
+//! A crash between the payment's `INSERT` and the commit (here a panic inside the transaction,
+//! the in-process stand-in for a killed process; `tests/backends/one_commit_kill.rs` kills a real
+//! one) leaves neither the payment nor the key, so the client's retry writes exactly one payment.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -10,29 +18,27 @@ use idemflow::{
     Context, Error, Execution, Idempotency, IdempotentRequest, Outcome, Store, StoredResponse,
 };
 use serde_json::{Value, json};
-use sqlx::SqlitePool;
 
 /// A card processor that, like Stripe, dedupes by the idempotency key it is sent.
 #[derive(Default)]
 struct FakeProcessor {
-    charges: Mutex<Vec<u64>>,
+    charges: Mutex<Vec<i64>>,
     by_key: Mutex<HashMap<String, usize>>,
 }
 
 impl FakeProcessor {
-    async fn charge(&self, idempotency_key: Option<&str>, amount: u64) -> String {
-        tokio::time::sleep(Duration::from_millis(20)).await; // the network
-        if let Some(key) = idempotency_key
-            && let Some(&n) = self.by_key.lock().unwrap().get(key)
-        {
+    async fn charge(&self, idempotency_key: &str, amount: i64) -> String {
+        tokio::time::sleep(Duration::from_millis(5)).await; // the network
+        if let Some(&n) = self.by_key.lock().unwrap().get(idempotency_key) {
             return format!("ch_{n}");
         }
         let mut charges = self.charges.lock().unwrap();
         charges.push(amount);
         let n = charges.len();
-        if let Some(key) = idempotency_key {
-            self.by_key.lock().unwrap().insert(key.to_owned(), n);
-        }
+        self.by_key
+            .lock()
+            .unwrap()
+            .insert(idempotency_key.to_owned(), n);
         format!("ch_{n}")
     }
 
@@ -42,35 +48,54 @@ impl FakeProcessor {
 }
 
 struct App {
-    db: SqlitePool,
+    store: SqliteStore,
     processor: FakeProcessor,
     idem: Idempotency,
+    /// Makes the next payment's transaction die after its `INSERT` (the demo's crash).
+    crash_next: AtomicBool,
 }
 
-impl App {
-    /// Charges the card and records the payment: the operation idemflow makes safe to retry.
-    async fn create_payment(&self, body: &Value, provider_key: Option<&str>) -> StoredResponse {
-        let amount = body["amount"].as_u64().unwrap_or(0);
-        let user = body["user"].as_str().unwrap_or("?");
-        let charge = self.processor.charge(provider_key, amount).await;
-        let id: i64 = sqlx::query_scalar(
-            "INSERT INTO payments (user, amount, charge) VALUES (?, ?, ?) RETURNING id",
-        )
-        .bind(user)
-        .bind(amount as i64)
-        .bind(&charge)
-        .fetch_one(&self.db)
-        .await
-        .expect("insert payment");
-        StoredResponse::json(201, &json!({"payment_id": id, "amount": amount})).expect("json")
-    }
+const SCHEMA: &[&str] = &[
+    "CREATE TABLE payments (id INTEGER PRIMARY KEY, user TEXT NOT NULL, amount INTEGER NOT NULL)",
+    // What the card processor is still to be asked, written with the payment.
+    "CREATE TABLE outbox (id INTEGER PRIMARY KEY, payment_id INTEGER NOT NULL, \
+     amount INTEGER NOT NULL, charge TEXT)",
+];
 
+impl App {
     /// The endpoint: `POST /payments` with an optional `Idempotency-Key`.
     async fn post_payments(&self, body: Value, key: Option<&str>) -> (u16, String, &'static str) {
+        let amount = body["amount"].as_i64().unwrap_or(0);
+        let user = body["user"].as_str().unwrap_or("?").to_owned();
         let Some(key) = key else {
-            let r = self.create_payment(&body, None).await;
-            return (r.status(), text(&r), "no protection");
+            // No key, no protection: each call is a new payment.
+            let mut conn = self
+                .store
+                .writer_pool()
+                .acquire()
+                .await
+                .expect("connection");
+            let id = insert_payment(&mut conn, &user, amount)
+                .await
+                .expect("insert");
+            let answer = json!({"payment_id": id, "amount": amount});
+            return (201, answer.to_string(), "no protection");
         };
+        let crash = self.crash_next.swap(false, Ordering::SeqCst);
+        // The payment row and its outbox row, in the key's transaction.
+        let phase = self.store.atomic_phase(move |conn| {
+            let user = user.clone();
+            Box::pin(async move {
+                let id = insert_payment(conn, &user, amount).await?;
+                if crash {
+                    panic!("the process died between the payment's INSERT and the commit");
+                }
+                Ok(StoredResponse::json(
+                    201,
+                    &json!({"payment_id": id, "amount": amount}),
+                )?)
+            })
+        });
         let request = match IdempotentRequest::new("user:alice", key, "payments.create", &body) {
             Ok(r) => r,
             Err(e) => {
@@ -81,19 +106,18 @@ impl App {
                 );
             }
         };
-        let result = self
-            .idem
-            .execute(request, |ctx: Context| async move {
-                Outcome::Succeeded(self.create_payment(&body, Some(ctx.provider_key())).await)
-            })
-            .await;
-        match result {
+        match self.idem.execute_atomic(request, phase).await {
             Ok(Execution::Executed(r)) => (r.status(), text(&r), "executed"),
             Ok(Execution::Replayed(r)) => (r.status(), text(&r), "replay"),
             Err(e @ Error::FingerprintMismatch { .. }) => (
                 e.http_status(),
                 json!({"error": "Idempotency key reused with a different request"}).to_string(),
                 "refused",
+            ),
+            Err(e @ Error::RolledBack { .. }) => (
+                e.http_status(),
+                json!({"error": "nothing was written; retry with the same key"}).to_string(),
+                "rolled back",
             ),
             Err(e) => (
                 e.http_status(),
@@ -102,6 +126,67 @@ impl App {
             ),
         }
     }
+
+    /// The outbox dispatcher: charges every payment not yet charged, each under a key of its
+    /// outbox row, so a dispatcher that dies mid-way and runs again charges nobody twice (the
+    /// processor dedupes by the key idemflow forwards).
+    async fn dispatch_outbox(&self) -> Result<usize, Box<dyn std::error::Error>> {
+        let pending: Vec<(i64, i64)> =
+            sqlx::query_as("SELECT id, amount FROM outbox WHERE charge IS NULL ORDER BY id")
+                .fetch_all(self.store.writer_pool())
+                .await?;
+        for (id, amount) in &pending {
+            let request = IdempotentRequest::new(
+                "outbox",
+                &format!("charge-{id}"),
+                "charges.create",
+                &json!({"outbox": id, "amount": amount}),
+            )?;
+            let charged = self
+                .idem
+                .execute(request, |ctx: Context| async move {
+                    let charge = self.processor.charge(ctx.provider_key(), *amount).await;
+                    Outcome::Succeeded(
+                        StoredResponse::json(200, &json!({"charge": charge})).expect("json"),
+                    )
+                })
+                .await?;
+            let charge: Value = serde_json::from_slice(charged.response().body())?;
+            sqlx::query("UPDATE outbox SET charge = ? WHERE id = ?")
+                .bind(charge["charge"].as_str())
+                .bind(id)
+                .execute(self.store.writer_pool())
+                .await?;
+        }
+        Ok(pending.len())
+    }
+
+    async fn count(&self, sql: &'static str) -> i64 {
+        sqlx::query_scalar(sql)
+            .fetch_one(self.store.writer_pool())
+            .await
+            .expect("count")
+    }
+}
+
+/// The payment's rows: the payment, and what the card processor is still to be asked.
+async fn insert_payment(
+    conn: &mut sqlx::SqliteConnection,
+    user: &str,
+    amount: i64,
+) -> Result<i64, sqlx::Error> {
+    let id: i64 =
+        sqlx::query_scalar("INSERT INTO payments (user, amount) VALUES (?, ?) RETURNING id")
+            .bind(user)
+            .bind(amount)
+            .fetch_one(&mut *conn)
+            .await?;
+    sqlx::query("INSERT INTO outbox (payment_id, amount) VALUES (?, ?)")
+        .bind(id)
+        .bind(amount)
+        .execute(&mut *conn)
+        .await?;
+    Ok(id)
 }
 
 fn text(r: &StoredResponse) -> String {
@@ -112,16 +197,15 @@ fn text(r: &StoredResponse) -> String {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let store = SqliteStore::connect("sqlite::memory:").await?;
     store.migrate().await?;
-    let db = store.writer_pool().clone(); // the app's own table lives in the same database
-    sqlx::query(
-        "CREATE TABLE payments (id INTEGER PRIMARY KEY, user TEXT, amount INTEGER, charge TEXT)",
-    )
-    .execute(&db)
-    .await?;
+    for statement in SCHEMA {
+        // The app's tables live in the same database as the keys: one transaction for both.
+        sqlx::query(*statement).execute(store.writer_pool()).await?;
+    }
     let app = Arc::new(App {
-        db,
+        idem: Idempotency::new(Arc::new(store.clone())),
+        store,
         processor: FakeProcessor::default(),
-        idem: Idempotency::new(Arc::new(store)),
+        crash_next: AtomicBool::new(false),
     });
 
     println!("idemflow payments demo: SQLite in memory, a fake card processor\n");
@@ -145,8 +229,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     show("no key", app.post_payments(body.clone(), None).await);
     show("no key, again", app.post_payments(body.clone(), None).await);
 
+    // The process dies between the payment's INSERT and the commit; the client retries.
+    let before = app.count("SELECT count(*) FROM payments").await;
+    app.crash_next.store(true, Ordering::SeqCst);
+    // The demo's crash is a panic: keep its message off the screen.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let crashed = app.post_payments(body.clone(), Some("crash")).await;
+    std::panic::set_hook(default_hook);
+    show("crash after INSERT", crashed);
+    show(
+        "retry after the crash",
+        app.post_payments(body.clone(), Some("crash")).await,
+    );
+    let written = app.count("SELECT count(*) FROM payments").await - before;
+    println!("payments for key crash: {written} (the crashed transaction left nothing)");
+    if written != 1 {
+        return Err("the crash left a duplicate payment".into());
+    }
+
     // 50 impatient clients retry the same new payment at once.
-    let before = app.processor.count();
     let mut tasks = Vec::new();
     for _ in 0..50 {
         let app = app.clone();
@@ -155,40 +257,32 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             app.post_payments(body, Some("xyz")).await
         }));
     }
-    let (mut executed, mut replayed, mut waited) = (0, 0, 0);
+    let (mut executed, mut replayed) = (0, 0);
     let mut answers = std::collections::BTreeSet::new();
     for t in tasks {
         let (status, body, how) = t.await?;
         match (status, how) {
             (201, "executed") => executed += 1,
             (201, "replay") => replayed += 1,
-            (409, _) => waited += 1,
             other => println!("unexpected: {other:?} {body}"),
         }
-        if status == 201 {
-            answers.insert(body);
-        }
-    }
-    // The ones told 409 (still in flight) retry after Retry-After and get the stored answer.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    for _ in 0..waited {
-        let (status, body, _) = app.post_payments(body.clone(), Some("xyz")).await;
-        assert_eq!(status, 201);
         answers.insert(body);
     }
     println!(
-        "50 concurrent, key xyz: {executed} executed, {replayed} replayed, {waited} told 409 and replayed on retry; \
-         distinct answers: {}, charges: {}",
-        answers.len(),
-        app.processor.count() - before
+        "50 concurrent, key xyz: {executed} executed, {replayed} replayed; distinct answers: {}",
+        answers.len()
     );
 
-    let payments: i64 = sqlx::query_scalar("SELECT count(*) FROM payments")
-        .fetch_one(&app.db)
-        .await?;
+    // After the commits: the outbox dispatcher charges each payment once. Run it twice, as a
+    // cron job that died and ran again would: the second run finds nothing left to charge.
+    let sent = app.dispatch_outbox().await?;
+    let again = app.dispatch_outbox().await?;
+    println!("outbox dispatched     : {sent} charges, then {again} on a second run");
+
+    let payments = app.count("SELECT count(*) FROM payments").await;
     println!("payments in database  : {payments}");
     println!("processor charges     : {}", app.processor.count());
-    if payments as usize != app.processor.count() {
+    if payments as usize != app.processor.count() || answers.len() != 1 || executed != 1 {
         return Err("payments and charges disagree".into());
     }
     Ok(())
