@@ -28,6 +28,9 @@ mod history_in_row;
 // Issue 23's one commit for local work on the SQL backends.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod one_commit;
+// ... and its crash test: a child killed inside its transaction (needs the three SQL backends).
+#[cfg(all(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+mod one_commit_kill;
 
 mod memory_store;
 #[cfg(feature = "mysql")]

@@ -1,0 +1,249 @@
+//! Issue 23's crash test for one commit (`Idempotency::execute_atomic`), on SQLite (a WAL file),
+//! PostgreSQL and MariaDB: a child process (this test binary, re-run as
+//! [`child_dies_inside_its_transaction`]) claims a key in one commit's transaction, inserts the
+//! application's row, says so, and waits before the commit; the test kills it with SIGKILL
+//! there. A retry with the same key must then run the writes (nothing of the child's transaction
+//! is kept, the key included) and leave exactly one application row for the key.
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemflow::store::phase::{OneCommitPhase, WritesFuture};
+use idemflow::{Execution, Idempotency, IdempotentRequest, KeyState, Store, StoredResponse};
+use serde_json::json;
+use tokio::time::Instant;
+
+/// The store's URL, for the child.
+const CHILD_URL: &str = "IDEMFLOW_ONE_COMMIT_KILL_URL";
+/// The file the child creates once its row is inserted (inside the open transaction).
+const CHILD_MARK: &str = "IDEMFLOW_ONE_COMMIT_KILL_MARK";
+/// The application's table: no unique constraint, so a second row would show.
+const ORDERS: &str = "CREATE TABLE kill_orders (k VARCHAR(64) NOT NULL, pid INTEGER NOT NULL)";
+const KEY: &str = "order-1";
+
+/// A store and a phase inserting this process's row for [`KEY`], then running `after`.
+async fn open(
+    url: &str,
+) -> (
+    Arc<dyn Store>,
+    Box<dyn Fn(Option<String>) -> Box<dyn OneCommitPhase> + Send + Sync>,
+) {
+    macro_rules! phase {
+        ($store:expr, $conn:ty, $insert:expr) => {{
+            let store = $store;
+            let make = move |mark: Option<String>| -> Box<dyn OneCommitPhase> {
+                Box::new(store.atomic_phase(move |conn: &mut $conn| -> WritesFuture<'_> {
+                    let mark = mark.clone();
+                    Box::pin(async move {
+                        sqlx::query($insert)
+                            .bind(KEY)
+                            .bind(std::process::id() as i64)
+                            .execute(&mut *conn)
+                            .await?;
+                        if let Some(mark) = mark {
+                            // The row is in, the transaction open: tell the test, then wait
+                            // for the kill (well inside the phase's 5 s timeout).
+                            std::fs::write(&mark, b"inserted")?;
+                            tokio::time::sleep(Duration::from_secs(4)).await;
+                        }
+                        Ok(StoredResponse::json(201, &json!({"order": KEY}))?)
+                    })
+                }))
+            };
+            make
+        }};
+    }
+    if url.starts_with("sqlite:") {
+        let s = idemflow::store::sqlite::SqliteStore::connect(url)
+            .await
+            .unwrap();
+        let make = phase!(
+            s.clone(),
+            sqlx::SqliteConnection,
+            "INSERT INTO kill_orders (k, pid) VALUES (?, ?)"
+        );
+        (Arc::new(s), Box::new(make))
+    } else if url.starts_with("postgres") {
+        let s = idemflow::store::postgres::PostgresStore::connect(url)
+            .await
+            .unwrap();
+        let make = phase!(
+            s.clone(),
+            sqlx::PgConnection,
+            "INSERT INTO kill_orders (k, pid) VALUES ($1, $2)"
+        );
+        (Arc::new(s), Box::new(make))
+    } else {
+        let s = idemflow::store::mysql::MySqlStore::connect(url)
+            .await
+            .unwrap();
+        let make = phase!(
+            s.clone(),
+            sqlx::MySqlConnection,
+            "INSERT INTO kill_orders (k, pid) VALUES (?, ?)"
+        );
+        (Arc::new(s), Box::new(make))
+    }
+}
+
+fn request() -> IdempotentRequest {
+    IdempotentRequest::new("shop", KEY, "create_order", &json!({"cart": "c-1"})).unwrap()
+}
+
+/// The child of the tests below: one `execute_atomic` that inserts its row and waits inside
+/// its transaction until the test kills it. Run alone (no variables) it says so and ends.
+#[test]
+#[ignore = "the child process of the one_commit_kill tests"]
+fn child_dies_inside_its_transaction() {
+    let (Ok(url), Ok(mark)) = (std::env::var(CHILD_URL), std::env::var(CHILD_MARK)) else {
+        eprintln!("skipping: run by the one_commit_kill tests as their child process");
+        return;
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let (store, phase) = open(&url).await;
+        let done = Idempotency::new(store)
+            .execute_atomic(request(), phase(Some(mark)))
+            .await;
+        eprintln!("the child's transaction ended before the kill: {done:?}");
+    });
+}
+
+/// Kills the child if the test fails before it does.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn killed_inside_the_transaction(name: &str, url: &str) {
+    let (store, phase) = open(url).await;
+    store.migrate().await.unwrap();
+    run_sql(url, ORDERS).await;
+    let mark = tempfile::tempdir().unwrap().keep().join("inserted");
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            &crate::support::test_name(module_path!(), "child_dies_inside_its_transaction"),
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_URL, url)
+        .env(CHILD_MARK, &mark)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut child = KillOnDrop(child);
+    let child = &mut child.0;
+    let asked = Instant::now();
+    while !mark.exists() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("[{name}] the child exited ({status}) before its insert");
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(60),
+            "[{name}] the child never inserted its row"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "[{name}] the child was killed: {status}");
+
+    // Nothing of the child's transaction is kept: no key, no row.
+    assert!(
+        store.get(request().id()).await.unwrap().is_none(),
+        "[{name}]"
+    );
+    // The client's retry runs the writes, once.
+    let idem = Idempotency::new(store.clone());
+    let retried = idem.execute_atomic(request(), phase(None)).await.unwrap();
+    assert!(
+        matches!(retried, Execution::Executed(_)),
+        "[{name}] {retried:?}"
+    );
+    let again = idem.execute_atomic(request(), phase(None)).await.unwrap();
+    assert!(
+        matches!(again, Execution::Replayed(_)),
+        "[{name}] {again:?}"
+    );
+    let rows = count(url).await;
+    assert_eq!(rows, 1, "[{name}] exactly one application row for the key");
+    let record = store.get(request().id()).await.unwrap().unwrap();
+    assert_eq!(record.state, KeyState::Done, "[{name}]");
+    println!("[{name}] killed inside its transaction; the retry wrote the one row");
+}
+
+/// Runs one statement of the application's on the database at `url`.
+async fn run_sql(url: &str, sql: &'static str) {
+    use sqlx::{Connection, Executor};
+    if url.starts_with("sqlite:") {
+        let mut c = sqlx::SqliteConnection::connect(url).await.unwrap();
+        c.execute(sql).await.unwrap();
+    } else if url.starts_with("postgres") {
+        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+        c.execute(sql).await.unwrap();
+    } else {
+        let mut c = sqlx::MySqlConnection::connect(url).await.unwrap();
+        c.execute(sql).await.unwrap();
+    }
+}
+
+/// The application's rows for [`KEY`].
+async fn count(url: &str) -> i64 {
+    use sqlx::Connection;
+    const SQL: &str = "SELECT COUNT(*) FROM kill_orders WHERE k = 'order-1'";
+    if url.starts_with("sqlite:") {
+        let mut c = sqlx::SqliteConnection::connect(url).await.unwrap();
+        sqlx::query_scalar(SQL).fetch_one(&mut c).await.unwrap()
+    } else if url.starts_with("postgres") {
+        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+        sqlx::query_scalar(SQL).fetch_one(&mut c).await.unwrap()
+    } else {
+        let mut c = sqlx::MySqlConnection::connect(url).await.unwrap();
+        sqlx::query_scalar(SQL).fetch_one(&mut c).await.unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_file() {
+    let dir = tempfile::tempdir().unwrap().keep();
+    let url = format!("sqlite://{}?mode=rwc", dir.join("kill.db").display());
+    killed_inside_the_transaction("sqlite", &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres() {
+    let Some((url, schema)) = crate::support::postgres::fresh_schema().await else {
+        return;
+    };
+    let url_in = crate::support::postgres::url_in(&url, &schema);
+    killed_inside_the_transaction("postgres", &url_in).await;
+    crate::support::postgres::drop_schema(&url, &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql() {
+    let Some((options, name)) = crate::support::mysql::fresh_database().await else {
+        return;
+    };
+    let base = std::env::var(crate::support::mysql::URL_VAR).unwrap();
+    let url = format!(
+        "{}/{name}",
+        base.trim_end_matches('/')
+            .rsplit_once('/')
+            .map_or(base.as_str(), |(b, _)| b)
+    );
+    killed_inside_the_transaction("mysql", &url).await;
+    crate::support::mysql::drop_database(&options, &name).await;
+}
