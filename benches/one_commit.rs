@@ -1,0 +1,236 @@
+//! One commit for local work (`Idempotency::execute_atomic`, issue 23) beside its floor, the
+//! seed article's own design on raw sqlx: `BEGIN`, insert the key, insert the application's
+//! row, store the answer, `COMMIT`, on a lean key table, one connection (a hand-written SQLite
+//! implementation's). SQLite on a WAL file with `synchronous = FULL` (the store's default), at
+//! 1 and 64 callers; each new key writes one order row. Run with
+//! `cargo bench --bench one_commit` (`IDEMFLOW_BENCH_N`, default 2,000 keys per measurement).
+//! Issue 23's targets: >= 0.9x the floor with 1 caller, >= 4x with 64 (group commit).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use idemflow::store::sqlite::SqliteStore;
+use idemflow::{Execution, Idempotency, IdempotentRequest, Store, StoredResponse};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+
+type BoxFut = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+const ORDERS: &str =
+    "CREATE TABLE orders (id TEXT PRIMARY KEY, amount INTEGER NOT NULL, created_at INTEGER)";
+const LEAN: &str = "CREATE TABLE raw_keys (scope TEXT NOT NULL, key TEXT NOT NULL, \
+    state TEXT NOT NULL, fingerprint TEXT NOT NULL, response BLOB, expires_at INTEGER NOT NULL, \
+    PRIMARY KEY (scope, key))";
+const BODY: &[u8] = br#"{"order":"o","amount":1999,"currency":"eur","status":"created"}"#;
+
+struct Stats {
+    ops_per_s: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+/// Runs `op(i)` for i in 0..n on `conc` tasks taking the next index as they go.
+async fn measure<F>(n: usize, conc: usize, op: F) -> Stats
+where
+    F: Fn(usize) -> BoxFut + Send + Sync + 'static,
+{
+    let op = Arc::new(op);
+    let next = Arc::new(AtomicUsize::new(0));
+    let t0 = Instant::now();
+    let tasks: Vec<_> = (0..conc)
+        .map(|_| {
+            let (op, next) = (op.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut lat = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        break lat;
+                    }
+                    let t = Instant::now();
+                    op(i).await;
+                    lat.push(t.elapsed());
+                }
+            })
+        })
+        .collect();
+    let mut lat = Vec::with_capacity(n);
+    for t in tasks {
+        lat.extend(t.await.unwrap());
+    }
+    let wall = t0.elapsed();
+    lat.sort();
+    let pct = |p: f64| lat[((lat.len() as f64 - 1.0) * p) as usize];
+    Stats {
+        ops_per_s: lat.len() as f64 / wall.as_secs_f64(),
+        p50: pct(0.50),
+        p99: pct(0.99),
+    }
+}
+
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().next().unwrap_or("?").to_owned())
+        .unwrap_or_else(|_| "?".into())
+}
+
+fn line(label: &str, s: &Stats, load: &str) {
+    println!(
+        "    {label:<40} {:>8.0} ops/s  p50 {:>7.3} ms  p99 {:>8.3} ms  (load {load})",
+        s.ops_per_s,
+        s.p50.as_secs_f64() * 1e3,
+        s.p99.as_secs_f64() * 1e3,
+    );
+}
+
+async fn floor_pool(path: &std::path::Path) -> SqlitePool {
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(path)
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .synchronous(SqliteSynchronous::Full)
+                .busy_timeout(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap();
+    for sql in [LEAN, ORDERS] {
+        sqlx::query(sql).execute(&pool).await.unwrap();
+    }
+    pool
+}
+
+/// The seed's design: one transaction per new key.
+fn floor_op(pool: SqlitePool, run: usize) -> impl Fn(usize) -> BoxFut + Send + Sync + 'static {
+    move |i| {
+        let pool = pool.clone();
+        Box::pin(async move {
+            let key = format!("{run}-{i}");
+            let mut tx = pool.begin().await.unwrap();
+            let claimed = sqlx::query(
+                "INSERT INTO raw_keys (scope, key, state, fingerprint, expires_at) \
+                 VALUES ('raw', ?1, 'processing', 'v1:x', 4102444800000) ON CONFLICT DO NOTHING",
+            )
+            .bind(&key)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            assert_eq!(claimed.rows_affected(), 1);
+            sqlx::query("INSERT INTO orders (id, amount, created_at) VALUES (?1, 1999, 0)")
+                .bind(&key)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            sqlx::query(
+                "UPDATE raw_keys SET state = 'done', response = ?2 WHERE scope = 'raw' AND key = ?1",
+            )
+            .bind(&key)
+            .bind(BODY)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            tx.commit().await.unwrap();
+        })
+    }
+}
+
+fn ours_op(
+    idem: Idempotency,
+    store: SqliteStore,
+    run: usize,
+) -> impl Fn(usize) -> BoxFut + Send + Sync + 'static {
+    move |i| {
+        let (idem, store) = (idem.clone(), store.clone());
+        Box::pin(async move {
+            let key = format!("{run}-{i}");
+            let request = IdempotentRequest::new(
+                "bench",
+                &key,
+                "orders.create",
+                &serde_json::json!({"amount": 1999, "key": key}),
+            )
+            .unwrap();
+            let phase = store.atomic_phase(move |conn| {
+                let key = key.clone();
+                Box::pin(async move {
+                    sqlx::query(
+                        "INSERT INTO orders (id, amount, created_at) VALUES (?1, 1999, 0)",
+                    )
+                    .bind(&key)
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok(StoredResponse::new(201).with_body(BODY))
+                })
+            });
+            let done = idem.execute_atomic(request, phase).await.unwrap();
+            assert!(matches!(done, Execution::Executed(_)));
+        })
+    }
+}
+
+fn main() {
+    let n: usize = std::env::var("IDEMFLOW_BENCH_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2_000);
+    let dir = tempfile::tempdir().unwrap();
+    println!("one commit for local work: SQLite WAL, synchronous=FULL, N = {n} new keys each");
+    let mut run = 0;
+    for conc in [1usize, 64] {
+        let rt = if conc == 1 {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+        } else {
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+        };
+        rt.block_on(async {
+            run += 1;
+            let path = dir.path().join(format!("ours-{conc}.db"));
+            let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
+                .await
+                .unwrap();
+            store.migrate().await.unwrap();
+            sqlx::query(ORDERS)
+                .execute(store.writer_pool())
+                .await
+                .unwrap();
+            let idem = Idempotency::new(Arc::new(store.clone()));
+            let floor = floor_pool(&dir.path().join(format!("floor-{conc}.db"))).await;
+            // Alternate, twice each, so a slow stretch of the disk hits both.
+            let mut ours_best: Option<Stats> = None;
+            let mut floor_best: Option<Stats> = None;
+            println!("  {conc} caller(s)");
+            for round in 0..2 {
+                let l = load();
+                let s = measure(n, conc, ours_op(idem.clone(), store.clone(), run * 10 + round))
+                    .await;
+                line("idemflow execute_atomic()", &s, &l);
+                if ours_best.as_ref().is_none_or(|b| s.ops_per_s > b.ops_per_s) {
+                    ours_best = Some(s);
+                }
+                let l = load();
+                let s = measure(n, conc, floor_op(floor.clone(), run * 10 + round)).await;
+                line("floor: the seed's one transaction (sqlx)", &s, &l);
+                if floor_best.as_ref().is_none_or(|b| s.ops_per_s > b.ops_per_s) {
+                    floor_best = Some(s);
+                }
+            }
+            let (o, f) = (ours_best.unwrap(), floor_best.unwrap());
+            let target = if conc == 1 { 0.9 } else { 4.0 };
+            let ratio = o.ops_per_s / f.ops_per_s;
+            println!(
+                "    best of two: idemflow / floor = {ratio:.2}x (target >= {target}x: {})",
+                if ratio >= target { "met" } else { "missed" }
+            );
+        });
+    }
+}
