@@ -157,12 +157,10 @@ fn ours_op(
             let phase = store.atomic_phase(move |conn| {
                 let key = key.clone();
                 Box::pin(async move {
-                    sqlx::query(
-                        "INSERT INTO orders (id, amount, created_at) VALUES (?1, 1999, 0)",
-                    )
-                    .bind(&key)
-                    .execute(&mut *conn)
-                    .await?;
+                    sqlx::query("INSERT INTO orders (id, amount, created_at) VALUES (?1, 1999, 0)")
+                        .bind(&key)
+                        .execute(&mut *conn)
+                        .await?;
                     Ok(StoredResponse::new(201).with_body(BODY))
                 })
             });
@@ -211,8 +209,12 @@ fn main() {
             println!("  {conc} caller(s)");
             for round in 0..2 {
                 let l = load();
-                let s = measure(n, conc, ours_op(idem.clone(), store.clone(), run * 10 + round))
-                    .await;
+                let s = measure(
+                    n,
+                    conc,
+                    ours_op(idem.clone(), store.clone(), run * 10 + round),
+                )
+                .await;
                 line("idemflow execute_atomic()", &s, &l);
                 if ours_best.as_ref().is_none_or(|b| s.ops_per_s > b.ops_per_s) {
                     ours_best = Some(s);
@@ -220,7 +222,10 @@ fn main() {
                 let l = load();
                 let s = measure(n, conc, floor_op(floor.clone(), run * 10 + round)).await;
                 line("floor: the seed's one transaction (sqlx)", &s, &l);
-                if floor_best.as_ref().is_none_or(|b| s.ops_per_s > b.ops_per_s) {
+                if floor_best
+                    .as_ref()
+                    .is_none_or(|b| s.ops_per_s > b.ops_per_s)
+                {
                     floor_best = Some(s);
                 }
             }

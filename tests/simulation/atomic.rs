@@ -10,9 +10,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idemflow::store::phase::{AtomicPhase, PhaseError, Prepare};
+use idemflow::store::NewClaim;
+use idemflow::store::phase::{
+    AtomicPhase, OneCommit, OneCommitPhase, PhaseError, Prepare, StoreId,
+};
 use idemflow::store::sqlite::SqliteStore;
-use idemflow::{KeyId, LeaseToken, StoredResponse, async_trait};
+use idemflow::{KeyId, LeaseToken, Store, StoredResponse, async_trait};
 use sqlx::SqlitePool;
 
 use crate::gate::{SharedRef, park};
@@ -155,8 +158,10 @@ impl AtomicSim {
     }
 }
 
-/// The phase a workflow's atomic step runs: parks before and after it (crash points), draws its
-/// fault, runs the store's phase and records what its caller was told.
+/// The phase a workflow's atomic step runs (`commit`, its step claimed before), or a one-commit
+/// key's (`claim_and_commit`, `Idempotency::execute_atomic`: the key claimed inside the phase's
+/// transaction): parks before and after it (crash points), draws its fault, runs the store's
+/// phase and records what its caller was told.
 pub struct SimPhase {
     sim: Arc<AtomicSim>,
     label: String,
@@ -164,26 +169,55 @@ pub struct SimPhase {
 
 type Ack = tokio::sync::oneshot::Sender<()>;
 
-#[async_trait]
-impl AtomicPhase for SimPhase {
-    async fn commit(
-        self: Box<Self>,
-        step: &KeyId,
-        token: LeaseToken,
-        prepare: Prepare,
-    ) -> Result<StoredResponse, PhaseError> {
-        let SimPhase { sim, label } = *self;
-        park("phase.commit", "before", &label).await;
-        let (fault, batched, read_only) = sim.draw();
-        if read_only {
-            sim.read_only
-                .lock()
-                .unwrap()
-                .insert((label.clone(), token.0));
+/// Where a phase's writes get the token of their key's lease (the app row carries it).
+#[derive(Clone)]
+enum TokenOf {
+    /// A step claimed before the phase.
+    Known(i64),
+    /// A key claimed inside the phase's own transaction: read from its row there (the writes
+    /// may run more than once, after a batch is rolled back: the last run's token is kept).
+    Row {
+        scope: String,
+        key: String,
+        seen: Arc<Mutex<Option<i64>>>,
+    },
+}
+
+/// What a phase leaves to do once it has answered: let the other process go.
+struct Guard {
+    batched: bool,
+    release_tx: tokio::sync::oneshot::Sender<()>,
+    holder: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Guard {
+    async fn end(self) {
+        let _ = self.release_tx.send(());
+        if let Some(h) = self.holder {
+            let _ = h.await;
         }
+    }
+}
+
+impl SimPhase {
+    /// Draws the phase's fault and builds the store's phase with the writes that fault makes.
+    fn build(
+        &self,
+        token: TokenOf,
+    ) -> (impl AtomicPhase + OneCommitPhase + 'static + use<>, Guard) {
+        let (sim, label) = (self.sim.clone(), self.label.clone());
+        let (fault, batched, read_only) = sim.draw();
+        let shown = match &token {
+            TokenOf::Known(t) => {
+                if read_only {
+                    sim.read_only.lock().unwrap().insert((label.clone(), *t));
+                }
+                format!("token {t}")
+            }
+            TokenOf::Row { .. } => "one commit".to_owned(),
+        };
         sim.shared.lock().unwrap().trace.push(format!(
-            "    phase of {label} (token {}): {fault:?}{}{}",
-            token.0,
+            "    phase of {label} ({shown}): {fault:?}{}{}",
             if read_only { ", reads only" } else { "" },
             if batched {
                 ", batched with others' writes"
@@ -218,10 +252,29 @@ impl AtomicPhase for SimPhase {
         };
         let go = Arc::new(Mutex::new(Some(go_tx)));
         let other = sim.db.other.clone();
-        let (row_label, tok) = (label.clone(), token.0);
+        let row_label = label.clone();
+        let sim2 = sim.clone();
         let inner = sim.db.store.atomic_phase(move |conn| {
             let (go, other, row_label) = (go.clone(), other.clone(), row_label.clone());
+            let (token, sim) = (token.clone(), sim2.clone());
             Box::pin(async move {
+                let tok = match &token {
+                    TokenOf::Known(t) => *t,
+                    TokenOf::Row { scope, key, seen } => {
+                        let t: i64 = sqlx::query_scalar(
+                            "SELECT lease_token FROM idempotency_keys WHERE scope = ? AND key = ?",
+                        )
+                        .bind(scope)
+                        .bind(key)
+                        .fetch_one(&mut *conn)
+                        .await?;
+                        *seen.lock().unwrap() = Some(t);
+                        if read_only {
+                            sim.read_only.lock().unwrap().insert((row_label.clone(), t));
+                        }
+                        t
+                    }
+                };
                 sqlx::query("SELECT count(*) FROM sim_orders")
                     .execute(&mut *conn)
                     .await?;
@@ -276,49 +329,131 @@ impl AtomicPhase for SimPhase {
                 )?)
             })
         });
-        let step = step.clone();
-        let r = if batched {
-            batch(&sim, Box::new(inner), step, token, prepare).await
-        } else {
-            Box::new(inner).commit(&step, token, prepare).await
-        };
-        let _ = release_tx.send(());
-        if let Some(h) = holder {
-            let _ = h.await;
+        (
+            inner,
+            Guard {
+                batched,
+                release_tx,
+                holder,
+            },
+        )
+    }
+
+    /// Records what the phase's caller was told (when its token is known).
+    fn told(&self, token: Option<i64>, committed: Option<bool>, what: String) {
+        let label = &self.label;
+        let shown = token.map_or_else(|| "no claim".to_owned(), |t| format!("token {t}"));
+        self.sim
+            .shared
+            .lock()
+            .unwrap()
+            .trace
+            .push(format!("    phase of {label} ({shown}) told: {what}"));
+        if let Some(token) = token {
+            self.sim.told.lock().unwrap().push(Told {
+                label: label.clone(),
+                token,
+                committed,
+                what,
+            });
         }
-        let committed = match &r {
-            Ok(_) => Some(true),
-            Err(PhaseError::Store(_)) => None,
-            Err(_) => Some(false),
+    }
+}
+
+/// Whether a phase that answered `r` committed: `None` for a store error (it may have).
+fn committed<T>(r: &Result<T, PhaseError>) -> Option<bool> {
+    match r {
+        Ok(_) => Some(true),
+        Err(PhaseError::Store(_)) => None,
+        Err(_) => Some(false),
+    }
+}
+
+#[async_trait]
+impl AtomicPhase for SimPhase {
+    async fn commit(
+        self: Box<Self>,
+        step: &KeyId,
+        token: LeaseToken,
+        prepare: Prepare,
+    ) -> Result<StoredResponse, PhaseError> {
+        park("phase.commit", "before", &self.label).await;
+        let (inner, guard) = self.build(TokenOf::Known(token.0));
+        let step = step.clone();
+        let run = async move { Box::new(inner).commit(&step, token, prepare).await };
+        let r = if guard.batched {
+            batch(&self.sim, run).await
+        } else {
+            run.await
         };
+        guard.end().await;
         let what = match &r {
             Ok(resp) => format!("committed {}", resp.status()),
             Err(e) => e.to_string(),
         };
-        sim.shared.lock().unwrap().trace.push(format!(
-            "    phase of {label} (token {}) told: {what}",
-            token.0
-        ));
-        sim.told.lock().unwrap().push(Told {
-            label: label.clone(),
-            token: token.0,
-            committed,
-            what,
+        self.told(Some(token.0), committed(&r), what);
+        park("phase.commit", "after", &self.label).await;
+        r
+    }
+}
+
+#[async_trait]
+impl OneCommitPhase for SimPhase {
+    fn store_id(&self) -> StoreId {
+        Store::phase_store(&self.sim.db.store).expect("a SQLite store shares its transactions")
+    }
+
+    async fn claim_and_commit(
+        self: Box<Self>,
+        claim: &NewClaim,
+        prepare: Prepare,
+    ) -> Result<OneCommit, PhaseError> {
+        park("phase.one_commit", "before", &self.label).await;
+        let seen = Arc::new(Mutex::new(None));
+        let (inner, guard) = self.build(TokenOf::Row {
+            scope: claim.id.scope.as_str().to_owned(),
+            key: claim.id.key.as_str().to_owned(),
+            seen: seen.clone(),
         });
-        park("phase.commit", "after", &label).await;
+        let claim = claim.clone();
+        let run = async move { Box::new(inner).claim_and_commit(&claim, prepare).await };
+        let r = if guard.batched {
+            batch(&self.sim, run).await
+        } else {
+            run.await
+        };
+        guard.end().await;
+        let (committed, what) = match &r {
+            Ok(OneCommit::Committed(resp)) => (Some(true), format!("committed {}", resp.status())),
+            Ok(OneCommit::Refused(resp)) => (Some(true), format!("refused {}", resp.status())),
+            // The writes did not run: no row to account for.
+            Ok(OneCommit::Existing { record, .. }) => (None, format!("found it {}", record.state)),
+            Ok(_) => (None, "an answer this simulation does not know".to_owned()),
+            Err(e) => (committed(&r), e.to_string()),
+        };
+        let token = match &r {
+            Ok(OneCommit::Existing { .. }) => None,
+            _ => *seen.lock().unwrap(),
+        };
+        // The key's generation when the phase claimed or read it (as the gated store notes a
+        // claim's): the answer belongs to it, however late its caller takes it.
+        if let Some(a) = crate::gate::current_actor() {
+            let mut sh = self.sim.shared.lock().unwrap();
+            let g = sh.generation(&self.label);
+            sh.claimed_in.insert((a, self.label.clone()), g);
+        }
+        self.told(token, committed, what);
+        park("phase.one_commit", "after", &self.label).await;
         r
     }
 }
 
 /// Runs `phase` in one writer batch with three other callers' writes: the writer is held by a
 /// job that waits until the phase and the writes are queued behind it.
-async fn batch(
+async fn batch<T: Send + 'static>(
     sim: &Arc<AtomicSim>,
-    phase: Box<dyn AtomicPhase>,
-    step: KeyId,
-    token: LeaseToken,
-    prepare: Prepare,
-) -> Result<StoredResponse, PhaseError> {
+    phase: impl std::future::Future<Output = Result<T, PhaseError>> + Send + 'static,
+) -> Result<T, PhaseError> {
     let store = sim.db.store.clone();
     let gate = Arc::new(tokio::sync::Notify::new());
     let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
@@ -347,10 +482,10 @@ async fn batch(
         .is_err()
     {
         gate.notify_one();
-        return phase.commit(&step, token, prepare).await;
+        return phase.await;
     }
     let base = store.writer_stats().queued;
-    let phase_task = tokio::spawn(async move { phase.commit(&step, token, prepare).await });
+    let phase_task = tokio::spawn(phase);
     wait_queued(&store, base + 1).await;
     for _ in 0..3 {
         let n = sim

@@ -169,8 +169,11 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
     let mode = match std::env::var("IDEMFLOW_SIM_MODE").as_deref() {
         Ok("classic") => Mode::Classic,
         Ok("workflows") => Mode::Workflows,
-        Ok("full") | Err(_) => Mode::Full,
-        Ok(other) => panic!("IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows or full"),
+        Ok("full") => Mode::Full,
+        Ok("one-commit") | Err(_) => Mode::OneCommit,
+        Ok(other) => {
+            panic!("IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full or one-commit")
+        }
     };
     simulate_seeds(backend, seeds, single.is_some(), default_parallel, mode).await;
 }

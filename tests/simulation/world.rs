@@ -50,6 +50,9 @@ pub enum Role {
     Workflow,
     /// Step `.1` of the workflow key `.0` (an index into the keys).
     Step(usize, u32),
+    /// A key run in one commit with its app row (`Idempotency::execute_atomic`, SQLite,
+    /// [`Mode::OneCommit`]): its effect is its app row, as an atomic step's.
+    Local,
 }
 
 /// Which actors and faults a schedule may hold. Each later mode draws its additions from seed
@@ -61,13 +64,21 @@ pub enum Mode {
     /// Also a workflow of two steps, atomic phases on SQLite and provider changes (issue 20).
     Workflows,
     /// Also resumers racing client retries, sweepers on the default lease ratio, dropped store
-    /// connections and the liveness check (issue 20): what the simulation runs by default.
+    /// connections and the liveness check (issue 20).
     Full,
+    /// Also, on SQLite with atomic phases, a key run in one commit with its app row
+    /// (`Idempotency::execute_atomic`, issue 23): what the simulation runs by default.
+    OneCommit,
 }
 
 impl Mode {
     pub fn workflows(self) -> bool {
         self != Mode::Classic
+    }
+
+    /// Whether the additions of [`Mode::Full`] are on.
+    pub fn full(self) -> bool {
+        matches!(self, Mode::Full | Mode::OneCommit)
     }
 }
 
@@ -303,7 +314,15 @@ impl World {
                 Box::pin(async move {
                     let mut said = Vec::new();
                     for switch in switches {
-                        let (summary, again) = if key.role == Role::Workflow {
+                        let (summary, again) = if key.role == Role::Local {
+                            match &atomic {
+                                Some(sim) => {
+                                    local_client(exec.clone(), key.clone(), sim, shared.clone())
+                                        .await
+                                }
+                                None => ("no atomic phases in this schedule".to_owned(), false),
+                            }
+                        } else if key.role == Role::Workflow {
                             workflow_client(
                                 exec.clone(),
                                 key.clone(),
@@ -989,6 +1008,18 @@ impl World {
                     )
                     .await
                 }
+                Role::Local => match self.atomic.clone() {
+                    Some(sim) => {
+                        local_client(
+                            self.executors[key.provider].clone(),
+                            key.clone(),
+                            &sim,
+                            self.shared.clone(),
+                        )
+                        .await
+                    }
+                    None => continue,
+                },
             };
             self.trace(format!("end: client {} retries: {summary}", key.label));
         }
@@ -1098,6 +1129,68 @@ async fn client(
             | Error::OutcomeUnknown { .. }
             | Error::FailedRetryable { .. }),
         ) => (format!("error: {e}"), true),
+        Err(e) => (format!("error: {e}"), false),
+    }
+}
+
+/// A one-commit key's client: runs `execute_atomic` with the key's phase (its app row) once.
+/// Returns what it got and whether a client would try again.
+async fn local_client(
+    exec: Idempotency,
+    key: KeyDef,
+    sim: &Arc<AtomicSim>,
+    shared: SharedRef,
+) -> (String, bool) {
+    let req = match IdempotentRequest::new(
+        key.id.scope.as_str(),
+        key.id.key.as_str(),
+        key.operation,
+        &key.body,
+    ) {
+        Ok(r) => r,
+        Err(e) => return (format!("bad request: {e}"), false),
+    };
+    let r = exec.execute_atomic(req, sim.phase(&key.label)).await;
+    let mut sh = shared.lock().unwrap();
+    match r {
+        Ok(ex) => {
+            let resp = ex.response().clone();
+            let g = crate::gate::current_actor()
+                .and_then(|a| sh.claimed_in.get(&(a, key.label.clone())).copied())
+                .unwrap_or_else(|| sh.generation(&key.label));
+            sh.acked.insert(key.label.clone(), g);
+            let first = sh.first_response(&key.label, g, &resp);
+            if first != resp {
+                sh.violate(
+                    Check::ReplaysIdentical,
+                    &key.label,
+                    format!(
+                        "got {} {} after {} {}",
+                        resp.status(),
+                        String::from_utf8_lossy(resp.body()),
+                        first.status(),
+                        String::from_utf8_lossy(first.body())
+                    ),
+                );
+            }
+            let how = if ex.is_replay() {
+                "replayed"
+            } else {
+                "executed"
+            };
+            (format!("one commit {how} {}", resp.status()), false)
+        }
+        Err(e @ Error::FingerprintMismatch { .. }) => {
+            sh.violate(Check::ScopesIsolated, &key.label, e.to_string());
+            (format!("error: {e}"), false)
+        }
+        Err(Error::Store(e)) if !expected(&e) => {
+            sh.violate(Check::NoStoreErrors, &key.label, e.to_string());
+            (format!("store error: {e}"), false)
+        }
+        Err(e @ (Error::InFlight { .. } | Error::RolledBack { .. })) => {
+            (format!("error: {e}"), true)
+        }
         Err(e) => (format!("error: {e}"), false),
     }
 }
@@ -1303,7 +1396,7 @@ pub async fn run_case(
     let with_workflows = mode.workflows();
     let mut rng = Rng::new(seed);
     let mut settings = Settings::draw(&mut rng);
-    let extras = if mode == Mode::Full {
+    let extras = if mode.full() {
         Extras::draw(seed)
     } else {
         Extras::default()
@@ -1457,6 +1550,23 @@ pub async fn run_case(
                     local,
                 });
             }
+            // With one commit, a key run by `execute_atomic` too (drawn from a stream of its
+            // own, so the schedules of the earlier modes stay as they were).
+            let mut oc_rng = Rng::new(seed ^ ONE_COMMIT_STREAM);
+            if mode == Mode::OneCommit && oc_rng.chance(ONE_COMMIT_PER_MILLE) {
+                let scope = ["a", "b"][oc_rng.below(2) as usize];
+                let label = format!("{scope}/l1");
+                keys.push(KeyDef {
+                    pk: format!("local:{label}"),
+                    label,
+                    id: key_id(scope, "l1"),
+                    operation: "order.local",
+                    body: serde_json::json!({"amount": oc_rng.range(1, 12)}),
+                    provider: 0,
+                    role: Role::Local,
+                    local: true,
+                });
+            }
             Some(Arc::new(AtomicSim::new(
                 db.clone(),
                 at_rng.fork(),
@@ -1525,7 +1635,7 @@ pub async fn run_case(
         .map(|k| (w.keys[k].operation, w.steps_of(k)))
         .collect();
     w.trace(format!("seed {seed} ({mode:?}): {settings:?}"));
-    if mode == Mode::Full {
+    if mode.full() {
         w.trace(format!("{extras:?}"));
     }
     for k in &w.keys {
@@ -1571,6 +1681,10 @@ const ATOMIC_STREAM: u64 = 0xA70_41C5;
 /// the end, and its second connection's faults wait out busy timeouts.)
 const ATOMIC_PER_MILLE: u64 = 150;
 const FILE_PER_MILLE: u64 = 350;
+/// The seed stream of the one-commit key, and how often an atomic-phase schedule holds one (per
+/// mille, [`Mode::OneCommit`]).
+const ONE_COMMIT_STREAM: u64 = 0x0C0_33A7;
+const ONE_COMMIT_PER_MILLE: u64 = 600;
 
 /// Whether schedule `seed` runs on a SQLite file (an atomic-phase schedule drawn for a file).
 pub fn on_file(seed: u64) -> bool {

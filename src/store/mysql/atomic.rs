@@ -16,7 +16,7 @@ impl MySqlStore {
     /// An atomic phase for [`Context::atomic_step`](crate::Context::atomic_step): `writes` runs
     /// on the transaction's connection and returns the step's answer; the step's record commits
     /// with them, or neither does (see `PostgresStore::atomic_phase` for an example).
-    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static
+    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static + use<F>
     where
         F: for<'c> FnOnce(&'c mut MySqlConnection) -> WritesFuture<'c> + Send + 'static,
     {

@@ -34,7 +34,7 @@ impl PostgresStore {
     /// ).await?;
     /// # Ok(()) }
     /// ```
-    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static
+    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static + use<F>
     where
         F: for<'c> FnOnce(&'c mut PgConnection) -> WritesFuture<'c> + Send + 'static,
     {

@@ -48,7 +48,7 @@ impl SqliteStore {
     /// runs on the writer's connection inside the transaction, and returns the step's answer;
     /// the step's record commits with them, or neither does. `writes` may run more than once
     /// (see the module docs), each time from nothing written.
-    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static
+    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static + use<F>
     where
         F: for<'c> Fn(&'c mut SqliteConnection) -> WritesFuture<'c> + Send + Sync + 'static,
     {
