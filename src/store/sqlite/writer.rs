@@ -403,6 +403,13 @@ async fn run(
             }
             continue;
         }
+        // The phase guards' hooks, set once per batch that holds a phase (each setting is a
+        // round trip to the connection's thread); they act only while a phase job runs.
+        let hooks = if batch.iter().any(|j| j.is_phase()) {
+            Some(PhaseHooks::install(&mut conn).await)
+        } else {
+            None
+        };
         if let Err(e) = conn.execute("BEGIN IMMEDIATE").await {
             fail_all(batch, e);
             continue;
@@ -412,7 +419,13 @@ async fn run(
         let mut broken = false;
         for mut job in rest.by_ref() {
             let verdict = if job.is_phase() {
-                run_phase(&mut *job, &mut conn, phase_timeout).await
+                run_phase(
+                    &mut *job,
+                    &mut conn,
+                    hooks.as_ref().and_then(|h| h.as_ref()),
+                    phase_timeout,
+                )
+                .await
             } else {
                 job.run(&mut conn).await
             };
@@ -459,38 +472,62 @@ async fn run(
     }
 }
 
-/// Runs a phase job inside the batch's transaction, guarded (module docs): a commit hook refuses
-/// every commit while it runs, a rollback hook notes the transaction ending, its panics are
-/// caught and it is cut off after `timeout`. Any of those aborts it, and the batch is `Broken`.
-async fn run_phase(job: &mut dyn Job, conn: &mut SqliteConnection, timeout: Duration) -> Verdict {
-    let ended = Arc::new(AtomicBool::new(false));
-    match conn.lock_handle().await {
-        Ok(mut handle) => {
-            let noted = ended.clone();
-            handle.set_rollback_hook(move || noted.store(true, Ordering::SeqCst));
-            // sqlx's hook returns whether to let the commit through (the inverse of SQLite's C
-            // callback): `false` turns every commit into a rollback, so a statement of the job
-            // run in autocommit mode, after one of its statements ended the transaction, keeps
-            // nothing.
-            handle.set_commit_hook(|| false);
-        }
-        Err(_) => {
-            // The connection's thread is gone: nothing can run on it.
-            job.abort(JobAborted::TransactionEnded);
-            return Verdict::Broken;
-        }
+/// The commit and rollback hooks that guard phase jobs (module docs), set on the writer's
+/// connection for a batch: while `active`, every commit is refused (turned into a rollback) and
+/// a rollback of the transaction is noted in `ended`; otherwise they do nothing, so they may stay
+/// on the connection after the batch.
+struct PhaseHooks {
+    active: Arc<AtomicBool>,
+    ended: Arc<AtomicBool>,
+}
+
+impl PhaseHooks {
+    /// Sets the hooks on `conn`; `None` when its thread is gone (nothing can run on it).
+    async fn install(conn: &mut SqliteConnection) -> Option<Self> {
+        let hooks = Self {
+            active: Arc::new(AtomicBool::new(false)),
+            ended: Arc::new(AtomicBool::new(false)),
+        };
+        let mut handle = conn.lock_handle().await.ok()?;
+        let (active, ended) = (hooks.active.clone(), hooks.ended.clone());
+        handle.set_rollback_hook(move || {
+            if active.load(Ordering::SeqCst) {
+                ended.store(true, Ordering::SeqCst);
+            }
+        });
+        let active = hooks.active.clone();
+        // sqlx's hook returns whether to let the commit through (the inverse of SQLite's C
+        // callback): `false` turns a commit into a rollback, so a statement of a phase job run
+        // in autocommit mode, after one of its statements ended the transaction, keeps nothing.
+        handle.set_commit_hook(move || !active.load(Ordering::SeqCst));
+        Some(hooks)
     }
+}
+
+/// Runs a phase job inside the batch's transaction, guarded (module docs): the batch's hooks
+/// refuse every commit while it runs and note the transaction ending, its panics are caught and
+/// it is cut off after `timeout`. Any of those aborts it, and the batch is `Broken`.
+async fn run_phase(
+    job: &mut dyn Job,
+    conn: &mut SqliteConnection,
+    hooks: Option<&PhaseHooks>,
+    timeout: Duration,
+) -> Verdict {
+    let Some(hooks) = hooks else {
+        // The connection's thread is gone: nothing can run on it.
+        job.abort(JobAborted::TransactionEnded);
+        return Verdict::Broken;
+    };
+    hooks.ended.store(false, Ordering::SeqCst);
+    hooks.active.store(true, Ordering::SeqCst);
     let ran = tokio::time::timeout(timeout, catch_unwind(job.run(conn))).await;
-    if let Ok(mut handle) = conn.lock_handle().await {
-        handle.remove_commit_hook();
-        handle.remove_rollback_hook();
-    }
+    hooks.active.store(false, Ordering::SeqCst);
     let aborted = match ran {
         Err(_) => Some(JobAborted::TimedOut(timeout)),
         Ok(Err(panic)) => Some(JobAborted::Panicked(crate::store::phase::panic_message(
             &*panic,
         ))),
-        Ok(Ok(_)) if ended.load(Ordering::SeqCst) => Some(JobAborted::TransactionEnded),
+        Ok(Ok(_)) if hooks.ended.load(Ordering::SeqCst) => Some(JobAborted::TransactionEnded),
         Ok(Ok(verdict)) => return verdict,
     };
     if let Some(why) = aborted {
