@@ -68,6 +68,7 @@ use tracing::{Instrument, info_span};
 use super::{Problem, REPLAYED_HEADER};
 use crate::error::RequestError;
 use crate::provider::stripe_signature::{SIGNATURE_HEADER, SignatureError, StripeSignature};
+use crate::store::phase::OneCommitPhase;
 use crate::{Execution, Idempotency, IdempotentRequest, Outcome, Scope, StoredResponse};
 
 /// The scope of a Stripe receiver's keys unless [`WebhookReceiver::scope`] sets another.
@@ -254,7 +255,34 @@ pub type ExtractFn =
     Arc<dyn Fn(&HeaderMap, &Bytes) -> Result<WebhookEvent, WebhookError> + Send + Sync>;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// The scope of Stripe's events, [`STRIPE_SCOPE`].
+fn stripe_scope() -> Scope {
+    match Scope::new(STRIPE_SCOPE) {
+        Ok(scope) => scope,
+        // A constant of visible ASCII (`tests::the_stripe_scope_is_a_valid_scope`).
+        Err(e) => unreachable!("{STRIPE_SCOPE:?} is not a valid scope: {e}"),
+    }
+}
 type HandlerFn = Arc<dyn Fn(WebhookEvent) -> BoxFuture<Result<(), String>> + Send + Sync>;
+type PhaseFn = Arc<dyn Fn(WebhookEvent) -> Box<dyn OneCommitPhase> + Send + Sync>;
+
+/// What a receiver runs for a new event.
+#[derive(Clone)]
+enum Handler {
+    /// The application's handler, under the event's key (`execute`).
+    Run(HandlerFn),
+    /// The application's writes, in one commit with the event's key (`execute_atomic`).
+    OneCommit(PhaseFn),
+}
+
+/// The answer a receiver gives for a handled event: 200 `{"received":true,"event":"<id>"}`.
+/// A one-commit receiver's writes return it ([`WebhookReceiver::new_atomic`]).
+pub fn acknowledgement(event_id: &str) -> StoredResponse {
+    StoredResponse::new(200)
+        .with_header("content-type", "application/json")
+        .with_body(json!({"received": true, "event": event_id}).to_string())
+}
 
 #[derive(Clone)]
 struct Receiver {
@@ -262,7 +290,7 @@ struct Receiver {
     scope: String,
     verifier: Arc<dyn VerifyWebhook>,
     extract: ExtractFn,
-    handler: HandlerFn,
+    handler: Handler,
     max_body_bytes: usize,
     #[cfg(feature = "http")]
     settle: Option<SettleKeys>,
@@ -311,11 +339,49 @@ impl WebhookReceiver {
         Fut: Future<Output = Result<(), E>> + Send + 'static,
         E: fmt::Display + Send + 'static,
     {
-        let retention = idem.config().retention;
         let handler: HandlerFn = Arc::new(move |event| {
             let run = handler(event);
             Box::pin(async move { run.await.map_err(|e| e.to_string()) })
         });
+        Self::build(idem, scope, verifier, extract, Handler::Run(handler))
+    }
+
+    /// A receiver whose effect commits **with the event's key**, in one database transaction
+    /// (`Idempotency::execute_atomic`, `docs/one-commit.md`): `phase(event)` makes the SQL
+    /// store's phase for the event (`store.atomic_phase(..)`), whose writes record the effect
+    /// and return the answer, usually [`acknowledgement`]. A crash anywhere before the commit
+    /// leaves neither the effect nor the key, so the next delivery makes the effect once; a
+    /// failure of the writes rolls both back and answers 503. `idem` must run on the store the
+    /// phases are made by (else 500 `no-shared-transaction`, nothing recorded).
+    pub fn new_atomic<V, X, M, P>(
+        idem: Idempotency,
+        scope: Scope,
+        verifier: V,
+        extract: X,
+        phase: M,
+    ) -> Self
+    where
+        V: VerifyWebhook,
+        X: Fn(&HeaderMap, &Bytes) -> Result<WebhookEvent, WebhookError> + Send + Sync + 'static,
+        M: Fn(WebhookEvent) -> P + Send + Sync + 'static,
+        P: OneCommitPhase + 'static,
+    {
+        let phase: PhaseFn = Arc::new(move |event| Box::new(phase(event)));
+        Self::build(idem, scope, verifier, extract, Handler::OneCommit(phase))
+    }
+
+    fn build<V, X>(
+        idem: Idempotency,
+        scope: Scope,
+        verifier: V,
+        extract: X,
+        handler: Handler,
+    ) -> Self
+    where
+        V: VerifyWebhook,
+        X: Fn(&HeaderMap, &Bytes) -> Result<WebhookEvent, WebhookError> + Send + Sync + 'static,
+    {
+        let retention = idem.config().retention;
         Self {
             inner: Arc::new(Receiver {
                 idem: idem.retry_takeover_window(Some(retention)),
@@ -338,12 +404,17 @@ impl WebhookReceiver {
         Fut: Future<Output = Result<(), E>> + Send + 'static,
         E: fmt::Display + Send + 'static,
     {
-        let scope = match Scope::new(STRIPE_SCOPE) {
-            Ok(scope) => scope,
-            // A constant of visible ASCII (`tests::the_stripe_scope_is_a_valid_scope`).
-            Err(e) => unreachable!("{STRIPE_SCOPE:?} is not a valid scope: {e}"),
-        };
-        Self::new(idem, scope, signature, stripe_event, handler)
+        Self::new(idem, stripe_scope(), signature, stripe_event, handler)
+    }
+
+    /// A Stripe receiver whose effect commits with the event's key: [`WebhookReceiver::stripe`]
+    /// as [`WebhookReceiver::new_atomic`] is to [`WebhookReceiver::new`].
+    pub fn stripe_atomic<M, P>(idem: Idempotency, signature: StripeSignature, phase: M) -> Self
+    where
+        M: Fn(WebhookEvent) -> P + Send + Sync + 'static,
+        P: OneCommitPhase + 'static,
+    {
+        Self::new_atomic(idem, stripe_scope(), signature, stripe_event, phase)
     }
 
     fn set(&mut self, f: impl FnOnce(&mut Receiver)) {
@@ -409,9 +480,22 @@ impl WebhookReceiver {
         let run = tokio::spawn(
             async move {
                 let r = &this.inner;
-                r.idem
-                    .execute(request, |_ctx| this.run_handler(event))
-                    .await
+                match &r.handler {
+                    Handler::Run(_) => {
+                        r.idem
+                            .execute(request, |_ctx| this.run_handler(event))
+                            .await
+                    }
+                    Handler::OneCommit(phase) => {
+                        if let Err(reason) = this.settle_first(&event).await {
+                            return Err(crate::Error::FailedRetryable {
+                                key: request.id().clone(),
+                                reason,
+                            });
+                        }
+                        r.idem.execute_atomic(request, phase(event)).await
+                    }
+                }
             }
             .instrument(tracing::Span::current()),
         );
@@ -439,26 +523,34 @@ impl WebhookReceiver {
         })
     }
 
+    /// Settles the key the event reports, when asked to ([`WebhookReceiver::settle_keys`]):
+    /// before the event's own run, so that a failure leaves the event to be delivered again.
+    async fn settle_first(&self, event: &WebhookEvent) -> Result<(), String> {
+        #[cfg(feature = "http")]
+        if let Some(settle) = &self.inner.settle {
+            return settle
+                .settle(event)
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("settling the key the event reports failed: {e}"));
+        }
+        let _ = event;
+        Ok(())
+    }
+
     /// The operation run under the event's key: settle the key the event reports (if asked),
     /// then the handler, in a task of its own so that a panic is caught as a failure.
     async fn run_handler(&self, event: WebhookEvent) -> Outcome {
         let r = &self.inner;
-        #[cfg(feature = "http")]
-        if let Some(settle) = &r.settle
-            && let Err(e) = settle.settle(&event).await
-        {
-            return Outcome::retryable(format!("settling the key the event reports failed: {e}"));
+        if let Err(reason) = self.settle_first(&event).await {
+            return Outcome::retryable(reason);
         }
+        let Handler::Run(handler) = &r.handler else {
+            return Outcome::retryable("a one-commit receiver has no handler to run".to_owned());
+        };
         let id = event.id().to_owned();
-        match tokio::spawn((r.handler)(event)).await {
-            Ok(Ok(())) => {
-                match StoredResponse::json(200, &json!({"received": true, "event": id})) {
-                    Ok(ack) => Outcome::Succeeded(ack),
-                    Err(e) => {
-                        Outcome::retryable(format!("the acknowledgement did not serialise: {e}"))
-                    }
-                }
-            }
+        match tokio::spawn(handler(event)).await {
+            Ok(Ok(())) => Outcome::Succeeded(acknowledgement(&id)),
             Ok(Err(reason)) => Outcome::retryable(format!("the handler failed: {reason}")),
             Err(e) if e.is_panic() => Outcome::retryable(format!(
                 "the handler panicked: {}",

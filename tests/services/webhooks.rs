@@ -501,3 +501,91 @@ async fn the_example_counts_one_effect_per_event() {
     want.sort_by_key(|v| v["event"].as_str().unwrap().to_owned());
     assert_eq!(effects, Value::Array(want));
 }
+
+/// A one-commit receiver (`WebhookReceiver::stripe_atomic`): the effect (a row) commits with the
+/// event's key. A write failing after the effect's insert rolls both back (503, no key, no row),
+/// the next delivery makes the effect once, and duplicates, concurrent ones included, make none
+/// more.
+#[tokio::test]
+async fn a_one_commit_receiver_makes_each_effect_once() {
+    use idemflow::axum::webhook::acknowledgement;
+    use std::sync::atomic::AtomicBool;
+
+    let store = super::support::sqlite::file().await;
+    sqlx::query("CREATE TABLE effects (event TEXT NOT NULL)")
+        .execute(store.writer_pool())
+        .await
+        .unwrap();
+    let fail_next = Arc::new(AtomicBool::new(true));
+    let (phases, fail) = (store.clone(), fail_next.clone());
+    let receiver = WebhookReceiver::stripe_atomic(
+        Idempotency::new(store.clone()),
+        StripeSignature::new(NEW),
+        move |event: WebhookEvent| {
+            let fail = fail.swap(false, Ordering::SeqCst);
+            let id = event.id().to_owned();
+            phases.atomic_phase(move |conn| {
+                let id = id.clone();
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO effects (event) VALUES (?)")
+                        .bind(&id)
+                        .execute(&mut *conn)
+                        .await?;
+                    if fail {
+                        return Err("the effect's second write failed".into());
+                    }
+                    Ok(acknowledgement(&id))
+                })
+            })
+        },
+    );
+    let base = serve(Router::new().route_service("/webhooks/stripe", receiver)).await;
+    let sender = WebhookSender::new(&format!("{base}/webhooks/stripe"), NEW);
+    let effects = |event: &'static str| {
+        let store = store.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM effects WHERE event = ?")
+                .bind(event)
+                .fetch_one(store.writer_pool())
+                .await
+                .unwrap()
+        }
+    };
+
+    let event = stripe_event("invoice.paid", json!({"id": "in_oc"}));
+    let id: &'static str = event["id"].as_str().unwrap().to_owned().leak();
+    let failed = sender.send(&event).await;
+    assert_eq!(failed.status, 503, "{failed:?}");
+    assert_eq!(
+        effects(id).await,
+        0,
+        "the failed run's insert was rolled back"
+    );
+    assert!(store.get(&event_key(&event)).await.unwrap().is_none());
+    let answers = vec![
+        sender.send(&event).await,
+        sender.send(&event).await,
+        sender.send(&event).await,
+    ];
+    assert_eq!(statuses(&answers), [200, 200, 200], "{answers:?}");
+    assert_eq!(
+        answers.iter().map(|a| a.replayed).collect::<Vec<_>>(),
+        [false, true, true]
+    );
+    assert_eq!(effects(id).await, 1);
+    assert_eq!(
+        store.get(&event_key(&event)).await.unwrap().unwrap().state,
+        KeyState::Done
+    );
+
+    let other = stripe_event("invoice.paid", json!({"id": "in_oc2"}));
+    let other_id: &'static str = other["id"].as_str().unwrap().to_owned().leak();
+    let answers = sender.send_concurrently(&other, 20).await;
+    assert!(
+        answers.iter().all(|a| a.status == 200),
+        "{:?}",
+        statuses(&answers)
+    );
+    assert_eq!(answers.iter().filter(|a| !a.replayed).count(), 1);
+    assert_eq!(effects(other_id).await, 1);
+}
