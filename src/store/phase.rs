@@ -88,7 +88,7 @@ impl std::error::Error for Refusal {}
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoreId(pub(crate) usize);
 
-/// What [`AtomicPhase::claim_and_commit`] came to: the key's claim, the application's writes
+/// What [`OneCommitPhase::claim_and_commit`] came to: the key's claim, the application's writes
 /// and the key's answer in one commit, or the row that stood in the way.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -456,8 +456,14 @@ impl OneCommitPhase for Box<dyn OneCommitPhase> {
     }
 }
 
-/// The message of a caught panic (a phase's writes panicked), for the step's error.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+/// The message of a caught panic (a phase's writes panicked, a webhook handler panicked), for
+/// the error that reports it.
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "axum"
+))]
 pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = panic.downcast_ref::<&str>() {
         (*s).to_owned()

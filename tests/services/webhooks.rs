@@ -540,7 +540,7 @@ async fn a_one_commit_receiver_makes_each_effect_once() {
         },
     );
     let base = serve(Router::new().route_service("/webhooks/stripe", receiver)).await;
-    let sender = WebhookSender::new(&format!("{base}/webhooks/stripe"), NEW);
+    let sender = WebhookSender::new(format!("{base}/webhooks/stripe"), NEW);
     let effects = |event: &'static str| {
         let store = store.clone();
         async move {
