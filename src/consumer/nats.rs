@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::consumer::pull::MessagesErrorKind;
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 use tokio::sync::Semaphore;
@@ -41,8 +42,8 @@ const DEFAULT_PROGRESS: Duration = Duration::from_secs(10);
 /// for the runs under way, and returns; messages pulled and not yet handled are redelivered by
 /// the server after `ack_wait`.
 ///
-/// An error of the message stream (the connection closed for good, the consumer was deleted)
-/// ends the loop with [`ConsumerError::Broker`], after the runs under way have finished.
+/// A missed heartbeat or a failed pull is logged and the loop pulls on; any other error of the
+/// message stream (the consumer was deleted, the pull refused) ends the loop with [`ConsumerError::Broker`], after the runs under way have finished.
 pub async fn consume(
     consumer: &Consumer,
     pull: &PullConsumer,
@@ -82,6 +83,16 @@ pub async fn consume(
                         settle(consumer, message, progress).await;
                         drop(slot);
                     });
+                }
+                // The stream goes on after a missed heartbeat or a failed pull (a blip of the
+                // connection); not after the consumer is gone or refuses the pull.
+                Some(Err(e)) if matches!(
+                    e.kind(),
+                    MessagesErrorKind::MissingHeartbeat
+                        | MessagesErrorKind::Pull
+                        | MessagesErrorKind::NoResponders
+                ) => {
+                    tracing::warn!(error = %e, "pulling NATS messages failed; pulling on");
                 }
                 Some(Err(e)) => break Err(broker(e.into())),
                 None => break Ok(()),
