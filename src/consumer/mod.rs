@@ -34,7 +34,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -262,36 +262,20 @@ pub struct ConsumerStats {
     pub rejected: u64,
 }
 
-#[derive(Debug, Default)]
-struct Counters([AtomicU64; 7]);
-
-impl Counters {
-    fn count(&self, d: &Disposition) {
-        let slot = match d {
-            Disposition::Ack { ran: true } => 0,
-            Disposition::Ack { ran: false } => 1,
+impl ConsumerStats {
+    fn count(&mut self, d: &Disposition) {
+        let counter = match d {
+            Disposition::Ack { ran: true } => &mut self.ran,
+            Disposition::Ack { ran: false } => &mut self.replayed,
             Disposition::Redeliver { reason, .. } => match reason {
-                Redeliver::InFlight => 2,
-                Redeliver::OutcomeUnknown => 3,
-                Redeliver::Failed => 4,
-                Redeliver::Error => 5,
+                Redeliver::InFlight => &mut self.in_flight,
+                Redeliver::OutcomeUnknown => &mut self.unknown,
+                Redeliver::Failed => &mut self.failed,
+                Redeliver::Error => &mut self.errors,
             },
-            Disposition::Reject(_) => 6,
+            Disposition::Reject(_) => &mut self.rejected,
         };
-        self.0[slot].fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn snapshot(&self) -> ConsumerStats {
-        let n = |i: usize| self.0[i].load(Ordering::Relaxed);
-        ConsumerStats {
-            ran: n(0),
-            replayed: n(1),
-            in_flight: n(2),
-            unknown: n(3),
-            failed: n(4),
-            errors: n(5),
-            rejected: n(6),
-        }
+        *counter += 1;
     }
 }
 
@@ -325,7 +309,7 @@ type HandlerFn = Arc<dyn Fn(Message, Context) -> BoxFuture<Outcome> + Send + Syn
 #[derive(Clone)]
 pub struct Consumer {
     inner: Arc<Inner>,
-    stats: Arc<Counters>,
+    stats: Arc<Mutex<ConsumerStats>>,
 }
 
 #[derive(Clone)]
@@ -431,7 +415,7 @@ impl Consumer {
 
     /// The deliveries disposed of so far, by disposition.
     pub fn stats(&self) -> ConsumerStats {
-        self.stats.snapshot()
+        *self.stats.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     pub(crate) fn concurrency_limit(&self) -> usize {
@@ -465,7 +449,10 @@ impl Consumer {
                 tracing::warn!(%error, "message rejected");
             }
         }
-        self.stats.count(&disposition);
+        self.stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .count(&disposition);
         disposition
     }
 

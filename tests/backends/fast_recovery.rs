@@ -73,6 +73,8 @@ use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
+use crate::support::KillOnDrop;
+
 /// The bound issue 11 asks for: restart -> final answer.
 const BOUND: Duration = Duration::from_secs(15);
 /// The reconciler's interval (`--every 5s`).
@@ -297,16 +299,6 @@ impl Drop for Instance {
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();
         }
-    }
-}
-
-/// A child process killed (if still running) when dropped: a failing test leaves no CLI behind.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 

@@ -8,8 +8,8 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
-use crate::scenarios::{self, Broker, Running};
-use crate::support::{backend_url, fresh_name, unreachable};
+use crate::scenarios::{self, Broker, Running, connect_within};
+use crate::support::fresh_name;
 
 const VAR: &str = "IDEMFLOW_TEST_AMQP_URL";
 
@@ -20,23 +20,14 @@ pub struct Amqp {
     channel: Channel,
 }
 
-async fn connect(url: &str) -> Result<Connection, String> {
-    let connecting = Connection::connect(url, ConnectionProperties::default());
-    match tokio::time::timeout(std::time::Duration::from_secs(5), connecting).await {
-        Ok(Ok(connection)) => Ok(connection),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("no answer within 5 s".to_owned()),
-    }
+async fn connect(url: String) -> lapin::Result<Connection> {
+    Connection::connect(&url, ConnectionProperties::default()).await
 }
 
 impl Amqp {
     /// A fresh queue on the broker at [`VAR`]; `None` (skipped) without one.
     async fn fresh() -> Option<Self> {
-        let url = backend_url(VAR)?;
-        let connection = match connect(&url).await {
-            Ok(c) => c,
-            Err(e) => return unreachable("RabbitMQ", VAR, e),
-        };
+        let (url, connection) = scenarios::reach("RabbitMQ", VAR, connect).await?;
         let broker = Self::on(connection, &url, &fresh_name()).await;
         let declare = QueueDeclareOptions {
             durable: true,
@@ -52,7 +43,8 @@ impl Amqp {
 
     /// The queue `queue` of the broker at `url` (the kill test's child).
     pub async fn attach(url: &str, queue: &str) -> Self {
-        Self::on(connect(url).await.unwrap(), url, queue).await
+        let connection = connect_within(connect(url.to_owned())).await.unwrap();
+        Self::on(connection, url, queue).await
     }
 
     async fn on(connection: Connection, url: &str, queue: &str) -> Self {

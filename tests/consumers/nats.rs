@@ -10,8 +10,8 @@ use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::{self, stream};
 use idemflow::consumer::{Consumer, nats};
 
-use crate::scenarios::{self, Broker, Running};
-use crate::support::{backend_url, fresh_name, unreachable};
+use crate::scenarios::{self, Broker, Running, connect_within};
+use crate::support::fresh_name;
 
 const VAR: &str = "IDEMFLOW_TEST_NATS_URL";
 /// JetStream drops a publish whose `Nats-Msg-Id` it saw this recently; 100 ms is the least
@@ -27,27 +27,19 @@ pub struct Nats {
     js: jetstream::Context,
 }
 
-async fn connect(url: &str) -> Result<async_nats::Client, String> {
-    let options = async_nats::ConnectOptions::new()
+async fn connect(url: String) -> Result<async_nats::Client, async_nats::ConnectError> {
+    async_nats::ConnectOptions::new()
         .connection_timeout(Duration::from_secs(5))
-        .retry_on_initial_connect();
-    let connecting = options.connect(url);
-    match tokio::time::timeout(Duration::from_secs(5), connecting).await {
-        Ok(Ok(client)) => Ok(client),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("no answer within 5 s".to_owned()),
-    }
+        .retry_on_initial_connect()
+        .connect(url)
+        .await
 }
 
 impl Nats {
     /// A fresh stream and durable consumer on the server at [`VAR`]; `None` (skipped) without
     /// one.
     async fn fresh() -> Option<Self> {
-        let url = backend_url(VAR)?;
-        let client = match connect(&url).await {
-            Ok(c) => c,
-            Err(e) => return unreachable("NATS", VAR, e),
-        };
+        let (url, client) = scenarios::reach("NATS", VAR, connect).await?;
         let name = fresh_name();
         let js = jetstream::new(client);
         let created = js
@@ -82,7 +74,7 @@ impl Nats {
         Self {
             url: url.to_owned(),
             stream: stream.to_owned(),
-            js: jetstream::new(connect(url).await.unwrap()),
+            js: jetstream::new(connect_within(connect(url.to_owned())).await.unwrap()),
         }
     }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use idemflow::consumer::{Consumer, ConsumerError, Message};
+use idemflow::consumer::{Consumer, ConsumerError, ConsumerStats, Message};
 use idemflow::provider::{Attempts, CallReply, KeySpec, Lookup};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{
@@ -19,6 +19,8 @@ use sqlx::SqlitePool;
 use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+
+use crate::support::KillOnDrop;
 
 /// The name of the provider whose records are the effects table ([`Ledger`]).
 pub const LEDGER: &str = "ledger";
@@ -288,6 +290,46 @@ where
     }
 }
 
+/// Waits until `consumer`'s stats satisfy `done` (see [`eventually`]).
+async fn until_stats(
+    consumer: &Consumer,
+    within: Duration,
+    what: &str,
+    done: impl Fn(&ConsumerStats) -> bool,
+) {
+    eventually(within, what, || std::future::ready(done(&consumer.stats()))).await;
+}
+
+/// The URL at `var` and a connection made from it by `connect`; `None` (the test is skipped,
+/// with a printed reason) when the URL is unset or the broker does not answer within 5 s, and a
+/// failure of either under `CI=true`.
+pub async fn reach<T, E, Fut>(
+    broker: &str,
+    var: &str,
+    connect: impl FnOnce(String) -> Fut,
+) -> Option<(String, T)>
+where
+    E: std::fmt::Display,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let url = crate::support::backend_url(var)?;
+    match connect_within(connect(url.clone())).await {
+        Ok(connected) => Some((url, connected)),
+        Err(e) => crate::support::unreachable(broker, var, e),
+    }
+}
+
+/// Runs `connect` with a deadline of 5 s; its error, or the deadline, as text.
+pub async fn connect_within<T, E: std::fmt::Display>(
+    connect: impl Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(Duration::from_secs(5), connect).await {
+        Ok(Ok(connected)) => Ok(connected),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("no answer within 5 s".to_owned()),
+    }
+}
+
 /// 1,000 messages and 200 duplicates with the same message ids and bodies: 90 published among
 /// the originals (in bursts of 100, each duplicating the burst before), 110 once every original
 /// was acknowledged. One effect per id, every delivery acknowledged (the queue drains), and each
@@ -317,29 +359,21 @@ pub async fn a_thousand_messages_with_duplicates_take_effect_once_each(broker: i
             tokio::time::sleep(PUBLISH_GAP).await;
         }
     }
-    let handled = |want: u64| {
-        let consumer = consumer.clone();
-        move || {
-            let stats = consumer.stats();
-            async move { stats.ran + stats.replayed >= want }
-        }
+    // Every delivery stored so far is acknowledged.
+    let all_acknowledged = async |within: Duration, what: &str| {
+        let want = stored.get();
+        until_stats(&consumer, within, what, |s| s.ran + s.replayed >= want).await;
     };
-    eventually(
+    all_acknowledged(
         Duration::from_secs(120),
-        "every original and interleaved duplicate acknowledged",
-        handled(stored.get()),
+        "every original and early duplicate acknowledged",
     )
     .await;
     // The originals are acknowledged: their duplicates now find their keys done.
     for i in (0..N).filter(|i| i % 10 == 7 || i % BURST == 3) {
         publish(i).await;
     }
-    eventually(
-        Duration::from_secs(60),
-        "every late duplicate acknowledged",
-        handled(stored.get()),
-    )
-    .await;
+    all_acknowledged(Duration::from_secs(60), "every late duplicate acknowledged").await;
     let took = started.elapsed();
     let stored = stored.get();
     running.stop().await;
@@ -379,23 +413,19 @@ pub async fn a_duplicate_in_flight_is_redelivered_then_acked_without_running(bro
     assert!(broker.publish("dup-1", b"{}").await);
     tokio::time::sleep(PUBLISH_GAP).await;
     assert!(broker.publish("dup-1", b"{}").await, "stored twice");
-    eventually(
+    until_stats(
+        &consumer,
         Duration::from_secs(20),
         "the duplicate found the key in flight",
-        || {
-            let stats = consumer.stats();
-            async move { stats.in_flight >= 1 }
-        },
+        |s| s.in_flight >= 1,
     )
     .await;
     gate.notify_one();
-    eventually(
+    until_stats(
+        &consumer,
         Duration::from_secs(20),
         "both deliveries acknowledged",
-        || {
-            let stats = consumer.stats();
-            async move { stats.ran == 1 && stats.replayed == 1 }
-        },
+        |s| s.ran == 1 && s.replayed == 1,
     )
     .await;
     running.stop().await;
@@ -430,13 +460,11 @@ pub async fn a_keyless_message_is_rejected_and_a_panic_redelivered(broker: impl 
     let running = broker.start(consumer.clone()).await;
     assert!(broker.publish("", b"{}").await);
     assert!(broker.publish("boom-1", b"{}").await);
-    eventually(
+    until_stats(
+        &consumer,
         Duration::from_secs(20),
         "the keyless message rejected, the other acknowledged",
-        || {
-            let stats = consumer.stats();
-            async move { stats.rejected == 1 && stats.ran == 1 }
-        },
+        |s| s.rejected == 1 && s.ran == 1,
     )
     .await;
     running.stop().await;
@@ -504,24 +532,20 @@ pub async fn an_unknown_outcome_is_left_unacked_until_the_sweeper_settles_it(bro
     let consumer = Consumer::new(idem, scope.clone(), handler).provider(LEDGER);
     let running = broker.start(consumer.clone()).await;
     assert!(broker.publish("lost-1", b"{}").await);
-    eventually(
+    until_stats(
+        &consumer,
         Duration::from_secs(20),
         "the run's outcome is unknown and redelivered",
-        || {
-            let stats = consumer.stats();
-            async move { stats.unknown >= 2 }
-        },
+        |s| s.unknown >= 2,
     )
     .await;
     assert_eq!(consumer.stats().ran + consumer.stats().replayed, 0);
     let sweeper = sweeping(store.clone(), &effects);
-    eventually(
+    until_stats(
+        &consumer,
         Duration::from_secs(20),
         "acknowledged once the sweeper settled the key",
-        || {
-            let stats = consumer.stats();
-            async move { stats.replayed == 1 }
-        },
+        |s| s.replayed == 1,
     )
     .await;
     drop(sweeper);
@@ -560,9 +584,9 @@ fn kill_consumer(idem: Idempotency, scope: Scope, effects: Effects, hang: bool) 
 
 /// The child of the kill tests: consumes the queue named by [`CHILD_SPEC`] with a handler that
 /// records its effect and hangs; the test kills it. Run alone (no variable) it says so.
-#[test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the child process of the consumer kill tests"]
-fn child_consumes_until_killed() {
+async fn child_consumes_until_killed() {
     let Ok(spec) = std::env::var(CHILD_SPEC) else {
         eprintln!("skipping: run by the consumer kill tests as their child process");
         return;
@@ -572,12 +596,7 @@ fn child_consumes_until_killed() {
         broker: broker.to_owned(),
         dir: PathBuf::from(dir),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async move {
+    {
         let files = Files { dir: spec.dir };
         let idem = Idempotency::new(files.store().await)
             .lease(SHORT_LEASE)
@@ -599,16 +618,6 @@ fn child_consumes_until_killed() {
         };
         running.join().await;
         eprintln!("the child's consumer ended before the kill");
-    });
-}
-
-/// Kills the child if the test fails before it does.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 
@@ -666,13 +675,11 @@ pub async fn a_consumer_killed_mid_message_leaves_one_effect(broker: impl Broker
     let consumer = kill_consumer(idem, scope.clone(), effects.clone(), false).concurrency(4);
     let _sweeper = sweeping(store.clone(), &effects);
     let running = broker.start(consumer.clone()).await;
-    eventually(
+    until_stats(
+        &consumer,
         Duration::from_secs(60),
         "every message acknowledged after the kill",
-        || {
-            let stats = consumer.stats();
-            async move { stats.ran + stats.replayed == 3 }
-        },
+        |s| s.ran + s.replayed == 3,
     )
     .await;
     running.stop().await;
