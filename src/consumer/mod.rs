@@ -115,7 +115,7 @@ pub enum ConsumerError {
         key: String,
         /// The executor's refusal ([`Error::FingerprintMismatch`]).
         #[source]
-        source: Error,
+        source: Box<Error>,
     },
     /// The broker failed: connecting, consuming, or acknowledging.
     #[error("{broker}: {source}")]
@@ -568,7 +568,10 @@ fn disposition(
         }
         Err(Error::FailedRetryable { .. }) => redeliver(retry_after, Redeliver::Failed),
         Err(e @ Error::FingerprintMismatch { .. }) => {
-            Disposition::Reject(ConsumerError::KeyReused { key, source: e })
+            Disposition::Reject(ConsumerError::KeyReused {
+                key,
+                source: Box::new(e),
+            })
         }
         Err(Error::Request(e)) => Disposition::Reject(ConsumerError::InvalidKey(e)),
         // The store failed, the lease was taken over, or the key's unsettled attempt went

@@ -260,7 +260,7 @@ impl Files {
 fn scope(broker: &impl Broker) -> Scope {
     let name = broker.spec();
     let queue = name.rsplit(' ').next().unwrap_or("queue");
-    Scope::new(&format!("queue:{queue}")).unwrap()
+    Scope::new(format!("queue:{queue}")).unwrap()
 }
 
 /// A handler that records its run's effect and succeeds.
