@@ -314,8 +314,10 @@ pub struct Consumer {
 
 #[derive(Clone)]
 struct Inner {
-    /// The executor as given; without a provider, with the takeover window of the retention.
+    /// The executor the runs go through: `given`, with a takeover window of its retention
+    /// until a provider is named.
     idem: Idempotency,
+    /// The executor as given.
     given: Idempotency,
     scope: String,
     key: KeySource,
