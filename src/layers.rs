@@ -26,7 +26,7 @@ pub(super) const LAYERS: &[(&str, &[&str])] = &[
     ("sweeper", &["sweeper"]),
     (
         "services and test kits",
-        &["axum", "conformance", "testkit"],
+        &["axum", "consumer", "conformance", "testkit"],
     ),
 ];
 

@@ -64,6 +64,8 @@
 //! | `redis` | `store::redis::RedisStore` (one Lua script per transition) |
 //! | `http` | `provider::http`, provider adapters: `provider::Stripe`, `provider::Resend`, `provider::Postmark` |
 //! | `axum` | `axum::IdempotencyLayer`, IETF `Idempotency-Key` semantics for axum services; `axum::webhook`, webhook receivers |
+//! | `rabbitmq` | `consumer::amqp`, a RabbitMQ queue consumer (through `lapin`) running its handler once per message key |
+//! | `nats` | `consumer::nats`, a NATS JetStream consumer (through `async-nats`), the same |
 //! | `testkit` | fake provider servers with a ledger and fault injection |
 //! | `cli` | the `idemflow` reconciler binary |
 //!
@@ -82,6 +84,9 @@ pub mod axum;
 #[cfg(feature = "conformance")]
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+pub mod consumer;
 pub mod error;
 pub mod executor;
 pub mod fingerprint;

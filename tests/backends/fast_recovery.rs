@@ -56,7 +56,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -72,6 +72,8 @@ use idemflow::{
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
+
+use crate::support::KillOnDrop;
 
 /// The bound issue 11 asks for: restart -> final answer.
 const BOUND: Duration = Duration::from_secs(15);
@@ -297,16 +299,6 @@ impl Drop for Instance {
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();
         }
-    }
-}
-
-/// A child process killed (if still running) when dropped: a failing test leaves no CLI behind.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 

@@ -22,6 +22,8 @@ use idemflow::{
 use serde_json::json;
 use tokio::time::Instant;
 
+use crate::support::KillOnDrop;
+
 /// Every key of the dead sweeper's batch has its final answer this soon after the kill.
 const BOUND: Duration = Duration::from_secs(15);
 /// The keys of the batch.
@@ -141,16 +143,6 @@ fn child_sweeps_until_killed() {
         let report = sweeper.run_once().await;
         eprintln!("child sweep ended before the kill: {report:?}");
     });
-}
-
-/// Kills the child if the test fails before it does.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// The test: keys left by a worker that lost Stripe's answers, a child sweeper killed inside

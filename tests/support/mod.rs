@@ -82,6 +82,17 @@ pub fn left_behind(name: &str) -> bool {
     born.is_some_and(|b| b + 3600 < now_secs())
 }
 
+/// A child process, killed (if still running) and reaped when dropped: a failing test leaves
+/// no child behind.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// The name libtest gives test `name` in the module at `module_path` (pass `module_path!()`):
 /// the module path without the crate's own name, then `name`. A test that re-runs its own binary
 /// as a child passes it to `--exact`, so that the name follows the module wherever it moves.

@@ -1,0 +1,695 @@
+//! Queue consumers (features `rabbitmq` and `nats`): each message's handler runs under a key
+//! taken from the message, through [`Idempotency::execute`], and the message is acknowledged
+//! only once its key is settled, so that the broker's redeliveries and the publishers' duplicates
+//! converge on one run of the handler per key.
+//!
+//! [`Consumer`] is the broker-neutral part: it reads a message's key ([`KeySource`]), runs the
+//! handler under it in the consumer's scope, and says what to do with the delivery
+//! ([`Disposition`]). The brokers' loops are [`amqp::consume`] (RabbitMQ, through `lapin`) and
+//! [`nats::consume`] (NATS JetStream, through `async-nats`); another broker calls
+//! [`Consumer::handle`] with each of its messages.
+//!
+//! | The delivery | The key | Disposition | RabbitMQ | NATS JetStream |
+//! |---|---|---|---|---|
+//! | no key where the consumer reads it, or one that cannot be a key | none | [`Disposition::Reject`] | `basic.reject`, no requeue (dead-lettered if the queue has a dead-letter exchange) | `Term` |
+//! | a new key; the handler returns `Succeeded` | `done` | [`Disposition::Ack`] | `basic.ack` | `AckAck` (double ack) |
+//! | a new key; the handler returns `Rejected` (a permanent refusal) | `failed{permanent}` | [`Disposition::Ack`] | `basic.ack` | `AckAck` |
+//! | a key already settled (`done` or `failed{permanent}`) | unchanged | [`Disposition::Ack`], the handler does not run | `basic.ack` | `AckAck` |
+//! | a key being handled by another delivery now | unchanged | [`Disposition::Redeliver`] after the executor's `Retry-After` (at most the lease left) | held, then `basic.nack` with requeue | `Nak` with that delay |
+//! | the handler returns `Retryable`, an error, or panics | `failed{retryable}` | [`Disposition::Redeliver`] after [`Consumer::retry_after`] | held, then `basic.nack` with requeue | `Nak` with that delay |
+//! | the handler returns `Unknown`, or a run crashed and its lease ran out | `processing`, for the sweeper (or a takeover: below) | [`Disposition::Redeliver`] after the executor's `unknown_retry_after` | held, then `basic.nack` with requeue | `Nak` with that delay |
+//! | the same key with another body | unchanged | [`Disposition::Reject`] ([`ConsumerError::KeyReused`]) | `basic.reject`, no requeue | `Term` |
+//! | the store fails, or the run's lease was taken over | as it was | [`Disposition::Redeliver`] after [`Consumer::retry_after`] | held, then `basic.nack` with requeue | `Nak` with that delay |
+//!
+//! Who settles a key whose run crashed or ended `Unknown` depends on [`Consumer::provider`]:
+//! without one (the handler's effect is the application's own), a later delivery takes the key
+//! over once its lease has run out and runs the handler again, as the webhook receiver does;
+//! with one (the handler acts at a provider, forwarding [`Context::provider_key`]), the key is
+//! never taken over by a delivery (unless the executor's own
+//! [`retry_takeover_window`](Idempotency::retry_takeover_window) allows it): the sweeper asks
+//! the provider and settles it, and the deliveries meanwhile are redelivered. See
+//! `docs/consumers.md`, "Queues", for what is promised and its limits.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tracing::{Instrument, info_span};
+
+use crate::error::{BoxError, RequestError};
+use crate::{Context, Error, Execution, Idempotency, IdempotentRequest, Outcome, Scope};
+
+#[cfg(feature = "rabbitmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
+pub mod amqp;
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub mod nats;
+
+/// The operation name of every message's key.
+pub const OPERATION: &str = "consume";
+
+/// The default [`Consumer::retry_after`]: 1 s.
+pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The default [`Consumer::concurrency`]: 16 messages handled at once.
+pub const DEFAULT_CONCURRENCY: usize = 16;
+
+/// Where a message's key is read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeySource {
+    /// The broker's message id (the default): AMQP's `message-id` property, NATS's
+    /// `Nats-Msg-Id` header.
+    MessageId,
+    /// A header (AMQP: an entry of the `headers` table holding a string or an integer; NATS: a
+    /// header, its first value).
+    Header(String),
+    /// A member of the body, read as JSON: a JSON pointer (`/order/id`) or the name of a
+    /// top-level member (`event_id`); its value a string or an integer.
+    JsonField(String),
+}
+
+impl fmt::Display for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeySource::MessageId => f.write_str("the message id"),
+            KeySource::Header(name) => write!(f, "header {name:?}"),
+            KeySource::JsonField(field) => write!(f, "JSON field {field:?}"),
+        }
+    }
+}
+
+/// Why a message was refused for good ([`Disposition::Reject`]), or why a broker's loop stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConsumerError {
+    /// The message has no key where the consumer reads it.
+    #[error("message has no key: {from} is missing")]
+    NoKey {
+        /// Where the key was looked for.
+        from: KeySource,
+    },
+    /// The key's place holds something that is not a key (a body that is not JSON, a member
+    /// that is neither a string nor an integer, a header that is not text).
+    #[error("message key unreadable from {from}: {reason}")]
+    KeyUnreadable {
+        /// Where the key was looked for.
+        from: KeySource,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The key breaks the rules of a key (empty, over 255 bytes, not visible ASCII).
+    #[error("message key unusable: {0}")]
+    InvalidKey(#[source] RequestError),
+    /// The key was first handled with another body: this message is not a redelivery of that
+    /// one, and is not handled under its key.
+    #[error("message key {key:?} was first handled with another body: {source}")]
+    KeyReused {
+        /// The key.
+        key: String,
+        /// The executor's refusal ([`Error::FingerprintMismatch`]).
+        #[source]
+        source: Box<Error>,
+    },
+    /// The broker failed: connecting, consuming, or acknowledging.
+    #[error("{broker}: {source}")]
+    Broker {
+        /// `"rabbitmq"` or `"nats"`.
+        broker: &'static str,
+        /// The client's error.
+        #[source]
+        source: BoxError,
+    },
+}
+
+impl ConsumerError {
+    pub(crate) fn broker(broker: &'static str, source: impl Into<BoxError>) -> Self {
+        ConsumerError::Broker {
+            broker,
+            source: source.into(),
+        }
+    }
+}
+
+/// A message as the consumer sees it, whatever the broker carried it: its id, headers and body.
+/// The broker loops build it; another broker's loop builds it with [`Message::new`] and the
+/// setters, and hands it to [`Consumer::handle`].
+#[derive(Debug, Clone, Default)]
+pub struct Message {
+    message_id: Option<String>,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    redelivered: bool,
+}
+
+impl Message {
+    /// A message with this body, no id and no headers.
+    pub fn new(body: impl Into<Vec<u8>>) -> Self {
+        Self {
+            body: body.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the broker's message id ([`KeySource::MessageId`]).
+    pub fn with_message_id(mut self, id: impl Into<String>) -> Self {
+        self.message_id = Some(id.into());
+        self
+    }
+
+    /// Adds a header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Marks the message as delivered before (the broker says so).
+    pub fn redelivered(mut self, redelivered: bool) -> Self {
+        self.redelivered = redelivered;
+        self
+    }
+
+    /// The broker's message id.
+    pub fn message_id(&self) -> Option<&str> {
+        self.message_id.as_deref()
+    }
+
+    /// The first header named `name` (compared as the broker stores names: exactly).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body.
+    pub fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    /// Whether the broker says it delivered the message before (informative only: the key
+    /// decides).
+    pub fn is_redelivered(&self) -> bool {
+        self.redelivered
+    }
+}
+
+/// Why a delivery is left for the broker to deliver again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Redeliver {
+    /// Another delivery of the key is being handled now (the executor's
+    /// [`Error::InFlight`]).
+    InFlight,
+    /// A run's outcome is unknown (the handler said `Unknown`, or a run crashed and its lease
+    /// ran out): the key stays `processing` until the sweeper (or a takeover) settles it
+    /// ([`Error::OutcomeUnknown`]).
+    OutcomeUnknown,
+    /// The handler failed (an `Err`, `Retryable`, a panic): the key is `failed{retryable}` and
+    /// the next delivery runs the handler again ([`Error::FailedRetryable`]).
+    Failed,
+    /// The store failed, or this run's lease was taken over before it finished; nothing this
+    /// delivery did is known to be recorded.
+    Error,
+}
+
+/// What to do with a delivery once [`Consumer::handle`] is done with it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Disposition {
+    /// Acknowledge it: the key is settled (`done`, or `failed{permanent}`), and no delivery of
+    /// it runs the handler again.
+    Ack {
+        /// Whether this delivery ran the handler (`false`: the key was settled before, and its
+        /// answer was replayed).
+        ran: bool,
+    },
+    /// Do not acknowledge it: the broker delivers it again, no sooner than `after`.
+    Redeliver {
+        /// The least delay before the next delivery.
+        after: Duration,
+        /// Why.
+        reason: Redeliver,
+    },
+    /// Refuse it for good (dead-letter it): nothing was recorded, and no delivery of it could
+    /// do better.
+    Reject(ConsumerError),
+}
+
+/// How many deliveries a [`Consumer`] disposed of, and how ([`Consumer::stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerStats {
+    /// Acknowledged after running the handler.
+    pub ran: u64,
+    /// Acknowledged without running it: the key was settled before (a duplicate).
+    pub replayed: u64,
+    /// Left for redelivery because another delivery of the key was being handled.
+    pub in_flight: u64,
+    /// Left for redelivery because a run's outcome is unknown.
+    pub unknown: u64,
+    /// Left for redelivery because the handler failed.
+    pub failed: u64,
+    /// Left for redelivery because the store failed or the lease was lost.
+    pub errors: u64,
+    /// Refused for good.
+    pub rejected: u64,
+}
+
+impl ConsumerStats {
+    fn count(&mut self, d: &Disposition) {
+        let counter = match d {
+            Disposition::Ack { ran: true } => &mut self.ran,
+            Disposition::Ack { ran: false } => &mut self.replayed,
+            Disposition::Redeliver { reason, .. } => match reason {
+                Redeliver::InFlight => &mut self.in_flight,
+                Redeliver::OutcomeUnknown => &mut self.unknown,
+                Redeliver::Failed => &mut self.failed,
+                Redeliver::Error => &mut self.errors,
+            },
+            Disposition::Reject(_) => &mut self.rejected,
+        };
+        *counter += 1;
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+type HandlerFn = Arc<dyn Fn(Message, Context) -> BoxFuture<Outcome> + Send + Sync>;
+
+/// A queue consumer: runs its handler once per message key, in its scope, and says when a
+/// delivery may be acknowledged. Cheap to clone (one consumer serves every delivery).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use idemflow::consumer::{Consumer, Disposition, Message};
+/// use idemflow::{Idempotency, Outcome, Scope, Store, StoredResponse, store::sqlite::SqliteStore};
+///
+/// let store = SqliteStore::connect("sqlite::memory:").await?;
+/// store.migrate().await?;
+/// let idem = Idempotency::new(Arc::new(store));
+/// let consumer = Consumer::new(idem, Scope::new("queue:orders")?, |message: Message, _ctx| async move {
+///     // Act on message.body() here: all or nothing, or keyed by the message's key.
+///     Outcome::Succeeded(StoredResponse::new(200))
+/// });
+/// let first = consumer.handle(Message::new("{}").with_message_id("m-1")).await;
+/// let again = consumer.handle(Message::new("{}").with_message_id("m-1")).await;
+/// assert!(matches!(first, Disposition::Ack { ran: true }));
+/// assert!(matches!(again, Disposition::Ack { ran: false }));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Consumer {
+    inner: Arc<Inner>,
+    stats: Arc<Mutex<ConsumerStats>>,
+}
+
+#[derive(Clone)]
+struct Inner {
+    /// The executor the runs go through: `given`, with a takeover window of its retention
+    /// until a provider is named.
+    idem: Idempotency,
+    /// The executor as given.
+    given: Idempotency,
+    scope: String,
+    key: KeySource,
+    provider: Option<String>,
+    handler: HandlerFn,
+    concurrency: usize,
+    retry_after: Duration,
+}
+
+impl fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Consumer")
+            .field("scope", &self.inner.scope)
+            .field("key", &self.inner.key)
+            .field("provider", &self.inner.provider)
+            .field("concurrency", &self.inner.concurrency)
+            .field("retry_after", &self.inner.retry_after)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Consumer {
+    /// A consumer whose `handler` acts on each message once per key in `scope` (give each
+    /// queue, or each consumer of a shared queue, its own scope). The key is the message id
+    /// unless [`key`](Self::key) says otherwise.
+    ///
+    /// The handler's `Succeeded` or `Rejected` is recorded before the delivery is acknowledged;
+    /// `Retryable`, or a panic, leaves the key retryable and the message for redelivery;
+    /// `Unknown` leaves the key `processing` (see the module's table). The handler runs more
+    /// than once for a key only after a run that failed, crashed or ended `Unknown`: its effect
+    /// must be all or nothing, or keyed by the message's key (`docs/consumers.md`).
+    ///
+    /// `idem` is used with its store, lease and retention; until [`provider`](Self::provider)
+    /// names a provider, a later delivery may take over a crashed run for the whole retention
+    /// (the handler's effect is the application's own), as the webhook receiver allows.
+    pub fn new<F, Fut>(idem: Idempotency, scope: Scope, handler: F) -> Self
+    where
+        F: Fn(Message, Context) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Outcome> + Send + 'static,
+    {
+        let handler: HandlerFn = Arc::new(move |message, ctx| Box::pin(handler(message, ctx)));
+        let retention = idem.config().retention;
+        Self {
+            inner: Arc::new(Inner {
+                idem: idem.clone().retry_takeover_window(Some(retention)),
+                given: idem,
+                scope: scope.as_str().to_owned(),
+                key: KeySource::MessageId,
+                provider: None,
+                handler,
+                concurrency: DEFAULT_CONCURRENCY,
+                retry_after: DEFAULT_RETRY_AFTER,
+            }),
+            stats: Arc::default(),
+        }
+    }
+
+    fn set(mut self, f: impl FnOnce(&mut Inner)) -> Self {
+        f(Arc::make_mut(&mut self.inner));
+        self
+    }
+
+    /// Where each message's key is read from (default [`KeySource::MessageId`]).
+    pub fn key(self, from: KeySource) -> Self {
+        self.set(|c| c.key = from)
+    }
+
+    /// Names the provider the handler acts through (forwarding [`Context::provider_key`] as its
+    /// idempotency key), so that the sweeper, with that provider registered, settles a run that
+    /// crashed or ended `Unknown` by asking it. A delivery then never takes such a run over
+    /// (beyond the executor's own `retry_takeover_window`): it is redelivered until the sweeper
+    /// has settled the key.
+    pub fn provider(self, name: impl Into<String>) -> Self {
+        let name = name.into();
+        self.set(|c| {
+            c.provider = Some(name);
+            c.idem = c.given.clone();
+        })
+    }
+
+    /// How many messages a broker loop handles at once (default [`DEFAULT_CONCURRENCY`]): the
+    /// AMQP prefetch count, the NATS batch size. At least 1.
+    pub fn concurrency(self, n: usize) -> Self {
+        self.set(|c| c.concurrency = n.max(1))
+    }
+
+    /// The delay before a delivery whose handler failed, or whose store failed, is delivered
+    /// again (default [`DEFAULT_RETRY_AFTER`]).
+    pub fn retry_after(self, after: Duration) -> Self {
+        self.set(|c| c.retry_after = after)
+    }
+
+    /// The scope of the messages' keys.
+    pub fn scope(&self) -> &str {
+        &self.inner.scope
+    }
+
+    /// The deliveries disposed of so far, by disposition.
+    pub fn stats(&self) -> ConsumerStats {
+        *self.stats.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn concurrency_limit(&self) -> usize {
+        self.inner.concurrency
+    }
+
+    /// Handles one delivery: reads its key, runs the handler under it (unless the key is
+    /// settled or in flight), and says what to do with the delivery. Never panics; the run goes
+    /// on in a task of its own, so dropping this future does not cut it between the handler's
+    /// effect and the key's finish.
+    pub async fn handle(&self, message: Message) -> Disposition {
+        let span = info_span!(
+            "idemflow.consume",
+            scope = %self.inner.scope,
+            key = tracing::field::Empty,
+            redelivered = message.is_redelivered(),
+            disposition = tracing::field::Empty,
+        );
+        let disposition = self.dispose(message).instrument(span.clone()).await;
+        let _in = span.enter();
+        match &disposition {
+            Disposition::Ack { ran } => {
+                span.record("disposition", if *ran { "ack" } else { "ack_replayed" });
+            }
+            Disposition::Redeliver { after, reason } => {
+                span.record("disposition", "redeliver");
+                tracing::info!(?reason, ?after, "message left for redelivery");
+            }
+            Disposition::Reject(error) => {
+                span.record("disposition", "reject");
+                tracing::warn!(%error, "message rejected");
+            }
+        }
+        self.stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .count(&disposition);
+        disposition
+    }
+
+    async fn dispose(&self, message: Message) -> Disposition {
+        let r = &self.inner;
+        let key = match key_of(&message, &r.key) {
+            Ok(key) => key,
+            Err(e) => return Disposition::Reject(e),
+        };
+        tracing::Span::current().record("key", key.as_str());
+        // The fingerprint covers the body: a redelivery is byte for byte the same message, and
+        // another message reusing the key is refused rather than taken for it. The stored
+        // request is the key and the body's digest, so a body of any size fits the cap.
+        let digest = crate::fingerprint::hex(&Sha256::digest(message.body()));
+        let fingerprinted = json!({"key": key, "body_sha256": digest});
+        let request = match IdempotentRequest::new(&r.scope, &key, OPERATION, &fingerprinted) {
+            Ok(request) => match &r.provider {
+                Some(provider) => request.with_provider(provider),
+                None => request,
+            },
+            Err(e) => return Disposition::Reject(ConsumerError::InvalidKey(e)),
+        };
+        let this = self.clone();
+        let run = tokio::spawn(
+            async move {
+                let idem = &this.inner.idem;
+                idem.execute(request, |ctx| this.run_handler(message, ctx))
+                    .await
+            }
+            .instrument(tracing::Span::current()),
+        );
+        match run.await {
+            Ok(result) => disposition(key, result, r.retry_after),
+            Err(crashed) => {
+                tracing::error!(error = %crashed, "the consumer's run crashed");
+                Disposition::Redeliver {
+                    after: r.retry_after,
+                    reason: Redeliver::Error,
+                }
+            }
+        }
+    }
+
+    /// The operation run under the message's key: the handler, in a task of its own so that a
+    /// panic is caught as a failure.
+    async fn run_handler(&self, message: Message, ctx: Context) -> Outcome {
+        match tokio::spawn((self.inner.handler)(message, ctx)).await {
+            Ok(outcome) => outcome,
+            Err(e) if e.is_panic() => {
+                let panic = e.into_panic();
+                let text = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned());
+                Outcome::retryable(format!(
+                    "the handler panicked: {}",
+                    text.as_deref().unwrap_or("a panic without a message")
+                ))
+            }
+            Err(e) => Outcome::retryable(format!("the handler did not finish: {e}")),
+        }
+    }
+}
+
+/// Reads `message`'s key from `from`.
+fn key_of(message: &Message, from: &KeySource) -> Result<String, ConsumerError> {
+    let missing = || ConsumerError::NoKey { from: from.clone() };
+    match from {
+        KeySource::MessageId => message.message_id().map(str::to_owned).ok_or_else(missing),
+        KeySource::Header(name) => message.header(name).map(str::to_owned).ok_or_else(missing),
+        KeySource::JsonField(field) => {
+            let unreadable = |reason: String| ConsumerError::KeyUnreadable {
+                from: from.clone(),
+                reason,
+            };
+            let body: Value = serde_json::from_slice(message.body())
+                .map_err(|e| unreadable(format!("the body is not JSON: {e}")))?;
+            let found = if field.starts_with('/') {
+                body.pointer(field)
+            } else {
+                body.get(field)
+            };
+            match found {
+                None | Some(Value::Null) => Err(missing()),
+                Some(Value::String(s)) => Ok(s.clone()),
+                Some(Value::Number(n)) if n.is_i64() || n.is_u64() => Ok(n.to_string()),
+                Some(other) => Err(unreadable(format!(
+                    "a key is a string or an integer, not {other}"
+                ))),
+            }
+        }
+    }
+}
+
+/// What the executor's answer for a delivery's key means for the delivery (`key`: for the
+/// refusal's error; `retry_after`: [`Consumer::retry_after`]).
+fn disposition(
+    key: String,
+    result: Result<Execution, Error>,
+    retry_after: Duration,
+) -> Disposition {
+    let redeliver = |after, reason| Disposition::Redeliver { after, reason };
+    match result {
+        Ok(Execution::Executed(_)) => Disposition::Ack { ran: true },
+        Ok(Execution::Replayed(_)) => Disposition::Ack { ran: false },
+        // The handler ran, and its answer was over the cap: the key is `failed{permanent}`.
+        Err(Error::ResponseTooLarge { .. }) => Disposition::Ack { ran: true },
+        // Settled without an answer to replay (an operator's decision): settled all the same.
+        Err(Error::NoStoredResponse { .. }) => Disposition::Ack { ran: false },
+        Err(Error::InFlight { retry_after, .. }) => redeliver(retry_after, Redeliver::InFlight),
+        Err(Error::OutcomeUnknown { retry_after, .. }) => {
+            redeliver(retry_after, Redeliver::OutcomeUnknown)
+        }
+        Err(Error::FailedRetryable { .. }) => redeliver(retry_after, Redeliver::Failed),
+        Err(e @ Error::FingerprintMismatch { .. }) => {
+            Disposition::Reject(ConsumerError::KeyReused {
+                key,
+                source: Box::new(e),
+            })
+        }
+        Err(Error::Request(e)) => Disposition::Reject(ConsumerError::InvalidKey(e)),
+        // The store failed, the lease was taken over, or the key's unsettled attempt went
+        // through another provider (the sweeper settles it): nothing to ack yet.
+        Err(_) => redeliver(retry_after, Redeliver::Error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{KeyId, StoredResponse};
+
+    fn id() -> KeyId {
+        IdempotentRequest::new("queue:t", "m-1", OPERATION, &1)
+            .unwrap()
+            .id()
+            .clone()
+    }
+
+    #[test]
+    fn every_answer_of_the_executor_disposes_as_the_table_says() {
+        let second = Duration::from_secs(1);
+        let d = |result| disposition("m-1".to_owned(), result, second);
+        let ok = StoredResponse::new(200);
+        assert!(matches!(
+            d(Ok(Execution::Executed(ok.clone()))),
+            Disposition::Ack { ran: true }
+        ));
+        assert!(matches!(
+            d(Ok(Execution::Replayed(ok))),
+            Disposition::Ack { ran: false }
+        ));
+        assert!(matches!(
+            d(Err(Error::ResponseTooLarge { size: 2, limit: 1 })),
+            Disposition::Ack { ran: true }
+        ));
+        let in_flight = Error::InFlight {
+            key: id(),
+            retry_after: Duration::from_millis(300),
+        };
+        assert!(matches!(
+            d(Err(in_flight)),
+            Disposition::Redeliver { after, reason: Redeliver::InFlight } if after == Duration::from_millis(300)
+        ));
+        let unknown = Error::OutcomeUnknown {
+            key: id(),
+            reason: "timeout".to_owned(),
+            retry_after: Duration::from_secs(5),
+        };
+        assert!(matches!(
+            d(Err(unknown)),
+            Disposition::Redeliver { after, reason: Redeliver::OutcomeUnknown } if after == Duration::from_secs(5)
+        ));
+        let failed = Error::FailedRetryable {
+            key: id(),
+            reason: "boom".to_owned(),
+        };
+        assert!(matches!(
+            d(Err(failed)),
+            Disposition::Redeliver { after, reason: Redeliver::Failed } if after == second
+        ));
+        let reused = Error::FingerprintMismatch {
+            key: id(),
+            stored: "a".to_owned(),
+            presented: "b".to_owned(),
+        };
+        assert!(matches!(
+            d(Err(reused)),
+            Disposition::Reject(ConsumerError::KeyReused { .. })
+        ));
+        let store = Error::Store(crate::StoreError::Config("down".to_owned()));
+        assert!(matches!(
+            d(Err(store)),
+            Disposition::Redeliver {
+                reason: Redeliver::Error,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn keys_are_read_from_the_id_a_header_or_a_json_field() {
+        let m = Message::new(r#"{"event_id":"evt_1","n":{"id":42},"f":1.5,"o":{}}"#)
+            .with_message_id("m-1")
+            .with_header("Event-Id", "h-1");
+        let read = |from: KeySource| key_of(&m, &from);
+        assert_eq!(read(KeySource::MessageId).unwrap(), "m-1");
+        assert_eq!(read(KeySource::Header("Event-Id".into())).unwrap(), "h-1");
+        assert_eq!(
+            read(KeySource::JsonField("event_id".into())).unwrap(),
+            "evt_1"
+        );
+        assert_eq!(read(KeySource::JsonField("/n/id".into())).unwrap(), "42");
+        assert!(matches!(
+            read(KeySource::Header("Other".into())),
+            Err(ConsumerError::NoKey { .. })
+        ));
+        assert!(matches!(
+            read(KeySource::JsonField("missing".into())),
+            Err(ConsumerError::NoKey { .. })
+        ));
+        for bad in ["f", "o"] {
+            assert!(matches!(
+                read(KeySource::JsonField(bad.into())),
+                Err(ConsumerError::KeyUnreadable { .. })
+            ));
+        }
+        let not_json = Message::new("nope");
+        assert!(matches!(
+            key_of(&not_json, &KeySource::JsonField("id".into())),
+            Err(ConsumerError::KeyUnreadable { .. })
+        ));
+        assert!(matches!(
+            key_of(&Message::new("{}"), &KeySource::MessageId),
+            Err(ConsumerError::NoKey { .. })
+        ));
+    }
+}
