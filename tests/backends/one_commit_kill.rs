@@ -14,6 +14,8 @@ use idemflow::{Execution, Idempotency, IdempotentRequest, KeyState, Store, Store
 use serde_json::json;
 use tokio::time::Instant;
 
+use crate::support::KillOnDrop;
+
 /// The store's URL, for the child.
 const CHILD_URL: &str = "IDEMFLOW_ONE_COMMIT_KILL_URL";
 /// The file the child creates once its row is inserted (inside the open transaction).
@@ -112,16 +114,6 @@ fn child_dies_inside_its_transaction() {
             .await;
         eprintln!("the child's transaction ended before the kill: {done:?}");
     });
-}
-
-/// Kills the child if the test fails before it does.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 async fn killed_inside_the_transaction(name: &str, url: &str) {

@@ -1087,24 +1087,7 @@ async fn client(
                     format!("got a response for provider key {pk:?}"),
                 );
             }
-            let g = crate::gate::current_actor()
-                .and_then(|a| sh.claimed_in.get(&(a, key.label.clone())).copied())
-                .unwrap_or_else(|| sh.generation(&key.label));
-            sh.acked.insert(key.label.clone(), g);
-            let first = sh.first_response(&key.label, g, &resp);
-            if first != resp {
-                sh.violate(
-                    Check::ReplaysIdentical,
-                    &key.label,
-                    format!(
-                        "got {} {} after {} {}",
-                        resp.status(),
-                        String::from_utf8_lossy(resp.body()),
-                        first.status(),
-                        String::from_utf8_lossy(first.body())
-                    ),
-                );
-            }
+            sh.acknowledged(&key.label, &resp);
             let said = format!(
                 "{} {}",
                 if ex.is_replay() {
@@ -1155,24 +1138,7 @@ async fn local_client(
     match r {
         Ok(ex) => {
             let resp = ex.response().clone();
-            let g = crate::gate::current_actor()
-                .and_then(|a| sh.claimed_in.get(&(a, key.label.clone())).copied())
-                .unwrap_or_else(|| sh.generation(&key.label));
-            sh.acked.insert(key.label.clone(), g);
-            let first = sh.first_response(&key.label, g, &resp);
-            if first != resp {
-                sh.violate(
-                    Check::ReplaysIdentical,
-                    &key.label,
-                    format!(
-                        "got {} {} after {} {}",
-                        resp.status(),
-                        String::from_utf8_lossy(resp.body()),
-                        first.status(),
-                        String::from_utf8_lossy(first.body())
-                    ),
-                );
-            }
+            sh.acknowledged(&key.label, &resp);
             let how = if ex.is_replay() {
                 "replayed"
             } else {
@@ -1223,24 +1189,7 @@ async fn workflow_client(
     match r {
         Ok(ex) => {
             let resp = ex.response().clone();
-            let g = crate::gate::current_actor()
-                .and_then(|a| sh.claimed_in.get(&(a, key.label.clone())).copied())
-                .unwrap_or_else(|| sh.generation(&key.label));
-            sh.acked.insert(key.label.clone(), g);
-            let first = sh.first_response(&key.label, g, &resp);
-            if first != resp {
-                sh.violate(
-                    Check::ReplaysIdentical,
-                    &key.label,
-                    format!(
-                        "got {} {} after {} {}",
-                        resp.status(),
-                        String::from_utf8_lossy(resp.body()),
-                        first.status(),
-                        String::from_utf8_lossy(first.body())
-                    ),
-                );
-            }
+            sh.acknowledged(&key.label, &resp);
             let said = if ex.is_replay() {
                 "replayed"
             } else {
@@ -1370,6 +1319,30 @@ async fn operator(store: Arc<dyn Store>, key: KeyDef, shared: SharedRef) -> Stri
 }
 
 impl Shared {
+    /// A client of `label` was told `resp`: the key is acknowledged in the generation the
+    /// client's claim (or one-commit phase) saw, and a replay must equal that generation's first
+    /// answer.
+    fn acknowledged(&mut self, label: &str, resp: &idemflow::StoredResponse) {
+        let g = crate::gate::current_actor()
+            .and_then(|a| self.claimed_in.get(&(a, label.to_owned())).copied())
+            .unwrap_or_else(|| self.generation(label));
+        self.acked.insert(label.to_owned(), g);
+        let first = self.first_response(label, g, resp);
+        if first != *resp {
+            self.violate(
+                Check::ReplaysIdentical,
+                label,
+                format!(
+                    "got {} {} after {} {}",
+                    resp.status(),
+                    String::from_utf8_lossy(resp.body()),
+                    first.status(),
+                    String::from_utf8_lossy(first.body())
+                ),
+            );
+        }
+    }
+
     /// The first response a client of (label, generation) got, recording `resp` if none yet.
     pub fn first_response(
         &mut self,
