@@ -292,9 +292,10 @@ pub enum Error {
         /// The provider of this request.
         requested: Option<String>,
     },
-    /// The application's writes of a one-commit run (`Idempotency::execute_atomic`) failed:
-    /// they and the key's claim were rolled back together, so nothing of this request was
-    /// recorded and a retry with the same key runs them again (HTTP 503).
+    /// The application's writes of a one-commit run (`Idempotency::execute_atomic`, or
+    /// `Context::atomic_step` for a step's key) failed: they and the key's claim were rolled
+    /// back together, so nothing of this request was recorded and a retry with the same key
+    /// runs them again (HTTP 503).
     #[error("the writes for {key} failed and were rolled back with the key's claim: {source}")]
     RolledBack {
         /// The key (`scope/key` when shown).

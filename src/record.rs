@@ -72,9 +72,10 @@ pub enum KeyKind {
     /// A workflow (`IdempotentRequest::workflow`): it acts only through its steps, each a key of
     /// its own, and is settled once they are (`docs/workflows.md`).
     Workflow,
-    /// A workflow step run as an atomic phase (`Context::atomic_step`): its effect is the
-    /// application's own writes, committed with the step's record, so a step still processing
-    /// after its lease surely did nothing.
+    /// A key whose effect is the application's own writes, claimed and finished with them in
+    /// one commit (`Idempotency::execute_atomic`, `Context::atomic_step`): it is never seen
+    /// `processing`. A row of this kind left `processing` by an earlier version (which claimed
+    /// atomic steps in a transaction of their own) surely did nothing once its lease ran out.
     AtomicStep,
 }
 

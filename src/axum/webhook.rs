@@ -68,7 +68,7 @@ use tracing::{Instrument, info_span};
 use super::{Problem, REPLAYED_HEADER};
 use crate::error::RequestError;
 use crate::provider::stripe_signature::{SIGNATURE_HEADER, SignatureError, StripeSignature};
-use crate::store::phase::OneCommitPhase;
+use crate::store::phase::AtomicPhase;
 use crate::{Execution, Idempotency, IdempotentRequest, Outcome, Scope, StoredResponse};
 
 /// The scope of a Stripe receiver's keys unless [`WebhookReceiver::scope`] sets another.
@@ -265,7 +265,7 @@ fn stripe_scope() -> Scope {
     }
 }
 type HandlerFn = Arc<dyn Fn(WebhookEvent) -> BoxFuture<Result<(), String>> + Send + Sync>;
-type PhaseFn = Arc<dyn Fn(WebhookEvent) -> Box<dyn OneCommitPhase> + Send + Sync>;
+type PhaseFn = Arc<dyn Fn(WebhookEvent) -> Box<dyn AtomicPhase> + Send + Sync>;
 
 /// What a receiver runs for a new event.
 #[derive(Clone)]
@@ -364,7 +364,7 @@ impl WebhookReceiver {
         V: VerifyWebhook,
         X: Fn(&HeaderMap, &Bytes) -> Result<WebhookEvent, WebhookError> + Send + Sync + 'static,
         M: Fn(WebhookEvent) -> P + Send + Sync + 'static,
-        P: OneCommitPhase + 'static,
+        P: AtomicPhase + 'static,
     {
         let phase: PhaseFn = Arc::new(move |event| Box::new(phase(event)));
         Self::build(idem, scope, verifier, extract, Handler::OneCommit(phase))
@@ -412,7 +412,7 @@ impl WebhookReceiver {
     pub fn stripe_atomic<M, P>(idem: Idempotency, signature: StripeSignature, phase: M) -> Self
     where
         M: Fn(WebhookEvent) -> P + Send + Sync + 'static,
-        P: OneCommitPhase + 'static,
+        P: AtomicPhase + 'static,
     {
         Self::new_atomic(idem, stripe_scope(), signature, stripe_event, phase)
     }

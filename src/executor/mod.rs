@@ -681,7 +681,7 @@ pub(crate) fn window_closes(
 }
 
 /// The counters of one `execute` (`crate::telemetry`): what the caller was told.
-fn record_result(operation: &str, result: &Result<Execution, Error>, took: Duration) {
+pub(crate) fn record_result(operation: &str, result: &Result<Execution, Error>, took: Duration) {
     use crate::telemetry as t;
     match result {
         Ok(Execution::Replayed(_)) => t::replay(operation),
@@ -696,7 +696,7 @@ fn record_result(operation: &str, result: &Result<Execution, Error>, took: Durat
 /// Ends a worker's attempt that surely did nothing: the key becomes `failed{retryable}` (`why`
 /// in its history, `error` on the row), and the caller gets [`Error::FailedRetryable`], or the
 /// store's error when that write failed.
-pub(crate) async fn fail_retryable(
+async fn fail_retryable(
     store: &dyn Store,
     id: &KeyId,
     token: LeaseToken,

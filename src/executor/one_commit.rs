@@ -1,13 +1,13 @@
-//! One commit for local work: [`Idempotency::execute_atomic`] claims the key, runs the
-//! application's writes and stores their answer in one database transaction
-//! (`docs/one-commit.md`).
+//! One commit for local work: [`Idempotency::execute_atomic`] (a request's key) and
+//! `Context::atomic_step` (a workflow step's key) claim the key, run the application's writes and
+//! store their answer in one database transaction (`docs/one-commit.md`).
 
 use tracing::{Instrument, info_span};
 
 use super::{Idempotency, IdempotentRequest, record_result};
 use crate::error::{Error, RequestError};
 use crate::executor::Execution;
-use crate::store::phase::{OneCommit, OneCommitPhase, PhaseError, Prepare};
+use crate::store::phase::{AtomicPhase, OneCommit, PhaseError, Prepare};
 
 impl Idempotency {
     /// Runs `phase`'s writes (the application's own rows, through the SQL store's
@@ -61,7 +61,7 @@ impl Idempotency {
     pub async fn execute_atomic(
         &self,
         request: IdempotentRequest,
-        phase: impl OneCommitPhase + 'static,
+        phase: impl AtomicPhase + 'static,
     ) -> Result<Execution, Error> {
         let span = info_span!(
             "idemflow.execute_atomic",
@@ -83,16 +83,8 @@ impl Idempotency {
     async fn one_commit(
         &self,
         request: IdempotentRequest,
-        phase: Box<dyn OneCommitPhase>,
+        phase: Box<dyn AtomicPhase>,
     ) -> Result<Execution, Error> {
-        let cfg = self.config();
-        if request.canonical.len() > cfg.max_request_bytes {
-            return Err(RequestError::RequestTooLarge {
-                size: request.canonical.len(),
-                limit: cfg.max_request_bytes,
-            }
-            .into());
-        }
         let refuse = |reason| {
             Err(Error::NoSharedTransaction {
                 key: request.id.clone(),
@@ -108,6 +100,31 @@ impl Idempotency {
         if request.is_workflow() || request.step.is_some() {
             return refuse("a workflow runs its local writes with Context::atomic_step");
         }
+        self.commit_once(request, phase).await
+    }
+
+    /// Claims `request`'s key, runs `phase`'s writes and stores their answer in one commit
+    /// (`execute_atomic`, and `Context::atomic_step` for a step's key), or answers from the key
+    /// that stood in the way. Records the outcome on the current span's `outcome` field.
+    pub(crate) async fn commit_once(
+        &self,
+        request: IdempotentRequest,
+        phase: Box<dyn AtomicPhase>,
+    ) -> Result<Execution, Error> {
+        let cfg = self.config();
+        if request.canonical.len() > cfg.max_request_bytes {
+            return Err(RequestError::RequestTooLarge {
+                size: request.canonical.len(),
+                limit: cfg.max_request_bytes,
+            }
+            .into());
+        }
+        let refuse = |reason| {
+            Err(Error::NoSharedTransaction {
+                key: request.id.clone(),
+                reason,
+            })
+        };
         match self.store().phase_store() {
             None => {
                 return refuse(
@@ -155,11 +172,6 @@ impl Idempotency {
                 outcome("response_too_large");
                 Err(Error::ResponseTooLarge { size, limit })
             }
-            // The claim was made in this very transaction: nothing else can hold the key.
-            Err(PhaseError::LeaseLost) => Err(Error::Store(crate::StoreError::Corrupt {
-                backend: self.store().backend(),
-                detail: format!("the one-commit record of {id} found its own claim gone"),
-            })),
             Err(PhaseError::Store(e)) => Err(Error::Store(e)),
         }
     }

@@ -1,12 +1,11 @@
-//! The contract between a SQL store and an atomic phase: the application's writes and a
-//! workflow step's record committed in one database transaction (`docs/workflows.md`, "Atomic
-//! phases").
+//! The contract between a SQL store and an atomic phase: a key's claim, the application's writes
+//! and the key's answer committed in one database transaction (`docs/one-commit.md`).
 //!
 //! A SQL store hands out an [`AtomicPhase`] for the application's writes
 //! (`SqliteStore::atomic_phase`, `PostgresStore::atomic_phase`, `MySqlStore::atomic_phase`);
-//! the workflow's `Context::atomic_step` claims the step and calls [`AtomicPhase::commit`].
-//! It lives on the store side so that the stores depend on nothing above them
-//! (`ARCHITECTURE.md`).
+//! `Idempotency::execute_atomic` (a request's key) and the workflow's `Context::atomic_step` (a
+//! step's key) call [`AtomicPhase::claim_and_commit`]. It lives on the store side so that the
+//! stores depend on nothing above them (`ARCHITECTURE.md`).
 
 use async_trait::async_trait;
 
@@ -22,8 +21,8 @@ pub type WritesFuture<'c> = std::pin::Pin<
     Box<dyn std::future::Future<Output = Result<StoredResponse, WritesError>> + Send + 'c>,
 >;
 
-/// What a step's answer goes through before it is stored (the executor's header filter,
-/// redaction and size cap), given to [`AtomicPhase::commit`]. An `Err` (an answer over the cap)
+/// What a key's answer goes through before it is stored (the executor's header filter,
+/// redaction and size cap), given to [`AtomicPhase::claim_and_commit`]. An `Err` (an answer over the cap)
 /// must roll the phase back and be returned as it is.
 pub type Prepare =
     std::sync::Arc<dyn Fn(StoredResponse) -> Result<StoredResponse, PhaseError> + Send + Sync>;
@@ -32,20 +31,17 @@ pub type Prepare =
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PhaseError {
-    /// The application's writes failed: the transaction was rolled back, nothing was written.
-    #[error("the step's writes failed and were rolled back: {0}")]
+    /// The application's writes failed: the transaction was rolled back, nothing was written
+    /// (the key's claim neither).
+    #[error("the application's writes failed and were rolled back: {0}")]
     Writes(#[source] WritesError),
-    /// The step's record could not be written under this attempt's lease (it was taken over):
-    /// the transaction was rolled back.
-    #[error("the step was taken over before its transaction committed; rolled back")]
-    LeaseLost,
-    /// The store failed while beginning, recording or committing. A failed commit may or may
-    /// not have committed: the step's row tells (`done` if it did).
+    /// The store failed while beginning, claiming, recording or committing. A failed commit may
+    /// or may not have committed: the key's row tells (`done` if it did, absent if not).
     #[error("store: {0}")]
     Store(#[source] StoreError),
-    /// The step's answer (after the header filter and redaction) is larger than the executor's
+    /// The key's answer (after the header filter and redaction) is larger than the executor's
     /// `max_response_bytes`: rolled back, nothing was written.
-    #[error("the step's answer of {size} bytes exceeds the cap of {limit} bytes; rolled back")]
+    #[error("the answer of {size} bytes exceeds the cap of {limit} bytes; rolled back")]
     ResponseTooLarge {
         /// The answer's stored size.
         size: usize,
@@ -88,7 +84,7 @@ impl std::error::Error for Refusal {}
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoreId(pub(crate) usize);
 
-/// What [`OneCommitPhase::claim_and_commit`] came to: the key's claim, the application's writes
+/// What [`AtomicPhase::claim_and_commit`] came to: the key's claim, the application's writes
 /// and the key's answer in one commit, or the row that stood in the way.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -123,34 +119,20 @@ pub(crate) fn refusal(e: &WritesError) -> Option<StoredResponse> {
     e.downcast_ref::<Refusal>().map(|r| r.0.clone())
 }
 
-/// The application's writes for one atomic phase, bound to a SQL store; made by the store's
-/// `atomic_phase` and run by the workflow's `Context::atomic_step`.
+/// The application's writes for one atomic phase, bound to a SQL store: made by the store's
+/// `atomic_phase`, run by `Idempotency::execute_atomic` for a request's key and by the
+/// workflow's `Context::atomic_step` for a step's key.
 #[async_trait]
 pub trait AtomicPhase: Send {
-    /// Begins a transaction, runs the writes, finishes `step` (held under `token`) `done` with
-    /// the response the writes return (after `prepare`), its history row included, and
-    /// commits. Returns the stored response.
-    async fn commit(
-        self: Box<Self>,
-        step: &KeyId,
-        token: LeaseToken,
-        prepare: Prepare,
-    ) -> Result<StoredResponse, PhaseError>;
-}
-
-/// A phase that can also claim its key: the key's claim, the application's writes and the
-/// key's answer in one commit, for `Idempotency::execute_atomic`. The SQL stores' phases
-/// (`atomic_phase`) are both.
-#[async_trait]
-pub trait OneCommitPhase: Send {
     /// The store the phase writes through.
     fn store_id(&self) -> StoreId;
 
     /// Begins a transaction, claims the key of `claim`, and when it is the caller's, runs the
     /// writes and finishes the key `done` with their answer (after `prepare`), then commits:
-    /// one commit for all of it. When the key stands in the way, nothing runs
-    /// ([`OneCommit::Existing`]). A failure of the writes rolls everything back, the claim
-    /// included ([`PhaseError::Writes`]); a [`Refusal`] keeps the claim and its answer only.
+    /// one commit for all of it, so nobody ever sees the key `processing`. When the key stands
+    /// in the way, nothing runs ([`OneCommit::Existing`]). A failure of the writes rolls
+    /// everything back, the claim included ([`PhaseError::Writes`]); a [`Refusal`] keeps the
+    /// claim and its answer only.
     async fn claim_and_commit(
         self: Box<Self>,
         claim: &crate::store::NewClaim,
@@ -164,14 +146,14 @@ pub trait OneCommitPhase: Send {
 /// hung phase holds its pooled connection and row locks.
 pub const DEFAULT_PHASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Runs a PostgreSQL or MariaDB/MySQL phase (`BEGIN`, the writes, the record, `COMMIT`) on a task
+/// Runs a PostgreSQL or MariaDB/MySQL phase (`BEGIN`, the claim, the writes, the record, `COMMIT`) on a task
 /// of its own, so a caller that stops waiting (a client that went away) never cuts it on the
 /// wire: a `BEGIN` or a statement cut off after it was sent leaves the pooled connection inside
 /// a transaction the driver does not know of (its later autocommit writes then stay
-/// uncommitted, holding their locks), or out of the pool. The phase runs to its end, fenced by
-/// the step's token like any write, or until [`DEFAULT_PHASE_TIMEOUT`], when it is dropped and
-/// rolls back. A panic in the application's writes fails the step only
-/// ([`PhaseError::Writes`]); its transaction is dropped and rolls back.
+/// uncommitted, holding their locks), or out of the pool. The phase runs to its end or until
+/// [`DEFAULT_PHASE_TIMEOUT`], when it is dropped and rolls back, its claim with it. A panic in the
+/// application's writes fails this key only ([`PhaseError::Writes`]); its transaction is dropped
+/// and rolls back.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) async fn detached<T, Fut>(backend: &'static str, phase: Fut) -> Result<T, PhaseError>
 where
@@ -205,13 +187,8 @@ where
     }
 }
 
-/// The reason history gives for a step whose atomic phase committed.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub(crate) const COMMITTED_REASON: &str =
-    "atomic phase: the step's writes and this record committed together";
-
 /// The key's record of a committed phase: `done` with the phase's answer, by the worker, for
-/// `reason` ([`COMMITTED_REASON`] for a step, [`ONE_COMMIT_REASON`] or [`REFUSED_REASON`]).
+/// `reason` ([`ONE_COMMIT_REASON`] or [`REFUSED_REASON`]).
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) fn step_record(answer: &StoredResponse, reason: &str) -> crate::store::Finish {
     crate::store::Finish {
@@ -224,8 +201,8 @@ pub(crate) fn step_record(answer: &StoredResponse, reason: &str) -> crate::store
 }
 
 /// Writes a key's record on a phase's transaction (`done` with the answer, for the reason):
-/// `true` when it was written (the key is still held under the token), `false` when it was
-/// taken over.
+/// `true` when it was written, `false` when the row is not held under the token (it cannot be
+/// otherwise inside the transaction that claimed it: [`own_claim_gone`]).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) type RecordStep<DB> = for<'c> fn(
     &'c mut <DB as sqlx::Database>::Connection,
@@ -277,7 +254,7 @@ impl<DB: sqlx::Database> Clone for PooledOps<DB> {
 impl<DB: sqlx::Database> Copy for PooledOps<DB> {}
 
 /// The atomic phase of a pooled SQL store (PostgreSQL, MariaDB/MySQL): `BEGIN` on a pooled
-/// connection, (the key's claim,) the application's writes, the answer's checks, the key's
+/// connection, the key's claim, the application's writes, the answer's checks, the key's
 /// record (each backend's [`RecordStep`]), `COMMIT`; run [`detached`]. Any failure drops the
 /// transaction, which rolls back.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -290,41 +267,6 @@ pub(crate) struct PooledPhase<DB: sqlx::Database, F> {
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 #[async_trait]
 impl<DB, F> AtomicPhase for PooledPhase<DB, F>
-where
-    DB: sqlx::Database,
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-    F: for<'c> FnOnce(&'c mut DB::Connection) -> WritesFuture<'c> + Send + 'static,
-{
-    async fn commit(
-        self: Box<Self>,
-        step: &KeyId,
-        token: LeaseToken,
-        prepare: Prepare,
-    ) -> Result<StoredResponse, PhaseError> {
-        let PooledPhase { pool, writes, ops } = *self;
-        let step = step.clone();
-        let backend = ops.backend;
-        let failed = move |e: sqlx::Error| PhaseError::Store(StoreError::database(backend, e));
-        detached(backend, async move {
-            let mut conn = acquire(&pool, &ops).await?;
-            let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(failed)?;
-            let answer = prepare(writes(&mut *tx).await.map_err(PhaseError::Writes)?)?;
-            if !(ops.record)(&mut *tx, &step, token, &answer, COMMITTED_REASON)
-                .await
-                .map_err(failed)?
-            {
-                return Err(PhaseError::LeaseLost);
-            }
-            tx.commit().await.map_err(failed)?;
-            Ok(answer)
-        })
-        .await
-    }
-}
-
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-#[async_trait]
-impl<DB, F> OneCommitPhase for PooledPhase<DB, F>
 where
     DB: sqlx::Database,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
@@ -383,7 +325,7 @@ where
                     .await
                     .map_err(failed)?
                 {
-                    return Err(PhaseError::LeaseLost);
+                    return Err(own_claim_gone(backend, &claim.id));
                 }
                 tx.commit().await.map_err(failed)?;
                 return Ok(if reason == REFUSED_REASON {
@@ -429,20 +371,6 @@ where
 /// A phase chosen at run time (`Box<dyn AtomicPhase>`, e.g. by backend) is a phase too.
 #[async_trait]
 impl AtomicPhase for Box<dyn AtomicPhase> {
-    async fn commit(
-        self: Box<Self>,
-        step: &KeyId,
-        token: LeaseToken,
-        prepare: Prepare,
-    ) -> Result<StoredResponse, PhaseError> {
-        (*self).commit(step, token, prepare).await
-    }
-}
-
-/// A one-commit phase chosen at run time (`Box<dyn OneCommitPhase>`, e.g. by backend) is one
-/// too.
-#[async_trait]
-impl OneCommitPhase for Box<dyn OneCommitPhase> {
     fn store_id(&self) -> StoreId {
         (**self).store_id()
     }
@@ -454,6 +382,16 @@ impl OneCommitPhase for Box<dyn OneCommitPhase> {
     ) -> Result<OneCommit, PhaseError> {
         (*self).claim_and_commit(claim, prepare).await
     }
+}
+
+/// The error of a key's record that found the claim made in its own transaction gone (it cannot
+/// be: nothing else sees the uncommitted claim): the transaction is rolled back.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) fn own_claim_gone(backend: &'static str, id: &KeyId) -> PhaseError {
+    PhaseError::Store(StoreError::Corrupt {
+        backend,
+        detail: format!("the one-commit record of {id} found its own claim gone"),
+    })
 }
 
 /// The message of a caught panic (a phase's writes panicked, a webhook handler panicked), for

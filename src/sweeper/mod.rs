@@ -545,8 +545,10 @@ impl Sweeper {
         self.apply(&id, &record, decision).await
     }
 
-    /// A stale atomic phase's step: its record commits with its writes, so still processing
-    /// with its lease run out, its transaction never committed and it surely did nothing.
+    /// A stale atomic phase's key. Since one commit claims and finishes such a key with its
+    /// writes, only a row of an earlier version (which claimed atomic steps in a transaction of
+    /// their own) can be seen processing: with its lease run out, its transaction never
+    /// committed and it surely did nothing.
     async fn settle_atomic_step(
         &self,
         id: &KeyId,

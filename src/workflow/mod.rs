@@ -444,13 +444,15 @@ impl Context {
 
 impl Outcome {
     /// How a workflow should end when one of its steps returned `e`: the failure of a step
-    /// that surely did nothing lets the workflow be retried ([`Outcome::Retryable`]; its
-    /// finished steps replay); anything else leaves the workflow `processing`
-    /// ([`Outcome::Unknown`]) until the step is settled, the code is fixed, or an operator
-    /// decides.
+    /// that surely did nothing (a step `failed{retryable}`, an atomic step rolled back) lets the
+    /// workflow be retried ([`Outcome::Retryable`]; its finished steps replay); anything else
+    /// leaves the workflow `processing` ([`Outcome::Unknown`]) until the step is settled, the
+    /// code is fixed, or an operator decides.
     pub fn from_step_error(e: &Error) -> Outcome {
         match e {
-            Error::FailedRetryable { .. } => Outcome::retryable(format!("a step failed: {e}")),
+            Error::FailedRetryable { .. } | Error::RolledBack { .. } => {
+                Outcome::retryable(format!("a step failed: {e}"))
+            }
             _ => Outcome::unknown(format!("a step did not finish: {e}")),
         }
     }

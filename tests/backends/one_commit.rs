@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use idemflow::store::phase::{OneCommitPhase, Refusal, WritesError, WritesFuture};
+use idemflow::store::phase::{AtomicPhase, Refusal, WritesError, WritesFuture};
 use idemflow::{
     Error, Execution, Idempotency, IdempotencyKey, IdempotentRequest, KeyId, Scope, Store,
     StoredResponse, async_trait,
@@ -78,7 +78,7 @@ macro_rules! writes {
 pub trait Db: Send + Sync {
     fn store(&self) -> Arc<dyn Store>;
     /// A phase of this store inserting order `order` for `cart`.
-    fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn OneCommitPhase>;
+    fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn AtomicPhase>;
     /// Runs a statement on the application's side.
     async fn exec(&self, sql: &'static str);
     /// How many orders there are.
@@ -96,6 +96,21 @@ fn id(key: &str) -> KeyId {
 
 fn request(key: &str, cart: &str) -> IdempotentRequest {
     IdempotentRequest::new("shop", key, "create_order", &json!({ "cart": cart })).unwrap()
+}
+
+fn workflow(key: &str) -> IdempotentRequest {
+    IdempotentRequest::new("shop", key, "checkout", &json!({ "order": key }))
+        .unwrap()
+        .workflow()
+}
+
+/// A workflow's body: one atomic step running `phase`, its answer the workflow's.
+async fn one_atomic_step(ctx: idemflow::Context, phase: Box<dyn AtomicPhase>) -> idemflow::Outcome {
+    let step = idemflow::Step::new("create_order", &json!({})).unwrap();
+    match ctx.atomic_step(step, phase).await {
+        Ok(done) => idemflow::Outcome::Succeeded(done.into_response()),
+        Err(e) => idemflow::Outcome::from_step_error(&e),
+    }
 }
 
 /// The commits `f` makes: the fewest over five tries (other tests' commits can only add).
@@ -147,11 +162,53 @@ pub async fn suite(db: &dyn Db, tag: &str) {
     println!("{tag}: a new key through execute_atomic: {one} commit(s); through execute: {two}");
     assert_eq!(one, 1, "{tag}: execute_atomic must be one commit");
     if tag != "mysql" {
-        // MariaDB's session counter counts `COMMIT` statements, and `execute` commits in
-        // autocommit mode (two statements, no `COMMIT`): there it reads 0.
+        // MariaDB's session counter counts `COMMIT` statements only, and `execute`'s
+        // autocommit statements are not among them: there it reads fewer.
         assert!(two >= 2, "{tag}: the counter must tell one commit from two");
     }
     assert_eq!(db.orders().await, 5);
+
+    // A workflow whose one step is atomic: its own claim and finish (what `execute` costs),
+    // plus the step's one commit (claim, writes and answer). The step claimed in a
+    // transaction of its own cost one more.
+    let wf = fewest_commits(db, |i| {
+        let phase = db.phase(&format!("o-wf-{i}"), &format!("c-wf-{i}"), Then::Answer);
+        let idem = idem.clone();
+        async move {
+            let done = idem
+                .execute(workflow(&format!("wf-{i}")), |ctx| {
+                    one_atomic_step(ctx, phase)
+                })
+                .await
+                .unwrap();
+            assert_eq!(done.response().status(), 201);
+        }
+    })
+    .await;
+    println!("{tag}: a workflow with one atomic step: {wf} commit(s)");
+    assert_eq!(
+        wf,
+        two + 1,
+        "{tag}: the workflow's claim and finish, and the step's one commit"
+    );
+    assert_eq!(db.orders().await, 10);
+    // Run again: the step replays, its writes do not run.
+    let again = idem
+        .execute(workflow("wf-0"), |ctx| {
+            one_atomic_step(ctx, db.phase("o-wf-x", "c-wf-x", Then::Answer))
+        })
+        .await
+        .unwrap();
+    assert!(again.is_replay());
+    assert_eq!(db.orders().await, 10);
+    let step = db
+        .store()
+        .get(&idemflow::workflow::step_key(&id("wf-0"), 0))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(step.state, idemflow::KeyState::Done);
+    assert_eq!(step.kind(), idemflow::record::KeyKind::AtomicStep);
 
     // A replay: the writes do not run again.
     let again = idem
@@ -163,7 +220,7 @@ pub async fn suite(db: &dyn Db, tag: &str) {
         .unwrap();
     assert!(matches!(&again, Execution::Replayed(r) if r.status() == 201));
     assert_eq!(again.response().body(), br#"{"order":"o-one-0"}"#);
-    assert_eq!(db.orders().await, 5);
+    assert_eq!(db.orders().await, 10);
 
     // Concurrent duplicates: one runs, the others replay its answer.
     let tasks: Vec<_> = (0..16)
@@ -185,7 +242,7 @@ pub async fn suite(db: &dyn Db, tag: &str) {
     }
     assert_eq!(executed, 1, "{tag}: one duplicate runs");
     assert_eq!(bodies.len(), 1, "{tag}: the others replay its answer");
-    assert_eq!(db.orders().await, 6);
+    assert_eq!(db.orders().await, 11);
 
     // The application's own constraint (one order per cart) is its answer, stored and
     // replayed; its writes are undone. Never mistaken for the key's constraint.
@@ -207,7 +264,7 @@ pub async fn suite(db: &dyn Db, tag: &str) {
     assert!(matches!(&replayed, Execution::Replayed(r) if r.status() == 409));
     let record = db.store().get(&id("other-key")).await.unwrap().unwrap();
     assert_eq!(record.state, idemflow::KeyState::Done);
-    assert_eq!(db.orders().await, 6);
+    assert_eq!(db.orders().await, 11);
 
     // The same violation passed on as an error: everything rolled back, no key row; a
     // retry runs again (and is refused the same way).
@@ -228,7 +285,7 @@ pub async fn suite(db: &dyn Db, tag: &str) {
         .unwrap_err();
     assert!(matches!(err, Error::RolledBack { .. }), "{tag}: {err:?}");
     assert!(db.store().get(&id("fails")).await.unwrap().is_none());
-    assert_eq!(db.orders().await, 6);
+    assert_eq!(db.orders().await, 11);
     let retried = idem
         .execute_atomic(
             request("fails", "c-f"),
@@ -237,7 +294,7 @@ pub async fn suite(db: &dyn Db, tag: &str) {
         .await
         .unwrap();
     assert!(matches!(retried, Execution::Executed(_)));
-    assert_eq!(db.orders().await, 7);
+    assert_eq!(db.orders().await, 12);
 
     // The same key with another request: refused as ever, nothing runs.
     let err = idem
@@ -258,7 +315,7 @@ pub async fn suite(db: &dyn Db, tag: &str) {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::NoSharedTransaction { .. }), "{err:?}");
-    assert_eq!(db.orders().await, 7);
+    assert_eq!(db.orders().await, 12);
 
     // History shows the claim and the answer.
     let history = db.store().history(&id("one-0")).await.unwrap();
@@ -283,7 +340,7 @@ mod sqlite {
         fn store(&self) -> Arc<dyn Store> {
             self.0.clone()
         }
-        fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn OneCommitPhase> {
+        fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn AtomicPhase> {
             Box::new(self.0.atomic_phase(writes!(
                 SqliteConnection,
                 "INSERT INTO orders (id, cart) VALUES (?, ?)",
@@ -341,6 +398,29 @@ mod sqlite {
             .await
             .unwrap_err();
         assert!(matches!(err, Error::NoSharedTransaction { .. }), "{err:?}");
+        // A workflow's atomic step with a phase of another store: refused, nothing claimed
+        // (the step's key would be claimed where the workflow never reads).
+        let step_err = Arc::new(std::sync::Mutex::new(None));
+        let seen = step_err.clone();
+        let phase = Sqlite(b.clone()).phase("o", "c", Then::Answer);
+        let r = idem
+            .execute(workflow("wf"), |ctx| async move {
+                let step = idemflow::Step::new("create_order", &json!({})).unwrap();
+                let e = ctx.atomic_step(step, phase).await.unwrap_err();
+                let outcome = idemflow::Outcome::from_step_error(&e);
+                *seen.lock().unwrap() = Some(e);
+                outcome
+            })
+            .await;
+        assert!(r.is_err(), "{r:?}");
+        let e = step_err.lock().unwrap().take();
+        assert!(
+            matches!(e, Some(Error::NoSharedTransaction { .. })),
+            "{e:?}"
+        );
+        let step = idemflow::workflow::step_key(&id("wf"), 0);
+        assert!(a.get(&step).await.unwrap().is_none());
+        assert!(b.get(&step).await.unwrap().is_none());
         assert_eq!(Sqlite(b).orders().await, 0);
         assert!(a.get(&id("k")).await.unwrap().is_none());
     }
@@ -360,7 +440,7 @@ mod postgres {
         fn store(&self) -> Arc<dyn Store> {
             Arc::new(self.0.clone())
         }
-        fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn OneCommitPhase> {
+        fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn AtomicPhase> {
             Box::new(self.0.atomic_phase(writes!(
                 PgConnection,
                 "INSERT INTO orders (id, cart) VALUES ($1, $2)",
@@ -416,7 +496,7 @@ mod mysql {
         fn store(&self) -> Arc<dyn Store> {
             Arc::new(self.0.clone())
         }
-        fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn OneCommitPhase> {
+        fn phase(&self, order: &str, cart: &str, then: Then) -> Box<dyn AtomicPhase> {
             Box::new(self.0.atomic_phase(writes!(
                 MySqlConnection,
                 "INSERT INTO orders (id, cart) VALUES (?, ?)",

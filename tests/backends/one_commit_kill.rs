@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemflow::store::phase::{OneCommitPhase, WritesFuture};
+use idemflow::store::phase::{AtomicPhase, WritesFuture};
 use idemflow::{Execution, Idempotency, IdempotentRequest, KeyState, Store, StoredResponse};
 use serde_json::json;
 use tokio::time::Instant;
@@ -29,12 +29,12 @@ async fn open(
     url: &str,
 ) -> (
     Arc<dyn Store>,
-    Box<dyn Fn(Option<String>) -> Box<dyn OneCommitPhase> + Send + Sync>,
+    Box<dyn Fn(Option<String>) -> Box<dyn AtomicPhase> + Send + Sync>,
 ) {
     macro_rules! phase {
         ($store:expr, $conn:ty, $insert:expr) => {{
             let store = $store;
-            let make = move |mark: Option<String>| -> Box<dyn OneCommitPhase> {
+            let make = move |mark: Option<String>| -> Box<dyn AtomicPhase> {
                 Box::new(store.atomic_phase(move |conn: &mut $conn| -> WritesFuture<'_> {
                     let mark = mark.clone();
                     Box::pin(async move {

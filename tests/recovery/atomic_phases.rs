@@ -1,11 +1,12 @@
-//! Atomic phases: a workflow step whose effect is the application's own rows, committed in one
-//! transaction with the step's record. On PostgreSQL, MariaDB and SQLite: the writes and the
-//! record are there together; a write failing after the insert leaves neither. On PostgreSQL and
-//! MariaDB also: the step decided elsewhere between the insert and the record, or a crash before
-//! the commit, leaves neither; the sweeper then makes the step retryable, and the workflow's retry
-//! writes the row exactly once. (On SQLite the phase runs inside the single writer's job, so
-//! nothing else can write in between, and a dropped caller does not stop a started job.) Module
-//! `crash`: a process SIGKILLed during phases on all three, with a second process writing.
+//! Atomic phases: a workflow step whose effect is the application's own rows, claimed and
+//! committed in one transaction with the step's record (`docs/one-commit.md`). On PostgreSQL,
+//! MariaDB and SQLite: the writes and the record are there together; a write failing after the
+//! insert leaves neither, not even the step's row. On PostgreSQL and MariaDB also: nobody sees
+//! the step while its transaction is open, and a caller gone before the commit leaves neither;
+//! the workflow's retry writes the row exactly once. (On SQLite the phase runs inside the single
+//! writer's job, so nothing else can write in between, and a dropped caller does not stop a
+//! started job.) Module `crash`: a process SIGKILLed during phases on all three, with a second
+//! process writing.
 
 use crate::support;
 
@@ -16,8 +17,6 @@ use std::time::Duration;
 use idemflow::conformance::sweeper::cut_when;
 use idemflow::store::phase::AtomicPhase;
 use idemflow::workflow::step_key;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-use idemflow::{Actor, store::Finish};
 use idemflow::{
     Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Step, Store,
     StoredResponse, Sweeper,
@@ -158,16 +157,16 @@ async fn writes_and_record_commit_together(b: Backend) {
 }
 
 /// The writes fail after the insert: the transaction (or the phase's savepoint) rolls back, the
-/// step becomes retryable, and the workflow's retry writes the order once.
+/// step's claim with it, the workflow becomes retryable, and its retry writes the order once.
 async fn a_write_failing_after_the_insert_leaves_neither(b: Backend) {
     let idem = Idempotency::new(b.store.clone()).lease(LEASE);
     let r = run_failing(&b, &idem, "o-4", no_hook(), true).await;
     assert!(matches!(r, Err(Error::FailedRetryable { .. })), "{r:?}");
     assert_eq!((b.orders)("o-4".into()).await, 0, "the insert rolled back");
     let step = step_key(checkout("o-4").id(), 0);
-    assert_eq!(
-        b.store.get(&step).await.unwrap().unwrap().state,
-        KeyState::Failed { retryable: true }
+    assert!(
+        b.store.get(&step).await.unwrap().is_none(),
+        "the step's claim rolled back with the writes"
     );
     let done = run(&b, &idem, "o-4", no_hook()).await.unwrap();
     assert!(!done.is_replay());
@@ -177,56 +176,49 @@ async fn a_write_failing_after_the_insert_leaves_neither(b: Backend) {
     assert_eq!((b.orders)("o-4".into()).await, 1);
 }
 
-/// The step is decided by an operator between the order insert and the step's record: the
-/// record's fenced write matches nothing, the transaction rolls back, neither is there.
+/// Nobody sees the step while its transaction is open: between the order's insert and the
+/// commit, another connection finds neither the step's row nor the order; after it, both.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-async fn a_failure_between_the_writes_and_the_record_leaves_neither(b: Backend) {
+async fn the_step_is_invisible_until_its_commit(b: Backend) {
     let idem = Idempotency::new(b.store.clone()).lease(LEASE);
-    let store = b.store.clone();
+    let (store, orders) = (b.store.clone(), b.orders.clone());
     let step = step_key(checkout("o-2").id(), 0);
-    let hook: Hook = Arc::new(move || {
-        let (store, step) = (store.clone(), step.clone());
-        Box::pin(async move {
-            let token = store.get(&step).await.unwrap().unwrap().lease_token;
-            let decided = Finish {
-                to: KeyState::Failed { retryable: true },
-                response: None,
-                error: Some("operator: retry it".into()),
-                actor: Actor::Operator,
-                reason: "operator".into(),
-            };
-            store
-                .override_finish_if(&step, token, &decided)
-                .await
-                .unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(None));
+    let hook: Hook = {
+        let seen = seen.clone();
+        Arc::new(move || {
+            let (store, step, orders, seen) =
+                (store.clone(), step.clone(), orders.clone(), seen.clone());
+            Box::pin(async move {
+                let row = store.get(&step).await.unwrap().map(|r| r.state);
+                let rows = orders("o-2".into()).await;
+                *seen.lock().unwrap() = Some((row, rows));
+            })
         })
-    });
-    let r = run(&b, &idem, "o-2", hook).await;
-    assert!(r.is_err(), "{r:?}");
-    assert_eq!(
-        (b.orders)("o-2".into()).await,
-        0,
-        "the order insert rolled back"
-    );
-    let step_row = b
-        .store
-        .get(&step_key(checkout("o-2").id(), 0))
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(step_row.state, KeyState::Failed { retryable: true });
-    // The workflow's retry writes the order once.
-    tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
-    let done = run(&b, &idem, "o-2", no_hook()).await.unwrap();
+    };
+    let done = run(&b, &idem, "o-2", hook).await.unwrap();
     assert!(!done.is_replay());
+    assert_eq!(
+        *seen.lock().unwrap(),
+        Some((None, 0)),
+        "(the step's row, the order rows) seen from outside the open transaction"
+    );
+    assert_eq!(
+        b.store
+            .get(&step_key(checkout("o-2").id(), 0))
+            .await
+            .unwrap()
+            .map(|r| r.state),
+        Some(KeyState::Done)
+    );
     assert_eq!((b.orders)("o-2".into()).await, 1);
 }
 
 /// The caller goes away after the insert, and the phase hangs before its record: nothing was
-/// committed; the sweeper makes the step retryable once its lease runs out; the hung phase is cut
-/// off after the phase timeout (its fenced record could not have landed anyway), and the retry
-/// writes the order once. (A killed process: `tests/backends/sqlite/group_commit.rs` and the crash
-/// tests.)
+/// committed and nothing is seen (no step row, no order); the hung phase is cut off after the
+/// phase timeout, and the workflow's retry (once it has waited for the hung transaction's row
+/// lock, or been told to retry while it was held) writes the order once. (A killed process: the
+/// crash tests.)
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 async fn a_crash_before_the_commit_leaves_neither(b: Backend) {
     let idem = Idempotency::new(b.store.clone()).lease(LEASE);
@@ -244,22 +236,31 @@ async fn a_crash_before_the_commit_leaves_neither(b: Backend) {
     cut_when(run(&b, &idem, "o-3", hook), rx).await;
     assert_eq!((b.orders)("o-3".into()).await, 0);
     let step = step_key(checkout("o-3").id(), 0);
-    assert_eq!(
-        b.store.get(&step).await.unwrap().unwrap().state,
-        KeyState::Processing
-    );
+    assert!(b.store.get(&step).await.unwrap().is_none(), "no step row");
+    // Nothing for the sweeper to settle: the step never committed `processing`.
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     let report = Sweeper::new(b.store.clone(), Providers::new())
         .run_once()
         .await
         .unwrap();
-    assert!(report.retryable >= 1, "{report:?}");
-    assert_eq!(
-        b.store.get(&step).await.unwrap().unwrap().state,
-        KeyState::Failed { retryable: true }
-    );
-    let done = run(&b, &idem, "o-3", no_hook()).await.unwrap();
+    assert_eq!(report.retryable, 0, "{report:?}");
+    // The retry may meet the hung transaction still holding the step's row lock (up to the
+    // phase timeout): then it is told to retry, and the next retry writes the order.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let done = loop {
+        match run(&b, &idem, "o-3", no_hook()).await {
+            Ok(done) => break done,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                assert_eq!((b.orders)("o-3".into()).await, 0, "{e}");
+                tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the retry never went through: {e}"),
+        }
+    };
     assert!(!done.is_replay());
+    assert_eq!((b.orders)("o-3".into()).await, 1);
+    let again = run(&b, &idem, "o-3", no_hook()).await.unwrap();
+    assert!(again.is_replay());
     assert_eq!((b.orders)("o-3".into()).await, 1);
 }
 
@@ -279,9 +280,9 @@ macro_rules! atomic_tests {
     ($factory:path) => {
         atomic_tests!($factory; always);
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn a_failure_between_the_writes_and_the_record_leaves_neither() {
+        async fn the_step_is_invisible_until_its_commit() {
             let Some(b) = $factory().await else { return };
-            super::a_failure_between_the_writes_and_the_record_leaves_neither(b).await;
+            super::the_step_is_invisible_until_its_commit(b).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_crash_before_the_commit_leaves_neither() {
@@ -393,8 +394,8 @@ mod mysql {
     /// right after is visible to another connection.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_phase_cut_off_anywhere_leaves_no_connection_in_a_transaction() {
+        use idemflow::store::NewClaim;
         use idemflow::store::phase::Prepare;
-        use idemflow::store::{ClaimOutcome, NewClaim};
         let Some((options, _name)) = support::mysql::fresh_database().await else {
             return;
         };
@@ -429,9 +430,6 @@ mod mysql {
                 retention: Duration::from_secs(3600),
                 takeover_window: None,
             };
-            let ClaimOutcome::Claimed(lease) = store.claim(&claim).await.unwrap() else {
-                panic!("not claimed");
-            };
             let order = format!("o-cut-{i}");
             let phase = store.atomic_phase(move |tx| {
                 Box::pin(async move {
@@ -446,7 +444,7 @@ mod mysql {
             // Cut after the phase has waited `cut` times (for the pool, `BEGIN`'s reply, the
             // insert's, ...): some cuts land while `BEGIN` is on the wire.
             let cut = (i % 8) as u32;
-            let _ = CutAfter::new(cut, Box::new(phase).commit(&id, lease.token, prepare)).await;
+            let _ = CutAfter::new(cut, Box::new(phase).claim_and_commit(&claim, prepare)).await;
             let note = format!("n-{i}");
             if let Err(e) = sqlx::query("INSERT INTO notes (id) VALUES (?)")
                 .bind(&note)
@@ -525,9 +523,9 @@ mod sqlite {
 #[cfg(feature = "sqlite")]
 mod sqlite_writer {
     use super::*;
+    use idemflow::store::NewClaim;
     use idemflow::store::phase::Prepare;
     use idemflow::store::sqlite::{SqliteConfig, SqliteStore};
-    use idemflow::store::{ClaimOutcome, NewClaim};
     use idemflow::{Fingerprint, KeyId};
     use sqlx::SqliteConnection;
     use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
@@ -815,7 +813,7 @@ mod sqlite_writer {
     }
 
     /// An atomic step's answer over the executor's response cap: refused, and its writes rolled
-    /// back, as `Idempotency::execute` refuses an oversized answer.
+    /// back with the step's claim, as `Idempotency::execute_atomic` refuses an oversized answer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_atomic_step_answer_over_the_cap_is_refused_and_rolled_back() {
         let d = db(|c| c).await;
@@ -844,19 +842,18 @@ mod sqlite_writer {
             .store
             .get(&step_key(checkout("o-big").id(), 0))
             .await
-            .unwrap()
             .unwrap();
-        assert_eq!(step.state, KeyState::Failed { retryable: false });
+        assert!(step.is_none(), "rolled back with its claim: {step:?}");
     }
 
-    /// Claims a step-like key directly, for driving `AtomicPhase::commit` by hand.
-    async fn claimed(store: &SqliteStore, key: &str) -> (KeyId, idemflow::LeaseToken) {
+    /// The claim of a step-like key, for driving `AtomicPhase::claim_and_commit` by hand.
+    fn claim_of(key: &str) -> NewClaim {
         let id = KeyId::new(
             idemflow::Scope::new("shop").unwrap(),
             idemflow::IdempotencyKey::new(key).unwrap(),
         );
-        let claim = NewClaim {
-            id: id.clone(),
+        NewClaim {
+            id,
             operation: "create_order".into(),
             provider: idemflow::record::KeyKind::AtomicStep
                 .marker()
@@ -869,10 +866,6 @@ mod sqlite_writer {
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(3600),
             takeover_window: None,
-        };
-        match store.claim(&claim).await.unwrap() {
-            ClaimOutcome::Claimed(lease) => (id, lease.token),
-            other => panic!("{other:?}"),
         }
     }
 
@@ -885,7 +878,8 @@ mod sqlite_writer {
         for swallow in [false, true] {
             let d = db(|c| c).await;
             let store = d.store.clone();
-            let (step, token) = claimed(&store, "boom-step").await;
+            let claim = claim_of("boom-step");
+            let step = claim.id.clone();
             // Hold the writer (a job that waits) so the phase and the inserts after it queue
             // up and share the next batch.
             let gate = Arc::new(tokio::sync::Notify::new());
@@ -911,7 +905,6 @@ mod sqlite_writer {
             started.await.unwrap();
             let phase_task = {
                 let store = store.clone();
-                let (step, token) = (step.clone(), token);
                 tokio::spawn(async move {
                     let p = store.atomic_phase(move |conn| {
                         Box::pin(async move {
@@ -929,7 +922,7 @@ mod sqlite_writer {
                         })
                     });
                     let prepare: Prepare = Arc::new(Ok);
-                    Box::new(p).commit(&step, token, prepare).await
+                    Box::new(p).claim_and_commit(&claim, prepare).await
                 })
             };
             while store.writer_stats().queued < 1 {
@@ -973,7 +966,8 @@ mod sqlite_writer {
                     if there { "there" } else { "absent" }
                 );
             }
-            let step_done = store.get(&step).await.unwrap().unwrap().state == KeyState::Done;
+            let step_done =
+                store.get(&step).await.unwrap().map(|r| r.state) == Some(KeyState::Done);
             let rows = count(&reopened, "orders", "after-boom").await;
             assert_eq!(
                 rows == 1,

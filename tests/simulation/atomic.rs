@@ -11,11 +11,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idemflow::store::NewClaim;
-use idemflow::store::phase::{
-    AtomicPhase, OneCommit, OneCommitPhase, PhaseError, Prepare, StoreId,
-};
+use idemflow::store::phase::{AtomicPhase, OneCommit, PhaseError, Prepare, StoreId};
 use idemflow::store::sqlite::SqliteStore;
-use idemflow::{KeyId, LeaseToken, Store, StoredResponse, async_trait};
+use idemflow::{KeyId, Store, StoredResponse, async_trait};
 use sqlx::SqlitePool;
 
 use crate::gate::{SharedRef, park};
@@ -71,7 +69,7 @@ pub enum Fault {
 pub struct Told {
     pub label: String,
     pub token: i64,
-    /// `Some(true)`: committed; `Some(false)`: rolled back (writes failed, lease lost, refused);
+    /// `Some(true)`: committed; `Some(false)`: rolled back (writes failed, answer too large);
     /// `None`: a store error, which may or may not have committed.
     pub committed: Option<bool>,
     pub what: String,
@@ -158,10 +156,10 @@ impl AtomicSim {
     }
 }
 
-/// The phase a workflow's atomic step runs (`commit`, its step claimed before), or a one-commit
-/// key's (`claim_and_commit`, `Idempotency::execute_atomic`: the key claimed inside the phase's
-/// transaction): parks before and after it (crash points), draws its fault, runs the store's
-/// phase and records what its caller was told.
+/// The phase of a workflow's atomic step (`Context::atomic_step`) or of a one-commit key
+/// (`Idempotency::execute_atomic`), the key claimed inside the phase's transaction either way:
+/// parks before and after it (crash points), draws its fault, runs the store's phase and
+/// records what its caller was told.
 pub struct SimPhase {
     sim: Arc<AtomicSim>,
     label: String,
@@ -169,18 +167,14 @@ pub struct SimPhase {
 
 type Ack = tokio::sync::oneshot::Sender<()>;
 
-/// Where a phase's writes get the token of their key's lease (the app row carries it).
+/// Where a phase's writes get the token of their key's lease (the app row carries it): the
+/// key is claimed inside the phase's own transaction, so from its row there (the writes may run
+/// more than once, after a batch is rolled back: the last run's token is kept).
 #[derive(Clone)]
-enum TokenOf {
-    /// A step claimed before the phase.
-    Known(i64),
-    /// A key claimed inside the phase's own transaction: read from its row there (the writes
-    /// may run more than once, after a batch is rolled back: the last run's token is kept).
-    Row {
-        scope: String,
-        key: String,
-        seen: Arc<Mutex<Option<i64>>>,
-    },
+struct TokenOf {
+    scope: String,
+    key: String,
+    seen: Arc<Mutex<Option<i64>>>,
 }
 
 /// What a phase leaves to do once it has answered: let the other process go.
@@ -201,23 +195,11 @@ impl Guard {
 
 impl SimPhase {
     /// Draws the phase's fault and builds the store's phase with the writes that fault makes.
-    fn build(
-        &self,
-        token: TokenOf,
-    ) -> (impl AtomicPhase + OneCommitPhase + 'static + use<>, Guard) {
+    fn build(&self, token: TokenOf) -> (impl AtomicPhase + 'static + use<>, Guard) {
         let (sim, label) = (self.sim.clone(), self.label.clone());
         let (fault, batched, read_only) = sim.draw();
-        let shown = match &token {
-            TokenOf::Known(t) => {
-                if read_only {
-                    sim.read_only.lock().unwrap().insert((label.clone(), *t));
-                }
-                format!("token {t}")
-            }
-            TokenOf::Row { .. } => "one commit".to_owned(),
-        };
         sim.shared.lock().unwrap().trace.push(format!(
-            "    phase of {label} ({shown}): {fault:?}{}{}",
+            "    phase of {label}: {fault:?}{}{}",
             if read_only { ", reads only" } else { "" },
             if batched {
                 ", batched with others' writes"
@@ -258,23 +240,20 @@ impl SimPhase {
             let (go, other, row_label) = (go.clone(), other.clone(), row_label.clone());
             let (token, sim) = (token.clone(), sim2.clone());
             Box::pin(async move {
-                let tok = match &token {
-                    TokenOf::Known(t) => *t,
-                    TokenOf::Row { scope, key, seen } => {
-                        let t: i64 = sqlx::query_scalar(
-                            "SELECT lease_token FROM idempotency_keys WHERE scope = ? AND key = ?",
-                        )
-                        .bind(scope)
-                        .bind(key)
-                        .fetch_one(&mut *conn)
-                        .await?;
-                        *seen.lock().unwrap() = Some(t);
-                        if read_only {
-                            sim.read_only.lock().unwrap().insert((row_label.clone(), t));
-                        }
-                        t
-                    }
-                };
+                let tok: i64 = sqlx::query_scalar(
+                    "SELECT lease_token FROM idempotency_keys WHERE scope = ? AND key = ?",
+                )
+                .bind(&token.scope)
+                .bind(&token.key)
+                .fetch_one(&mut *conn)
+                .await?;
+                *token.seen.lock().unwrap() = Some(tok);
+                if read_only {
+                    sim.read_only
+                        .lock()
+                        .unwrap()
+                        .insert((row_label.clone(), tok));
+                }
                 sqlx::query("SELECT count(*) FROM sim_orders")
                     .execute(&mut *conn)
                     .await?;
@@ -371,34 +350,6 @@ fn committed<T>(r: &Result<T, PhaseError>) -> Option<bool> {
 
 #[async_trait]
 impl AtomicPhase for SimPhase {
-    async fn commit(
-        self: Box<Self>,
-        step: &KeyId,
-        token: LeaseToken,
-        prepare: Prepare,
-    ) -> Result<StoredResponse, PhaseError> {
-        park("phase.commit", "before", &self.label).await;
-        let (inner, guard) = self.build(TokenOf::Known(token.0));
-        let step = step.clone();
-        let run = async move { Box::new(inner).commit(&step, token, prepare).await };
-        let r = if guard.batched {
-            batch(&self.sim, run).await
-        } else {
-            run.await
-        };
-        guard.end().await;
-        let what = match &r {
-            Ok(resp) => format!("committed {}", resp.status()),
-            Err(e) => e.to_string(),
-        };
-        self.told(Some(token.0), committed(&r), what);
-        park("phase.commit", "after", &self.label).await;
-        r
-    }
-}
-
-#[async_trait]
-impl OneCommitPhase for SimPhase {
     fn store_id(&self) -> StoreId {
         Store::phase_store(&self.sim.db.store).expect("a SQLite store shares its transactions")
     }
@@ -410,7 +361,7 @@ impl OneCommitPhase for SimPhase {
     ) -> Result<OneCommit, PhaseError> {
         park("phase.one_commit", "before", &self.label).await;
         let seen = Arc::new(Mutex::new(None));
-        let (inner, guard) = self.build(TokenOf::Row {
+        let (inner, guard) = self.build(TokenOf {
             scope: claim.id.scope.as_str().to_owned(),
             key: claim.id.key.as_str().to_owned(),
             seen: seen.clone(),

@@ -1,5 +1,5 @@
-//! Atomic phases on MariaDB / MySQL: the application's writes and a workflow step's record in
-//! one transaction (`idemflow::store::phase::AtomicPhase`, `docs/workflows.md`); the
+//! Atomic phases on MariaDB / MySQL: a key's claim, the application's writes and the key's
+//! answer in one transaction (`idemflow::store::phase::AtomicPhase`, `docs/one-commit.md`); the
 //! transaction itself is the pooled stores' one scaffold (`store::phase::PooledPhase`).
 
 use std::future::Future;
@@ -9,14 +9,15 @@ use sqlx::MySqlConnection;
 
 use super::{BACKEND, MySqlStore, claim_on, is_lock_conflict, sql};
 use crate::record::LeaseToken;
-use crate::store::phase::{AtomicPhase, OneCommitPhase, PooledOps, PooledPhase, WritesFuture};
+use crate::store::phase::{AtomicPhase, PooledOps, PooledPhase, WritesFuture};
 use crate::{KeyId, StoredResponse};
 
 impl MySqlStore {
-    /// An atomic phase for [`Context::atomic_step`](crate::Context::atomic_step): `writes` runs
-    /// on the transaction's connection and returns the step's answer; the step's record commits
-    /// with them, or neither does (see `PostgresStore::atomic_phase` for an example).
-    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static + use<F>
+    /// An atomic phase for [`Idempotency::execute_atomic`](crate::Idempotency::execute_atomic)
+    /// or [`Context::atomic_step`](crate::Context::atomic_step): `writes` runs on the connection
+    /// of the transaction that claims the key and returns the key's answer; the key's claim and
+    /// answer commit with them, or none does (see `PostgresStore::atomic_phase` for an example).
+    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + 'static + use<F>
     where
         F: for<'c> FnOnce(&'c mut MySqlConnection) -> WritesFuture<'c> + Send + 'static,
     {

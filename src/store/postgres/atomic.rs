@@ -1,6 +1,6 @@
-//! Atomic phases on PostgreSQL: the application's writes and a workflow step's record in one
-//! transaction (`idemflow::store::phase::AtomicPhase`, `docs/workflows.md`); the transaction
-//! itself is the pooled stores' one scaffold (`store::phase::PooledPhase`).
+//! Atomic phases on PostgreSQL: a key's claim, the application's writes and the key's answer
+//! in one transaction (`idemflow::store::phase::AtomicPhase`, `docs/one-commit.md`); the
+//! transaction itself is the pooled stores' one scaffold (`store::phase::PooledPhase`).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -10,15 +10,14 @@ use sqlx::PgConnection;
 use super::{BACKEND, PostgresStore, claim_on, finish_query};
 use crate::record::LeaseToken;
 use crate::store::kit::FinishMode;
-use crate::store::phase::{
-    AtomicPhase, OneCommitPhase, PooledOps, PooledPhase, WritesFuture, step_record,
-};
+use crate::store::phase::{AtomicPhase, PooledOps, PooledPhase, WritesFuture, step_record};
 use crate::{KeyId, StoredResponse};
 
 impl PostgresStore {
-    /// An atomic phase for [`Context::atomic_step`](crate::Context::atomic_step): `writes` runs
-    /// on the transaction's connection, and returns the step's answer; the step's record commits
-    /// with them, or neither does.
+    /// An atomic phase for [`Idempotency::execute_atomic`](crate::Idempotency::execute_atomic)
+    /// or [`Context::atomic_step`](crate::Context::atomic_step): `writes` runs on the connection
+    /// of the transaction that claims the key, and returns the key's answer; the key's claim and
+    /// answer commit with them, or none does.
     ///
     /// ```no_run
     /// # async fn f(ctx: idemflow::Context, pg: idemflow::store::postgres::PostgresStore) -> Result<(), idemflow::Error> {
@@ -34,7 +33,7 @@ impl PostgresStore {
     /// ).await?;
     /// # Ok(()) }
     /// ```
-    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static + use<F>
+    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + 'static + use<F>
     where
         F: for<'c> FnOnce(&'c mut PgConnection) -> WritesFuture<'c> + Send + 'static,
     {

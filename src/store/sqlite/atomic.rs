@@ -1,14 +1,14 @@
-//! Atomic phases on SQLite: the application's writes and a workflow step's record in one
-//! transaction (`idemflow::store::phase::AtomicPhase`, `docs/workflows.md`).
+//! Atomic phases on SQLite: a key's claim, the application's writes and the key's answer in one
+//! transaction (`idemflow::store::phase::AtomicPhase`, `docs/one-commit.md`).
 //!
 //! The phase is a guarded job of the group-committing writer (`writer.rs`, "Phase jobs"): it
 //! runs on the writer's connection inside a transaction of the writer's (alone or in a batch),
-//! within a savepoint of its own, so a failure of the writes or a fenced-out record undoes only
-//! this phase; its caller is answered once the transaction has committed. If the batch is
+//! within a savepoint of its own, so a failure of the writes undoes only this phase (its claim
+//! included); its caller is answered once the transaction has committed. If the batch is
 //! rolled back for another job's error, the writer runs the phase again, so its writes closure
 //! is `Fn` (each run starts from nothing written). A panic, a hang past the store's phase
 //! timeout, a statement that ends the transaction, or a write through the same store from
-//! inside the phase fails this step only ([`PhaseError::Writes`], rolled back); the writer and
+//! inside the phase fails this key only ([`PhaseError::Writes`], rolled back); the writer and
 //! every other key go on.
 
 use std::sync::Arc;
@@ -21,8 +21,8 @@ use super::{SqliteStore, claim_on, db, sql};
 use crate::record::{KeyRecord, LeaseToken};
 use crate::store::kit::FinishMode;
 use crate::store::phase::{
-    AtomicPhase, COMMITTED_REASON, ONE_COMMIT_REASON, OneCommit, OneCommitPhase, PhaseError,
-    Prepare, REFUSED_REASON, StoreId, WritesError, WritesFuture, refusal, step_record,
+    AtomicPhase, ONE_COMMIT_REASON, OneCommit, PhaseError, Prepare, REFUSED_REASON, StoreId,
+    WritesError, WritesFuture, own_claim_gone, refusal, step_record,
 };
 use crate::store::{ClaimOutcome, NewClaim, sql_core};
 use crate::{KeyId, StoredResponse};
@@ -32,8 +32,9 @@ enum Ran {
     Committed(StoredResponse),
     /// The writes refused ([`crate::store::phase::Refusal`]): undone, their answer kept.
     Refusal(StoredResponse),
-    /// The key stood in the way (one commit only): nothing ran.
+    /// The key stood in the way: nothing ran.
     Existing(Box<KeyRecord>, chrono::DateTime<chrono::Utc>),
+    /// The record found the key not held under the phase's own claim (it cannot be).
     Fenced,
     WritesFailed(WritesError),
     /// The answer was refused before the record (too large): rolled back.
@@ -43,12 +44,13 @@ enum Ran {
 type Writes = Arc<dyn for<'c> Fn(&'c mut SqliteConnection) -> WritesFuture<'c> + Send + Sync>;
 
 impl SqliteStore {
-    /// An atomic phase for [`Context::atomic_step`](crate::Context::atomic_step) on the
-    /// database of this store (a file database, or the store's own in-memory one): `writes`
-    /// runs on the writer's connection inside the transaction, and returns the step's answer;
-    /// the step's record commits with them, or neither does. `writes` may run more than once
-    /// (see the module docs), each time from nothing written.
-    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + OneCommitPhase + 'static + use<F>
+    /// An atomic phase for [`Idempotency::execute_atomic`](crate::Idempotency::execute_atomic)
+    /// or [`Context::atomic_step`](crate::Context::atomic_step) on the database of this store
+    /// (a file database, or the store's own in-memory one): `writes` runs on the writer's
+    /// connection inside the transaction that claims the key, and returns the key's answer;
+    /// the key's claim and answer commit with them, or none does. `writes` may run more than
+    /// once (see the module docs), each time from nothing written.
+    pub fn atomic_phase<F>(&self, writes: F) -> impl AtomicPhase + 'static + use<F>
     where
         F: for<'c> Fn(&'c mut SqliteConnection) -> WritesFuture<'c> + Send + Sync + 'static,
     {
@@ -66,45 +68,6 @@ struct SqlitePhase {
 
 #[async_trait]
 impl AtomicPhase for SqlitePhase {
-    async fn commit(
-        self: Box<Self>,
-        step: &KeyId,
-        token: LeaseToken,
-        prepare: Prepare,
-    ) -> Result<StoredResponse, PhaseError> {
-        let step = Arc::new(step.clone());
-        let ran = self
-            .run_guarded(prepare, move |conn, writes, prepare| {
-                let step = step.clone();
-                Box::pin(async move {
-                    let answer = match writes(&mut *conn).await {
-                        Ok(a) => match prepare(a) {
-                            Ok(a) => a,
-                            Err(e) => return Ok(Ran::TooLarge(e)),
-                        },
-                        Err(e) => return Ok(Ran::WritesFailed(e)),
-                    };
-                    record(conn, &step, token, answer, COMMITTED_REASON, false).await
-                })
-            })
-            .await?;
-        match ran {
-            Ran::Committed(answer) => Ok(answer),
-            Ran::Fenced => Err(PhaseError::LeaseLost),
-            Ran::WritesFailed(e) => Err(PhaseError::Writes(e)),
-            Ran::TooLarge(e) => Err(e),
-            Ran::Refusal(_) | Ran::Existing(..) => {
-                Err(PhaseError::Store(crate::StoreError::Corrupt {
-                    backend: super::BACKEND,
-                    detail: "a step's phase claimed nothing and refused nothing".into(),
-                }))
-            }
-        }
-    }
-}
-
-#[async_trait]
-impl OneCommitPhase for SqlitePhase {
     fn store_id(&self) -> StoreId {
         self.store.store_id()
     }
@@ -114,6 +77,7 @@ impl OneCommitPhase for SqlitePhase {
         claim: &NewClaim,
         prepare: Prepare,
     ) -> Result<OneCommit, PhaseError> {
+        let claim_id = claim.id.clone();
         let claim = Arc::new(claim.clone());
         let ran = self
             .run_guarded(prepare, move |conn, writes, prepare| {
@@ -156,7 +120,7 @@ impl OneCommitPhase for SqlitePhase {
             Ran::Committed(answer) => Ok(OneCommit::Committed(answer)),
             Ran::Refusal(answer) => Ok(OneCommit::Refused(answer)),
             Ran::Existing(record, now) => Ok(OneCommit::Existing { record, now }),
-            Ran::Fenced => Err(PhaseError::LeaseLost),
+            Ran::Fenced => Err(own_claim_gone(super::BACKEND, &claim_id)),
             Ran::WritesFailed(e) => Err(PhaseError::Writes(e)),
             Ran::TooLarge(e) => Err(e),
         }
@@ -235,8 +199,8 @@ async fn savepoint(
     Ok(())
 }
 
-/// The key's record (`done` with `answer`, for `reason`), fenced by `token`: committed, or
-/// [`Ran::Fenced`] when the key was taken over.
+/// The key's record (`done` with `answer`, for `reason`), fenced by `token` of the claim made in
+/// this transaction.
 async fn record(
     conn: &mut SqliteConnection,
     id: &KeyId,
