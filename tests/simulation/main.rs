@@ -170,9 +170,12 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
         Ok("classic") => Mode::Classic,
         Ok("workflows") => Mode::Workflows,
         Ok("full") => Mode::Full,
-        Ok("one-commit") | Err(_) => Mode::OneCommit,
+        Ok("one-commit") => Mode::OneCommit,
+        Ok("webhooks") | Err(_) => Mode::Webhooks,
         Ok(other) => {
-            panic!("IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full or one-commit")
+            panic!(
+                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit or webhooks"
+            )
         }
     };
     simulate_seeds(backend, seeds, single.is_some(), default_parallel, mode).await;

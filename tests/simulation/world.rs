@@ -67,8 +67,12 @@ pub enum Mode {
     /// connections and the liveness check (issue 20).
     Full,
     /// Also, on SQLite with atomic phases, a key run in one commit with its app row
-    /// (`Idempotency::execute_atomic`, issue 23): what the simulation runs by default.
+    /// (`Idempotency::execute_atomic`, issue 23).
     OneCommit,
+    /// Also webhooks: the providers' events for effects that happened, delivered late, twice
+    /// or for keys long settled, to `Sweeper::settle_from_event` (issue 23's "webhooks settle
+    /// stuck keys"): what the simulation runs by default.
+    Webhooks,
 }
 
 impl Mode {
@@ -78,7 +82,12 @@ impl Mode {
 
     /// Whether the additions of [`Mode::Full`] are on.
     pub fn full(self) -> bool {
-        matches!(self, Mode::Full | Mode::OneCommit)
+        matches!(self, Mode::Full | Mode::OneCommit | Mode::Webhooks)
+    }
+
+    /// Whether the additions of [`Mode::OneCommit`] are on.
+    pub fn one_commit(self) -> bool {
+        matches!(self, Mode::OneCommit | Mode::Webhooks)
     }
 }
 
@@ -157,6 +166,9 @@ enum Kind {
     Sweeper,
     Operator(usize),
     Purge,
+    /// A webhook delivering the provider's event for effect #`.0` of the ledger
+    /// ([`Mode::Webhooks`]); `.1`: whether the receiver names the key (else it scans).
+    Webhook(u64, bool),
 }
 
 struct Slot {
@@ -207,6 +219,8 @@ struct World {
     /// The draws of the actors added with workflows (provider switches), apart from the main
     /// stream the regression seeds replay.
     alt: Option<Rng>,
+    /// The draws of the webhooks ([`Mode::Webhooks`]), a stream of their own.
+    hooks: Option<Rng>,
     extras: Extras,
     /// The workflows' bodies by operation (for the resumers).
     workflows: Vec<(&'static str, Vec<KeyDef>)>,
@@ -265,6 +279,10 @@ impl World {
             Kind::Sweeper => "sweeper".into(),
             Kind::Operator(k) => format!("operator {}", self.keys[k].label),
             Kind::Purge => "purge".into(),
+            Kind::Webhook(n, by_key) => format!(
+                "webhook for effect #{n} ({})",
+                if by_key { "key named" } else { "scan" }
+            ),
         }
     }
 
@@ -384,6 +402,12 @@ impl World {
                 self.keys[k].clone(),
                 self.shared.clone(),
             )),
+            Kind::Webhook(n, by_key) => {
+                let sweeper = self.sweeper(self.gated.clone(), "webhook");
+                let shared = self.shared.clone();
+                let keys = self.keys.clone();
+                Box::pin(webhook(sweeper, n, by_key, keys, shared))
+            }
             Kind::Purge => {
                 let store = self.gated.clone();
                 let shared = self.shared.clone();
@@ -1258,6 +1282,63 @@ fn expected(e: &StoreError) -> bool {
 /// An operator resolving a stuck key as `idemflow resolve` does (read, check, write), deciding
 /// from the provider's dashboard (the ledger, without search lag): done with its answer, or
 /// failed{retryable} when it shows nothing.
+/// A webhook: the provider's event for effect #`n` of the ledger (what the provider did, as its
+/// lookup would find it), given to `Sweeper::settle_from_event`, the key named (`by_key`, the
+/// key whose label the provider key belongs to) or found by a scan of the processing keys.
+async fn webhook(
+    sweeper: idemflow::Sweeper,
+    n: u64,
+    by_key: bool,
+    keys: Vec<KeyDef>,
+    shared: SharedRef,
+) -> String {
+    use idemflow::sweeper::{EventTarget, ProviderEvent};
+    let Some(effect) = shared
+        .lock()
+        .unwrap()
+        .ledger
+        .iter()
+        .find(|e| e.n == n)
+        .cloned()
+    else {
+        return format!("no effect #{n}");
+    };
+    let outcome = if effect.response.status() < 300 {
+        Outcome::Succeeded(effect.response.clone())
+    } else {
+        Outcome::Rejected(effect.response.clone())
+    };
+    let event = ProviderEvent::new(
+        effect.provider.clone(),
+        effect.provider_key.clone(),
+        outcome,
+        format!("evt_{n}"),
+    );
+    let named = keys
+        .iter()
+        .find(|k| k.label == effect.label)
+        .map(|k| k.id.clone());
+    let target = match (&named, by_key) {
+        (Some(id), true) => EventTarget::Key(id),
+        _ => EventTarget::ScanProcessing { limit: 1000 },
+    };
+    match sweeper.settle_from_event(target, &event).await {
+        Ok(r) => format!(
+            "event for {} ({}): {r:?}",
+            effect.label, effect.provider_key
+        ),
+        Err(e) if crate::store::injected(&e) => format!("event stopped: {e}"),
+        Err(e) => {
+            shared.lock().unwrap().violate(
+                Check::NoStoreErrors,
+                &effect.label,
+                format!("webhook: {e}"),
+            );
+            format!("event failed: {e}")
+        }
+    }
+}
+
 async fn operator(store: Arc<dyn Store>, key: KeyDef, shared: SharedRef) -> String {
     let current = match store.get(&key.id).await {
         Ok(Some(r)) => r,
@@ -1526,7 +1607,7 @@ pub async fn run_case(
             // With one commit, a key run by `execute_atomic` too (drawn from a stream of its
             // own, so the schedules of the earlier modes stay as they were).
             let mut oc_rng = Rng::new(seed ^ ONE_COMMIT_STREAM);
-            if mode == Mode::OneCommit && oc_rng.chance(ONE_COMMIT_PER_MILLE) {
+            if mode.one_commit() && oc_rng.chance(ONE_COMMIT_PER_MILLE) {
                 let scope = ["a", "b"][oc_rng.below(2) as usize];
                 let label = format!("{scope}/l1");
                 keys.push(KeyDef {
@@ -1549,6 +1630,7 @@ pub async fn run_case(
         _ => None,
     };
     let alt = with_workflows.then(|| Rng::new(seed ^ 0xA17E_F0DE));
+    let hooks = (mode == Mode::Webhooks).then(|| Rng::new(seed ^ WEBHOOK_STREAM));
     {
         let mut sh = shared.lock().unwrap();
         for k in keys.iter().filter(|k| k.role != Role::Workflow) {
@@ -1597,6 +1679,7 @@ pub async fn run_case(
         slots: Vec::new(),
         next_id: 1,
         existed: BTreeSet::new(),
+        hooks,
         atomic,
         alt,
         states: std::collections::BTreeMap::new(),
@@ -1658,6 +1741,10 @@ const FILE_PER_MILLE: u64 = 350;
 /// mille, [`Mode::OneCommit`]).
 const ONE_COMMIT_STREAM: u64 = 0x0C0_33A7;
 const ONE_COMMIT_PER_MILLE: u64 = 600;
+/// The seed stream of the webhooks ([`Mode::Webhooks`]), and how often a step delivers one (per
+/// mille of the steps, when the ledger holds an effect).
+const WEBHOOK_STREAM: u64 = 0x3EB_400C;
+const WEBHOOK_PER_MILLE: u64 = 80;
 
 /// Whether schedule `seed` runs on a SQLite file (an atomic-phase schedule drawn for a file).
 pub fn on_file(seed: u64) -> bool {
@@ -1669,10 +1756,30 @@ pub fn on_file(seed: u64) -> bool {
 /// margin (40 ms) and the keyless provider's smallest search lag (80 ms).
 const MAX_TRANSIT: Duration = Duration::from_millis(20);
 
+/// With webhooks, sometimes: an actor delivering the provider's event for an effect of the
+/// ledger (any: recent, old, already delivered), run to its first park point.
+async fn deliver_webhook(w: &mut World, step: usize) -> Result<(), String> {
+    let effects = w.shared.lock().unwrap().ledger.len() as u64;
+    let can_spawn = w.slots.len() < w.settings.max_actors;
+    let Some(hooks) = w.hooks.as_mut() else {
+        return Ok(());
+    };
+    if effects == 0 || !can_spawn || !hooks.chance(WEBHOOK_PER_MILLE) {
+        return Ok(());
+    }
+    let kind = Kind::Webhook(hooks.range(1, effects), hooks.chance(500));
+    let id = w.next_id;
+    w.trace(format!("#{step} start a{id}: {}", w.describe(kind)));
+    w.spawn(kind);
+    let idx = w.slots.len() - 1;
+    w.run_actor(idx).await
+}
+
 async fn run_steps(w: &mut World) -> Result<(), String> {
     for step in 0..w.settings.steps {
         w.shared.lock().unwrap().step = step;
         w.deliver_in_transit(MAX_TRANSIT).await?;
+        deliver_webhook(w, step).await?;
         let parked = w.slots.len();
         let can_spawn = parked < w.settings.max_actors;
         // spawn client, sweeper, operator, purge, resume, crash, advance time, sweep at once
