@@ -22,10 +22,17 @@
 //!
 //! The keys and the effects live in SQLite files in a temporary directory (both processes open
 //! them). The target requires features `rabbitmq`, `nats` and `sqlite`.
+//!
+//! `jobs.rs` (with features `postgres` and `testkit`) is the background-job counterpart: an
+//! apalis job queue on PostgreSQL (`IDEMFLOW_TEST_POSTGRES_URL`), its job charging through
+//! idemflow (`examples/background_jobs.rs`): a retry after the charge, a worker killed with
+//! SIGKILL in the charge and after it, and duplicate jobs; one charge per charge id.
 
 #[path = "../support/mod.rs"]
 mod support;
 
 mod amqp;
+#[cfg(all(feature = "postgres", feature = "testkit"))]
+mod jobs;
 mod nats;
 mod scenarios;
