@@ -10,7 +10,9 @@
 //!
 //! `webhooks` drives the Stripe webhook receiver and `examples/webhook_service.rs` with the
 //! testkit's signed `WebhookSender` (features `http` and `testkit`; on PostgreSQL too when
-//! `IDEMFLOW_TEST_POSTGRES_URL` is set, feature `postgres`).
+//! `IDEMFLOW_TEST_POSTGRES_URL` is set, feature `postgres`); `webhook_kill` re-runs this binary
+//! as a one-commit receiver (`--exact webhook_kill::child_serves_a_one_commit_receiver`) and
+//! kills it with SIGKILL inside an effect's transaction.
 //!
 //! The target requires features `axum` and `sqlite`. Needs no environment and no server: SQLite
 //! files in temporary directories.
@@ -26,5 +28,7 @@ mod checkout_service;
 #[cfg(all(feature = "http", feature = "testkit"))]
 mod email_service;
 mod http_layer;
+#[cfg(all(feature = "http", feature = "testkit"))]
+mod webhook_kill;
 #[cfg(all(feature = "http", feature = "testkit"))]
 mod webhooks;
