@@ -71,10 +71,8 @@ fn sqlx_outage(e: &sqlx::Error) -> bool {
     match e {
         // Any I/O error on a database connection: the connection is gone or going.
         sqlx::Error::Io(_) => true,
-        sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Tls(_) => true,
+        // (A closed pool is not an outage: the application closed it, and it stays closed.)
+        sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed | sqlx::Error::Tls(_) => true,
         sqlx::Error::Database(db) => db_outage(db.as_ref()),
         _ => false,
     }
@@ -118,4 +116,57 @@ fn redis_outage(e: &redis::RedisError) -> bool {
                     S::BusyLoading | S::TryAgain | S::ClusterDown | S::MasterDown | S::ReadOnly
                 )
         )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_outage;
+    use crate::StoreError;
+
+    fn io(kind: std::io::ErrorKind) -> std::io::Error {
+        std::io::Error::new(kind, "test")
+    }
+
+    #[test]
+    fn lost_connections_are_outages_and_refusals_are_not() {
+        use std::io::ErrorKind as K;
+        assert!(is_outage(&io(K::ConnectionRefused)));
+        assert!(is_outage(&io(K::TimedOut)));
+        assert!(!is_outage(&io(K::InvalidData)));
+        let store = |e: std::io::Error| StoreError::database("test", e);
+        assert!(store(io(K::ConnectionReset)).is_unavailable());
+        assert!(!store(io(K::InvalidInput)).is_unavailable());
+        assert!(
+            !StoreError::Corrupt {
+                backend: "test",
+                detail: "x".into()
+            }
+            .is_unavailable()
+        );
+    }
+
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    #[test]
+    fn sqlx_pool_timeouts_are_outages_and_a_closed_pool_is_not() {
+        assert!(StoreError::database("test", sqlx::Error::PoolTimedOut).is_unavailable());
+        assert!(!StoreError::database("test", sqlx::Error::PoolClosed).is_unavailable());
+        assert!(!StoreError::database("test", sqlx::Error::RowNotFound).is_unavailable());
+        // Found through the source chain, as the SQLite writer wraps its batch errors.
+        let wrapped = crate::store::outage::tests::Wrapped(sqlx::Error::PoolTimedOut);
+        assert!(StoreError::database("test", wrapped).is_unavailable());
+    }
+
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    #[derive(Debug, thiserror::Error)]
+    #[error("wrapped")]
+    struct Wrapped(#[source] sqlx::Error);
+
+    #[cfg(feature = "redis")]
+    #[test]
+    fn redis_connection_errors_are_outages() {
+        let e = redis::RedisError::from(io(std::io::ErrorKind::ConnectionRefused));
+        assert!(StoreError::database("redis", e).is_unavailable());
+        let e = redis::RedisError::from((redis::ErrorKind::Parse, "bad reply"));
+        assert!(!StoreError::database("redis", e).is_unavailable());
+    }
 }

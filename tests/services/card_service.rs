@@ -254,6 +254,96 @@ async fn seed_check_without_waiting_gives_201s_with_one_payment_id_and_409s() {
     assert_eq!(fake.ledger().len(), 1, "exactly one charge");
 }
 
+/// The seed's check as the seed runs it, with Debian's `hey`: `hey -n 100 -c 10 -m POST -H
+/// 'Idempotency-Key: "same-uuid"' ...`, with waiting on and off. Skips (with a printed reason)
+/// where `hey` is not installed, fails under `CI=true` (`.ci/run` installs it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_check_with_hey() {
+    if std::process::Command::new("hey")
+        .arg("-h")
+        .output()
+        .is_err()
+    {
+        assert!(
+            !crate::support::under_ci(),
+            "hey is not installed and CI=true (apt-get install hey)"
+        );
+        eprintln!("skipping: hey is not installed (apt-get install hey)");
+        return;
+    }
+    for (wait, key) in [
+        (Some(Duration::from_secs(20)), "same-uuid"),
+        (None, "same-uuid-2"),
+    ] {
+        let fake = FakeStripe::start().await.unwrap();
+        fake.faults().set_latency(Duration::from_millis(200));
+        let svc = start_with(&fake, Duration::from_secs(30), wait).await;
+        let body = card(4200).to_string();
+        let url = format!("{}/payments", svc.base);
+        let header = format!("Idempotency-Key: \"{key}\"");
+        let out = tokio::process::Command::new("hey")
+            .args([
+                "-n",
+                "100",
+                "-c",
+                "10",
+                "-m",
+                "POST",
+                "-T",
+                "application/json",
+            ])
+            .args([
+                "-H",
+                &header,
+                "-H",
+                "X-Account-Id: acct_hey",
+                "-d",
+                &body,
+                &url,
+            ])
+            .output()
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        eprintln!("hey, wait_in_flight {wait:?}:\n{}", text.trim_end());
+        // `  [201]\t100 responses`
+        let mut statuses = std::collections::BTreeMap::new();
+        for line in text.lines() {
+            let line = line.trim();
+            if let Some((code, rest)) = line.strip_prefix('[').and_then(|l| l.split_once(']'))
+                && let Some(n) = rest.trim().strip_suffix(" responses")
+            {
+                statuses.insert(
+                    code.parse::<u16>().unwrap(),
+                    n.trim().parse::<usize>().unwrap(),
+                );
+            }
+        }
+        assert_eq!(statuses.values().sum::<usize>(), 100, "{text}");
+        if wait.is_some() {
+            assert_eq!(statuses.get(&201), Some(&100), "{statuses:?}");
+        } else {
+            assert!(
+                statuses.keys().all(|s| *s == 201 || *s == 409),
+                "{statuses:?}"
+            );
+            assert!(statuses.contains_key(&409), "{statuses:?}");
+        }
+        // One charge, and the one answer every 201 replays names its payment id.
+        assert_eq!(fake.ledger().len(), 1, "one charge");
+        let again = pay(
+            &client(),
+            &svc.base,
+            &format!("\"{key}\""),
+            "acct_hey",
+            &card(4200),
+        )
+        .await
+        .unwrap();
+        assert!(again.replayed && again.status == 201, "{again:?}");
+    }
+}
+
 fn svc_waiters(svc: &Service) -> usize {
     svc.idem.in_flight_waiters()
 }

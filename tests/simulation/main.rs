@@ -171,10 +171,11 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
         Ok("workflows") => Mode::Workflows,
         Ok("full") => Mode::Full,
         Ok("one-commit") => Mode::OneCommit,
-        Ok("webhooks") | Err(_) => Mode::Webhooks,
+        Ok("webhooks") => Mode::Webhooks,
+        Ok("waiting") | Err(_) => Mode::Waiting,
         Ok(other) => {
             panic!(
-                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit or webhooks"
+                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit, webhooks or waiting"
             )
         }
     };

@@ -71,8 +71,12 @@ pub enum Mode {
     OneCommit,
     /// Also webhooks: the providers' events for effects that happened, delivered late, twice
     /// or for keys long settled, to `Sweeper::settle_from_event` (issue 23's "webhooks settle
-    /// stuck keys"): what the simulation runs by default.
+    /// stuck keys").
     Webhooks,
+    /// Also clients that wait for the first attempt's answer (`Idempotency::wait_in_flight`,
+    /// issue 24) instead of taking the in-flight answer at once, each with a bound of its own:
+    /// what the simulation runs by default.
+    Waiting,
 }
 
 impl Mode {
@@ -82,12 +86,20 @@ impl Mode {
 
     /// Whether the additions of [`Mode::Full`] are on.
     pub fn full(self) -> bool {
-        matches!(self, Mode::Full | Mode::OneCommit | Mode::Webhooks)
+        matches!(
+            self,
+            Mode::Full | Mode::OneCommit | Mode::Webhooks | Mode::Waiting
+        )
     }
 
     /// Whether the additions of [`Mode::OneCommit`] are on.
     pub fn one_commit(self) -> bool {
-        matches!(self, Mode::OneCommit | Mode::Webhooks)
+        matches!(self, Mode::OneCommit | Mode::Webhooks | Mode::Waiting)
+    }
+
+    /// Whether the additions of [`Mode::Webhooks`] are on.
+    pub fn webhooks(self) -> bool {
+        matches!(self, Mode::Webhooks | Mode::Waiting)
     }
 }
 
@@ -221,6 +233,8 @@ struct World {
     alt: Option<Rng>,
     /// The draws of the webhooks ([`Mode::Webhooks`]), a stream of their own.
     hooks: Option<Rng>,
+    /// The draws of the waiting clients ([`Mode::Waiting`]), a stream of their own.
+    waits: Option<Rng>,
     extras: Extras,
     /// The workflows' bodies by operation (for the resumers).
     workflows: Vec<(&'static str, Vec<KeyDef>)>,
@@ -324,6 +338,14 @@ impl World {
                     Role::Workflow => self.workflow_exec.clone(),
                     _ => self.executors[self.keys[k].provider].clone(),
                 };
+                // Some clients wait for the first attempt's answer, each up to its own bound.
+                let wait = match (&mut self.waits, self.keys[k].role) {
+                    (Some(w), Role::Call | Role::Workflow) => w
+                        .chance(WAITING_PER_MILLE)
+                        .then(|| Duration::from_millis(w.range(20, 400))),
+                    _ => None,
+                };
+                let exec = exec.wait_in_flight(wait);
                 let key = self.keys[k].clone();
                 let provider = self.providers[self.keys[k].provider].clone();
                 let shared = self.shared.clone();
@@ -372,7 +394,10 @@ impl World {
                             break;
                         }
                     }
-                    said.join("; ")
+                    match wait {
+                        Some(bound) => format!("(waits up to {bound:?}) {}", said.join("; ")),
+                        None => said.join("; "),
+                    }
                 })
             }
             Kind::Sweeper => {
@@ -1630,7 +1655,8 @@ pub async fn run_case(
         _ => None,
     };
     let alt = with_workflows.then(|| Rng::new(seed ^ 0xA17E_F0DE));
-    let hooks = (mode == Mode::Webhooks).then(|| Rng::new(seed ^ WEBHOOK_STREAM));
+    let hooks = mode.webhooks().then(|| Rng::new(seed ^ WEBHOOK_STREAM));
+    let waits = (mode == Mode::Waiting).then(|| Rng::new(seed ^ WAIT_STREAM));
     {
         let mut sh = shared.lock().unwrap();
         for k in keys.iter().filter(|k| k.role != Role::Workflow) {
@@ -1682,6 +1708,7 @@ pub async fn run_case(
         hooks,
         atomic,
         alt,
+        waits,
         states: std::collections::BTreeMap::new(),
         lost_leases: BTreeSet::new(),
         reported: BTreeSet::new(),
@@ -1741,6 +1768,11 @@ const FILE_PER_MILLE: u64 = 350;
 /// mille, [`Mode::OneCommit`]).
 const ONE_COMMIT_STREAM: u64 = 0x0C0_33A7;
 const ONE_COMMIT_PER_MILLE: u64 = 600;
+/// The seed stream of the waiting clients ([`Mode::Waiting`]), and how many clients in a
+/// thousand wait for the first attempt's answer.
+const WAIT_STREAM: u64 = 0x3A17_1F17;
+const WAITING_PER_MILLE: u64 = 400;
+
 /// The seed stream of the webhooks ([`Mode::Webhooks`]), and how often a step delivers one (per
 /// mille of the steps, when the ledger holds an effect).
 const WEBHOOK_STREAM: u64 = 0x3EB_400C;
