@@ -512,15 +512,11 @@ async fn client_disconnect_mid_charge_is_settled_by_the_sweeper() {
     assert_eq!(fake.ledger().count_for_key(&rec.provider_key), 1);
 }
 
-/// The example as a process: SIGKILL mid-load, restart, `idemflow reconcile --once`, retry all.
+/// The card service example's binary, built (normally a no-op: `cargo test` builds examples)
+/// with this test's features.
 #[cfg(all(unix, feature = "cli"))]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_process_then_reconcile_charges_every_key_once() {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
-
+fn example_bin() -> std::path::PathBuf {
     let manifest = env!("CARGO_MANIFEST_DIR");
-    // Build (normally a no-op: `cargo test` builds examples) with this test's features.
     let mut features = vec!["axum", "http", "testkit", "cli"];
     if cfg!(feature = "postgres") {
         features.push("postgres");
@@ -532,7 +528,7 @@ async fn killed_process_then_reconcile_charges_every_key_once() {
         features.push("redis");
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let built = Command::new(cargo)
+    let built = std::process::Command::new(cargo)
         .current_dir(manifest)
         .args([
             "build",
@@ -548,6 +544,133 @@ async fn killed_process_then_reconcile_charges_every_key_once() {
     let target = exe.parent().unwrap().parent().unwrap();
     let service_bin = target.join("examples").join("card_service");
     assert!(service_bin.exists(), "{}", service_bin.display());
+    service_bin
+}
+
+/// Starts the example as a process on `db` against `fake`, with `env` on top; returns it and
+/// its base URL (from its first line).
+#[cfg(all(unix, feature = "cli"))]
+fn spawn_example(
+    bin: &std::path::Path,
+    fake: &FakeStripe,
+    db: &str,
+    env: &[(&str, &str)],
+) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(bin)
+        .env("STRIPE_API_KEY", FakeStripe::API_KEY)
+        .env("STRIPE_API_BASE", fake.base_url())
+        .env("DATABASE_URL", db)
+        .env("LISTEN_ADDR", "127.0.0.1:0")
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .trim()
+        .strip_prefix("card_service listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned();
+    (child, base)
+}
+
+/// Two processes of the example on one database, waiting on: duplicates sent to the second
+/// wait (reading the key, as nothing in their process can wake them) while the first process
+/// charges; the first is killed with SIGKILL mid-charge. The waiters are told the outcome is
+/// unknown once its lease runs out (never a second charge, never a hang to their bound); after
+/// `idemflow reconcile --once`, a retry replays the one charge.
+#[cfg(all(unix, feature = "cli"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_in_a_second_process_outlive_the_first_killed_mid_charge() {
+    use std::process::Command;
+    let bin = example_bin();
+    let fake = FakeStripe::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("cards.db").display());
+    let env = [
+        ("IDEMFLOW_LEASE_SECS", "1"),
+        ("IDEMFLOW_WAIT_IN_FLIGHT_MS", "60000"),
+    ];
+    let (mut first, first_base) = spawn_example(&bin, &fake, &db, &env);
+    let (mut second, second_base) = spawn_example(&bin, &fake, &db, &env);
+    // The charge hangs at the processor until the process dies.
+    fake.faults().hang_next_response();
+    let c = client();
+    let charge = tokio::spawn({
+        let (c, base) = (c.clone(), first_base.clone());
+        async move { pay(&c, &base, "order-w", "acct_w", &card(700)).await }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while fake.ledger().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the first charge never reached Stripe"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let waiters: Vec<_> = (0..5)
+        .map(|_| {
+            let (c, base) = (c.clone(), second_base.clone());
+            tokio::spawn(async move { pay(&c, &base, "order-w", "acct_w", &card(700)).await })
+        })
+        .collect();
+    // Let them start waiting, then kill the charging process.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    first.kill().unwrap(); // SIGKILL
+    first.wait().unwrap();
+    assert!(
+        charge.await.unwrap().is_err(),
+        "the killed process answered nothing"
+    );
+    for w in waiters {
+        let a = w.await.unwrap().unwrap();
+        // Past the first's lease the key's outcome is unknown: 503, to come back later.
+        assert_eq!(a.status, 503, "{a:?}");
+        assert_eq!(
+            a.body["type"], "urn:idemflow:problem:outcome-unknown",
+            "{a:?}"
+        );
+    }
+    assert_eq!(fake.ledger().len(), 1, "one charge");
+    let config = dir.path().join("idemflow.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[providers]]\nkind = \"stripe\"\nbase_url = \"{}\"\napi_key_env = \"STRIPE_API_KEY\"\n",
+            fake.base_url()
+        ),
+    )
+    .unwrap();
+    let reconcile = Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["reconcile", "--once", "--config"])
+        .arg(&config)
+        .env("DATABASE_URL", &db)
+        .env("STRIPE_API_KEY", FakeStripe::API_KEY)
+        .output()
+        .unwrap();
+    assert_eq!(reconcile.status.code(), Some(0), "{reconcile:?}");
+    let a = pay(&c, &second_base, "order-w", "acct_w", &card(700))
+        .await
+        .unwrap();
+    assert!(a.status == 201 && a.replayed, "{a:?}");
+    assert_eq!(fake.ledger().len(), 1, "still one charge");
+    second.kill().unwrap();
+    second.wait().unwrap();
+}
+
+/// The example as a process: SIGKILL mid-load, restart, `idemflow reconcile --once`, retry all.
+#[cfg(all(unix, feature = "cli"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_process_then_reconcile_charges_every_key_once() {
+    use std::process::Command;
+
+    let service_bin = example_bin();
     let cli_bin = env!("CARGO_BIN_EXE_idemflow");
 
     let fake = FakeStripe::start().await.unwrap();
@@ -555,28 +678,7 @@ async fn killed_process_then_reconcile_charges_every_key_once() {
     let dir = tempfile::tempdir().unwrap();
     let db = format!("sqlite://{}", dir.path().join("cards.db").display());
 
-    let spawn = || {
-        let mut child = Command::new(&service_bin)
-            .env("STRIPE_API_KEY", FakeStripe::API_KEY)
-            .env("STRIPE_API_BASE", fake.base_url())
-            .env("DATABASE_URL", &db)
-            .env("LISTEN_ADDR", "127.0.0.1:0")
-            .env("IDEMFLOW_LEASE_SECS", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let base = line
-            .trim()
-            .strip_prefix("card_service listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_owned();
-        (child, base)
-    };
+    let spawn = || spawn_example(&service_bin, &fake, &db, &[("IDEMFLOW_LEASE_SECS", "1")]);
 
     // Lost responses and 5xx before execution, spread over the load; three 500s in a row make
     // one call exhaust the adapter's attempts (an unknown outcome: 503, left for the sweeper).
