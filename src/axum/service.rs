@@ -538,15 +538,35 @@ async fn masked_unstored(resp: Response, settings: &Settings) -> Response {
 
 /// A stored answer as an HTTP response.
 pub(super) fn to_http(stored: StoredResponse) -> Response {
-    let (status, headers, body) = stored.into_parts();
-    let mut resp = Response::new(Body::from(body));
-    *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    for (n, v) in headers {
-        if let (Ok(n), Ok(v)) = (HeaderName::try_from(n), HeaderValue::try_from(v)) {
-            resp.headers_mut().append(n, v);
+    stored.into_response()
+}
+
+/// A stored answer as the HTTP response it records: its status (500 if it is not a valid
+/// status), its headers (any that are not valid HTTP headers left out) and its body, byte for
+/// byte. What the layer sends for a replay, before it adds `Idempotent-Replayed: true`.
+///
+/// ```
+/// use axum::response::IntoResponse;
+/// use idemflow::StoredResponse;
+///
+/// let stored = StoredResponse::json(201, &serde_json::json!({"payment": "p-1"})).unwrap();
+/// let resp = stored.into_response();
+/// assert_eq!(resp.status(), 201);
+/// assert_eq!(resp.headers()["content-type"], "application/json");
+/// ```
+impl IntoResponse for StoredResponse {
+    fn into_response(self) -> Response {
+        let (status, headers, body) = self.into_parts();
+        let mut resp = Response::new(Body::from(body));
+        *resp.status_mut() =
+            StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        for (n, v) in headers {
+            if let (Ok(n), Ok(v)) = (HeaderName::try_from(n), HeaderValue::try_from(v)) {
+                resp.headers_mut().append(n, v);
+            }
         }
+        resp
     }
-    resp
 }
 
 /// The layer's answer to an executor error: [`Error::http_answer`] as problem details.

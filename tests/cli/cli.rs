@@ -887,3 +887,36 @@ async fn reconcile_serves_prometheus_metrics() {
         "{text}"
     );
 }
+
+/// `docs/operations.md` names every provider kind the reconciler knows, in its prose and in the
+/// configuration example's `kind` comment: a kind added to the code and not to the docs fails.
+#[test]
+fn the_operations_docs_name_every_provider_kind() {
+    let ops = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+        .unwrap();
+    let kinds = idemflow::provider::config::known_kinds();
+    assert_eq!(
+        kinds.len(),
+        6,
+        "feature cli brings every adapter: {kinds:?}"
+    );
+    let comment = ops
+        .lines()
+        .find(|l| l.starts_with("kind = ") && l.contains('#'))
+        .expect("the configuration example's `kind = ... # a | b` line");
+    for kind in kinds {
+        assert!(
+            ops.contains(&format!("\"{kind}\"")),
+            "docs/operations.md never names the provider kind \"{kind}\""
+        );
+        assert!(
+            comment
+                .split('#')
+                .nth(1)
+                .unwrap()
+                .split('|')
+                .any(|k| k.trim() == *kind),
+            "the `kind` comment of docs/operations.md lacks {kind}: {comment}"
+        );
+    }
+}
