@@ -39,5 +39,13 @@ mod mysql;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+// Issue 24's Redis Sentinel: typed errors, WAIT, and a failover under load.
+#[cfg(all(
+    feature = "redis",
+    feature = "conformance",
+    feature = "testkit",
+    feature = "http"
+))]
+mod redis_sentinel;
 #[cfg(feature = "sqlite")]
 mod sqlite;

@@ -44,6 +44,18 @@ mod sweeper_cluster {
     idemflow::sweeper_tests!(crate::support::redis::cluster);
 }
 
+/// Through Redis Sentinel (`IDEMFLOW_TEST_REDIS_SENTINEL_URL`), with `WAIT` for one replica
+/// after every claim and finish: the claim and finish scripts go out in one pipeline with their
+/// `WAIT`.
+mod sentinel {
+    idemflow::conformance_tests!(crate::support::redis::sentinel_waiting);
+}
+
+/// Through Redis Sentinel, without `WAIT`.
+mod sweeper_sentinel {
+    idemflow::sweeper_tests!(crate::support::redis::sentinel);
+}
+
 const LEASE: Duration = Duration::from_secs(30);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
