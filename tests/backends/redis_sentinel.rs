@@ -315,13 +315,78 @@ async fn config_get(port: u16, name: &str) -> String {
     v
 }
 
-/// Kills the primary of the `idemflow-failover` master with SIGKILL under load from three stores
-/// (no `WAIT`, `WAIT 1`, `WAIT 2`), restarts it as a replica of the promoted one, then counts,
-/// per store, the claims and finishes it had acknowledged that the new primary does not hold,
-/// and retries every key: a provider that dedupes by key (the fake Resend) has sent each email
-/// once.
+/// The failover tests share the `idemflow-failover` master: one at a time.
+static FAILOVER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Kills the primary with SIGKILL mid-load (see [`failover`]), the replicas keeping up as they
+/// do on loopback.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failover_under_load_loses_no_write_acknowledged_by_every_replica() {
+    failover(None).await;
+}
+
+/// The same with the replicas cut off: both stopped (SIGSTOP), their links dropped by the
+/// primary, which keeps answering for 300 ms (less than the sentinels'
+/// `down-after-milliseconds`), then the primary killed and the replicas resumed. What the
+/// primary acknowledged in those 300 ms is on no replica: without `WAIT` it is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failover_after_replication_lag_loses_no_write_acknowledged_by_every_replica() {
+    failover(Some(Duration::from_millis(300))).await;
+}
+
+/// Resumes stopped processes (SIGCONT) when dropped, also when the test fails.
+struct Stopped(Vec<String>);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            let _ = Command::new("kill").args(["-CONT", pid]).status();
+        }
+    }
+}
+
+/// The ports of the replicas the primary on `port` lists.
+async fn replica_ports(port: u16) -> Vec<u16> {
+    let info: String = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(&mut node(port).await)
+        .await
+        .unwrap();
+    info.lines()
+        .filter(|l| l.starts_with("slave"))
+        .filter_map(|l| {
+            l.split(',')
+                .find_map(|f| f.strip_prefix("port="))
+                .and_then(|p| p.parse().ok())
+        })
+        .collect()
+}
+
+/// How many replicas the primary on `port` lists as online (0 if it does not answer).
+async fn online_replicas(port: u16) -> usize {
+    let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}/")) else {
+        return 0;
+    };
+    let Ok(mut con) = client.get_multiplexed_async_connection().await else {
+        return 0;
+    };
+    let info: String = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(&mut con)
+        .await
+        .unwrap_or_default();
+    info.lines()
+        .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+        .count()
+}
+
+/// Kills the primary of the `idemflow-failover` master with SIGKILL under load from three stores
+/// (no `WAIT`, `WAIT 1`, `WAIT 2`), after stopping its replicas for `lag` if given, restarts it
+/// as a replica of the promoted one, then counts, per store, the claims and finishes it had
+/// acknowledged that the new primary does not hold, and retries every key: a provider that
+/// dedupes by key (the fake Resend) has sent each email once.
+async fn failover(lag: Option<Duration>) {
+    let _one_at_a_time = FAILOVER.lock().await;
     let Some(url) = backend_url(SENTINEL_FAILOVER_URL_VAR) else {
         return;
     };
@@ -399,6 +464,33 @@ async fn a_failover_under_load_loses_no_write_acknowledged_by_every_replica() {
         .iter()
         .map(|l| sentinel_of(&l.redis.connection()).connections())
         .collect();
+    let mut stopped = Stopped(Vec::new());
+    if let Some(lag) = lag {
+        for replica in replica_ports(old).await {
+            let pid = info_field(replica, "server", "process_id").await.unwrap();
+            assert!(
+                Command::new("kill")
+                    .args(["-STOP", &pid])
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+            stopped.0.push(pid);
+        }
+        assert_eq!(stopped.0.len(), 2, "the primary does not list two replicas");
+        // The primary drops its links to the stopped replicas (which cannot reconnect while
+        // stopped): what it acknowledges from now on reaches no replica, not even a socket
+        // buffer a resumed replica would still read.
+        let dropped: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("replica")
+            .query_async(&mut node(old).await)
+            .await
+            .unwrap();
+        assert_eq!(dropped, 2, "replica links dropped");
+        tokio::time::sleep(lag).await;
+    }
     let killed = Instant::now();
     assert!(
         Command::new("kill")
@@ -407,6 +499,7 @@ async fn a_failover_under_load_loses_no_write_acknowledged_by_every_replica() {
             .unwrap()
             .success()
     );
+    drop(stopped);
 
     // The sentinels promote a replica; start the killed node again as its replica, so that
     // `WAIT 2` can be met again and the set is whole for the next run.
@@ -462,6 +555,26 @@ async fn a_failover_under_load_loses_no_write_acknowledged_by_every_replica() {
         );
         assert_eq!(con.primary(), format!("127.0.0.1:{new}"), "{}", lane.name);
     }
+
+    // The killed node is back as a replica of the new primary, which lists two replicas
+    // online again (so `WAIT 2` can be met, and the set is whole for the next run).
+    until(
+        "the old primary back as a replica",
+        Duration::from_secs(30),
+        || async move {
+            info_field(old, "replication", "master_link_status")
+                .await
+                .as_deref()
+                == Some("up")
+        },
+    )
+    .await;
+    until(
+        "two replicas online",
+        Duration::from_secs(30),
+        || async move { online_replicas(new).await == 2 },
+    )
+    .await;
 
     // What the new primary lost of what each store had acknowledged.
     let mut figures = Vec::new();
@@ -522,8 +635,10 @@ async fn a_failover_under_load_loses_no_write_acknowledged_by_every_replica() {
                     Ok(_) => break,
                     Err(e) => {
                         assert!(Instant::now() < deadline, "{key}: no answer: {e}");
-                        if matches!(e, Error::OutcomeUnknown { .. }) {
-                            sweeper.run_once().await.unwrap();
+                        if matches!(e, Error::OutcomeUnknown { .. })
+                            && let Err(e) = sweeper.run_once().await
+                        {
+                            eprintln!("sweep failed, retrying: {e}");
                         }
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
@@ -560,21 +675,8 @@ async fn a_failover_under_load_loses_no_write_acknowledged_by_every_replica() {
         })
         .collect();
 
-    // The killed node is back as a replica of the new primary.
-    until(
-        "the old primary back as a replica",
-        Duration::from_secs(30),
-        || async move {
-            info_field(old, "replication", "master_link_status")
-                .await
-                .as_deref()
-                == Some("up")
-        },
-    )
-    .await;
-
     eprintln!(
-        "failover: primary 127.0.0.1:{old} killed, 127.0.0.1:{new} named after {promoted_after:?}; test took {:?}",
+        "failover (replicas stopped before the kill: {lag:?}): primary 127.0.0.1:{old} killed, 127.0.0.1:{new} named after {promoted_after:?}; test took {:?}",
         started.elapsed()
     );
     for ((name, claims, finishes, lost_claims, lost_finishes), (lane, (keys, extra))) in
