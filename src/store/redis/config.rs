@@ -410,3 +410,64 @@ impl RedisConfig {
         response_timeout(response_timeout: Duration);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sentinel_urls_parse_with_defaults_credentials_and_ipv6() {
+        let (s, wait) =
+            SentinelConfig::parse_url("redis+sentinel://app:p%40ss@[::1]:26380,h2/my%2Dmaster/3")
+                .unwrap();
+        assert_eq!(s.master, "my-master");
+        assert_eq!(
+            s.sentinels,
+            [
+                ("::1".to_owned(), 26380),
+                ("h2".to_owned(), DEFAULT_SENTINEL_PORT)
+            ]
+        );
+        assert_eq!(s.db, 3);
+        assert_eq!(s.username.as_deref(), Some("app"));
+        assert_eq!(s.password.as_deref(), Some("p@ss"));
+        assert_eq!(wait, None);
+        assert!(!format!("{s:?}").contains("p@ss"));
+        let (_, wait) =
+            SentinelConfig::parse_url("redis+sentinel://h/m?wait_replicas=2&wait_timeout_ms=250")
+                .unwrap();
+        assert_eq!(
+            wait,
+            Some(WaitReplicas {
+                replicas: 2,
+                timeout: Duration::from_millis(250)
+            })
+        );
+    }
+
+    #[test]
+    fn wait_parameters_are_split_from_the_others() {
+        let (wait, rest) = take_wait_params("protocol=resp3&wait_replicas=1").unwrap();
+        assert_eq!(
+            wait,
+            Some(WaitReplicas {
+                replicas: 1,
+                timeout: WaitReplicas::DEFAULT_TIMEOUT
+            })
+        );
+        assert_eq!(rest, ["protocol=resp3"]);
+        assert_eq!(take_wait_params("a=1").unwrap(), (None, vec!["a=1"]));
+        assert!(take_wait_params("wait_timeout_ms=10").is_err());
+        assert!(take_wait_params("wait_replicas=-1").is_err());
+        assert!(take_wait_params("wait_replicas=1&wait_timeout_ms=0").is_err());
+    }
+
+    #[test]
+    fn bad_addresses_are_refused() {
+        for bad in ["", ":1", "[::1", "[::1]x", "h:0", "h:70000", "h:x", "a b"] {
+            assert_eq!(host_port(bad), None, "{bad:?}");
+        }
+        assert_eq!(percent_decode("%4"), None);
+        assert_eq!(percent_decode("%ff"), None);
+    }
+}

@@ -628,7 +628,7 @@ impl RedisStore {
         mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        let (record, acked) = self.finish_unchecked(id, mode, finish).await?;
+        let (record, acked) = self.finish_unchecked(id, mode, finish, true).await?;
         match self.short(id, ReplicatedWrite::Finish, acked) {
             Some(e) => Err(e),
             None => Ok(record),
@@ -636,12 +636,13 @@ impl RedisStore {
     }
 
     /// [`finish_as`](Self::finish_as) without judging the replicas' acknowledgement: the
-    /// record, and how many replicas acknowledged (with `WAIT`).
+    /// record, and how many replicas acknowledged (with `WAIT`, and `wait`).
     async fn finish_unchecked(
         &self,
         id: &KeyId,
         mode: FinishMode,
         finish: &Finish,
+        wait: bool,
     ) -> Result<(KeyRecord, Option<u32>), StoreError> {
         check_finish(mode, finish.to)?;
         let m = member(id);
@@ -669,7 +670,11 @@ impl RedisStore {
             .arg(finish.actor.as_str())
             .arg(&finish.reason)
             .arg(opt(expect_arg.as_deref().map(str::as_bytes)));
-        let (reply, acked) = self.invoke_waited(&inv).await?;
+        let (reply, acked) = if wait {
+            self.invoke_waited(&inv).await?
+        } else {
+            (self.invoke(&inv).await?, None)
+        };
         let mut reply = array(reply)?;
         if text(reply.first()).as_deref() == Some("ok") && reply.len() == 2 {
             return Ok((record(id, reply.swap_remove(1))?, acked));
@@ -697,7 +702,8 @@ impl RedisStore {
             reason: why,
         };
         if let Err(e) = self
-            .finish_unchecked(id, FinishMode::Holder(lease.token), &finish)
+            // Without `WAIT`: the caller has waited once already.
+            .finish_unchecked(id, FinishMode::Holder(lease.token), &finish, false)
             .await
         {
             tracing::warn!(scope = %id.scope, key = %id.key, error = %e, "could not give back an unreplicated claim; it stays processing until its lease ends");
