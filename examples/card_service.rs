@@ -19,8 +19,12 @@
 //! * `IDEMFLOW_LEASE_SECS` (default: the library's [`ExecutorConfig::lease`], 6 s, renewed every
 //!   third of it, 2 s, while a charge runs): how long a key orphaned by a crash stays held before
 //!   the sweeper may settle it.
+//! * `IDEMFLOW_WAIT_IN_FLIGHT_MS` (default unset: off): how long a duplicate that arrives while
+//!   the first request with its key is charging waits for that charge's answer (then answered
+//!   as a replay) instead of getting 409 at once ([`Idempotency::wait_in_flight`]).
 //!
 //! [`ExecutorConfig::lease`]: idemflow::ExecutorConfig::lease
+//! [`Idempotency::wait_in_flight`]: idemflow::Idempotency::wait_in_flight
 //!
 //! Answers: 201 `{"payment_id", "provider_id", "status", "amount", "currency"}`; 402 with the
 //! decline (stored and replayed); 400 naming the invalid field (not stored: fix the body and
@@ -62,6 +66,8 @@ pub struct Settings {
     pub stripe_key: String,
     /// The key lease (`None`: the library's default, [`idemflow::ExecutorConfig::lease`]).
     pub lease: Option<Duration>,
+    /// How long a duplicate waits for the first request's answer (`None`: 409 at once).
+    pub wait_in_flight: Option<Duration>,
 }
 
 impl Settings {
@@ -82,6 +88,16 @@ impl Settings {
                     ))?,
             )),
         };
+        let wait_in_flight = match var("IDEMFLOW_WAIT_IN_FLIGHT_MS") {
+            None => None,
+            Some(v) => Some(Duration::from_millis(v.trim().parse::<u64>().map_err(
+                |_| {
+                    format!(
+                        "IDEMFLOW_WAIT_IN_FLIGHT_MS={v:?} is not a whole number of milliseconds"
+                    )
+                },
+            )?)),
+        };
         Ok(Self {
             database_url: var("DATABASE_URL").unwrap_or_else(|| "sqlite://card_service.db".into()),
             listen_addr: var("LISTEN_ADDR").unwrap_or_else(|| "127.0.0.1:3000".into()),
@@ -89,6 +105,7 @@ impl Settings {
                 .unwrap_or_else(|| idemflow::provider::stripe::DEFAULT_BASE_URL.into()),
             stripe_key,
             lease,
+            wait_in_flight,
         })
     }
 }
@@ -113,6 +130,7 @@ pub fn with_store(
     if let Some(lease) = settings.lease {
         idem = idem.lease(lease);
     }
+    idem = idem.wait_in_flight(settings.wait_in_flight);
     let stripe = Stripe::with_base_url(&settings.stripe_base, settings.stripe_key.clone())?;
     Ok((idem, Arc::new(stripe)))
 }

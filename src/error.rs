@@ -138,6 +138,20 @@ impl StoreError {
             source: source.into(),
         }
     }
+
+    /// Whether the store could not be reached or could not write right now: the server down or
+    /// restarting, the connection lost or refused, the pool exhausted, a SQLite file that is
+    /// read-only, full or locked. Retrying later may succeed. The call that failed may still
+    /// have been applied (a connection lost after its commit was sent); the key's fencing and
+    /// the sweeper keep either case safe. The HTTP layer answers it 503 `store-unavailable`
+    /// (`docs/http.md`, "When the store is down").
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            StoreError::Connect { .. } => true,
+            StoreError::Database { source, .. } => crate::store::outage::is_outage(&**source),
+            _ => false,
+        }
+    }
 }
 
 /// A request that breaks a rule, found before anything touches the store: its key, scope or
@@ -412,6 +426,9 @@ impl HttpAnswer {
 
 /// The wait given when the error itself names none but a retry soon is the right move.
 const RETRY_SOON: Duration = Duration::from_secs(1);
+/// `Retry-After` when the store cannot be reached: long enough for a restart or a failover to
+/// begin, short enough that clients come back soon after.
+const STORE_DOWN_RETRY: Duration = Duration::from_secs(2);
 
 impl RequestError {
     /// The HTTP answer to this refusal: 400 with the rule broken, or 413 for a request too large
@@ -492,6 +509,12 @@ impl Error {
                 Some(RETRY_SOON),
                 "store-not-replicated",
                 "The idempotency store could not confirm the write on its replicas; retry with the same key",
+            ),
+            Error::Store(e) if e.is_unavailable() => (
+                503,
+                Some(STORE_DOWN_RETRY),
+                "store-unavailable",
+                "The idempotency store cannot be reached; retry later with the same key",
             ),
             Error::Store(_) => (500, None, "store-error", "Idempotency store error"),
             Error::StepChanged { .. } | Error::WorkflowExpired { .. } => (

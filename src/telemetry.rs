@@ -38,6 +38,19 @@ metrics_table! {
     /// Counter: requests refused because the first one is still running.
     IN_FLIGHT = "idemflow_in_flight_total", counter,
         "Requests refused: the first one is still running";
+    /// Counter: duplicates that waited for their first request's answer
+    /// ([`Idempotency::wait_in_flight`](crate::Idempotency::wait_in_flight)), by how the wait
+    /// ended (`result`: `replayed`, `ran`, `timed_out`, `refused`, `other`, `cancelled`).
+    IN_FLIGHT_WAITS = "idemflow_in_flight_waits_total", counter,
+        "Duplicates that waited for the first request's answer, by how the wait ended";
+    /// Counter: requests whose key could not be handled because of a store error (`kind`:
+    /// `unavailable` for an outage, `other`).
+    STORE_ERRORS = "idemflow_store_errors_total", counter,
+        "Requests that met a store error, by kind (unavailable, other)";
+    /// Counter: requests the HTTP layer ran without idempotency protection (`reason`:
+    /// `store_unavailable`, with `StoreDown::RunUnprotected`).
+    UNPROTECTED = "idemflow_unprotected_requests_total", counter,
+        "Requests run without idempotency protection, by reason";
     /// Counter: requests refused because the key was first used with another request.
     FINGERPRINT_MISMATCHES = "idemflow_fingerprint_mismatches_total", counter,
         "Requests refused: key reused with another request";
@@ -84,6 +97,23 @@ pub(crate) fn replay(operation: &str) {
 
 pub(crate) fn in_flight(operation: &str) {
     metrics::counter!(IN_FLIGHT, "operation" => operation.to_owned()).increment(1);
+}
+
+pub(crate) fn in_flight_wait(operation: &str, result: &'static str) {
+    metrics::counter!(IN_FLIGHT_WAITS, "operation" => operation.to_owned(), "result" => result)
+        .increment(1);
+}
+
+pub(crate) fn store_error(operation: &str, unavailable: bool) {
+    let kind = if unavailable { "unavailable" } else { "other" };
+    metrics::counter!(STORE_ERRORS, "operation" => operation.to_owned(), "kind" => kind)
+        .increment(1);
+}
+
+#[cfg(feature = "axum")]
+pub(crate) fn unprotected(operation: &str, reason: &'static str) {
+    metrics::counter!(UNPROTECTED, "operation" => operation.to_owned(), "reason" => reason)
+        .increment(1);
 }
 
 pub(crate) fn fingerprint_mismatch(operation: &str) {

@@ -33,13 +33,14 @@
 //! | scope cannot be derived                                | whatever the [`ScopeSource`] answers (header: 400 `scope-missing`; sent twice: 400 `scope-invalid`) |
 //! | body larger than the cap                               | 413 `body-too-large`                     |
 //! | same key, other method / path / query / body           | 422 `key-reused`                         |
-//! | first request with the key still running               | 409 `request-in-flight` + `Retry-After`  |
+//! | first request with the key still running               | 409 `request-in-flight` + `Retry-After`; with [`IdempotencyLayer::wait_in_flight`], its stored answer once it is done (a replay), 409 past the bound |
 //! | handler answers 1xx-4xx                                | that answer, stored (2xx/3xx `done`, 4xx `failed{permanent}`) |
 //! | handler answers 5xx                                    | that answer (+ `Retry-After`), not stored; key left `processing` for the sweeper |
 //! | handler marks its answer [`NothingHappened`]                 | that answer, not stored; key `failed{retryable}`, the next retry runs it |
 //! | retry after a stored answer                            | the stored status, headers, body + `Idempotent-Replayed: true` |
 //! | retry while the outcome is unknown                     | 503 `outcome-unknown` + `Retry-After`    |
-//! | the store fails                                        | 500 `store-error`                        |
+//! | the store cannot be reached                            | 503 `store-unavailable` + `Retry-After` (or, with [`StoreDown::RunUnprotected`], the handler's answer + `Idempotency-Unprotected`) |
+//! | the store fails otherwise                              | 500 `store-error`                        |
 //!
 //! Every answer the layer makes itself is `application/problem+json` ([`Problem`]). The inner
 //! service's own errors pass through unchanged (`Error = S::Error`); the key is then left for
@@ -63,6 +64,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::http::request::Parts;
@@ -87,6 +89,28 @@ pub use service::IdempotencyService;
 
 /// The header a replayed answer carries: `Idempotent-Replayed: true`.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+/// The header on an answer made without idempotency protection
+/// ([`StoreDown::RunUnprotected`]): `Idempotency-Unprotected: store-unavailable`.
+pub const UNPROTECTED_HEADER: &str = "idempotency-unprotected";
+
+/// What the layer does when the idempotency store cannot be reached before the handler runs
+/// ([`StoreError::is_unavailable`](crate::StoreError::is_unavailable)). See `docs/http.md`,
+/// "When the store is down".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum StoreDown {
+    /// Answer 503 `store-unavailable` + `Retry-After`; the handler does not run, nothing is sent
+    /// anywhere. Safe: the cost is visible downtime. The default.
+    #[default]
+    Refuse,
+    /// Run the handler **without protection**: a retry of the same request may act again. Only
+    /// for effects a duplicate cannot hurt. Every such request is logged at `warn`, counted in
+    /// `idemflow_unprotected_requests_total`, and its answer carries
+    /// `Idempotency-Unprotected: store-unavailable`. A store that fails after the handler ran
+    /// (its answer not stored) is never a reason to run it again.
+    RunUnprotected,
+}
 
 /// The default key header, `Idempotency-Key`.
 pub const KEY_HEADER: &str = "idempotency-key";
@@ -118,6 +142,7 @@ pub(crate) struct Settings {
     pub(crate) secret_fields: Vec<String>,
     pub(crate) stored_request: Option<StoredRequestFn>,
     pub(crate) replay: Option<ReplayFn>,
+    pub(crate) store_down: StoreDown,
 }
 
 /// A tower [`Layer`](tower::Layer) making the protected methods of the services it wraps
@@ -176,6 +201,7 @@ impl IdempotencyLayer {
                 secret_fields: Vec::new(),
                 stored_request: None,
                 replay: None,
+                store_down: StoreDown::Refuse,
             }),
         }
     }
@@ -264,6 +290,23 @@ impl IdempotencyLayer {
             s.provider = Some(name);
             s.secret_fields = secrets;
         })
+    }
+
+    /// How long a duplicate waits for the running first request's answer before it gets 409
+    /// `request-in-flight` (`None` or zero: 409 at once). A duplicate that waits is answered the
+    /// stored answer with `Idempotent-Replayed: true`, byte for byte what a later retry gets.
+    /// Default: the executor's [`wait_in_flight`](Idempotency::wait_in_flight) (off unless set
+    /// there); this sets it for this layer's routes only. See `docs/http.md`, "Waiting for the
+    /// first answer".
+    pub fn wait_in_flight(self, bound: Option<Duration>) -> Self {
+        self.set(|s| s.idem = s.idem.clone().wait_in_flight(bound))
+    }
+
+    /// What to do when the store cannot be reached before the handler runs. Default
+    /// [`StoreDown::Refuse`] (503); [`StoreDown::RunUnprotected`] runs the handler without
+    /// protection, loudly. Set it per route by layering routes separately.
+    pub fn when_store_down(self, policy: StoreDown) -> Self {
+        self.set(|s| s.store_down = policy)
     }
 
     /// Builds the request stored with the key (and given to the handler as

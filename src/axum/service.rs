@@ -19,7 +19,7 @@ use tracing::Instrument;
 
 use super::context::{IdempotencyContext, NothingHappened};
 use super::problem::{Problem, retry_after_value};
-use super::{REPLAYED_HEADER, Settings, parse_key_header};
+use super::{REPLAYED_HEADER, Settings, StoreDown, UNPROTECTED_HEADER, parse_key_header};
 use crate::fingerprint::{Fingerprint, JsonError, canonical_json, hex, parse_json};
 use crate::{Error, Execution, IdempotentRequest, KeyId, Outcome, RequestError, StoredResponse};
 
@@ -124,6 +124,10 @@ where
         Err(NotRun::Answer(resp)) => return Ok(resp),
     };
 
+    // Kept for a pass-through when the store is down (`StoreDown::RunUnprotected`); a clone
+    // of `Bytes` shares the buffer.
+    let unprotected_body =
+        (settings.store_down == StoreDown::RunUnprotected).then(|| bytes.clone());
     let mut parts_slot = Some(parts);
     let mut produced: Option<Produced<S::Error>> = None;
     let stored_headers = &settings.stored_headers;
@@ -202,6 +206,31 @@ where
             .await
     };
 
+    let store_down = match (&result, &produced) {
+        (Err(Error::Store(e)), None) if e.is_unavailable() => Some(e.to_string()),
+        _ => None,
+    };
+    if let (Some(error), Some(body)) = (store_down, unprotected_body)
+        && let Some(parts) = parts_slot.take()
+    {
+        // The handler never ran (its request head is still here): run it unprotected, loudly.
+        let operation = operation_name(&settings, &parts);
+        tracing::warn!(
+            %error,
+            operation = %operation,
+            "idempotency store unavailable: running the handler WITHOUT idempotency protection \
+             (StoreDown::RunUnprotected); a retry of this request may act again"
+        );
+        crate::telemetry::unprotected(&operation, "store_unavailable");
+        let mut resp = inner
+            .call(Request::from_parts(parts, Body::from(body)))
+            .await?;
+        resp.headers_mut().insert(
+            HeaderName::from_static(UNPROTECTED_HEADER),
+            HeaderValue::from_static("store-unavailable"),
+        );
+        return Ok(resp);
+    }
     respond(result, produced, parts_slot.as_ref(), &settings).await
 }
 

@@ -1,9 +1,10 @@
 //! The conformance suites, exported so that a store written outside this crate can prove it
 //! keeps every promise the built-in stores keep (feature `conformance`).
 //!
-//! Two suites, each written once against `Arc<dyn Store>`:
+//! The suites, each written once against `Arc<dyn Store>`:
 //! - [`store`]: every store-level promise (claims, fencing, leases, stale keys, purge, history,
-//!   limits, stats), run through [`conformance_tests!`](crate::conformance_tests);
+//!   limits, stats), and [`waiting`]: duplicates waiting for the first answer through the
+//!   executor, both run through [`conformance_tests!`](crate::conformance_tests);
 //! - [`sweeper`]: every recovery promise (the crash points settled by the sweeper against a
 //!   [`FakeProvider`]), and [`workflow`]: every promise of workflow steps, both run through
 //!   [`sweeper_tests!`](crate::sweeper_tests).
@@ -57,6 +58,7 @@ pub mod fake;
 mod faulty;
 pub mod store;
 pub mod sweeper;
+pub mod waiting;
 pub mod workflow;
 
 use std::future::Future;
@@ -68,6 +70,7 @@ pub use delegate::Delegate;
 pub use fake::FakeProvider;
 pub use faulty::FaultyStore;
 pub use store::{race_claims_across, sweepers_take_each_key_once_across};
+pub use waiting::waiting_across_stores;
 
 use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, TakeStale};
 use crate::{
@@ -207,6 +210,14 @@ macro_rules! conformance_tests {
             provider_changes_only_while_no_attempt_may_have_acted,
             a_re_created_key_gets_its_own_provider_key,
             attempt_history_follows_every_write
+        );
+        $crate::conformance_tests!(@each $factory, waiting;
+            duplicates_wait_for_the_first_answer,
+            a_waiter_runs_the_request_when_the_first_did_nothing,
+            waiting_ends_at_its_bound_with_in_flight,
+            waiters_over_the_limit_are_refused_at_once,
+            a_waiter_whose_caller_leaves_frees_its_place,
+            thousand_waiting_duplicates_run_the_body_once
         );
     };
     (@each $factory:path, $suite:ident; $($name:ident),* $(,)?) => {

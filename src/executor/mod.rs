@@ -20,6 +20,7 @@ mod outcome;
 mod provider_call;
 mod request;
 mod settle;
+mod wait;
 
 use crate::Outcome;
 pub use outcome::{Context, Execution};
@@ -65,6 +66,16 @@ pub struct ExecutorConfig {
     pub retry_takeover_window: Option<Duration>,
     /// `Retry-After` given to a duplicate whose first request is still running. Default 1 s.
     pub in_flight_retry_after: Duration,
+    /// How long a duplicate whose first request is still running waits for that request's
+    /// answer before it is refused with [`Error::InFlight`]. Default `None`: refused at once.
+    /// A waiter gets the stored answer as a replay; it holds no connection and no lease while
+    /// it waits, is woken at once by a finish written in this process and reads the key again
+    /// after a backoff (10 ms doubling to 250 ms, jittered) otherwise (`docs/http.md`,
+    /// "Waiting for the first answer").
+    pub wait_in_flight: Option<Duration>,
+    /// Most duplicates waiting at once in this executor and its clones; the excess are refused
+    /// at once. Default 1,000.
+    pub max_in_flight_waiters: usize,
     /// `Retry-After` given when the outcome is unknown. Default 5 s.
     pub unknown_retry_after: Duration,
     /// Applied to every response before it is stored (and so to what every caller, the first
@@ -124,6 +135,8 @@ impl ExecutorConfig {
             stored_headers: Some(vec!["content-type".to_owned(), "location".to_owned()]),
             retry_takeover_window: None,
             in_flight_retry_after: Duration::from_secs(1),
+            wait_in_flight: None,
+            max_in_flight_waiters: 1000,
             unknown_retry_after: Duration::from_secs(5),
             redact: None,
         }
@@ -159,6 +172,8 @@ impl ExecutorConfig {
 pub struct Idempotency {
     store: Arc<dyn Store>,
     config: Arc<ExecutorConfig>,
+    /// Duplicates waiting for an in-flight answer, shared by the clones.
+    waiters: Arc<wait::WaiterCount>,
 }
 
 impl Idempotency {
@@ -168,6 +183,7 @@ impl Idempotency {
         Self {
             store,
             config: Arc::new(ExecutorConfig::defaults()),
+            waiters: Arc::default(),
         }
     }
 
@@ -223,6 +239,31 @@ impl Idempotency {
     /// ([`ExecutorConfig::in_flight_retry_after`]).
     pub fn in_flight_retry_after(self, after: Duration) -> Self {
         self.set(|c| c.in_flight_retry_after = after)
+    }
+
+    /// Lets a duplicate whose first request is still running wait up to `bound` for that
+    /// request's answer, instead of being refused at once ([`ExecutorConfig::wait_in_flight`];
+    /// `None` or zero: no waiting, the default).
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # fn store() -> Arc<dyn idemflow::Store> { unimplemented!() }
+    /// # fn _f() {
+    /// let idem = idemflow::Idempotency::new(store()).wait_in_flight(Some(Duration::from_secs(2)));
+    /// # }
+    /// ```
+    pub fn wait_in_flight(self, bound: Option<Duration>) -> Self {
+        self.set(|c| c.wait_in_flight = bound)
+    }
+
+    /// Sets how many duplicates may wait at once ([`ExecutorConfig::max_in_flight_waiters`]).
+    pub fn max_in_flight_waiters(self, max: usize) -> Self {
+        self.set(|c| c.max_in_flight_waiters = max)
+    }
+
+    /// Duplicates waiting for an in-flight answer now, in this executor and its clones.
+    pub fn in_flight_waiters(&self) -> usize {
+        self.waiters.now()
     }
 
     /// Sets the `Retry-After` given while an outcome is unknown
@@ -306,17 +347,44 @@ impl Idempotency {
                 .into());
             }
             let claim = self.new_claim(&request);
-            // Sent before the claim: the lease the database grants runs at least `lease` from
-            // here.
-            let asked = tokio::time::Instant::now();
-            let claimed =
-                crate::telemetry::timed(self.store.backend(), "claim", self.store.claim(&claim))
-                    .await?;
-            let lease = match claimed {
-                ClaimOutcome::Existing { record, now } => {
-                    return self.existing(&request, *record, now);
+            let id = request.id.clone();
+            let mut wait = wait::InFlightWait::new(
+                &self.store,
+                &id,
+                &operation,
+                cfg.wait_in_flight,
+                cfg.max_in_flight_waiters,
+                &self.waiters,
+            );
+            // A duplicate of a running request reads the key again after each wait until it
+            // gets an answer, runs the request itself, or is refused (`wait.rs`).
+            let (lease, asked) = loop {
+                // Sent before the claim: the lease the database grants runs at least `lease`
+                // from here.
+                let asked = tokio::time::Instant::now();
+                let claimed = crate::telemetry::timed(
+                    self.store.backend(),
+                    "claim",
+                    self.store.claim(&claim),
+                )
+                .await;
+                let answer = match claimed {
+                    Ok(ClaimOutcome::Claimed(lease)) => {
+                        wait.finish(&Ok(()), true);
+                        break (lease, asked);
+                    }
+                    Ok(ClaimOutcome::Existing { record, now }) => {
+                        self.existing(&request, *record, now)
+                    }
+                    Err(e) => Err(e.into()),
+                };
+                match answer {
+                    Err(e @ Error::InFlight { .. }) => wait.again(e).await?,
+                    answer => {
+                        wait.finish(&answer, false);
+                        return answer;
+                    }
                 }
-                ClaimOutcome::Claimed(lease) => lease,
             };
             crate::telemetry::claim(&request.operation, lease.transition);
             let (_, stored) = self.run_claimed(request, lease, asked, op).await?;
@@ -388,6 +456,25 @@ impl Idempotency {
     /// resumer), renewing it while `op` runs, and stores the outcome. Returns the state the key
     /// was finished in and its stored response.
     pub(crate) async fn run_claimed<F, Fut>(
+        &self,
+        request: IdempotentRequest,
+        lease: Lease,
+        asked: tokio::time::Instant,
+        op: F,
+    ) -> Result<(KeyState, StoredResponse), Error>
+    where
+        F: FnOnce(Context) -> Fut,
+        Fut: Future<Output = Outcome>,
+    {
+        let id = request.id.clone();
+        let result = self.run_and_store(request, lease, asked, op).await;
+        // Whatever was written (an answer, a failure, a release), this process's duplicates
+        // waiting on the key read it now.
+        wait::wake(&self.store, &id);
+        result
+    }
+
+    async fn run_and_store<F, Fut>(
         &self,
         request: IdempotentRequest,
         lease: Lease,
@@ -689,6 +776,7 @@ pub(crate) fn record_result(operation: &str, result: &Result<Execution, Error>, 
         Err(Error::InFlight { .. }) => t::in_flight(operation),
         Err(Error::FingerprintMismatch { .. }) => t::fingerprint_mismatch(operation),
         Err(Error::LeaseLost(_)) => t::lease_lost("worker"),
+        Err(Error::Store(e)) => t::store_error(operation, e.is_unavailable()),
         Err(_) => {}
     }
 }

@@ -37,6 +37,7 @@ pub mod kit;
     feature = "redis"
 ))]
 pub(crate) mod known_keys;
+pub(crate) mod outage;
 pub mod phase;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod pool;

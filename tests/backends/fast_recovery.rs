@@ -650,6 +650,7 @@ pub async fn run(backend: Backend) {
         stripe_key: FakeStripe::API_KEY.into(),
         // IDEMFLOW_LEASE_SECS unset: the library's default lease.
         lease: None,
+        wait_in_flight: None,
     };
     let lease = settings
         .lease

@@ -74,6 +74,19 @@ async fn racing_claims_from_two_connection_managers_have_one_winner() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_through_another_connection_manager_wait_for_the_first_answer() {
+    let Some(a) = store_with(|c| c).await else {
+        return;
+    };
+    let url = backend_url(URL_VAR).unwrap();
+    let b = RedisStore::connect_with_prefix(&url, a.prefix())
+        .await
+        .unwrap();
+    let (a, b): (Arc<dyn Store>, Arc<dyn Store>) = (Arc::new(a), Arc::new(b));
+    conformance::waiting_across_stores(&[a, b]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_write_with_a_superseded_token_is_fenced() {
     let Some(store) = store_with(|c| c).await else {
         return;

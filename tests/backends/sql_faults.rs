@@ -1,6 +1,7 @@
 //! Faults every SQL backend must survive, written once and run on PostgreSQL and MariaDB through
-//! [`sql_fault_tests!`]: two app instances (two pools) racing for one key, the connection of a
-//! write killed mid-transaction, and sharing a database with the host app's migrations.
+//! [`sql_fault_tests!`]: two app instances (two pools) racing for one key or waiting for each
+//! other's answer, the connection of a write killed mid-transaction, and sharing a database
+//! with the host app's migrations.
 //!
 //! A backend provides the few statements that differ ([`SqlDatabase`]); the story and every
 //! assertion live here.
@@ -52,6 +53,7 @@ macro_rules! sql_fault_tests {
     ($db:ty) => {
         $crate::sql_faults::sql_fault_tests!(@each $db;
             two_pools_race_500_claims_of_one_key,
+            duplicates_through_another_pool_wait_for_the_first_answer,
             killed_connection_mid_transaction_leaves_old_state_and_retry_succeeds,
             app_migrations_and_idemflow_migrations_share_a_database
         );
@@ -76,6 +78,18 @@ pub async fn two_pools_race_500_claims_of_one_key<D: SqlDatabase>() {
     let b = db.store(5).await;
     let stores: [Arc<dyn Store>; 2] = [Arc::new(a), Arc::new(b)];
     conformance::race_claims_across(&stores, 500).await;
+    db.drop().await;
+}
+
+pub async fn duplicates_through_another_pool_wait_for_the_first_answer<D: SqlDatabase>() {
+    let Some(db) = D::fresh().await else {
+        return;
+    };
+    let a = db.store(5).await;
+    a.migrate().await.unwrap();
+    let b = db.store(5).await;
+    let stores: [Arc<dyn Store>; 2] = [Arc::new(a), Arc::new(b)];
+    conformance::waiting_across_stores(&stores).await;
     db.drop().await;
 }
 

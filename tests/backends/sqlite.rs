@@ -33,3 +33,17 @@ mod sweeper_memory {
 mod sweeper_file {
     idemflow::sweeper_tests!(super::file_store);
 }
+
+/// Two stores on one WAL file (two processes' worth of connections): duplicates through the
+/// second wait for the first's answer, which nothing wakes them for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_across_two_stores_on_one_file() {
+    use idemflow::store::sqlite::SqliteStore;
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("t.db").display());
+    let a = SqliteStore::connect(&url).await.unwrap();
+    a.migrate().await.unwrap();
+    let b = SqliteStore::connect(&url).await.unwrap();
+    let stores: [Arc<dyn Store>; 2] = [Arc::new(a), Arc::new(b)];
+    idemflow::conformance::waiting_across_stores(&stores).await;
+}

@@ -19,12 +19,17 @@ use serde_json::{Value, json};
 
 struct Service {
     base: String,
+    idem: idemflow::Idempotency,
     store: Arc<dyn Store>,
     stripe: Arc<Stripe>,
     _dir: tempfile::TempDir,
 }
 
 async fn start(fake: &FakeStripe, lease: Duration) -> Service {
+    start_with(fake, lease, None).await
+}
+
+async fn start_with(fake: &FakeStripe, lease: Duration, wait: Option<Duration>) -> Service {
     let dir = tempfile::tempdir().unwrap();
     let settings = example::Settings {
         database_url: format!("sqlite://{}", dir.path().join("cards.db").display()),
@@ -32,15 +37,17 @@ async fn start(fake: &FakeStripe, lease: Duration) -> Service {
         stripe_base: fake.base_url().to_owned(),
         stripe_key: FakeStripe::API_KEY.into(),
         lease: Some(lease),
+        wait_in_flight: wait,
     };
     let (idem, stripe) = example::connect(&settings).await.unwrap();
     let store = idem.store().clone();
-    let app = example::router(idem, stripe.clone());
+    let app = example::router(idem.clone(), stripe.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
     Service {
         base,
+        idem,
         store,
         stripe,
         _dir: dir,
@@ -172,6 +179,83 @@ async fn hundred_requests_ten_at_a_time_one_key_one_charge() {
         conflicts.load(Ordering::SeqCst) > 0,
         "the duplicates really overlapped"
     );
+}
+
+/// The second seed article's own check, `hey -n 100 -c 10 -m POST -H 'Idempotency-Key:
+/// "same-uuid"' ...`, against a card processor taking ~200 ms: 100 requests, 10 at a time, no
+/// client retries. Every answer is `(status, payment id)`.
+async fn seed_check(svc: &Service, key_header: &str) -> Vec<(u16, Option<String>)> {
+    let client = client();
+    let sem = Arc::new(tokio::sync::Semaphore::new(10));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..100 {
+        let (client, base, sem, key) = (
+            client.clone(),
+            svc.base.clone(),
+            sem.clone(),
+            key_header.to_owned(),
+        );
+        tasks.spawn(async move {
+            let _permit = sem.acquire_owned().await.unwrap();
+            let a = pay(&client, &base, &key, "acct_seed", &card(4200))
+                .await
+                .unwrap();
+            let id = a.body["payment_id"].as_str().map(str::to_owned);
+            (a.status, id)
+        });
+    }
+    let mut answers = Vec::new();
+    while let Some(a) = tasks.join_next().await {
+        answers.push(a.unwrap());
+    }
+    answers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_check_with_waiting_every_answer_is_201_with_one_payment_id() {
+    let fake = FakeStripe::start().await.unwrap();
+    fake.faults().set_latency(Duration::from_millis(200));
+    // The bound is generous: on a loaded machine the first charge may take seconds.
+    let svc = start_with(
+        &fake,
+        Duration::from_secs(30),
+        Some(Duration::from_secs(20)),
+    )
+    .await;
+    let answers = seed_check(&svc, r#""same-uuid""#).await;
+    let statuses: std::collections::BTreeMap<u16, usize> =
+        answers.iter().fold(Default::default(), |mut m, (s, _)| {
+            *m.entry(*s).or_default() += 1;
+            m
+        });
+    eprintln!("with waiting: {statuses:?}");
+    assert_eq!(statuses.get(&201), Some(&100), "{statuses:?}");
+    let ids: std::collections::BTreeSet<_> = answers.iter().map(|(_, id)| id.clone()).collect();
+    assert_eq!(ids.len(), 1, "one payment id: {ids:?}");
+    assert!(ids.iter().all(Option::is_some), "{ids:?}");
+    assert_eq!(fake.ledger().len(), 1, "exactly one charge");
+    assert_eq!(svc_waiters(&svc), 0, "no waiter left behind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_check_without_waiting_gives_201s_with_one_payment_id_and_409s() {
+    let fake = FakeStripe::start().await.unwrap();
+    fake.faults().set_latency(Duration::from_millis(200));
+    let svc = start(&fake, Duration::from_secs(30)).await;
+    // The seed's own bare key: accepted as the quoted one is.
+    let answers = seed_check(&svc, "same-uuid").await;
+    let ok: Vec<_> = answers.iter().filter(|(s, _)| *s == 201).collect();
+    let conflicts = answers.iter().filter(|(s, _)| *s == 409).count();
+    eprintln!("without waiting: {} x 201, {conflicts} x 409", ok.len());
+    assert_eq!(ok.len() + conflicts, 100, "only 201 and 409: {answers:?}");
+    assert!(conflicts > 0, "the duplicates overlapped the 200 ms charge");
+    let ids: std::collections::BTreeSet<_> = ok.iter().map(|(_, id)| id.clone()).collect();
+    assert_eq!(ids.len(), 1, "one payment id: {ids:?}");
+    assert_eq!(fake.ledger().len(), 1, "exactly one charge");
+}
+
+fn svc_waiters(svc: &Service) -> usize {
+    svc.idem.in_flight_waiters()
 }
 
 #[tokio::test]

@@ -14,6 +14,10 @@
 //! as a one-commit receiver (`--exact webhook_kill::child_serves_a_one_commit_receiver`) and
 //! kills it with SIGKILL inside an effect's transaction.
 //!
+//! `store_down` takes the store away under the layer (a TCP proxy in front of PostgreSQL, MariaDB
+//! and Redis, stopped and started; a SQLite file's write lock held by another connection) and
+//! checks the 503, the opt-in pass-through and the recovery.
+//!
 //! The target requires features `axum` and `sqlite`. Needs no environment and no server: SQLite
 //! files in temporary directories.
 
@@ -28,6 +32,7 @@ mod checkout_service;
 #[cfg(all(feature = "http", feature = "testkit"))]
 mod email_service;
 mod http_layer;
+mod store_down;
 #[cfg(all(feature = "http", feature = "testkit"))]
 mod webhook_kill;
 #[cfg(all(feature = "http", feature = "testkit"))]

@@ -13,6 +13,7 @@ pub mod charger;
 pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+pub mod proxy;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "sqlite")]

@@ -1,0 +1,301 @@
+//! The waiting suite: duplicates that wait for their first request's answer
+//! ([`Idempotency::wait_in_flight`]), through the executor, on any store.
+//!
+//! The first request's body is held open by a gate the test opens once every duplicate is seen
+//! waiting ([`Idempotency::in_flight_waiters`]), so no check depends on how fast the machine
+//! is. [`waiting_across_stores`] runs the duplicates through a second store object (another
+//! connection or pool), which nothing in this process wakes: what another process sees.
+
+// Each suite function's name is the promise it checks.
+#![allow(missing_docs)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use super::unique;
+use crate::{Error, Execution, Idempotency, IdempotentRequest, Outcome, Store, StoredResponse};
+
+/// Long enough never to be reached by a duplicate that is woken or polls.
+const BOUND: Duration = Duration::from_secs(60);
+/// How long the suite waits for a condition it expects (generous: loaded machines).
+const PATIENCE: Duration = Duration::from_secs(60);
+
+fn request(scope: &str) -> IdempotentRequest {
+    IdempotentRequest::new(
+        scope,
+        "pay-1",
+        "payments.create",
+        &serde_json::json!({"amount": 4200}),
+    )
+    .expect("a valid request")
+}
+
+fn answer() -> StoredResponse {
+    StoredResponse::json(201, &serde_json::json!({"payment": "p-1"})).expect("json")
+}
+
+/// The first request, running until `open` is sent; `started` fires when its body runs.
+struct Gated {
+    first: JoinHandle<Result<Execution, Error>>,
+    open: oneshot::Sender<Outcome>,
+}
+
+async fn gated_first(idem: &Idempotency, scope: &str, runs: &Arc<AtomicUsize>) -> Gated {
+    let (open, gate) = oneshot::channel::<Outcome>();
+    let (started_tx, started) = oneshot::channel();
+    let (idem, req, runs) = (idem.clone(), request(scope), runs.clone());
+    let first = tokio::spawn(async move {
+        idem.execute(req, |_| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let _ = started_tx.send(());
+            gate.await
+                .unwrap_or_else(|_| Outcome::unknown("the test dropped the gate"))
+        })
+        .await
+    });
+    started.await.expect("the first request's body started");
+    Gated { first, open }
+}
+
+fn duplicate(
+    idem: &Idempotency,
+    scope: &str,
+    runs: &Arc<AtomicUsize>,
+) -> JoinHandle<Result<Execution, Error>> {
+    let (idem, req, runs) = (idem.clone(), request(scope), runs.clone());
+    tokio::spawn(async move {
+        idem.execute(req, |_| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Outcome::Succeeded(answer())
+        })
+        .await
+    })
+}
+
+async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn replayed(result: Result<Execution, Error>) -> StoredResponse {
+    match result {
+        Ok(Execution::Replayed(r)) => r,
+        other => panic!("expected a replay, got {other:?}"),
+    }
+}
+
+pub async fn duplicates_wait_for_the_first_answer(store: Arc<dyn Store>) {
+    let idem = Idempotency::new(store).wait_in_flight(Some(BOUND));
+    let (scope, runs) = (unique("wait"), Arc::new(AtomicUsize::new(0)));
+    let gated = gated_first(&idem, &scope, &runs).await;
+    let dups: Vec<_> = (0..20).map(|_| duplicate(&idem, &scope, &runs)).collect();
+    until("20 duplicates waiting", || idem.in_flight_waiters() == 20).await;
+    gated.open.send(Outcome::Succeeded(answer())).unwrap();
+    let first = match gated.first.await.unwrap() {
+        Ok(Execution::Executed(r)) => r,
+        other => panic!("the first request ran: {other:?}"),
+    };
+    for d in dups {
+        assert_eq!(
+            replayed(d.await.unwrap()),
+            first,
+            "the first answer, replayed"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    assert_eq!(idem.in_flight_waiters(), 0);
+}
+
+pub async fn a_waiter_runs_the_request_when_the_first_did_nothing(store: Arc<dyn Store>) {
+    let idem = Idempotency::new(store).wait_in_flight(Some(BOUND));
+    let (scope, runs) = (unique("wait-retry"), Arc::new(AtomicUsize::new(0)));
+    let gated = gated_first(&idem, &scope, &runs).await;
+    let dup = duplicate(&idem, &scope, &runs);
+    until("the duplicate waiting", || idem.in_flight_waiters() == 1).await;
+    // The first attempt surely did nothing: the key is failed{retryable}, and the waiter claims
+    // and runs it, as a client's retry would.
+    gated
+        .open
+        .send(Outcome::retryable("the card network was down"))
+        .unwrap();
+    let first = gated.first.await.unwrap();
+    assert!(
+        matches!(first, Err(Error::FailedRetryable { .. })),
+        "{first:?}"
+    );
+    match dup.await.unwrap() {
+        Ok(Execution::Executed(r)) => assert_eq!(r, answer()),
+        other => panic!("the waiter ran the request: {other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+pub async fn waiting_ends_at_its_bound_with_in_flight(store: Arc<dyn Store>) {
+    let idem = Idempotency::new(store).wait_in_flight(Some(BOUND));
+    let (scope, runs) = (unique("wait-bound"), Arc::new(AtomicUsize::new(0)));
+    let gated = gated_first(&idem, &scope, &runs).await;
+    let short = idem
+        .clone()
+        .wait_in_flight(Some(Duration::from_millis(300)));
+    let started = tokio::time::Instant::now();
+    let dup = duplicate(&short, &scope, &runs).await.unwrap();
+    assert!(matches!(dup, Err(Error::InFlight { .. })), "{dup:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "it waited its bound first: {:?}",
+        started.elapsed()
+    );
+    // Without waiting, the 409 is at once (the same as before the option existed).
+    let off = idem.clone().wait_in_flight(None);
+    let dup = duplicate(&off, &scope, &runs).await.unwrap();
+    assert!(matches!(dup, Err(Error::InFlight { .. })), "{dup:?}");
+    gated.open.send(Outcome::Succeeded(answer())).unwrap();
+    assert!(gated.first.await.unwrap().is_ok());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(idem.in_flight_waiters(), 0);
+}
+
+pub async fn waiters_over_the_limit_are_refused_at_once(store: Arc<dyn Store>) {
+    let idem = Idempotency::new(store)
+        .wait_in_flight(Some(BOUND))
+        .max_in_flight_waiters(3);
+    let (scope, runs) = (unique("wait-limit"), Arc::new(AtomicUsize::new(0)));
+    let gated = gated_first(&idem, &scope, &runs).await;
+    let dups: Vec<_> = (0..3).map(|_| duplicate(&idem, &scope, &runs)).collect();
+    until("3 duplicates waiting", || idem.in_flight_waiters() == 3).await;
+    // The gate stays shut until the fourth has its answer: had it waited, it would not have one.
+    let fourth = tokio::time::timeout(PATIENCE, duplicate(&idem, &scope, &runs))
+        .await
+        .expect("the fourth is answered without waiting")
+        .unwrap();
+    assert!(matches!(fourth, Err(Error::InFlight { .. })), "{fourth:?}");
+    gated.open.send(Outcome::Succeeded(answer())).unwrap();
+    gated.first.await.unwrap().unwrap();
+    for d in dups {
+        replayed(d.await.unwrap());
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+pub async fn a_waiter_whose_caller_leaves_frees_its_place(store: Arc<dyn Store>) {
+    let idem = Idempotency::new(store)
+        .wait_in_flight(Some(BOUND))
+        .max_in_flight_waiters(1);
+    let (scope, runs) = (unique("wait-leave"), Arc::new(AtomicUsize::new(0)));
+    let gated = gated_first(&idem, &scope, &runs).await;
+    let leaving = duplicate(&idem, &scope, &runs);
+    until("the duplicate waiting", || idem.in_flight_waiters() == 1).await;
+    // The client goes away: its request's future is dropped.
+    leaving.abort();
+    assert!(leaving.await.unwrap_err().is_cancelled());
+    until("its place given back", || idem.in_flight_waiters() == 0).await;
+    // The one place is free again: the next duplicate waits (it is not refused) and replays.
+    let next = duplicate(&idem, &scope, &runs);
+    until("the next duplicate waiting", || {
+        idem.in_flight_waiters() == 1
+    })
+    .await;
+    gated.open.send(Outcome::Succeeded(answer())).unwrap();
+    gated.first.await.unwrap().unwrap();
+    replayed(next.await.unwrap());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+pub async fn thousand_waiting_duplicates_run_the_body_once(store: Arc<dyn Store>) {
+    let idem = Idempotency::new(store)
+        .wait_in_flight(Some(BOUND))
+        .max_in_flight_waiters(2000);
+    let (scope, runs) = (unique("wait-1000"), Arc::new(AtomicUsize::new(0)));
+    let all: Vec<_> = (0..1000)
+        .map(|_| {
+            let (idem, req, runs) = (idem.clone(), request(&scope), runs.clone());
+            tokio::spawn(async move {
+                idem.execute(req, |_| async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    Outcome::Succeeded(answer())
+                })
+                .await
+            })
+        })
+        .collect();
+    let (mut executed, mut replays, mut in_flight) = (0, 0, 0);
+    for t in all {
+        match t.await.unwrap() {
+            Ok(Execution::Executed(r)) => {
+                assert_eq!(r, answer());
+                executed += 1;
+            }
+            Ok(Execution::Replayed(r)) => {
+                assert_eq!(r, answer());
+                replays += 1;
+            }
+            // Past the bound: the 409, the only other answer allowed.
+            Err(Error::InFlight { .. }) => in_flight += 1,
+            Err(e) => panic!("a duplicate got {e}"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    assert_eq!(executed, 1);
+    assert_eq!(replays + in_flight, 999);
+    assert_eq!(idem.in_flight_waiters(), 0);
+}
+
+/// Counts the claims (the reads a waiter makes) through a store.
+#[derive(Debug)]
+struct CountingClaims {
+    inner: Arc<dyn Store>,
+    claims: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl super::Delegate for CountingClaims {
+    fn inner(&self) -> &dyn Store {
+        &*self.inner
+    }
+
+    async fn claim(
+        &self,
+        claim: &crate::store::NewClaim,
+    ) -> Result<crate::store::ClaimOutcome, crate::StoreError> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
+        self.inner.claim(claim).await
+    }
+}
+
+/// The first request through `stores[0]`, 10 duplicates through `stores[1]` (another store
+/// object: its own connections, and no wake-up from the first's finish), each waiting until it
+/// reads the answer. While they wait, one of them reads the key on its backoff and the others
+/// wait for it.
+pub async fn waiting_across_stores(stores: &[Arc<dyn Store>]) {
+    let first_idem = Idempotency::new(stores[0].clone());
+    let counted = Arc::new(CountingClaims {
+        inner: stores[1].clone(),
+        claims: AtomicUsize::new(0),
+    });
+    let other = Idempotency::new(counted.clone()).wait_in_flight(Some(BOUND));
+    let (scope, runs) = (unique("wait-across"), Arc::new(AtomicUsize::new(0)));
+    let gated = gated_first(&first_idem, &scope, &runs).await;
+    let dups: Vec<_> = (0..10).map(|_| duplicate(&other, &scope, &runs)).collect();
+    until("10 duplicates waiting", || other.in_flight_waiters() == 10).await;
+    let before = counted.claims.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let reads = counted.claims.load(Ordering::SeqCst) - before;
+    // One poller: its backoff (10 ms doubling to 250 ms) allows at most 13 reads in any 2 s
+    // (fewer on a slow machine, never more); 10 waiters each polling would make over 80.
+    assert!(reads <= 13, "{reads} reads in 2 s by 10 waiters on one key");
+    gated.open.send(Outcome::Succeeded(answer())).unwrap();
+    let first = gated.first.await.unwrap().unwrap();
+    for d in dups {
+        assert_eq!(&replayed(d.await.unwrap()), first.response());
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(other.in_flight_waiters(), 0);
+}
