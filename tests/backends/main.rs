@@ -4,8 +4,10 @@
 //! tests.
 //!
 //! PostgreSQL, MariaDB and Redis need `IDEMFLOW_TEST_POSTGRES_URL`, `IDEMFLOW_TEST_MYSQL_URL` and
-//! `IDEMFLOW_TEST_REDIS_URL`; each test on them is skipped (with the reason printed) when its URL
-//! is unset, and fails when the URL is unset or unreachable under `CI=true`.
+//! `IDEMFLOW_TEST_REDIS_URL` (the Redis Cluster and Sentinel tests also
+//! `IDEMFLOW_TEST_REDIS_CLUSTER_URL`, `IDEMFLOW_TEST_REDIS_SENTINEL_URL` and
+//! `IDEMFLOW_TEST_REDIS_SENTINEL_FAILOVER_URL`); each test on them is skipped (with the reason
+//! printed) when its URL is unset, and fails when the URL is unset or unreachable under `CI=true`.
 
 #[path = "../support/mod.rs"]
 mod support;
