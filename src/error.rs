@@ -83,6 +83,51 @@ pub enum StoreError {
     /// The store was configured wrongly (bad URL, bad option).
     #[error("store configuration: {0}")]
     Config(String),
+    /// The write was applied on the primary, but fewer replicas than asked for acknowledged it
+    /// within the timeout (Redis `WAIT`, see
+    /// [`RedisConfig::wait`](crate::store::redis::RedisConfig::wait)): a failover now could lose
+    /// it. A claim that was not acknowledged is given back unused (`failed{retryable}`) when no
+    /// earlier attempt may have acted, so its caller must not send anything and may retry with
+    /// the same key; a finish that was not acknowledged stands on the primary and may be lost
+    /// with it, in which case the sweeper settles the key again from the provider, or a retry
+    /// runs it again with the same provider key (`docs/backends.md`, "Redis Sentinel").
+    #[error(
+        "{backend}: the {write} of {key} was acknowledged by {acknowledged} of the {wanted} replicas asked for within {timeout:?}; a failover could lose it"
+    )]
+    NotReplicated {
+        /// Which backend.
+        backend: &'static str,
+        /// The key (`scope/key` when shown).
+        key: KeyId,
+        /// Which write.
+        write: ReplicatedWrite,
+        /// How many replicas acknowledged it.
+        acknowledged: u32,
+        /// How many were asked for.
+        wanted: u32,
+        /// How long the primary waited.
+        timeout: Duration,
+    },
+}
+
+/// The write a [`StoreError::NotReplicated`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReplicatedWrite {
+    /// A claim ([`Store::claim`](crate::Store::claim)): nothing may be sent for it.
+    Claim,
+    /// A finish ([`Store::finish`](crate::Store::finish) or an operator's override): the
+    /// answer may be lost with the primary.
+    Finish,
+}
+
+impl std::fmt::Display for ReplicatedWrite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReplicatedWrite::Claim => "claim",
+            ReplicatedWrite::Finish => "finish",
+        })
+    }
 }
 
 impl StoreError {
@@ -458,6 +503,12 @@ impl Error {
                 None,
                 "no-stored-answer",
                 "The request was handled but its answer was not stored",
+            ),
+            Error::Store(StoreError::NotReplicated { .. }) => (
+                503,
+                Some(RETRY_SOON),
+                "store-not-replicated",
+                "The idempotency store could not confirm the write on its replicas; retry with the same key",
             ),
             Error::Store(e) if e.is_unavailable() => (
                 503,

@@ -118,7 +118,7 @@ pub(crate) static WORKFLOW_RUNS: &dyn executor::hook::RunHook = &workflow::Runs;
 pub struct ReadmeDoctests;
 
 pub use async_trait::async_trait;
-pub use error::{Error, HttpAnswer, RequestError, StoreError};
+pub use error::{Error, HttpAnswer, ReplicatedWrite, RequestError, StoreError};
 pub use executor::{Context, Execution, ExecutorConfig, Idempotency, IdempotentRequest};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KeyId, Scope};

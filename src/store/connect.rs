@@ -18,7 +18,9 @@ macro_rules! open {
 
 /// Opens the store a URL names: `sqlite:` (feature `sqlite`), `postgres://` / `postgresql://`
 /// (feature `postgres`), `mysql://` / `mariadb://` (feature `mysql`), `redis://` / `rediss://`
-/// (feature `redis`). It does not migrate: call [`Store::migrate`] when you own the schema.
+/// and `redis+sentinel://` (feature `redis`; the last finds the primary through Redis Sentinel,
+/// see [`SentinelConfig::parse_url`](crate::store::redis::SentinelConfig::parse_url)). It does
+/// not migrate: call [`Store::migrate`] when you own the schema.
 ///
 /// A scheme this build was compiled without is a [`StoreError::Config`] that names the feature
 /// to enable.
@@ -41,10 +43,12 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Store>, StoreError> {
             open!("postgres", super::postgres::PostgresStore, url, scheme)
         }
         "mysql" | "mariadb" => open!("mysql", super::mysql::MySqlStore, url, scheme),
-        "redis" | "rediss" => open!("redis", super::redis::RedisStore, url, scheme),
+        "redis" | "rediss" | "redis+sentinel" => {
+            open!("redis", super::redis::RedisStore, url, scheme)
+        }
         "" => Err(StoreError::Config("the database URL is empty".to_owned())),
         other => Err(StoreError::Config(format!(
-            "unsupported database URL scheme {other:?} (expected sqlite:, postgres://, mysql:// or redis://)"
+            "unsupported database URL scheme {other:?} (expected sqlite:, postgres://, mysql://, redis:// or redis+sentinel://)"
         ))),
     }
 }

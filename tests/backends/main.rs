@@ -4,8 +4,10 @@
 //! tests.
 //!
 //! PostgreSQL, MariaDB and Redis need `IDEMFLOW_TEST_POSTGRES_URL`, `IDEMFLOW_TEST_MYSQL_URL` and
-//! `IDEMFLOW_TEST_REDIS_URL`; each test on them is skipped (with the reason printed) when its URL
-//! is unset, and fails when the URL is unset or unreachable under `CI=true`.
+//! `IDEMFLOW_TEST_REDIS_URL` (the Redis Cluster and Sentinel tests also
+//! `IDEMFLOW_TEST_REDIS_CLUSTER_URL`, `IDEMFLOW_TEST_REDIS_SENTINEL_URL` and
+//! `IDEMFLOW_TEST_REDIS_SENTINEL_FAILOVER_URL`); each test on them is skipped (with the reason
+//! printed) when its URL is unset, and fails when the URL is unset or unreachable under `CI=true`.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -39,5 +41,13 @@ mod mysql;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+// Issue 24's Redis Sentinel: typed errors, WAIT, and a failover under load.
+#[cfg(all(
+    feature = "redis",
+    feature = "conformance",
+    feature = "testkit",
+    feature = "http"
+))]
+mod redis_sentinel;
 #[cfg(feature = "sqlite")]
 mod sqlite;

@@ -44,6 +44,18 @@ mod sweeper_cluster {
     idemflow::sweeper_tests!(crate::support::redis::cluster);
 }
 
+/// Through Redis Sentinel (`IDEMFLOW_TEST_REDIS_SENTINEL_URL`), with `WAIT` for one replica
+/// after every claim and finish: the claim and finish scripts go out in one pipeline with their
+/// `WAIT`.
+mod sentinel {
+    idemflow::conformance_tests!(crate::support::redis::sentinel_waiting);
+}
+
+/// Through Redis Sentinel, without `WAIT`.
+mod sweeper_sentinel {
+    idemflow::sweeper_tests!(crate::support::redis::sentinel);
+}
+
 const LEASE: Duration = Duration::from_secs(30);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -593,4 +605,71 @@ async fn cluster_scripts_are_not_re_sent_when_their_answer_is_lost() {
         matches!(finished, Err(StoreError::Database { .. })),
         "a finish that succeeded must not be reported as a lost lease: {finished:?}"
     );
+}
+
+/// `WAIT` where no replica exists (the single server and the cluster of `.ci/run` have none):
+/// asking for one replica fails the claim and the finish with `NotReplicated` (the `WAIT` goes
+/// in the script's pipeline, routed with it on the cluster); asking for none passes. The URL
+/// parameters set it on a single server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_replicas_that_do_not_exist_fails_claims_and_finishes() {
+    let timeout = Duration::from_millis(100);
+    let Some(single) = store_with(|c| c).await else {
+        return;
+    };
+    let url = backend_url(URL_VAR).unwrap();
+    let by_url = RedisStore::connect_with(
+        RedisConfig::new(format!("{url}?wait_replicas=1&wait_timeout_ms=100"))
+            .prefix(single.prefix()),
+    )
+    .await
+    .unwrap();
+    let none = RedisStore::connect_with(
+        RedisConfig::new(format!("{url}?wait_replicas=0")).prefix(single.prefix()),
+    )
+    .await
+    .unwrap();
+    let Some(cluster) = cluster_store_with(|c| c.wait(1, timeout)).await else {
+        return;
+    };
+    let cluster_none = RedisStore::connect_with(
+        RedisConfig::new(backend_url(CLUSTER_URL_VAR).unwrap())
+            .cluster(true)
+            .buckets(CLUSTER_BUCKETS)
+            .prefix(cluster.prefix())
+            .wait(0, timeout),
+    )
+    .await
+    .unwrap();
+    for (waiting, passing) in [(by_url, none), (cluster, cluster_none)] {
+        let short = |e: &StoreError, write: idemflow::ReplicatedWrite| matches!(e, StoreError::NotReplicated { write: w, acknowledged: 0, wanted: 1, .. } if *w == write);
+        let a = id(&unique("wait"), "a");
+        let e = waiting
+            .claim(&claim_for(&a, "{}", LEASE))
+            .await
+            .unwrap_err();
+        assert!(short(&e, idemflow::ReplicatedWrite::Claim), "{e}");
+        // Given back: nothing may have acted.
+        assert_eq!(
+            passing.get(&a).await.unwrap().unwrap().state,
+            KeyState::Failed { retryable: true }
+        );
+        let lease = claimed_on(&passing, &claim_for(&a, "{}", LEASE)).await;
+        assert_eq!(lease.transition, Transition::Reclaim);
+        let e = waiting
+            .finish(&a, lease.token, &done(StoredResponse::new(200)))
+            .await
+            .unwrap_err();
+        assert!(short(&e, idemflow::ReplicatedWrite::Finish), "{e}");
+        assert_eq!(
+            passing.get(&a).await.unwrap().unwrap().state,
+            KeyState::Done
+        );
+        let b = id(&unique("wait"), "b");
+        let lease = claimed_on(&passing, &claim_for(&b, "{}", LEASE)).await;
+        passing
+            .finish(&b, lease.token, &done(StoredResponse::new(200)))
+            .await
+            .unwrap();
+    }
 }

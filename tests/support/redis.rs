@@ -1,5 +1,7 @@
-//! Redis: a fresh key prefix per test. Needs `IDEMFLOW_TEST_REDIS_URL` (one server) and
-//! `IDEMFLOW_TEST_REDIS_CLUSTER_URL` (a Redis Cluster's seed nodes, comma-separated).
+//! Redis: a fresh key prefix per test. Needs `IDEMFLOW_TEST_REDIS_URL` (one server),
+//! `IDEMFLOW_TEST_REDIS_CLUSTER_URL` (a Redis Cluster's seed nodes, comma-separated) and
+//! `IDEMFLOW_TEST_REDIS_SENTINEL_URL` (a `redis+sentinel://` URL: a primary with two replicas
+//! behind three sentinels; `.ci/redis-sentinel` starts one).
 
 use std::sync::Arc;
 
@@ -11,6 +13,13 @@ use super::{backend_url, unreachable};
 
 pub const URL_VAR: &str = "IDEMFLOW_TEST_REDIS_URL";
 pub const CLUSTER_URL_VAR: &str = "IDEMFLOW_TEST_REDIS_CLUSTER_URL";
+pub const SENTINEL_URL_VAR: &str = "IDEMFLOW_TEST_REDIS_SENTINEL_URL";
+/// A second master of the Sentinel set, for the failover test alone (it kills its primary).
+pub const SENTINEL_FAILOVER_URL_VAR: &str = "IDEMFLOW_TEST_REDIS_SENTINEL_FAILOVER_URL";
+
+/// The `WAIT` of the Sentinel suites' waiting store: one replica, with a timeout a loaded CI
+/// machine meets.
+pub const SUITE_WAIT: (u32, std::time::Duration) = (1, std::time::Duration::from_secs(5));
 
 /// Buckets of the cluster stores: twice the three primaries of `.ci/run`'s cluster, so that the
 /// bucket-wide operations visit every shard.
@@ -34,7 +43,15 @@ pub async fn cluster_store_with(
     .await
 }
 
-async fn store_at(
+/// A migrated store on a fresh prefix on the primary the Sentinel set names; `None` (skip) when
+/// the set is not configured or not reachable, a panic in either case under `CI=true`.
+pub async fn sentinel_store_with(
+    config: impl FnOnce(RedisConfig) -> RedisConfig,
+) -> Option<RedisStore> {
+    store_at(SENTINEL_URL_VAR, config).await
+}
+
+pub async fn store_at(
     var: &str,
     config: impl FnOnce(RedisConfig) -> RedisConfig,
 ) -> Option<RedisStore> {
@@ -62,4 +79,18 @@ pub async fn four_buckets() -> Option<Arc<dyn Store>> {
 /// A migrated store on a fresh prefix on the Redis Cluster, for the suites.
 pub async fn cluster() -> Option<Arc<dyn Store>> {
     Some(Arc::new(cluster_store_with(|c| c).await?))
+}
+
+/// A migrated store on a fresh prefix through Sentinel, for the suites.
+pub async fn sentinel() -> Option<Arc<dyn Store>> {
+    Some(Arc::new(sentinel_store_with(|c| c).await?))
+}
+
+/// A migrated store on a fresh prefix through Sentinel that `WAIT`s for one replica after
+/// every claim and finish ([`SUITE_WAIT`]), for the suites.
+pub async fn sentinel_waiting() -> Option<Arc<dyn Store>> {
+    let (replicas, timeout) = SUITE_WAIT;
+    Some(Arc::new(
+        sentinel_store_with(|c| c.wait(replicas, timeout)).await?,
+    ))
 }

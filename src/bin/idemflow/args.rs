@@ -9,7 +9,7 @@ use clap::{ArgGroup, Args, Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "idemflow", version, about, long_about = None)]
 pub struct Cli {
-    /// Database URL: sqlite://path/to/file.db, postgres://..., mysql://..., redis://...
+    /// Database URL: sqlite://path/to/file.db, postgres://..., mysql://..., redis://..., redis+sentinel://host1,host2/mymaster
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     pub database_url: Option<String>,
     /// Configuration file (TOML) naming the providers ([[providers]]) and sweeper settings

@@ -183,7 +183,7 @@ fn sqlite_path(url: &str) -> Option<PathBuf> {
 /// otherwise a missing file is an error naming it.
 ///
 /// `sqlite:` URLs work in every build with the `sqlite` feature. `postgres://`, `mysql://` and
-/// `redis://` map to the stores behind the features of the same names.
+/// `redis://` (and `redis+sentinel://`) map to the stores behind the features of the same names.
 pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn Store>> {
     // The library's one masking: the user info's password and any `password=` parameter.
     let shown = redact_url(url);
@@ -201,14 +201,14 @@ pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn St
             }
             connect_sqlite(url, &shown).await
         }
-        "postgres" | "postgresql" | "mysql" | "mariadb" | "redis" | "rediss" => {
+        "postgres" | "postgresql" | "mysql" | "mariadb" | "redis" | "rediss" | "redis+sentinel" => {
             idemflow::store::connect(url)
                 .await
                 .with_context(|| format!("cannot open database {shown}"))
         }
         "" => bail!("the database URL is empty (pass --database-url or set DATABASE_URL)"),
         other => bail!(
-            "unsupported database URL scheme {other:?} in {shown} (expected sqlite:, postgres://, mysql:// or redis://)"
+            "unsupported database URL scheme {other:?} in {shown} (expected sqlite:, postgres://, mysql://, redis:// or redis+sentinel://)"
         ),
     }
 }

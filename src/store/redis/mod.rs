@@ -51,9 +51,13 @@
 mod config;
 mod decode;
 mod layout;
+mod sentinel;
 mod store;
 
-pub use config::RedisConfig;
+pub use config::{
+    DEFAULT_SENTINEL_PORT, RedisConfig, SENTINEL_SCHEME, SentinelConfig, WaitReplicas,
+};
+pub use sentinel::SentinelConnection;
 pub use store::{RedisConnection, RedisStore};
 
 /// The decoders, reachable for the fuzz targets and property tests (not a stable API).

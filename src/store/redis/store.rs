@@ -14,13 +14,15 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, ScriptInvocation, Value};
 use tracing::instrument;
 
+use super::config::{SENTINEL_SCHEME, SentinelConfig, WaitReplicas, take_wait_params};
 use super::decode::{
     array, history_of, int, maybe_record, member_records, record, record_of, refusal, text,
 };
 use super::layout::{Keys, Layout, fnv1a, member, unmember, validate_prefix};
+use super::sentinel::SentinelConnection;
 use super::{BACKEND, FORMAT_VERSION, RedisConfig, corrupt, db};
 use crate::KeyId;
-use crate::error::StoreError;
+use crate::error::{ReplicatedWrite, StoreError};
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 use crate::state::KeyState;
 use crate::state::Transition;
@@ -106,15 +108,18 @@ fn ms(d: Duration) -> i64 {
     millis(d)
 }
 
-/// A connection to a single Redis server (a [`ConnectionManager`]) or to a Redis Cluster (a
-/// [`ClusterConnection`], which routes each command by its key's hash slot). Cheap to clone: the
-/// clones share one multiplexed connection (per node).
+/// A connection to a single Redis server (a [`ConnectionManager`]), to a Redis Cluster (a
+/// [`ClusterConnection`], which routes each command by its key's hash slot) or to the primary
+/// Redis Sentinel names (a [`SentinelConnection`], which asks the sentinels again after a
+/// failover). Cheap to clone: the clones share one multiplexed connection (per node).
 #[derive(Clone)]
 pub enum RedisConnection {
     /// One Redis server.
     Single(ConnectionManager),
     /// A Redis Cluster.
     Cluster(ClusterConnection),
+    /// The primary of a Redis Sentinel set.
+    Sentinel(SentinelConnection),
 }
 
 impl ConnectionLike for RedisConnection {
@@ -122,6 +127,7 @@ impl ConnectionLike for RedisConnection {
         match self {
             Self::Single(c) => c.req_packed_command(cmd),
             Self::Cluster(c) => c.req_packed_command(cmd),
+            Self::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -134,6 +140,7 @@ impl ConnectionLike for RedisConnection {
         match self {
             Self::Single(c) => c.req_packed_commands(cmd, offset, count),
             Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Sentinel(c) => c.req_packed_commands(cmd, offset, count),
         }
     }
 
@@ -141,12 +148,14 @@ impl ConnectionLike for RedisConnection {
         match self {
             Self::Single(c) => c.get_db(),
             Self::Cluster(c) => c.get_db(),
+            Self::Sentinel(c) => c.get_db(),
         }
     }
 }
 
-/// A [`Store`] on Redis (feature `redis`), on one server or on a Redis Cluster
-/// ([`RedisConfig::cluster()`]).
+/// A [`Store`] on Redis (feature `redis`), on one server, on a Redis Cluster
+/// ([`RedisConfig::cluster()`]) or on the primary of a Redis Sentinel set
+/// ([`RedisConfig::sentinel()`], or a `redis+sentinel://` URL).
 ///
 /// ```no_run
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idemflow::StoreError> {
@@ -169,6 +178,8 @@ pub struct RedisStore {
     known: KnownKeys,
     /// Where the next bucket-wide operation starts, so no bucket starves.
     cursor: Arc<AtomicU32>,
+    /// `WAIT` after claims and finishes.
+    wait: Option<WaitReplicas>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -177,6 +188,11 @@ impl fmt::Debug for RedisStore {
             .field("prefix", &self.layout.prefix())
             .field("buckets", &self.layout.buckets())
             .field("cluster", &matches!(self.con, RedisConnection::Cluster(_)))
+            .field(
+                "sentinel",
+                &matches!(self.con, RedisConnection::Sentinel(_)),
+            )
+            .field("wait", &self.wait)
             .finish_non_exhaustive()
     }
 }
@@ -185,14 +201,22 @@ impl fmt::Debug for RedisStore {
 const NOT_RUN_RETRIES: u32 = 3;
 
 /// Whether the server refused the command before running it: a cluster redirect (`MOVED`,
-/// `ASK`), `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN` or `LOADING`. Such a command is safe to send
-/// again; nothing else is (a dropped connection or a timeout may follow a run).
+/// `ASK`), `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `LOADING` or `READONLY` (a former primary,
+/// now a replica: a script fails at its first write, and a replica has written nothing before
+/// it). Such a command is safe to send again; nothing else is (a dropped connection or a
+/// timeout may follow a run).
 fn not_run(e: &redis::RedisError) -> bool {
     use redis::{ErrorKind, ServerErrorKind as S};
     matches!(
         e.kind(),
         ErrorKind::Server(
-            S::Moved | S::Ask | S::TryAgain | S::ClusterDown | S::MasterDown | S::BusyLoading
+            S::Moved
+                | S::Ask
+                | S::TryAgain
+                | S::ClusterDown
+                | S::MasterDown
+                | S::BusyLoading
+                | S::ReadOnly
         )
     )
 }
@@ -211,12 +235,76 @@ impl RedisStore {
         Self::connect_with(RedisConfig::new(url).prefix(prefix)).await
     }
 
-    /// Connects with explicit options: to one server, or with [`RedisConfig::cluster()`] to a
-    /// Redis Cluster through its seed nodes. The connection reconnects on its own; a command
-    /// that failed with the connection is not retried (a script may or may not have run).
-    pub async fn connect_with(config: RedisConfig) -> Result<Self, StoreError> {
+    /// Connects with explicit options: to one server, with [`RedisConfig::cluster()`] to a
+    /// Redis Cluster through its seed nodes, or with [`RedisConfig::sentinel()`] (or a
+    /// `redis+sentinel://` URL, see [`SentinelConfig::parse_url`]) to the primary a Redis
+    /// Sentinel set names. The connection reconnects on its own (through Sentinel: to the
+    /// primary the sentinels name then); a command that failed with the connection is not
+    /// retried (a script may or may not have run).
+    ///
+    /// A single server's URL may carry `wait_replicas=N` and `wait_timeout_ms=T` query
+    /// parameters, like a Sentinel URL, to set [`RedisConfig::wait`].
+    pub async fn connect_with(mut config: RedisConfig) -> Result<Self, StoreError> {
         validate_prefix(&config.prefix)?;
-        let con = if config.cluster {
+        let mut url_wait = None;
+        let mut single_url = config.url.clone();
+        if config.sentinel.is_none() && config.url.starts_with(SENTINEL_SCHEME) {
+            let (sentinel, wait) = SentinelConfig::parse_url(&config.url)?;
+            config.sentinel = Some(sentinel);
+            url_wait = wait;
+        } else if config.sentinel.is_none()
+            && !config.cluster
+            && let Some((head, query)) = config.url.split_once('?')
+        {
+            let (wait, rest) = take_wait_params(query)
+                .map_err(|why| StoreError::Config(format!("bad Redis URL: {why}")))?;
+            url_wait = wait;
+            single_url = if rest.is_empty() {
+                head.to_owned()
+            } else {
+                format!("{head}?{}", rest.join("&"))
+            };
+        }
+        if config.wait.is_none() {
+            config.wait = url_wait;
+        }
+        if let Some(w) = config.wait
+            && w.timeout.is_zero()
+        {
+            return Err(StoreError::Config(
+                "the WAIT timeout must be above zero (WAIT with 0 waits forever)".into(),
+            ));
+        }
+        let con = if let Some(sentinel) = &config.sentinel {
+            if sentinel.master.is_empty() {
+                return Err(StoreError::Config("Redis Sentinel: no master name".into()));
+            }
+            if sentinel.sentinels.is_empty() {
+                return Err(StoreError::Config(
+                    "Redis Sentinel: no sentinel address".into(),
+                ));
+            }
+            if config.cluster {
+                return Err(StoreError::Config(
+                    "Redis Sentinel and Redis Cluster are exclusive: choose one".into(),
+                ));
+            }
+            RedisConnection::Sentinel(
+                within(
+                    BACKEND,
+                    &config.url,
+                    // The lookup is bounded by `connection_timeout`, the connection too.
+                    config.connection_timeout * 2 + Duration::from_secs(1),
+                    SentinelConnection::connect(
+                        sentinel,
+                        config.response_timeout,
+                        config.connection_timeout,
+                    ),
+                    redis_cause,
+                )
+                .await?,
+            )
+        } else if config.cluster {
             let seeds: Vec<&str> = config
                 .url
                 .split(',')
@@ -247,7 +335,7 @@ impl RedisStore {
                 .await?,
             )
         } else {
-            let client = redis::Client::open(config.url.as_str())
+            let client = redis::Client::open(single_url.as_str())
                 .map_err(|e| StoreError::Config(format!("bad Redis URL: {e}")))?;
             let cm = ConnectionManagerConfig::new()
                 .set_response_timeout(Some(config.response_timeout))
@@ -277,6 +365,7 @@ impl RedisStore {
             grace: config.expiry_grace.map_or(-1, ms),
             known: KnownKeys::new(config.known_keys),
             cursor: Arc::new(AtomicU32::new(0)),
+            wait: config.wait,
         }
     }
 
@@ -346,6 +435,80 @@ impl RedisStore {
                 Err(e) => return Err(db(e)),
             }
         }
+    }
+
+    /// Runs a script that writes (a claim or a finish), with [`RedisConfig::wait`] followed by
+    /// `WAIT` in the same round trip (one pipeline, on one connection, so the `WAIT` covers the
+    /// script's writes); returns the reply and, with `WAIT`, how many replicas acknowledged.
+    /// Refusals are retried as in [`invoke`](Self::invoke); a script unknown to the server
+    /// (`NOSCRIPT`, e.g. on a replica just promoted) is loaded and sent again (it did not run).
+    async fn invoke_waited(
+        &self,
+        inv: &ScriptInvocation<'_>,
+    ) -> Result<(Value, Option<u32>), StoreError> {
+        let Some(wait) = self.wait else {
+            return Ok((self.invoke(inv).await?, None));
+        };
+        let mut con = self.con.clone();
+        let (mut refused, mut loaded) = (0, false);
+        loop {
+            let mut pipe = redis::pipe();
+            pipe.ignore_errors()
+                .invoke_script(inv)
+                .cmd("WAIT")
+                .arg(wait.replicas)
+                .arg(ms(wait.timeout));
+            let replies: Vec<redis::RedisResult<Value>> = match pipe.query_async(&mut con).await {
+                Ok(r) => r,
+                Err(e) if refused < NOT_RUN_RETRIES && not_run(&e) => {
+                    refused += 1;
+                    tokio::time::sleep(Duration::from_millis(50) * refused).await;
+                    continue;
+                }
+                Err(e) => return Err(db(e)),
+            };
+            let mut replies = replies.into_iter();
+            let (Some(script), Some(acked)) = (replies.next(), replies.next()) else {
+                return Err(corrupt("script and WAIT reply"));
+            };
+            match script {
+                Ok(v) => {
+                    let acked = acked.map_err(db)?;
+                    let acked = int(Some(&acked)).ok_or_else(|| corrupt("WAIT reply"))?;
+                    return Ok((v, Some(u32::try_from(acked).unwrap_or(0))));
+                }
+                Err(e)
+                    if !loaded
+                        && e.kind()
+                            == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
+                    loaded = true;
+                    inv.load_async(&mut con).await.map_err(db)?;
+                }
+                Err(e) if refused < NOT_RUN_RETRIES && not_run(&e) => {
+                    refused += 1;
+                    tokio::time::sleep(Duration::from_millis(50) * refused).await;
+                }
+                Err(e) => return Err(db(e)),
+            }
+        }
+    }
+
+    /// The error for a write `acked` replicas acknowledged, fewer than [`RedisConfig::wait`]
+    /// asks for; `None` when enough did (or without `WAIT`).
+    fn short(&self, id: &KeyId, write: ReplicatedWrite, acked: Option<u32>) -> Option<StoreError> {
+        let (wait, acked) = (self.wait?, acked?);
+        (acked < wait.replicas).then(|| {
+            tracing::warn!(scope = %id.scope, key = %id.key, %write, acked, wanted = wait.replicas, "write not acknowledged by enough replicas");
+            StoreError::NotReplicated {
+                backend: BACKEND,
+                key: id.clone(),
+                write,
+                acknowledged: acked,
+                wanted: wait.replicas,
+                timeout: wait.timeout,
+            }
+        })
     }
 
     /// Sends a read (a command that changes nothing, so safe to repeat) and sends it again,
@@ -465,6 +628,22 @@ impl RedisStore {
         mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
+        let (record, acked) = self.finish_unchecked(id, mode, finish, true).await?;
+        match self.short(id, ReplicatedWrite::Finish, acked) {
+            Some(e) => Err(e),
+            None => Ok(record),
+        }
+    }
+
+    /// [`finish_as`](Self::finish_as) without judging the replicas' acknowledgement: the
+    /// record, and how many replicas acknowledged (with `WAIT`, and `wait`).
+    async fn finish_unchecked(
+        &self,
+        id: &KeyId,
+        mode: FinishMode,
+        finish: &Finish,
+        wait: bool,
+    ) -> Result<(KeyRecord, Option<u32>), StoreError> {
         check_finish(mode, finish.to)?;
         let m = member(id);
         let k = self.layout.keys(&m);
@@ -491,11 +670,44 @@ impl RedisStore {
             .arg(finish.actor.as_str())
             .arg(&finish.reason)
             .arg(opt(expect_arg.as_deref().map(str::as_bytes)));
-        let mut reply = array(self.invoke(&inv).await?)?;
+        let (reply, acked) = if wait {
+            self.invoke_waited(&inv).await?
+        } else {
+            (self.invoke(&inv).await?, None)
+        };
+        let mut reply = array(reply)?;
         if text(reply.first()).as_deref() == Some("ok") && reply.len() == 2 {
-            return record(id, reply.swap_remove(1));
+            return Ok((record(id, reply.swap_remove(1))?, acked));
         }
         Err(refusal(id, mode.presented(), &reply))
+    }
+
+    /// Gives back a claim too few replicas acknowledged: when no earlier attempt may have
+    /// acted, the key becomes `failed{retryable}` at once (nothing was sent for it, so a retry
+    /// may run it); otherwise it stays `processing` under the unused lease, for a takeover or
+    /// the sweeper once the lease ends, as after any claim whose holder vanished. Best effort:
+    /// the primary may be gone already.
+    async fn give_back(&self, id: &KeyId, lease: &Lease, acked: u32) {
+        if lease.may_have_acted {
+            return;
+        }
+        let why = format!(
+            "claim acknowledged by {acked} replicas, fewer than asked for; nothing was sent"
+        );
+        let finish = Finish {
+            to: KeyState::Failed { retryable: true },
+            response: None,
+            error: Some(why.clone()),
+            actor: crate::Actor::Worker,
+            reason: why,
+        };
+        if let Err(e) = self
+            // Without `WAIT`: the caller has waited once already.
+            .finish_unchecked(id, FinishMode::Holder(lease.token), &finish, false)
+            .await
+        {
+            tracing::warn!(scope = %id.scope, key = %id.key, error = %e, "could not give back an unreplicated claim; it stays processing until its lease ends");
+        }
     }
 }
 
@@ -574,10 +786,18 @@ impl Store for RedisStore {
             inv.arg(t.claim_reason().unwrap_or_default());
         }
         inv.arg(opt(claim.reused_provider_key.as_deref().map(str::as_bytes)));
-        let reply = array(self.invoke(&inv).await?)?;
+        let (reply, acked) = self.invoke_waited(&inv).await?;
+        let reply = array(reply)?;
         self.known.insert(fnv1a(&m));
         match text(reply.first()).as_deref() {
-            Some("claimed") => Ok(ClaimOutcome::Claimed(Self::lease(&reply)?)),
+            Some("claimed") => {
+                let lease = Self::lease(&reply)?;
+                if let Some(e) = self.short(&claim.id, ReplicatedWrite::Claim, acked) {
+                    self.give_back(&claim.id, &lease, acked.unwrap_or(0)).await;
+                    return Err(e);
+                }
+                Ok(ClaimOutcome::Claimed(lease))
+            }
             Some("existing") => {
                 let now = ms_to_time(
                     BACKEND,

@@ -1,0 +1,276 @@
+//! [`SentinelConnection`]: a connection to the primary Redis Sentinel names, found again
+//! through the sentinels when it breaks.
+//!
+//! The redis crate's `ConnectionManager` reconnects to the address its `Client` was built with,
+//! so after a failover it would keep knocking on the old primary (or reach it again once it is
+//! back as a replica, and fail every write with `READONLY`). This connection keeps the crate's
+//! `SentinelClient` instead: when a command fails with the connection (dropped, refused, timed
+//! out) or the node answers that it is not a primary (`READONLY`, `MASTERDOWN`), the connection
+//! is marked broken, and the next command first asks the sentinels for the primary again (the
+//! crate checks the node's `ROLE` before handing it out) and connects to it. The failed command
+//! itself is not sent again here: [`RedisStore`](super::RedisStore) decides what is safe to
+//! repeat.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+use redis::{
+    AsyncConnectionConfig, Cmd, ConnectionAddr, ErrorKind, Pipeline, RedisError, RedisFuture,
+    RedisResult, ServerErrorKind, Value,
+};
+
+use super::config::SentinelConfig;
+
+/// After a failed lookup, commands within this long fail with its error instead of asking the
+/// sentinels again (a failover takes seconds; many callers must not queue up lookups).
+const LOOKUP_BACKOFF: Duration = Duration::from_millis(100);
+
+/// A connection to the primary a Redis Sentinel set names, re-resolved after a failover (see
+/// the module docs). Cheap to clone: the clones share one multiplexed connection.
+#[derive(Clone)]
+pub struct SentinelConnection {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    master: String,
+    db: i64,
+    config: AsyncConnectionConfig,
+    /// Bounds one lookup and connection.
+    connect_timeout: Duration,
+    /// The sentinels; one lookup at a time.
+    resolver: tokio::sync::Mutex<Resolver>,
+    current: Mutex<Current>,
+}
+
+struct Resolver {
+    client: SentinelClient,
+    /// The last failed lookup: when, and its error.
+    failed: Option<(Instant, RedisError)>,
+}
+
+struct Current {
+    /// Bumped at every new connection.
+    generation: u64,
+    con: Option<MultiplexedConnection>,
+    /// The primary's address, for logs.
+    addr: String,
+    broken: bool,
+}
+
+/// Whether `e` means the connection is gone or the node is no longer the primary.
+fn breaks(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || matches!(
+            e.kind(),
+            ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+        )
+}
+
+impl SentinelConnection {
+    /// Asks the sentinels of `sentinel` for the primary and connects to it (at most
+    /// `connection_timeout` for each lookup and connection); commands time out after
+    /// `response_timeout`.
+    pub(crate) async fn connect(
+        sentinel: &SentinelConfig,
+        response_timeout: Duration,
+        connection_timeout: Duration,
+    ) -> RedisResult<Self> {
+        let addrs = sentinel
+            .sentinels
+            .iter()
+            .map(|(h, p)| ConnectionAddr::Tcp(h.clone(), *p));
+        let mut builder =
+            SentinelClientBuilder::new(addrs, &sentinel.master, SentinelServerType::Master)?
+                .set_client_to_redis_db(sentinel.db);
+        if let Some(u) = &sentinel.username {
+            builder = builder.set_client_to_redis_username(u);
+        }
+        if let Some(p) = &sentinel.password {
+            builder = builder.set_client_to_redis_password(p);
+        }
+        let client = builder.build()?;
+        let con = Self {
+            inner: Arc::new(Inner {
+                master: sentinel.master.clone(),
+                db: sentinel.db,
+                config: AsyncConnectionConfig::new()
+                    .set_response_timeout(Some(response_timeout))
+                    .set_connection_timeout(Some(connection_timeout)),
+                connect_timeout: connection_timeout,
+                resolver: tokio::sync::Mutex::new(Resolver {
+                    client,
+                    failed: None,
+                }),
+                current: Mutex::new(Current {
+                    generation: 0,
+                    con: None,
+                    addr: String::new(),
+                    broken: true,
+                }),
+            }),
+        };
+        con.resolve(0, false).await?;
+        Ok(con)
+    }
+
+    /// The master name this connection follows.
+    pub fn master(&self) -> &str {
+        &self.inner.master
+    }
+
+    /// The primary's address this connection reaches now (`host:port`), or the last one it
+    /// reached if its connection is broken.
+    pub fn primary(&self) -> String {
+        self.current().addr.clone()
+    }
+
+    /// How many times this connection has connected to a primary (1 after `connect`; each
+    /// reconnection after a break adds one).
+    pub fn connections(&self) -> u64 {
+        self.current().generation
+    }
+
+    fn current(&self) -> std::sync::MutexGuard<'_, Current> {
+        // A panic while holding this lock cannot leave `Current` half-written (every write is
+        // one assignment), so a poisoned lock is still usable.
+        self.inner
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The live connection and its generation; resolves the primary first when it is broken.
+    async fn connection(&self) -> RedisResult<(u64, MultiplexedConnection)> {
+        let seen = {
+            let cur = self.current();
+            if !cur.broken
+                && let Some(con) = &cur.con
+            {
+                return Ok((cur.generation, con.clone()));
+            }
+            cur.generation
+        };
+        self.resolve(seen, true).await
+    }
+
+    /// Asks the sentinels for the primary and connects to it, unless another caller already
+    /// replaced generation `seen`, or (with `backoff`) a lookup failed moments ago.
+    async fn resolve(&self, seen: u64, backoff: bool) -> RedisResult<(u64, MultiplexedConnection)> {
+        let mut resolver = self.inner.resolver.lock().await;
+        {
+            let cur = self.current();
+            if cur.generation != seen
+                && !cur.broken
+                && let Some(con) = &cur.con
+            {
+                return Ok((cur.generation, con.clone()));
+            }
+        }
+        if backoff
+            && let Some((at, e)) = &resolver.failed
+            && at.elapsed() < LOOKUP_BACKOFF
+        {
+            return Err(e.clone());
+        }
+        let lookup = async {
+            let client = resolver.client.async_get_client().await?;
+            let addr = client.get_connection_info().addr().to_string();
+            let con = client
+                .get_multiplexed_async_connection_with_config(&self.inner.config)
+                .await?;
+            Ok::<_, RedisError>((addr, con))
+        };
+        let found = match tokio::time::timeout(self.inner.connect_timeout, lookup).await {
+            Ok(r) => r,
+            Err(_) => Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no primary for {:?} found through Sentinel within {:?}",
+                    self.inner.master, self.inner.connect_timeout
+                ),
+            ))),
+        };
+        match found {
+            Ok((addr, con)) => {
+                resolver.failed = None;
+                let mut cur = self.current();
+                cur.generation += 1;
+                cur.con = Some(con.clone());
+                cur.broken = false;
+                if cur.addr != addr {
+                    tracing::info!(master = %self.inner.master, primary = %addr, previous = %cur.addr, "connected to the primary named by Redis Sentinel");
+                }
+                cur.addr = addr;
+                Ok((cur.generation, con))
+            }
+            Err(e) => {
+                tracing::warn!(master = %self.inner.master, error = %e, "no Redis primary found through Sentinel");
+                resolver.failed = Some((Instant::now(), e.clone()));
+                Err(e)
+            }
+        }
+    }
+
+    /// Marks generation `generation` broken after `e`, if `e` says so.
+    fn check(&self, generation: u64, e: &RedisError) {
+        if breaks(e) {
+            let mut cur = self.current();
+            if cur.generation == generation && !cur.broken {
+                tracing::warn!(master = %self.inner.master, primary = %cur.addr, error = %e, "connection to the Redis primary broke; asking Sentinel again");
+                cur.broken = true;
+            }
+        }
+    }
+}
+
+impl ConnectionLike for SentinelConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        Box::pin(async move {
+            let (generation, mut con) = self.connection().await?;
+            let r = con.req_packed_command(cmd).await;
+            if let Err(e) = &r {
+                self.check(generation, e);
+            }
+            r
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        Box::pin(async move {
+            let (generation, mut con) = self.connection().await?;
+            let r = con.req_packed_commands(cmd, offset, count).await;
+            match &r {
+                Err(e) => self.check(generation, e),
+                // With `ignore_errors`, a server error comes back as a value.
+                Ok(values) => {
+                    for v in values {
+                        if let Value::ServerError(se) = v
+                            && matches!(
+                                se.kind(),
+                                Some(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+                            )
+                        {
+                            self.check(generation, &RedisError::from(se.clone()));
+                        }
+                    }
+                }
+            }
+            r
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.inner.db
+    }
+}
