@@ -6,6 +6,8 @@ use crate::key::{KeyError, KeyId};
 use crate::record::LeaseToken;
 use crate::state::{InvalidTransition, KeyState};
 
+mod outage;
+
 /// A boxed error source from a backend driver.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -148,7 +150,7 @@ impl StoreError {
     pub fn is_unavailable(&self) -> bool {
         match self {
             StoreError::Connect { .. } => true,
-            StoreError::Database { source, .. } => crate::store::outage::is_outage(&**source),
+            StoreError::Database { source, .. } => outage::is_outage(&**source),
             _ => false,
         }
     }

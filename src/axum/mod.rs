@@ -40,6 +40,7 @@
 //! | retry after a stored answer                            | the stored status, headers, body + `Idempotent-Replayed: true` |
 //! | retry while the outcome is unknown                     | 503 `outcome-unknown` + `Retry-After`    |
 //! | the store cannot be reached                            | 503 `store-unavailable` + `Retry-After` (or, with [`StoreDown::RunUnprotected`], the handler's answer + `Idempotency-Unprotected`) |
+//! | Redis with `WAIT`: too few replicas acknowledged       | 503 `store-not-replicated` + `Retry-After` (never passed through) |
 //! | the store fails otherwise                              | 500 `store-error`                        |
 //!
 //! Every answer the layer makes itself is `application/problem+json` ([`Problem`]). The inner

@@ -35,7 +35,9 @@
 //! | an event whose first delivery is still being handled      | 409 `request-in-flight` + `Retry-After`     |
 //! | the handler returns `Err` or panics                       | 503 `retryable` + `Retry-After`; the key is `failed{retryable}`, the next delivery runs the handler again |
 //! | an event whose run crashed (process killed) and whose lease ran out | the next delivery takes the key over and runs the handler again |
-//! | the store fails                                           | 500 `store-error`                           |
+//! | the store cannot be reached                               | 503 `store-unavailable` + `Retry-After`     |
+//! | Redis with `WAIT`: too few replicas acknowledged           | 503 `store-not-replicated` + `Retry-After`  |
+//! | the store fails otherwise                                 | 500 `store-error`                           |
 //!
 //! Every answer but a 2xx makes Stripe deliver the event again later (with backoff, for up to
 //! three days). The key of an event is its id, in the receiver's scope (`webhook:stripe` for

@@ -37,7 +37,6 @@ pub mod kit;
     feature = "redis"
 ))]
 pub(crate) mod known_keys;
-pub(crate) mod outage;
 pub mod phase;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod pool;

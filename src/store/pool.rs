@@ -108,7 +108,16 @@ impl std::fmt::Display for PoolExhausted {
     }
 }
 
-impl std::error::Error for PoolExhausted {}
+/// sqlx's own word for the wait that ran out, as the source of every [`PoolExhausted`] (so a
+/// caller walking the source chain, as `StoreError::is_unavailable` does, finds the driver's
+/// error).
+static POOL_TIMED_OUT: sqlx::Error = sqlx::Error::PoolTimedOut;
+
+impl std::error::Error for PoolExhausted {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&POOL_TIMED_OUT)
+    }
+}
 
 /// A database error of `backend`'s pool `pool`: an acquire that timed out is [`PoolExhausted`].
 pub(crate) fn pool_error<DB: Database>(

@@ -5,7 +5,7 @@
 //! outage 503 + `Retry-After` (`docs/http.md`, "When the store is down").
 //!
 //! The driver's error is found anywhere in the source chain (the SQLite writer wraps it in a
-//! batch error, for example).
+//! batch error; an exhausted pool's `PoolExhausted` has sqlx's pool timeout as its source).
 
 /// Whether `e`, or an error it was caused by, is an outage.
 pub(crate) fn is_outage(e: &(dyn std::error::Error + 'static)) -> bool {
@@ -32,11 +32,6 @@ fn classify(err: &(dyn std::error::Error + 'static)) -> Option<bool> {
         if let Some(e) = err.downcast_ref::<std::sync::Arc<sqlx::Error>>() {
             return Some(sqlx_outage(e));
         }
-    }
-    // No pool connection in time: every one busy, or the server not accepting new ones.
-    #[cfg(any(feature = "postgres", feature = "mysql"))]
-    if err.is::<super::pool::PoolExhausted>() {
-        return Some(true);
     }
     #[cfg(feature = "redis")]
     if let Some(e) = err.downcast_ref::<redis::RedisError>() {
@@ -152,8 +147,19 @@ mod tests {
         assert!(!StoreError::database("test", sqlx::Error::PoolClosed).is_unavailable());
         assert!(!StoreError::database("test", sqlx::Error::RowNotFound).is_unavailable());
         // Found through the source chain, as the SQLite writer wraps its batch errors.
-        let wrapped = crate::store::outage::tests::Wrapped(sqlx::Error::PoolTimedOut);
+        let wrapped = super::tests::Wrapped(sqlx::Error::PoolTimedOut);
         assert!(StoreError::database("test", wrapped).is_unavailable());
+    }
+
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    #[test]
+    fn an_exhausted_pool_is_an_outage() {
+        let e = crate::store::PoolExhausted {
+            max_connections: 16,
+            open: 0,
+            waited: std::time::Duration::from_secs(5),
+        };
+        assert!(StoreError::database("postgres", e).is_unavailable());
     }
 
     #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
