@@ -584,84 +584,115 @@ fn spawn_example(
 /// wait (reading the key, as nothing in their process can wake them) while the first process
 /// charges; the first is killed with SIGKILL mid-charge. The waiters are told the outcome is
 /// unknown once its lease runs out (never a second charge, never a hang to their bound); after
-/// `idemflow reconcile --once`, a retry replays the one charge.
+/// `idemflow reconcile --once`, a retry replays the one charge. On a SQLite file, and on
+/// PostgreSQL (a fresh schema), MariaDB (a fresh database) and Redis when their URLs are set.
 #[cfg(all(unix, feature = "cli"))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_in_a_second_process_outlive_the_first_killed_mid_charge() {
-    use std::process::Command;
     let bin = example_bin();
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = format!("sqlite://{}", dir.path().join("cards.db").display());
+    waiters_across_processes(&bin, "sqlite", &sqlite, true).await;
+    #[cfg(feature = "postgres")]
+    if let Some((url, schema)) = crate::support::postgres::fresh_schema().await {
+        let db = crate::support::postgres::url_in(&url, &schema);
+        waiters_across_processes(&bin, "postgres", &db, true).await;
+        crate::support::postgres::drop_schema(&url, &schema).await;
+    }
+    #[cfg(feature = "mysql")]
+    if let Some((options, name)) = crate::support::mysql::fresh_database().await {
+        let url = std::env::var(crate::support::mysql::URL_VAR).unwrap();
+        let base = url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b);
+        waiters_across_processes(&bin, "mariadb", &format!("{base}/{name}"), true).await;
+        crate::support::mysql::drop_database(&options, &name).await;
+    }
+    // Redis: the example's default key prefix is shared with other tests, so no reconcile
+    // (it would sweep their keys too); the key is this run's own.
+    #[cfg(feature = "redis")]
+    if let Some(url) = crate::support::backend_url(crate::support::redis::URL_VAR) {
+        waiters_across_processes(&bin, "redis", &url, false).await;
+    }
+}
+
+#[cfg(all(unix, feature = "cli"))]
+async fn waiters_across_processes(bin: &std::path::Path, name: &str, db: &str, reconcile: bool) {
+    use std::process::Command;
     let fake = FakeStripe::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite://{}", dir.path().join("cards.db").display());
     let env = [
         ("IDEMFLOW_LEASE_SECS", "1"),
         ("IDEMFLOW_WAIT_IN_FLIGHT_MS", "60000"),
     ];
-    let (mut first, first_base) = spawn_example(&bin, &fake, &db, &env);
-    let (mut second, second_base) = spawn_example(&bin, &fake, &db, &env);
+    let key = idemflow::conformance::unique("order-w");
+    let (mut first, first_base) = spawn_example(bin, &fake, db, &env);
+    let (mut second, second_base) = spawn_example(bin, &fake, db, &env);
     // The charge hangs at the processor until the process dies.
     fake.faults().hang_next_response();
     let c = client();
     let charge = tokio::spawn({
-        let (c, base) = (c.clone(), first_base.clone());
-        async move { pay(&c, &base, "order-w", "acct_w", &card(700)).await }
+        let (c, base, key) = (c.clone(), first_base.clone(), key.clone());
+        async move { pay(&c, &base, &key, "acct_w", &card(700)).await }
     });
     let deadline = Instant::now() + Duration::from_secs(30);
     while fake.ledger().is_empty() {
         assert!(
             Instant::now() < deadline,
-            "the first charge never reached Stripe"
+            "{name}: the first charge never reached Stripe"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let waiters: Vec<_> = (0..5)
         .map(|_| {
-            let (c, base) = (c.clone(), second_base.clone());
-            tokio::spawn(async move { pay(&c, &base, "order-w", "acct_w", &card(700)).await })
+            let (c, base, key) = (c.clone(), second_base.clone(), key.clone());
+            tokio::spawn(async move { pay(&c, &base, &key, "acct_w", &card(700)).await })
         })
         .collect();
-    // Let them start waiting, then kill the charging process.
+    // Let them start waiting (if one starts after the kill, it is answered the same), then kill
+    // the charging process.
     tokio::time::sleep(Duration::from_millis(300)).await;
     first.kill().unwrap(); // SIGKILL
     first.wait().unwrap();
     assert!(
         charge.await.unwrap().is_err(),
-        "the killed process answered nothing"
+        "{name}: the killed process answered nothing"
     );
     for w in waiters {
         let a = w.await.unwrap().unwrap();
         // Past the first's lease the key's outcome is unknown: 503, to come back later.
-        assert_eq!(a.status, 503, "{a:?}");
+        assert_eq!(a.status, 503, "{name}: {a:?}");
         assert_eq!(
             a.body["type"], "urn:idemflow:problem:outcome-unknown",
-            "{a:?}"
+            "{name}: {a:?}"
         );
     }
-    assert_eq!(fake.ledger().len(), 1, "one charge");
-    let config = dir.path().join("idemflow.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[providers]]\nkind = \"stripe\"\nbase_url = \"{}\"\napi_key_env = \"STRIPE_API_KEY\"\n",
-            fake.base_url()
-        ),
-    )
-    .unwrap();
-    let reconcile = Command::new(env!("CARGO_BIN_EXE_idemflow"))
-        .args(["reconcile", "--once", "--config"])
-        .arg(&config)
-        .env("DATABASE_URL", &db)
-        .env("STRIPE_API_KEY", FakeStripe::API_KEY)
-        .output()
+    assert_eq!(fake.ledger().len(), 1, "{name}: one charge");
+    if reconcile {
+        let config = dir.path().join("idemflow.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[[providers]]\nkind = \"stripe\"\nbase_url = \"{}\"\napi_key_env = \"STRIPE_API_KEY\"\n",
+                fake.base_url()
+            ),
+        )
         .unwrap();
-    assert_eq!(reconcile.status.code(), Some(0), "{reconcile:?}");
-    let a = pay(&c, &second_base, "order-w", "acct_w", &card(700))
-        .await
-        .unwrap();
-    assert!(a.status == 201 && a.replayed, "{a:?}");
-    assert_eq!(fake.ledger().len(), 1, "still one charge");
+        let reconcile = Command::new(env!("CARGO_BIN_EXE_idemflow"))
+            .args(["reconcile", "--once", "--config"])
+            .arg(&config)
+            .env("DATABASE_URL", db)
+            .env("STRIPE_API_KEY", FakeStripe::API_KEY)
+            .output()
+            .unwrap();
+        assert_eq!(reconcile.status.code(), Some(0), "{name}: {reconcile:?}");
+        let a = pay(&c, &second_base, &key, "acct_w", &card(700))
+            .await
+            .unwrap();
+        assert!(a.status == 201 && a.replayed, "{name}: {a:?}");
+    }
+    assert_eq!(fake.ledger().len(), 1, "{name}: still one charge");
     second.kill().unwrap();
     second.wait().unwrap();
+    eprintln!("{name}: 5 waiters in a second process, the first killed mid-charge: one charge");
 }
 
 /// The example as a process: SIGKILL mid-load, restart, `idemflow reconcile --once`, retry all.
