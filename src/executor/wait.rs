@@ -261,7 +261,9 @@ impl<'a> InFlightWait<'a> {
             };
             let watch = Watch::new(self.store, self.id);
             // A finish between the read that answered "in flight" and this registration is
-            // not signalled: the first backoff is short for it.
+            // not signalled to this waiter: the key's poller reads it within its backoff (this
+            // waiter, if it becomes the poller: its first backoff is 10 ms), and signals the
+            // others when it leaves.
             let seen = watch.signal.finishes.load(Ordering::Acquire);
             self.state = Some(Waiting {
                 _slot: slot,
