@@ -36,6 +36,10 @@ pub struct ProviderConfig {
     /// leaves the key for a later check ([`Square::processing_window`](super::Square::processing_window)).
     #[serde(default, with = "opt_secs")]
     pub processing_window: Option<Duration>,
+    /// For stripe: the `Stripe-Version` sent on every request (default
+    /// [`stripe::API_VERSION`](super::stripe::API_VERSION)); give the reconciler the version
+    /// your service pins.
+    pub api_version: Option<String>,
 }
 
 mod opt_secs {
@@ -176,7 +180,7 @@ fn build_http(
     check_settings(config, &name)?;
     // One adapter, at the configured base URL (or its own), named, with the settings it takes.
     macro_rules! adapter {
-        ($adapter:ident, $module:ident $(, $setting:ident)*) => {{
+        ($adapter:ident, $module:ident $(, $setting:ident)* $(; try $checked:ident)*) => {{
             let mut p = $adapter::with_base_url(&base($module::DEFAULT_BASE_URL), api_key)
                 .map_err(http)?
                 .with_name(name.clone());
@@ -185,11 +189,16 @@ fn build_http(
                     p = p.$setting(value);
                 }
             )*
+            $(
+                if let Some(value) = &config.$checked {
+                    p = p.$checked(value).map_err(http)?;
+                }
+            )*
             Ok(Arc::new(p))
         }};
     }
     match config.kind.as_str() {
-        "stripe" => adapter!(Stripe, stripe, search_lag),
+        "stripe" => adapter!(Stripe, stripe, search_lag; try api_version),
         "postmark" => adapter!(Postmark, postmark, search_lag),
         "adyen" => adapter!(Adyen, adyen, redrive_margin),
         "square" => adapter!(Square, square, processing_window),
@@ -207,7 +216,7 @@ fn build_http(
 fn check_settings(config: &ProviderConfig, name: &str) -> Result<(), ProviderConfigError> {
     let kind = config.kind.as_str();
     // (given, the kinds it applies to, why not here)
-    let settings: [(bool, &[&str], String); 4] = [
+    let settings: [(bool, &[&str], String); 5] = [
         (
             config.redrive_margin.is_some(),
             &["resend", "adyen", "paypal"],
@@ -224,6 +233,11 @@ fn check_settings(config: &ProviderConfig, name: &str) -> Result<(), ProviderCon
             config.retention.is_some(),
             &["paypal"],
             "retention applies to paypal only (PayPal-Request-Id retention, 6 h unless PayPal raised it)".to_owned(),
+        ),
+        (
+            config.api_version.is_some(),
+            &["stripe"],
+            "api_version applies to stripe only (the Stripe-Version header)".to_owned(),
         ),
         (
             config.processing_window.is_some(),
@@ -257,7 +271,26 @@ mod tests {
             redrive_margin: None,
             retention: None,
             processing_window: None,
+            api_version: None,
         }
+    }
+
+    #[test]
+    fn stripe_takes_an_api_version_and_no_other_kind_does() {
+        let mut c = cfg("stripe");
+        c.api_version = Some("2024-06-20".to_owned());
+        assert!(build_with_env(&c, env).is_ok());
+        c.api_version = Some("2024\n06".to_owned());
+        assert!(matches!(
+            build_with_env(&c, env),
+            Err(ProviderConfigError::Http { .. })
+        ));
+        let mut c = cfg("postmark");
+        c.api_version = Some("2024-06-20".to_owned());
+        assert!(matches!(
+            build_with_env(&c, env),
+            Err(ProviderConfigError::Invalid { .. })
+        ));
     }
 
     fn env(var: &str) -> Option<String> {

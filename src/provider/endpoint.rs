@@ -28,6 +28,8 @@ pub struct Endpoint {
     auth: Auth,
     key: ApiKey,
     headers: &'static [(&'static str, &'static str)],
+    /// Headers set at run time ([`Endpoint::set_header`]); each replaces a fixed one of its name.
+    set: Vec<(&'static str, reqwest::header::HeaderValue)>,
     http: HttpClient,
 }
 
@@ -47,6 +49,7 @@ impl Endpoint {
             auth,
             key: ApiKey::new(key)?,
             headers: &[],
+            set: Vec::new(),
             http: HttpClient::new(HttpConfig::default())?,
         })
     }
@@ -55,6 +58,34 @@ impl Endpoint {
     pub fn with_headers(mut self, headers: &'static [(&'static str, &'static str)]) -> Self {
         self.headers = headers;
         self
+    }
+
+    /// Sends `name: value` with every request from now on, instead of a fixed header of that
+    /// name (case-insensitive) and of an earlier value set here. A value that cannot travel in
+    /// HTTP is refused.
+    pub fn set_header(&mut self, name: &'static str, value: &str) -> Result<(), HttpError> {
+        let value = reqwest::header::HeaderValue::from_str(value).map_err(|e| {
+            HttpError::InvalidHeader {
+                name,
+                reason: e.to_string(),
+            }
+        })?;
+        self.set.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+        self.set.push((name, value));
+        Ok(())
+    }
+
+    /// The value sent in header `name` on every request, if one is (a fixed header, or one set
+    /// with [`set_header`](Self::set_header)).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        match self.set.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)) {
+            Some((_, v)) => v.to_str().ok(),
+            None => self
+                .headers
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(_, v)| *v),
+        }
     }
 
     /// The name stored in key rows.
@@ -92,7 +123,12 @@ impl Endpoint {
             Auth::Header(name) => req.header(name, self.key.expose()),
         };
         for (name, value) in self.headers {
-            req = req.header(*name, *value);
+            if !self.set.iter().any(|(n, _)| n.eq_ignore_ascii_case(name)) {
+                req = req.header(*name, *value);
+            }
+        }
+        for (name, value) in &self.set {
+            req = req.header(*name, value.clone());
         }
         req
     }

@@ -100,6 +100,14 @@ pub enum HttpError {
         /// What is wrong (the key itself is never shown).
         reason: &'static str,
     },
+    /// A header an adapter was configured to send cannot travel in HTTP.
+    #[error("invalid value for the {name} header: {reason}")]
+    InvalidHeader {
+        /// The header.
+        name: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
     /// reqwest could not build the client (TLS initialisation, ...).
     #[error("could not build the HTTP client: {source}")]
     Client {

@@ -56,6 +56,12 @@ use crate::{Outcome, StoredResponse};
 
 /// Stripe's API base.
 pub const DEFAULT_BASE_URL: &str = "https://api.stripe.com";
+
+/// The Stripe API version the adapter was written against and sends by default as
+/// `Stripe-Version` on every request (the call, the search, the retrieve), so that an account
+/// upgraded to a newer default version does not change the answers the adapter classifies;
+/// [`Stripe::api_version`] sends another.
+pub const API_VERSION: &str = "2025-04-30.basil";
 /// The metadata field that carries our key.
 pub const METADATA_KEY: &str = "idemflow_key";
 /// The webhook events that settle the key of the PaymentIntent they carry
@@ -96,7 +102,7 @@ http_adapter!(Stripe {
     name: "stripe",
     key: "a secret key (`sk_...`)",
     auth: Auth::Bearer,
-    headers: &[],
+    headers: &[("Stripe-Version", API_VERSION)],
     settings: {
         /// Sets how long after the first send an empty search result is still not trusted.
         search_lag: Duration = DEFAULT_SEARCH_LAG,
@@ -104,6 +110,30 @@ http_adapter!(Stripe {
 });
 
 impl Stripe {
+    /// Pins another Stripe API version (`Stripe-Version` on every request; default
+    /// [`API_VERSION`]). Use the version your integration was tested with: the adapter reads the
+    /// PaymentIntent fields `id`, `status`, `amount`, `currency`, `metadata` and
+    /// `last_payment_error`, and the error object's `type` and `code`.
+    ///
+    /// ```
+    /// # fn f() -> Result<(), idemflow::provider::http::HttpError> {
+    /// use idemflow::provider::Stripe;
+    /// let stripe = Stripe::new("sk_test_123")?.api_version("2024-06-20")?;
+    /// assert_eq!(stripe.sent_api_version(), "2024-06-20");
+    /// assert_eq!(Stripe::new("sk_test_123")?.sent_api_version(), idemflow::provider::stripe::API_VERSION);
+    /// assert!(Stripe::new("sk_test_123")?.api_version("bad\nversion").is_err());
+    /// # Ok(()) }
+    /// ```
+    pub fn api_version(mut self, version: &str) -> Result<Self, super::http::HttpError> {
+        self.endpoint.set_header("Stripe-Version", version)?;
+        Ok(self)
+    }
+
+    /// The `Stripe-Version` this adapter sends.
+    pub fn sent_api_version(&self) -> &str {
+        self.endpoint.header("Stripe-Version").unwrap_or(API_VERSION)
+    }
+
     /// The form fields sent for `request` with `provider_key`, in the order sent.
     pub fn form_fields(
         provider_key: &str,

@@ -711,3 +711,56 @@ async fn stripe_409_then_429_is_unknown_not_retryable() {
     assert!(matches!(out, CallReply::Unknown { .. }), "{out:?}");
     assert_eq!(server.received_requests().await.unwrap().len(), 2);
 }
+
+/// `Stripe-Version` goes with every request the adapter makes, the call and the lookup's search
+/// alike: the pinned default, or the version the adapter was built with.
+#[tokio::test]
+async fn stripe_version_is_pinned_on_every_request() {
+    use idemflow::provider::stripe::API_VERSION;
+    let fake = FakeStripe::start().await.unwrap();
+    let long_ago = Utc::now() - chrono::Duration::minutes(5);
+    for (adapter, expected) in [
+        (stripe(fake.base_url(), 1), API_VERSION),
+        (
+            stripe(fake.base_url(), 1)
+                .api_version("2024-06-20")
+                .unwrap(),
+            "2024-06-20",
+        ),
+    ] {
+        let before = fake.requests().len();
+        assert!(matches!(
+            adapter.call(&format!("idf_v_{expected}"), &charge()).await,
+            CallReply::Succeeded { .. }
+        ));
+        let found = adapter
+            .lookup(
+                &format!("idf_v_{expected}"),
+                &charge(),
+                idemflow::Attempts::once(long_ago),
+                Utc::now(),
+            )
+            .await;
+        assert!(
+            matches!(found, Lookup::Found(_) | Lookup::NotFound { .. }),
+            "{found:?}"
+        );
+        let sent = &fake.requests()[before..];
+        assert!(sent.len() >= 2, "a call and a search: {}", sent.len());
+        for r in sent {
+            let versions: Vec<_> = r
+                .headers
+                .iter()
+                .filter(|(n, _)| n == "stripe-version")
+                .map(|(_, v)| v.as_str())
+                .collect();
+            assert_eq!(versions, [expected], "{} {}", r.method, r.path);
+        }
+    }
+    // A version that cannot travel in a header is refused when the adapter is built.
+    let bad = stripe(fake.base_url(), 1).api_version("2024\n06");
+    assert!(matches!(
+        bad,
+        Err(idemflow::provider::http::HttpError::InvalidHeader { .. })
+    ));
+}
