@@ -109,7 +109,14 @@ pub enum StoreDown {
     /// for effects a duplicate cannot hurt. Every such request is logged at `warn`, counted in
     /// `idemflow_unprotected_requests_total`, and its answer carries
     /// `Idempotency-Unprotected: store-unavailable`. A store that fails after the handler ran
-    /// (its answer not stored) is never a reason to run it again.
+    /// (its answer not stored) is never a reason to run it again. Not applied to a
+    /// [`workflow`](IdempotencyLayer::workflow) layer, which reads the store after its claim.
+    ///
+    /// A claim the database applied whose answer was lost with the connection leaves the key
+    /// `processing`: with [`provider`](IdempotencyLayer::provider) set, the sweeper later
+    /// settles it by asking the provider, which may send the stored request once more (with
+    /// the stored provider key, which the unprotected run did not use). Choose this policy only
+    /// where that second send is harmless too.
     RunUnprotected,
 }
 

@@ -125,9 +125,11 @@ where
     };
 
     // Kept for a pass-through when the store is down (`StoreDown::RunUnprotected`); a clone
-    // of `Bytes` shares the buffer.
+    // of `Bytes` shares the buffer. Never for a workflow: its run reads the store after the
+    // claim, so a store error there does not mean the claim failed.
+    let workflow = settings.provider.as_deref() == Some(crate::record::WORKFLOW_MARKER);
     let unprotected_body =
-        (settings.store_down == StoreDown::RunUnprotected).then(|| bytes.clone());
+        (settings.store_down == StoreDown::RunUnprotected && !workflow).then(|| bytes.clone());
     let mut parts_slot = Some(parts);
     let mut produced: Option<Produced<S::Error>> = None;
     let stored_headers = &settings.stored_headers;

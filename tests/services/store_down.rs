@@ -268,7 +268,30 @@ async fn a_sqlite_file_made_unwritable_then_writable_again() {
     };
     let store: Arc<dyn Store> = Arc::new(store);
     ride_out("sqlite", store.clone(), &outage).await;
-    lost_mid_request("sqlite", store, &outage).await;
+    lost_mid_request("sqlite", store.clone(), &outage).await;
+
+    // A workflow layer never passes through: its run reads the store after the claim.
+    let h = Arc::new(Handler::default());
+    let layer = IdempotencyLayer::new(
+        Idempotency::new(store),
+        ScopeSource::fixed(Scope::new("acct").unwrap()),
+    )
+    .workflow()
+    .when_store_down(StoreDown::RunUnprotected);
+    let flow = Router::new()
+        .route("/pay", post(pay))
+        .layer(layer)
+        .with_state(h.clone());
+    outage.stop().await;
+    let a = send(&flow, "wf-1").await;
+    outage.restart().await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!a.unprotected);
+    assert_eq!(
+        h.runs.load(Ordering::SeqCst),
+        0,
+        "the workflow handler did not run"
+    );
 }
 
 #[cfg(feature = "postgres")]
