@@ -354,6 +354,26 @@ impl Bind {
     }
 }
 
+/// Runs a write that returns at most one row (`.. RETURNING`) to its end, on the writer
+/// connection.
+///
+/// `fetch_optional` stops after the first row; SQLite then commits an autocommit statement in
+/// its reset, and a commit made there skips the WAL hook, which is what runs the automatic
+/// checkpoint. With every lone write made that way, the WAL was never checkpointed while the
+/// store was open: it grew by ~30 KB per key without bound, and each commit's `fsync` appended
+/// to it instead of rewriting its start (`docs/performance.md`, "The WAL that never
+/// checkpointed"). Stepping the statement to its end commits where the hook runs.
+async fn write_returning<'q>(
+    q: sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>,
+    conn: &mut SqliteConnection,
+) -> Result<Option<SqliteRow>, StoreError> {
+    Ok(q.fetch_all(&mut *conn)
+        .await
+        .map_err(db)?
+        .into_iter()
+        .next())
+}
+
 fn decode_with_now(row: &SqliteRow) -> Result<(KeyRecord, DateTime<Utc>), StoreError> {
     Ok((decode_record(row)?, row.time_at("db_now")?))
 }
@@ -367,10 +387,11 @@ async fn claim_on(
     claim: &NewClaim,
 ) -> Result<ClaimOutcome, StoreError> {
     for _ in 0..3 {
-        let row = sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, millis, None)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(db)?;
+        let row = write_returning(
+            sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, millis, None),
+            conn,
+        )
+        .await?;
         if let Some(row) = row {
             return claimed(&row);
         }
@@ -389,11 +410,12 @@ async fn claim_on(
                 now,
             });
         }
-        let row = sql_core::bind_claim(sqlx::query(sql::RECLAIM), claim, millis, None)
-            .bind(record.state.as_str())
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(db)?;
+        let row = write_returning(
+            sql_core::bind_claim(sqlx::query(sql::RECLAIM), claim, millis, None)
+                .bind(record.state.as_str()),
+            conn,
+        )
+        .await?;
         if let Some(row) = row {
             return claimed(&row);
         }
@@ -442,13 +464,14 @@ impl SqliteStore {
             .call(job(move |conn| {
                 let (id, finish) = (key.clone(), finish_data.clone());
                 Box::pin(async move {
-                    sql_core::bind_finish(sqlx::query(sql::FINISH), &id, mode, &finish)
-                        .fetch_optional(&mut *conn)
-                        .await
-                        .map_err(db)?
-                        .as_ref()
-                        .map(decode_record)
-                        .transpose()
+                    write_returning(
+                        sql_core::bind_finish(sqlx::query(sql::FINISH), &id, mode, &finish),
+                        conn,
+                    )
+                    .await?
+                    .as_ref()
+                    .map(decode_record)
+                    .transpose()
                 })
             }))
             .await?;
@@ -561,9 +584,8 @@ impl Store for SqliteStore {
                     .bind(token.0)
                     .bind(lease_ms);
                 Box::pin(async move {
-                    q.fetch_optional(&mut *conn)
-                        .await
-                        .map_err(db)?
+                    write_returning(q, conn)
+                        .await?
                         .map(|row| row.time_at("lease_expires_at"))
                         .transpose()
                 })
