@@ -41,16 +41,16 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::request::Parts;
 use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use axum::{Extension, Router};
-use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem, ScopeSource};
-use idemflow::provider::{Provider, Stripe};
-use idemflow::{CallReply, Idempotency, Store};
+use idemflow::axum::{IdempotencyContext, IdempotencyLayer, Problem, ScopeSource};
+use idemflow::provider::Stripe;
+use idemflow::{Idempotency, Store};
 use serde_json::{Map, Value, json};
 
 /// The service's settings, from the environment.
@@ -229,41 +229,11 @@ fn payment_params(parts: &Parts, body: &Bytes) -> Result<Value, Problem> {
 
 async fn create_payment(State(stripe): State<Arc<Stripe>>, ctx: IdempotencyContext) -> Response {
     // The stored request, with the stored provider key: exactly what the sweeper would send.
-    match stripe.call(ctx.provider_key(), ctx.request()).await {
-        CallReply::Succeeded { response, .. } | CallReply::Rejected { response } => {
-            to_http(render(response))
-        }
-        CallReply::Retryable {
-            reason,
-            retry_after,
-        } => {
-            let mut p = Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "provider-unavailable",
-                "The card processor refused the request without acting",
-            )
-            .detail(reason);
-            p = p.retry_after(retry_after.unwrap_or(Duration::from_secs(1)));
-            // Nothing happened at Stripe: the retry runs again with the same key.
-            (Extension(NothingHappened), p).into_response()
-        }
-        other => {
-            let reason = match other {
-                CallReply::Unknown { reason } => reason,
-                CallReply::InFlight { .. } => "Stripe reports this payment still in flight".into(),
-                CallReply::KeyConflict { detail } => detail,
-                _ => "unexpected answer".into(),
-            };
-            // Not stored: the key stays for the sweeper, which asks Stripe.
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "outcome-unknown",
-                "The outcome of the charge is not known yet",
-            )
-            .detail(reason)
-            .retry_after(Duration::from_secs(5))
-            .into_response()
-        }
+    // No answer yet is a 503: `retryable` when Stripe surely did nothing (the retry runs again),
+    // `outcome-unknown` when it may have charged (the sweeper asks Stripe).
+    match ctx.call(stripe.as_ref()).await {
+        Ok(answer) => render(answer).into_response(),
+        Err(no_answer_yet) => no_answer_yet,
     }
 }
 
@@ -312,24 +282,6 @@ pub fn render(stripe: idemflow::StoredResponse) -> idemflow::StoredResponse {
         );
     }
     stripe
-}
-
-fn to_http(r: idemflow::StoredResponse) -> Response {
-    let (status, headers, body) = r.into_parts();
-    let mut resp = (
-        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-        body,
-    )
-        .into_response();
-    for (n, v) in headers {
-        if let (Ok(n), Ok(v)) = (
-            axum::http::HeaderName::try_from(n),
-            axum::http::HeaderValue::try_from(v),
-        ) {
-            resp.headers_mut().insert(n, v);
-        }
-    }
-    resp
 }
 
 /// Binds `settings.listen_addr` and serves until Ctrl-C.

@@ -26,16 +26,16 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::request::Parts;
 use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use axum::{Extension, Router};
-use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem, ScopeSource};
-use idemflow::provider::{Provider, Resend};
-use idemflow::{CallReply, Idempotency};
+use idemflow::Idempotency;
+use idemflow::axum::{IdempotencyContext, IdempotencyLayer, Problem, ScopeSource};
+use idemflow::provider::Resend;
 use serde_json::{Map, Value, json};
 
 fn invalid(field: &str, detail: impl Into<String>) -> Problem {
@@ -134,46 +134,11 @@ fn render(resend: idemflow::StoredResponse) -> idemflow::StoredResponse {
 }
 
 async fn send_email(State(resend): State<Arc<Resend>>, ctx: IdempotencyContext) -> Response {
-    match resend.call(ctx.provider_key(), ctx.request()).await {
-        CallReply::Succeeded { response, .. } | CallReply::Rejected { response } => {
-            let (status, headers, body) = render(response).into_parts();
-            let mut resp = (
-                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-                body,
-            )
-                .into_response();
-            for (n, v) in headers {
-                if let (Ok(n), Ok(v)) = (
-                    axum::http::HeaderName::try_from(n),
-                    axum::http::HeaderValue::try_from(v),
-                ) {
-                    resp.headers_mut().insert(n, v);
-                }
-            }
-            resp
-        }
-        CallReply::Retryable {
-            reason,
-            retry_after,
-        } => (
-            Extension(NothingHappened),
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "provider-unavailable",
-                "The email provider refused the request without sending",
-            )
-            .detail(reason)
-            .retry_after(retry_after.unwrap_or(Duration::from_secs(1))),
-        )
-            .into_response(),
-        other => Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "outcome-unknown",
-            "Whether the email was sent is not known yet",
-        )
-        .detail(format!("{other:?}"))
-        .retry_after(Duration::from_secs(5))
-        .into_response(),
+    // The stored request with the stored key (what the sweeper re-sends). No answer yet is a
+    // 503: `retryable` when Resend surely sent nothing, `outcome-unknown` when it may have.
+    match ctx.call(resend.as_ref()).await {
+        Ok(answer) => render(answer).into_response(),
+        Err(no_answer_yet) => no_answer_yet,
     }
 }
 

@@ -9,9 +9,11 @@ use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 
+use axum::Extension;
+
 use super::Problem;
 use crate::record::LeaseToken;
-use crate::{IdempotencyKey, KeyId, Scope};
+use crate::{Error, IdempotencyKey, KeyId, Outcome, Scope, StoredResponse};
 
 /// The claimed key, as the handler sees it: the provider key to forward, the stored request and
 /// the attempt. Inserted into the request extensions by the layer when it runs the handler; take
@@ -28,6 +30,13 @@ pub struct IdempotencyContext {
     /// The executor's view of this attempt (its key, provider key, token and lease, renewed
     /// while the handler runs).
     pub(crate) attempt_ctx: crate::Context,
+    /// The provider the layer records for its keys ([`IdempotencyLayer::provider`]), which
+    /// [`call`](Self::call) must be given.
+    ///
+    /// [`IdempotencyLayer::provider`]: super::IdempotencyLayer::provider
+    pub(crate) provider: Option<String>,
+    /// The executor's [`unknown_retry_after`](crate::ExecutorConfig::unknown_retry_after).
+    pub(crate) unknown_retry_after: std::time::Duration,
 }
 
 impl IdempotencyContext {
@@ -111,6 +120,74 @@ impl IdempotencyContext {
         provider: &dyn crate::Provider,
     ) -> Result<crate::Execution, crate::Error> {
         self.attempt_ctx.call_step(step, provider).await
+    }
+
+    /// Sends [`request`](Self::request) to `provider` with [`provider_key`](Self::provider_key),
+    /// and returns the provider's answer for the handler to return, or the answer that says
+    /// there is none yet. The same steps as [`Idempotency::call`](crate::Idempotency::call):
+    /// nothing is sent once the attempt [may no longer send](Self::may_send), a refusal after
+    /// an earlier attempt that may have acted does not end the key, and the provider's
+    /// [secret fields](crate::Provider::secret_fields) are masked for this caller too.
+    ///
+    /// - `Ok(answer)`: the provider acted (a 2xx) or refused for good (a 4xx). Return it, or
+    ///   your rendering of it: the layer stores and replays what the handler returns.
+    /// - `Err(response)`, nothing to store: 503 `retryable` with [`NothingHappened`] when the
+    ///   provider surely did nothing (the provider's `Retry-After`, if it gave one; the client's
+    ///   retry runs the handler again); 503 `outcome-unknown` when it may have acted (the key
+    ///   stays for the sweeper, which asks the provider); 500 `provider-not-declared`, nothing
+    ///   sent, when `provider` is not the one the layer was declared with
+    ///   ([`IdempotencyLayer::provider`](super::IdempotencyLayer::provider)), since the sweeper
+    ///   would ask that one.
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use axum::{extract::State, response::{IntoResponse, Response}};
+    /// use idemflow::axum::IdempotencyContext;
+    /// use idemflow::provider::Stripe;
+    ///
+    /// async fn create_payment(State(stripe): State<Arc<Stripe>>, ctx: IdempotencyContext) -> Response {
+    ///     match ctx.call(stripe.as_ref()).await {
+    ///         Ok(answer) => answer.into_response(),
+    ///         Err(no_answer_yet) => no_answer_yet,
+    ///     }
+    /// }
+    /// ```
+    pub async fn call(&self, provider: &dyn crate::Provider) -> Result<StoredResponse, Response> {
+        if self.provider.as_deref() != Some(provider.name()) {
+            let declared = self.provider.as_deref().unwrap_or("none");
+            let problem = Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "provider-not-declared",
+                "The handler called a provider the layer was not declared with",
+            )
+            .detail(format!(
+                "the handler called provider {:?}, the layer records {declared:?} for its keys \
+                 (IdempotencyLayer::provider); nothing was sent",
+                provider.name()
+            ));
+            return Err((Extension(NothingHappened), problem).into_response());
+        }
+        let (outcome, retry_after) =
+            crate::executor::send_to_provider(&self.attempt_ctx, provider).await;
+        let key = self.id().clone();
+        match outcome {
+            Outcome::Succeeded(answer) | Outcome::Rejected(answer) => Ok(answer),
+            Outcome::Retryable { reason } => {
+                let mut problem = Problem::from(&Error::FailedRetryable { key, reason });
+                if let Some(after) = retry_after {
+                    problem = problem.retry_after(after);
+                }
+                Err((Extension(NothingHappened), problem).into_response())
+            }
+            Outcome::Unknown { reason } => {
+                let e = Error::OutcomeUnknown {
+                    key,
+                    reason,
+                    retry_after: self.unknown_retry_after,
+                };
+                Err(Problem::from(&e).into_response())
+            }
+        }
     }
 
     /// The stored request (see

@@ -133,6 +133,8 @@ where
     let mut parts_slot = Some(parts);
     let mut produced: Option<Produced<S::Error>> = None;
     let stored_headers = &settings.stored_headers;
+    let declared_provider = settings.provider.clone();
+    let unknown_retry_after = settings.idem.config().unknown_retry_after;
     let secret_fields: Vec<&str> = settings.secret_fields.iter().map(String::as_str).collect();
     let secret_fields = &secret_fields;
     let result = {
@@ -154,6 +156,8 @@ where
                     operation,
                     request: Arc::new(serde_json::from_str(ctx.request()).unwrap_or(Value::Null)),
                     attempt_ctx: ctx,
+                    provider: declared_provider,
+                    unknown_retry_after,
                 };
                 let mut req = Request::from_parts(parts, Body::from(bytes));
                 req.extensions_mut().insert(handler_ctx);

@@ -23,40 +23,60 @@ impl Idempotency {
         // A retry takes the key over only inside the provider's dedup window, and never for a
         // provider that does not dedupe by key (a re-send would act again).
         request.dedup_window = Some(spec.retention.filter(|_| spec.replays_same_key));
-        self.execute(request, |ctx| async move {
-            let body: serde_json::Value = match serde_json::from_str(ctx.request()) {
-                Ok(v) => v,
-                // The canonical request was produced from JSON by IdempotentRequest; this cannot fail
-                // unless memory is corrupt, and then nothing was sent.
-                Err(e) => return crate::Outcome::retryable(format!("request is not JSON: {e}")),
-            };
-            // The last check before the request leaves: a paused process, a lost lease or a
-            // closed takeover window sends nothing (see Context::may_send).
-            if let Some(why) = ctx.send_refusal() {
-                return crate::Outcome::retryable(format!("not sent: {why}"));
-            }
-            let outcome = match provider
-                .call(ctx.provider_key(), &body)
-                .await
-                .into_outcome()
-            {
-                // After an earlier attempt of the key that may have acted (a takeover), only a
-                // refusal the provider reports about the key's own request
-                // (`Provider::definitive_refusal`) ends the key; any other refusal may answer this
-                // re-send alone while the first still runs, so the sweeper settles the key.
-                crate::Outcome::Rejected(resp)
-                    if ctx.may_have_acted && !provider.definitive_refusal(&resp) =>
-                {
-                    crate::Outcome::unknown(format!(
-                        "an earlier attempt may have acted; this one was refused with status {}, \
-                         which does not say what the earlier one did",
-                        resp.status()
-                    ))
-                }
-                other => other,
-            };
-            crate::provider::secrets::mask_outcome(outcome, provider.secret_fields())
-        })
-        .await
+        self.execute(request, |ctx| async move { send(&ctx, provider).await.0 })
+            .await
     }
+}
+
+/// Sends the attempt's stored request to `provider` with its provider key, and classifies the
+/// answer as an [`Outcome`](crate::Outcome), the provider's secret fields masked, with the
+/// provider's `Retry-After` when it refused without acting: what
+/// [`Idempotency::call`] stores, and what the axum layer's
+/// [`IdempotencyContext::call`](crate::axum::IdempotencyContext::call) answers with. Nothing is
+/// sent when the attempt may no longer send ([`Context::may_send`](super::Context::may_send)).
+pub(crate) async fn send(
+    ctx: &super::Context,
+    provider: &dyn Provider,
+) -> (crate::Outcome, Option<std::time::Duration>) {
+    let body: serde_json::Value = match serde_json::from_str(ctx.request()) {
+        Ok(v) => v,
+        // The canonical request was produced from JSON by IdempotentRequest; this cannot fail
+        // unless memory is corrupt, and then nothing was sent.
+        Err(e) => {
+            return (
+                crate::Outcome::retryable(format!("request is not JSON: {e}")),
+                None,
+            );
+        }
+    };
+    // The last check before the request leaves: a paused process, a lost lease or a closed
+    // takeover window sends nothing (see Context::may_send).
+    if let Some(why) = ctx.send_refusal() {
+        return (crate::Outcome::retryable(format!("not sent: {why}")), None);
+    }
+    let reply = provider.call(ctx.provider_key(), &body).await;
+    let retry_after = match &reply {
+        crate::provider::CallReply::Retryable { retry_after, .. } => *retry_after,
+        _ => None,
+    };
+    let outcome = match reply.into_outcome() {
+        // After an earlier attempt of the key that may have acted (a takeover), only a refusal
+        // the provider reports about the key's own request (`Provider::definitive_refusal`) ends
+        // the key; any other refusal may answer this re-send alone while the first still runs,
+        // so the sweeper settles the key.
+        crate::Outcome::Rejected(resp)
+            if ctx.may_have_acted && !provider.definitive_refusal(&resp) =>
+        {
+            crate::Outcome::unknown(format!(
+                "an earlier attempt may have acted; this one was refused with status {}, which \
+                 does not say what the earlier one did",
+                resp.status()
+            ))
+        }
+        other => other,
+    };
+    (
+        crate::provider::secrets::mask_outcome(outcome, provider.secret_fields()),
+        retry_after,
+    )
 }

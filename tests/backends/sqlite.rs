@@ -62,8 +62,8 @@ async fn lone_writes_keep_the_wal_checkpointed() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("wal.db");
     // Off: the checkpoint does not depend on it, and the test stays fast.
-    let config = SqliteConfig::new(format!("sqlite://{}", db.display()))
-        .synchronous(SqliteSynchronous::Off);
+    let config =
+        SqliteConfig::new(format!("sqlite://{}", db.display())).synchronous(SqliteSynchronous::Off);
     let store = SqliteStore::connect_with(config).await.unwrap();
     store.migrate().await.unwrap();
     let idem = Idempotency::new(Arc::new(store.clone()));
@@ -95,5 +95,9 @@ async fn lone_writes_keep_the_wal_checkpointed() {
         "the database file holds {file} bytes after {keys} keys: nothing was checkpointed \
          into it (WAL {wal} bytes)"
     );
-    assert_eq!(store.writer_stats().commits, 2 * keys as u64, "lone writes, not batches");
+    assert_eq!(
+        store.writer_stats().commits,
+        2 * keys as u64,
+        "lone writes, not batches"
+    );
 }

@@ -30,6 +30,8 @@ mod card_service;
 #[cfg(all(feature = "http", feature = "testkit"))]
 mod checkout_service;
 #[cfg(all(feature = "http", feature = "testkit"))]
+mod context_call;
+#[cfg(all(feature = "http", feature = "testkit"))]
 mod email_service;
 mod http_layer;
 mod store_down;
