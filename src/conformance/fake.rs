@@ -157,7 +157,7 @@ impl Provider for FakeProvider {
         self.spec.clone()
     }
 
-    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallReply {
+    async fn send(&self, provider_key: &str, request: &serde_json::Value) -> CallReply {
         if self.hangs() {
             std::future::pending::<()>().await;
         }

@@ -264,7 +264,7 @@ pub async fn died_before_storing_is_redriven_to_the_same_charge(store: Arc<dyn S
         idem.execute(req.clone(), |ctx| async move {
             use crate::Provider;
             let body: serde_json::Value = serde_json::from_str(ctx.request()).unwrap();
-            let _answer = p.call(ctx.provider_key(), &body).await;
+            let _answer = p.send(ctx.provider_key(), &body).await;
             // The process dies here, answer in hand.
             let _ = at.send(());
             std::future::pending::<Outcome>().await
@@ -333,7 +333,7 @@ pub async fn zombie_worker_gets_lease_lost_and_changes_nothing(store: Arc<dyn St
             idem.execute(req, |ctx| async move {
                 use crate::Provider;
                 let body: serde_json::Value = serde_json::from_str(ctx.request()).unwrap();
-                let answer = p.call(ctx.provider_key(), &body).await;
+                let answer = p.send(ctx.provider_key(), &body).await;
                 let _ = called_tx.send(());
                 // Stalls (GC pause, partition) past its lease...
                 let _ = go_rx.await;
@@ -1028,12 +1028,12 @@ impl crate::Provider for LeaseWitness {
     fn key_spec(&self) -> crate::provider::KeySpec {
         self.inner.key_spec()
     }
-    async fn call(&self, pk: &str, request: &serde_json::Value) -> crate::provider::CallReply {
+    async fn send(&self, pk: &str, request: &serde_json::Value) -> crate::provider::CallReply {
         let rec = self.store.get(&self.id).await.unwrap().expect("key row");
         let now = self.store.now().await.unwrap();
         let held = rec.lease_expires_at.is_some_and(|exp| exp > now);
         self.held.lock().unwrap().push(held);
-        self.inner.call(pk, request).await
+        self.inner.send(pk, request).await
     }
     async fn lookup(
         &self,

@@ -54,7 +54,7 @@ pub(crate) async fn send(
     if let Some(why) = ctx.send_refusal() {
         return (crate::Outcome::retryable(format!("not sent: {why}")), None);
     }
-    let reply = provider.call(ctx.provider_key(), &body).await;
+    let reply = provider.send(ctx.provider_key(), &body).await;
     let retry_after = match &reply {
         crate::provider::CallReply::Retryable { retry_after, .. } => *retry_after,
         _ => None,

@@ -1,6 +1,6 @@
 //! Adyen Checkout payments (feature `http`).
 //!
-//! `call` sends `POST /v71/payments` with the canonical JSON request as the body (Adyen's own
+//! `send` sends `POST /v71/payments` with the canonical JSON request as the body (Adyen's own
 //! fields: `amount`, `reference`, `paymentMethod`, `merchantAccount`, ...), `Idempotency-Key:
 //! <provider key>` (at most 64 characters, so keys are derived with `max_len` 64) and the API
 //! key in `X-API-Key`.

@@ -1,5 +1,5 @@
 //! Providers: the external services idemflow makes safe to retry (card processors, email
-//! services), described as data ([`KeySpec`]) plus two calls: [`Provider::call`] and
+//! services), described as data ([`KeySpec`]) plus two calls: [`Provider::send`] and
 //! [`Provider::lookup`].
 //!
 //! The request a provider receives is the canonical JSON stored in the key row, so the sweeper can
@@ -114,7 +114,7 @@ impl KeySpec {
     }
 }
 
-/// What a provider replied to one [`Provider::call`], classified. This is the provider's reply;
+/// What a provider replied to one [`Provider::send`], classified. This is the provider's reply;
 /// the operation's own [`Outcome`] is made from it by [`into_outcome`](Self::into_outcome).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallReply {
@@ -250,7 +250,7 @@ pub trait Provider: Debug + Send + Sync + 'static {
     }
 
     /// Sends `request` (the canonical JSON stored in the key row) with `provider_key`.
-    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallReply;
+    async fn send(&self, provider_key: &str, request: &serde_json::Value) -> CallReply;
 
     /// Voids whatever the request sent with `provider_key` did, identified by that key alone
     /// (Square's `CancelPaymentByIdempotencyKey`). The sweeper tries it before

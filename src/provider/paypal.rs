@@ -1,6 +1,6 @@
 //! PayPal Orders v2 (feature `http`).
 //!
-//! `call` sends `POST /v2/checkout/orders` with the canonical JSON request as the body (PayPal's
+//! `send` sends `POST /v2/checkout/orders` with the canonical JSON request as the body (PayPal's
 //! own fields: `intent`, `purchase_units`, `payment_source`, ...), `PayPal-Request-Id: <provider
 //! key>` (1 to 108 characters for Orders v2, so keys are derived with `max_len` 108) and an OAuth
 //! access token as `Authorization: Bearer` (the adapter does not fetch or refresh the token).

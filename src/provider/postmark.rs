@@ -1,6 +1,6 @@
 //! Postmark email (feature `http`). Postmark has **no idempotency key**.
 //!
-//! `call` sends `POST /email` with the canonical JSON request as the body (Postmark's own fields:
+//! `send` sends `POST /email` with the canonical JSON request as the body (Postmark's own fields:
 //! `From`, `To`, `Subject`, `TextBody`, `HtmlBody`, `Metadata`, ...), our provider key added as
 //! `Metadata.idemflow_key`, and the server token in `X-Postmark-Server-Token`.
 //!
@@ -140,7 +140,7 @@ impl Provider for Postmark {
     }
 
     #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn call(&self, provider_key: &str, request: &Value) -> CallReply {
+    async fn send(&self, provider_key: &str, request: &Value) -> CallReply {
         let body = match Self::body(provider_key, request) {
             Ok(b) => b,
             Err(detail) => {

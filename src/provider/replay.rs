@@ -99,7 +99,7 @@ pub fn answer_of_resend(provider: &str, outcome: CallReply) -> Lookup {
 
 /// Implements [`Provider`](super::Provider) for an adapter whose provider replays a same-key
 /// re-send inside its key window and cannot be searched by our key (Adyen, PayPal, Resend): the
-/// stored JSON request is the body, the provider key travels in `key_header`, `call` posts it to
+/// stored JSON request is the body, the provider key travels in `key_header`, `send` posts it to
 /// `path` (re-sent with the same key after an unknown outcome) and reads each answer with the
 /// adapter's `classify`, and `lookup` is a [`ReplayLookup`] over `key_window` (counted from the
 /// first send) less the adapter's `redrive_margin`.
@@ -135,7 +135,7 @@ macro_rules! same_key_provider {
             }
 
             #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-            async fn call(
+            async fn send(
                 &self,
                 provider_key: &str,
                 request: &serde_json::Value,
@@ -163,7 +163,7 @@ macro_rules! same_key_provider {
                     window: self.key_window(),
                     margin: self.redrive_margin,
                 }
-                .run(request, attempts, now, self.call(provider_key, request))
+                .run(request, attempts, now, self.send(provider_key, request))
                 .await
             }
         }

@@ -1,6 +1,6 @@
 //! Resend emails (feature `http`).
 //!
-//! `call` sends `POST /emails` with the canonical JSON request as the body (Resend's own fields:
+//! `send` sends `POST /emails` with the canonical JSON request as the body (Resend's own fields:
 //! `from`, `to`, `subject`, `html`, `text`, ...) and `Idempotency-Key: <provider key>`.
 //!
 //! | Resend answers                                   | [`CallReply`]              |

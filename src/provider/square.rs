@@ -1,6 +1,6 @@
 //! Square payments (feature `http`), with **void by key**.
 //!
-//! `call` sends `POST /v2/payments` with the canonical JSON request as the body (Square's own
+//! `send` sends `POST /v2/payments` with the canonical JSON request as the body (Square's own
 //! fields: `source_id`, `amount_money`, `location_id`, `autocomplete`, ...) and our provider key
 //! as the body's `idempotency_key` (CreatePayment takes at most 45 characters, so keys are
 //! derived with `max_len` 45). A same-key, same-body re-send returns "the first successful
@@ -183,7 +183,7 @@ impl Provider for Square {
     }
 
     #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn call(&self, provider_key: &str, request: &Value) -> CallReply {
+    async fn send(&self, provider_key: &str, request: &Value) -> CallReply {
         let body = match Self::body(provider_key, request) {
             Ok(b) => b,
             Err(detail) => {
@@ -239,6 +239,6 @@ impl Provider for Square {
                 reason: "the request was not stored, so it cannot be re-sent, and Square cannot be searched by our key".to_owned(),
             };
         }
-        answer_of_resend("Square", self.call(provider_key, request).await)
+        answer_of_resend("Square", self.send(provider_key, request).await)
     }
 }

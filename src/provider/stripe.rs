@@ -1,6 +1,6 @@
 //! Stripe PaymentIntents (feature `http`).
 //!
-//! `call` sends `POST /v1/payment_intents`, form-encoded, with `Idempotency-Key: <provider key>`
+//! `send` sends `POST /v1/payment_intents`, form-encoded, with `Idempotency-Key: <provider key>`
 //! and `metadata[idemflow_key]=<provider key>` (so a lost result can be found by search after
 //! Stripe's 24 h key window), and `confirm=true` unless the request sets `confirm`.
 //!
@@ -320,7 +320,7 @@ impl Provider for Stripe {
     }
 
     #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
-    async fn call(&self, provider_key: &str, request: &Value) -> CallReply {
+    async fn send(&self, provider_key: &str, request: &Value) -> CallReply {
         let fields = match Self::form_fields(provider_key, request) {
             Ok(f) => f,
             Err(detail) => {

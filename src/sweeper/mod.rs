@@ -614,7 +614,7 @@ impl Sweeper {
                 retry_after: None,
             });
         }
-        let call = p.call(&record.provider_key, request);
+        let call = p.send(&record.provider_key, request);
         let outcome = tokio::time::timeout(self.config.call_timeout, call)
             .await
             .unwrap_or_else(|_| CallReply::Unknown {

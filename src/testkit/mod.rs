@@ -15,7 +15,7 @@
 //! let resend = Resend::with_base_url(fake.base_url(), FakeResend::API_KEY)?;
 //! fake.faults().lose_next_response(); // the email is sent, the answer is lost
 //! let email = serde_json::json!({"from": "a@x.test", "to": ["b@y.test"], "subject": "Hi", "text": "…"});
-//! let outcome = resend.call("idf_0123", &email).await; // the adapter retries with the same key
+//! let outcome = resend.send("idf_0123", &email).await; // the adapter retries with the same key
 //! assert_eq!(fake.ledger().count_for_key("idf_0123"), 1);
 //! # Ok(()) }
 //! ```

@@ -546,7 +546,7 @@ impl idemflow::Provider for RateLimited {
         idemflow::KeySpec::no_keys()
     }
 
-    async fn call(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallReply {
+    async fn send(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallReply {
         idemflow::CallReply::Retryable {
             reason: "429".into(),
             retry_after: None,
@@ -641,7 +641,7 @@ impl idemflow::Provider for SlowThenRefuses {
         }
     }
 
-    async fn call(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallReply {
+    async fn send(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallReply {
         if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
             idemflow::CallReply::Unknown {
                 reason: "timed out after sending".into(),

@@ -88,7 +88,7 @@ impl Provider for Card {
         KeySpec::no_keys()
     }
 
-    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallReply {
+    async fn send(&self, provider_key: &str, request: &serde_json::Value) -> CallReply {
         let charge_id = request["metadata"]["charge_id"]
             .as_str()
             .unwrap_or_default();

@@ -207,7 +207,7 @@ impl Provider for Ledger {
         KeySpec::no_keys()
     }
 
-    async fn call(&self, _provider_key: &str, _request: &serde_json::Value) -> CallReply {
+    async fn send(&self, _provider_key: &str, _request: &serde_json::Value) -> CallReply {
         CallReply::Unknown {
             reason: "the ledger is only looked up".to_owned(),
         }

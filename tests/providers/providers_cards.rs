@@ -153,7 +153,7 @@ async fn adyen_sends_the_same_key_header_and_body_on_every_attempt() {
     let fake = FakeAdyen::start().await.unwrap();
     fake.faults().server_error_next(503).server_error_next(500);
     let out = adyen(fake.base_url(), 3)
-        .call("idf_adyen_1", &adyen_payment())
+        .send("idf_adyen_1", &adyen_payment())
         .await;
     assert_eq!(kind(&out), "succeeded", "{out:?}");
     let reqs = fake.requests();
@@ -177,7 +177,7 @@ async fn adyen_lost_response_then_retry_is_one_payment() {
     let fake = FakeAdyen::start().await.unwrap();
     fake.faults().lose_next_response();
     let out = adyen(fake.base_url(), 3)
-        .call("idf_adyen_lost", &adyen_payment())
+        .send("idf_adyen_lost", &adyen_payment())
         .await;
     let CallReply::Succeeded { response, .. } = out else {
         panic!("{out:?}")
@@ -257,7 +257,7 @@ async fn adyen_answers_map_to_outcomes() {
     ];
     for (status, body, want) in cases {
         let out = mapped(status, body, async |base| {
-            adyen(base, 1).call("idf_map", &adyen_payment()).await
+            adyen(base, 1).send("idf_map", &adyen_payment()).await
         })
         .await;
         assert_eq!(kind(&out), want, "status {status}: {out:?}");
@@ -270,7 +270,7 @@ async fn adyen_fake_refusals_and_key_reuse() {
     let a = adyen(fake.base_url(), 1);
     let mut refused = adyen_payment();
     refused["paymentMethod"]["number"] = json!(FakeAdyen::REFUSED_CARD);
-    let out = a.call("idf_refused", &refused).await;
+    let out = a.send("idf_refused", &refused).await;
     let CallReply::Rejected { response } = &out else {
         panic!("{out:?}")
     };
@@ -279,16 +279,16 @@ async fn adyen_fake_refusals_and_key_reuse() {
         "Refused"
     );
     // The refusal is replayed for the same key, not run again.
-    assert_eq!(kind(&a.call("idf_refused", &refused).await), "rejected");
+    assert_eq!(kind(&a.send("idf_refused", &refused).await), "rejected");
     assert_eq!(fake.ledger().len(), 1);
     // Missing fields: 422, nothing saved.
-    let out = a.call("idf_invalid", &json!({"reference": "x"})).await;
+    let out = a.send("idf_invalid", &json!({"reference": "x"})).await;
     assert!(
         matches!(&out, CallReply::Rejected { response } if response.status() == 422),
         "{out:?}"
     );
     // A key over 64 characters: 400.
-    let out = a.call(&"k".repeat(65), &adyen_payment()).await;
+    let out = a.send(&"k".repeat(65), &adyen_payment()).await;
     assert!(
         matches!(&out, CallReply::Rejected { response } if response.status() == 400),
         "{out:?}"
@@ -299,12 +299,12 @@ async fn adyen_fake_refusals_and_key_reuse() {
         .http_config(fast(1))
         .unwrap();
     assert_eq!(
-        kind(&wrong.call("idf_auth", &adyen_payment()).await),
+        kind(&wrong.send("idf_auth", &adyen_payment()).await),
         "retryable"
     );
     // 429 before anything: retryable with its Retry-After.
     fake.faults().rate_limit_next(Duration::from_secs(1));
-    let out = a.call("idf_429", &adyen_payment()).await;
+    let out = a.send("idf_429", &adyen_payment()).await;
     assert!(
         matches!(out, CallReply::Retryable { retry_after: Some(d), .. } if d == Duration::from_secs(1)),
         "{out:?}"
@@ -318,9 +318,9 @@ async fn adyen_concurrent_same_key_is_in_flight() {
     fake.faults().set_latency(Duration::from_millis(400));
     let a = adyen(fake.base_url(), 1);
     let a2 = a.clone();
-    let first = tokio::spawn(async move { a2.call("idf_c", &adyen_payment()).await });
+    let first = tokio::spawn(async move { a2.send("idf_c", &adyen_payment()).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(kind(&a.call("idf_c", &adyen_payment()).await), "in_flight");
+    assert_eq!(kind(&a.send("idf_c", &adyen_payment()).await), "in_flight");
     assert_eq!(kind(&first.await.unwrap()), "succeeded");
     assert_eq!(fake.ledger().len(), 1);
 }
@@ -330,7 +330,7 @@ async fn adyen_lookup_replays_inside_the_window_only() {
     let fake = FakeAdyen::start().await.unwrap();
     fake.faults().lose_next_response();
     let a = adyen(fake.base_url(), 1);
-    assert_eq!(kind(&a.call("idf_l", &adyen_payment()).await), "unknown");
+    assert_eq!(kind(&a.send("idf_l", &adyen_payment()).await), "unknown");
     let now = Utc::now();
     let found = a
         .lookup("idf_l", &adyen_payment(), Attempts::once(now), now)
@@ -368,7 +368,7 @@ async fn square_sends_the_key_in_the_body_on_every_attempt() {
     fake.faults().server_error_next(500);
     let key = "idf_0123456789abcdef0123456789abcdef01234";
     let out = square(fake.base_url(), 3)
-        .call(key, &square_payment())
+        .send(key, &square_payment())
         .await;
     assert_eq!(kind(&out), "succeeded", "{out:?}");
     let reqs = fake.requests();
@@ -388,7 +388,7 @@ async fn square_lost_response_then_retry_is_one_payment() {
     let fake = FakeSquare::start().await.unwrap();
     fake.faults().lose_next_response();
     let out = square(fake.base_url(), 3)
-        .call("idf_sq_lost", &square_payment())
+        .send("idf_sq_lost", &square_payment())
         .await;
     let CallReply::Succeeded { response, .. } = out else {
         panic!("{out:?}")
@@ -478,7 +478,7 @@ async fn square_answers_map_to_outcomes() {
     ];
     for (status, body, want) in cases {
         let out = mapped(status, body, async |base| {
-            square(base, 1).call("idf_map", &square_payment()).await
+            square(base, 1).send("idf_map", &square_payment()).await
         })
         .await;
         assert_eq!(kind(&out), want, "status {status}: {out:?}");
@@ -490,15 +490,15 @@ async fn square_fake_declines_and_key_reuse() {
     let fake = FakeSquare::start().await.unwrap();
     let s = square(fake.base_url(), 1);
     let declined = json!({"source_id": FakeSquare::DECLINED_CARD, "amount_money": {"amount": 1, "currency": "USD"}});
-    let out = s.call("idf_declined", &declined).await;
+    let out = s.send("idf_declined", &declined).await;
     assert!(
         matches!(&out, CallReply::Rejected { response } if response.status() == 402),
         "{out:?}"
     );
-    assert_eq!(kind(&s.call("idf_a", &square_payment()).await), "succeeded");
+    assert_eq!(kind(&s.send("idf_a", &square_payment()).await), "succeeded");
     let other = json!({"source_id": "cnon:card-nonce-ok", "amount_money": {"amount": 99, "currency": "USD"}});
-    assert_eq!(kind(&s.call("idf_a", &other).await), "conflict");
-    let out = s.call(&"k".repeat(46), &square_payment()).await;
+    assert_eq!(kind(&s.send("idf_a", &other).await), "conflict");
+    let out = s.send(&"k".repeat(46), &square_payment()).await;
     assert!(
         matches!(&out, CallReply::Rejected { response } if response.status() == 400),
         "{out:?}"
@@ -508,7 +508,7 @@ async fn square_fake_declines_and_key_reuse() {
         .http_config(fast(1))
         .unwrap();
     assert_eq!(
-        kind(&wrong.call("idf_auth", &square_payment()).await),
+        kind(&wrong.send("idf_auth", &square_payment()).await),
         "retryable"
     );
     assert_eq!(fake.ledger().len(), 2, "the decline and one payment");
@@ -523,7 +523,7 @@ async fn square_void_by_key_covers_every_case() {
     assert!(matches!(v, VoidReply::Voided { .. }), "{v:?}");
     // A completed payment cannot be voided: refused, so the sweeper looks it up.
     assert_eq!(
-        kind(&s.call("idf_done", &square_payment()).await),
+        kind(&s.send("idf_done", &square_payment()).await),
         "succeeded"
     );
     let v = s.void_by_key("idf_done", &square_payment()).await;
@@ -532,7 +532,7 @@ async fn square_void_by_key_covers_every_case() {
     // A delayed capture is never voided by the adapter (it would burn the key).
     let mut delayed = square_payment();
     delayed["autocomplete"] = json!(false);
-    assert_eq!(kind(&s.call("idf_auth", &delayed).await), "succeeded");
+    assert_eq!(kind(&s.send("idf_auth", &delayed).await), "succeeded");
     assert_eq!(
         s.void_by_key("idf_auth", &delayed).await,
         VoidReply::Unsupported
@@ -542,7 +542,7 @@ async fn square_void_by_key_covers_every_case() {
     let v = s.void_by_key("idf_auth", &json!({})).await;
     assert!(matches!(v, VoidReply::Voided { .. }), "{v:?}");
     assert_eq!(fake.ledger().entries()[1].status, "CANCELED");
-    let out = s.call("idf_auth", &delayed).await;
+    let out = s.send("idf_auth", &delayed).await;
     let CallReply::Rejected { response } = &out else {
         panic!("{out:?}")
     };
@@ -638,7 +638,7 @@ async fn square_lookup_is_a_same_key_resend() {
     let fake = FakeSquare::start().await.unwrap();
     fake.faults().lose_next_response();
     let s = square(fake.base_url(), 1);
-    assert_eq!(kind(&s.call("idf_l", &square_payment()).await), "unknown");
+    assert_eq!(kind(&s.send("idf_l", &square_payment()).await), "unknown");
     let now = Utc::now();
     let found = s
         .lookup("idf_l", &square_payment(), Attempts::once(now), now)
@@ -667,7 +667,7 @@ async fn paypal_sends_the_same_request_id_on_every_attempt() {
     let fake = FakePayPal::start().await.unwrap();
     fake.faults().server_error_next(502).server_error_next(500);
     let out = paypal(fake.base_url(), 3)
-        .call("idf_pp_1", &paypal_order())
+        .send("idf_pp_1", &paypal_order())
         .await;
     assert_eq!(kind(&out), "succeeded", "{out:?}");
     let reqs = fake.requests();
@@ -692,7 +692,7 @@ async fn paypal_lost_response_then_retry_is_one_order() {
     let fake = FakePayPal::start().await.unwrap();
     fake.faults().lose_next_response();
     let out = paypal(fake.base_url(), 3)
-        .call("idf_pp_lost", &paypal_order())
+        .send("idf_pp_lost", &paypal_order())
         .await;
     let CallReply::Succeeded { response, .. } = out else {
         panic!("{out:?}")
@@ -761,7 +761,7 @@ async fn paypal_answers_map_to_outcomes() {
     ];
     for (status, body, want) in cases {
         let out = mapped(status, body, async |base| {
-            paypal(base, 1).call("idf_map", &paypal_order()).await
+            paypal(base, 1).send("idf_map", &paypal_order()).await
         })
         .await;
         assert_eq!(kind(&out), want, "status {status}: {out:?}");
@@ -775,12 +775,12 @@ async fn paypal_fake_declines_and_bad_ids() {
     let mut declined = paypal_order();
     declined["payment_source"] =
         json!({"card": {"number": FakePayPal::DECLINED_CARD, "expiry": "2030-01"}});
-    let out = p.call("idf_declined", &declined).await;
+    let out = p.send("idf_declined", &declined).await;
     assert!(
         matches!(&out, CallReply::Rejected { response } if response.status() == 422),
         "{out:?}"
     );
-    let out = p.call(&"k".repeat(109), &paypal_order()).await;
+    let out = p.send(&"k".repeat(109), &paypal_order()).await;
     assert!(
         matches!(&out, CallReply::Rejected { response } if response.status() == 400),
         "{out:?}"
@@ -790,13 +790,13 @@ async fn paypal_fake_declines_and_bad_ids() {
         .http_config(fast(1))
         .unwrap();
     assert_eq!(
-        kind(&wrong.call("idf_auth", &paypal_order()).await),
+        kind(&wrong.send("idf_auth", &paypal_order()).await),
         "retryable"
     );
     // A card order with intent CAPTURE completes at once.
     let mut card = paypal_order();
     card["payment_source"] = json!({"card": {"number": "4111111111111111", "expiry": "2030-01"}});
-    let out = p.call("idf_card", &card).await;
+    let out = p.send("idf_card", &card).await;
     let CallReply::Succeeded { response, .. } = &out else {
         panic!("{out:?}")
     };
@@ -813,9 +813,9 @@ async fn paypal_concurrent_same_id_is_in_flight() {
     fake.faults().set_latency(Duration::from_millis(400));
     let p = paypal(fake.base_url(), 1);
     let p2 = p.clone();
-    let first = tokio::spawn(async move { p2.call("idf_c", &paypal_order()).await });
+    let first = tokio::spawn(async move { p2.send("idf_c", &paypal_order()).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(kind(&p.call("idf_c", &paypal_order()).await), "in_flight");
+    assert_eq!(kind(&p.send("idf_c", &paypal_order()).await), "in_flight");
     assert_eq!(kind(&first.await.unwrap()), "succeeded");
     assert_eq!(fake.ledger().len(), 1);
 }
@@ -825,7 +825,7 @@ async fn paypal_resend_returns_the_orders_current_state() {
     let fake = FakePayPal::start().await.unwrap();
     fake.faults().lose_next_response();
     let p = paypal(fake.base_url(), 1);
-    assert_eq!(kind(&p.call("idf_cur", &paypal_order()).await), "unknown");
+    assert_eq!(kind(&p.send("idf_cur", &paypal_order()).await), "unknown");
     let order_id = fake.ledger().entries()[0].id.clone();
     let now = Utc::now();
     // Created, still waiting for the buyer: the re-send answers with the order as it is.
@@ -1054,9 +1054,9 @@ async fn a_refusal_after_an_attempt_that_may_have_acted_is_unknown_unless_defini
     ];
     for (provider, status, body) in cases {
         let out = after_a_500(status, body, async |base| match provider {
-            "square" => square(base, 2).call("idf_twice", &square_payment()).await,
-            "paypal" => paypal(base, 2).call("idf_twice", &paypal_order()).await,
-            _ => adyen(base, 2).call("idf_twice", &adyen_payment()).await,
+            "square" => square(base, 2).send("idf_twice", &square_payment()).await,
+            "paypal" => paypal(base, 2).send("idf_twice", &paypal_order()).await,
+            _ => adyen(base, 2).send("idf_twice", &adyen_payment()).await,
         })
         .await;
         assert_eq!(
@@ -1069,14 +1069,14 @@ async fn a_refusal_after_an_attempt_that_may_have_acted_is_unknown_unless_defini
     let out = after_a_500(
         200,
         json!({"payment": {"id": "p", "status": "FAILED"}}),
-        async |base| square(base, 2).call("idf_twice", &square_payment()).await,
+        async |base| square(base, 2).send("idf_twice", &square_payment()).await,
     )
     .await;
     assert_eq!(kind(&out), "rejected", "{out:?}");
     let out = after_a_500(
         200,
         json!({"resultCode": "Refused", "pspReference": "x"}),
-        async |base| adyen(base, 2).call("idf_twice", &adyen_payment()).await,
+        async |base| adyen(base, 2).send("idf_twice", &adyen_payment()).await,
     )
     .await;
     assert_eq!(kind(&out), "rejected", "{out:?}");
@@ -1084,7 +1084,7 @@ async fn a_refusal_after_an_attempt_that_may_have_acted_is_unknown_unless_defini
     let out = mapped(
         422,
         square_error("INVALID_REQUEST_ERROR", "INVALID_VALUE"),
-        async |base| square(base, 2).call("idf_once", &square_payment()).await,
+        async |base| square(base, 2).send("idf_once", &square_payment()).await,
     )
     .await;
     assert_eq!(kind(&out), "rejected", "{out:?}");

@@ -57,7 +57,7 @@ async fn resend_sends_json_body_with_key_header() {
         .expect(1)
         .mount(&server)
         .await;
-    let out = resend(&server.uri(), 1).call("idf_r1", &email()).await;
+    let out = resend(&server.uri(), 1).send("idf_r1", &email()).await;
     assert!(
         matches!(
             out,
@@ -77,7 +77,7 @@ async fn resend_sends_json_body_with_key_header() {
 async fn resend_lost_response_then_retry_sends_once_with_the_same_key() {
     let fake = FakeResend::start().await.unwrap();
     fake.faults().lose_next_response();
-    let out = resend(fake.base_url(), 3).call("idf_lost", &email()).await;
+    let out = resend(fake.base_url(), 3).send("idf_lost", &email()).await;
     let CallReply::Succeeded { response, .. } = out else {
         panic!("{out:?}")
     };
@@ -97,31 +97,31 @@ async fn resend_errors_map_to_outcomes() {
     let fake = FakeResend::start().await.unwrap();
     let r = resend(fake.base_url(), 1);
     assert!(matches!(
-        r.call("idf_a", &email()).await,
+        r.send("idf_a", &email()).await,
         CallReply::Succeeded { .. }
     ));
     // Same key, other payload: 409 invalid_idempotent_request.
     let other = json!({"from": "shop@example.test", "to": ["bob@example.test"], "subject": "Hi", "text": "x"});
     assert!(matches!(
-        r.call("idf_a", &other).await,
+        r.send("idf_a", &other).await,
         CallReply::KeyConflict { .. }
     ));
     // Malformed key: 400 invalid_idempotency_key -> Rejected (nothing sent).
     let long = "k".repeat(300);
-    let out = r.call(&long, &email()).await;
+    let out = r.send(&long, &email()).await;
     assert!(
         matches!(out, CallReply::Rejected { ref response } if response.status() == 400),
         "{out:?}"
     );
     // Validation: 422 -> Rejected.
-    let out = r.call("idf_v", &json!({"from": "a@x.test"})).await;
+    let out = r.send("idf_v", &json!({"from": "a@x.test"})).await;
     assert!(
         matches!(out, CallReply::Rejected { ref response } if response.status() == 422),
         "{out:?}"
     );
     // 429 -> Retryable with Retry-After.
     fake.faults().rate_limit_next(Duration::from_secs(1));
-    let out = r.call("idf_429", &email()).await;
+    let out = r.send("idf_429", &email()).await;
     assert!(
         matches!(out, CallReply::Retryable { retry_after: Some(d), .. } if d == Duration::from_secs(1)),
         "{out:?}"
@@ -129,7 +129,7 @@ async fn resend_errors_map_to_outcomes() {
     // 5xx -> Unknown.
     fake.faults().server_error_next(500);
     assert!(matches!(
-        r.call("idf_500", &email()).await,
+        r.send("idf_500", &email()).await,
         CallReply::Unknown { .. }
     ));
     // Wrong API key -> Retryable.
@@ -138,7 +138,7 @@ async fn resend_errors_map_to_outcomes() {
         .http_config(fast(1))
         .unwrap();
     assert!(matches!(
-        wrong.call("idf_auth", &email()).await,
+        wrong.send("idf_auth", &email()).await,
         CallReply::Retryable { .. }
     ));
     assert_eq!(fake.ledger().len(), 1, "only the first email was sent");
@@ -150,10 +150,10 @@ async fn resend_concurrent_same_key_is_in_flight() {
     fake.faults().set_latency(Duration::from_millis(400));
     let r = resend(fake.base_url(), 1);
     let r2 = r.clone();
-    let first = tokio::spawn(async move { r2.call("idf_c", &email()).await });
+    let first = tokio::spawn(async move { r2.send("idf_c", &email()).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(matches!(
-        r.call("idf_c", &email()).await,
+        r.send("idf_c", &email()).await,
         CallReply::InFlight { .. }
     ));
     assert!(matches!(first.await.unwrap(), CallReply::Succeeded { .. }));
@@ -166,7 +166,7 @@ async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
     fake.faults().lose_next_response();
     let r = resend(fake.base_url(), 1);
     assert!(matches!(
-        r.call("idf_l", &email()).await,
+        r.send("idf_l", &email()).await,
         CallReply::Unknown { .. }
     ));
     let Lookup::Found(Outcome::Succeeded(resp)) = r
@@ -259,7 +259,7 @@ async fn resend_lookup_of_a_key_held_for_another_payload_needs_an_operator() {
     let fake = FakeResend::start().await.unwrap();
     let r = resend(fake.base_url(), 1);
     assert!(matches!(
-        r.call("idf_c", &email()).await,
+        r.send("idf_c", &email()).await,
         CallReply::Succeeded { .. }
     ));
     let other = json!({"from": "shop@example.test", "to": ["bob@example.test"], "subject": "Receipt", "text": "Thanks"});
@@ -320,7 +320,7 @@ async fn postmark_puts_our_key_in_metadata_and_searches_by_it() {
         .await;
     let p = postmark(&server.uri(), 1);
     assert!(matches!(
-        p.call("idf_p1", &pm_email()).await,
+        p.send("idf_p1", &pm_email()).await,
         CallReply::Succeeded { .. }
     ));
     let reqs = server.received_requests().await.unwrap();
@@ -350,7 +350,7 @@ async fn postmark_lost_response_is_never_resent_and_lookup_finds_it() {
     fake.faults().lose_next_response();
     let p = postmark(fake.base_url(), 3);
     let sent_at = Utc::now();
-    let out = p.call("idf_pl", &pm_email()).await;
+    let out = p.send("idf_pl", &pm_email()).await;
     assert!(matches!(out, CallReply::Unknown { .. }), "{out:?}");
     assert_eq!(
         fake.requests().len(),
@@ -380,19 +380,19 @@ async fn postmark_lost_response_is_never_resent_and_lookup_finds_it() {
 async fn postmark_errors_map_to_outcomes() {
     let fake = FakePostmark::start().await.unwrap();
     let p = postmark(fake.base_url(), 1);
-    let out = p.call("idf_300", &json!({"To": "ada@example.test"})).await;
+    let out = p.send("idf_300", &json!({"To": "ada@example.test"})).await;
     let CallReply::Rejected { response } = out else {
         panic!("{out:?}")
     };
     assert_eq!(response.body_json::<Value>().unwrap()["ErrorCode"], 300);
     let inactive = json!({"From": "shop@example.test", "To": "inactive@example.test", "Subject": "x", "TextBody": "x"});
-    let CallReply::Rejected { response } = p.call("idf_406", &inactive).await else {
+    let CallReply::Rejected { response } = p.send("idf_406", &inactive).await else {
         panic!()
     };
     assert_eq!(response.body_json::<Value>().unwrap()["ErrorCode"], 406);
     fake.faults().rate_limit_next(Duration::from_secs(1));
     assert!(matches!(
-        p.call("idf_429", &pm_email()).await,
+        p.send("idf_429", &pm_email()).await,
         CallReply::Retryable {
             retry_after: Some(_),
             ..
@@ -400,7 +400,7 @@ async fn postmark_errors_map_to_outcomes() {
     ));
     fake.faults().server_error_next(500);
     assert!(matches!(
-        p.call("idf_500", &pm_email()).await,
+        p.send("idf_500", &pm_email()).await,
         CallReply::Unknown { .. }
     ));
     let wrong = Postmark::with_base_url(fake.base_url(), "nope")
@@ -408,7 +408,7 @@ async fn postmark_errors_map_to_outcomes() {
         .http_config(fast(1))
         .unwrap();
     assert!(matches!(
-        wrong.call("idf_401", &pm_email()).await,
+        wrong.send("idf_401", &pm_email()).await,
         CallReply::Retryable { .. }
     ));
     assert!(fake.ledger().is_empty());
@@ -420,7 +420,7 @@ async fn postmark_retries_only_what_surely_did_nothing() {
     fake.faults().rate_limit_next(Duration::from_millis(10));
     let p = postmark(fake.base_url(), 3);
     assert!(matches!(
-        p.call("idf_rl", &pm_email()).await,
+        p.send("idf_rl", &pm_email()).await,
         CallReply::Succeeded { .. }
     ));
     assert_eq!(fake.requests().len(), 2);
@@ -434,7 +434,7 @@ async fn postmark_search_lag_and_authority() {
     let p = postmark(fake.base_url(), 1).search_lag(Duration::from_secs(60));
     let now = Utc::now();
     assert!(matches!(
-        p.call("idf_s", &pm_email()).await,
+        p.send("idf_s", &pm_email()).await,
         CallReply::Succeeded { .. }
     ));
     assert_eq!(
@@ -502,7 +502,7 @@ async fn email_long_keys_are_derived_to_fit_and_stay_stable() {
         "Postmark metadata values are at most 80 characters"
     );
     assert_eq!(k, spec.derive(&scope, &long, "email.send"));
-    p.call(&k, &pm_email()).await;
+    p.send(&k, &pm_email()).await;
     assert_eq!(
         fake.ledger().entries()[0].metadata_key.as_deref(),
         Some(k.as_str())

@@ -74,7 +74,7 @@ async fn stripe_sends_exact_form_fields_and_key_header() {
         .expect(1)
         .mount(&server)
         .await;
-    let out = stripe(&server.uri(), 1).call("idf_k1", &charge()).await;
+    let out = stripe(&server.uri(), 1).send("idf_k1", &charge()).await;
     let CallReply::Succeeded { response, replayed } = out else {
         panic!("{out:?}")
     };
@@ -118,7 +118,7 @@ async fn stripe_retries_keep_the_same_key_and_params() {
         )
         .mount(&server)
         .await;
-    let out = stripe(&server.uri(), 3).call("idf_same", &charge()).await;
+    let out = stripe(&server.uri(), 3).send("idf_same", &charge()).await;
     assert!(
         matches!(out, CallReply::Succeeded { replayed: true, .. }),
         "{out:?}"
@@ -142,7 +142,7 @@ async fn stripe_should_retry_header_is_honoured() {
         )
         .mount(&server)
         .await;
-    let out = stripe(&server.uri(), 1).call("idf_sr", &charge()).await;
+    let out = stripe(&server.uri(), 1).send("idf_sr", &charge()).await;
     assert!(matches!(out, CallReply::Retryable { .. }), "{out:?}");
 
     let server = MockServer::start().await;
@@ -154,7 +154,7 @@ async fn stripe_should_retry_header_is_honoured() {
         )
         .mount(&server)
         .await;
-    let out = stripe(&server.uri(), 3).call("idf_sr", &charge()).await;
+    let out = stripe(&server.uri(), 3).send("idf_sr", &charge()).await;
     assert!(matches!(out, CallReply::Unknown { .. }), "{out:?}");
     assert_eq!(
         server.received_requests().await.unwrap().len(),
@@ -208,7 +208,7 @@ async fn stripe_status_mapping_from_wiremock() {
             )
             .mount(&server)
             .await;
-        let out = stripe(&server.uri(), 1).call("idf_map", &charge()).await;
+        let out = stripe(&server.uri(), 1).send("idf_map", &charge()).await;
         let got = match &out {
             CallReply::Retryable { .. } => "retryable",
             CallReply::Rejected { response } => {
@@ -234,7 +234,7 @@ async fn stripe_status_mapping_from_wiremock() {
 async fn stripe_lost_response_then_retry_charges_once() {
     let fake = FakeStripe::start().await.unwrap();
     fake.faults().lose_next_response();
-    let out = stripe(fake.base_url(), 3).call("idf_lost", &charge()).await;
+    let out = stripe(fake.base_url(), 3).send("idf_lost", &charge()).await;
     assert!(
         matches!(out, CallReply::Succeeded { replayed: true, .. }),
         "{out:?}"
@@ -262,7 +262,7 @@ async fn stripe_lost_response_then_retry_charges_once() {
 async fn stripe_answers_carry_none_of_stripes_own_headers() {
     let fake = FakeStripe::start().await.unwrap();
     fake.faults().lose_next_response();
-    let out = stripe(fake.base_url(), 3).call("idf_hdr", &charge()).await;
+    let out = stripe(fake.base_url(), 3).send("idf_hdr", &charge()).await;
     let CallReply::Succeeded { response, replayed } = out else {
         panic!("{out:?}")
     };
@@ -308,9 +308,9 @@ async fn stripe_lost_response_without_retry_is_unknown_then_retry_replays() {
     let fake = FakeStripe::start().await.unwrap();
     fake.faults().lose_next_response();
     let s = stripe(fake.base_url(), 1);
-    let first = s.call("idf_u", &charge()).await;
+    let first = s.send("idf_u", &charge()).await;
     assert!(matches!(first, CallReply::Unknown { .. }), "{first:?}");
-    let again = s.call("idf_u", &charge()).await;
+    let again = s.send("idf_u", &charge()).await;
     assert!(
         matches!(again, CallReply::Succeeded { replayed: true, .. }),
         "{again:?}"
@@ -329,7 +329,7 @@ async fn a_stripe_decline_after_a_lost_answer_is_definitive() {
     // Within one call: the retry loop's second attempt gets the saved decline.
     fake.faults().lose_next_response();
     let out = stripe(fake.base_url(), 3)
-        .call("idf_lost_decline", &declined)
+        .send("idf_lost_decline", &declined)
         .await;
     assert!(
         matches!(&out, CallReply::Rejected { response } if response.status() == 402),
@@ -378,7 +378,7 @@ async fn stripe_fake_errors_map_to_outcomes() {
     // Declined card: 402 card_error -> Rejected, and a same-key retry replays the decline.
     let declined =
         json!({"amount": 500, "currency": "usd", "payment_method": FakeStripe::DECLINED_CARD});
-    let out = s.call("idf_decline", &declined).await;
+    let out = s.send("idf_decline", &declined).await;
     let CallReply::Rejected { response } = out else {
         panic!("{out:?}")
     };
@@ -386,20 +386,20 @@ async fn stripe_fake_errors_map_to_outcomes() {
     let body: Value = response.body_json().unwrap();
     assert_eq!(body["error"]["type"], "card_error");
     assert!(matches!(
-        s.call("idf_decline", &declined).await,
+        s.send("idf_decline", &declined).await,
         CallReply::Rejected { .. }
     ));
     assert_eq!(fake.ledger().count_for_key("idf_decline"), 1);
 
     // Same key, other parameters -> KeyConflict.
     assert!(matches!(
-        s.call("idf_decline", &charge()).await,
+        s.send("idf_decline", &charge()).await,
         CallReply::KeyConflict { .. }
     ));
 
     // 429 before anything -> Retryable with Retry-After.
     fake.faults().rate_limit_next(Duration::from_secs(2));
-    let out = s.call("idf_429", &charge()).await;
+    let out = s.send("idf_429", &charge()).await;
     assert_eq!(
         out,
         CallReply::Retryable {
@@ -410,13 +410,13 @@ async fn stripe_fake_errors_map_to_outcomes() {
     // 5xx before executing -> Unknown (Stripe may have run it); nothing in the ledger.
     fake.faults().server_error_next(500);
     assert!(matches!(
-        s.call("idf_500", &charge()).await,
+        s.send("idf_500", &charge()).await,
         CallReply::Unknown { .. }
     ));
     assert_eq!(fake.ledger().count_for_key("idf_500"), 0);
 
     // Missing amount -> Rejected (validation; not saved, so a fixed retry could pass).
-    let out = s.call("idf_bad", &json!({"currency": "usd"})).await;
+    let out = s.send("idf_bad", &json!({"currency": "usd"})).await;
     assert!(
         matches!(out, CallReply::Rejected { ref response } if response.status() == 400),
         "{out:?}"
@@ -428,7 +428,7 @@ async fn stripe_fake_errors_map_to_outcomes() {
         .http_config(fast(1))
         .unwrap();
     assert!(matches!(
-        wrong.call("idf_auth", &charge()).await,
+        wrong.send("idf_auth", &charge()).await,
         CallReply::Retryable { .. }
     ));
 }
@@ -446,9 +446,9 @@ async fn stripe_concurrent_same_key_is_in_flight() {
     fake.faults().set_latency(Duration::from_millis(400));
     let s = stripe(fake.base_url(), 1);
     let s2 = s.clone();
-    let first = tokio::spawn(async move { s2.call("idf_conc", &charge()).await });
+    let first = tokio::spawn(async move { s2.send("idf_conc", &charge()).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let second = s.call("idf_conc", &charge()).await;
+    let second = s.send("idf_conc", &charge()).await;
     assert!(matches!(second, CallReply::InFlight { .. }), "{second:?}");
     assert!(matches!(
         first.await.unwrap(),
@@ -472,7 +472,7 @@ async fn stripe_timeout_after_send_is_unknown_and_connection_refused_is_retryabl
         })
         .unwrap();
     assert!(matches!(
-        s.call("idf_hang", &charge()).await,
+        s.send("idf_hang", &charge()).await,
         CallReply::Unknown { .. }
     ));
     assert_eq!(
@@ -486,7 +486,7 @@ async fn stripe_timeout_after_send_is_unknown_and_connection_refused_is_retryabl
         l.local_addr().unwrap().port()
     };
     let closed = stripe(&format!("http://127.0.0.1:{port}"), 2);
-    let out = closed.call("idf_refused", &charge()).await;
+    let out = closed.send("idf_refused", &charge()).await;
     assert!(matches!(out, CallReply::Retryable { .. }), "{out:?}");
 }
 
@@ -497,7 +497,7 @@ async fn stripe_lookup_respects_search_lag() {
     let s = stripe(fake.base_url(), 1).search_lag(Duration::from_secs(60));
     let sent_at = Utc::now();
     assert!(matches!(
-        s.call("idf_look", &charge()).await,
+        s.send("idf_look", &charge()).await,
         CallReply::Succeeded { .. }
     ));
     // Not yet visible, and too early to trust an empty result.
@@ -544,7 +544,7 @@ async fn stripe_lookup_respects_search_lag() {
     // A decline is found as Rejected.
     let declined =
         json!({"amount": 500, "currency": "usd", "payment_method": FakeStripe::DECLINED_CARD});
-    s.call("idf_look_d", &declined).await;
+    s.send("idf_look_d", &declined).await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     let found = s
         .lookup(
@@ -596,7 +596,7 @@ async fn stripe_long_keys_are_derived_to_fit_and_stay_stable() {
         )
     );
     assert!(matches!(
-        s.call(&a, &charge()).await,
+        s.send(&a, &charge()).await,
         CallReply::Succeeded { .. }
     ));
     assert_eq!(
@@ -706,7 +706,7 @@ async fn stripe_409_then_429_is_unknown_not_retryable() {
         .mount(&server)
         .await;
     let out = stripe(&server.uri(), 2)
-        .call("idf_409_429", &charge())
+        .send("idf_409_429", &charge())
         .await;
     assert!(matches!(out, CallReply::Unknown { .. }), "{out:?}");
     assert_eq!(server.received_requests().await.unwrap().len(), 2);
@@ -730,7 +730,7 @@ async fn stripe_version_is_pinned_on_every_request() {
     ] {
         let before = fake.requests().len();
         assert!(matches!(
-            adapter.call(&format!("idf_v_{expected}"), &charge()).await,
+            adapter.send(&format!("idf_v_{expected}"), &charge()).await,
             CallReply::Succeeded { .. }
         ));
         let found = adapter

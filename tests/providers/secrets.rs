@@ -219,7 +219,7 @@ mod layer {
     /// The handler: sends the stored request with the provider key and answers with Stripe's
     /// answer as it came (status, every header it kept, body).
     async fn pay(State(stripe): State<Arc<Stripe>>, ctx: IdempotencyContext) -> Response {
-        let answer = match stripe.call(ctx.provider_key(), ctx.request()).await {
+        let answer = match stripe.send(ctx.provider_key(), ctx.request()).await {
             CallReply::Succeeded { response, .. } | CallReply::Rejected { response } => response,
             other => return (StatusCode::BAD_GATEWAY, format!("{other:?}")).into_response(),
         };

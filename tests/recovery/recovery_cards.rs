@@ -202,7 +202,7 @@ impl Card {
             self.request(key).with_provider(self.provider.name()),
             |ctx| async move {
                 let body: Value = serde_json::from_str(ctx.request()).unwrap();
-                let answer = p.call(ctx.provider_key(), &body).await;
+                let answer = p.send(ctx.provider_key(), &body).await;
                 assert!(
                     matches!(answer, idemflow::CallReply::Succeeded { .. }),
                     "{answer:?}"

@@ -252,7 +252,7 @@ async fn process_died_after_the_provider_answered_is_settled_with_one_charge(
     let (at, reached) = tokio::sync::oneshot::channel();
     let died = idem.execute(charge("died-1").with_provider("stripe"), |ctx| async move {
         let body: Value = serde_json::from_str(ctx.request()).unwrap();
-        let answer = s.call(ctx.provider_key(), &body).await;
+        let answer = s.send(ctx.provider_key(), &body).await;
         assert!(matches!(answer, idemflow::CallReply::Succeeded { .. }));
         let _ = at.send(());
         std::future::pending::<Outcome>().await

@@ -133,7 +133,7 @@ impl Provider for SimProvider {
         }
     }
 
-    async fn call(&self, provider_key: &str, request: &serde_json::Value) -> CallReply {
+    async fn send(&self, provider_key: &str, request: &serde_json::Value) -> CallReply {
         let actor = current_actor();
         {
             let mut sh = self.shared.lock().unwrap();
