@@ -163,6 +163,62 @@ pub fn key_gauges(stats: &crate::store::Stats) {
     metrics::gauge!(OLDEST_PROCESSING_SECONDS).set(oldest.as_secs_f64());
 }
 
+/// Sets the key gauges from a count of the keys, or logs why there is none (the gauges keep
+/// their last values).
+pub(crate) fn key_gauges_from(counted: Result<crate::store::Stats, crate::StoreError>) {
+    match counted {
+        Ok(stats) => key_gauges(&stats),
+        Err(e) => tracing::warn!(error = %e, "could not count keys for the gauges"),
+    }
+}
+
+/// Keeps the key gauges (`idemflow_processing_keys`, `idemflow_stale_keys`,
+/// `idemflow_oldest_processing_age_seconds`) current in a service that runs no
+/// [`Sweeper`](crate::Sweeper) (the reconciler runs as a cron job, say): counts the keys now and
+/// every `every`, until the returned guard is dropped. A sweeper sets the same gauges; run one or
+/// the other in a process. A count that fails leaves the gauges as they were and is logged at
+/// `warn`.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idemflow::StoreError> {
+/// use std::{sync::Arc, time::Duration};
+/// use idemflow::{Store, store::sqlite::SqliteStore};
+/// let store = Arc::new(SqliteStore::connect("sqlite::memory:").await?);
+/// store.migrate().await?;
+/// // Kept for as long as the service serves `/metrics`.
+/// let _gauges = idemflow::telemetry::report_key_gauges(store, Duration::from_secs(15));
+/// # Ok(()) }
+/// ```
+///
+/// # Panics
+/// When called outside a Tokio runtime.
+pub fn report_key_gauges(
+    store: std::sync::Arc<dyn crate::store::OperatorStore>,
+    every: Duration,
+) -> KeyGauges {
+    let every = every.max(Duration::from_millis(1));
+    let task = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            key_gauges_from(store.stats().await);
+        }
+    });
+    KeyGauges(task.abort_handle())
+}
+
+/// The task of [`report_key_gauges`]; dropping it stops the task.
+#[derive(Debug)]
+#[must_use = "the gauges stop being refreshed when this guard is dropped"]
+pub struct KeyGauges(tokio::task::AbortHandle);
+
+impl Drop for KeyGauges {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Times `fut` as a store call.
 pub(crate) async fn timed<T>(
     backend: &'static str,

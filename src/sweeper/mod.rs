@@ -306,10 +306,9 @@ impl Sweeper {
             if gauges_due.is_none_or(|at: Instant| at.elapsed() >= GAUGE_INTERVAL) {
                 gauges_due = Some(Instant::now());
                 let counting = self.store.stats();
-                match crate::telemetry::timed(self.store.backend(), "stats", counting).await {
-                    Ok(stats) => crate::telemetry::key_gauges(&stats),
-                    Err(e) => tracing::warn!(error = %e, "could not count keys for the gauges"),
-                }
+                crate::telemetry::key_gauges_from(
+                    crate::telemetry::timed(self.store.backend(), "stats", counting).await,
+                );
             }
             match &result {
                 Ok(report) => {

@@ -125,6 +125,71 @@ fn executor_counters_follow_a_known_sequence() {
     );
 }
 
+/// `telemetry::report_key_gauges` keeps the key gauges current without a sweeper, and stops when
+/// its guard is dropped.
+#[test]
+fn key_gauges_are_reported_without_a_sweeper_until_the_guard_is_dropped() {
+    use idemflow::conformance::{claim_for, done, id};
+    use idemflow::store::{ClaimOutcome, OperatorStore};
+    use std::time::Duration;
+
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let processing = || sample(&handle.render(), "idemflow_processing_keys");
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let store = Arc::new(SqliteStore::connect("sqlite::memory:").await.unwrap());
+            store.migrate().await.unwrap();
+            let claim = |key: &str| claim_for(&id("gauges", key), "{}", Duration::from_secs(60));
+            let ClaimOutcome::Claimed(first) = store.claim(&claim("g1")).await.unwrap() else {
+                panic!("a new key is claimed");
+            };
+            let every = Duration::from_millis(20);
+            // Until the gauge shows `want`, for up to 10 s (a busy machine runs the refresh late).
+            let shows = |want: f64| async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                while processing() != Some(want) && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(every).await;
+                }
+                processing()
+            };
+            let gauges = idemflow::telemetry::report_key_gauges(
+                store.clone() as Arc<dyn OperatorStore>,
+                every,
+            );
+            assert_eq!(shows(1.0).await, Some(1.0), "{}", handle.render());
+            store
+                .finish(
+                    &id("gauges", "g1"),
+                    first.token,
+                    &done(StoredResponse::new(201)),
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                shows(0.0).await,
+                Some(0.0),
+                "refreshed: {}",
+                handle.render()
+            );
+            drop(gauges);
+            store.claim(&claim("g2")).await.unwrap();
+            // Ten refresh periods: a refresh still running would have counted g2.
+            tokio::time::sleep(every * 10).await;
+            assert_eq!(
+                processing(),
+                Some(0.0),
+                "the dropped guard stopped the refresh: {}",
+                handle.render()
+            );
+        });
+    });
+}
+
 /// `docs/operations.md` lists every metric, and the Grafana dashboard parses and graphs them.
 #[test]
 fn the_docs_list_every_metric_and_the_dashboard_parses() {
