@@ -46,9 +46,25 @@ impl MetadataSearch<'_> {
         now: DateTime<Utc>,
         found: impl FnOnce(&Value) -> Outcome,
     ) -> Lookup {
-        let req = endpoint
+        self.run_as(endpoint, None, attempts, now, found).await
+    }
+
+    /// [`run`](Self::run) with one more header on the search (Stripe's `Stripe-Account`: the
+    /// search looks in that connected account).
+    pub async fn run_as(
+        &self,
+        endpoint: &Endpoint,
+        header: Option<(&str, &str)>,
+        attempts: Attempts,
+        now: DateTime<Utc>,
+        found: impl FnOnce(&Value) -> Outcome,
+    ) -> Lookup {
+        let mut req = endpoint
             .request(reqwest::Method::GET, self.path)
             .query(self.query);
+        if let Some((name, value)) = header {
+            req = req.header(name, value);
+        }
         let reply = match endpoint.http().send_once(req).await {
             Ok(r) => r,
             Err(outcome) => {

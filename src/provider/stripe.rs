@@ -64,6 +64,11 @@ pub const DEFAULT_BASE_URL: &str = "https://api.stripe.com";
 pub const API_VERSION: &str = "2025-04-30.basil";
 /// The metadata field that carries our key.
 pub const METADATA_KEY: &str = "idemflow_key";
+
+/// The request member naming the connected account to act on (Connect): sent as the
+/// `Stripe-Account` header on the create, its retries and the sweeper's search, never as a form
+/// field (`docs/providers.md`, "Stripe").
+pub const ACCOUNT_FIELD: &str = "stripe_account";
 /// The webhook events that settle the key of the PaymentIntent they carry
 /// ([`Stripe::event_outcome`]): the PaymentIntent reached a state the create call answered.
 pub const SETTLING_EVENTS: &[&str] = &[
@@ -144,9 +149,12 @@ impl Stripe {
                 "a Stripe request must be a JSON object of PaymentIntent parameters".to_owned(),
             );
         };
+        Self::account(request)?;
         let mut out = Vec::new();
         for (k, v) in map {
-            flatten(k.clone(), v, &mut out);
+            if k != ACCOUNT_FIELD {
+                flatten(k.clone(), v, &mut out);
+            }
         }
         let meta = format!("metadata[{METADATA_KEY}]");
         out.retain(|(k, _)| *k != meta);
@@ -155,6 +163,36 @@ impl Stripe {
         }
         out.push((meta, provider_key.to_owned()));
         Ok(out)
+    }
+
+    /// The connected account `request` acts on ([`ACCOUNT_FIELD`], sent as `Stripe-Account`),
+    /// if it names one; an error when the member is not an account id (`acct_` and letters or
+    /// digits, at most 255 characters).
+    ///
+    /// ```
+    /// use idemflow::provider::Stripe;
+    /// use serde_json::json;
+    /// assert_eq!(Stripe::account(&json!({"amount": 5, "stripe_account": "acct_1Nv0"})), Ok(Some("acct_1Nv0")));
+    /// assert_eq!(Stripe::account(&json!({"amount": 5})), Ok(None));
+    /// assert!(Stripe::account(&json!({"stripe_account": "cus_123"})).is_err());
+    /// ```
+    pub fn account(request: &Value) -> Result<Option<&str>, String> {
+        let Some(v) = request.get(ACCOUNT_FIELD) else {
+            return Ok(None);
+        };
+        let id = v.as_str().unwrap_or_default();
+        let valid = id.len() <= 255
+            && id
+                .strip_prefix("acct_")
+                .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_alphanumeric()));
+        if valid {
+            Ok(Some(id))
+        } else {
+            Err(format!(
+                "`{ACCOUNT_FIELD}` must be a connected account id (acct_ and letters or digits), \
+                 got {v}"
+            ))
+        }
     }
 
     fn classify(reply: &HttpReply) -> Classified {
@@ -328,11 +366,19 @@ impl Provider for Stripe {
                 return refused_unsent(400, &json!({ "error": error }));
             }
         };
+        // Checked by `form_fields` above.
+        let account = Self::account(request).ok().flatten();
         self.endpoint
             .send(
                 RetryUnknown::SameKeyReplays,
                 "/v1/payment_intents",
-                |req| req.header("Idempotency-Key", provider_key).form(&fields),
+                |req| {
+                    let req = req.header("Idempotency-Key", provider_key).form(&fields);
+                    match account {
+                        Some(acct) => req.header("Stripe-Account", acct),
+                        None => req,
+                    }
+                },
                 Self::classify,
             )
             .await
@@ -342,10 +388,16 @@ impl Provider for Stripe {
     async fn lookup(
         &self,
         provider_key: &str,
-        _request: &Value,
+        request: &Value,
         attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
+        // A request that could not name its account was never sent: nothing to find.
+        let Ok(account) = Self::account(request) else {
+            return Lookup::NotFound {
+                authoritative: true,
+            };
+        };
         let query = Self::search_query(provider_key);
         MetadataSearch {
             path: "/v1/payment_intents/search",
@@ -354,7 +406,13 @@ impl Provider for Stripe {
             search_lag: self.search_lag,
             retention: None,
         }
-        .run(&self.endpoint, attempts, now, Self::payment_intent_outcome)
+        .run_as(
+            &self.endpoint,
+            account.map(|acct| ("Stripe-Account", acct)),
+            attempts,
+            now,
+            Self::payment_intent_outcome,
+        )
         .await
     }
 }

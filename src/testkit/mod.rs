@@ -29,7 +29,9 @@
 //!   402 `card_error` (the PaymentIntent is created with status `requires_payment_method`).
 //!   Validation errors (missing `amount` / `currency`) are not saved, as at Stripe.
 //!   `GET /v1/payment_intents/search?query=metadata['k']:'v'` sees a PaymentIntent only once
-//!   the search lag has passed.
+//!   the search lag has passed. `Stripe-Account: acct_...` (Connect) acts on that connected
+//!   account: its keys and PaymentIntents are its own (a search sees only the account's), the
+//!   ledger's `request` records the header as `"Stripe-Account"`, and its events name it.
 //! * [`FakeAdyen`]: `POST /v71/payments` (JSON, `X-API-Key: <FakeAdyen::API_KEY>`). Same
 //!   `Idempotency-Key` (at most 64 characters) + same body: the first answer, the key echoed.
 //!   `paymentMethod.number` = [`FakeAdyen::REFUSED_CARD`]: 200 `resultCode: Refused`. Missing

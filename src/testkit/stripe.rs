@@ -43,7 +43,7 @@ impl FakeStripe {
     /// `None` for an unknown id. Each call makes a new event id; deliver it with a
     /// [`WebhookSender`](super::WebhookSender).
     pub fn payment_intent_event(&self, id: &str) -> Option<Value> {
-        let pi = self.state.intents.held(|pi| pi["id"] == id)?;
+        let (pi, account) = without_account(self.state.intents.held(|pi| pi["id"] == id)?);
         let kind = match pi["status"].as_str() {
             Some("succeeded") => "payment_intent.succeeded",
             Some("canceled") => "payment_intent.canceled",
@@ -52,8 +52,28 @@ impl FakeStripe {
             }
             _ => "payment_intent.created",
         };
-        Some(super::stripe_event(kind, pi))
+        let mut event = super::stripe_event(kind, pi);
+        // A connected account's event names it, as Stripe's Connect events do.
+        if let (Some(acct), Value::Object(m)) = (account, &mut event) {
+            m.insert("account".to_owned(), Value::String(acct));
+        }
+        Some(event)
     }
+}
+
+/// Where the fake keeps, inside a PaymentIntent it holds, the connected account it was made on
+/// (`Stripe-Account`); never in what it answers.
+const ACCOUNT: &str = "__fake_account";
+
+/// A held PaymentIntent as answered, and the connected account it was made on.
+fn without_account(mut pi: Value) -> (Value, Option<String>) {
+    let account = match &mut pi {
+        Value::Object(m) => m
+            .remove(ACCOUNT)
+            .and_then(|a| a.as_str().map(str::to_owned)),
+        _ => None,
+    };
+    (pi, account)
 }
 
 fn stripe_error(status: u16, error: Value) -> Response {
@@ -97,6 +117,12 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
     fields.sort();
     let params = serde_json::to_string(&fields).unwrap_or_default();
     let key = header_value(&headers, "idempotency-key");
+    // Connect: a connected account's keys and PaymentIntents are its own.
+    let account = header_value(&headers, "stripe-account");
+    let slot = key.as_ref().map(|k| match &account {
+        Some(acct) => format!("{acct}/{k}"),
+        None => k.clone(),
+    });
 
     if let Some(key) = &key {
         if key.len() > 255 {
@@ -122,7 +148,8 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
         };
         let replayed = [("idempotent-replayed", "true".to_owned())];
         let done = |saved: &Saved| saved.answer(&params, conflict, &replayed);
-        if let Err(r) = delivery.claim(&s.keys, key, running, done).await {
+        let slot = slot.as_deref().unwrap_or(key);
+        if let Err(r) = delivery.claim(&s.keys, slot, running, done).await {
             return r;
         }
     }
@@ -134,13 +161,17 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
             json!({"type": "invalid_request_error", "code": "parameter_missing", "param": param,
                    "message": format!("Missing or invalid required param: {param}.")}),
         );
-        return s.keys.refuse(key.as_deref(), refusal);
+        return s.keys.refuse(slot.as_deref(), refusal);
     }
 
     let task_key = key.clone();
     let exec = s.execute(move |s, n| {
+        let slot = slot.clone();
         let get = |name: &str| field(&fields, name);
-        let (metadata, request) = metadata_and_request(&fields);
+        let (metadata, mut request) = metadata_and_request(&fields);
+        if let Some(acct) = &account {
+            request.insert("Stripe-Account".to_owned(), Value::String(acct.clone()));
+        }
         let declined = get("payment_method").as_deref() == Some(FakeStripe::DECLINED_CARD);
         let confirm = get("confirm").as_deref() == Some("true");
         let status = if declined {
@@ -178,7 +209,11 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
             status: status.to_owned(),
             request: Value::Object(request),
         });
-        s.intents.push(s.common.faults.search_lag(), pi.clone());
+        let mut kept = pi.clone();
+        if let (Some(acct), Value::Object(m)) = (&account, &mut kept) {
+            m.insert(ACCOUNT.to_owned(), Value::String(acct.clone()));
+        }
+        s.intents.push(s.common.faults.search_lag(), kept);
         let (code, body) = if declined {
             let mut err = decline;
             if let Value::Object(m) = &mut err {
@@ -189,7 +224,7 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
             (200, pi)
         };
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
-        s.keys.save(task_key, params, code, &bytes);
+        s.keys.save(slot, params, code, &bytes);
         (code, bytes, n)
     });
     let Some((code, bytes, n)) = exec.await else {
@@ -242,8 +277,9 @@ fn parse_query(q: &str) -> Option<(String, String)> {
 
 async fn search(
     State(s): State<Arc<Shared<StripeState>>>,
-    Received { uri, .. }: Received,
+    Received { uri, headers, .. }: Received,
 ) -> Response {
+    let account = header_value(&headers, "stripe-account");
     let Some((k, v)) = query_pairs(&uri)
         .iter()
         .find(|(n, _)| n == "query")
@@ -255,9 +291,15 @@ async fn search(
                    "message": "the fake understands only metadata['k']:'v'"}),
         );
     };
-    let data = s
+    let data: Vec<Value> = s
         .intents
-        .find(|pi| pi["metadata"][&k].as_str() == Some(v.as_str()));
+        .find(|pi| {
+            pi["metadata"][&k].as_str() == Some(v.as_str())
+                && pi.get(ACCOUNT).and_then(Value::as_str) == account.as_deref()
+        })
+        .into_iter()
+        .map(|pi| without_account(pi).0)
+        .collect();
     json_response(
         200,
         &json!({"object": "search_result", "url": "/v1/payment_intents/search",

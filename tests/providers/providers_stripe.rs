@@ -764,3 +764,90 @@ async fn stripe_version_is_pinned_on_every_request() {
         Err(idemflow::provider::http::HttpError::InvalidHeader { .. })
     ));
 }
+
+/// Connect: `stripe_account` in the request is sent as `Stripe-Account` on the create (never as a
+/// form field) and on the search; the same key on two accounts is two PaymentIntents, and each
+/// account's search finds only its own.
+#[tokio::test]
+async fn stripe_account_is_a_header_on_the_create_and_the_search() {
+    let fake = FakeStripe::start().await.unwrap();
+    fake.faults().set_search_lag(Duration::ZERO);
+    let s = stripe(fake.base_url(), 1);
+    let on = |acct: &str| {
+        let mut r = charge();
+        r["stripe_account"] = json!(acct);
+        r
+    };
+    let (a, b) = (on("acct_1A"), on("acct_2B"));
+    let first = s.send("idf_connect", &a).await;
+    assert!(matches!(first, CallReply::Succeeded { .. }), "{first:?}");
+    let sent = &fake.requests()[0];
+    assert_eq!(sent.header("stripe-account"), Some("acct_1A"));
+    assert!(
+        !form(sent.body_text().as_bytes())
+            .iter()
+            .any(|(k, _)| k.contains("stripe_account")),
+        "not a form field: {}",
+        sent.body_text()
+    );
+    // Stripe keeps a connected account's keys apart: the same key elsewhere is a new payment.
+    assert!(matches!(
+        s.send("idf_connect", &b).await,
+        CallReply::Succeeded {
+            replayed: false,
+            ..
+        }
+    ));
+    let again = s.send("idf_connect", &a).await;
+    assert!(
+        matches!(again, CallReply::Succeeded { replayed: true, .. }),
+        "{again:?}"
+    );
+    let effects = fake.ledger().entries();
+    assert_eq!(effects.len(), 2);
+    assert_eq!(effects[0].request["Stripe-Account"], "acct_1A");
+    assert_eq!(effects[1].request["Stripe-Account"], "acct_2B");
+    let now = Utc::now() + chrono::Duration::seconds(120);
+    let attempts = idemflow::provider::Attempts::once(Utc::now());
+    let found = |l: Lookup| match l {
+        Lookup::Found(Outcome::Succeeded(r)) => {
+            serde_json::from_slice::<Value>(r.body()).unwrap()["id"].clone()
+        }
+        other => panic!("{other:?}"),
+    };
+    let in_a = found(s.lookup("idf_connect", &a, attempts, now).await);
+    let in_b = found(s.lookup("idf_connect", &b, attempts, now).await);
+    assert_eq!(in_a, effects[0].id.as_str());
+    assert_eq!(in_b, effects[1].id.as_str());
+    // The platform's own search does not see the connected accounts' PaymentIntents.
+    assert!(matches!(
+        s.lookup("idf_connect", &charge(), attempts, now).await,
+        Lookup::NotFound { .. }
+    ));
+}
+
+/// A `stripe_account` that is not an account id is refused before anything is sent.
+#[tokio::test]
+async fn a_bad_stripe_account_is_refused_unsent() {
+    let fake = FakeStripe::start().await.unwrap();
+    let s = stripe(fake.base_url(), 1);
+    for bad in [
+        json!("cus_123"),
+        json!("acct_"),
+        json!("acct_1\nX"),
+        json!(7),
+    ] {
+        let mut r = charge();
+        r["stripe_account"] = bad.clone();
+        let out = s.send("idf_bad_acct", &r).await;
+        let CallReply::Rejected { response } = &out else {
+            panic!("{bad}: {out:?}")
+        };
+        assert_eq!(response.status(), 400, "{bad}");
+        assert!(
+            String::from_utf8_lossy(response.body()).contains("stripe_account"),
+            "{bad}: the answer names the member"
+        );
+    }
+    assert!(fake.requests().is_empty(), "nothing was sent");
+}

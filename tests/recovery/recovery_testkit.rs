@@ -66,6 +66,7 @@ macro_rules! recovery_tests {
             process_died_after_the_provider_answered_is_settled_with_one_charge,
             crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_once,
             failed_completion_is_settled_with_one_charge,
+            a_connected_accounts_lost_response_is_settled_on_that_account,
         );
         #[cfg(feature = "cli")]
         recovery_tests!($factory; cli_reconcile_once_settles_lost_responses_from_a_config_file);
@@ -375,4 +376,61 @@ async fn cli_reconcile_once_settles_lost_responses_from_a_config_file(
         assert!(retry.is_replay());
     }
     assert_eq!(fake.ledger().len(), 5);
+}
+
+/// Connect (`stripe_account`, sent as `Stripe-Account`): a lost answer on a connected account is
+/// settled on that account, by a re-drive inside Stripe's window (Stripe replays the account's
+/// key: a re-send without the header would charge the platform a second time) and by a search
+/// outside it (the platform's own search finds nothing).
+async fn a_connected_accounts_lost_response_is_settled_on_that_account(
+    store: Arc<dyn Store>,
+    _url: String,
+) {
+    let fake = FakeStripe::start().await.unwrap();
+    fake.faults().set_search_lag(Duration::ZERO);
+    let stripe = stripe(&fake);
+    let idem = Idempotency::new(store.clone());
+    let connected = |key: &str| {
+        IdempotentRequest::new(
+            "shop-1",
+            key,
+            "payments.create",
+            &json!({"amount": 1500, "currency": "usd", "payment_method": "pm_card_visa",
+                    "stripe_account": "acct_1Connected"}),
+        )
+        .unwrap()
+    };
+    for (key, redrive) in [("connect-redrive", true), ("connect-lookup", false)] {
+        fake.ledger().clear();
+        fake.faults().lose_next_response();
+        let err = idem
+            .call(connected(key), stripe.as_ref())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::OutcomeUnknown { .. }), "{key}: {err}");
+        assert_eq!(fake.ledger().len(), 1, "{key}: charged, the answer lost");
+        // A margin past Stripe's 24 h window leaves only the search.
+        let margin = if redrive {
+            Duration::from_secs(3600)
+        } else {
+            Duration::from_secs(25 * 3600)
+        };
+        let report = sweeper(store.clone(), stripe.clone())
+            .redrive_margin(margin)
+            .run_once()
+            .await
+            .unwrap();
+        assert_eq!(report.done, 1, "{key}: {report:?}");
+        assert_eq!(report.redrives, u64::from(redrive), "{key}: {report:?}");
+        assert_eq!(fake.ledger().len(), 1, "{key}: one charge");
+        let effect = &fake.ledger().entries()[0];
+        assert_eq!(effect.request["Stripe-Account"], "acct_1Connected", "{key}");
+        let row = store.get(connected(key).id()).await.unwrap().unwrap();
+        assert_eq!(row.state, KeyState::Done, "{key}");
+        let stored: Value = row.response.as_ref().unwrap().body_json().unwrap();
+        assert_eq!(stored["id"], effect.id.as_str(), "{key}");
+        let retry = idem.call(connected(key), stripe.as_ref()).await.unwrap();
+        assert!(retry.is_replay(), "{key}");
+        assert_eq!(fake.ledger().len(), 1, "{key}");
+    }
 }
