@@ -10,6 +10,7 @@
 use async_trait::async_trait;
 
 use crate::error::StoreError;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use crate::record::LeaseToken;
 use crate::{KeyId, StoredResponse};
 

@@ -134,7 +134,25 @@ impl Ledger {
         self.len() == 0
     }
 
-    /// How many effects carry `key`, as idempotency key or as `idemflow_key` metadata.
+    /// How many effects a client's key made: the effects that carry the provider key idemflow
+    /// derives for `id` and `operation` when it calls `provider` ([`KeySpec::derive`], the key
+    /// of the key's first life), as idempotency key or as `idemflow_key` metadata. Use it to
+    /// assert "one charge per client key" without knowing the derived key.
+    ///
+    /// [`KeySpec::derive`]: crate::provider::KeySpec::derive
+    pub fn count_for_client_key(
+        &self,
+        provider: &dyn crate::Provider,
+        id: &crate::KeyId,
+        operation: &str,
+    ) -> usize {
+        let derived = provider.key_spec().derive(&id.scope, &id.key, operation);
+        self.count_for_key(&derived)
+    }
+
+    /// How many effects carry `key` (a provider key: the derived `idf_...`, or one the request
+    /// set), as idempotency key or as `idemflow_key` metadata. For a client's key, see
+    /// [`count_for_client_key`](Self::count_for_client_key).
     pub fn count_for_key(&self, key: &str) -> usize {
         lock(&self.inner)
             .iter()

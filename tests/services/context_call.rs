@@ -121,6 +121,17 @@ async fn a_charge_is_stored_masked_for_the_first_caller_too_and_replayed() {
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(again.body, first.body, "the replay is the first answer");
     assert_eq!(f.fake.ledger().len(), 1, "one charge");
+    // Counted by the client's key, as a user's test would (the derived key unknown to it).
+    let stripe = Stripe::with_base_url(f.fake.base_url(), FakeStripe::API_KEY).unwrap();
+    let ledger = f.fake.ledger();
+    assert_eq!(
+        ledger.count_for_client_key(&stripe, &key_id("pay-1"), "payments.create"),
+        1
+    );
+    assert_eq!(
+        ledger.count_for_client_key(&stripe, &key_id("pay-2"), "payments.create"),
+        0
+    );
     let record = f.store.get(&key_id("pay-1")).await.unwrap().unwrap();
     assert_eq!(record.state, KeyState::Done);
     assert_eq!(record.provider.as_deref(), Some("stripe"));
