@@ -3,13 +3,12 @@
 
 use std::sync::Arc;
 
+use axum::Extension;
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
-
-use axum::Extension;
 
 use super::Problem;
 use crate::record::LeaseToken;

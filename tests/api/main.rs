@@ -20,6 +20,6 @@ mod connect_errors;
 #[cfg(feature = "sqlite")]
 mod executor;
 mod fuzz_props;
-mod readme;
 #[cfg(all(feature = "cli", feature = "sqlite"))]
 mod metrics;
+mod readme;
