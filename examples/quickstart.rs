@@ -37,12 +37,15 @@ async fn pay(State(stripe): State<Arc<Stripe>>, ctx: IdempotencyContext) -> Resp
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite://payments.db".into());
-    let store = idemflow::store::connect(&url).await?; // sqlite:, postgres:, mysql:, redis:
+    // sqlite:, postgres:, mysql: or redis:, each with its idemflow feature (here sqlite, postgres).
+    let store = idemflow::store::connect(&url).await?;
     store.migrate().await?;
     let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
     // The processing and stale gauges, for a service whose reconciler runs elsewhere.
     let _gauges = idemflow::telemetry::report_key_gauges(store.clone(), Duration::from_secs(15));
-    let stripe = Arc::new(Stripe::new(std::env::var("STRIPE_SECRET_KEY")?)?);
+    let key =
+        std::env::var("STRIPE_SECRET_KEY").map_err(|_| "set STRIPE_SECRET_KEY (sk_test_...)")?;
+    let stripe = Arc::new(Stripe::new(key)?);
     let app = app(Idempotency::new(store), stripe).route(
         "/metrics",
         get(move || std::future::ready(prometheus.render())),
@@ -78,7 +81,7 @@ mod tests {
                 .unwrap()
         };
         let first = app.clone().oneshot(pay()).await.unwrap();
-        assert_eq!(first.status(), StatusCode::OK);
+        assert_eq!(first.status(), StatusCode::OK); // Stripe's 200 and PaymentIntent, passed on
         let retry = app.oneshot(pay()).await.unwrap();
         assert_eq!(retry.status(), StatusCode::OK);
         assert_eq!(retry.headers()["idempotent-replayed"], "true");
