@@ -7,12 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, Request, StatusCode};
+use axum::http::{Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use http_body_util::BodyExt;
 use idemflow::axum::{IdempotencyContext, IdempotencyLayer, ScopeSource};
 use idemflow::provider::Stripe;
 use idemflow::provider::http::HttpConfig;
@@ -20,8 +19,8 @@ use idemflow::store::OperatorStore;
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::testkit::FakeStripe;
 use idemflow::{Idempotency, KeyId, KeyState, Scope, Store};
-use serde_json::Value;
-use tower::ServiceExt;
+
+use crate::http_layer::{Answer, send};
 
 const BODY: &str = r#"{"amount": 1999, "currency": "eur"}"#;
 
@@ -68,37 +67,13 @@ async fn fixture(declared: &str) -> Fixture {
     Fixture { app, fake, store }
 }
 
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap()
-    }
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).map(|v| v.to_str().unwrap())
-    }
-    fn problem_type(&self) -> String {
-        self.json()["type"].as_str().unwrap_or_default().to_owned()
-    }
-}
-
 async fn post_key(app: &Router, key: &str) -> Answer {
     let req = Request::post("/payments")
         .header("content-type", "application/json")
         .header("idempotency-key", key)
         .body(Body::from(BODY))
         .unwrap();
-    let resp = app.clone().oneshot(req).await.unwrap();
-    let (parts, body) = resp.into_parts();
-    Answer {
-        status: parts.status,
-        headers: parts.headers,
-        body: body.collect().await.unwrap().to_bytes(),
-    }
+    send(app, req).await
 }
 
 fn key_id(key: &str) -> KeyId {

@@ -134,20 +134,22 @@ async fn app() -> (Router, App, Arc<SqliteStore>) {
     (router(s.clone(), c.clone(), |l| l), c, s)
 }
 
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
+/// An answer of the router, read whole (also used by `context_call`).
+pub(crate) struct Answer {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
 }
 
 impl Answer {
-    fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap()
     }
-    fn header(&self, name: &str) -> Option<&str> {
+    pub(crate) fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).map(|v| v.to_str().unwrap())
     }
-    fn problem_type(&self) -> String {
+    /// The problem's `type`, after checking it is problem details with its status and title.
+    pub(crate) fn problem_type(&self) -> String {
         assert_eq!(
             self.header("content-type"),
             Some("application/problem+json"),
@@ -161,7 +163,7 @@ impl Answer {
     }
 }
 
-async fn send(app: &Router, req: Request<Body>) -> Answer {
+pub(crate) async fn send(app: &Router, req: Request<Body>) -> Answer {
     let resp = app.clone().oneshot(req).await.unwrap();
     let (parts, body) = resp.into_parts();
     Answer {
