@@ -13,7 +13,8 @@ use super::Provider;
 pub struct ProviderConfig {
     /// The name stored in key rows (defaults to the kind).
     pub name: Option<String>,
-    /// `stripe`, `adyen`, `square`, `paypal`, `resend` or `postmark`.
+    /// `stripe` (PaymentIntents), `stripe_capture`, `stripe_refund`, `adyen`, `square`,
+    /// `paypal`, `resend` or `postmark`.
     pub kind: String,
     /// The API base URL (defaults to the provider's real one).
     pub base_url: Option<String>,
@@ -95,11 +96,20 @@ pub enum ProviderConfigError {
 }
 
 /// The provider kinds this build can construct (the `http` feature brings `adyen`, `paypal`,
-/// `postmark`, `resend`, `square` and `stripe`).
+/// `postmark`, `resend`, `square`, `stripe`, `stripe_capture` and `stripe_refund`).
 pub fn known_kinds() -> &'static [&'static str] {
     #[cfg(feature = "http")]
     {
-        &["adyen", "paypal", "postmark", "resend", "square", "stripe"]
+        &[
+            "adyen",
+            "paypal",
+            "postmark",
+            "resend",
+            "square",
+            "stripe",
+            "stripe_capture",
+            "stripe_refund",
+        ]
     }
     #[cfg(not(feature = "http"))]
     {
@@ -129,7 +139,7 @@ pub fn build_with_env(
         return Err(ProviderConfigError::UnknownKind {
             kind: config.kind.clone(),
             known: if known_kinds().is_empty() {
-                "none; build with the `http` feature for stripe, adyen, square, paypal, resend and postmark".to_owned()
+                "none; build with the `http` feature for stripe, stripe_capture, stripe_refund, adyen, square, paypal, resend and postmark".to_owned()
             } else {
                 known_kinds().join(", ")
             },
@@ -180,9 +190,10 @@ fn build_http(
     check_settings(config, &name)?;
     // One adapter, at the configured base URL (or its own), named, with the settings it takes.
     macro_rules! adapter {
-        ($adapter:ident, $module:ident $(, $setting:ident)* $(; try $checked:ident)*) => {{
+        ($adapter:ident, $module:ident $(, $setting:ident)* $(; try $checked:ident)* $(; does $op:expr)?) => {{
             let mut p = $adapter::with_base_url(&base($module::DEFAULT_BASE_URL), api_key)
                 .map_err(http)?
+                $(.operation($op))?
                 .with_name(name.clone());
             $(
                 if let Some(value) = config.$setting {
@@ -199,6 +210,12 @@ fn build_http(
     }
     match config.kind.as_str() {
         "stripe" => adapter!(Stripe, stripe, search_lag; try api_version),
+        "stripe_capture" => {
+            adapter!(Stripe, stripe, search_lag; try api_version; does stripe::StripeOperation::Capture)
+        }
+        "stripe_refund" => {
+            adapter!(Stripe, stripe, search_lag; try api_version; does stripe::StripeOperation::Refund)
+        }
         "postmark" => adapter!(Postmark, postmark, search_lag),
         "adyen" => adapter!(Adyen, adyen, redrive_margin),
         "square" => adapter!(Square, square, processing_window),
@@ -224,7 +241,7 @@ fn check_settings(config: &ProviderConfig, name: &str) -> Result<(), ProviderCon
         ),
         (
             config.search_lag.is_some(),
-            &["stripe", "postmark"],
+            &["stripe", "stripe_capture", "stripe_refund", "postmark"],
             format!(
                 "search_lag does not apply to {kind} (its lookup is a same-key re-send, not a search)"
             ),
@@ -236,8 +253,8 @@ fn check_settings(config: &ProviderConfig, name: &str) -> Result<(), ProviderCon
         ),
         (
             config.api_version.is_some(),
-            &["stripe"],
-            "api_version applies to stripe only (the Stripe-Version header)".to_owned(),
+            &["stripe", "stripe_capture", "stripe_refund"],
+            "api_version applies to the stripe kinds only (the Stripe-Version header)".to_owned(),
         ),
         (
             config.processing_window.is_some(),
@@ -308,6 +325,10 @@ mod tests {
         c.base_url = Some("http://127.0.0.1:1".to_owned());
         c.search_lag = Some(std::time::Duration::from_secs(5));
         assert_eq!(build_with_env(&c, env).unwrap().name(), "stripe-eu");
+        // The name given wins over the operation's default, whatever it is.
+        let mut c = cfg("stripe_refund");
+        c.name = Some("stripe".to_owned());
+        assert_eq!(build_with_env(&c, env).unwrap().name(), "stripe");
     }
 
     #[test]

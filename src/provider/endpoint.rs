@@ -163,7 +163,8 @@ impl Endpoint {
 /// `new` (the provider's `DEFAULT_BASE_URL`) and `with_base_url`, and the builder methods
 /// `with_name`, `http_config` and `base_url`. Each of `settings` is another field of the
 /// adapter: its default, and a builder method of its name that sets it (documented by the
-/// setting's doc comment).
+/// setting's doc comment). Each of `fields` (optional) is a field with its initial value and no
+/// generated setter (the adapter writes its own).
 macro_rules! http_adapter {
     (
         $adapter:ident {
@@ -173,7 +174,8 @@ macro_rules! http_adapter {
             headers: $headers:expr,
             settings: {
                 $( $(#[$setting_doc:meta])* $field:ident: $ty:ty = $value:expr ),* $(,)?
-            } $(,)?
+            }
+            $(, fields: { $( $fixed:ident: $fixed_value:expr ),* $(,)? })? $(,)?
         }
     ) => {
         impl $adapter {
@@ -194,7 +196,8 @@ macro_rules! http_adapter {
                         .with_headers($headers);
                 Ok(Self {
                     endpoint,
-                    $($field: $value),*
+                    $($field: $value,)*
+                    $($($fixed: $fixed_value,)*)?
                 })
             }
 

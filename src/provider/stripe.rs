@@ -1,4 +1,10 @@
-//! Stripe PaymentIntents (feature `http`).
+//! Stripe PaymentIntents, and their captures and refunds (feature `http`).
+//!
+//! One adapter performs one [`StripeOperation`]: by default the create described here; a
+//! capture ([`StripeOperation::Capture`], `stripe/capture.rs`) and a refund
+//! ([`StripeOperation::Refund`], `stripe/refund.rs`) are adapters of their own, stored under
+//! their own provider names, sharing the answers table, `Stripe-Version` and `Stripe-Account`
+//! (`docs/providers.md`, "Stripe: captures and refunds").
 //!
 //! `send` sends `POST /v1/payment_intents`, form-encoded, with `Idempotency-Key: <provider key>`
 //! and `metadata[idemflow_key]=<provider key>` (so a lost result can be found by search after
@@ -96,11 +102,43 @@ const ANSWERS: Answers = Answers {
     rejects: |s| (400..=499).contains(&s) && s != 424,
 };
 
-/// Stripe PaymentIntents (create + confirm).
+mod capture;
+mod refund;
+
+/// What a [`Stripe`] adapter does with the request a key stores: one operation per adapter, so
+/// that each has its own provider name in key rows, its own derived key and its own lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum StripeOperation {
+    /// Create (and, unless the request says otherwise, confirm) a PaymentIntent:
+    /// `POST /v1/payment_intents`. Looked up by search.
+    #[default]
+    CreatePayment,
+    /// Capture an authorised PaymentIntent (`capture_method: manual`):
+    /// `POST /v1/payment_intents/{id}/capture`. Looked up by retrieving the PaymentIntent.
+    Capture,
+    /// Refund a payment: `POST /v1/refunds`. Looked up by listing the payment's refunds.
+    Refund,
+}
+
+impl StripeOperation {
+    /// The provider name an adapter for this operation stores in key rows unless renamed:
+    /// `stripe`, `stripe_capture`, `stripe_refund` (also the CLI configuration's kinds).
+    pub fn default_name(self) -> &'static str {
+        match self {
+            Self::CreatePayment => "stripe",
+            Self::Capture => "stripe_capture",
+            Self::Refund => "stripe_refund",
+        }
+    }
+}
+
+/// Stripe PaymentIntents (create + confirm), captures or refunds ([`StripeOperation`]).
 #[derive(Debug, Clone)]
 pub struct Stripe {
     endpoint: Endpoint,
     search_lag: Duration,
+    operation: StripeOperation,
 }
 
 http_adapter!(Stripe {
@@ -109,12 +147,43 @@ http_adapter!(Stripe {
     auth: Auth::Bearer,
     headers: &[("Stripe-Version", API_VERSION)],
     settings: {
-        /// Sets how long after the first send an empty search result is still not trusted.
+        /// Sets how long after the latest attempt an empty lookup is still not trusted (the
+        /// search's lag for a create; for a capture or a refund, a margin for a request Stripe
+        /// may still be running).
         search_lag: Duration = DEFAULT_SEARCH_LAG,
     },
+    fields: { operation: StripeOperation::CreatePayment },
 });
 
 impl Stripe {
+    /// Makes this adapter perform `operation` (default [`StripeOperation::CreatePayment`]). An
+    /// adapter still under its operation's default name takes the new operation's
+    /// ([`StripeOperation::default_name`]); call [`with_name`](Self::with_name) afterwards to
+    /// choose another.
+    ///
+    /// ```
+    /// # fn f() -> Result<(), idemflow::provider::http::HttpError> {
+    /// use idemflow::Provider;
+    /// use idemflow::provider::{Stripe, stripe::StripeOperation};
+    /// let refunds = Stripe::new("sk_test_123")?.operation(StripeOperation::Refund);
+    /// assert_eq!(refunds.name(), "stripe_refund");
+    /// let eu = Stripe::new("sk_test_123")?.operation(StripeOperation::Capture).with_name("eu_capture");
+    /// assert_eq!(eu.name(), "eu_capture");
+    /// # Ok(()) }
+    /// ```
+    pub fn operation(mut self, operation: StripeOperation) -> Self {
+        if self.endpoint.name() == self.operation.default_name() {
+            self.endpoint.set_name(operation.default_name());
+        }
+        self.operation = operation;
+        self
+    }
+
+    /// The operation this adapter performs.
+    pub fn performs(&self) -> StripeOperation {
+        self.operation
+    }
+
     /// Pins another Stripe API version (`Stripe-Version` on every request; default
     /// [`API_VERSION`]). Use the version your integration was tested with: the adapter reads the
     /// PaymentIntent fields `id`, `status`, `amount`, `currency`, `metadata` and
@@ -302,6 +371,103 @@ impl Stripe {
     }
 }
 
+/// The members of the request object flattened into form fields, but `skip` and
+/// [`ACCOUNT_FIELD`]; an error when the request is not an object or names no valid account.
+fn form_without(request: &Value, skip: &[&str]) -> Result<Vec<(String, String)>, String> {
+    let Value::Object(map) = request else {
+        return Err("a Stripe request must be a JSON object of parameters".to_owned());
+    };
+    Stripe::account(request)?;
+    let mut out = Vec::new();
+    for (k, v) in map {
+        if k != ACCOUNT_FIELD && !skip.contains(&k.as_str()) {
+            flatten(k.clone(), v, &mut out);
+        }
+    }
+    Ok(out)
+}
+
+/// The Stripe object id in member `field` of `request`, if present: one of `prefixes` followed by
+/// letters, digits or `_` (so it can travel in a path), at most 255 characters.
+fn object_id<'a>(
+    request: &'a Value,
+    field: &str,
+    prefixes: &[&str],
+) -> Result<Option<&'a str>, String> {
+    let Some(v) = request.get(field) else {
+        return Ok(None);
+    };
+    let id = v.as_str().unwrap_or_default();
+    let valid = id.len() <= 255
+        && prefixes.iter().any(|p| {
+            id.strip_prefix(p).is_some_and(|rest| {
+                !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            })
+        });
+    if valid {
+        Ok(Some(id))
+    } else {
+        Err(format!(
+            "`{field}` must be a Stripe id starting with {}, got {v}",
+            prefixes.join(" or ")
+        ))
+    }
+}
+
+impl Stripe {
+    /// `GET path?query` on the connected `account` (if any), for a lookup: the JSON answer of
+    /// a 200; a 404 (no such object: the request under the key surely did nothing to it) is an
+    /// authoritative not-found, anything else an unknown.
+    async fn retrieve(
+        &self,
+        path: &str,
+        query: &[(&str, &str)],
+        account: Option<&str>,
+    ) -> Result<Value, Lookup> {
+        let mut req = self
+            .endpoint
+            .request(reqwest::Method::GET, path)
+            .query(query);
+        if let Some(acct) = account {
+            req = req.header("Stripe-Account", acct);
+        }
+        let reply = match self.endpoint.http().send_once(req).await {
+            Ok(r) => r,
+            Err(outcome) => {
+                tracing::warn!(provider = %self.endpoint.name(), ?outcome, "retrieve failed");
+                return Err(Lookup::Unknown { retry_after: None });
+            }
+        };
+        match reply.status {
+            200 => reply.json().ok_or(Lookup::Unknown { retry_after: None }),
+            404 => Err(Lookup::NotFound {
+                authoritative: true,
+            }),
+            status => {
+                tracing::warn!(provider = %self.endpoint.name(), status, body = %super::http::body_snippet(&reply.body), "retrieve refused");
+                Err(Lookup::Unknown {
+                    retry_after: reply.retry_after(),
+                })
+            }
+        }
+    }
+
+    /// Whether a lookup that found no effect of the key's request may say so for certain: the
+    /// latest attempt is at least `search_lag` old, so Stripe is no longer running it.
+    fn absence_is_authoritative(&self, attempts: Attempts, now: DateTime<Utc>) -> bool {
+        super::search::empty_result_is_authoritative(attempts, now, self.search_lag, None)
+    }
+}
+
+/// The answer a call that returned `object` with 200 gave.
+fn ok_json(object: &Value) -> Outcome {
+    Outcome::Succeeded(StoredResponse::from_parts(
+        200,
+        vec![("content-type".to_owned(), "application/json".to_owned())],
+        serde_json::to_vec(object).unwrap_or_default(),
+    ))
+}
+
 /// Flattens a JSON value into Stripe's bracketed form fields; nulls are left out.
 fn flatten(prefix: String, v: &Value, out: &mut Vec<(String, String)>) {
     match v {
@@ -359,7 +525,13 @@ impl Provider for Stripe {
 
     #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn send(&self, provider_key: &str, request: &Value) -> CallReply {
-        let fields = match Self::form_fields(provider_key, request) {
+        let built = match self.operation {
+            StripeOperation::CreatePayment => Self::form_fields(provider_key, request)
+                .map(|fields| ("/v1/payment_intents".to_owned(), fields)),
+            StripeOperation::Capture => capture::form(request),
+            StripeOperation::Refund => refund::form(provider_key, request),
+        };
+        let (path, fields) = match built {
             Ok(f) => f,
             Err(detail) => {
                 let error = json!({"type": "idemflow_invalid_request", "message": detail});
@@ -371,7 +543,7 @@ impl Provider for Stripe {
         self.endpoint
             .send(
                 RetryUnknown::SameKeyReplays,
-                "/v1/payment_intents",
+                &path,
                 |req| {
                     let req = req.header("Idempotency-Key", provider_key).form(&fields);
                     match account {
@@ -398,6 +570,15 @@ impl Provider for Stripe {
                 authoritative: true,
             };
         };
+        match self.operation {
+            StripeOperation::CreatePayment => {}
+            StripeOperation::Capture => {
+                return capture::lookup(self, request, account, attempts, now).await;
+            }
+            StripeOperation::Refund => {
+                return refund::lookup(self, provider_key, request, account, attempts, now).await;
+            }
+        }
         let query = Self::search_query(provider_key);
         MetadataSearch {
             path: "/v1/payment_intents/search",

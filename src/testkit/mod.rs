@@ -32,6 +32,15 @@
 //!   the search lag has passed. `Stripe-Account: acct_...` (Connect) acts on that connected
 //!   account: its keys and PaymentIntents are its own (a search sees only the account's), the
 //!   ledger's `request` records the header as `"Stripe-Account"`, and its events name it.
+//!   `capture_method=manual` leaves a confirmed PaymentIntent `requires_capture`;
+//!   `POST /v1/payment_intents/{id}/capture` (keyed the same way) captures it (ledger kind
+//!   `capture`; 400 `payment_intent_unexpected_state` when it is not capturable, 404 when the
+//!   account holds no such PaymentIntent), and `GET /v1/payment_intents/{id}` retrieves one
+//!   (no search lag). `POST /v1/refunds` (keyed; `payment_intent` or `charge`, the
+//!   PaymentIntent's `latest_charge`; `amount` defaults to what is left) refunds a succeeded
+//!   payment (ledger kind `refund`; 400 `charge_already_refunded` or `amount_too_large`
+//!   past what was received), and `GET /v1/refunds?payment_intent=..|charge=..` lists the
+//!   payment's refunds, newest first (`limit`, `starting_after`, `has_more`).
 //! * [`FakeAdyen`]: `POST /v71/payments` (JSON, `X-API-Key: <FakeAdyen::API_KEY>`). Same
 //!   `Idempotency-Key` (at most 64 characters) + same body: the first answer, the key echoed.
 //!   `paymentMethod.number` = [`FakeAdyen::REFUSED_CARD`]: 200 `resultCode: Refused`. Missing
@@ -98,7 +107,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct Effect {
     /// The provider's id (`pi_...`, an email id, a Postmark `MessageID`).
     pub id: String,
-    /// `payment_intent`, `payment` (Adyen, Square), `order` (PayPal) or `email`.
+    /// `payment_intent`, `capture` and `refund` (Stripe), `payment` (Adyen, Square), `order`
+    /// (PayPal) or `email`.
     pub kind: &'static str,
     /// The `Idempotency-Key` header it was created with, if any.
     pub idempotency_key: Option<String>,
@@ -512,6 +522,21 @@ impl Searchable {
             .filter(|(visible, item)| *visible <= now && matches(item))
             .map(|(_, item)| item.clone())
             .collect()
+    }
+
+    /// Changes the newest item `matches` accepts, visible to search yet or not, with `change`;
+    /// `None` when there is none.
+    pub(crate) fn update<T>(
+        &self,
+        matches: impl Fn(&serde_json::Value) -> bool,
+        change: impl FnOnce(&mut serde_json::Value) -> T,
+    ) -> Option<T> {
+        lock(&self.0)
+            .iter_mut()
+            .rev()
+            .map(|(_, item)| item)
+            .find(|item| matches(item))
+            .map(change)
     }
 
     /// The newest item `matches` accepts, visible to search yet or not (what the provider

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::{get, post};
@@ -20,8 +20,11 @@ fake_handle! {
     pub struct FakeStripe(StripeState);
     routes: Router::new()
             .route("/v1/payment_intents", post(create))
-            .route("/v1/payment_intents/search", get(search)),
-    ledger: "The PaymentIntents created (declined ones included, with their status).",
+            .route("/v1/payment_intents/search", get(search))
+            .route("/v1/payment_intents/{id}", get(retrieve))
+            .route("/v1/payment_intents/{id}/capture", post(capture))
+            .route("/v1/refunds", post(refund).get(list_refunds)),
+    ledger: "The PaymentIntents created (declined ones included, with their status), the captures and the refunds.",
     faults: "Fault injection and latency / search-lag settings.",
 }
 
@@ -29,6 +32,8 @@ fake_handle! {
 struct StripeState {
     keys: Keys<Saved>,
     intents: Searchable,
+    /// The refunds made, oldest first, each with the account it was made on ([`ACCOUNT`]).
+    refunds: std::sync::Mutex<Vec<Value>>,
 }
 
 impl FakeStripe {
@@ -103,34 +108,53 @@ impl FakeApi for StripeState {
     }
 }
 
-async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectRequest) -> Response {
-    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
-    let mut fields: Vec<(String, String)> = match serde_urlencoded::from_bytes(&body) {
-        Ok(f) => f,
-        Err(e) => {
-            return stripe_error(
-                400,
-                json!({"type": "invalid_request_error", "message": format!("invalid form body: {e}")}),
-            );
-        }
-    };
+/// A form body's fields, sorted, and their fingerprint for the key's saved answer; Stripe's 400
+/// for a body that is not a form.
+fn form(body: &[u8]) -> Result<(Vec<(String, String)>, String), String> {
+    let mut fields: Vec<(String, String)> =
+        serde_urlencoded::from_bytes(body).map_err(|e| format!("invalid form body: {e}"))?;
     fields.sort();
     let params = serde_json::to_string(&fields).unwrap_or_default();
-    let key = header_value(&headers, "idempotency-key");
-    // Connect: a connected account's keys and PaymentIntents are its own.
-    let account = header_value(&headers, "stripe-account");
+    Ok((fields, params))
+}
+
+/// Stripe's answer to a body that is not a form.
+fn bad_form(message: String) -> Response {
+    stripe_error(
+        400,
+        json!({"type": "invalid_request_error", "message": message}),
+    )
+}
+
+/// The connected account a request acts on (`Stripe-Account`), and where its key lives: a
+/// connected account's keys are its own.
+struct Keyed {
+    key: Option<String>,
+    slot: Option<String>,
+    account: Option<String>,
+}
+
+/// Reads the request's key and account and claims the key for it, as Stripe does for every
+/// POST: a replay of the saved answer, 409 while the first runs, 400 for other parameters.
+async fn keyed(
+    s: &Shared<StripeState>,
+    headers: &HeaderMap,
+    params: &str,
+    delivery: &super::Delivery,
+) -> Result<Keyed, Response> {
+    let key = header_value(headers, "idempotency-key");
+    let account = header_value(headers, "stripe-account");
     let slot = key.as_ref().map(|k| match &account {
         Some(acct) => format!("{acct}/{k}"),
         None => k.clone(),
     });
-
-    if let Some(key) = &key {
+    if let (Some(key), Some(slot)) = (&key, &slot) {
         if key.len() > 255 {
-            return stripe_error(
+            return Err(stripe_error(
                 400,
                 json!({"type": "invalid_request_error",
                        "message": "Idempotency-Key must be at most 255 characters"}),
-            );
+            ));
         }
         let running = || {
             stripe_error(
@@ -147,12 +171,27 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
             )
         };
         let replayed = [("idempotent-replayed", "true".to_owned())];
-        let done = |saved: &Saved| saved.answer(&params, conflict, &replayed);
-        let slot = slot.as_deref().unwrap_or(key);
-        if let Err(r) = delivery.claim(&s.keys, slot, running, done).await {
-            return r;
-        }
+        let done = |saved: &Saved| saved.answer(params, conflict, &replayed);
+        delivery.claim(&s.keys, slot, running, done).await?;
     }
+    Ok(Keyed { key, slot, account })
+}
+
+/// Whether the held object `item` was made on `account`.
+fn on_account(item: &Value, account: Option<&str>) -> bool {
+    item.get(ACCOUNT).and_then(Value::as_str) == account
+}
+
+async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectRequest) -> Response {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
+    let (fields, params) = match form(&body) {
+        Ok(f) => f,
+        Err(message) => return bad_form(message),
+    };
+    let Keyed { key, slot, account } = match keyed(&s, &headers, &params, &delivery).await {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
 
     // Validation: not saved, as at Stripe.
     if let Some(param) = missing_param(&fields) {
@@ -164,9 +203,7 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
         return s.keys.refuse(slot.as_deref(), refusal);
     }
 
-    let task_key = key.clone();
-    let exec = s.execute(move |s, n| {
-        let slot = slot.clone();
+    run_keyed(&s, slot, params, delivery, move |s, n| {
         let get = |name: &str| field(&fields, name);
         let (metadata, mut request) = metadata_and_request(&fields);
         if let Some(acct) = &account {
@@ -174,13 +211,18 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
         }
         let declined = get("payment_method").as_deref() == Some(FakeStripe::DECLINED_CARD);
         let confirm = get("confirm").as_deref() == Some("true");
+        let capture_method = get("capture_method").unwrap_or_else(|| "automatic".to_owned());
         let status = if declined {
             "requires_payment_method"
-        } else if confirm {
-            "succeeded"
-        } else {
+        } else if !confirm {
             "requires_confirmation"
+        } else if capture_method == "manual" {
+            "requires_capture"
+        } else {
+            "succeeded"
         };
+        let amount = get("amount").and_then(|a| a.parse::<u64>().ok());
+        let held = |in_state: &str| if status == in_state { amount.unwrap_or(0) } else { 0 };
         let id = format!("pi_fake_{n:06}");
         let decline = json!({"type": "card_error", "code": "card_declined",
                              "decline_code": "generic_decline", "message": "Your card was declined."});
@@ -189,7 +231,12 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
             "object": "payment_intent",
             // As Stripe: whoever holds it can confirm the payment from a browser.
             "client_secret": format!("{id}_secret_{:016x}", n.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
-            "amount": get("amount").and_then(|a| a.parse::<u64>().ok()),
+            "amount": amount,
+            "amount_capturable": held("requires_capture"),
+            "amount_received": held("succeeded"),
+            "capture_method": capture_method,
+            "latest_charge": (status == "succeeded" || status == "requires_capture")
+                .then(|| format!("ch_fake_{n:06}")),
             "currency": get("currency"),
             "customer": get("customer"),
             "payment_method": get("payment_method"),
@@ -201,7 +248,7 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
         s.common.ledger.push(Effect {
             id: id.clone(),
             kind: "payment_intent",
-            idempotency_key: task_key.clone(),
+            idempotency_key: key,
             metadata_key: metadata
                 .get(crate::provider::stripe::METADATA_KEY)
                 .and_then(Value::as_str)
@@ -214,7 +261,7 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
             m.insert(ACCOUNT.to_owned(), Value::String(acct.clone()));
         }
         s.intents.push(s.common.faults.search_lag(), kept);
-        let (code, body) = if declined {
+        if declined {
             let mut err = decline;
             if let Value::Object(m) = &mut err {
                 m.insert("payment_intent".to_owned(), pi);
@@ -222,16 +269,9 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
             (402, json!({ "error": err }))
         } else {
             (200, pi)
-        };
-        let bytes = serde_json::to_vec(&body).unwrap_or_default();
-        s.keys.save(slot, params, code, &bytes);
-        (code, bytes, n)
-    });
-    let Some((code, bytes, n)) = exec.await else {
-        return stripe_error(500, json!({"type": "api_error", "message": "fake failed"}));
-    };
-    let r = raw_response(code, bytes, &[("request-id", format!("req_fake_{n:06}"))]);
-    delivery.deliver(r).await
+        }
+    })
+    .await
 }
 
 /// The first required parameter missing or invalid (`amount` must be a positive integer).
@@ -304,6 +344,295 @@ async fn search(
         200,
         &json!({"object": "search_result", "url": "/v1/payment_intents/search",
                 "has_more": false, "next_page": null, "data": data}),
+        &[],
+    )
+}
+
+/// Stripe's 404 for an id the account does not hold.
+fn no_such(kind: &str, id: &str) -> (u16, Value) {
+    (
+        404,
+        json!({"error": {"type": "invalid_request_error", "code": "resource_missing",
+                         "message": format!("No such {kind}: '{id}'")}}),
+    )
+}
+
+/// Runs a keyed effect request's `work` (which answers a status and a JSON body), saves the
+/// answer under the key and delivers it as the queued fault says.
+async fn run_keyed(
+    s: &Arc<Shared<StripeState>>,
+    slot: Option<String>,
+    params: String,
+    delivery: super::Delivery,
+    work: impl FnOnce(&Shared<StripeState>, u64) -> (u16, Value) + Send + 'static,
+) -> Response {
+    let exec = s.execute(move |s, n| {
+        let (code, body) = work(s, n);
+        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        s.keys.save(slot, params, code, &bytes);
+        (code, bytes, n)
+    });
+    let Some((code, bytes, n)) = exec.await else {
+        return stripe_error(500, json!({"type": "api_error", "message": "fake failed"}));
+    };
+    let r = raw_response(code, bytes, &[("request-id", format!("req_fake_{n:06}"))]);
+    delivery.deliver(r).await
+}
+
+async fn capture(
+    State(s): State<Arc<Shared<StripeState>>>,
+    Path(id): Path<String>,
+    request: EffectRequest,
+) -> Response {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
+    let (fields, params) = match form(&body) {
+        Ok(f) => f,
+        Err(message) => return bad_form(message),
+    };
+    let Keyed { key, slot, account } = match keyed(&s, &headers, &params, &delivery).await {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    run_keyed(&s, slot, params, delivery, move |s, _| {
+        let (_, mut request) = metadata_and_request(&fields);
+        if let Some(acct) = &account {
+            request.insert("Stripe-Account".to_owned(), Value::String(acct.clone()));
+        }
+        let wanted = field(&fields, "amount_to_capture").map(|a| a.parse::<u64>());
+        let captured = s.intents.update(
+            |pi| pi["id"] == id.as_str() && on_account(pi, account.as_deref()),
+            |pi| {
+                let capturable = pi["amount_capturable"].as_u64().unwrap_or(0);
+                if pi["status"] != "requires_capture" {
+                    let status = pi["status"].as_str().unwrap_or_default().to_owned();
+                    return Err((
+                        400,
+                        json!({"error": {"type": "invalid_request_error",
+                            "code": "payment_intent_unexpected_state",
+                            "message": format!("This PaymentIntent could not be captured because it has a status of {status}.")}}),
+                    ));
+                }
+                let amount = match wanted {
+                    None => capturable,
+                    Some(Ok(a)) if a > 0 && a <= capturable => a,
+                    Some(_) => {
+                        return Err((
+                            400,
+                            json!({"error": {"type": "invalid_request_error",
+                                "code": "amount_too_large", "param": "amount_to_capture",
+                                "message": format!("amount_to_capture must be between 1 and {capturable}.")}}),
+                        ));
+                    }
+                };
+                if let Value::Object(m) = pi {
+                    m.insert("status".to_owned(), json!("succeeded"));
+                    m.insert("amount_received".to_owned(), json!(amount));
+                    m.insert("amount_capturable".to_owned(), json!(0));
+                }
+                Ok(without_account(pi.clone()).0)
+            },
+        );
+        match captured {
+            None => no_such("payment_intent", &id),
+            Some(Err(refusal)) => refusal,
+            Some(Ok(pi)) => {
+                s.common.ledger.push(Effect {
+                    id: id.clone(),
+                    kind: "capture",
+                    idempotency_key: key,
+                    metadata_key: None,
+                    status: "succeeded".to_owned(),
+                    request: Value::Object(request),
+                });
+                (200, pi)
+            }
+        }
+    })
+    .await
+}
+
+async fn retrieve(
+    State(s): State<Arc<Shared<StripeState>>>,
+    Path(id): Path<String>,
+    Received { headers, .. }: Received,
+) -> Response {
+    let account = header_value(&headers, "stripe-account");
+    let held = s
+        .intents
+        .held(|pi| pi["id"] == id.as_str() && on_account(pi, account.as_deref()));
+    let (code, body) = match held {
+        Some(pi) => (200, without_account(pi).0),
+        None => no_such("payment_intent", &id),
+    };
+    json_response(code, &body, &[])
+}
+
+/// The payment a refund request or a refund list names: `("payment_intent", id)` or
+/// `("charge", id)`; `None` when it names neither.
+fn refunded_payment(pairs: &[(String, String)]) -> Option<(&'static str, String)> {
+    ["payment_intent", "charge"].into_iter().find_map(|by| {
+        pairs
+            .iter()
+            .find(|(k, _)| k == by)
+            .map(|(_, v)| (by, v.clone()))
+    })
+}
+
+async fn refund(State(s): State<Arc<Shared<StripeState>>>, request: EffectRequest) -> Response {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
+    let (fields, params) = match form(&body) {
+        Ok(f) => f,
+        Err(message) => return bad_form(message),
+    };
+    let Keyed { key, slot, account } = match keyed(&s, &headers, &params, &delivery).await {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    // Validation: not saved, as at Stripe.
+    let Some((by, payment)) = refunded_payment(&fields) else {
+        let refusal = stripe_error(
+            400,
+            json!({"type": "invalid_request_error", "code": "parameter_missing",
+                   "message": "One of the following params should be provided for this request: payment_intent or charge."}),
+        );
+        return s.keys.refuse(slot.as_deref(), refusal);
+    };
+    run_keyed(&s, slot, params, delivery, move |s, n| {
+        let (metadata, mut request) = metadata_and_request(&fields);
+        if let Some(acct) = &account {
+            request.insert("Stripe-Account".to_owned(), Value::String(acct.clone()));
+        }
+        let member = if by == "charge" { "latest_charge" } else { "id" };
+        let Some(pi) = s.intents.held(|pi| {
+            pi[member] == payment.as_str() && on_account(pi, account.as_deref())
+        }) else {
+            return no_such(by, &payment);
+        };
+        let received = pi["amount_received"].as_u64().unwrap_or(0);
+        let mut refunds = super::lock(&s.refunds);
+        let refunded: u64 = refunds
+            .iter()
+            .filter(|r| r["payment_intent"] == pi["id"])
+            .filter_map(|r| r["amount"].as_u64())
+            .sum();
+        let left = received.saturating_sub(refunded);
+        let refused = |code: &str, message: String| {
+            (
+                400,
+                json!({"error": {"type": "invalid_request_error", "code": code, "message": message}}),
+            )
+        };
+        if pi["status"] != "succeeded" || left == 0 {
+            let charge = pi["latest_charge"].as_str().unwrap_or_default().to_owned();
+            return refused(
+                "charge_already_refunded",
+                format!("Charge {charge} has already been refunded or was not captured."),
+            );
+        }
+        let amount = match field(&fields, "amount").map(|a| a.parse::<u64>()) {
+            None => left,
+            Some(Ok(a)) if a > 0 && a <= left => a,
+            Some(_) => {
+                return refused(
+                    "amount_too_large",
+                    format!("Refund amount must be between 1 and {left}."),
+                );
+            }
+        };
+        let id = format!("re_fake_{n:06}");
+        let refund = json!({
+            "id": id,
+            "object": "refund",
+            "amount": amount,
+            "currency": pi["currency"],
+            "payment_intent": pi["id"],
+            "charge": pi["latest_charge"],
+            "reason": field(&fields, "reason"),
+            "status": "succeeded",
+            "metadata": metadata,
+            "created": chrono::Utc::now().timestamp(),
+        });
+        s.common.ledger.push(Effect {
+            id,
+            kind: "refund",
+            idempotency_key: key,
+            metadata_key: metadata
+                .get(crate::provider::stripe::METADATA_KEY)
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            status: "succeeded".to_owned(),
+            request: Value::Object(request),
+        });
+        let mut kept = refund.clone();
+        if let (Some(acct), Value::Object(m)) = (&account, &mut kept) {
+            m.insert(ACCOUNT.to_owned(), Value::String(acct.clone()));
+        }
+        refunds.push(kept);
+        (200, refund)
+    })
+    .await
+}
+
+async fn list_refunds(
+    State(s): State<Arc<Shared<StripeState>>>,
+    Received { uri, headers, .. }: Received,
+) -> Response {
+    let account = header_value(&headers, "stripe-account");
+    let pairs = query_pairs(&uri);
+    let get = |name: &str| {
+        pairs
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    let limit = get("limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .unwrap_or(10)
+        .clamp(1, 100);
+    let payment = refunded_payment(&pairs);
+    // As Stripe: a payment the account does not hold is a 404, not an empty list.
+    if let Some((by, id)) = &payment {
+        let member = if *by == "charge" {
+            "latest_charge"
+        } else {
+            "id"
+        };
+        if s.intents
+            .held(|pi| pi[member] == id.as_str() && on_account(pi, account.as_deref()))
+            .is_none()
+        {
+            let (code, body) = no_such(by, id);
+            return json_response(code, &body, &[]);
+        }
+    }
+    let newest_first: Vec<Value> = super::lock(&s.refunds)
+        .iter()
+        .rev()
+        .filter(|r| on_account(r, account.as_deref()))
+        .filter(|r| {
+            payment
+                .as_ref()
+                .is_none_or(|(by, id)| r[*by] == id.as_str())
+        })
+        .map(|r| without_account(r.clone()).0)
+        .collect();
+    let start = match get("starting_after") {
+        Some(after) => newest_first
+            .iter()
+            .position(|r| r["id"] == after.as_str())
+            .map_or(newest_first.len(), |i| i + 1),
+        None => 0,
+    };
+    let page: Vec<Value> = newest_first
+        .iter()
+        .skip(start)
+        .take(limit)
+        .cloned()
+        .collect();
+    let has_more = start + page.len() < newest_first.len();
+    json_response(
+        200,
+        &json!({"object": "list", "url": "/v1/refunds", "has_more": has_more, "data": page}),
         &[],
     )
 }

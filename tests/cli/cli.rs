@@ -897,7 +897,7 @@ fn the_operations_docs_name_every_provider_kind() {
     let kinds = idemflow::provider::config::known_kinds();
     assert_eq!(
         kinds.len(),
-        6,
+        8,
         "feature cli brings every adapter: {kinds:?}"
     );
     let comment = ops

@@ -17,5 +17,6 @@ mod providers_cards;
 mod providers_e2e;
 mod providers_email;
 mod providers_stripe;
+mod providers_stripe_operations;
 #[cfg(feature = "sqlite")]
 mod secrets;

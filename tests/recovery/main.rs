@@ -8,6 +8,10 @@
 //! `crash` re-runs this binary as a child (`--exact atomic_phases::crash::child`) and SIGKILLs it
 //! during phases (`IDEMFLOW_ATOMIC_CRASH_SEED=S` replays one run).
 //!
+//! A worker process SIGKILLed inside a Stripe capture and inside a refund, settled by the
+//! sweeper with one effect each (`operations_kill`, features `testkit` and `sqlite`; it re-runs
+//! this binary as a child, `--exact operations_kill::child_calls_until_killed`).
+//!
 //! SQLite always (file databases in temporary directories). PostgreSQL and MariaDB need
 //! `IDEMFLOW_TEST_POSTGRES_URL` and `IDEMFLOW_TEST_MYSQL_URL`; each test on them is skipped (with
 //! the reason printed) when its URL is unset, and fails when the URL is unset or unreachable
@@ -18,6 +22,8 @@ mod support;
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod atomic_phases;
+#[cfg(all(feature = "testkit", feature = "sqlite"))]
+mod operations_kill;
 #[cfg(all(feature = "testkit", feature = "sqlite"))]
 mod recovery_cards;
 #[cfg(all(feature = "testkit", feature = "sqlite"))]

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use idemflow::conformance::sweeper::{cut_when, hang_after};
 use idemflow::provider::http::HttpConfig;
+use idemflow::provider::stripe::StripeOperation;
 use idemflow::provider::{Postmark, Provider, Stripe};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::testkit::{FakePostmark, FakeStripe};
@@ -67,9 +68,13 @@ macro_rules! recovery_tests {
             crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_once,
             failed_completion_is_settled_with_one_charge,
             a_connected_accounts_lost_response_is_settled_on_that_account,
+            lost_captures_and_refunds_are_settled_with_one_each,
         );
         #[cfg(feature = "cli")]
-        recovery_tests!($factory; cli_reconcile_once_settles_lost_responses_from_a_config_file);
+        recovery_tests!($factory;
+            cli_reconcile_once_settles_lost_responses_from_a_config_file,
+            cli_reconcile_once_settles_captures_and_refunds_by_their_kinds,
+        );
     };
 }
 
@@ -433,4 +438,224 @@ async fn a_connected_accounts_lost_response_is_settled_on_that_account(
         assert!(retry.is_replay(), "{key}");
         assert_eq!(fake.ledger().len(), 1, "{key}");
     }
+}
+
+fn stripe_doing(fake: &FakeStripe, operation: StripeOperation) -> Arc<Stripe> {
+    Arc::new(
+        Stripe::with_base_url(fake.base_url(), FakeStripe::API_KEY)
+            .unwrap()
+            .http_config(once())
+            .unwrap()
+            .operation(operation),
+    )
+}
+
+/// A payment authorised through idemflow (`capture_method: manual`) under client key `key`:
+/// its PaymentIntent id.
+async fn authorised(idem: &Idempotency, fake: &FakeStripe, key: &str) -> String {
+    let create = stripe_doing(fake, StripeOperation::CreatePayment);
+    let req = IdempotentRequest::new(
+        "shop-1",
+        key,
+        "payments.create",
+        &json!({"amount": 2000, "currency": "usd", "payment_method": "pm_card_visa",
+                "capture_method": "manual"}),
+    )
+    .unwrap();
+    let pi: Value = idem
+        .call(req, create.as_ref())
+        .await
+        .unwrap()
+        .response()
+        .body_json()
+        .unwrap();
+    assert_eq!(pi["status"], "requires_capture");
+    pi["id"].as_str().unwrap().to_owned()
+}
+
+fn effects(fake: &FakeStripe, kind: &str) -> usize {
+    fake.ledger()
+        .entries()
+        .iter()
+        .filter(|e| e.kind == kind)
+        .count()
+}
+
+/// A capture and a refund whose answers were lost are each settled by the sweeper with one
+/// effect: by a same-key re-drive inside Stripe's 24 h window (Stripe replays the key), and
+/// outside it by the capture's PaymentIntent and the refund in the payment's refund list. The
+/// client's retry then replays the settled answer.
+async fn lost_captures_and_refunds_are_settled_with_one_each(store: Arc<dyn Store>, _url: String) {
+    let fake = FakeStripe::start().await.unwrap();
+    let (capture, refund) = (
+        stripe_doing(&fake, StripeOperation::Capture),
+        stripe_doing(&fake, StripeOperation::Refund),
+    );
+    let idem = Idempotency::new(store.clone());
+    let sweeper = |margin| {
+        Sweeper::new(
+            store.clone(),
+            Providers::new().with(capture.clone()).with(refund.clone()),
+        )
+        .redrive_margin(margin)
+    };
+    for (name, redrive) in [("in-window", true), ("past-window", false)] {
+        let pi = authorised(&idem, &fake, &format!("order-{name}")).await;
+        let steps = [
+            (
+                capture.clone(),
+                "capture",
+                IdempotentRequest::new(
+                    "shop-1",
+                    &format!("capture-{name}"),
+                    "payments.capture",
+                    &json!({"payment_intent": pi}),
+                ),
+            ),
+            (
+                refund.clone(),
+                "refund",
+                IdempotentRequest::new(
+                    "shop-1",
+                    &format!("refund-{name}"),
+                    "payments.refund",
+                    &json!({"payment_intent": pi, "amount": 500}),
+                ),
+            ),
+        ];
+        for (adapter, kind, req) in steps {
+            let req = req.unwrap();
+            let before = effects(&fake, kind);
+            fake.faults().lose_next_response();
+            let err = idem.call(req.clone(), adapter.as_ref()).await.unwrap_err();
+            assert!(
+                matches!(err, Error::OutcomeUnknown { .. }),
+                "{name} {kind}: {err}"
+            );
+            assert_eq!(
+                effects(&fake, kind),
+                before + 1,
+                "{name} {kind}: done, the answer lost"
+            );
+            let margin = if redrive {
+                Duration::from_secs(3600)
+            } else {
+                Duration::from_secs(25 * 3600)
+            };
+            let report = sweeper(margin).run_once().await.unwrap();
+            assert_eq!(report.done, 1, "{name} {kind}: {report:?}");
+            assert_eq!(
+                report.redrives,
+                u64::from(redrive),
+                "{name} {kind}: {report:?}"
+            );
+            assert_eq!(effects(&fake, kind), before + 1, "{name} {kind}: once");
+            let row = store.get(req.id()).await.unwrap().unwrap();
+            assert_eq!(row.state, KeyState::Done, "{name} {kind}");
+            let stored: Value = row.response.as_ref().unwrap().body_json().unwrap();
+            assert_eq!(
+                stored["object"],
+                if kind == "capture" {
+                    "payment_intent"
+                } else {
+                    "refund"
+                }
+            );
+            if kind == "capture" {
+                // The PaymentIntent's client_secret is never stored, found by lookup or not.
+                assert_eq!(
+                    stored["client_secret"],
+                    idemflow::provider::secrets::REDACTED,
+                    "{name}: {stored}"
+                );
+            }
+            let retry = idem.call(req.clone(), adapter.as_ref()).await.unwrap();
+            assert!(retry.is_replay(), "{name} {kind}");
+            assert_eq!(effects(&fake, kind), before + 1, "{name} {kind}");
+        }
+    }
+}
+
+/// `idemflow reconcile --once` settles a lost capture and a lost refund from a configuration
+/// naming the kinds `stripe_capture` and `stripe_refund`, past Stripe's window (by lookup).
+#[cfg(feature = "cli")]
+async fn cli_reconcile_once_settles_captures_and_refunds_by_their_kinds(
+    store: Arc<dyn Store>,
+    url: String,
+) {
+    let fake = FakeStripe::start().await.unwrap();
+    let (capture, refund) = (
+        stripe_doing(&fake, StripeOperation::Capture),
+        stripe_doing(&fake, StripeOperation::Refund),
+    );
+    let idem = Idempotency::new(store.clone());
+    let pi = authorised(&idem, &fake, "order-cli").await;
+    let cap = IdempotentRequest::new(
+        "shop-1",
+        "capture-cli",
+        "payments.capture",
+        &json!({"payment_intent": pi}),
+    )
+    .unwrap();
+    let re = IdempotentRequest::new(
+        "shop-1",
+        "refund-cli",
+        "payments.refund",
+        &json!({"payment_intent": pi, "amount": 700}),
+    )
+    .unwrap();
+    fake.faults().lose_next_response();
+    assert!(idem.call(cap.clone(), capture.as_ref()).await.is_err());
+    // The capture's answer is lost but the capture stands: the refund runs.
+    fake.faults().lose_next_response();
+    assert!(idem.call(re.clone(), refund.as_ref()).await.is_err());
+    assert_eq!(
+        (effects(&fake, "capture"), effects(&fake, "refund")),
+        (1, 1)
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idemflow.toml");
+    let base = fake.base_url();
+    std::fs::write(
+        &config,
+        format!(
+            "[sweeper]\nredrive_margin = \"{}s\"\n\n[[providers]]\nkind = \"stripe_capture\"\nbase_url = \"{base}\"\napi_key_env = \"FAKE_STRIPE_KEY\"\nsearch_lag = 0\n\n[[providers]]\nkind = \"stripe_refund\"\nbase_url = \"{base}\"\napi_key_env = \"FAKE_STRIPE_KEY\"\nsearch_lag = 0\n",
+            25 * 3600
+        ),
+    )
+    .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["--json", "reconcile", "--once"])
+        .env("DATABASE_URL", &url)
+        .env("IDEMFLOW_CONFIG", &config)
+        .env("FAKE_STRIPE_KEY", FakeStripe::API_KEY)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(report["report"]["done"], 2, "{report}");
+    assert_eq!(
+        report["report"]["redrives"], 0,
+        "past the window: looked up, {report}"
+    );
+    assert_eq!(
+        (effects(&fake, "capture"), effects(&fake, "refund")),
+        (1, 1)
+    );
+    for (req, adapter) in [(cap, capture), (re, refund)] {
+        let retry = idem.call(req, adapter.as_ref()).await.unwrap();
+        assert!(retry.is_replay());
+    }
+    assert_eq!(
+        (effects(&fake, "capture"), effects(&fake, "refund")),
+        (1, 1)
+    );
 }
