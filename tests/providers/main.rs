@@ -6,12 +6,14 @@
 //! feature `cli`). The target requires feature `testkit`; `providers_e2e` and `secrets` also
 //! need `sqlite`.
 //!
-//! Needs no environment and no server.
+//! Needs no environment and no server, except `localstripe` (the Stripe adapters against the
+//! third-party emulator), which skips with the reason printed when it is not installed.
 
 #[path = "../support/mod.rs"]
 mod support;
 
 // Feature `testkit` is the target's `required-features` (Cargo.toml).
+mod localstripe;
 mod providers_cards;
 #[cfg(feature = "sqlite")]
 mod providers_e2e;
