@@ -106,6 +106,12 @@ pub trait Delegate: Debug + Send + Sync + 'static {
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
         self.inner().get(id).await
     }
+    async fn announce_end(&self, id: &KeyId) -> Result<bool, StoreError> {
+        self.inner().announce_end(id).await
+    }
+    fn key_ends(&self) -> Option<tokio::sync::broadcast::Receiver<crate::store::KeyEnd>> {
+        self.inner().key_ends()
+    }
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         self.inner().take_stale(take).await
     }
@@ -178,6 +184,12 @@ impl<D: Delegate> Store for D {
     }
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
         Delegate::get(self, id).await
+    }
+    async fn announce_end(&self, id: &KeyId) -> Result<bool, StoreError> {
+        Delegate::announce_end(self, id).await
+    }
+    fn key_ends(&self) -> Option<tokio::sync::broadcast::Receiver<crate::store::KeyEnd>> {
+        Delegate::key_ends(self)
     }
 }
 

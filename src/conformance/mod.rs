@@ -217,7 +217,8 @@ macro_rules! conformance_tests {
             waiting_ends_at_its_bound_with_in_flight,
             waiters_over_the_limit_are_refused_at_once,
             a_waiter_whose_caller_leaves_frees_its_place,
-            thousand_waiting_duplicates_run_the_body_once
+            thousand_waiting_duplicates_run_the_body_once,
+            ends_are_announced_for_the_keys_waited_on_only
         );
     };
     (@each $factory:path, $suite:ident; $($name:ident),* $(,)?) => {

@@ -271,9 +271,11 @@ impl super::Delegate for CountingClaims {
 }
 
 /// The first request through `stores[0]`, 10 duplicates through `stores[1]` (another store
-/// object: its own connections, and no wake-up from the first's finish), each waiting until it
-/// reads the answer. While they wait, one of them reads the key on its backoff and the others
-/// wait for it.
+/// object: its own connections, and no wake-up from the first's finish in this process), each
+/// waiting until it reads the answer. While they wait, one of them reads the key on its backoff
+/// and the others wait for it. On a store that announces ends ([`Store::key_ends`]), the first's
+/// finish is announced to `stores[1]`'s subscribers, and the one reading the key reads it about
+/// once a second at most (a safety net), not on the 10 ms to 250 ms backoff.
 pub async fn waiting_across_stores(stores: &[Arc<dyn Store>]) {
     let first_idem = Idempotency::new(stores[0].clone());
     let counted = Arc::new(CountingClaims {
@@ -282,20 +284,158 @@ pub async fn waiting_across_stores(stores: &[Arc<dyn Store>]) {
     });
     let other = Idempotency::new(counted.clone()).wait_in_flight(Some(BOUND));
     let (scope, runs) = (unique("wait-across"), Arc::new(AtomicUsize::new(0)));
+    // What `stores[1]` announces, heard as any process would hear it, once its listener
+    // listens (it says so with a first `Gap`).
+    let mut ends = stores[1].key_ends();
+    if let Some(ends) = ends.as_mut() {
+        let listening = tokio::time::timeout(PATIENCE, ends.recv()).await;
+        assert!(
+            matches!(listening, Ok(Ok(crate::store::KeyEnd::Gap))),
+            "the store's listener listens: {listening:?}"
+        );
+    }
     let gated = gated_first(&first_idem, &scope, &runs).await;
     let dups: Vec<_> = (0..10).map(|_| duplicate(&other, &scope, &runs)).collect();
     until("10 duplicates waiting", || other.in_flight_waiters() == 10).await;
     let before = counted.claims.load(Ordering::SeqCst);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let reads = counted.claims.load(Ordering::SeqCst) - before;
-    // One poller: its backoff (10 ms doubling to 250 ms) allows at most 13 reads in any 2 s
-    // (fewer on a slow machine, never more); 10 waiters each polling would make over 80.
-    assert!(reads <= 13, "{reads} reads in 2 s by 10 waiters on one key");
+    if ends.is_some() {
+        // One poller woken by the announcement: its safety-net reads (1 s, then 2 s, ...) and
+        // the read right after it asked for the announcement allow at most 3 in any 2 s.
+        assert!(
+            reads <= 3,
+            "{reads} reads in 2 s by 10 waiters on one key, ends announced"
+        );
+    } else {
+        // One poller: its backoff (10 ms doubling to 250 ms) allows at most 13 reads in any 2 s
+        // (fewer on a slow machine, never more); 10 waiters each polling would make over 80.
+        assert!(reads <= 13, "{reads} reads in 2 s by 10 waiters on one key");
+    }
+    let opened = tokio::time::Instant::now();
     gated.open.send(Outcome::Succeeded(answer())).unwrap();
+    if let Some(ends) = ends.as_mut() {
+        let id = request(&scope).id().clone();
+        let heard = tokio::time::timeout(PATIENCE, async {
+            loop {
+                match ends.recv().await {
+                    Ok(crate::store::KeyEnd::Ended(ended)) if ended == id => return true,
+                    Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return false,
+                }
+            }
+        })
+        .await;
+        assert_eq!(
+            heard,
+            Ok(true),
+            "the first's finish was announced to the other store"
+        );
+    }
     let first = gated.first.await.unwrap().unwrap();
     for d in dups {
         assert_eq!(&replayed(d.await.unwrap()), first.response());
     }
+    tracing::info!(
+        backend = stores[1].backend(),
+        announced = ends.is_some(),
+        after = ?opened.elapsed(),
+        "every waiter across stores answered"
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(other.in_flight_waiters(), 0);
+}
+
+/// A key's first attempt, held open until `open` is sent; returns once its body runs.
+async fn held(
+    idem: &Idempotency,
+    req: IdempotentRequest,
+) -> (
+    JoinHandle<Result<Execution, Error>>,
+    oneshot::Sender<Outcome>,
+) {
+    let (open, gate) = oneshot::channel::<Outcome>();
+    let (started_tx, started) = oneshot::channel();
+    let idem = idem.clone();
+    let run = tokio::spawn(async move {
+        idem.execute(req, |_| async move {
+            let _ = started_tx.send(());
+            gate.await
+                .unwrap_or_else(|_| Outcome::unknown("the test dropped the gate"))
+        })
+        .await
+    });
+    started.await.expect("the attempt's body started");
+    (run, open)
+}
+
+/// A store that announces ends ([`Store::key_ends`]) announces those of the keys a duplicate
+/// asked about ([`Store::announce_end`]), on a finish and on a worker's release, and never
+/// those of the keys nobody waits on (the write path pays nothing for waiting it does not
+/// serve). A store that cannot announce says so when asked.
+pub async fn ends_are_announced_for_the_keys_waited_on_only(store: Arc<dyn Store>) {
+    use crate::store::KeyEnd;
+    let idem = Idempotency::new(store.clone());
+    let scope = unique("ends");
+    let req = |key: &str| {
+        IdempotentRequest::new(
+            &scope,
+            key,
+            "payments.create",
+            &serde_json::json!({"n": key}),
+        )
+        .expect("a valid request")
+    };
+    let Some(mut ends) = store.key_ends() else {
+        let asked = store.announce_end(req("any").id()).await.expect("asked");
+        assert!(!asked, "a store without an end feed cannot announce");
+        return;
+    };
+    let listening = tokio::time::timeout(PATIENCE, ends.recv()).await;
+    assert!(
+        matches!(listening, Ok(Ok(KeyEnd::Gap))),
+        "the store's listener listens: {listening:?}"
+    );
+    // Nobody waits on these: finished, and one released with its outcome unknown.
+    for i in 0..5 {
+        idem.execute(req(&format!("plain-{i}")), |_| async {
+            Outcome::Succeeded(answer())
+        })
+        .await
+        .expect("finished");
+    }
+    let unknown = idem
+        .execute(req("plain-unknown"), |_| async { Outcome::unknown("lost") })
+        .await;
+    assert!(
+        matches!(unknown, Err(Error::OutcomeUnknown { .. })),
+        "{unknown:?}"
+    );
+    // Waited on: one finished, one released.
+    let mut marked = Vec::new();
+    for (key, outcome) in [
+        ("waited-done", Outcome::Succeeded(answer())),
+        ("waited-released", Outcome::unknown("lost")),
+    ] {
+        let (run, open) = held(&idem, req(key)).await;
+        assert!(store.announce_end(req(key).id()).await.expect("asked"));
+        open.send(outcome).expect("the attempt waits for its gate");
+        let _ = run.await.expect("the attempt ran");
+        marked.push(req(key).id().clone());
+    }
+    let mut heard = Vec::new();
+    let all = tokio::time::timeout(PATIENCE, async {
+        while !marked.iter().all(|id| heard.contains(id)) {
+            match ends.recv().await {
+                Ok(KeyEnd::Ended(id)) if id.scope.as_str() == scope => heard.push(id),
+                Ok(_) => {}
+                Err(e) => panic!("the end feed failed: {e}"),
+            }
+        }
+    })
+    .await;
+    assert!(all.is_ok(), "announced: {heard:?}, expected {marked:?}");
+    // Announced in the order the writes happened, so every unmarked key's end, had it been
+    // announced, would have been heard by now.
+    assert_eq!(heard, marked, "only the keys waited on are announced");
 }

@@ -4,12 +4,19 @@
 //!
 //! - **Woken, not spinning.** Every finish, failure or release this process writes through an
 //!   executor wakes the duplicates waiting on that key in this process at once (the
-//!   [`Watchers`] registry). A first attempt in another process (or settled by a sweeper) cannot
-//!   wake them, so one of them per key (the poller) reads the key again after a backoff that
-//!   starts at 10 ms and doubles up to 250 ms, with up to a quarter of jitter; the others wait
-//!   for a signal. When the poller leaves (it read the answer, reached its bound, or its caller
-//!   went away) it signals the others: they read the key, and one of them polls from then on.
-//!   So a key costs at most about four reads a second per process, however many wait on it.
+//!   [`Watchers`] registry). For a first attempt in another process (or settled by a sweeper),
+//!   one waiter per key and process (the poller) stands watch; the others wait for its signal.
+//!   On a store that announces ends ([`Store::key_ends`]: PostgreSQL `LISTEN/NOTIFY`, Redis
+//!   pub/sub) the poller subscribes, asks the store to announce the key's end
+//!   ([`Store::announce_end`]), reads the key once more (an end between its last read and the
+//!   announcement is then seen), and from then on is woken by the announcement; it still reads
+//!   the key every second or so, doubling up to 5 s, in case an announcement was lost. On any
+//!   other store (SQLite across processes, MariaDB) the poller reads the key after a backoff that
+//!   starts at 10 ms and doubles up to 250 ms. Both backoffs have up to a quarter of jitter.
+//!   When the poller leaves (it read the answer, reached its bound, or its caller went away) it
+//!   signals the others: they read the key, and one of them stands watch from then on. So a key
+//!   costs at most about four reads a second per process however many wait on it, and less than
+//!   one where the store announces ends.
 //! - **Holding nothing.** A waiter holds no database connection and no lease between its reads;
 //!   each read is the claim a retry would send (so a first attempt that failed retryable is
 //!   re-run by the waiter that claims it, exactly as a client's retry would).
@@ -30,12 +37,16 @@ use tokio::time::Instant;
 
 use crate::KeyId;
 use crate::error::Error;
-use crate::store::Store;
+use crate::store::{KeyEnd, Store};
 
 /// The first backoff between two reads of a key a waiter cannot be woken for.
 const FIRST_BACKOFF: Duration = Duration::from_millis(10);
 /// The longest backoff.
 const MAX_BACKOFF: Duration = Duration::from_millis(250);
+/// The first backoff of a poller the store wakes by announcement (a safety net for a lost one).
+const ANNOUNCED_FIRST_BACKOFF: Duration = Duration::from_secs(1);
+/// Its longest backoff.
+const ANNOUNCED_MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Which store a key lives in, as the registry tells stores apart: the address of the shared
 /// store object (every clone of an executor, and every executor made from the same
@@ -207,6 +218,9 @@ struct Waiting<'a> {
     seen: u64,
     /// Whether this waiter is the key's poller (see [`KeySignal::polling`]).
     poller: bool,
+    /// The poller's subscription to the store's announced ends, once the store announces this
+    /// key's end (see the module docs).
+    ends: Option<tokio::sync::broadcast::Receiver<KeyEnd>>,
     /// Whether the end was counted (else dropping counts a cancellation).
     counted: bool,
     operation: String,
@@ -272,6 +286,7 @@ impl<'a> InFlightWait<'a> {
                 backoff: FIRST_BACKOFF,
                 seen,
                 poller: false,
+                ends: None,
                 counted: false,
                 operation: self.operation.to_owned(),
             });
@@ -292,12 +307,26 @@ impl<'a> InFlightWait<'a> {
                 .polling
                 .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok();
+            if w.poller
+                && let Some(ends) = announced(self.store, self.id).await
+            {
+                // Subscribed, then announced: read once more now, and the end is either seen
+                // by that read or announced after it.
+                w.ends = Some(ends);
+                w.backoff = ANNOUNCED_FIRST_BACKOFF;
+                return Ok(());
+            }
         }
         // The poller reads again after its backoff; the others only when signalled (a finish
         // in this process, or the poller's leaving) or at their bound.
+        let max_backoff = if w.ends.is_some() {
+            ANNOUNCED_MAX_BACKOFF
+        } else {
+            MAX_BACKOFF
+        };
         let pause = if w.poller {
             let pause = jittered(w.backoff);
-            w.backoff = (w.backoff * 2).min(MAX_BACKOFF);
+            w.backoff = (w.backoff * 2).min(max_backoff);
             pause.min(w.deadline - now)
         } else {
             w.deadline - now
@@ -308,7 +337,17 @@ impl<'a> InFlightWait<'a> {
         tokio::pin!(notified);
         notified.as_mut().enable();
         if signal.finishes.load(Ordering::Acquire) == w.seen {
-            let _ = tokio::time::timeout(pause, notified).await;
+            let announcement = async {
+                match w.ends.as_mut() {
+                    Some(ends) => ended(ends, self.id).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = notified => {}
+                () = announcement => {}
+            }
         }
         // Read before the next read of the key, so a finish during it is seen next time.
         w.seen = signal.finishes.load(Ordering::Acquire);
@@ -330,6 +369,39 @@ impl<'a> InFlightWait<'a> {
                 Err(_) => WaitEnd::Other,
             };
             crate::telemetry::in_flight_wait(self.operation, end.label());
+        }
+    }
+}
+
+/// The store's feed of announced ends, subscribed before this key's end was announced; `None`
+/// when the store does not announce ends, or the announcement could not be asked for (the
+/// poller then polls).
+async fn announced(
+    store: &Arc<dyn Store>,
+    id: &KeyId,
+) -> Option<tokio::sync::broadcast::Receiver<KeyEnd>> {
+    let ends = store.key_ends()?;
+    match store.announce_end(id).await {
+        Ok(true) => Some(ends),
+        Ok(false) => None,
+        Err(e) => {
+            tracing::debug!(error = %e, "idemflow: could not ask for the key's end to be announced; polling");
+            None
+        }
+    }
+}
+
+/// Returns once `ends` says `id`'s attempt ended, or that announcements may have been missed
+/// (the feed lagged or closed): the caller reads the key then.
+async fn ended(ends: &mut tokio::sync::broadcast::Receiver<KeyEnd>, id: &KeyId) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        match ends.recv().await {
+            Ok(KeyEnd::Ended(ended)) if &ended == id => return,
+            Ok(KeyEnd::Ended(_)) => {}
+            Ok(KeyEnd::Gap) | Err(RecvError::Lagged(_)) => return,
+            // The store's listener stopped: nothing more will be announced; the backoff reads.
+            Err(RecvError::Closed) => std::future::pending().await,
         }
     }
 }

@@ -29,6 +29,7 @@ pub mod sqlite;
 
 mod connect;
 pub mod connect_error;
+pub(crate) mod ends;
 pub mod kit;
 #[cfg(any(
     feature = "sqlite",
@@ -44,6 +45,7 @@ mod rows;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod sql_core;
 pub use connect::connect;
+pub use ends::KeyEnd;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use pool::{PoolExhausted, PoolOptions};
 
@@ -274,6 +276,23 @@ pub trait Store: SweeperStore + OperatorStore + Debug + Send + Sync + 'static {
 
     /// Reads one key.
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError>;
+
+    /// Asks the store to announce the end of `id`'s current attempt (its finish, failure or
+    /// release, written by any process) on [`key_ends`](Store::key_ends): a duplicate calls it
+    /// before it waits for that attempt's answer. `Ok(false)` when this store cannot announce
+    /// (the default; the waiters then read the key on a backoff). Marking a key that is no
+    /// longer processing does nothing: the waiter's next read finds its answer (`ends`).
+    async fn announce_end(&self, id: &KeyId) -> Result<bool, StoreError> {
+        let _ = id;
+        Ok(false)
+    }
+
+    /// The ends this store announces, from every process ([`announce_end`](Store::announce_end));
+    /// the first call starts the store's listener. `None` when this store cannot announce (the
+    /// default).
+    fn key_ends(&self) -> Option<tokio::sync::broadcast::Receiver<KeyEnd>> {
+        None
+    }
 }
 
 /// The sweeper's part of the store contract ([`Store`]): taking stale keys over and purging

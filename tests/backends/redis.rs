@@ -673,3 +673,30 @@ async fn wait_for_replicas_that_do_not_exist_fails_claims_and_finishes() {
             .unwrap();
     }
 }
+
+/// A store on one server, on a cluster and through Sentinel subscribes to the ends it announces
+/// (so waiters across processes are woken, not polling); one built on a caller's connection
+/// cannot, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_connected_store_announces_ends_and_a_given_connection_does_not() {
+    let Some(single) = store_with(|c| c).await else {
+        return;
+    };
+    assert!(single.key_ends().is_some(), "one server");
+    if let Some(cluster) = crate::support::redis::cluster_store_with(|c| c).await {
+        assert!(cluster.key_ends().is_some(), "a cluster");
+    }
+    if let Some(sentinel) = crate::support::redis::sentinel_store_with(|c| c).await {
+        assert!(sentinel.key_ends().is_some(), "through Sentinel");
+    }
+    let given = RedisStore::from_connection(
+        single.connection(),
+        idemflow::store::redis::RedisConfig::new("redis://unused/").prefix(single.prefix()),
+    );
+    assert!(given.key_ends().is_none());
+    let id = idemflow::IdempotentRequest::new("s", "k", "op", &serde_json::json!({}))
+        .unwrap()
+        .id()
+        .clone();
+    assert!(!given.announce_end(&id).await.unwrap());
+}

@@ -195,6 +195,7 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
             "lean writes",
             "claim provider rule",
             "history in the row",
+            "announce ends",
         ]
     } else {
         &[

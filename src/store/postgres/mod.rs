@@ -6,7 +6,9 @@
 //!   writes nothing. A claim of a key this store has seen (a bounded set of hashes, only a
 //!   hint) is a plain primary-key read first, which settles a replay alone. A reclaim or a
 //!   takeover is one more (`sql::RECLAIM`). A finish is one more: a new key is two statements
-//!   in all. No trigger and no function runs on that path.
+//!   in all. No function runs on that path, and one trigger is only looked at: its `WHEN`
+//!   condition is false unless a duplicate waits on the key (`announce_end`; the trigger then
+//!   sends `NOTIFY idemflow_key_ends` when the attempt ends, see `docs/http.md`).
 //! - Every time is the server's `statement_timestamp()`; the application hosts' clocks are
 //!   never used.
 //! - A key's history is in its row (`history`, one entry per transition, appended by the
@@ -80,6 +82,8 @@ pub struct PostgresStore {
     /// Keys this store has seen exist: their claims read first (a replay is one plain
     /// primary-key read); any other claim runs the claim statement first.
     known: KnownKeys,
+    /// The ends of announced keys, heard on `idemflow_key_ends` (shared by the clones).
+    ends: std::sync::Arc<crate::store::ends::EndFeed>,
 }
 
 impl PostgresStore {
@@ -131,6 +135,7 @@ impl PostgresStore {
         Self {
             pool,
             known: KnownKeys::new(known_keys::DEFAULT_SLOTS),
+            ends: std::sync::Arc::default(),
         }
     }
 
@@ -374,6 +379,79 @@ impl Store for PostgresStore {
 
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
         Ok(self.read_with_now(id).await?.map(|(r, _)| r))
+    }
+
+    /// Sets `waiters` on the key while it is processing: the write that ends its attempt then
+    /// NOTIFYs `idemflow_key_ends` (the trigger of migration `announce_ends`).
+    async fn announce_end(&self, id: &KeyId) -> Result<bool, StoreError> {
+        sqlx::query(sql::ANNOUNCE_END)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(true)
+    }
+
+    /// LISTENs on `idemflow_key_ends` through a connection of its own (opened with the pool's
+    /// options, outside the pool), from the first call until the store is dropped.
+    fn key_ends(&self) -> Option<tokio::sync::broadcast::Receiver<crate::store::KeyEnd>> {
+        let options = (*self.pool.connect_options()).clone();
+        Some(self.ends.subscribe(move |tx| listen(options, tx)))
+    }
+}
+
+/// The channel the ends of announced keys are published on (migration `announce_ends`).
+const ENDS_CHANNEL: &str = "idemflow_key_ends";
+
+/// Forwards the ends announced on [`ENDS_CHANNEL`] to `tx` while anyone subscribes, through a
+/// one-connection pool of its own; a lost or failed connection is a [`KeyEnd::Gap`] and is
+/// opened again after a pause.
+///
+/// [`KeyEnd::Gap`]: crate::store::KeyEnd::Gap
+async fn listen(
+    options: sqlx::postgres::PgConnectOptions,
+    tx: tokio::sync::broadcast::Sender<crate::store::KeyEnd>,
+) {
+    use crate::store::KeyEnd;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy_with(options);
+    while tx.receiver_count() > 0 {
+        let connected = async {
+            let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+            listener.listen(ENDS_CHANNEL).await?;
+            Ok::<_, sqlx::Error>(listener)
+        }
+        .await;
+        let mut listener = match connected {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "idemflow: cannot LISTEN for key ends; waiters poll");
+                let _ = tx.send(KeyEnd::Gap);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        // Anything announced before the LISTEN took effect was missed.
+        let _ = tx.send(KeyEnd::Gap);
+        loop {
+            match listener.try_recv().await {
+                Ok(Some(n)) => {
+                    if let Some(id) = crate::store::ends::parse(n.payload()) {
+                        // No receiver left: nobody waits; the next subscriber starts again.
+                        if tx.send(KeyEnd::Ended(id)).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Ok(None) | Err(_) => {
+                    let _ = tx.send(KeyEnd::Gap);
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

@@ -291,6 +291,10 @@ pub(super) const RELEASE: &str = concat!(
        AND lease_token = $3::bigint"
 );
 
+/// Marks a processing key as waited on (`Store::announce_end`); a no-op on any other key.
+pub(super) const ANNOUNCE_END: &str = "UPDATE idempotency_keys SET waiters = true \
+     WHERE scope = $1::text AND key = $2::text AND state = 'processing' AND NOT waiters";
+
 pub(super) const MARK_ATTEMPT: &str = concat!(
     "UPDATE idempotency_keys SET last_attempt_at = ",
     now!(),

@@ -119,3 +119,15 @@ local function save_finished(k, r)
   if GRACE >= 0 then return save(k, r, r[F_EXP] + GRACE) end
   return save(k, r, nil)
 end
+
+-- Publishes the end of the attempt on record `k` when a duplicate waits for it (its marker,
+-- set by announce_end.lua: `<channel> <payload>`); `keep` leaves the marker for a later end (a
+-- release: the key stays processing).
+local function publish_end(k, keep)
+  local w = redis.call('GET', k .. ':w')
+  if not w then return end
+  local sep = string.find(w, ' ', 1, true)
+  if not sep then return end
+  if not keep then redis.call('DEL', k .. ':w') end
+  redis.call('PUBLISH', string.sub(w, 1, sep - 1), string.sub(w, sep + 1))
+end

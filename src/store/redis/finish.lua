@@ -4,7 +4,8 @@
 -- KEYS: record, bucket index.
 -- ARGV[5..]: member, to (state code 1..3), status?, headers?, body?, error?, token?, actor,
 -- reason, expected token?
--- Costs 4 commands: GET, TIME, SET (with its native expiry), ZADD. Returns {'ok', record}.
+-- Costs 5 commands: GET, TIME, SET (with its native expiry), ZADD, and the GET of the waiters'
+-- marker (with a marker, a DEL and a PUBLISH more: publish_end). Returns {'ok', record}.
 local k, idx = KEYS[1], KEYS[2]
 local m, to = ARGV[5], tonumber(ARGV[6])
 local status, headers, body, err = opt(ARGV[7]), opt(ARGV[8]), opt(ARGV[9]), opt(ARGV[10])
@@ -38,4 +39,5 @@ r[F_ERR] = err or false
 record_event(r, code, to, tok, actor, reason, now)
 local raw = save_finished(k, r)
 index(idx, m, to, exp)
+publish_end(k, false)
 return {'ok', raw}

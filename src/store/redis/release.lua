@@ -21,4 +21,5 @@ if err then r[F_ERR] = err end
 record_event(r, 0, 0, r[F_TOK], actor, reason, now)
 save(k, r, nil)
 index(idx, m, 0, due_of(r))
+publish_end(k, true)
 return {'ok'}

@@ -130,6 +130,26 @@ impl SentinelConnection {
         self.current().addr.clone()
     }
 
+    /// A client for the primary the sentinels name now (for a connection of another kind, such
+    /// as a subscription).
+    pub(crate) async fn primary_client(&self) -> RedisResult<redis::Client> {
+        let mut resolver = self.inner.resolver.lock().await;
+        tokio::time::timeout(
+            self.inner.connect_timeout,
+            resolver.client.async_get_client(),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no primary for {:?} found through Sentinel",
+                    self.inner.master
+                ),
+            )))
+        })
+    }
+
     /// How many times this connection has connected to a primary (1 after `connect`; each
     /// reconnection after a break adds one).
     pub fn connections(&self) -> u64 {

@@ -45,6 +45,7 @@ macro_rules! script {
 }
 
 struct Scripts {
+    announce_end: Script,
     claim: Script,
     finish: Script,
     release: Script,
@@ -57,8 +58,9 @@ struct Scripts {
 }
 
 impl Scripts {
-    fn all(&self) -> [&Script; 9] {
+    fn all(&self) -> [&Script; 10] {
         [
+            &self.announce_end,
             &self.claim,
             &self.finish,
             &self.release,
@@ -73,6 +75,7 @@ impl Scripts {
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    announce_end: script!("announce_end.lua"),
     claim: script!("claim.lua"),
     finish: script!("finish.lua"),
     release: script!("release.lua"),
@@ -180,6 +183,12 @@ pub struct RedisStore {
     cursor: Arc<AtomicU32>,
     /// `WAIT` after claims and finishes.
     wait: Option<WaitReplicas>,
+    /// Where this store subscribes to the ends it announces (`Store::key_ends`): one server,
+    /// one node of the cluster (a cluster's PUBLISH reaches every node), or the primary the
+    /// sentinels name; `None` for a connection built by the caller (the waiters then poll).
+    announcer: Option<Announcer>,
+    /// The ends heard on the channel (shared by the clones).
+    ends: Arc<crate::store::ends::EndFeed>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -352,7 +361,25 @@ impl RedisStore {
                 .await?,
             )
         };
-        Ok(Self::from_connection(con, config))
+        // Where the store subscribes to announced ends: the server, the cluster's first seed
+        // node, or the primary the sentinels name.
+        let announcer = match &con {
+            RedisConnection::Sentinel(s) => Some(Announcer::Sentinel(s.clone())),
+            RedisConnection::Cluster(_) => config
+                .url
+                .split(',')
+                .map(str::trim)
+                .find(|u| !u.is_empty())
+                .and_then(|url| redis::Client::open(url).ok())
+                .map(Announcer::Node),
+            RedisConnection::Single(_) => redis::Client::open(single_url.as_str())
+                .ok()
+                .map(Announcer::Node),
+        };
+        Ok(Self {
+            announcer,
+            ..Self::from_connection(con, config)
+        })
     }
 
     /// Uses a connection you built; the URL and the `cluster` switch in `config` are ignored.
@@ -366,7 +393,14 @@ impl RedisStore {
             known: KnownKeys::new(config.known_keys),
             cursor: Arc::new(AtomicU32::new(0)),
             wait: config.wait,
+            announcer: None,
+            ends: Arc::default(),
         }
+    }
+
+    /// The channel the ends of announced keys are published on: `<prefix>:ends`.
+    fn ends_channel(&self) -> String {
+        format!("{}:ends", self.layout.prefix())
     }
 
     /// The connection (for tests and tools that need raw access).
@@ -890,6 +924,98 @@ impl Store for RedisStore {
             })
             .await?;
         maybe_record(id, raw)
+    }
+
+    /// Marks the processing key for its finish or release to PUBLISH it on `<prefix>:ends`
+    /// (`announce_end.lua`); the mark lives at most a day. `Ok(false)` for a connection given to
+    /// [`from_connection`](RedisStore::from_connection): nothing listens.
+    async fn announce_end(&self, id: &KeyId) -> Result<bool, StoreError> {
+        if self.announcer.is_none() {
+            return Ok(false);
+        }
+        let k = self.layout.keys(&member(id));
+        let mut inv = self.per_key(&SCRIPTS.announce_end, &k);
+        inv.arg(self.ends_channel())
+            .arg(crate::store::ends::payload(id))
+            .arg(ANNOUNCE_MARK_TTL_MS);
+        self.invoke(&inv).await?;
+        Ok(true)
+    }
+
+    /// SUBSCRIBEs to `<prefix>:ends` on a connection of its own, from the first call until the
+    /// store is dropped.
+    fn key_ends(&self) -> Option<tokio::sync::broadcast::Receiver<crate::store::KeyEnd>> {
+        let announcer = self.announcer.clone()?;
+        let channel = self.ends_channel();
+        Some(
+            self.ends
+                .subscribe(move |tx| listen(announcer, channel, tx)),
+        )
+    }
+}
+
+/// Where a store subscribes to the ends it announces.
+#[derive(Clone)]
+enum Announcer {
+    /// One server, or one node of a cluster.
+    Node(redis::Client),
+    /// The primary the sentinels name, asked again at every (re)subscription.
+    Sentinel(SentinelConnection),
+}
+
+impl Announcer {
+    async fn client(&self) -> redis::RedisResult<redis::Client> {
+        match self {
+            Self::Node(c) => Ok(c.clone()),
+            Self::Sentinel(s) => s.primary_client().await,
+        }
+    }
+}
+
+/// How long a waiters' mark stays on a key with no end (`announce_end.lua`).
+const ANNOUNCE_MARK_TTL_MS: i64 = 24 * 3600 * 1000;
+
+/// Forwards the ends published on `channel` to `tx` while anyone subscribes; a lost or failed
+/// connection is a [`KeyEnd::Gap`](crate::store::KeyEnd::Gap) and is opened again after a pause.
+async fn listen(
+    announcer: Announcer,
+    channel: String,
+    tx: tokio::sync::broadcast::Sender<crate::store::KeyEnd>,
+) {
+    use crate::store::KeyEnd;
+    use futures_util::StreamExt;
+    while tx.receiver_count() > 0 {
+        let subscribed = async {
+            let mut pubsub = announcer.client().await?.get_async_pubsub().await?;
+            pubsub.subscribe(&channel).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        }
+        .await;
+        let pubsub = match subscribed {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "idemflow: cannot SUBSCRIBE for key ends; waiters poll");
+                let _ = tx.send(KeyEnd::Gap);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        // Anything published before the SUBSCRIBE took effect was missed.
+        let _ = tx.send(KeyEnd::Gap);
+        let mut messages = pubsub.into_on_message();
+        while let Some(msg) = messages.next().await {
+            let Ok(payload) = msg.get_payload::<String>() else {
+                continue;
+            };
+            if let Some(id) = crate::store::ends::parse(&payload) {
+                // No receiver left: nobody waits; the next subscriber starts again.
+                if tx.send(KeyEnd::Ended(id)).is_err() {
+                    return;
+                }
+            }
+        }
+        let _ = tx.send(KeyEnd::Gap);
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
