@@ -173,6 +173,11 @@ pub struct Shared {
     pub acked: BTreeMap<String, u32>,
     /// Faults are off (final sweeps).
     pub healthy: bool,
+    /// Since when the store is down ([`Mode::Outages`](crate::world::Mode::Outages)): every
+    /// store call of an actor is refused unrun, its lease renewals included.
+    pub store_down: Option<std::time::Instant>,
+    /// The store's outages so far: (start, end; `None` while it lasts).
+    pub outages: Vec<(std::time::Instant, Option<std::time::Instant>)>,
     /// The last crash of an actor or dropped store connection (the liveness check counts from
     /// it).
     pub last_disruption: Option<std::time::Instant>,
@@ -279,6 +284,22 @@ impl Shared {
     /// heartbeat). `None`: the renewals had what they need, so a takeover is the code's fault.
     fn renewals_starved(&self, holder: usize, label: &str) -> Option<String> {
         let lease = self.shortest_lease;
+        // The store refused every renewal while it was down: a lease can lapse under a live
+        // call, and the store cannot know its holder lives (`docs/reliability.md`, "When the
+        // store is down").
+        let now = std::time::Instant::now();
+        if let Some((start, end)) = self
+            .outages
+            .iter()
+            .rev()
+            .find(|(_, end)| end.is_none_or(|e| now.duration_since(e) < lease))
+        {
+            return Some(format!(
+                "the store was down from {:?} ago{} (a{holder}'s renewals were refused)",
+                start.elapsed(),
+                end.map_or(String::new(), |e| format!(" to {:?} ago", e.elapsed()))
+            ));
+        }
         if let Some(sent) = self.renewing.get(&(holder, label.to_owned())) {
             return Some(format!(
                 "a{holder}'s renewal sent {:?} ago has not been answered",

@@ -172,10 +172,11 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
         Ok("full") => Mode::Full,
         Ok("one-commit") => Mode::OneCommit,
         Ok("webhooks") => Mode::Webhooks,
-        Ok("waiting") | Err(_) => Mode::Waiting,
+        Ok("waiting") => Mode::Waiting,
+        Ok("outages") | Err(_) => Mode::Outages,
         Ok(other) => {
             panic!(
-                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit, webhooks or waiting"
+                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit, webhooks, waiting or outages"
             )
         }
     };

@@ -74,11 +74,19 @@ impl GatedStore {
     /// Draws whether the connection drops under this call (only inside an actor, only while the
     /// faults are on), and where; records it as a disruption (a crash of that call).
     fn cut(&self, what: &str, on: &str) -> Option<Cut> {
-        let faults = self.faults.as_ref()?;
         crate::gate::current_actor()?;
-        if self.shared.lock().unwrap().healthy {
-            return None;
+        {
+            let mut sh = self.shared.lock().unwrap();
+            if sh.healthy {
+                return None;
+            }
+            if sh.store_down.is_some() {
+                sh.trace
+                    .push(format!("    the store is down: {what}({on}) refused unrun"));
+                return Some(Cut::Before);
+            }
         }
+        let faults = self.faults.as_ref()?;
         let cut = {
             let mut rng = faults.rng.lock().unwrap();
             if !rng.chance(faults.per_mille) {
@@ -271,6 +279,16 @@ impl Delegate for GatedStore {
     ) -> Result<DateTime<Utc>, StoreError> {
         // Not a park point: a heartbeat may renew from beside the operation.
         let me = crate::gate::current_actor().map(|a| (a, label(id)));
+        {
+            let mut sh = self.shared.lock().unwrap();
+            if me.is_some() && sh.store_down.is_some() && !sh.healthy {
+                sh.trace.push(format!(
+                    "    the store is down: extend({}) refused unrun",
+                    label(id)
+                ));
+                return Err(dropped());
+            }
+        }
         if let Some(k) = &me {
             self.shared
                 .lock()

@@ -74,9 +74,12 @@ pub enum Mode {
     /// stuck keys").
     Webhooks,
     /// Also clients that wait for the first attempt's answer (`Idempotency::wait_in_flight`,
-    /// issue 24) instead of taking the in-flight answer at once, each with a bound of its own:
-    /// what the simulation runs by default.
+    /// issue 24) instead of taking the in-flight answer at once, each with a bound of its own.
     Waiting,
+    /// Also store outages (issue 24's "store down"): in some schedules the store goes down for a
+    /// few steps, refusing every store call of every actor unrun (claims, finishes, releases,
+    /// reads, lease renewals), then comes back; what the simulation runs by default.
+    Outages,
 }
 
 impl Mode {
@@ -88,18 +91,21 @@ impl Mode {
     pub fn full(self) -> bool {
         matches!(
             self,
-            Mode::Full | Mode::OneCommit | Mode::Webhooks | Mode::Waiting
+            Mode::Full | Mode::OneCommit | Mode::Webhooks | Mode::Waiting | Mode::Outages
         )
     }
 
     /// Whether the additions of [`Mode::OneCommit`] are on.
     pub fn one_commit(self) -> bool {
-        matches!(self, Mode::OneCommit | Mode::Webhooks | Mode::Waiting)
+        matches!(
+            self,
+            Mode::OneCommit | Mode::Webhooks | Mode::Waiting | Mode::Outages
+        )
     }
 
     /// Whether the additions of [`Mode::Webhooks`] are on.
     pub fn webhooks(self) -> bool {
-        matches!(self, Mode::Webhooks | Mode::Waiting)
+        matches!(self, Mode::Webhooks | Mode::Waiting | Mode::Outages)
     }
 }
 
@@ -235,6 +241,9 @@ struct World {
     hooks: Option<Rng>,
     /// The draws of the waiting clients ([`Mode::Waiting`]), a stream of their own.
     waits: Option<Rng>,
+    /// The draws of the store's outages ([`Mode::Outages`], in the schedules that have them), a
+    /// stream of their own.
+    outages: Option<Rng>,
     extras: Extras,
     /// The workflows' bodies by operation (for the resumers).
     workflows: Vec<(&'static str, Vec<KeyDef>)>,
@@ -545,6 +554,13 @@ impl World {
     async fn heartbeat(&mut self) {
         if !self.settings.heartbeat {
             return;
+        }
+        {
+            // The store is down: no renewal gets through (each is tried again next step).
+            let sh = self.shared.lock().unwrap();
+            if sh.store_down.is_some() && !sh.healthy {
+                return;
+            }
         }
         let holdings: Vec<((usize, String), i64)> = {
             let sh = self.shared.lock().unwrap();
@@ -986,7 +1002,19 @@ impl World {
             }
             self.check().await;
         }
-        self.shared.lock().unwrap().healthy = true;
+        {
+            // The end of the schedule: the store is back, for good.
+            let mut sh = self.shared.lock().unwrap();
+            sh.healthy = true;
+            if sh.store_down.take().is_some() {
+                let now = std::time::Instant::now();
+                if let Some(last) = sh.outages.last_mut() {
+                    last.1 = Some(now);
+                }
+                sh.last_disruption = Some(now);
+                sh.trace.push("the store is back".to_owned());
+            }
+        }
         // Liveness: a key orphaned by the last crash (or dropped connection) is free once the
         // lease its dead holder held runs out: the request lease, or the sweeper's where this
         // schedule sets it apart from the defaults' ratio. Then one search lag for a lookup, and
@@ -1656,7 +1684,10 @@ pub async fn run_case(
     };
     let alt = with_workflows.then(|| Rng::new(seed ^ 0xA17E_F0DE));
     let hooks = mode.webhooks().then(|| Rng::new(seed ^ WEBHOOK_STREAM));
-    let waits = (mode == Mode::Waiting).then(|| Rng::new(seed ^ WAIT_STREAM));
+    let waits = matches!(mode, Mode::Waiting | Mode::Outages).then(|| Rng::new(seed ^ WAIT_STREAM));
+    let outages = (mode == Mode::Outages)
+        .then(|| Rng::new(seed ^ OUTAGE_STREAM))
+        .and_then(|mut r| r.chance(OUTAGE_SCHEDULES_PER_MILLE).then_some(r));
     {
         let mut sh = shared.lock().unwrap();
         for k in keys.iter().filter(|k| k.role != Role::Workflow) {
@@ -1709,6 +1740,7 @@ pub async fn run_case(
         atomic,
         alt,
         waits,
+        outages,
         states: std::collections::BTreeMap::new(),
         lost_leases: BTreeSet::new(),
         reported: BTreeSet::new(),
@@ -1773,6 +1805,41 @@ const ONE_COMMIT_PER_MILLE: u64 = 600;
 const WAIT_STREAM: u64 = 0x3A17_1F17;
 const WAITING_PER_MILLE: u64 = 400;
 
+/// The seed stream of the store's outages ([`Mode::Outages`]); how many schedules in a thousand
+/// have them; how often, per mille of the steps, the store goes down when up, and comes back
+/// when down (a few steps, each of which may advance the clock past leases).
+const OUTAGE_STREAM: u64 = 0x0D0_3E5D;
+const OUTAGE_SCHEDULES_PER_MILLE: u64 = 300;
+const OUTAGE_START_PER_MILLE: u64 = 60;
+const OUTAGE_END_PER_MILLE: u64 = 300;
+
+/// With outages, sometimes: the store goes down, or comes back.
+fn toggle_outage(w: &mut World, step: usize) {
+    let Some(r) = w.outages.as_mut() else {
+        return;
+    };
+    let now = std::time::Instant::now();
+    let down = w.shared.lock().unwrap().store_down.is_some();
+    let line = if !down && r.chance(OUTAGE_START_PER_MILLE) {
+        let mut sh = w.shared.lock().unwrap();
+        sh.store_down = Some(now);
+        sh.outages.push((now, None));
+        sh.last_disruption = Some(now);
+        format!("#{step} the store goes down")
+    } else if down && r.chance(OUTAGE_END_PER_MILLE) {
+        let mut sh = w.shared.lock().unwrap();
+        sh.store_down = None;
+        if let Some(last) = sh.outages.last_mut() {
+            last.1 = Some(now);
+        }
+        sh.last_disruption = Some(now);
+        format!("#{step} the store is back")
+    } else {
+        return;
+    };
+    w.trace(line);
+}
+
 /// The seed stream of the webhooks ([`Mode::Webhooks`]), and how often a step delivers one (per
 /// mille of the steps, when the ledger holds an effect).
 const WEBHOOK_STREAM: u64 = 0x3EB_400C;
@@ -1811,6 +1878,7 @@ async fn run_steps(w: &mut World) -> Result<(), String> {
     for step in 0..w.settings.steps {
         w.shared.lock().unwrap().step = step;
         w.deliver_in_transit(MAX_TRANSIT).await?;
+        toggle_outage(w, step);
         deliver_webhook(w, step).await?;
         let parked = w.slots.len();
         let can_spawn = parked < w.settings.max_actors;
