@@ -40,7 +40,12 @@ pub fn redact_url(url: &str) -> String {
         let query: Vec<String> = query
             .split('&')
             .map(|pair| match pair.split_once('=') {
-                Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
+                Some((k, _))
+                    if k.eq_ignore_ascii_case("password")
+                        || k.eq_ignore_ascii_case("sentinel_password") =>
+                {
+                    format!("{k}=***")
+                }
                 _ => pair.to_owned(),
             })
             .collect();

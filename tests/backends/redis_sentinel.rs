@@ -29,7 +29,9 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use crate::support::backend_url;
-use crate::support::redis::{SENTINEL_FAILOVER_URL_VAR, SENTINEL_URL_VAR, store_at};
+use crate::support::redis::{
+    SENTINEL_AUTH_URL_VAR, SENTINEL_FAILOVER_URL_VAR, SENTINEL_URL_VAR, store_at,
+};
 
 fn is_config(r: Result<RedisStore, StoreError>) -> bool {
     matches!(r, Err(StoreError::Config(_)))
@@ -53,6 +55,8 @@ async fn bad_sentinel_urls_and_options_are_typed_errors() {
         "redis+sentinel://127.0.0.1/mymaster?wait_timeout_ms=5",
         "redis+sentinel://127.0.0.1/mymaster?wait_replicas=1&wait_timeout_ms=0",
         "redis+sentinel://:%zz@127.0.0.1/mymaster",
+        "redis+sentinel://127.0.0.1/mymaster?sentinel_password=%zz",
+        "redis+sentinel://127.0.0.1/mymaster?sentinel_pass=x",
         "redis://127.0.0.1:1/?wait_timeout_ms=5",
     ] {
         let r = RedisStore::connect(url).await;
@@ -76,11 +80,95 @@ async fn bad_sentinel_urls_and_options_are_typed_errors() {
         .cluster(true)
         .sentinel(SentinelConfig::new("m", [("h", 1)]));
     assert!(is_config(RedisStore::connect_with(both).await));
-    // A password never shows in the error.
+    // A password never shows in the error, the sentinels' neither.
     let Err(e) = RedisStore::connect("redis+sentinel://:s3cret@h/").await else {
         panic!("a URL without a master name connected");
     };
     assert!(!e.to_string().contains("s3cret"), "{e}");
+    let Err(e) = RedisStore::connect("redis+sentinel://h/?sentinel_password=s3cret").await else {
+        panic!("a URL without a master name connected");
+    };
+    assert!(!e.to_string().contains("s3cret"), "{e}");
+    // Parsed into the sentinels' own credentials, apart from the data nodes'.
+    let (parsed, _) = SentinelConfig::parse_url(
+        "redis+sentinel://app:data%40pw@h/m?sentinel_username=sent&sentinel_password=s%2Fpw",
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            parsed.username.as_deref(),
+            parsed.password.as_deref(),
+            parsed.sentinel_username.as_deref(),
+            parsed.sentinel_password.as_deref()
+        ),
+        (Some("app"), Some("data@pw"), Some("sent"), Some("s/pw"))
+    );
+    let shown = format!("{parsed:?}");
+    assert!(
+        !shown.contains("data@pw") && !shown.contains("s/pw"),
+        "{shown}"
+    );
+}
+
+/// A Sentinel set whose sentinels and data nodes want passwords (`.ci/redis-sentinel-auth`):
+/// with both passwords the store connects, claims and finishes; without the sentinels' it is a
+/// connection error that says so, and with a wrong data password too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinels_with_passwords_are_reached_with_theirs() {
+    let Some(url) = backend_url(SENTINEL_AUTH_URL_VAR) else {
+        return;
+    };
+    let store = RedisStore::connect_with(RedisConfig::new(url.clone()).prefix(unique("auth")))
+        .await
+        .unwrap_or_else(|e| panic!("through a password-protected Sentinel: {e}"));
+    store.migrate().await.unwrap();
+    let idem = Idempotency::new(Arc::new(store));
+    let request = || IdempotentRequest::new("acct", "k-auth", "send", &json!({"n": 1})).unwrap();
+    let first = idem
+        .execute(request(), |_| async {
+            Outcome::Succeeded(StoredResponse::new(201).with_body("sent"))
+        })
+        .await
+        .unwrap();
+    assert!(!first.is_replay());
+    let again = idem
+        .execute(request(), |_| async { panic!("a replay runs nothing") })
+        .await
+        .unwrap();
+    assert!(again.is_replay());
+
+    // Without the sentinels' password, the sentinels refuse: a connection error, no hang.
+    let (mut no_sentinel_pw, _) = SentinelConfig::parse_url(&url).unwrap();
+    assert!(
+        no_sentinel_pw.sentinel_password.is_some(),
+        "the URL carries it"
+    );
+    no_sentinel_pw.sentinel_password = None;
+    let refused = RedisStore::connect_with(
+        RedisConfig::new("redis+sentinel://(without the sentinels' password)")
+            .sentinel(no_sentinel_pw),
+    )
+    .await;
+    match &refused {
+        Err(e @ StoreError::Connect { .. }) => {
+            assert!(
+                e.to_string().to_lowercase().contains("auth"),
+                "the error names authentication: {e}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // With a wrong password on the data node: refused too.
+    let (mut wrong_data_pw, _) = SentinelConfig::parse_url(&url).unwrap();
+    wrong_data_pw.password = Some("not-the-password".to_owned());
+    let refused = RedisStore::connect_with(
+        RedisConfig::new("redis+sentinel://(a wrong data password)").sentinel(wrong_data_pw),
+    )
+    .await;
+    assert!(
+        matches!(refused, Err(StoreError::Connect { .. })),
+        "{refused:?}"
+    );
 }
 
 /// The set has two replicas: a store that asks three of them sees every claim and finish

@@ -16,6 +16,9 @@ pub const CLUSTER_URL_VAR: &str = "IDEMFLOW_TEST_REDIS_CLUSTER_URL";
 pub const SENTINEL_URL_VAR: &str = "IDEMFLOW_TEST_REDIS_SENTINEL_URL";
 /// A second master of the Sentinel set, for the failover test alone (it kills its primary).
 pub const SENTINEL_FAILOVER_URL_VAR: &str = "IDEMFLOW_TEST_REDIS_SENTINEL_FAILOVER_URL";
+/// A Sentinel whose sentinel and data node both want passwords (`.ci/redis-sentinel-auth`),
+/// its URL carrying both.
+pub const SENTINEL_AUTH_URL_VAR: &str = "IDEMFLOW_TEST_REDIS_SENTINEL_AUTH_URL";
 
 /// The `WAIT` of the Sentinel suites' waiting store: one replica, with a timeout a loaded CI
 /// machine meets.

@@ -30,6 +30,10 @@ pub struct SentinelConfig {
     pub username: Option<String>,
     /// The password on the data nodes, if any.
     pub password: Option<String>,
+    /// The user name on the sentinels (ACL), if any.
+    pub sentinel_username: Option<String>,
+    /// The password on the sentinels (their `requirepass`), if any.
+    pub sentinel_password: Option<String>,
 }
 
 impl fmt::Debug for SentinelConfig {
@@ -40,6 +44,11 @@ impl fmt::Debug for SentinelConfig {
             .field("db", &self.db)
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("sentinel_username", &self.sentinel_username)
+            .field(
+                "sentinel_password",
+                &self.sentinel_password.as_ref().map(|_| "***"),
+            )
             .finish()
     }
 }
@@ -58,6 +67,8 @@ impl SentinelConfig {
             db: 0,
             username: None,
             password: None,
+            sentinel_username: None,
+            sentinel_password: None,
         }
     }
 
@@ -70,16 +81,24 @@ impl SentinelConfig {
 
         /// Sets the password on the data nodes.
         password(password: Option<String>);
+
+        /// Sets the user name on the sentinels.
+        sentinel_username(sentinel_username: Option<String>);
+
+        /// Sets the password on the sentinels (a sentinel with `requirepass`).
+        sentinel_password(sentinel_password: Option<String>);
     }
 
     /// Parses a Sentinel URL, the form of the Python `redis-sentinel-url` package (also
     /// accepted by Prefect and docket):
     ///
-    /// `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/master[/db][?wait_replicas=N[&wait_timeout_ms=T]]`
+    /// `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/master[/db][?wait_replicas=N[&wait_timeout_ms=T][&sentinel_username=U][&sentinel_password=P]]`
     ///
-    /// A sentinel without a port is on 26379. The credentials (percent-encoded) are the data
-    /// nodes'. `wait_replicas` and `wait_timeout_ms` set [`RedisConfig::wait`] (returned
-    /// beside). Anything missing or malformed (no sentinel, no master name, a bad port or
+    /// A sentinel without a port is on 26379. The credentials before `@` (percent-encoded) are
+    /// the data nodes'; `sentinel_username` and `sentinel_password` (percent-encoded) are the
+    /// sentinels' own, for sentinels with `requirepass` or ACL users (both are hidden in error
+    /// messages and in `Debug`). `wait_replicas` and `wait_timeout_ms` set
+    /// [`RedisConfig::wait`] (returned beside). Anything missing or malformed (no sentinel, no master name, a bad port or
     /// database, an unknown parameter) is a [`StoreError::Config`] that says what.
     ///
     /// ```
@@ -154,12 +173,26 @@ impl SentinelConfig {
         if parts.any(|p| !p.is_empty()) {
             return Err(bad("more path segments than master and database"));
         }
+        let (mut sentinel_username, mut sentinel_password) = (None, None);
         let wait = match query {
             None => None,
             Some(q) => {
                 let (wait, rest) = take_wait_params(q).map_err(|why| bad(&why))?;
-                if let Some(p) = rest.first() {
-                    return Err(bad(&format!("unknown parameter {p:?}")));
+                for pair in rest {
+                    let decode =
+                        |s: &str| percent_decode(s).ok_or_else(|| bad("bad percent-encoding"));
+                    match pair.split_once('=') {
+                        Some(("sentinel_username", v)) if !v.is_empty() => {
+                            sentinel_username = Some(decode(v)?);
+                        }
+                        Some(("sentinel_password", v)) if !v.is_empty() => {
+                            sentinel_password = Some(decode(v)?);
+                        }
+                        _ => {
+                            let name = pair.split_once('=').map_or(pair, |(k, _)| k);
+                            return Err(bad(&format!("unknown parameter {name:?}")));
+                        }
+                    }
                 }
                 wait
             }
@@ -171,6 +204,8 @@ impl SentinelConfig {
                 db,
                 username,
                 password,
+                sentinel_username,
+                sentinel_password,
             },
             wait,
         ))

@@ -94,6 +94,12 @@ impl SentinelConnection {
         if let Some(p) = &sentinel.password {
             builder = builder.set_client_to_redis_password(p);
         }
+        if let Some(u) = &sentinel.sentinel_username {
+            builder = builder.set_client_to_sentinel_username(u);
+        }
+        if let Some(p) = &sentinel.sentinel_password {
+            builder = builder.set_client_to_sentinel_password(p);
+        }
         let client = builder.build()?;
         let con = Self {
             inner: Arc::new(Inner {
