@@ -110,7 +110,7 @@ mod tests {
 
     #[test]
     fn payloads_name_their_key_and_nothing_else_parses() {
-        for (scope, key) in [("shop", "k1"), ("a:b", "c:d"), ("7:x", "é:ü")] {
+        for (scope, key) in [("shop", "k1"), ("a:b", "c:d"), ("7:x", "12:y")] {
             let id = KeyId::new(
                 crate::Scope::new(scope).unwrap(),
                 crate::IdempotencyKey::new(key).unwrap(),
