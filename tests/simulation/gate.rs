@@ -178,6 +178,8 @@ pub struct Shared {
     pub store_down: Option<std::time::Instant>,
     /// The store's outages so far: (start, end; `None` while it lasts).
     pub outages: Vec<(std::time::Instant, Option<std::time::Instant>)>,
+    /// (actor, key label) -> when its lease on the key was last granted or renewed.
+    pub renewed: BTreeMap<(usize, String), std::time::Instant>,
     /// The last crash of an actor or dropped store connection (the liveness check counts from
     /// it).
     pub last_disruption: Option<std::time::Instant>,
@@ -230,6 +232,8 @@ impl Shared {
         let me = current_actor();
         if let (Some(a), Some(exp)) = (me, expires) {
             self.holding.insert((a, label.to_owned()), (token, exp));
+            self.renewed
+                .insert((a, label.to_owned()), std::time::Instant::now());
         }
         self.trace
             .push(format!("    {label}: {how} granted token {token}"));
@@ -285,15 +289,15 @@ impl Shared {
     fn renewals_starved(&self, holder: usize, label: &str) -> Option<String> {
         let lease = self.shortest_lease;
         // The store refused every renewal while it was down: a lease can lapse under a live
-        // call, and the store cannot know its holder lives (`docs/reliability.md`, "When the
-        // store is down").
+        // call, and the store cannot know its holder lives (`docs/reliability.md`, "The
+        // simulation"). An outage that lasted past the holder's last grant or renewal may have
+        // let its lease run out, however long ago it ended.
         let now = std::time::Instant::now();
-        if let Some((start, end)) = self
-            .outages
-            .iter()
-            .rev()
-            .find(|(_, end)| end.is_none_or(|e| now.duration_since(e) < lease))
-        {
+        let last_ok = self.renewed.get(&(holder, label.to_owned())).copied();
+        if let Some((start, end)) = self.outages.iter().rev().find(|(_, end)| match last_ok {
+            Some(ok) => end.is_none_or(|e| e > ok),
+            None => end.is_none_or(|e| now.duration_since(e) < lease),
+        }) {
             return Some(format!(
                 "the store was down from {:?} ago{} (a{holder}'s renewals were refused)",
                 start.elapsed(),

@@ -301,11 +301,9 @@ impl Delegate for GatedStore {
             self.shared.lock().unwrap().renewing.remove(k);
         }
         if let (Ok(exp), Some(a)) = (&r, crate::gate::current_actor()) {
-            self.shared
-                .lock()
-                .unwrap()
-                .holding
-                .insert((a, label(id)), (token.0, *exp));
+            let mut sh = self.shared.lock().unwrap();
+            sh.holding.insert((a, label(id)), (token.0, *exp));
+            sh.renewed.insert((a, label(id)), std::time::Instant::now());
         }
         r
     }
