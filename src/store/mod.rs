@@ -288,8 +288,9 @@ pub trait Store: SweeperStore + OperatorStore + Debug + Send + Sync + 'static {
     }
 
     /// The ends this store announces, from every process ([`announce_end`](Store::announce_end));
-    /// the first call starts the store's listener. `None` when this store cannot announce (the
-    /// default).
+    /// the first call starts the store's listener (a task: call it from within a Tokio runtime),
+    /// which sends a [`KeyEnd::Gap`] each time it starts listening. `None` when this store
+    /// cannot announce (the default).
     fn key_ends(&self) -> Option<tokio::sync::broadcast::Receiver<KeyEnd>> {
         None
     }
