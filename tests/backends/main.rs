@@ -34,6 +34,10 @@ mod one_commit;
 #[cfg(all(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod one_commit_kill;
 
+// Issue 24's announced ends: the feed listens again after its connection is killed.
+#[cfg(all(feature = "conformance", any(feature = "postgres", feature = "redis")))]
+mod ends_feed;
+
 mod memory_store;
 #[cfg(feature = "mysql")]
 mod mysql;

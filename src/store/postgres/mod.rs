@@ -414,12 +414,17 @@ async fn listen(
     tx: tokio::sync::broadcast::Sender<crate::store::KeyEnd>,
 ) {
     use crate::store::KeyEnd;
+    // A short acquire timeout: a server that is gone is reported (a `Gap`) and tried again
+    // every second or so, not after the pool's default 30 s.
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
         .connect_lazy_with(options);
     while tx.receiver_count() > 0 {
         let connected = async {
             let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+            // A lost connection is reported at once (`Ok(None)`), then opened again here.
+            listener.eager_reconnect(false);
             listener.listen(ENDS_CHANNEL).await?;
             Ok::<_, sqlx::Error>(listener)
         }
