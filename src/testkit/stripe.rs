@@ -177,19 +177,62 @@ async fn keyed(
     Ok(Keyed { key, slot, account })
 }
 
+/// A POST as the handlers take it: its form, the fingerprint of its parameters, its key claimed
+/// for it, and how its answer is delivered.
+struct Posted {
+    fields: Vec<(String, String)>,
+    params: String,
+    keyed: Keyed,
+    delivery: super::Delivery,
+}
+
+/// Reads a POST's form and claims its key ([`keyed`]); the answer to give at once otherwise (a
+/// body that is not a form, a replay, 409, another request under the key).
+async fn posted(s: &Shared<StripeState>, request: EffectRequest) -> Result<Posted, Response> {
+    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
+    let (fields, params) = form(&body).map_err(bad_form)?;
+    let keyed = keyed(s, &headers, &params, &delivery).await?;
+    Ok(Posted {
+        fields,
+        params,
+        keyed,
+        delivery,
+    })
+}
+
+/// `item` as the fake holds it: with the connected account it was made on, if any.
+fn with_account(mut item: Value, account: Option<&str>) -> Value {
+    if let (Some(acct), Value::Object(m)) = (account, &mut item) {
+        m.insert(ACCOUNT.to_owned(), Value::String(acct.to_owned()));
+    }
+    item
+}
+
+/// The PaymentIntent the account holds whose `by` (`payment_intent`: its id, `charge`: its
+/// `latest_charge`) is `id`.
+fn held_payment(s: &StripeState, by: &str, id: &str, account: Option<&str>) -> Option<Value> {
+    let member = if by == "charge" {
+        "latest_charge"
+    } else {
+        "id"
+    };
+    s.intents
+        .held(|pi| pi[member] == id && on_account(pi, account))
+}
+
 /// Whether the held object `item` was made on `account`.
 fn on_account(item: &Value, account: Option<&str>) -> bool {
     item.get(ACCOUNT).and_then(Value::as_str) == account
 }
 
 async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectRequest) -> Response {
-    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
-    let (fields, params) = match form(&body) {
-        Ok(f) => f,
-        Err(message) => return bad_form(message),
-    };
-    let Keyed { key, slot, account } = match keyed(&s, &headers, &params, &delivery).await {
-        Ok(k) => k,
+    let Posted {
+        fields,
+        params,
+        keyed: Keyed { key, slot, account },
+        delivery,
+    } = match posted(&s, request).await {
+        Ok(p) => p,
         Err(r) => return r,
     };
 
@@ -205,10 +248,7 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
 
     run_keyed(&s, slot, params, delivery, move |s, n| {
         let get = |name: &str| field(&fields, name);
-        let (metadata, mut request) = metadata_and_request(&fields);
-        if let Some(acct) = &account {
-            request.insert("Stripe-Account".to_owned(), Value::String(acct.clone()));
-        }
+        let (metadata, request) = metadata_and_request(&fields, account.as_deref());
         let declined = get("payment_method").as_deref() == Some(FakeStripe::DECLINED_CARD);
         let confirm = get("confirm").as_deref() == Some("true");
         let capture_method = get("capture_method").unwrap_or_else(|| "automatic".to_owned());
@@ -256,11 +296,10 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
             status: status.to_owned(),
             request: Value::Object(request),
         });
-        let mut kept = pi.clone();
-        if let (Some(acct), Value::Object(m)) = (&account, &mut kept) {
-            m.insert(ACCOUNT.to_owned(), Value::String(acct.clone()));
-        }
-        s.intents.push(s.common.faults.search_lag(), kept);
+        s.intents.push(
+            s.common.faults.search_lag(),
+            with_account(pi.clone(), account.as_deref()),
+        );
         if declined {
             let mut err = decline;
             if let Value::Object(m) = &mut err {
@@ -284,8 +323,12 @@ fn missing_param(fields: &[(String, String)]) -> Option<&'static str> {
     }
 }
 
-/// The form's `metadata[...]` entries, and every field as the request the ledger records.
-fn metadata_and_request(fields: &[(String, String)]) -> (Map<String, Value>, Map<String, Value>) {
+/// The form's `metadata[...]` entries, and every field as the request the ledger records, with
+/// the connected account as `"Stripe-Account"`.
+fn metadata_and_request(
+    fields: &[(String, String)],
+    account: Option<&str>,
+) -> (Map<String, Value>, Map<String, Value>) {
     let mut metadata = Map::new();
     let mut request = Map::new();
     for (k, v) in fields {
@@ -296,6 +339,9 @@ fn metadata_and_request(fields: &[(String, String)]) -> (Map<String, Value>, Map
             metadata.insert(m.to_owned(), Value::String(v.clone()));
         }
         request.insert(k.clone(), Value::String(v.clone()));
+    }
+    if let Some(acct) = account {
+        request.insert("Stripe-Account".to_owned(), Value::String(acct.to_owned()));
     }
     (metadata, request)
 }
@@ -334,8 +380,7 @@ async fn search(
     let data: Vec<Value> = s
         .intents
         .find(|pi| {
-            pi["metadata"][&k].as_str() == Some(v.as_str())
-                && pi.get(ACCOUNT).and_then(Value::as_str) == account.as_deref()
+            pi["metadata"][&k].as_str() == Some(v.as_str()) && on_account(pi, account.as_deref())
         })
         .into_iter()
         .map(|pi| without_account(pi).0)
@@ -384,20 +429,17 @@ async fn capture(
     Path(id): Path<String>,
     request: EffectRequest,
 ) -> Response {
-    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
-    let (fields, params) = match form(&body) {
-        Ok(f) => f,
-        Err(message) => return bad_form(message),
-    };
-    let Keyed { key, slot, account } = match keyed(&s, &headers, &params, &delivery).await {
-        Ok(k) => k,
+    let Posted {
+        fields,
+        params,
+        keyed: Keyed { key, slot, account },
+        delivery,
+    } = match posted(&s, request).await {
+        Ok(p) => p,
         Err(r) => return r,
     };
     run_keyed(&s, slot, params, delivery, move |s, _| {
-        let (_, mut request) = metadata_and_request(&fields);
-        if let Some(acct) = &account {
-            request.insert("Stripe-Account".to_owned(), Value::String(acct.clone()));
-        }
+        let (_, request) = metadata_and_request(&fields, account.as_deref());
         let wanted = field(&fields, "amount_to_capture").map(|a| a.parse::<u64>());
         let captured = s.intents.update(
             |pi| pi["id"] == id.as_str() && on_account(pi, account.as_deref()),
@@ -479,13 +521,13 @@ fn refunded_payment(pairs: &[(String, String)]) -> Option<(&'static str, String)
 }
 
 async fn refund(State(s): State<Arc<Shared<StripeState>>>, request: EffectRequest) -> Response {
-    let (headers, body, delivery) = (request.headers, request.body, request.delivery);
-    let (fields, params) = match form(&body) {
-        Ok(f) => f,
-        Err(message) => return bad_form(message),
-    };
-    let Keyed { key, slot, account } = match keyed(&s, &headers, &params, &delivery).await {
-        Ok(k) => k,
+    let Posted {
+        fields,
+        params,
+        keyed: Keyed { key, slot, account },
+        delivery,
+    } = match posted(&s, request).await {
+        Ok(p) => p,
         Err(r) => return r,
     };
     // Validation: not saved, as at Stripe.
@@ -498,14 +540,8 @@ async fn refund(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
         return s.keys.refuse(slot.as_deref(), refusal);
     };
     run_keyed(&s, slot, params, delivery, move |s, n| {
-        let (metadata, mut request) = metadata_and_request(&fields);
-        if let Some(acct) = &account {
-            request.insert("Stripe-Account".to_owned(), Value::String(acct.clone()));
-        }
-        let member = if by == "charge" { "latest_charge" } else { "id" };
-        let Some(pi) = s.intents.held(|pi| {
-            pi[member] == payment.as_str() && on_account(pi, account.as_deref())
-        }) else {
+        let (metadata, request) = metadata_and_request(&fields, account.as_deref());
+        let Some(pi) = held_payment(s, by, &payment, account.as_deref()) else {
             return no_such(by, &payment);
         };
         let received = pi["amount_received"].as_u64().unwrap_or(0);
@@ -563,11 +599,7 @@ async fn refund(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
             status: "succeeded".to_owned(),
             request: Value::Object(request),
         });
-        let mut kept = refund.clone();
-        if let (Some(acct), Value::Object(m)) = (&account, &mut kept) {
-            m.insert(ACCOUNT.to_owned(), Value::String(acct.clone()));
-        }
-        refunds.push(kept);
+        refunds.push(with_account(refund.clone(), account.as_deref()));
         (200, refund)
     })
     .await
@@ -592,15 +624,7 @@ async fn list_refunds(
     let payment = refunded_payment(&pairs);
     // As Stripe: a payment the account does not hold is a 404, not an empty list.
     if let Some((by, id)) = &payment {
-        let member = if *by == "charge" {
-            "latest_charge"
-        } else {
-            "id"
-        };
-        if s.intents
-            .held(|pi| pi[member] == id.as_str() && on_account(pi, account.as_deref()))
-            .is_none()
-        {
+        if held_payment(&s, by, id, account.as_deref()).is_none() {
             let (code, body) = no_such(by, id);
             return json_response(code, &body, &[]);
         }
