@@ -623,11 +623,11 @@ async fn list_refunds(
         .clamp(1, 100);
     let payment = refunded_payment(&pairs);
     // As Stripe: a payment the account does not hold is a 404, not an empty list.
-    if let Some((by, id)) = &payment {
-        if held_payment(&s, by, id, account.as_deref()).is_none() {
-            let (code, body) = no_such(by, id);
-            return json_response(code, &body, &[]);
-        }
+    if let Some((by, id)) = &payment
+        && held_payment(&s, by, id, account.as_deref()).is_none()
+    {
+        let (code, body) = no_such(by, id);
+        return json_response(code, &body, &[]);
     }
     let newest_first: Vec<Value> = super::lock(&s.refunds)
         .iter()
