@@ -24,6 +24,8 @@ mod support;
 mod atomic_phases;
 #[cfg(all(feature = "testkit", feature = "sqlite"))]
 mod operations_kill;
+#[cfg(all(feature = "cli", feature = "testkit", feature = "sqlite"))]
+mod reconcile_cli;
 #[cfg(all(feature = "testkit", feature = "sqlite"))]
 mod recovery_cards;
 #[cfg(all(feature = "testkit", feature = "sqlite"))]

@@ -589,38 +589,22 @@ async fn cli_reconcile_once_settles_each_card_processor_from_a_config_file(
     square.crash_before_the_call(&idem, "cli-s2").await;
     stale(LEASE).await;
 
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("idemflow.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[providers]]\nkind = \"adyen\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_ADYEN_KEY\"\n\n\
-             [[providers]]\nkind = \"square\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_SQUARE_KEY\"\nprocessing_window = 0\n\n\
-             [[providers]]\nkind = \"paypal\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_PAYPAL_TOKEN\"\n",
-            adyen.base_url, square.base_url, paypal.base_url,
-        ),
-    )
-    .unwrap();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
-        .args(["--json", "reconcile", "--once"])
-        .env("DATABASE_URL", &url)
-        .env("IDEMFLOW_CONFIG", &config)
-        .env("FAKE_ADYEN_KEY", FakeAdyen::API_KEY)
-        .env("FAKE_SQUARE_KEY", FakeSquare::API_KEY)
-        .env("FAKE_PAYPAL_TOKEN", FakePayPal::API_KEY)
-        .env_remove("IDEMFLOW_LOG")
-        .env_remove("RUST_LOG")
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let config = format!(
+        "[[providers]]\nkind = \"adyen\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_ADYEN_KEY\"\n\n\
+         [[providers]]\nkind = \"square\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_SQUARE_KEY\"\nprocessing_window = 0\n\n\
+         [[providers]]\nkind = \"paypal\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_PAYPAL_TOKEN\"\n",
+        adyen.base_url, square.base_url, paypal.base_url,
     );
-    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    let report = crate::reconcile_cli::reconcile_once(
+        &url,
+        &config,
+        &[
+            ("FAKE_ADYEN_KEY", FakeAdyen::API_KEY),
+            ("FAKE_SQUARE_KEY", FakeSquare::API_KEY),
+            ("FAKE_PAYPAL_TOKEN", FakePayPal::API_KEY),
+        ],
+    )
+    .await;
     assert_eq!(report["report"]["done"], 3, "{report}");
     assert_eq!(report["report"]["retryable"], 1, "{report}");
     adyen.assert_done_once(&store, &idem, "cli-a").await;

@@ -344,32 +344,16 @@ async fn cli_reconcile_once_settles_lost_responses_from_a_config_file(
         assert!(idem.call(charge(&key), stripe.as_ref()).await.is_err());
     }
     assert_eq!(fake.ledger().len(), 5);
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("idemflow.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[providers]]\nkind = \"stripe\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_STRIPE_KEY\"\n",
-            fake.base_url()
-        ),
-    )
-    .unwrap();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
-        .args(["--json", "reconcile", "--once"])
-        .env("DATABASE_URL", &url)
-        .env("IDEMFLOW_CONFIG", &config)
-        .env("FAKE_STRIPE_KEY", FakeStripe::API_KEY)
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let config = format!(
+        "[[providers]]\nkind = \"stripe\"\nbase_url = \"{}\"\napi_key_env = \"FAKE_STRIPE_KEY\"\n",
+        fake.base_url()
     );
-    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    let report = crate::reconcile_cli::reconcile_once(
+        &url,
+        &config,
+        &[("FAKE_STRIPE_KEY", FakeStripe::API_KEY)],
+    )
+    .await;
     assert_eq!(report["report"]["done"], 5, "{report}");
     assert_eq!(report["clean"], true);
     assert_eq!(fake.ledger().len(), 5, "no key charged twice");
@@ -614,33 +598,17 @@ async fn cli_reconcile_once_settles_captures_and_refunds_by_their_kinds(
         (1, 1)
     );
 
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("idemflow.toml");
     let base = fake.base_url();
-    std::fs::write(
-        &config,
-        format!(
-            "[sweeper]\nredrive_margin = \"{}s\"\n\n[[providers]]\nkind = \"stripe_capture\"\nbase_url = \"{base}\"\napi_key_env = \"FAKE_STRIPE_KEY\"\nsearch_lag = 0\n\n[[providers]]\nkind = \"stripe_refund\"\nbase_url = \"{base}\"\napi_key_env = \"FAKE_STRIPE_KEY\"\nsearch_lag = 0\n",
-            25 * 3600
-        ),
-    )
-    .unwrap();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
-        .args(["--json", "reconcile", "--once"])
-        .env("DATABASE_URL", &url)
-        .env("IDEMFLOW_CONFIG", &config)
-        .env("FAKE_STRIPE_KEY", FakeStripe::API_KEY)
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let config = format!(
+        "[sweeper]\nredrive_margin = \"{}s\"\n\n[[providers]]\nkind = \"stripe_capture\"\nbase_url = \"{base}\"\napi_key_env = \"FAKE_STRIPE_KEY\"\nsearch_lag = 0\n\n[[providers]]\nkind = \"stripe_refund\"\nbase_url = \"{base}\"\napi_key_env = \"FAKE_STRIPE_KEY\"\nsearch_lag = 0\n",
+        25 * 3600
     );
-    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    let report = crate::reconcile_cli::reconcile_once(
+        &url,
+        &config,
+        &[("FAKE_STRIPE_KEY", FakeStripe::API_KEY)],
+    )
+    .await;
     assert_eq!(report["report"]["done"], 2, "{report}");
     assert_eq!(
         report["report"]["redrives"], 0,
