@@ -5,7 +5,7 @@
 //! there. A retry with the same key must then run the writes (nothing of the child's transaction
 //! is kept, the key included) and leave exactly one application row for the key.
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -102,11 +102,7 @@ fn child_dies_inside_its_transaction() {
         eprintln!("skipping: run by the one_commit_kill tests as their child process");
         return;
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = crate::support::child_runtime();
     rt.block_on(async move {
         let (store, phase) = open(&url).await;
         let done = Idempotency::new(store)
@@ -121,14 +117,7 @@ async fn killed_inside_the_transaction(name: &str, url: &str) {
     store.migrate().await.unwrap();
     run_sql(url, ORDERS).await;
     let mark = tempfile::tempdir().unwrap().keep().join("inserted");
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &crate::support::test_name(module_path!(), "child_dies_inside_its_transaction"),
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let child = crate::support::child_test(module_path!(), "child_dies_inside_its_transaction")
         .env(CHILD_URL, url)
         .env(CHILD_MARK, &mark)
         .stdout(Stdio::null())

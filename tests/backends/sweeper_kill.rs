@@ -9,7 +9,7 @@
 //! the dead sweeper's batch its final answer within [`BOUND`] of the kill, with one charge per key
 //! in the fake's ledger (`docs/reliability.md`, "A sweeper that dies").
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -130,11 +130,7 @@ fn child_sweeps_until_killed() {
         eprintln!("skipping: run by the sweeper_kill tests as their child process");
         return;
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = crate::support::child_runtime();
     rt.block_on(async move {
         let store = StoreSpec(spec).open().await;
         let sweeper = sweeper(store, &fake, DOOMED);
@@ -182,14 +178,7 @@ async fn killed_sweeper_strands_nothing(name: &str, spec: StoreSpec) {
     ids.push(checkout(&scope).id().clone());
     // The child's first re-drive charges and never gets an answer.
     fake.faults().hang_next_response();
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &crate::support::test_name(module_path!(), "child_sweeps_until_killed"),
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let child = crate::support::child_test(module_path!(), "child_sweeps_until_killed")
         .env(CHILD_STORE, &spec.0)
         .env(CHILD_STRIPE, fake.base_url())
         .stdout(Stdio::null())

@@ -16,7 +16,7 @@
 //! The jobs live in apalis's own schema (`apalis`), one queue per test (the test's schema name),
 //! deleted at the end; the keys and the charges in the test's fresh schema.
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -502,14 +502,7 @@ async fn killed_worker(hang: Hang) {
         return;
     };
     db.enqueue(&["kill-1"]).await;
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &crate::support::test_name(module_path!(), "child_works_until_killed"),
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let child = crate::support::child_test(module_path!(), "child_works_until_killed")
         .env(
             CHILD_SPEC,
             format!("{} {} {}", hang.name(), db.url, db.schema),

@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -633,14 +633,7 @@ pub async fn a_consumer_killed_mid_message_leaves_one_effect(broker: impl Broker
     for id in ["kill-1", "kill-2", "kill-3"] {
         assert!(broker.publish(id, b"{}").await);
     }
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &crate::support::test_name(module_path!(), "child_consumes_until_killed"),
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let child = crate::support::child_test(module_path!(), "child_consumes_until_killed")
         .env(
             CHILD_SPEC,
             format!("{} {}", broker.spec(), files.dir.display()),

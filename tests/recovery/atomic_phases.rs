@@ -1002,7 +1002,7 @@ mod crash {
     use std::collections::{BTreeSet, VecDeque};
     use std::io::{BufRead, BufReader};
     use std::path::PathBuf;
-    use std::process::{Command, Stdio};
+    use std::process::Stdio;
     use std::sync::atomic::{AtomicBool, Ordering};
 
     /// The environment variable naming the child's database ([`Target::encode`]).
@@ -1459,11 +1459,7 @@ mod crash {
     #[test]
     #[ignore = "the child process of the atomic-phase crash tests"]
     fn child() {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = crate::support::child_runtime();
         match std::env::var(CHILD) {
             Ok(spec) => {
                 let seed = std::env::var(CHILD_SEED)
@@ -1608,11 +1604,7 @@ mod crash {
         println!("{target:?}: {SEED}={seed}");
         let mut rng = Rng(seed);
         let started = std::time::Instant::now();
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = crate::support::child_runtime();
         rt.block_on(set_up(&target));
         let stop = Arc::new(AtomicBool::new(false));
         let writer = rt.spawn(second_writer(target.clone(), stop.clone()));
@@ -1621,14 +1613,7 @@ mod crash {
         for kill in 0..KILLS {
             let threshold = 4 + rng.below(12) as usize;
             let stderr = logs.path().join(format!("child-{kill}.err"));
-            let mut child = Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    &support::test_name(module_path!(), "child"),
-                    "--ignored",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
+            let mut child = crate::support::child_test(module_path!(), "child")
                 .env(CHILD, target.encode())
                 .env(CHILD_SEED, rng.next().to_string())
                 .stdout(Stdio::piped())

@@ -6,7 +6,7 @@
 //! and the client's retry replays that answer: one capture and one refund in the fake's ledger.
 //! On SQLite (a file database) always, and on PostgreSQL when `IDEMFLOW_TEST_POSTGRES_URL` is set.
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -78,11 +78,7 @@ fn child_calls_until_killed() {
         eprintln!("skipping: run by the operations_kill tests as their child process");
         return;
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = crate::support::child_runtime();
     rt.block_on(async move {
         let store = idemflow::store::connect(&url).await.unwrap();
         let idem = Idempotency::new(store).lease(LEASE);
@@ -133,14 +129,7 @@ async fn killed_inside_a_capture_and_a_refund(store: Arc<dyn Store>, url: String
                 .count()
         };
         fake.faults().hang_next_response();
-        let child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                &crate::support::test_name(module_path!(), "child_calls_until_killed"),
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+        let child = crate::support::child_test(module_path!(), "child_calls_until_killed")
             .env(CHILD_URL, &url)
             .env(CHILD_STRIPE, &base)
             .env(CHILD_CALL, format!("{op} {pi}"))

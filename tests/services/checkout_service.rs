@@ -189,18 +189,10 @@ impl Drop for ServiceProcess {
 /// Starts the example as a process and waits for the address it prints.
 async fn spawn_service(env: &[(&str, String)]) -> (ServiceProcess, String) {
     use std::io::BufRead;
-    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    let name = crate::support::test_name(module_path!(), "child_serves_the_checkout_example");
-    cmd.args([
-        "--exact",
-        &name,
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(JUDGE_CHILD, "1")
-    .stdout(std::process::Stdio::piped())
-    .stderr(std::process::Stdio::inherit());
+    let mut cmd = crate::support::child_test(module_path!(), "child_serves_the_checkout_example");
+    cmd.env(JUDGE_CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit());
     for (k, v) in env {
         cmd.env(k, v);
     }

@@ -7,7 +7,7 @@
 //! redelivery is answered 200 as a replay without a second effect.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use axum::Router;
@@ -45,11 +45,7 @@ fn child_serves_a_one_commit_receiver() {
         return;
     };
     let mark = std::env::var(CHILD_MARK).ok();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = crate::support::child_runtime();
     rt.block_on(async move {
         let store = SqliteStore::connect(&url).await.unwrap();
         let phases = store.clone();
@@ -91,18 +87,11 @@ fn child_serves_a_one_commit_receiver() {
 /// the kill.
 async fn start(url: &str, dir: &Path, run: u32, mark: Option<&PathBuf>) -> (KillOnDrop, String) {
     let addr_file = dir.join(format!("addr-{run}"));
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "--exact",
-        &crate::support::test_name(module_path!(), "child_serves_a_one_commit_receiver"),
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(CHILD_URL, url)
-    .env(CHILD_ADDR, &addr_file)
-    .stdout(Stdio::null())
-    .stderr(Stdio::inherit());
+    let mut cmd = crate::support::child_test(module_path!(), "child_serves_a_one_commit_receiver");
+    cmd.env(CHILD_URL, url)
+        .env(CHILD_ADDR, &addr_file)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
     if let Some(mark) = mark {
         cmd.env(CHILD_MARK, mark);
     }

@@ -103,3 +103,27 @@ pub fn test_name(module_path: &str, name: &str) -> String {
         None => name.to_owned(),
     }
 }
+
+/// This test binary run again as a child process that runs only the ignored test `name` of the
+/// module at `module_path` (pass `module_path!()`), on one test thread, its output not captured.
+/// The caller adds the child's environment and its stdio.
+pub fn child_test(module_path: &str, name: &str) -> std::process::Command {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        &test_name(module_path, name),
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    cmd
+}
+
+/// The runtime a child process's body runs on: two workers, as the tests' own.
+pub fn child_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}

@@ -8,7 +8,7 @@ use idemflow::store::OperatorStore;
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -50,11 +50,7 @@ fn child_writes_and_acknowledges() {
         Ok(p) => (std::path::PathBuf::from(p), usize::MAX),
         Err(_) => (tempfile::tempdir().unwrap().keep().join("alone.db"), 20),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = crate::support::child_runtime();
     let acked = rt.block_on(async move {
         let store = Arc::new(file_store(&path).await);
         let mut tasks = Vec::new();
@@ -100,14 +96,7 @@ fn child_writes_and_acknowledges() {
 fn acknowledged_writes_survive_a_kill_mid_batch() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("crash.db");
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &crate::support::test_name(module_path!(), "child_writes_and_acknowledges"),
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let mut child = crate::support::child_test(module_path!(), "child_writes_and_acknowledges")
         .env(CHILD_DB, &path)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
