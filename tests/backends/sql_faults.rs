@@ -204,6 +204,7 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
             "claim and finish procedures",
             "claim provider rule",
             "extend not after release",
+            "claim inserts first",
         ]
     };
     assert_eq!(ours, expected);

@@ -29,9 +29,11 @@ pub(super) const GET: &str = concat!(
 );
 
 /// The claim, one round trip: a call of the `idempotency_keys_claim` procedure (migration
-/// `20261201220001_claim_provider_rule.sql`, first in `20261130200001`). It reads the row and returns it untouched
-/// when it is present and not claimable (a replay writes nothing); otherwise it runs the
-/// `INSERT .. ON DUPLICATE KEY UPDATE` that decides atomically and returns the row read back.
+/// `20261205120001_claim_inserts_first.sql`, first in `20261130200001`). It reads the row and
+/// returns it untouched when it is present and not claimable (a replay writes nothing);
+/// otherwise a key it found absent is inserted by a plain `INSERT`, and a key that is there (or
+/// was inserted since the read) goes through the `INSERT .. ON DUPLICATE KEY UPDATE` that
+/// decides atomically; the row is read back.
 /// The claimer won when the returned `claim_nonce` is its own nonce. No row: purged between the
 /// write and the read-back. Parameters: scope, key, operation, provider, provider key,
 /// fingerprint, request, owner, lease µs, retention ms, takeover window µs or NULL, nonce, the
@@ -41,7 +43,7 @@ pub(super) const CLAIM: &str = "CALL idempotency_keys_claim(?, ?, ?, ?, ?, ?, ?,
 /// The claim procedure's source, for the test that checks its reason spellings.
 #[cfg(test)]
 pub(in crate::store) const CLAIM_PROCEDURE: &str =
-    include_str!("../../../migrations/mysql/20261201220001_claim_provider_rule.sql");
+    include_str!("../../../migrations/mysql/20261205120001_claim_inserts_first.sql");
 
 /// The finish, one round trip: the fenced `UPDATE` and the read of the row it wrote, in one
 /// transaction inside the `idempotency_keys_finish` procedure. No row: the fence refused it and
