@@ -1,4 +1,4 @@
--- A new key's claim without the conditional upsert (issue 22). The claim procedure of migration
+-- The claim of a new key without the conditional upsert (issue 22). The claim procedure of migration
 -- 20261201220001 wrote every claim with one `INSERT .. ON DUPLICATE KEY UPDATE` whose 22
 -- assignments each repeat the claimable test; MariaDB sets all of them up for every call, a new
 -- key included (`SHOW PROFILE`: 0.37 ms in "init for update" of a 1.5 ms INSERT). A key the read
