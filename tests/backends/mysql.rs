@@ -318,3 +318,87 @@ mod pool {
         idemflow::Store::now(&store).await.unwrap();
     }
 }
+
+/// The claim procedure's plain `INSERT` meeting a key that another session inserted after the
+/// procedure's read (migration `20261205120001`): the duplicate-key error is caught and the upsert
+/// of before decides, here that the key is the other session's. The other session holds its row
+/// uncommitted, so the store's read does not see it and its `INSERT` waits on the row's lock;
+/// the other session commits once the store's transaction is seen waiting.
+mod claim_race {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use idemflow::Store;
+    use idemflow::conformance::{claim_for, id, unique};
+    use idemflow::store::ClaimOutcome;
+    use idemflow::store::mysql::MySqlStore;
+    use sqlx::mysql::MySqlConnection;
+    use sqlx::{ConnectOptions, Executor};
+
+    use crate::support::mysql::{drop_database, fresh_database, pool_for};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_whose_insert_meets_a_key_inserted_since_its_read_finds_it() {
+        let Some((options, name)) = fresh_database().await else {
+            return;
+        };
+        // One connection, so that its thread id names the store's transaction.
+        let mysql = MySqlStore::from_pool(pool_for(&options, 1).await);
+        mysql.migrate().await.unwrap();
+        let store_thread: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(mysql.pool())
+            .await
+            .unwrap();
+        let key = id(&unique("race"), "k");
+        let claim = claim_for(&key, "{}", Duration::from_secs(30));
+
+        let mut other: MySqlConnection = options.connect().await.unwrap();
+        other.execute("START TRANSACTION").await.unwrap();
+        sqlx::query(
+            "CALL idempotency_keys_claim(?, ?, 'payments.create', 'fake', 'pk-other', \
+             'fp-other', NULL, 'other-worker', 30000000, 3600000, NULL, 7, NULL)",
+        )
+        .bind(key.scope.as_str())
+        .bind(key.key.as_str())
+        .fetch_all(&mut other)
+        .await
+        .unwrap();
+
+        let store: Arc<dyn Store> = Arc::new(mysql.clone());
+        let racer = {
+            let (store, claim) = (store.clone(), claim.clone());
+            tokio::spawn(async move { store.claim(&claim).await })
+        };
+        let mut watch: MySqlConnection = options.connect().await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM information_schema.innodb_trx \
+                 WHERE trx_mysql_thread_id = ? AND trx_state = 'LOCK WAIT'",
+            )
+            .bind(store_thread)
+            .fetch_one(&mut watch)
+            .await
+            .unwrap();
+            if waiting > 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the store's claim never waited on the other session's row"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        other.execute("COMMIT").await.unwrap();
+
+        let outcome = racer.await.unwrap().unwrap();
+        let ClaimOutcome::Existing { record, .. } = outcome else {
+            panic!("the key is the other session's: {outcome:?}");
+        };
+        assert_eq!(record.fingerprint.as_str(), "fp-other");
+        assert_eq!(record.provider_key, "pk-other");
+        // One claim in the history: the store's claim wrote nothing.
+        assert_eq!(store.history(&key).await.unwrap().len(), 1);
+        drop_database(&options, &name).await;
+    }
+}
