@@ -323,7 +323,7 @@ mod pool {
 /// procedure's read (migration `20261205120001`): the duplicate-key error is caught and the upsert
 /// of before decides, here that the key is the other session's. The other session holds its row
 /// uncommitted, so the store's read does not see it and its `INSERT` waits on the row's lock;
-/// the other session commits once the store's transaction is seen waiting.
+/// the other session commits once the store's session is seen at its `INSERT`.
 mod claim_race {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -369,25 +369,32 @@ mod claim_race {
             let (store, claim) = (store.clone(), claim.clone());
             tokio::spawn(async move { store.claim(&claim).await })
         };
+        // The store's session is past the procedure's read once its statement is the INSERT
+        // (MariaDB shows a procedure's current statement in the process list). A transaction
+        // that waits on a lock before it has written is not always in `innodb_trx`: committing
+        // now, whether the INSERT already waits or is about to, makes it meet the key.
         let mut watch: MySqlConnection = options.connect().await.unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT COUNT(*) FROM information_schema.innodb_trx \
-                 WHERE trx_mysql_thread_id = ? AND trx_state = 'LOCK WAIT'",
-            )
-            .bind(store_thread)
-            .fetch_one(&mut watch)
-            .await
-            .unwrap();
-            if waiting > 0 {
+            let info: Option<String> =
+                sqlx::query_scalar("SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?")
+                    .bind(store_thread)
+                    .fetch_optional(&mut watch)
+                    .await
+                    .unwrap()
+                    .flatten();
+            if info.is_some_and(|q| q.starts_with("INSERT INTO idempotency_keys")) {
                 break;
             }
             assert!(
-                Instant::now() < deadline,
-                "the store's claim never waited on the other session's row"
+                !racer.is_finished(),
+                "the store's claim ended before its INSERT met the other session's row"
             );
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            assert!(
+                Instant::now() < deadline,
+                "the store's claim never reached its INSERT"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         other.execute("COMMIT").await.unwrap();
 
