@@ -44,6 +44,7 @@ impl Backend {
             #[cfg(feature = "redis")]
             Backend::Redis(url) => {
                 let prefix = idemflow::conformance::unique("idemflow-sim");
+                let replica = crate::failover::Replica::connect(url, &prefix).await?;
                 let cfg = idemflow::store::redis::RedisConfig::new(url.clone()).prefix(prefix);
                 let s = idemflow::store::redis::RedisStore::connect_with(cfg)
                     .await
@@ -53,6 +54,7 @@ impl Backend {
                     store: Arc::new(s),
                     kind: SlotKind::OneShot,
                     sqlite: None,
+                    replica: Some(replica),
                     _dir: None,
                 })
             }
@@ -121,6 +123,7 @@ async fn sqlite_open(file: bool) -> Result<Slot, String> {
             other,
             read,
         }),
+        replica: None,
         _dir: dir,
     })
 }
@@ -131,6 +134,8 @@ pub struct Slot {
     kind: SlotKind,
     /// On SQLite: the store itself, for atomic phases.
     pub sqlite: Option<crate::atomic::Db>,
+    /// On Redis: the schedule's keys as a primary and its replica, for failovers.
+    pub replica: Option<crate::failover::Replica>,
     /// A file database's directory, removed with the slot.
     _dir: Option<tempfile::TempDir>,
 }
@@ -321,6 +326,7 @@ mod pg {
                 schema,
             },
             sqlite: None,
+            replica: None,
             _dir: None,
         })
     }
@@ -383,6 +389,7 @@ mod my {
                 name,
             },
             sqlite: None,
+            replica: None,
             _dir: None,
         })
     }

@@ -6,8 +6,9 @@
 //! the same schedule (they are that finding's consequences, e.g. the double charge that follows a
 //! key made retryable after its effect). Remove a finding from [`OPEN_FINDINGS`] when it is fixed.
 
-/// The findings of issue 11 that are still open: their checks are skipped (and reported).
-pub const OPEN_FINDINGS: &[u8] = &[];
+/// The findings of issue 11 (and 11, of the failover fault of issue 24) that are still open:
+/// their checks are skipped (and reported).
+pub const OPEN_FINDINGS: &[u8] = &[11];
 
 /// Whether known findings are skipped: `IDEMFLOW_SIM_KNOWN_FINDINGS` (default on; `0`/`false`
 /// enforces every check).
@@ -62,6 +63,10 @@ pub enum Check {
     /// lag) of the last crash or dropped store connection: no dead sweeper, resumer or client
     /// strands a key for longer (issue 20, item 10).
     SettlesWithinALeaseOfTheLastCrash,
+    /// After a failover lost writes, a keyed provider is sent the provider key it was sent
+    /// before for the same attempt, so it dedupes the re-run (finding 11: a provider change or
+    /// a re-created key draws a fresh key at every claim; lost, the claim draws another).
+    ProviderKeyKeptAcrossLostWrites,
 }
 
 impl Check {
@@ -85,6 +90,7 @@ impl Check {
             Check::ToldWhatCommitted => "told_what_committed",
             Check::AckedWriteSurvivesReopen => "acked_write_survives_reopen",
             Check::SettlesWithinALeaseOfTheLastCrash => "settles_within_a_lease_of_the_last_crash",
+            Check::ProviderKeyKeptAcrossLostWrites => "provider_key_kept_across_lost_writes",
         }
     }
 
@@ -98,6 +104,7 @@ impl Check {
                 Some(5)
             }
             Check::NoTakeoverDuringLiveCall | Check::NoEffectOutsideLease => Some(10),
+            Check::ProviderKeyKeptAcrossLostWrites => Some(11),
             _ => None,
         }
     }
@@ -110,11 +117,14 @@ impl Check {
             4 => "fencing tokens restart at 1 after purge",
             5 => "resolve reads, checks, then writes without a condition",
             10 => "leases are fixed, not renewed",
+            11 => {
+                "a provider change or re-created key draws a fresh provider key at every claim, so one lost in a failover is sent again under another"
+            }
             _ => "?",
         }
     }
 
-    pub const ALL: [Check; 18] = [
+    pub const ALL: [Check; 19] = [
         Check::AtMostOneEffect,
         Check::DoneMatchesAnEffect,
         Check::ReplaysIdentical,
@@ -133,6 +143,7 @@ impl Check {
         Check::ToldWhatCommitted,
         Check::AckedWriteSurvivesReopen,
         Check::SettlesWithinALeaseOfTheLastCrash,
+        Check::ProviderKeyKeptAcrossLostWrites,
     ];
 }
 

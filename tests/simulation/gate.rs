@@ -183,6 +183,15 @@ pub struct Shared {
     /// The last crash of an actor or dropped store connection (the liveness check counts from
     /// it).
     pub last_disruption: Option<std::time::Instant>,
+    /// Failovers that lost writes so far ([`Mode::Failover`](crate::world::Mode::Failover)).
+    pub failovers: usize,
+    /// Key label -> its provider's dedup window (`None`: keyless, or a workflow holding a
+    /// keyless step), for every key a failover rolled back.
+    pub rolled_back: BTreeMap<String, Option<std::time::Duration>>,
+    /// Provider name -> its dedup window (`None`: keyless).
+    pub provider_windows: BTreeMap<&'static str, Option<std::time::Duration>>,
+    /// Violations on rolled-back keys that the lost writes explain (check, key, detail, why).
+    pub lost_writes_excused: Vec<String>,
     pub violations: Vec<Violation>,
     pub trace: Vec<String>,
 }
@@ -191,6 +200,15 @@ pub type SharedRef = Arc<Mutex<Shared>>;
 
 impl Shared {
     pub fn violate(&mut self, check: Check, key: &str, detail: String) {
+        if let Some(why) = self.lost_writes_explain(check, key) {
+            self.trace.push(format!(
+                "  (after a failover lost writes: {why}) {} on {key}: {detail}",
+                check.name()
+            ));
+            self.lost_writes_excused
+                .push(format!("{} on {key}: {detail} ({why})", check.name()));
+            return;
+        }
         if self.tainted.contains(key) {
             self.trace.push(format!(
                 "  (after a starved takeover) {} on {key}: {detail}",
@@ -209,6 +227,85 @@ impl Shared {
             step,
             detail,
         });
+    }
+
+    /// Why a violation of `check` on `key` is what a failover that lost acknowledged writes
+    /// does, if it is (`docs/reliability.md`, "A failover that loses acknowledged writes"). On a
+    /// rolled-back key the lease history is gone (tokens repeat, a lease is granted again while
+    /// its lost holder still runs) and so is what the clients were told; what still holds is
+    /// that a keyed provider acts once and answers alike for a re-run inside its dedup window
+    /// (when the re-run sends the same provider key: finding 11), that a stored answer is one
+    /// the provider gave, that scopes stay apart, and that every key settles within a lease of
+    /// the failover. A key whose record of an attempt that acted was lost may settle without
+    /// that effect (failed and retryable, say): nothing is left that says the provider acted.
+    fn lost_writes_explain(&self, check: Check, key: &str) -> Option<&'static str> {
+        let window = *self.rolled_back.get(key)?;
+        match check {
+            Check::AtMostOneEffect | Check::ReplaysIdentical => {
+                let mut providers: BTreeSet<&str> = BTreeSet::new();
+                providers.extend(
+                    self.ledger
+                        .iter()
+                        .filter(|e| e.label == key)
+                        .map(|e| e.provider.as_str()),
+                );
+                let window = match providers.len() {
+                    // A workflow's own label: its steps acted, under their own labels.
+                    0 => window,
+                    1 => self
+                        .provider_windows
+                        .get(providers.first().copied().unwrap_or_default())
+                        .copied()
+                        .flatten(),
+                    _ => {
+                        return Some(
+                            "the lost record was the one that kept the key on its first \
+                             provider: the re-run went to the other, and each acted once",
+                        );
+                    }
+                };
+                match window {
+                    None => Some("keyless: the re-run of a lost key acts again"),
+                    Some(w) if self.effects_spread(key) >= w => {
+                        Some("the re-run reached the provider after its dedup window")
+                    }
+                    Some(_) => None,
+                }
+            }
+            Check::TokensStrictlyGrow
+            | Check::TokensGrowAcrossPurge
+            | Check::NoTakeoverDuringLiveCall
+            | Check::NoEffectOutsideLease
+            | Check::SweeperNeverRetryableAfterEffect
+            | Check::WorkerNeverRetryableAfterEffect
+            | Check::OperatorNeverRetryableAfterEffect
+            | Check::ResolveNeverOverwritesADecision
+            | Check::AckedWriteSurvivesReopen => Some("the lease and answer history was lost"),
+            Check::EffectSettlesAtQuiescence => Some(
+                "the record of the attempt that acted was lost: the store no longer knows the \
+                 provider may have acted, so no sweep looks it up",
+            ),
+            Check::DoneMatchesAnEffect
+            | Check::ScopesIsolated
+            | Check::NoStoreErrors
+            | Check::AtomicRowsIffDone
+            | Check::ToldWhatCommitted
+            | Check::SettlesWithinALeaseOfTheLastCrash
+            | Check::ProviderKeyKeptAcrossLostWrites => None,
+        }
+    }
+
+    /// The time between the first and the last effect of `label` (any generation).
+    fn effects_spread(&self, label: &str) -> std::time::Duration {
+        let ats = self
+            .ledger
+            .iter()
+            .filter(|e| e.label == label)
+            .map(|e| e.at);
+        let (Some(first), Some(last)) = (ats.clone().min(), ats.max()) else {
+            return std::time::Duration::ZERO;
+        };
+        (last - first).to_std().unwrap_or_default()
     }
 
     pub fn generation(&self, label: &str) -> u32 {

@@ -17,6 +17,7 @@ use tokio::task::JoinHandle;
 
 use crate::atomic::AtomicSim;
 use crate::checks::Check;
+use crate::failover::Replica;
 use crate::gate::{ACTOR, ActorCtx, Event, Point, Shared, SharedRef, decided, park};
 use crate::provider::{Faults, SimProvider};
 use crate::rng::Rng;
@@ -78,8 +79,13 @@ pub enum Mode {
     Waiting,
     /// Also store outages (issue 24's "store down"): in some schedules the store goes down for a
     /// few steps, refusing every store call of every actor unrun (claims, finishes, releases,
-    /// reads, lease renewals), then comes back; what the simulation runs by default.
+    /// reads, lease renewals), then comes back.
     Outages,
+    /// Also, on Redis, a failover that loses acknowledged writes (issue 24's Sentinel): in some
+    /// schedules a replica's copy of the keys is taken at one step and promoted at a later one,
+    /// so every write in between is lost ([`crate::failover`]); what the simulation runs by
+    /// default (on the other backends it is [`Mode::Outages`]: their commits are not lost).
+    Failover,
 }
 
 impl Mode {
@@ -91,7 +97,12 @@ impl Mode {
     pub fn full(self) -> bool {
         matches!(
             self,
-            Mode::Full | Mode::OneCommit | Mode::Webhooks | Mode::Waiting | Mode::Outages
+            Mode::Full
+                | Mode::OneCommit
+                | Mode::Webhooks
+                | Mode::Waiting
+                | Mode::Outages
+                | Mode::Failover
         )
     }
 
@@ -99,13 +110,16 @@ impl Mode {
     pub fn one_commit(self) -> bool {
         matches!(
             self,
-            Mode::OneCommit | Mode::Webhooks | Mode::Waiting | Mode::Outages
+            Mode::OneCommit | Mode::Webhooks | Mode::Waiting | Mode::Outages | Mode::Failover
         )
     }
 
     /// Whether the additions of [`Mode::Webhooks`] are on.
     pub fn webhooks(self) -> bool {
-        matches!(self, Mode::Webhooks | Mode::Waiting | Mode::Outages)
+        matches!(
+            self,
+            Mode::Webhooks | Mode::Waiting | Mode::Outages | Mode::Failover
+        )
     }
 }
 
@@ -212,6 +226,11 @@ pub struct CaseResult {
     /// Violations on keys after such a takeover: outside the guarantee's assumptions, printed,
     /// not failed.
     pub excused: Vec<String>,
+    /// Failovers that lost writes ([`Mode::Failover`]), and the keys they rolled back.
+    pub failovers: usize,
+    pub rolled_back: usize,
+    /// Violations on rolled-back keys that a lossy failover explains (check, key, detail, why).
+    pub lost_writes_excused: Vec<String>,
 }
 
 struct World {
@@ -244,6 +263,11 @@ struct World {
     /// The draws of the store's outages ([`Mode::Outages`], in the schedules that have them), a
     /// stream of their own.
     outages: Option<Rng>,
+    /// The draws of the failovers ([`Mode::Failover`], Redis, in the schedules that have them)
+    /// and the schedule's keys as a primary and its replica.
+    failover: Option<(Rng, Replica)>,
+    /// The replica's copy, when one was taken and not promoted yet: (step, copy).
+    copy: Option<(usize, crate::failover::Copy)>,
     extras: Extras,
     /// The workflows' bodies by operation (for the resumers).
     workflows: Vec<(&'static str, Vec<KeyDef>)>,
@@ -288,6 +312,20 @@ impl World {
 
     fn trace(&self, line: String) {
         self.shared.lock().unwrap().trace.push(line);
+    }
+
+    /// Every key's record as the store has it now (its debug form), in the order of `keys`.
+    async fn records(&self) -> Result<Vec<Option<String>>, String> {
+        let mut out = Vec::with_capacity(self.keys.len());
+        for key in &self.keys {
+            let rec = self
+                .inner
+                .get(&key.id)
+                .await
+                .map_err(|e| format!("get {}: {e}", key.label))?;
+            out.push(rec.map(|r| format!("{r:?}")));
+        }
+        Ok(out)
     }
 
     fn violate(&self, check: Check, key: &str, detail: String) {
@@ -690,7 +728,37 @@ impl World {
                     .collect();
                 (g, eff, any)
             };
-            if effects.len() > 1 {
+            // A rolled-back key whose keyed provider acted under two provider keys: the claim
+            // that chose the first was lost, and the next drew another (finding 11).
+            let rekeyed = effects.len() > 1 && {
+                let sh = self.shared.lock().unwrap();
+                sh.rolled_back.contains_key(&key.label)
+                    && effects.iter().any(|e| {
+                        sh.provider_windows
+                            .get(e.provider.as_str())
+                            .copied()
+                            .flatten()
+                            .is_some()
+                            && effects.iter().any(|f| {
+                                f.provider == e.provider && f.provider_key != e.provider_key
+                            })
+                    })
+            };
+            if rekeyed {
+                self.report(
+                    Check::ProviderKeyKeptAcrossLostWrites,
+                    &key.label,
+                    generation,
+                    format!(
+                        "the provider acted {} times, under provider keys {:?}",
+                        effects.len(),
+                        effects
+                            .iter()
+                            .map(|e| format!("#{} {} {}", e.n, e.provider, e.provider_key))
+                            .collect::<Vec<_>>()
+                    ),
+                );
+            } else if effects.len() > 1 {
                 self.report(
                     Check::AtMostOneEffect,
                     &key.label,
@@ -1498,6 +1566,7 @@ pub async fn run_case(
     seed: u64,
     store: Arc<dyn Store>,
     sqlite: Option<crate::atomic::Db>,
+    replica: Option<Replica>,
     mode: Mode,
 ) -> CaseResult {
     let with_workflows = mode.workflows();
@@ -1550,6 +1619,12 @@ pub async fn run_case(
         rng: Mutex::new(rng.fork()),
         shared: shared.clone(),
     });
+    {
+        let mut sh = shared.lock().unwrap();
+        for p in [&pay, &mail] {
+            sh.provider_windows.insert(p.name, p.window);
+        }
+    }
     let registry = Providers::new()
         .with(pay.clone() as Arc<dyn Provider>)
         .with(mail.clone() as Arc<dyn Provider>);
@@ -1684,10 +1759,18 @@ pub async fn run_case(
     };
     let alt = with_workflows.then(|| Rng::new(seed ^ 0xA17E_F0DE));
     let hooks = mode.webhooks().then(|| Rng::new(seed ^ WEBHOOK_STREAM));
-    let waits = matches!(mode, Mode::Waiting | Mode::Outages).then(|| Rng::new(seed ^ WAIT_STREAM));
-    let outages = (mode == Mode::Outages)
+    let waits = matches!(mode, Mode::Waiting | Mode::Outages | Mode::Failover)
+        .then(|| Rng::new(seed ^ WAIT_STREAM));
+    let outages = matches!(mode, Mode::Outages | Mode::Failover)
         .then(|| Rng::new(seed ^ OUTAGE_STREAM))
         .and_then(|mut r| r.chance(OUTAGE_SCHEDULES_PER_MILLE).then_some(r));
+    let failover = replica
+        .filter(|_| mode == Mode::Failover)
+        .map(|replica| (Rng::new(seed ^ FAILOVER_STREAM), replica))
+        .and_then(|(mut r, replica)| {
+            r.chance(FAILOVER_SCHEDULES_PER_MILLE)
+                .then_some((r, replica))
+        });
     {
         let mut sh = shared.lock().unwrap();
         for k in keys.iter().filter(|k| k.role != Role::Workflow) {
@@ -1741,6 +1824,8 @@ pub async fn run_case(
         alt,
         waits,
         outages,
+        failover,
+        copy: None,
         states: std::collections::BTreeMap::new(),
         lost_leases: BTreeSet::new(),
         reported: BTreeSet::new(),
@@ -1781,6 +1866,9 @@ pub async fn run_case(
     CaseResult {
         starved: sh.starved.len(),
         excused: std::mem::take(&mut sh.excused),
+        failovers: sh.failovers,
+        rolled_back: sh.rolled_back.len(),
+        lost_writes_excused: std::mem::take(&mut sh.lost_writes_excused),
         seed,
         violations: std::mem::take(&mut sh.violations),
         trace: std::mem::take(&mut sh.trace),
@@ -1840,6 +1928,69 @@ fn toggle_outage(w: &mut World, step: usize) {
     w.trace(line);
 }
 
+/// The seed stream of the failovers ([`Mode::Failover`]); how many Redis schedules in a
+/// thousand have them; how often, per mille of the steps, the replica's copy is taken when none
+/// is held, and promoted when one is (a few steps of writes lost each time).
+const FAILOVER_STREAM: u64 = 0x0FA1_10E5;
+const FAILOVER_SCHEDULES_PER_MILLE: u64 = 400;
+const FAILOVER_SYNC_PER_MILLE: u64 = 80;
+const FAILOVER_PROMOTE_PER_MILLE: u64 = 200;
+
+/// With failovers, sometimes: the replica's copy is taken, or promoted (every write since the
+/// copy lost). The keys whose record the promotion changed are rolled back: the checks a lossy
+/// failover cannot keep are excused on them from then on ([`crate::gate::Shared::violate`]).
+async fn toggle_failover(w: &mut World, step: usize) -> Result<(), String> {
+    let Some((r, replica)) = w.failover.as_mut() else {
+        return Ok(());
+    };
+    let replica = replica.clone();
+    if w.copy.is_none() {
+        if r.chance(FAILOVER_SYNC_PER_MILLE) {
+            let copy = replica.sync().await?;
+            w.trace(format!("#{step} the replica syncs ({} keys)", copy.len()));
+            w.copy = Some((step, copy));
+        }
+        return Ok(());
+    }
+    if !r.chance(FAILOVER_PROMOTE_PER_MILLE) {
+        return Ok(());
+    }
+    let (synced, copy) = w.copy.take().expect("a copy is held");
+    let before = w.records().await?;
+    let restored = replica.promote(&copy).await?;
+    let after = w.records().await?;
+    let now = std::time::Instant::now();
+    let mut lost = Vec::new();
+    {
+        let mut sh = w.shared.lock().unwrap();
+        sh.failovers += 1;
+        sh.last_disruption = Some(now);
+        for (k, key) in w.keys.iter().enumerate() {
+            if before[k] == after[k] {
+                continue;
+            }
+            lost.push(key.label.clone());
+            // Keyless (and a workflow, which holds a keyless step): a re-run acts again.
+            let window = (key.role != Role::Workflow && !key.local)
+                .then(|| w.providers[key.provider].window)
+                .flatten();
+            sh.rolled_back.insert(key.label.clone(), window);
+        }
+    }
+    for (k, key) in w.keys.iter().enumerate() {
+        if after[k].is_none() {
+            // Its life since the copy is lost, not purged: the same generation goes on.
+            w.existed.remove(&key.label);
+            w.states.remove(&key.label);
+        }
+    }
+    w.trace(format!(
+        "#{step} failover: the replica synced at #{synced} is promoted ({restored} keys); \
+         writes lost on {lost:?}"
+    ));
+    Ok(())
+}
+
 /// The seed stream of the webhooks ([`Mode::Webhooks`]), and how often a step delivers one (per
 /// mille of the steps, when the ledger holds an effect).
 const WEBHOOK_STREAM: u64 = 0x3EB_400C;
@@ -1879,6 +2030,7 @@ async fn run_steps(w: &mut World) -> Result<(), String> {
         w.shared.lock().unwrap().step = step;
         w.deliver_in_transit(MAX_TRANSIT).await?;
         toggle_outage(w, step);
+        toggle_failover(w, step).await?;
         deliver_webhook(w, step).await?;
         let parked = w.slots.len();
         let can_spawn = parked < w.settings.max_actors;
