@@ -200,22 +200,25 @@ pub type SharedRef = Arc<Mutex<Shared>>;
 
 impl Shared {
     pub fn violate(&mut self, check: Check, key: &str, detail: String) {
-        if let Some(why) = self.lost_writes_explain(check, key) {
-            self.trace.push(format!(
-                "  (after a failover lost writes: {why}) {} on {key}: {detail}",
-                check.name()
-            ));
-            self.lost_writes_excused
-                .push(format!("{} on {key}: {detail} ({why})", check.name()));
-            return;
-        }
-        if self.tainted.contains(key) {
-            self.trace.push(format!(
-                "  (after a starved takeover) {} on {key}: {detail}",
-                check.name()
-            ));
-            self.excused
-                .push(format!("{} on {key}: {detail}", check.name()));
+        // Printed and kept apart, not failed: what a lossy failover explains, then what
+        // follows a starved takeover.
+        let (context, kept) = if let Some(why) = self.lost_writes_explain(check, key) {
+            (
+                format!("after a failover lost writes: {why}"),
+                Some((&mut self.lost_writes_excused, format!(" ({why})"))),
+            )
+        } else if self.tainted.contains(key) {
+            (
+                "after a starved takeover".to_owned(),
+                Some((&mut self.excused, String::new())),
+            )
+        } else {
+            (String::new(), None)
+        };
+        if let Some((list, why)) = kept {
+            list.push(format!("{} on {key}: {detail}{why}", check.name()));
+            self.trace
+                .push(format!("  ({context}) {} on {key}: {detail}", check.name()));
             return;
         }
         let step = self.step;
