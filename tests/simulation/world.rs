@@ -728,20 +728,26 @@ impl World {
                     .collect();
                 (g, eff, any)
             };
-            // A rolled-back key whose keyed provider acted under two provider keys: the claim
-            // that chose the first was lost, and the next drew another (finding 11).
+            // A rolled-back key whose keyed provider acted under two provider keys within its
+            // dedup window: the claim that chose the first was lost, and the next drew another
+            // (finding 11). Past the window the provider would have acted again anyway.
             let rekeyed = effects.len() > 1 && {
                 let sh = self.shared.lock().unwrap();
                 sh.rolled_back.contains_key(&key.label)
                     && effects.iter().any(|e| {
-                        sh.provider_windows
+                        let Some(window) = sh
+                            .provider_windows
                             .get(e.provider.as_str())
                             .copied()
                             .flatten()
-                            .is_some()
-                            && effects.iter().any(|f| {
-                                f.provider == e.provider && f.provider_key != e.provider_key
-                            })
+                        else {
+                            return false;
+                        };
+                        effects.iter().any(|f| {
+                            f.provider == e.provider
+                                && f.provider_key != e.provider_key
+                                && (f.at - e.at).to_std().is_ok_and(|d| d < window)
+                        })
                     })
             };
             if rekeyed {
