@@ -991,7 +991,10 @@ pub async fn provider_changes_only_while_no_attempt_may_have_acted(store: Arc<dy
 
 /// A key re-created after its earlier row was purged stores the claim's `reused_provider_key`
 /// (the provider may still hold the earlier row's key); a first row stores `provider_key`, and
-/// every later claim of a row keeps the key the row stored.
+/// every later claim of a row keeps the key the row stored, a provider change included (finding
+/// 11 of the simulation: a change that stored a key drawn by its own claim was sent again under
+/// another when a failover lost it; a change in a re-created life that stored the plain key
+/// sent the first life's key).
 pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
     let id = id(&unique("reborn"), "k1");
     let mut first = claim_for(&id, "{}", LEASE);
@@ -999,6 +1002,17 @@ pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
     first.reused_provider_key = Some("pk-renewed-1".into());
     let l = claimed(&store, &first).await;
     assert_eq!(l.provider_key, "pk-k1", "a first row derives the plain key");
+    // A provider change in the first life keeps the row's key, not the change's fresh one.
+    store.finish(&id, l.token, &fail(true)).await.unwrap();
+    let mut moved = first.clone();
+    moved.provider = Some("other".into());
+    moved.reused_provider_key = Some("pk-fresh-a".into());
+    let l = claimed(&store, &moved).await;
+    assert_eq!(
+        (l.transition, l.provider_key.as_str()),
+        (Transition::Reclaim, "pk-k1"),
+        "a provider change keeps the key of the life"
+    );
     store
         .finish(&id, l.token, &done(StoredResponse::new(201)))
         .await
@@ -1030,6 +1044,31 @@ pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
     assert_eq!(
         (l.transition, l.provider_key.as_str()),
         (Transition::Reclaim, "pk-renewed-2")
+    );
+    // So does a provider change in this life: neither the first life's key (the plain one, the
+    // length of the life's own here) nor the change's fresh one.
+    store.finish(&id, l.token, &fail(true)).await.unwrap();
+    let mut moved = retry.clone();
+    moved.provider = Some("other".into());
+    moved.provider_key = "pk-plain-k1x".into();
+    moved.reused_provider_key = Some("pk-renewed-4".into());
+    let l = claimed(&store, &moved).await;
+    assert_eq!(
+        (l.transition, l.provider_key.as_str()),
+        (Transition::Reclaim, "pk-renewed-2"),
+        "a provider change keeps the key of the re-created life"
+    );
+    // Unless the new provider's key is shorter (a tighter limit): then the fresh one.
+    store.finish(&id, l.token, &fail(true)).await.unwrap();
+    let mut tight = moved.clone();
+    tight.provider = Some("fake".into());
+    tight.provider_key = "pk-k1".into();
+    tight.reused_provider_key = Some("pk-r5".into());
+    let l = claimed(&store, &tight).await;
+    assert_eq!(
+        (l.transition, l.provider_key.as_str()),
+        (Transition::Reclaim, "pk-r5"),
+        "a key longer than the new provider's own is not kept"
     );
     // An explicit key (no renewed one) is stored as given, history or not.
     let other = super::id(&unique("reborn"), "k2");

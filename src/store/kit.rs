@@ -154,12 +154,29 @@ pub fn check_finish(mode: FinishMode, to: KeyState) -> Result<Transition, StoreE
     Ok(t)
 }
 
+/// The provider key a reclaim through another provider stores (see [`claimable`]), given the
+/// key the row stored: an explicit key (`reused_provider_key` unset) as the claim gives it;
+/// otherwise the row's own key, which nothing may have acted on anywhere and no earlier life of
+/// the key sent, so a change that a failover loses sends the same key again (finding 11,
+/// `docs/reliability.md`); unless it is longer than the claim's `provider_key` (the new
+/// provider's limit is tighter): then `reused_provider_key`. Every backend's claim applies this
+/// rule (SQL `RECLAIM`, the MariaDB procedure, `claim.lua`).
+pub fn provider_key_on_change(claim: &NewClaim, stored: &str) -> String {
+    match &claim.reused_provider_key {
+        None => claim.provider_key.clone(),
+        Some(_) if stored.chars().count() <= claim.provider_key.chars().count() => {
+            stored.to_owned()
+        }
+        Some(fresh) => fresh.clone(),
+    }
+}
+
 /// Whether a claim could change the existing row `r` (so a write is worth trying): a
 /// `failed{retryable}` row with the same fingerprint, or an expired processing row inside the
 /// claim's takeover window, provided the claim names the provider the row recorded. A
 /// `failed{retryable}` row on which no attempt may have acted may also be reclaimed through
-/// another provider; the reclaim then records the claim's provider and provider key, so the
-/// sweeper asks the provider that may act. A takeover never changes the provider: the earlier
+/// another provider; the reclaim then records the claim's provider and the key
+/// [`provider_key_on_change`] picks, so the sweeper asks the provider that may act. A takeover never changes the provider: the earlier
 /// attempt may have acted at the recorded one (`docs/design.md`, "One provider per attempt
 /// that may have acted").
 pub fn claimable(claim: &NewClaim, r: &KeyRecord, now: DateTime<Utc>) -> bool {

@@ -58,13 +58,17 @@ pub struct NewClaim {
     pub operation: String,
     /// The provider the operation calls, if any.
     pub provider: Option<String>,
-    /// The key to forward to the provider. Kept as first stored on reclaim and takeover, unless
-    /// a reclaim changes the provider (see [`kit::claimable`]): then the row takes this one.
+    /// The key to forward to the provider. Kept as first stored on reclaim and takeover. A
+    /// reclaim that changes the provider (see [`kit::claimable`]) keeps it too, when
+    /// `reused_provider_key` is set and the stored key is no longer than this one (nothing may
+    /// have acted on it anywhere, and no earlier row of the key sent it); with
+    /// `reused_provider_key` unset (an explicit key) the row takes this one.
     pub provider_key: String,
     /// The key to forward instead when the key had an earlier row, purged after its retention
     /// (its history is kept): the provider may still hold the earlier row's key and answer
     /// with the earlier effect, so a re-created row sends a key of its own. `None`: always
-    /// `provider_key` (an explicit key). Only a new row reads it; the row stores the key it
+    /// `provider_key` (an explicit key). A new row reads it, and a provider change whose
+    /// stored key is longer than `provider_key` (a tighter limit); the row stores the key it
     /// chose, and every later attempt sends that (`docs/design.md`, "Provider keys").
     pub reused_provider_key: Option<String>,
     /// The request fingerprint.

@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use idemflow::state::Transition;
-use idemflow::store::kit::{FinishMode, check_finish, claimable, millis, refused_write};
+use idemflow::store::kit::{
+    FinishMode, check_finish, claimable, millis, provider_key_on_change, refused_write,
+};
 use idemflow::store::{
     ClaimOutcome, Finish, Lease, NewClaim, OperatorStore, Release, Stats, Store, Stuck,
     SweeperStore, TakeStale,
@@ -229,10 +231,7 @@ impl Store for MemoryStore {
                     if r.provider != c.provider {
                         // Nothing may have acted at the recorded provider (`claimable`).
                         r.provider = c.provider.clone();
-                        r.provider_key = c
-                            .reused_provider_key
-                            .clone()
-                            .unwrap_or_else(|| c.provider_key.clone());
+                        r.provider_key = provider_key_on_change(c, &r.provider_key);
                     }
                     Transition::Reclaim
                 };

@@ -205,6 +205,7 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
             "claim provider rule",
             "extend not after release",
             "claim inserts first",
+            "provider change keeps the key",
         ]
     };
     assert_eq!(ours, expected);

@@ -64,8 +64,9 @@ pub enum Check {
     /// strands a key for longer (issue 20, item 10).
     SettlesWithinALeaseOfTheLastCrash,
     /// After a failover lost writes, a keyed provider is sent the provider key it was sent
-    /// before for the same attempt, so it dedupes the re-run (finding 11: a provider change or
-    /// a re-created key draws a fresh key at every claim; lost, the claim draws another).
+    /// before for the same attempt, so it dedupes the re-run (finding 11: a re-created key
+    /// draws a fresh key at every claim; lost, the claim draws another; a provider change did
+    /// too until it kept the row's key).
     ProviderKeyKeptAcrossLostWrites,
 }
 
@@ -118,7 +119,7 @@ impl Check {
             5 => "resolve reads, checks, then writes without a condition",
             10 => "leases are fixed, not renewed",
             11 => {
-                "a provider change or re-created key draws a fresh provider key at every claim, so one lost in a failover is sent again under another"
+                "a re-created key draws a fresh provider key at every claim, so a re-creation lost in a failover is sent again under another (the provider change half is fixed)"
             }
             _ => "?",
         }

@@ -188,7 +188,10 @@ pub(in crate::store) const RECLAIM: &str = concat!(
     "UPDATE idempotency_keys AS k SET state = 'processing', retryable = false, \
        request = COALESCE($7::text, k.request), \
        provider_key = CASE WHEN k.state = 'failed' AND k.provider IS DISTINCT FROM $4::text \
-         THEN $5::text ELSE k.provider_key END, \
+         THEN (CASE WHEN $12::text IS NULL THEN $5::text \
+           WHEN length(k.provider_key) <= length($5::text) THEN k.provider_key \
+           ELSE $12::text END) \
+         ELSE k.provider_key END, \
        provider = CASE WHEN k.state = 'failed' THEN $4::text ELSE k.provider END, \
        lease_token = k.lease_token + 1, lease_owner = $8::text, lease_expires_at = ",
     now!(),

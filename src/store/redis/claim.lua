@@ -68,8 +68,16 @@ r[F_ST], r[F_TOK], r[F_ATT], r[F_OWN], r[F_LEX] = 0, tok, att, owner, lex
 r[F_UAT], r[F_RET], r[F_LAT], r[F_MHA] = now, retention, now, mha
 if request then r[F_REQ] = request end
 if code == 2 and not same_provider then
-  -- Nothing may have acted at the recorded provider: the one that may act now is recorded.
-  r[F_PROV], r[F_PK] = provider or false, reused_pk or pk
+  -- Nothing may have acted at the recorded provider: the one that may act now is recorded,
+  -- with the key this life already has (no earlier life sent it, and a change lost in a
+  -- failover sends it again), unless it is longer than the new provider's own; an explicit key
+  -- (no renewed one) is sent as given.
+  r[F_PROV] = provider or false
+  if not reused_pk then
+    r[F_PK] = pk
+  elseif #r[F_PK] > #pk then
+    r[F_PK] = reused_pk
+  end
 end
 r[F_EXP], r[F_NCA], r[F_ERR], r[F_RS], r[F_RH], r[F_RB] = false, false, false, false, false, false
 record_event(r, code, 0, tok, 'worker', reason, now)

@@ -149,7 +149,9 @@ macro_rules! reclaim_reason {
 pub(in crate::store) const RECLAIM: &str = concat!(
     "UPDATE idempotency_keys SET state = 'processing', retryable = 0, \
        request = COALESCE(?7, request), \
-       provider_key = CASE WHEN state = 'failed' AND provider IS NOT ?4 THEN ?5 \
+       provider_key = CASE WHEN state = 'failed' AND provider IS NOT ?4 THEN \
+         (CASE WHEN ?12 IS NULL THEN ?5 WHEN length(provider_key) <= length(?5) THEN provider_key \
+           ELSE ?12 END) \
          ELSE provider_key END, \
        provider = CASE WHEN state = 'failed' THEN ?4 ELSE provider END, \
        lease_token = lease_token + 1, lease_owner = ?8, lease_expires_at = ",
