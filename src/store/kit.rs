@@ -176,9 +176,9 @@ pub fn provider_key_on_change(claim: &NewClaim, stored: &str) -> String {
 /// claim's takeover window, provided the claim names the provider the row recorded. A
 /// `failed{retryable}` row on which no attempt may have acted may also be reclaimed through
 /// another provider; the reclaim then records the claim's provider and the key
-/// [`provider_key_on_change`] picks, so the sweeper asks the provider that may act. A takeover never changes the provider: the earlier
-/// attempt may have acted at the recorded one (`docs/design.md`, "One provider per attempt
-/// that may have acted").
+/// [`provider_key_on_change`] picks, so the sweeper asks the provider that may act. A takeover
+/// never changes the provider: the earlier attempt may have acted at the recorded one
+/// (`docs/design.md`, "One provider per attempt that may have acted").
 pub fn claimable(claim: &NewClaim, r: &KeyRecord, now: DateTime<Utc>) -> bool {
     if r.fingerprint != claim.fingerprint {
         return false;

@@ -29,8 +29,8 @@ pub(super) const GET: &str = concat!(
 );
 
 /// The claim, one round trip: a call of the `idempotency_keys_claim` procedure (migration
-/// `20261205150001_provider_change_keeps_the_key.sql`, first in `20261130200001`). It reads the row and
-/// returns it untouched when it is present and not claimable (a replay writes nothing);
+/// `20261205150001_provider_change_keeps_the_key.sql`, first in `20261130200001`). It reads the
+/// row and returns it untouched when it is present and not claimable (a replay writes nothing);
 /// otherwise a key it found absent is inserted by a plain `INSERT`, and a key that is there (or
 /// was inserted since the read) goes through the `INSERT .. ON DUPLICATE KEY UPDATE` that
 /// decides atomically; the row is read back.
