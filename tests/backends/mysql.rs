@@ -89,14 +89,9 @@ impl SqlDatabase for Database {
         session.execute("ROLLBACK").await.unwrap();
     }
     async fn waits_on_a_lock(admin: &mut MySqlConnection, conn: u64) -> bool {
-        let info: Option<String> =
-            sqlx::query_scalar("SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?")
-                .bind(conn)
-                .fetch_optional(&mut *admin)
-                .await
-                .unwrap()
-                .flatten();
-        info.is_some_and(|q| q.starts_with("UPDATE"))
+        current_statement(admin, conn)
+            .await
+            .is_some_and(|q| q.starts_with("UPDATE"))
     }
     async fn kill(admin: &mut MySqlConnection, conn: u64) -> bool {
         admin
@@ -105,6 +100,17 @@ impl SqlDatabase for Database {
             .unwrap();
         true
     }
+}
+
+/// The statement connection `conn` is running, as the process list shows it (inside a
+/// procedure: the procedure's current statement).
+async fn current_statement(admin: &mut MySqlConnection, conn: u64) -> Option<String> {
+    sqlx::query_scalar("SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?")
+        .bind(conn)
+        .fetch_optional(admin)
+        .await
+        .unwrap()
+        .flatten()
 }
 
 /// Issue 11, finding 3: the claim must not depend on `ON DUPLICATE KEY UPDATE` assigning left
@@ -331,28 +337,24 @@ mod claim_race {
     use idemflow::Store;
     use idemflow::conformance::{claim_for, id, unique};
     use idemflow::store::ClaimOutcome;
-    use idemflow::store::mysql::MySqlStore;
-    use sqlx::mysql::MySqlConnection;
-    use sqlx::{ConnectOptions, Executor};
+    use sqlx::Executor;
 
-    use crate::support::mysql::{drop_database, fresh_database, pool_for};
+    use super::{Database, current_statement};
+    use crate::sql_faults::SqlDatabase;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_claim_whose_insert_meets_a_key_inserted_since_its_read_finds_it() {
-        let Some((options, name)) = fresh_database().await else {
+        let Some(db) = Database::fresh().await else {
             return;
         };
         // One connection, so that its thread id names the store's transaction.
-        let mysql = MySqlStore::from_pool(pool_for(&options, 1).await);
+        let mysql = db.store(1).await;
         mysql.migrate().await.unwrap();
-        let store_thread: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-            .fetch_one(mysql.pool())
-            .await
-            .unwrap();
+        let store_thread = Database::connection_id(&mysql).await;
         let key = id(&unique("race"), "k");
         let claim = claim_for(&key, "{}", Duration::from_secs(30));
 
-        let mut other: MySqlConnection = options.connect().await.unwrap();
+        let mut other = db.session().await;
         other.execute("START TRANSACTION").await.unwrap();
         sqlx::query(
             "CALL idempotency_keys_claim(?, ?, 'payments.create', 'fake', 'pk-other', \
@@ -373,16 +375,10 @@ mod claim_race {
         // (MariaDB shows a procedure's current statement in the process list). A transaction
         // that waits on a lock before it has written is not always in `innodb_trx`: committing
         // now, whether the INSERT already waits or is about to, makes it meet the key.
-        let mut watch: MySqlConnection = options.connect().await.unwrap();
+        let mut watch = db.session().await;
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let info: Option<String> =
-                sqlx::query_scalar("SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?")
-                    .bind(store_thread)
-                    .fetch_optional(&mut watch)
-                    .await
-                    .unwrap()
-                    .flatten();
+            let info = current_statement(&mut watch, store_thread).await;
             if info.is_some_and(|q| q.starts_with("INSERT INTO idempotency_keys")) {
                 break;
             }
@@ -406,6 +402,6 @@ mod claim_race {
         assert_eq!(record.provider_key, "pk-other");
         // One claim in the history: the store's claim wrote nothing.
         assert_eq!(store.history(&key).await.unwrap().len(), 1);
-        drop_database(&options, &name).await;
+        db.drop().await;
     }
 }
