@@ -122,7 +122,7 @@ pub fn claim_for(id: &KeyId, body: &str, lease: Duration) -> NewClaim {
         lease,
         retention: Duration::from_secs(3600),
         takeover_window: None,
-        reused_provider_key: None,
+        renewed_key_base: None,
     }
 }
 

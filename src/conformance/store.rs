@@ -989,24 +989,28 @@ pub async fn provider_changes_only_while_no_attempt_may_have_acted(store: Arc<dy
     );
 }
 
-/// A key re-created after its earlier row was purged stores the claim's `reused_provider_key`
-/// (the provider may still hold the earlier row's key); a first row stores `provider_key`, and
-/// every later claim of a row keeps the key the row stored, a provider change included (finding
-/// 11 of the simulation: a change that stored a key drawn by its own claim was sent again under
-/// another when a failover lost it; a change in a re-created life that stored the plain key
-/// sent the first life's key).
+/// A key re-created after its earlier row was purged stores the renewed key of the claim's
+/// `renewed_key_base` and its life number, the position of the claim's event in the key's
+/// history (`provider_key::renewed`; the provider may still hold the earlier row's key); a
+/// first row stores `provider_key`, and every later claim of a row keeps the key the row
+/// stored, a provider change included (finding 11 of the simulation: a change that stored a key
+/// drawn by its own claim was sent again under another when a failover lost it; a change in a
+/// re-created life that stored the plain key sent the first life's key; a re-creation lost in a
+/// failover drew another key when made again, where a key read from the history is the same).
 pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
+    use crate::provider_key::renewed;
     let id = id(&unique("reborn"), "k1");
+    let life = |history: Vec<crate::KeyEvent>| history.len() as u64;
     let mut first = claim_for(&id, "{}", LEASE);
     first.retention = Duration::ZERO;
-    first.reused_provider_key = Some("pk-renewed-1".into());
+    first.renewed_key_base = Some("pk-renewed-".into());
     let l = claimed(&store, &first).await;
     assert_eq!(l.provider_key, "pk-k1", "a first row derives the plain key");
-    // A provider change in the first life keeps the row's key, not the change's fresh one.
+    // A provider change in the first life keeps the row's key.
     store.finish(&id, l.token, &fail(true)).await.unwrap();
     let mut moved = first.clone();
     moved.provider = Some("other".into());
-    moved.reused_provider_key = Some("pk-fresh-a".into());
+    moved.renewed_key_base = Some("pk-fresh-".into());
     let l = claimed(&store, &moved).await;
     assert_eq!(
         (l.transition, l.provider_key.as_str()),
@@ -1025,52 +1029,57 @@ pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
         );
     }
     let mut reborn = claim_for(&id, "{\"day\":2}", LEASE);
-    reborn.reused_provider_key = Some("pk-renewed-2".into());
+    reborn.renewed_key_base = Some("pk-renewed-".into());
     let l = claimed(&store, &reborn).await;
     assert_eq!(l.transition, Transition::Claim);
+    let n = life(store.history(&id).await.unwrap());
+    assert!(n > 3, "the history of the first life is kept: {n} events");
+    let reborn_key = renewed("pk-renewed-", n);
     assert_eq!(
-        l.provider_key, "pk-renewed-2",
-        "a re-created row sends a key of its own"
+        l.provider_key, reborn_key,
+        "a re-created row sends a key of its own, numbered by its claim's place in the history"
     );
     assert_eq!(
         store.get(&id).await.unwrap().unwrap().provider_key,
-        "pk-renewed-2"
+        reborn_key
     );
     // Its own reclaim keeps it.
     store.finish(&id, l.token, &fail(true)).await.unwrap();
     let mut retry = reborn.clone();
-    retry.reused_provider_key = Some("pk-renewed-3".into());
+    retry.renewed_key_base = Some("pk-other-base-".into());
     let l = claimed(&store, &retry).await;
     assert_eq!(
         (l.transition, l.provider_key.as_str()),
-        (Transition::Reclaim, "pk-renewed-2")
+        (Transition::Reclaim, reborn_key.as_str())
     );
     // So does a provider change in this life: neither the first life's key (the plain one, the
-    // length of the life's own here) nor the change's fresh one.
+    // length of the life's own here) nor a renewed one of its own.
     store.finish(&id, l.token, &fail(true)).await.unwrap();
     let mut moved = retry.clone();
     moved.provider = Some("other".into());
-    moved.provider_key = "pk-plain-k1x".into();
-    moved.reused_provider_key = Some("pk-renewed-4".into());
+    moved.provider_key = "pk-plain-k1-0123456".into();
+    assert_eq!(moved.provider_key.len(), reborn_key.len());
     let l = claimed(&store, &moved).await;
     assert_eq!(
         (l.transition, l.provider_key.as_str()),
-        (Transition::Reclaim, "pk-renewed-2"),
+        (Transition::Reclaim, reborn_key.as_str()),
         "a provider change keeps the key of the re-created life"
     );
-    // Unless the new provider's key is shorter (a tighter limit): then the fresh one.
+    // Unless the new provider's key is shorter (a tighter limit): then the renewed key of the
+    // change's own place in the history.
     store.finish(&id, l.token, &fail(true)).await.unwrap();
     let mut tight = moved.clone();
     tight.provider = Some("fake".into());
     tight.provider_key = "pk-k1".into();
-    tight.reused_provider_key = Some("pk-r5".into());
+    tight.renewed_key_base = Some("pk-r-".into());
     let l = claimed(&store, &tight).await;
+    let n = life(store.history(&id).await.unwrap());
     assert_eq!(
         (l.transition, l.provider_key.as_str()),
-        (Transition::Reclaim, "pk-r5"),
+        (Transition::Reclaim, renewed("pk-r-", n).as_str()),
         "a key longer than the new provider's own is not kept"
     );
-    // An explicit key (no renewed one) is stored as given, history or not.
+    // An explicit key (no renewed base) is stored as given, history or not.
     let other = super::id(&unique("reborn"), "k2");
     let l = claimed(&store, &claim_for(&other, "{}", LEASE)).await;
     assert_eq!(l.provider_key, "pk-k2");

@@ -690,7 +690,7 @@ pub async fn missing_request_is_only_looked_up(store: Arc<dyn Store>) {
         lease: Duration::ZERO,
         retention: DAY,
         takeover_window: None,
-        reused_provider_key: None,
+        renewed_key_base: None,
     };
     assert!(matches!(
         store.claim(&claim).await.unwrap(),
@@ -775,7 +775,7 @@ pub async fn two_sweepers_handle_each_of_1000_keys_once(store: Arc<dyn Store>) {
             lease: Duration::ZERO,
             retention: DAY,
             takeover_window: None,
-            reused_provider_key: None,
+            renewed_key_base: None,
         };
         let lease: Lease = match store.claim(&claim).await.unwrap() {
             ClaimOutcome::Claimed(l) => l,

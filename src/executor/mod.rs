@@ -400,19 +400,20 @@ impl Idempotency {
     pub(crate) fn new_claim(&self, request: &IdempotentRequest) -> NewClaim {
         let cfg = &*self.config;
         // An explicit key is sent as given; a derived one is the pure derivation for the key's
-        // first row, and one of its own for a row re-created after the earlier was purged (the
-        // store chooses at insert: only it knows whether the key has history).
-        let (provider_key, reused_provider_key) = match &request.provider_key {
+        // first row, and the renewed base's key for a row re-created after the earlier was
+        // purged (the store chooses at insert: only it knows whether the key has history, and
+        // it appends the claim's life number, so a re-creation lost in a failover is made again
+        // under the same key).
+        let (provider_key, renewed_key_base) = match &request.provider_key {
             Some(explicit) => (explicit.clone(), None),
             None => {
                 let (scope, key, op) = (&request.id.scope, &request.id.key, &request.operation);
                 (
                     provider_key::derive(scope, key, op, request.key_max_len),
-                    Some(provider_key::derive_renewed(
+                    Some(provider_key::renewed_base(
                         scope,
                         key,
                         op,
-                        &provider_key::fresh_nonce(),
                         request.key_max_len,
                     )),
                 )
@@ -429,7 +430,7 @@ impl Idempotency {
             lease: cfg.lease,
             retention: cfg.retention,
             takeover_window: self.takeover_window(request),
-            reused_provider_key,
+            renewed_key_base,
         }
     }
 

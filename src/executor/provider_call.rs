@@ -18,7 +18,7 @@ impl Idempotency {
         let spec = provider.key_spec();
         let mut request = request.with_provider(provider.name());
         // Unless the request sets one, the provider key is derived within the provider's limit
-        // (`KeySpec::derive` for the key's first row; see `provider_key::derive_renewed`).
+        // (`KeySpec::derive` for the key's first row; see `provider_key::renewed`).
         request.key_max_len = spec.max_len;
         // A retry takes the key over only inside the provider's dedup window, and never for a
         // provider that does not dedupe by key (a re-send would act again).

@@ -91,7 +91,7 @@ impl KeySpec {
 
     /// Derives the provider key for (scope, key, operation) within this provider's limits: the
     /// key of the key's first row. A row re-created after an earlier one was purged stores a key
-    /// of its own instead ([`provider_key::derive_renewed`]); read a row's key from the row.
+    /// of its own instead ([`provider_key::renewed`]); read a row's key from the row.
     pub fn derive(&self, scope: &Scope, key: &IdempotencyKey, operation: &str) -> String {
         provider_key::derive(scope, key, operation, self.max_len)
     }

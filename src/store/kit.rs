@@ -155,19 +155,30 @@ pub fn check_finish(mode: FinishMode, to: KeyState) -> Result<Transition, StoreE
 }
 
 /// The provider key a reclaim through another provider stores (see [`claimable`]), given the
-/// key the row stored: an explicit key (`reused_provider_key` unset) as the claim gives it;
-/// otherwise the row's own key, which nothing may have acted on anywhere and no earlier life of
-/// the key sent, so a change that a failover loses sends the same key again (finding 11,
+/// key the row stored and `life`, the position the reclaim's history event takes (1-based,
+/// across purges): an explicit key (`renewed_key_base` unset) as the claim gives it; otherwise
+/// the row's own key, which nothing may have acted on anywhere and no earlier life of the key
+/// sent, so a change that a failover loses sends the same key again (finding 11,
 /// `docs/reliability.md`); unless it is longer than the claim's `provider_key` (the new
-/// provider's limit is tighter): then `reused_provider_key`. Every backend's claim applies this
-/// rule (SQL `RECLAIM`, the MariaDB procedure, `claim.lua`).
-pub fn provider_key_on_change(claim: &NewClaim, stored: &str) -> String {
-    match &claim.reused_provider_key {
+/// provider's limit is tighter): then the renewed key of `life`. Every backend's claim applies
+/// this rule (SQL `RECLAIM`, the MariaDB procedure, `claim.lua`).
+pub fn provider_key_on_change(claim: &NewClaim, stored: &str, life: u64) -> String {
+    match &claim.renewed_key_base {
         None => claim.provider_key.clone(),
         Some(_) if stored.chars().count() <= claim.provider_key.chars().count() => {
             stored.to_owned()
         }
-        Some(fresh) => fresh.clone(),
+        Some(base) => crate::provider_key::renewed(base, life),
+    }
+}
+
+/// The provider key a claim that inserts the key's row stores, given `life`, the position of
+/// its history event (1-based, across purges): the renewed key of `life` when the key had an
+/// earlier life (`life > 1`) and the claim's key is derived, else the claim's `provider_key`.
+pub fn provider_key_on_insert(claim: &NewClaim, life: u64) -> String {
+    match &claim.renewed_key_base {
+        Some(base) if life > 1 => crate::provider_key::renewed(base, life),
+        _ => claim.provider_key.clone(),
     }
 }
 

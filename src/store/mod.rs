@@ -60,17 +60,24 @@ pub struct NewClaim {
     pub provider: Option<String>,
     /// The key to forward to the provider. Kept as first stored on reclaim and takeover. A
     /// reclaim that changes the provider (see [`kit::claimable`]) keeps it too, when
-    /// `reused_provider_key` is set and the stored key is no longer than this one (nothing may
+    /// `renewed_key_base` is set and the stored key is no longer than this one (nothing may
     /// have acted on it anywhere, and no earlier row of the key sent it); with
-    /// `reused_provider_key` unset (an explicit key) the row takes this one.
+    /// `renewed_key_base` unset (an explicit key) the row takes this one.
     pub provider_key: String,
-    /// The key to forward instead when the key had an earlier row, purged after its retention
-    /// (its history is kept): the provider may still hold the earlier row's key and answer
-    /// with the earlier effect, so a re-created row sends a key of its own. `None`: always
-    /// `provider_key` (an explicit key). A new row reads it, and a provider change whose
-    /// stored key is longer than `provider_key` (a tighter limit); the row stores the key it
-    /// chose, and every later attempt sends that (`docs/design.md`, "Provider keys").
-    pub reused_provider_key: Option<String>,
+    /// The base of the key to forward instead ([`provider_key::renewed_base`]) when the key had
+    /// an earlier row, purged after its retention (its history is kept): the provider may
+    /// still hold the earlier row's key and answer with the earlier effect, so a re-created
+    /// row sends a key of its own, [`provider_key::renewed`]`(base, n)` where `n` is the
+    /// position of the claim's own event in the key's history (1-based, across purges). A
+    /// provider change whose stored key is longer than `provider_key` (a tighter limit) takes
+    /// the same. Read from the store's state before the write, never drawn at random, so a
+    /// claim that a failover loses is made again under the same key. `None`: always
+    /// `provider_key` (an explicit key). The row stores the key it chose, and every later
+    /// attempt sends that (`docs/design.md`, "Provider keys").
+    ///
+    /// [`provider_key::renewed_base`]: crate::provider_key::renewed_base
+    /// [`provider_key::renewed`]: crate::provider_key::renewed
+    pub renewed_key_base: Option<String>,
     /// The request fingerprint.
     pub fingerprint: Fingerprint,
     /// The canonical request, when it is to be stored.
@@ -365,6 +372,8 @@ pub(crate) fn assert_claim_reasons(statement: &str) {
         "subsec",
         "1 millisecond",
         "1970-01-01 00:00:00",
+        // Renewed provider keys: the life number's format and padding.
+        "%08x",
         // History entries: separators, flags, escapes.
         "",
         "|",

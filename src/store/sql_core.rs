@@ -61,7 +61,7 @@ where
         Some(nonce) => q.bind(nonce),
         None => q,
     };
-    q.bind(claim.reused_provider_key.as_deref())
+    q.bind(claim.renewed_key_base.as_deref())
 }
 
 /// Binds a finish's parameters, in the order the finish statement of every SQL backend takes

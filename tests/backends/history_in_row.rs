@@ -135,9 +135,9 @@ async fn check_carried(store: Arc<dyn Store>) {
     assert_eq!(h.len(), 3, "{h:?}");
     assert_eq!((h[2].to, h[2].actor), (None, Actor::Purge));
     let mut again = claim_for(&key("purged"), "{}", Duration::from_secs(30));
-    again.reused_provider_key = Some("pk-purged-renewed".into());
+    again.renewed_key_base = Some("pk-purged-renewed-".into());
     let lease = claimed(&store, &again).await;
-    assert_eq!(lease.provider_key, "pk-purged-renewed");
+    assert_eq!(lease.provider_key, "pk-purged-renewed-00000004");
     let h = store.history(&key("purged")).await.unwrap();
     assert_eq!(h.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4]);
     assert_eq!((h[3].from, h[3].to), (None, Some(KeyState::Processing)));

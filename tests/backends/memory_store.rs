@@ -13,7 +13,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use idemflow::state::Transition;
 use idemflow::store::kit::{
-    FinishMode, check_finish, claimable, millis, provider_key_on_change, refused_write,
+    FinishMode, check_finish, claimable, millis, provider_key_on_change, provider_key_on_insert,
+    refused_write,
 };
 use idemflow::store::{
     ClaimOutcome, Finish, Lease, NewClaim, OperatorStore, Release, Stats, Store, Stuck,
@@ -188,10 +189,7 @@ impl Store for MemoryStore {
             None => {
                 let last = key.history.iter().rev().find_map(|e| e.lease_token);
                 let token = now.timestamp_micros().max(last.map_or(0, |t| t.0 + 1));
-                let provider_key = match &c.reused_provider_key {
-                    Some(k) if !key.history.is_empty() => k.clone(),
-                    _ => c.provider_key.clone(),
-                };
+                let provider_key = provider_key_on_insert(c, key.history.len() as u64 + 1);
                 key.row = Some(KeyRecord {
                     scope: c.id.scope.clone(),
                     key: c.id.key.clone(),
@@ -231,7 +229,8 @@ impl Store for MemoryStore {
                     if r.provider != c.provider {
                         // Nothing may have acted at the recorded provider (`claimable`).
                         r.provider = c.provider.clone();
-                        r.provider_key = provider_key_on_change(c, &r.provider_key);
+                        let life = key.history.len() as u64 + 1;
+                        r.provider_key = provider_key_on_change(c, &r.provider_key, life);
                     }
                     Transition::Reclaim
                 };

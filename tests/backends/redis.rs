@@ -314,6 +314,72 @@ async fn purge_keeps_history_with_its_own_ttl() {
     assert_eq!(pttl(store.record_key(&id)).await, -1);
 }
 
+/// Finding 11 of the simulation, through the executor: a re-creation of a purged key that a
+/// failover loses (the replica promoted holds the tombstone, not the new life's record) is made
+/// again under the same provider key, so a provider that saw the lost attempt deduplicates the
+/// next. Before, each claim drew its renewed key at random, and the provider acted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_re_creation_lost_in_a_failover_is_made_again_under_its_provider_key() {
+    let Some(store) = store_with(|c| c).await else {
+        return;
+    };
+    let store = Arc::new(store);
+    let idem = idemflow::Idempotency::new(store.clone()).retention(Duration::ZERO);
+    let scope = unique("lostlife");
+    let req = idemflow::IdempotentRequest::new(&scope, "k1", "op", &serde_json::json!({})).unwrap();
+    let id = req.id().clone();
+    let sent = |req: idemflow::IdempotentRequest| {
+        let idem = idem.clone();
+        async move {
+            let mut key = None;
+            idem.execute(req, |ctx| {
+                key = Some(ctx.provider_key().to_owned());
+                async { idemflow::Outcome::Succeeded(StoredResponse::new(201)) }
+            })
+            .await
+            .unwrap();
+            key.expect("the operation ran")
+        }
+    };
+    let first = sent(req.clone()).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(store.purge_expired(10).await.unwrap(), 1);
+    // The replica's copy: the tombstone, with its expiry.
+    let mut con = store.connection();
+    let record = store.record_key(&id);
+    let copy: Vec<u8> = redis::cmd("DUMP")
+        .arg(&record)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&record)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(ttl > 0, "the tombstone expires with the history TTL: {ttl}");
+    let lost = sent(req.clone()).await;
+    assert_ne!(lost, first, "a re-created key sends a key of its own");
+    // The failover: the copy is promoted, the re-creation and its answer are gone.
+    let () = redis::cmd("RESTORE")
+        .arg(&record)
+        .arg(ttl)
+        .arg(copy)
+        .arg("REPLACE")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(
+        store.get(&id).await.unwrap().is_none(),
+        "the re-creation was lost"
+    );
+    assert_eq!(
+        sent(req).await,
+        lost,
+        "the re-creation made again sends the key the lost one sent"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn native_expiry_backstop_is_recorded_by_the_next_purge() {
     let Some(store) = store_with(|c| c.expiry_grace(Some(Duration::ZERO))).await else {

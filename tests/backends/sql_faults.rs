@@ -206,6 +206,7 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
             "extend not after release",
             "claim inserts first",
             "provider change keeps the key",
+            "renewed key by life",
         ]
     };
     assert_eq!(ours, expected);

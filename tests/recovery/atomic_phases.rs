@@ -422,7 +422,7 @@ mod mysql {
                     .marker()
                     .map(Into::into),
                 provider_key: format!("pk-cut-{i}"),
-                reused_provider_key: None,
+                renewed_key_base: None,
                 fingerprint: idemflow::Fingerprint::compute("create_order", "{}"),
                 request: None,
                 owner: "test".into(),
@@ -859,7 +859,7 @@ mod sqlite_writer {
                 .marker()
                 .map(Into::into),
             provider_key: format!("pk-{key}"),
-            reused_provider_key: None,
+            renewed_key_base: None,
             fingerprint: Fingerprint::compute("create_order", key),
             request: None,
             owner: "test".into(),

@@ -7,8 +7,8 @@
 //! key made retryable after its effect). Remove a finding from [`OPEN_FINDINGS`] when it is fixed.
 
 /// The findings of issue 11 (and 11, of the failover fault of issue 24) that are still open:
-/// their checks are skipped (and reported).
-pub const OPEN_FINDINGS: &[u8] = &[11];
+/// their checks are skipped (and reported). None is.
+pub const OPEN_FINDINGS: &[u8] = &[];
 
 /// Whether known findings are skipped: `IDEMFLOW_SIM_KNOWN_FINDINGS` (default on; `0`/`false`
 /// enforces every check).
@@ -64,9 +64,10 @@ pub enum Check {
     /// strands a key for longer (issue 20, item 10).
     SettlesWithinALeaseOfTheLastCrash,
     /// After a failover lost writes, a keyed provider is sent the provider key it was sent
-    /// before for the same attempt, so it dedupes the re-run (finding 11: a re-created key
-    /// draws a fresh key at every claim; lost, the claim draws another; a provider change did
-    /// too until it kept the row's key).
+    /// before for the same attempt, so it dedupes the re-run (finding 11, fixed: a provider
+    /// change or a re-created key drew a fresh key at every claim; lost, the claim drew
+    /// another. A change now keeps the row's key, and a re-created key's is numbered by its
+    /// place in the key's history).
     ProviderKeyKeptAcrossLostWrites,
 }
 
@@ -119,7 +120,7 @@ impl Check {
             5 => "resolve reads, checks, then writes without a condition",
             10 => "leases are fixed, not renewed",
             11 => {
-                "a re-created key draws a fresh provider key at every claim, so a re-creation lost in a failover is sent again under another (the provider change half is fixed)"
+                "a provider change or re-created key draws a fresh provider key at every claim, so one lost in a failover is sent again under another"
             }
             _ => "?",
         }

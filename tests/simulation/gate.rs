@@ -327,7 +327,7 @@ impl Shared {
     ) {
         let generation = self.generation(label);
         // A key re-created after a purge sends a provider key of its own
-        // (`provider_key::derive_renewed`): learnt here, from the lease that carries it.
+        // (`provider_key::renewed`): learnt here, from the lease that carries it.
         self.labels.insert(pk.to_owned(), label.to_owned());
         let me = current_actor();
         if let (Some(a), Some(exp)) = (me, expires) {

@@ -29,7 +29,7 @@ pub(super) const GET: &str = concat!(
 );
 
 /// The claim, one round trip: a call of the `idempotency_keys_claim` procedure (migration
-/// `20261205150001_provider_change_keeps_the_key.sql`, first in `20261130200001`). It reads the
+/// `20261205170001_renewed_key_by_life.sql`, first in `20261130200001`). It reads the
 /// row and returns it untouched when it is present and not claimable (a replay writes nothing);
 /// otherwise a key it found absent is inserted by a plain `INSERT`, and a key that is there (or
 /// was inserted since the read) goes through the `INSERT .. ON DUPLICATE KEY UPDATE` that
@@ -37,13 +37,13 @@ pub(super) const GET: &str = concat!(
 /// The claimer won when the returned `claim_nonce` is its own nonce. No row: purged between the
 /// write and the read-back. Parameters: scope, key, operation, provider, provider key,
 /// fingerprint, request, owner, lease µs, retention ms, takeover window µs or NULL, nonce, the
-/// provider key of a re-created key or NULL.
+/// base of a re-created key's provider key or NULL.
 pub(super) const CLAIM: &str = "CALL idempotency_keys_claim(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
 
 /// The claim procedure's source, for the test that checks its reason spellings.
 #[cfg(test)]
 pub(in crate::store) const CLAIM_PROCEDURE: &str =
-    include_str!("../../../migrations/mysql/20261205150001_provider_change_keeps_the_key.sql");
+    include_str!("../../../migrations/mysql/20261205170001_renewed_key_by_life.sql");
 
 /// The finish, one round trip: the fenced `UPDATE` and the read of the row it wrote, in one
 /// transaction inside the `idempotency_keys_finish` procedure. No row: the fence refused it and

@@ -118,6 +118,14 @@ macro_rules! claimable {
     };
 }
 
+/// The digits `provider_key::renewed` appends to a renewed key's base: the life number (the
+/// position of the claim's event in the key's history) modulo 2^32 as 8 lowercase hex digits.
+macro_rules! renewed {
+    ($life:expr) => {
+        concat!("lpad(to_hex((", $life, ")::bigint & 4294967295), 8, '0')")
+    };
+}
+
 /// Claim a new key or read the row: one plain statement. `INSERT .. ON CONFLICT DO NOTHING`
 /// inserts an absent key (`claimed = true`, with its first history entry, numbered after any
 /// purged life's in the tombstone); a present key is not locked and not written, and the second
@@ -126,14 +134,16 @@ macro_rules! claimable {
 /// means a concurrent claimer committed the key after this statement's snapshot: the store reads
 /// again.
 ///
-/// Bound by `sql_core::bind_claim` ($1 scope .. $12 the provider key of a re-created key).
+/// Bound by `sql_core::bind_claim` ($1 scope .. $12 the base of a re-created key's provider key).
 pub(in crate::store) const CLAIM: &str = concat!(
     "WITH ins AS (INSERT INTO idempotency_keys (scope, key, operation, provider, provider_key, \
        state, retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, \
        attempts, created_at, updated_at, retention_ms, version, history, last_attempt_at, \
        may_have_acted) \
      SELECT $1::text, $2::text, $3::text, $4::text, \
-       CASE WHEN $12::text IS NOT NULL AND s.seq > 1 THEN $12::text ELSE $5::text END, \
+       CASE WHEN $12::text IS NOT NULL AND s.seq > 1 THEN $12::text || ",
+    renewed!("s.seq"),
+    " ELSE $5::text END, \
        'processing', false, $6::text, $7::text, ",
     now_us!(),
     ", $8::text, ",
@@ -190,7 +200,9 @@ pub(in crate::store) const RECLAIM: &str = concat!(
        provider_key = CASE WHEN k.state = 'failed' AND k.provider IS DISTINCT FROM $4::text \
          THEN (CASE WHEN $12::text IS NULL THEN $5::text \
            WHEN length(k.provider_key) <= length($5::text) THEN k.provider_key \
-           ELSE $12::text END) \
+           ELSE $12::text || ",
+    renewed!("k.version + 1"),
+    " END) \
          ELSE k.provider_key END, \
        provider = CASE WHEN k.state = 'failed' THEN $4::text ELSE k.provider END, \
        lease_token = k.lease_token + 1, lease_owner = $8::text, lease_expires_at = ",

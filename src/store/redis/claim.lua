@@ -5,7 +5,8 @@
 -- ARGV[5..]: member, operation, provider?, provider_key, fingerprint, request?, owner, lease_ms,
 -- retention_ms, window_ms?, then the history reasons of a claim, a reclaim and a takeover (from
 -- `Transition::CLAIM_REASONS`; the reply returns the one recorded, the Rust side parses it back),
--- then reused_provider_key? (the key a re-created key sends: a tombstone shows an earlier life).
+-- then renewed_key_base? (the base of the key a re-created key sends: a tombstone shows an earlier
+-- life; `renewed()` appends the life number, the claim's event's position in the key's history).
 -- A takeover needs the recorded provider; a reclaim through another provider needs a key on
 -- which no attempt may have acted, and records the new provider and key (`claimable()`).
 -- A new key costs 4 commands: TIME, GET, SET, ZADD.
@@ -17,7 +18,12 @@ local lease, retention = tonumber(ARGV[12]), tonumber(ARGV[13])
 local window = opt(ARGV[14])
 if window then window = tonumber(window) end
 local CLAIMED, RECLAIMED, TAKEN_OVER = ARGV[15], ARGV[16], ARGV[17]
-local reused_pk = opt(ARGV[18])
+local renewed_base = opt(ARGV[18])
+
+-- `provider_key::renewed`: the base and the life number modulo 2^32 as 8 lowercase hex digits.
+local function renewed(life)
+  return renewed_base .. string.format('%08x', life % 4294967296)
+end
 
 local us, now = clock()
 local raw = redis.call('GET', k)
@@ -30,8 +36,10 @@ if not r or not r[F_ST] then
   if r then
     hs, hist = r[F_HS], r[F_HIST]
     if r[F_TOK] >= tok then tok = r[F_TOK] + 1 end
-    -- An earlier life of this key: its provider may still hold the earlier provider key.
-    if reused_pk then pk = reused_pk end
+    -- An earlier life of this key: its provider may still hold the earlier provider key. The
+    -- new one is a function of the tombstone, so a re-creation a failover loses is made again
+    -- under the same key.
+    if renewed_base then pk = renewed(hs + 1) end
   end
   local lex = now + lease
   local n = {0, tok, hs, hist, op, provider or false, pk, fp, request or false,
@@ -73,10 +81,10 @@ if code == 2 and not same_provider then
   -- failover sends it again), unless it is longer than the new provider's own; an explicit key
   -- (no renewed one) is sent as given.
   r[F_PROV] = provider or false
-  if not reused_pk then
+  if not renewed_base then
     r[F_PK] = pk
   elseif #r[F_PK] > #pk then
-    r[F_PK] = reused_pk
+    r[F_PK] = renewed(r[F_HS] + 1)
   end
 end
 r[F_EXP], r[F_NCA], r[F_ERR], r[F_RS], r[F_RH], r[F_RB] = false, false, false, false, false, false

@@ -819,7 +819,7 @@ impl Store for RedisStore {
         for t in CLAIMS {
             inv.arg(t.claim_reason().unwrap_or_default());
         }
-        inv.arg(opt(claim.reused_provider_key.as_deref().map(str::as_bytes)));
+        inv.arg(opt(claim.renewed_key_base.as_deref().map(str::as_bytes)));
         let (reply, acked) = self.invoke_waited(&inv).await?;
         let reply = array(reply)?;
         self.known.insert(fnv1a(&m));

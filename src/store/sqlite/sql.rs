@@ -96,16 +96,26 @@ macro_rules! append {
     };
 }
 
+/// The digits `provider_key::renewed` appends to a renewed key's base: the life number (the
+/// position of the claim's event in the key's history) modulo 2^32 as 8 lowercase hex digits.
+macro_rules! renewed {
+    ($life:expr) => {
+        concat!("printf('%08x', (", $life, ") & 4294967295)")
+    };
+}
+
 /// Claim a new key: `INSERT .. ON CONFLICT DO NOTHING`, with its first history entry, numbered
 /// after any purged life's in the tombstone. A present key is not written (no row returned):
 /// the store reads it, and runs [`RECLAIM`] when it is claimable.
 ///
-/// Bound by `sql_core::bind_claim` (?1 scope .. ?12 the provider key of a re-created key).
+/// Bound by `sql_core::bind_claim` (?1 scope .. ?12 the base of a re-created key's provider key).
 pub(in crate::store) const CLAIM: &str = concat!(
     "INSERT INTO idempotency_keys (scope, key, operation, provider, provider_key, state, \
        retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
        created_at, updated_at, retention_ms, version, history, last_attempt_at, may_have_acted) \
-     SELECT ?1, ?2, ?3, ?4, CASE WHEN ?12 IS NOT NULL AND s.seq > 1 THEN ?12 ELSE ?5 END, \
+     SELECT ?1, ?2, ?3, ?4, CASE WHEN ?12 IS NOT NULL AND s.seq > 1 THEN ?12 || ",
+    renewed!("s.seq"),
+    " ELSE ?5 END, \
        'processing', 0, ?6, ?7, ",
     now_us!(),
     ", ?8, ",
@@ -151,7 +161,9 @@ pub(in crate::store) const RECLAIM: &str = concat!(
        request = COALESCE(?7, request), \
        provider_key = CASE WHEN state = 'failed' AND provider IS NOT ?4 THEN \
          (CASE WHEN ?12 IS NULL THEN ?5 WHEN length(provider_key) <= length(?5) THEN provider_key \
-           ELSE ?12 END) \
+           ELSE ?12 || ",
+    renewed!("version + 1"),
+    " END) \
          ELSE provider_key END, \
        provider = CASE WHEN state = 'failed' THEN ?4 ELSE provider END, \
        lease_token = lease_token + 1, lease_owner = ?8, lease_expires_at = ",
