@@ -20,9 +20,9 @@ type BoxFut = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 const ORDERS: &str =
     "CREATE TABLE orders (id TEXT PRIMARY KEY, amount INTEGER NOT NULL, created_at INTEGER)";
-const LEAN: &str = "CREATE TABLE raw_keys (scope TEXT NOT NULL, key TEXT NOT NULL, \
-    state TEXT NOT NULL, fingerprint TEXT NOT NULL, response BLOB, expires_at INTEGER NOT NULL, \
-    PRIMARY KEY (scope, key))";
+#[allow(dead_code)] // each benchmark uses part of it
+mod support;
+use support::sqlite_floor::{CLAIM, DONE, LEAN};
 const BODY: &[u8] = br#"{"order":"o","amount":1999,"currency":"eur","status":"created"}"#;
 
 struct Stats {
@@ -111,28 +111,23 @@ fn floor_op(pool: SqlitePool, run: usize) -> impl Fn(usize) -> BoxFut + Send + S
         Box::pin(async move {
             let key = format!("{run}-{i}");
             let mut tx = pool.begin().await.unwrap();
-            let claimed = sqlx::query(
-                "INSERT INTO raw_keys (scope, key, state, fingerprint, expires_at) \
-                 VALUES ('raw', ?1, 'processing', 'v1:x', 4102444800000) ON CONFLICT DO NOTHING",
-            )
-            .bind(&key)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
+            let claimed = sqlx::query(CLAIM)
+                .bind(&key)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
             assert_eq!(claimed.rows_affected(), 1);
             sqlx::query("INSERT INTO orders (id, amount, created_at) VALUES (?1, 1999, 0)")
                 .bind(&key)
                 .execute(&mut *tx)
                 .await
                 .unwrap();
-            sqlx::query(
-                "UPDATE raw_keys SET state = 'done', response = ?2 WHERE scope = 'raw' AND key = ?1",
-            )
-            .bind(&key)
-            .bind(BODY)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
+            sqlx::query(DONE)
+                .bind(&key)
+                .bind(BODY)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
             tx.commit().await.unwrap();
         })
     }

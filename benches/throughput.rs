@@ -475,9 +475,7 @@ mod sqlite {
 
     use super::{BODY, Counter, Phase, RawNew, RawRead};
 
-    pub const LEAN: &str = "CREATE TABLE IF NOT EXISTS raw_keys (scope TEXT NOT NULL, \
-        key TEXT NOT NULL, state TEXT NOT NULL, fingerprint TEXT NOT NULL, response BLOB, \
-        expires_at INTEGER NOT NULL, PRIMARY KEY (scope, key))";
+    pub use crate::support::sqlite_floor::LEAN;
 
     pub async fn phase(dir: &Path, bytes: bool) -> Phase {
         let ours_path: PathBuf = dir.join("idemflow.db");
@@ -525,15 +523,11 @@ mod sqlite {
         let raw_new: RawNew = Arc::new(move |key, body| {
             let pool = pool.clone();
             Box::pin(async move {
-                let ins = sqlx::query(
-                    "INSERT INTO raw_keys (scope, key, state, fingerprint, expires_at) \
-                     VALUES ('raw', ?1, 'processing', 'v1:x', 4102444800000) \
-                     ON CONFLICT DO NOTHING",
-                )
-                .bind(&key)
-                .execute(&pool)
-                .await
-                .unwrap();
+                let ins = sqlx::query(crate::support::sqlite_floor::CLAIM)
+                    .bind(&key)
+                    .execute(&pool)
+                    .await
+                    .unwrap();
                 if ins.rows_affected() == 0 {
                     return false;
                 }
@@ -541,15 +535,12 @@ mod sqlite {
                     // (not for zero: tokio's timer would round it up to its 1 ms tick)
                     tokio::time::sleep(body).await;
                 }
-                sqlx::query(
-                    "UPDATE raw_keys SET state = 'done', response = ?2 \
-                     WHERE scope = 'raw' AND key = ?1",
-                )
-                .bind(&key)
-                .bind(BODY)
-                .execute(&pool)
-                .await
-                .unwrap();
+                sqlx::query(crate::support::sqlite_floor::DONE)
+                    .bind(&key)
+                    .bind(BODY)
+                    .execute(&pool)
+                    .await
+                    .unwrap();
                 true
             })
         });
