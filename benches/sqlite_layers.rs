@@ -53,6 +53,12 @@ fn claim(id: KeyId) -> NewClaim {
     }
 }
 
+/// The request of `execute`'s key `i` in round `r`.
+fn request(r: usize, i: usize) -> IdempotentRequest {
+    let body = serde_json::json!({"amount": 1999});
+    IdempotentRequest::new("bench", &format!("{r}-e{i}"), "payments.create", &body).unwrap()
+}
+
 fn finish() -> Finish {
     Finish {
         to: KeyState::Done,
@@ -176,13 +182,7 @@ async fn main() {
         let execute = per_key(n, |i| {
             let idem = idem.clone();
             async move {
-                let req = IdempotentRequest::new(
-                    "bench",
-                    &format!("{r}-e{i}"),
-                    "payments.create",
-                    &serde_json::json!({"amount": 1999}),
-                )
-                .unwrap();
+                let req = request(r, i);
                 idem.execute(req, |_| async {
                     Outcome::Succeeded(StoredResponse::new(201).with_body(BODY.to_vec()))
                 })
@@ -191,7 +191,7 @@ async fn main() {
             }
         })
         .await;
-        // Replays: the keys `execute` just finished, read back (a primary-key read for the floor).
+        // Replays: each layer reads back the keys it finished above.
         let read = per_key(n, |i| {
             let raw = raw.clone();
             async move {
@@ -219,13 +219,7 @@ async fn main() {
         let replay = per_key(n, |i| {
             let idem = idem.clone();
             async move {
-                let req = IdempotentRequest::new(
-                    "bench",
-                    &format!("{r}-e{i}"),
-                    "payments.create",
-                    &serde_json::json!({"amount": 1999}),
-                )
-                .unwrap();
+                let req = request(r, i);
                 let done = idem
                     .execute(req, |_| async { panic!("a replay ran its operation") })
                     .await
