@@ -39,14 +39,12 @@ BEGIN
           OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6)
               AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE);
     IF FOUND_ROWS() = 0 THEN
-        -- Read before the INSERT: its history trigger writes the table a subquery of the
+        -- The life number, read only for a derived key (an explicit one is stored as given),
+        -- and before the INSERT: its history trigger writes the table a subquery of the
         -- statement may not read (MySQL error 1442).
-        -- The life number, read only for a derived key (an explicit one is stored as given).
         IF p_renewed_key_base IS NOT NULL THEN
-            IF p_renewed_key_base IS NOT NULL THEN
-                SET v_life = (SELECT COUNT(*) FROM idempotency_key_events
-                    WHERE scope = p_scope AND `key` = p_key) + 1;
-            END IF;
+            SET v_life = (SELECT COUNT(*) FROM idempotency_key_events
+                WHERE scope = p_scope AND `key` = p_key) + 1;
         END IF;
         SET v_provider_key = IF(p_renewed_key_base IS NOT NULL AND v_life > 1,
             CONCAT(p_renewed_key_base, LPAD(LOWER(HEX(v_life & 4294967295)), 8, '0')),
