@@ -151,9 +151,10 @@ pub struct Shared {
     pub actor_stalls: Vec<(usize, std::time::Instant, std::time::Duration)>,
     /// The shortest lease of the schedule (request or sweeper).
     pub shortest_lease: std::time::Duration,
-    /// Takeovers during a live call whose holder's renewals could not get through (its renewal
-    /// was still on the wire, or the runtime stalled for a third of a lease): outside what the
-    /// guarantee assumes (docs/reliability.md, "What the guarantee assumes"), so counted, not
+    /// Takeovers during a live call, and effects after the holder's lease ran out, whose
+    /// holder's renewals could not get through (the store was down, its renewal was still on
+    /// the wire, or the runtime stalled for a third of a lease): outside what the guarantee
+    /// assumes (docs/reliability.md, "What the guarantee assumes"), so counted, not
     /// failed; the core checks still judge what followed.
     pub starved: Vec<String>,
     /// Key labels taken over while starved: what follows on them is outside the guarantee, so
@@ -491,6 +492,22 @@ impl Shared {
                 label,
                 format!("{what} for a{a} holding token {token} after token {latest:?} was granted"),
             );
+        } else if !sending
+            && exp < now
+            && let Some(why) = self.renewals_starved(a, label)
+        {
+            // The provider acted after the holder's lease ran out, its renewals refused or
+            // starved (a hung call through a store outage). Nobody holds the key yet, but the
+            // store may now hand it to a sweeper whose lookup cannot see so late an effect:
+            // outside what the guarantee assumes ("Renewals get through"), as a takeover
+            // during the call would be.
+            let late = (now - exp).num_milliseconds();
+            let line = format!(
+                "the provider acted for a{a} {late} ms after its lease (token {token}) ran out on {label}: {why}"
+            );
+            self.trace.push(format!("  (starved) {line}"));
+            self.starved.push(line);
+            self.tainted.insert(label.to_owned());
         }
     }
 

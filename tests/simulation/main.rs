@@ -322,7 +322,7 @@ async fn simulate_seeds(
     );
     if !starved.is_empty() {
         eprintln!(
-            "[sim {name}] {} schedules saw a takeover during a live call whose holder's renewals could not get through (a renewal unanswered, or the runtime stalled for a third of a lease): outside the guarantee's assumptions, so that key's later violations are printed, not failed ({} of them; (seed, violations excused): {:?})",
+            "[sim {name}] {} schedules saw a takeover during a live call, or an effect after its holder's lease ran out, whose holder's renewals could not get through (the store down, a renewal unanswered, or the runtime stalled for a third of a lease): outside the guarantee's assumptions, so that key's later violations are printed, not failed ({} of them; (seed, violations excused): {:?})",
             starved.len(),
             starved.iter().map(|(_, n)| n).sum::<usize>(),
             &starved[..starved.len().min(20)]
