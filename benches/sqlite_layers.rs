@@ -255,9 +255,13 @@ async fn main() {
             "  Idempotency::execute, a replay        {replay:7.1}  ({:.2}x)",
             read / replay
         );
-        println!(
-            "  the executor's share of execute's gap to the floor: {:.0} %",
-            100.0 * (execute - store_pair).max(0.0) / (execute - pair).max(f64::EPSILON)
-        );
+        if execute > pair {
+            println!(
+                "  the executor's share of execute's gap to the floor: {:.0} %",
+                100.0 * (execute - store_pair).max(0.0) / (execute - pair)
+            );
+        } else {
+            println!("  the executor's share of execute's gap to the floor: none (no gap)");
+        }
     }
 }

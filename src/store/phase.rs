@@ -387,12 +387,19 @@ impl AtomicPhase for Box<dyn AtomicPhase> {
 
 /// The error of a key's record that found the claim made in its own transaction gone (it cannot
 /// be: nothing else sees the uncommitted claim): the transaction is rolled back.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn own_claim_gone(backend: &'static str, id: &KeyId) -> PhaseError {
     PhaseError::Store(StoreError::Corrupt {
         backend,
-        detail: format!("the one-commit record of {id} found its own claim gone"),
+        detail: own_claim_gone_detail(id),
     })
+}
+
+/// What `own_claim_gone` says (on SQLite, where the record also ends the phase's savepoint, the
+/// detail of a database error that rolls the writer's batch back).
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) fn own_claim_gone_detail(id: &KeyId) -> String {
+    format!("the one-commit record of {id} found its own claim gone")
 }
 
 /// The message of a caught panic (a phase's writes panicked, a webhook handler panicked), for

@@ -11,18 +11,18 @@
 //! inside the phase fails this key only ([`PhaseError::Writes`], rolled back); the writer and
 //! every other key go on.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use async_trait::async_trait;
 use sqlx::SqliteConnection;
 
 use super::writer::{BoxFut, JobAborted, job};
-use super::{SqliteStore, claim_on, db, sql};
+use super::{SqliteStore, claim_after, claim_on, db, sql};
 use crate::record::{KeyRecord, LeaseToken};
 use crate::store::kit::FinishMode;
 use crate::store::phase::{
     AtomicPhase, ONE_COMMIT_REASON, OneCommit, PhaseError, Prepare, REFUSED_REASON, StoreId,
-    WritesError, WritesFuture, own_claim_gone, refusal, step_record,
+    WritesError, WritesFuture, own_claim_gone_detail, refusal, step_record,
 };
 use crate::store::{ClaimOutcome, NewClaim, sql_core};
 use crate::{KeyId, StoredResponse};
@@ -34,14 +34,21 @@ enum Ran {
     Refusal(StoredResponse),
     /// The key stood in the way: nothing ran.
     Existing(Box<KeyRecord>, chrono::DateTime<chrono::Utc>),
-    /// The record found the key not held under the phase's own claim (it cannot be).
-    Fenced,
     WritesFailed(WritesError),
     /// The answer was refused before the record (too large): rolled back.
     TooLarge(PhaseError),
 }
 
 type Writes = Arc<dyn for<'c> Fn(&'c mut SqliteConnection) -> WritesFuture<'c> + Send + Sync>;
+
+/// The phase's savepoint and its claim's insert, sent together: one trip to the connection's
+/// thread (sqlx runs every statement of a query string, binding the arguments to each).
+static SAVEPOINT_AND_CLAIM: LazyLock<String> =
+    LazyLock::new(|| format!("SAVEPOINT idemflow_phase;\n{}", sql::CLAIM));
+
+/// The key's answer and the savepoint's release, sent together (as [`SAVEPOINT_AND_CLAIM`]).
+static FINISH_AND_RELEASE: LazyLock<String> =
+    LazyLock::new(|| format!("{};\nRELEASE idemflow_phase", sql::FINISH));
 
 impl SqliteStore {
     /// An atomic phase for [`Idempotency::execute_atomic`](crate::Idempotency::execute_atomic)
@@ -72,98 +79,25 @@ impl AtomicPhase for SqlitePhase {
         self.store.store_id()
     }
 
+    /// Runs the phase as a guarded phase job of the writer (module docs) inside a savepoint of
+    /// its own: kept when it comes to [`Ran::Committed`], [`Ran::Refusal`] or [`Ran::Existing`],
+    /// undone otherwise.
     async fn claim_and_commit(
         self: Box<Self>,
         claim: &NewClaim,
         prepare: Prepare,
     ) -> Result<OneCommit, PhaseError> {
-        let claim_id = claim.id.clone();
-        let claim = Arc::new(claim.clone());
-        let ran = self
-            .run_guarded(prepare, move |conn, writes, prepare| {
-                let claim = claim.clone();
-                Box::pin(async move {
-                    let mut lease = match claim_on(&mut *conn, &claim).await? {
-                        ClaimOutcome::Claimed(lease) => lease,
-                        ClaimOutcome::Existing { record, now } => {
-                            return Ok(Ran::Existing(record, now));
-                        }
-                    };
-                    let (answer, reason, refused) = match writes(&mut *conn).await {
-                        Ok(a) => (a, ONE_COMMIT_REASON, false),
-                        Err(e) => match refusal(&e) {
-                            Some(a) => {
-                                // Undo the writes and the claim (no savepoint of their own: two
-                                // statements fewer on every key), then claim again; nothing
-                                // else writes in between (this job holds the writer).
-                                savepoint(conn, "ROLLBACK TO idemflow_phase").await?;
-                                lease = match claim_on(&mut *conn, &claim).await? {
-                                    ClaimOutcome::Claimed(lease) => lease,
-                                    ClaimOutcome::Existing { record, now } => {
-                                        return Ok(Ran::Existing(record, now));
-                                    }
-                                };
-                                (a, REFUSED_REASON, true)
-                            }
-                            None => return Ok(Ran::WritesFailed(e)),
-                        },
-                    };
-                    let answer = match prepare(answer) {
-                        Ok(a) => a,
-                        Err(e) => return Ok(Ran::TooLarge(e)),
-                    };
-                    record(conn, &claim.id, lease.token, answer, reason, refused).await
-                })
-            })
-            .await?;
-        match ran {
-            Ran::Committed(answer) => Ok(OneCommit::Committed(answer)),
-            Ran::Refusal(answer) => Ok(OneCommit::Refused(answer)),
-            Ran::Existing(record, now) => Ok(OneCommit::Existing { record, now }),
-            Ran::Fenced => Err(own_claim_gone(super::BACKEND, &claim_id)),
-            Ran::WritesFailed(e) => Err(PhaseError::Writes(e)),
-            Ran::TooLarge(e) => Err(e),
-        }
-    }
-}
-
-/// The statements of one run of a phase inside its savepoint, given the connection, the
-/// application's writes and the answer's checks.
-type PhaseRun = Arc<
-    dyn for<'c> Fn(
-            &'c mut SqliteConnection,
-            &'c Writes,
-            &'c Prepare,
-        ) -> BoxFut<'c, Result<Ran, crate::StoreError>>
-        + Send
-        + Sync,
->;
-
-impl SqlitePhase {
-    /// Runs `run` as a guarded phase job of the writer (module docs) inside a savepoint of its
-    /// own: kept when it comes to [`Ran::Committed`], [`Ran::Refusal`] or [`Ran::Existing`],
-    /// undone otherwise.
-    async fn run_guarded<R>(self: Box<Self>, prepare: Prepare, run: R) -> Result<Ran, PhaseError>
-    where
-        R: for<'c> Fn(
-                &'c mut SqliteConnection,
-                &'c Writes,
-                &'c Prepare,
-            ) -> BoxFut<'c, Result<Ran, crate::StoreError>>
-            + Send
-            + Sync
-            + 'static,
-    {
         let SqlitePhase { store, writes } = *self;
-        let run: PhaseRun = Arc::new(run);
+        let claim = Arc::new(claim.clone());
         let ran = store
             .writer
             .call_phase(job(move |conn: &mut SqliteConnection| -> BoxFut<'_, _> {
-                let (writes, prepare, run) = (writes.clone(), prepare.clone(), run.clone());
+                let (claim, writes, prepare) = (claim.clone(), writes.clone(), prepare.clone());
                 Box::pin(async move {
-                    savepoint(conn, "SAVEPOINT idemflow_phase").await?;
-                    match run(conn, &writes, &prepare).await {
-                        Ok(ran @ (Ran::Committed(_) | Ran::Refusal(_) | Ran::Existing(..))) => {
+                    match run(conn, &claim, &writes, &prepare).await {
+                        // The record released the savepoint.
+                        Ok(ran @ (Ran::Committed(_) | Ran::Refusal(_))) => Ok(ran),
+                        Ok(ran @ Ran::Existing(..)) => {
                             savepoint(conn, "RELEASE idemflow_phase").await?;
                             Ok(ran)
                         }
@@ -180,14 +114,59 @@ impl SqlitePhase {
                 })
             }))
             .await;
-        match ran {
-            Ok(ran) => Ok(ran),
+        let ran = match ran {
+            Ok(ran) => ran,
             // The writer rolled the phase back (a panic, a timeout, its transaction ended):
             // nothing of it was written.
-            Err(e) if JobAborted::of(&e).is_some() => Err(PhaseError::Writes(Box::new(e))),
-            Err(e) => Err(PhaseError::Store(e)),
+            Err(e) if JobAborted::of(&e).is_some() => return Err(PhaseError::Writes(Box::new(e))),
+            Err(e) => return Err(PhaseError::Store(e)),
+        };
+        match ran {
+            Ran::Committed(answer) => Ok(OneCommit::Committed(answer)),
+            Ran::Refusal(answer) => Ok(OneCommit::Refused(answer)),
+            Ran::Existing(record, now) => Ok(OneCommit::Existing { record, now }),
+            Ran::WritesFailed(e) => Err(PhaseError::Writes(e)),
+            Ran::TooLarge(e) => Err(e),
         }
     }
+}
+
+/// One run of the phase: its savepoint and the claim, the application's writes, the answer's
+/// checks and the record (which releases the savepoint).
+async fn run(
+    conn: &mut SqliteConnection,
+    claim: &NewClaim,
+    writes: &Writes,
+    prepare: &Prepare,
+) -> Result<Ran, crate::StoreError> {
+    let mut lease = match claim_after(&mut *conn, claim, SAVEPOINT_AND_CLAIM.as_str()).await? {
+        ClaimOutcome::Claimed(lease) => lease,
+        ClaimOutcome::Existing { record, now } => return Ok(Ran::Existing(record, now)),
+    };
+    let (answer, reason, refused) = match writes(&mut *conn).await {
+        Ok(a) => (a, ONE_COMMIT_REASON, false),
+        Err(e) => match refusal(&e) {
+            Some(a) => {
+                // Undo the writes and the claim (no savepoint of their own: two statements
+                // fewer on every key), then claim again; nothing else writes in between (this
+                // job holds the writer).
+                savepoint(conn, "ROLLBACK TO idemflow_phase").await?;
+                lease = match claim_on(&mut *conn, claim).await? {
+                    ClaimOutcome::Claimed(lease) => lease,
+                    ClaimOutcome::Existing { record, now } => {
+                        return Ok(Ran::Existing(record, now));
+                    }
+                };
+                (a, REFUSED_REASON, true)
+            }
+            None => return Ok(Ran::WritesFailed(e)),
+        },
+    };
+    let answer = match prepare(answer) {
+        Ok(a) => a,
+        Err(e) => return Ok(Ran::TooLarge(e)),
+    };
+    record(conn, &claim.id, lease.token, answer, reason, refused).await
 }
 
 /// Runs one savepoint statement.
@@ -200,7 +179,7 @@ async fn savepoint(
 }
 
 /// The key's record (`done` with `answer`, for `reason`), fenced by `token` of the claim made in
-/// this transaction.
+/// this transaction, and the release of the phase's savepoint, in one trip.
 async fn record(
     conn: &mut SqliteConnection,
     id: &KeyId,
@@ -210,19 +189,29 @@ async fn record(
     refused: bool,
 ) -> Result<Ran, crate::StoreError> {
     let finish = step_record(&answer, reason);
-    let row = sql_core::bind_finish(
-        sqlx::query(sql::FINISH),
+    let rows = sql_core::bind_finish(
+        sqlx::query(FINISH_AND_RELEASE.as_str()),
         id,
         FinishMode::Holder(token),
         &finish,
     )
-    .fetch_optional(&mut *conn)
+    .fetch_all(&mut *conn)
     .await
     .map_err(db)?;
-    Ok(match (row, refused) {
-        (None, _) => Ran::Fenced,
-        (Some(_), false) => Ran::Committed(answer),
-        (Some(_), true) => Ran::Refusal(answer),
+    if rows.is_empty() {
+        // The record found the key not held under the phase's own claim (it cannot be: this
+        // job holds the writer since the claim). The savepoint is released, so the phase's
+        // writes cannot be undone alone: an error of the database kind makes the writer roll
+        // the whole batch back (`writer.rs`, `may_end_transaction`).
+        return Err(crate::StoreError::database(
+            super::BACKEND,
+            own_claim_gone_detail(id),
+        ));
+    }
+    Ok(if refused {
+        Ran::Refusal(answer)
+    } else {
+        Ran::Committed(answer)
     })
 }
 

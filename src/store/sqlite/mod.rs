@@ -254,7 +254,8 @@ impl SqliteStore {
     }
 
     /// The writer pool (for tests and tools that need raw access). Its connection is shared
-    /// with the writer task, which takes it for each batch of writes.
+    /// with the writer task, which keeps it while writes keep coming and gives it back after
+    /// 1 ms without one or 20 ms of holding it (`docs/backends.md`, "Group commit").
     pub fn writer_pool(&self) -> &SqlitePool {
         &self.writer_pool
     }
@@ -386,9 +387,21 @@ async fn claim_on(
     conn: &mut SqliteConnection,
     claim: &NewClaim,
 ) -> Result<ClaimOutcome, StoreError> {
-    for _ in 0..3 {
+    claim_after(conn, claim, sql::CLAIM).await
+}
+
+/// [`claim_on`] whose first insert is `first`: [`sql::CLAIM`], or it with statements before it
+/// that take no arguments, sent in the same trip to the connection's thread (an atomic phase's
+/// savepoint). The retries run the bare claim.
+async fn claim_after(
+    conn: &mut SqliteConnection,
+    claim: &NewClaim,
+    first: &'static str,
+) -> Result<ClaimOutcome, StoreError> {
+    for attempt in 0..3 {
+        let insert = if attempt == 0 { first } else { sql::CLAIM };
         let row = write_returning(
-            sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, millis, None),
+            sql_core::bind_claim(sqlx::query(insert), claim, millis, None),
             conn,
         )
         .await?;

@@ -21,8 +21,14 @@
 //! cancel its job once the task has started it, so no statement is ever cut halfway; a job whose
 //! caller left before it started is skipped.
 //!
-//! The connection comes from the store's writer pool for each batch, so `writer_pool()` users
-//! (an application's own tables in the same database) still take turns with the task.
+//! The connection comes from the store's writer pool, so `writer_pool()` users (an application's
+//! own tables in the same database) still take turns with the task. The task keeps it from one
+//! batch to the next while writes keep coming: it gives it back once no write has come for
+//! [`HOLD_IDLE`], after it has held it for [`HOLD_MAX`] (a `writer_pool()` user waiting for it then
+//! gets its turn: the pool serves its waiters in order), and after any error that may have left
+//! it unusable. Every connection given back to a sqlx pool is pinged first (a round trip to its
+//! thread, which the next acquire waits for); kept, a lone caller's two writes per key pay no
+//! such trip (`docs/performance.md`, "The writer keeps its connection").
 //!
 //! **Phase jobs** ([`Writer::call_phase`]) run the application's statements (atomic phases).
 //! Nothing they do may leave the connection in a state that loses or refuses later writes, or
@@ -45,9 +51,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use sqlx::{Executor, SqliteConnection, SqlitePool};
+use sqlx::pool::PoolConnection;
+use sqlx::{Executor, Sqlite, SqliteConnection, SqlitePool};
 use tokio::sync::{mpsc, oneshot};
 
 use super::BACKEND;
@@ -58,6 +65,12 @@ pub(super) const MAX_BATCH: usize = 256;
 
 /// How many times a job runs at most when batches around it are rolled back.
 const MAX_RUNS: u8 = 3;
+
+/// How long the task keeps its connection, after a batch, for a next write (module docs).
+const HOLD_IDLE: Duration = Duration::from_millis(1);
+
+/// How long the task keeps its connection at most while writes keep coming (module docs).
+const HOLD_MAX: Duration = Duration::from_millis(20);
 
 /// A boxed future borrowing the writer connection.
 pub type BoxFut<'c, T> = Pin<Box<dyn Future<Output = T> + Send + 'c>>;
@@ -358,6 +371,16 @@ fn stopped() -> StoreError {
     )
 }
 
+/// The writer connection while the task keeps it between batches (module docs), with the phase
+/// guards' hooks once a batch has set them on it.
+struct Held {
+    conn: PoolConnection<Sqlite>,
+    since: Instant,
+    /// `None` until a batch with a phase job sets them (each setting is a round trip to the
+    /// connection's thread); `Some(None)` when that failed (the connection's thread is gone).
+    hooks: Option<Option<PhaseHooks>>,
+}
+
 async fn run(
     pool: SqlitePool,
     mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>,
@@ -369,9 +392,22 @@ async fn run(
         job
     };
     let mut pending: VecDeque<Box<dyn Job>> = VecDeque::new();
+    let mut held: Option<Held> = None;
     loop {
         if pending.is_empty() {
-            match rx.recv().await {
+            let next = if held.is_some() {
+                match tokio::time::timeout(HOLD_IDLE, rx.recv()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        // Idle: the connection goes back to the pool until the next write.
+                        held = None;
+                        rx.recv().await
+                    }
+                }
+            } else {
+                rx.recv().await
+            };
+            match next {
                 Some(job) => pending.push_back(take(job)),
                 None => return,
             }
@@ -387,87 +423,111 @@ async fn run(
         if batch.is_empty() {
             continue;
         }
-        let mut conn = match pool.acquire().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                fail_all(batch, e);
-                continue;
-            }
-        };
-        if batch.len() == 1 && !batch[0].is_phase() {
-            for mut job in batch {
-                job.run(&mut conn).await;
-                counters.commits.fetch_add(1, Ordering::Relaxed);
-                counters.writes.fetch_add(1, Ordering::Relaxed);
-                job.answer(Ok(()));
-            }
-            continue;
+        if held.as_ref().is_some_and(|h| h.since.elapsed() >= HOLD_MAX) {
+            // A `writer_pool()` user waiting for the connection gets it first.
+            held = None;
         }
-        // The phase guards' hooks, set once per batch that holds a phase (each setting is a
-        // round trip to the connection's thread); they act only while a phase job runs.
-        let hooks = if batch.iter().any(|j| j.is_phase()) {
-            Some(PhaseHooks::install(&mut conn).await)
+        let h = match held.take() {
+            Some(h) => held.insert(h),
+            None => match pool.acquire().await {
+                Ok(conn) => held.insert(Held {
+                    conn,
+                    since: Instant::now(),
+                    hooks: None,
+                }),
+                Err(e) => {
+                    fail_all(batch, e);
+                    continue;
+                }
+            },
+        };
+        if run_batch(batch, h, &mut pending, &counters, phase_timeout).await == Verdict::Broken {
+            // The connection may be unusable: back to the pool, which pings it and replaces
+            // it if it is.
+            held = None;
+        }
+    }
+}
+
+/// Runs one batch on the held connection (module docs); `Broken` when it ended with an error
+/// that may have left the connection unusable.
+async fn run_batch(
+    batch: Vec<Box<dyn Job>>,
+    held: &mut Held,
+    pending: &mut VecDeque<Box<dyn Job>>,
+    counters: &Counters,
+    phase_timeout: Duration,
+) -> Verdict {
+    let conn = &mut *held.conn;
+    if batch.len() == 1 && !batch[0].is_phase() {
+        let mut verdict = Verdict::Kept;
+        for mut job in batch {
+            verdict = job.run(conn).await;
+            counters.commits.fetch_add(1, Ordering::Relaxed);
+            counters.writes.fetch_add(1, Ordering::Relaxed);
+            job.answer(Ok(()));
+        }
+        return verdict;
+    }
+    // The phase guards' hooks, set once on the held connection, by the first batch that holds
+    // a phase; they act only while a phase job runs.
+    if held.hooks.is_none() && batch.iter().any(|j| j.is_phase()) {
+        held.hooks = Some(PhaseHooks::install(conn).await);
+    }
+    let hooks = held.hooks.as_ref().and_then(|h| h.as_ref());
+    if let Err(e) = conn.execute("BEGIN IMMEDIATE").await {
+        fail_all(batch, e);
+        return Verdict::Broken;
+    }
+    let mut done: Vec<Box<dyn Job>> = Vec::with_capacity(batch.len());
+    let mut rest = batch.into_iter();
+    let mut broken = false;
+    for mut job in rest.by_ref() {
+        let verdict = if job.is_phase() {
+            run_phase(&mut *job, conn, hooks, phase_timeout).await
         } else {
-            None
+            job.run(conn).await
         };
-        if let Err(e) = conn.execute("BEGIN IMMEDIATE").await {
-            fail_all(batch, e);
-            continue;
+        if verdict == Verdict::Broken {
+            // Roll back whatever is left of the transaction; this job keeps its own error,
+            // the others run again.
+            let _ = conn.execute("ROLLBACK").await;
+            counters.rolled_back.fetch_add(1, Ordering::Relaxed);
+            job.answer(Ok(()));
+            broken = true;
+            break;
         }
-        let mut done: Vec<Box<dyn Job>> = Vec::with_capacity(batch.len());
-        let mut rest = batch.into_iter();
-        let mut broken = false;
-        for mut job in rest.by_ref() {
-            let verdict = if job.is_phase() {
-                run_phase(
-                    &mut *job,
-                    &mut conn,
-                    hooks.as_ref().and_then(|h| h.as_ref()),
-                    phase_timeout,
-                )
-                .await
+        done.push(job);
+    }
+    if broken {
+        let again: Vec<Box<dyn Job>> = done.into_iter().chain(rest).collect();
+        for mut job in again.into_iter().rev() {
+            if job.may_run_again() {
+                pending.push_front(job);
             } else {
-                job.run(&mut conn).await
-            };
-            if verdict == Verdict::Broken {
-                // Roll back whatever is left of the transaction; this job keeps its own error,
-                // the others run again.
-                let _ = conn.execute("ROLLBACK").await;
-                counters.rolled_back.fetch_add(1, Ordering::Relaxed);
+                job.answer(Err(&Arc::new(sqlx::Error::Protocol(
+                    "rolled back with its batch too many times".into(),
+                ))));
+            }
+        }
+        return Verdict::Broken;
+    }
+    match conn.execute("COMMIT").await {
+        Ok(_) => {
+            counters.commits.fetch_add(1, Ordering::Relaxed);
+            counters
+                .writes
+                .fetch_add(done.len() as u64, Ordering::Relaxed);
+            for job in done {
                 job.answer(Ok(()));
-                broken = true;
-                break;
             }
-            done.push(job);
+            Verdict::Kept
         }
-        if broken {
-            let again: Vec<Box<dyn Job>> = done.into_iter().chain(rest).collect();
-            for mut job in again.into_iter().rev() {
-                if job.may_run_again() {
-                    pending.push_front(job);
-                } else {
-                    job.answer(Err(&Arc::new(sqlx::Error::Protocol(
-                        "rolled back with its batch too many times".into(),
-                    ))));
-                }
-            }
-            continue;
-        }
-        match conn.execute("COMMIT").await {
-            Ok(_) => {
-                counters.commits.fetch_add(1, Ordering::Relaxed);
-                counters
-                    .writes
-                    .fetch_add(done.len() as u64, Ordering::Relaxed);
-                for job in done {
-                    job.answer(Ok(()));
-                }
-            }
-            Err(e) => {
-                // A failed COMMIT may leave the transaction open: end it.
-                let _ = conn.execute("ROLLBACK").await;
-                fail_all(done, e);
-            }
+        Err(e) => {
+            // A failed COMMIT may leave the transaction open: end it.
+            let _ = conn.execute("ROLLBACK").await;
+            fail_all(done, e);
+            Verdict::Broken
         }
     }
 }

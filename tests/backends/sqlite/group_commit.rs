@@ -467,3 +467,61 @@ fn from_pools_outside_a_runtime_starts_the_writer_on_first_write() {
         assert_eq!(store.writer_stats().commits, 2);
     });
 }
+
+/// The writer task keeps its connection from one batch to the next while writes keep coming
+/// (`writer.rs`); a `writer_pool()` user must still get it while the store is busy, after at most
+/// the task's hold of 20 ms: here 8 callers claim new keys without a pause while another task
+/// takes the writer pool's connection and writes its own row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_pool_user_gets_the_connection_while_the_store_is_busy() {
+    let store = file_store(&tempfile::tempdir().unwrap().keep().join("busy.db")).await;
+    sqlx::query("CREATE TABLE gc_app (id INTEGER PRIMARY KEY)")
+        .execute(store.writer_pool())
+        .await
+        .unwrap();
+    let scope = unique("busy");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let claimed = Arc::new(AtomicUsize::new(0));
+    let mut callers = Vec::new();
+    for caller in 0..8 {
+        let (store, scope, stop, claimed) =
+            (store.clone(), scope.clone(), stop.clone(), claimed.clone());
+        callers.push(tokio::spawn(async move {
+            let mut i = 0;
+            while !stop.load(Ordering::SeqCst) {
+                let k = id(&scope, &format!("c{caller}-{i}"));
+                store.claim(&claim_for(&k, "{}", LEASE)).await.unwrap();
+                claimed.fetch_add(1, Ordering::SeqCst);
+                i += 1;
+            }
+        }));
+    }
+    // The store is busy: its writer has taken its connection and runs batch after batch.
+    while claimed.load(Ordering::SeqCst) < 200 {
+        tokio::task::yield_now().await;
+    }
+    let before = claimed.load(Ordering::SeqCst);
+    let user = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut conn = store.writer_pool().acquire().await.unwrap();
+        sqlx::query("INSERT INTO gc_app (id) VALUES (1)")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+    })
+    .await;
+    let during = claimed.load(Ordering::SeqCst) - before;
+    stop.store(true, Ordering::SeqCst);
+    for c in callers {
+        c.await.unwrap();
+    }
+    assert!(
+        user.is_ok(),
+        "the writer pool's connection was not given to its user within 10 s while the store \
+         wrote ({during} claims meanwhile)"
+    );
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM gc_app")
+        .fetch_one(store.writer_pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+}
