@@ -366,12 +366,12 @@ impl Shared {
         if !others.is_empty()
             && let Some(why) = others.iter().find_map(|o| self.renewals_starved(*o, label))
         {
-            let line = format!(
-                "{how} granted token {token} on {label} while actor(s) {others:?} still run a provider call for it: {why}"
+            self.mark_starved(
+                label,
+                format!(
+                    "{how} granted token {token} on {label} while actor(s) {others:?} still run a provider call for it: {why}"
+                ),
             );
-            self.trace.push(format!("  (starved) {line}"));
-            self.starved.push(line);
-            self.tainted.insert(label.to_owned());
         } else if !others.is_empty() {
             self.violate(
                 Check::NoTakeoverDuringLiveCall,
@@ -502,13 +502,22 @@ impl Shared {
             // outside what the guarantee assumes ("Renewals get through"), as a takeover
             // during the call would be.
             let late = (now - exp).num_milliseconds();
-            let line = format!(
-                "the provider acted for a{a} {late} ms after its lease (token {token}) ran out on {label}: {why}"
+            self.mark_starved(
+                label,
+                format!(
+                    "the provider acted for a{a} {late} ms after its lease (token {token}) ran out on {label}: {why}"
+                ),
             );
-            self.trace.push(format!("  (starved) {line}"));
-            self.starved.push(line);
-            self.tainted.insert(label.to_owned());
         }
+    }
+
+    /// Notes that `label` went outside the guarantee's assumptions (its holder's renewals could
+    /// not get through): `line` is traced and printed, and the key's later violations are
+    /// excused.
+    fn mark_starved(&mut self, label: &str, line: String) {
+        self.trace.push(format!("  (starved) {line}"));
+        self.starved.push(line);
+        self.tainted.insert(label.to_owned());
     }
 
     /// The effects on `pk` in generation `generation`.
