@@ -424,6 +424,51 @@ mod sqlite {
         assert_eq!(Sqlite(b).orders().await, 0);
         assert!(a.get(&id("k")).await.unwrap().is_none());
     }
+    /// Writes that move the key's own lease token (the application writing idemflow's table
+    /// through the phase's connection) make the record find the phase's claim gone. On SQLite
+    /// the record releases the phase's savepoint in the same trip, so nothing of the phase can
+    /// be undone alone: the writer must roll the transaction back. Neither the key nor the
+    /// order may stay, and the caller gets a store error.
+    #[tokio::test]
+    async fn a_record_that_finds_its_claim_gone_keeps_nothing() {
+        let store = crate::support::sqlite::file().await;
+        let db = Sqlite(store.clone());
+        db.exec(ORDERS).await;
+        let phase = store.atomic_phase(|conn: &mut SqliteConnection| -> WritesFuture<'_> {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO orders (id, cart) VALUES ('o-gone', 'c-gone')")
+                    .execute(&mut *conn)
+                    .await?;
+                sqlx::query(
+                    "UPDATE idempotency_keys SET lease_token = lease_token + 1 \
+                     WHERE scope = 'shop' AND key = 'k-gone'",
+                )
+                .execute(&mut *conn)
+                .await?;
+                Ok(StoredResponse::new(201))
+            })
+        });
+        let err = Idempotency::new(store.clone())
+            .execute_atomic(request("k-gone", "c-gone"), phase)
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("found its own claim gone"),
+            "a store error about the claim: {err}"
+        );
+        assert!(store.get(&id("k-gone")).await.unwrap().is_none());
+        assert_eq!(db.orders().await, 0, "the phase's order was kept");
+        // The writer goes on.
+        let done = Idempotency::new(store.clone())
+            .execute_atomic(
+                request("k-next", "c-next"),
+                db.phase("o-next", "c-next", Then::Answer),
+            )
+            .await
+            .unwrap();
+        assert!(matches!(done, Execution::Executed(_)), "{done:?}");
+        assert_eq!(db.orders().await, 1);
+    }
 }
 
 #[cfg(feature = "postgres")]

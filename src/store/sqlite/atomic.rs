@@ -34,6 +34,9 @@ enum Ran {
     Refusal(StoredResponse),
     /// The key stood in the way: nothing ran.
     Existing(Box<KeyRecord>, chrono::DateTime<chrono::Utc>),
+    /// The record found the key not held under the phase's own claim (it cannot be: this job
+    /// holds the writer since the claim), and released the savepoint all the same.
+    Fenced,
     WritesFailed(WritesError),
     /// The answer was refused before the record (too large): rolled back.
     TooLarge(PhaseError),
@@ -88,6 +91,7 @@ impl AtomicPhase for SqlitePhase {
         prepare: Prepare,
     ) -> Result<OneCommit, PhaseError> {
         let SqlitePhase { store, writes } = *self;
+        let claim_id = claim.id.clone();
         let claim = Arc::new(claim.clone());
         let ran = store
             .writer
@@ -101,6 +105,10 @@ impl AtomicPhase for SqlitePhase {
                             savepoint(conn, "RELEASE idemflow_phase").await?;
                             Ok(ran)
                         }
+                        // The savepoint is gone, so the phase's writes cannot be undone alone:
+                        // an error of the database kind makes the writer roll the whole batch
+                        // back (`writer.rs`, `may_end_transaction`).
+                        Ok(Ran::Fenced) => Err(claim_gone(&claim.id)),
                         Ok(other) => {
                             undo(conn).await?;
                             Ok(other)
@@ -125,6 +133,8 @@ impl AtomicPhase for SqlitePhase {
             Ran::Committed(answer) => Ok(OneCommit::Committed(answer)),
             Ran::Refusal(answer) => Ok(OneCommit::Refused(answer)),
             Ran::Existing(record, now) => Ok(OneCommit::Existing { record, now }),
+            // Turned into an error in the job (above), so that the batch is rolled back.
+            Ran::Fenced => Err(PhaseError::Store(claim_gone(&claim_id))),
             Ran::WritesFailed(e) => Err(PhaseError::Writes(e)),
             Ran::TooLarge(e) => Err(e),
         }
@@ -169,6 +179,12 @@ async fn run(
     record(conn, &claim.id, lease.token, answer, reason, refused).await
 }
 
+/// The error of a record that found the phase's own claim gone: of the database kind, so that
+/// the writer rolls the batch back.
+fn claim_gone(id: &KeyId) -> crate::StoreError {
+    crate::StoreError::database(super::BACKEND, own_claim_gone_detail(id))
+}
+
 /// Runs one savepoint statement.
 async fn savepoint(
     conn: &mut SqliteConnection,
@@ -198,20 +214,10 @@ async fn record(
     .fetch_all(&mut *conn)
     .await
     .map_err(db)?;
-    if rows.is_empty() {
-        // The record found the key not held under the phase's own claim (it cannot be: this
-        // job holds the writer since the claim). The savepoint is released, so the phase's
-        // writes cannot be undone alone: an error of the database kind makes the writer roll
-        // the whole batch back (`writer.rs`, `may_end_transaction`).
-        return Err(crate::StoreError::database(
-            super::BACKEND,
-            own_claim_gone_detail(id),
-        ));
-    }
-    Ok(if refused {
-        Ran::Refusal(answer)
-    } else {
-        Ran::Committed(answer)
+    Ok(match (rows.is_empty(), refused) {
+        (true, _) => Ran::Fenced,
+        (false, false) => Ran::Committed(answer),
+        (false, true) => Ran::Refusal(answer),
     })
 }
 
