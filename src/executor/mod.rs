@@ -24,6 +24,7 @@ mod wait;
 
 use crate::Outcome;
 pub use outcome::{Context, Execution};
+#[cfg(feature = "axum")]
 pub(crate) use provider_call::send as send_to_provider;
 pub use request::IdempotentRequest;
 pub(crate) use request::StepOf;

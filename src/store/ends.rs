@@ -14,8 +14,10 @@
 //! then tells every waiter to read its key again, and the waiters still read their keys on a slow
 //! backoff, so a lost announcement delays an answer and never loses it.
 
+#[cfg(any(feature = "postgres", feature = "redis"))]
 use std::sync::Mutex;
 
+#[cfg(any(feature = "postgres", feature = "redis"))]
 use tokio::sync::broadcast;
 
 use crate::KeyId;
@@ -31,16 +33,22 @@ pub enum KeyEnd {
     Gap,
 }
 
+// The feed and the payload format: only the stores that announce ends (PostgreSQL's `NOTIFY`,
+// Redis's `PUBLISH`) use them.
+
 /// How many announcements a slow subscriber may fall behind before it is told of a gap.
+#[cfg(any(feature = "postgres", feature = "redis"))]
 const CAPACITY: usize = 1024;
 
 /// A store's feed of ended keys: started by its first subscriber, stopped when the store (all its
 /// clones) is dropped.
+#[cfg(any(feature = "postgres", feature = "redis"))]
 #[derive(Debug, Default)]
 pub(crate) struct EndFeed {
     running: Mutex<Option<(broadcast::Sender<KeyEnd>, tokio::task::AbortHandle)>>,
 }
 
+#[cfg(any(feature = "postgres", feature = "redis"))]
 impl EndFeed {
     /// A subscription; the first starts `listen`, which sends what it hears until the feed is
     /// dropped (a listener that ended is started again by the next subscriber).
@@ -67,6 +75,7 @@ impl EndFeed {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "redis"))]
 impl Drop for EndFeed {
     fn drop(&mut self) {
         let running = self
@@ -79,6 +88,7 @@ impl Drop for EndFeed {
     }
 }
 
+#[cfg(feature = "redis")]
 /// The payload announcing `id`: the scope's length in bytes, `:`, the scope, then the key (no
 /// separator can be confused with the scope's own characters).
 pub(crate) fn payload(id: &KeyId) -> String {
@@ -90,6 +100,7 @@ pub(crate) fn payload(id: &KeyId) -> String {
     )
 }
 
+#[cfg(any(feature = "postgres", feature = "redis"))]
 /// The key a payload names, if it is one.
 pub(crate) fn parse(payload: &str) -> Option<KeyId> {
     let (len, rest) = payload.split_once(':')?;
@@ -104,7 +115,7 @@ pub(crate) fn parse(payload: &str) -> Option<KeyId> {
     ))
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "redis"))]
 mod tests {
     use super::*;
 

@@ -9,10 +9,12 @@
 
 use async_trait::async_trait;
 
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+use crate::KeyId;
+use crate::StoredResponse;
 use crate::error::StoreError;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use crate::record::LeaseToken;
-use crate::{KeyId, StoredResponse};
 
 /// An error from the application's writes inside an atomic phase.
 pub type WritesError = Box<dyn std::error::Error + Send + Sync>;
