@@ -583,6 +583,7 @@ mod pg {
     use std::sync::Arc;
     use std::time::Duration;
 
+    use idemflow::store::PoolOptions;
     use idemflow::store::postgres::PostgresStore;
     use idemflow::{Idempotency, Store};
     use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
@@ -648,16 +649,28 @@ mod pg {
         let options = PgConnectOptions::from_str(url)
             .unwrap()
             .options([("search_path", schema().as_str())]);
+        // idemflow as a user gets it: `connect_with` and its pool (the schema through the URL).
         // Named so that pg_stat_activity tells idemflow's connections from the floor's.
-        let pool = |name: &str, size: u32| {
-            PgPoolOptions::new()
-                .max_connections(size)
-                .connect_with(options.clone().application_name(name))
-        };
-        let store =
-            PostgresStore::from_pool(pool("idemflow_bench_store", idemflow_size).await.unwrap());
+        let sep = if url.contains('?') { '&' } else { '?' };
+        let store_url = format!(
+            "{url}{sep}options=-c%20search_path%3D{}&application_name=idemflow_bench_store",
+            schema()
+        );
+        let store = PostgresStore::connect_with(
+            &store_url,
+            PoolOptions::default().max_connections(idemflow_size),
+        )
+        .await
+        .unwrap();
         store.migrate().await.unwrap();
-        let raw = pool("idemflow_bench_floor", size).await.unwrap();
+        // The floor's pool pings no connection before handing it over (sqlx's default pings
+        // each time: a round trip per statement).
+        let raw = PgPoolOptions::new()
+            .max_connections(size)
+            .test_before_acquire(false)
+            .connect_with(options.clone().application_name("idemflow_bench_floor"))
+            .await
+            .unwrap();
         let p = raw.clone();
         let raw_new: RawNew = Arc::new(move |key, body| {
             let pool = p.clone();
@@ -778,6 +791,7 @@ mod my {
     use std::str::FromStr;
     use std::sync::Arc;
 
+    use idemflow::store::PoolOptions;
     use idemflow::store::mysql::MySqlStore;
     use idemflow::{Idempotency, Store};
     use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPoolOptions};
@@ -845,14 +859,28 @@ mod my {
         let options = MySqlConnectOptions::from_str(url)
             .unwrap()
             .database(&database());
-        let pool = |size: u32| {
-            MySqlPoolOptions::new()
-                .max_connections(size)
-                .connect_with(options.clone())
-        };
-        let store = MySqlStore::from_pool(pool(idemflow_size).await.unwrap());
+        // idemflow as a user gets it: `connect_with` and its pool.
+        let base = url.split('?').next().unwrap_or(url);
+        let store_url = format!(
+            "{}/{}",
+            base.rsplit_once('/').map_or(base, |(server, _)| server),
+            database()
+        );
+        let store = MySqlStore::connect_with(
+            &store_url,
+            PoolOptions::default().max_connections(idemflow_size),
+        )
+        .await
+        .unwrap();
         store.migrate().await.unwrap();
-        let raw = pool(size).await.unwrap();
+        // The floor's pool pings no connection before handing it over (sqlx's default pings
+        // each time: a round trip per statement).
+        let raw = MySqlPoolOptions::new()
+            .max_connections(size)
+            .test_before_acquire(false)
+            .connect_with(options.clone())
+            .await
+            .unwrap();
         let p = raw.clone();
         let raw_new: RawNew = Arc::new(move |key, body| {
             let pool = p.clone();

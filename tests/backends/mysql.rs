@@ -303,6 +303,51 @@ mod pool {
         assert!(matches!(zero, Err(StoreError::Config(_))), "{zero:?}");
     }
 
+    /// A pool connection that the server dropped while it sat idle is replaced before a call
+    /// gets it: the store pings a connection idle for `PING_AFTER_IDLE` (500 ms) or more, and
+    /// skips the ping for one used more recently.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_dropped_while_idle_is_replaced_before_a_call_gets_it() {
+        use sqlx::Executor;
+        let Some(url) = backend_url(URL_VAR) else {
+            return;
+        };
+        let store = MySqlStore::connect_with(&url, PoolOptions::default().max_connections(1))
+            .await
+            .unwrap();
+        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        let mut admin = <sqlx::mysql::MySqlConnection as sqlx::Connection>::connect(&url)
+            .await
+            .unwrap();
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")))
+            .await
+            .unwrap();
+        while sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM information_schema.processlist WHERE id = ?",
+        )
+        .bind(id)
+        .fetch_one(&mut admin)
+        .await
+        .unwrap()
+            > 0
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        idemflow::Store::now(&store)
+            .await
+            .expect("the dropped connection was replaced");
+        let now_id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        assert_ne!(now_id, id);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn callers_beyond_the_pool_wait_then_get_pool_exhausted() {
         let Some(url) = backend_url(URL_VAR) else {
