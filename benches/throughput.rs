@@ -19,6 +19,9 @@
 //!   `IDEMFLOW_BENCH_PG_POOL`), to vary idemflow's pool beside a fixed floor.
 //! - `IDEMFLOW_BENCH_MYSQL_POOL`, `IDEMFLOW_BENCH_MYSQL_IDEMFLOW_POOL`: the same for MariaDB /
 //!   MySQL (default 64).
+//! - `IDEMFLOW_BENCH_POOL_FIXED=1`: each PostgreSQL / MariaDB pool gets its cap whatever the
+//!   number of callers (so one caller has spare connections, as with the stores' default pool
+//!   of 16: sqlx pings a connection given back to its pool, and the next call then takes another).
 //! - `IDEMFLOW_BENCH_PG_WAL=1`: around each PostgreSQL new-key measurement, also print per key
 //!   the server's `pg_stat_wal` counts (records, full-page images, bytes, writes, syncs) and the
 //!   database's commits (`pg_stat_database.xact_commit`); adds ~1.2 s per measurement. The
@@ -644,8 +647,13 @@ mod pg {
     }
 
     pub async fn phase(url: &str, conc: usize) -> Phase {
-        let size = conc.min(pool_cap()) as u32;
-        let idemflow_size = conc.min(idemflow_pool_cap()) as u32;
+        let fixed = std::env::var("IDEMFLOW_BENCH_POOL_FIXED").is_ok();
+        let size = if fixed { pool_cap() } else { conc.min(pool_cap()) } as u32;
+        let idemflow_size = if fixed {
+            idemflow_pool_cap()
+        } else {
+            conc.min(idemflow_pool_cap())
+        } as u32;
         let options = PgConnectOptions::from_str(url)
             .unwrap()
             .options([("search_path", schema().as_str())]);
@@ -855,7 +863,12 @@ mod my {
 
     pub async fn phase(url: &str, conc: usize) -> Phase {
         let (idemflow_cap, cap) = pool_caps();
-        let (idemflow_size, size) = (conc.min(idemflow_cap) as u32, conc.min(cap) as u32);
+        let fixed = std::env::var("IDEMFLOW_BENCH_POOL_FIXED").is_ok();
+        let (idemflow_size, size) = if fixed {
+            (idemflow_cap as u32, cap as u32)
+        } else {
+            (conc.min(idemflow_cap) as u32, conc.min(cap) as u32)
+        };
         let options = MySqlConnectOptions::from_str(url)
             .unwrap()
             .database(&database());
