@@ -648,7 +648,11 @@ mod pg {
 
     pub async fn phase(url: &str, conc: usize) -> Phase {
         let fixed = std::env::var("IDEMFLOW_BENCH_POOL_FIXED").is_ok();
-        let size = if fixed { pool_cap() } else { conc.min(pool_cap()) } as u32;
+        let size = if fixed {
+            pool_cap()
+        } else {
+            conc.min(pool_cap())
+        } as u32;
         let idemflow_size = if fixed {
             idemflow_pool_cap()
         } else {
