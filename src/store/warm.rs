@@ -111,29 +111,17 @@ impl<DB: Database> Warm<DB> {
     /// timeout, a closed pool).
     pub(crate) async fn take(&self) -> Result<WarmConn<DB>, sqlx::Error> {
         let inner = &self.inner;
-        if inner.waiting.load(Ordering::SeqCst) == 0 && !inner.pool.is_closed() {
-            let kept = inner.held().conns.pop();
-            if let Some(k) = kept {
-                return Ok(WarmConn {
-                    conn: Some(k.conn),
-                    out_since: k.out_since,
-                    home: inner.clone(),
-                });
-            }
+        if inner.waiting.load(Ordering::SeqCst) == 0
+            && let Some(conn) = self.kept()
+        {
+            return Ok(conn);
         }
         inner.waiting.fetch_add(1, Ordering::SeqCst);
         let waiting = Waiting(&inner.waiting);
         // A `keep` that looked before this call counted itself may have kept its connection
         // meanwhile: take it rather than wait in the pool beside it.
-        if !inner.pool.is_closed() {
-            let kept = inner.held().conns.pop();
-            if let Some(k) = kept {
-                return Ok(WarmConn {
-                    conn: Some(k.conn),
-                    out_since: k.out_since,
-                    home: inner.clone(),
-                });
-            }
+        if let Some(conn) = self.kept() {
+            return Ok(conn);
         }
         let conn = inner.pool.acquire().await;
         drop(waiting);
@@ -141,6 +129,21 @@ impl<DB: Database> Warm<DB> {
             conn: Some(conn?),
             out_since: Instant::now(),
             home: inner.clone(),
+        })
+    }
+}
+
+impl<DB: Database> Warm<DB> {
+    /// The most recently kept connection, unless the pool is closed.
+    fn kept(&self) -> Option<WarmConn<DB>> {
+        if self.inner.pool.is_closed() {
+            return None;
+        }
+        let k = self.inner.held().conns.pop()?;
+        Some(WarmConn {
+            conn: Some(k.conn),
+            out_since: k.out_since,
+            home: self.inner.clone(),
         })
     }
 }
