@@ -150,16 +150,6 @@ fn exhausted_or(
     }
 }
 
-/// A pool connection idle at least this long is pinged before a call gets it; one used more
-/// recently is handed over as it is. sqlx's default pings on every acquire: a round trip per
-/// store call (two per new key), for a check that matters after a connection sat idle (a server
-/// restart, a proxy's idle timeout), not between back-to-back calls. HikariCP skips its check
-/// the same way within 500 ms of a connection's last use (`aliveBypassWindowMs`). A connection
-/// that broke within that window fails its call with [`StoreError::Database`], a transient
-/// error (`StoreError::is_unavailable`), and the pool drops it (`docs/performance.md`, "The
-/// ping before each call").
-pub(crate) const PING_AFTER_IDLE: Duration = Duration::from_millis(500);
-
 /// Connects a pool sized by `options` to `url` (`database` names the server in errors).
 ///
 /// One connection is made first, within the acquire timeout, so that a server that is down, a
@@ -194,15 +184,6 @@ where
         .max_connections(options.max_connections)
         .min_connections(options.min_connections.min(options.max_connections))
         .acquire_timeout(options.acquire_timeout)
-        .test_before_acquire(false)
-        .before_acquire(|conn, meta| {
-            Box::pin(async move {
-                if meta.idle_for >= PING_AFTER_IDLE {
-                    conn.ping().await?;
-                }
-                Ok(true)
-            })
-        })
         .connect_with(connect)
         .await
         // The pool's first connection: none was open yet.

@@ -43,11 +43,8 @@ mod memory_store;
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
-// Connections kept between back-to-back calls on PostgreSQL and MariaDB/MySQL.
 #[cfg(feature = "redis")]
 mod redis;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-mod warm;
 // Issue 24's Redis Sentinel: typed errors, WAIT, and a failover under load.
 #[cfg(all(
     feature = "redis",

@@ -304,8 +304,7 @@ mod pool {
     }
 
     /// A pool connection that the server dropped while it sat idle is replaced before a call
-    /// gets it: the store pings a connection idle for `PING_AFTER_IDLE` (500 ms) or more, and
-    /// skips the ping for one used more recently.
+    /// gets it (the pool pings a connection before handing it over).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connection_dropped_while_idle_is_replaced_before_a_call_gets_it() {
         use sqlx::Executor;

@@ -206,8 +206,8 @@ async fn connect_sizes_the_pool_for_concurrency_and_connect_with_is_honoured() {
 }
 
 /// A pool connection that the server dropped while it sat idle is replaced before a call gets
-/// it: the store pings a connection idle for `PING_AFTER_IDLE` (500 ms) or more, and skips the
-/// ping for one used more recently (`docs/performance.md`, "The ping before each call").
+/// it (the pool pings a connection before handing it over: `docs/performance.md`, "The ping
+/// before each call").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_dropped_while_idle_is_replaced_before_a_call_gets_it() {
     let Some(url) = backend_url(URL_VAR) else {

@@ -32,7 +32,6 @@ use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refu
 use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_lease, decode_record};
 use super::sql_core::{self, SqlCore, sql_operator_store};
-use super::warm::Warm;
 use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeStale};
 use crate::KeyId;
 use crate::error::StoreError;
@@ -80,9 +79,6 @@ fn db(e: sqlx::Error) -> StoreError {
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
-    /// Connections kept between back-to-back calls (`store::warm`), for the claim, the read of
-    /// a key and the finish.
-    warm: Warm<sqlx::Postgres>,
     /// Keys this store has seen exist: their claims read first (a replay is one plain
     /// primary-key read); any other claim runs the claim statement first.
     known: KnownKeys,
@@ -137,7 +133,6 @@ impl PostgresStore {
     /// Uses a pool you manage (its `search_path` decides the schema).
     pub fn from_pool(pool: PgPool) -> Self {
         Self {
-            warm: Warm::new(pool.clone()),
             pool,
             known: KnownKeys::new(known_keys::DEFAULT_SLOTS),
             ends: std::sync::Arc::default(),
@@ -157,14 +152,12 @@ impl PostgresStore {
         &self,
         id: &KeyId,
     ) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
-        let mut conn = self.warm.take().await.map_err(|e| self.err(e))?;
         let row = sqlx::query(sql::GET)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
-            .fetch_optional(&mut *conn)
+            .fetch_optional(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
         match row {
             None => Ok(None),
             Some(row) => Ok(Some((decode_record(&row)?, row.time_at("db_now")?))),
@@ -273,12 +266,10 @@ impl PostgresStore {
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
         check_finish(mode, finish.to)?;
-        let mut conn = self.warm.take().await.map_err(|e| self.err(e))?;
         let row = finish_query(id, mode, finish)
-            .fetch_optional(&mut *conn)
+            .fetch_optional(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
         match row {
             Some(row) => decode_record(&row),
             None => Err(refused_write(self, id, mode.presented()).await),
@@ -322,10 +313,8 @@ impl Store for PostgresStore {
             });
         }
         self.known.insert(known_keys::of(&claim.id));
-        let mut conn = self.warm.take().await.map_err(|e| self.err(e))?;
-        let outcome = claim_on(&mut conn, claim).await?;
-        conn.keep();
-        Ok(outcome)
+        let mut conn = self.pool.acquire().await.map_err(|e| self.err(e))?;
+        claim_on(&mut conn, claim).await
     }
 
     async fn finish(
