@@ -72,6 +72,18 @@ struct Phase {
     probe: Option<Probe>,
 }
 
+/// A PostgreSQL / MariaDB pool's size for `conc` callers under `cap`: `conc` at most, or the cap
+/// whatever the callers with `IDEMFLOW_BENCH_POOL_FIXED=1`.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn pool_size(conc: usize, cap: usize) -> u32 {
+    let size = if std::env::var("IDEMFLOW_BENCH_POOL_FIXED").is_ok() {
+        cap
+    } else {
+        conc.min(cap)
+    };
+    u32::try_from(size).expect("a pool size")
+}
+
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
@@ -647,17 +659,8 @@ mod pg {
     }
 
     pub async fn phase(url: &str, conc: usize) -> Phase {
-        let fixed = std::env::var("IDEMFLOW_BENCH_POOL_FIXED").is_ok();
-        let size = if fixed {
-            pool_cap()
-        } else {
-            conc.min(pool_cap())
-        } as u32;
-        let idemflow_size = if fixed {
-            idemflow_pool_cap()
-        } else {
-            conc.min(idemflow_pool_cap())
-        } as u32;
+        let size = super::pool_size(conc, pool_cap());
+        let idemflow_size = super::pool_size(conc, idemflow_pool_cap());
         let options = PgConnectOptions::from_str(url)
             .unwrap()
             .options([("search_path", schema().as_str())]);
@@ -867,12 +870,10 @@ mod my {
 
     pub async fn phase(url: &str, conc: usize) -> Phase {
         let (idemflow_cap, cap) = pool_caps();
-        let fixed = std::env::var("IDEMFLOW_BENCH_POOL_FIXED").is_ok();
-        let (idemflow_size, size) = if fixed {
-            (idemflow_cap as u32, cap as u32)
-        } else {
-            (conc.min(idemflow_cap) as u32, conc.min(cap) as u32)
-        };
+        let (idemflow_size, size) = (
+            super::pool_size(conc, idemflow_cap),
+            super::pool_size(conc, cap),
+        );
         let options = MySqlConnectOptions::from_str(url)
             .unwrap()
             .database(&database());

@@ -1,7 +1,7 @@
 //! Faults every SQL backend must survive, written once and run on PostgreSQL and MariaDB through
 //! [`sql_fault_tests!`]: two app instances (two pools) racing for one key or waiting for each
-//! other's answer, the connection of a write killed mid-transaction, and sharing a database
-//! with the host app's migrations.
+//! other's answer, the connection of a write killed mid-transaction or while idle in the pool,
+//! and sharing a database with the host app's migrations.
 //!
 //! A backend provides the few statements that differ ([`SqlDatabase`]); the story and every
 //! assertion live here.
@@ -46,6 +46,8 @@ pub trait SqlDatabase: Sized + Send + Sync + 'static {
     async fn waits_on_a_lock(admin: &mut Self::Session, conn: u64) -> bool;
     /// Kills connection `conn`; whether the server says it did.
     async fn kill(admin: &mut Self::Session, conn: u64) -> bool;
+    /// Whether connection `conn` is gone from the server's list of sessions.
+    async fn is_gone(admin: &mut Self::Session, conn: u64) -> bool;
 }
 
 /// Expands to one test per fault test for the [`SqlDatabase`] `$db`.
@@ -55,6 +57,7 @@ macro_rules! sql_fault_tests {
             two_pools_race_500_claims_of_one_key,
             duplicates_through_another_pool_wait_for_the_first_answer,
             killed_connection_mid_transaction_leaves_old_state_and_retry_succeeds,
+            connection_killed_while_idle_is_replaced_before_a_call_gets_it,
             app_migrations_and_idemflow_migrations_share_a_database
         );
     };
@@ -162,6 +165,29 @@ pub async fn killed_connection_mid_transaction_leaves_old_state_and_retry_succee
         .unwrap();
     assert_eq!(r.state, KeyState::Done);
     assert_eq!(store.history(&id).await.unwrap().len(), 2);
+    db.drop().await;
+}
+
+/// A pool connection that the server dropped while it sat idle is replaced before a call gets
+/// it: the pool pings a connection before handing it over (`docs/performance.md`, "The ping
+/// before each call", and "Reverted: a call that hangs after the store went away").
+pub async fn connection_killed_while_idle_is_replaced_before_a_call_gets_it<D: SqlDatabase>() {
+    let Some(db) = D::fresh().await else {
+        return;
+    };
+    // One connection, so the one killed is the one the next call gets.
+    let store = db.store(1).await;
+    let conn = D::connection_id(&store).await;
+    let mut admin = db.session().await;
+    assert!(D::kill(&mut admin, conn).await);
+    while !D::is_gone(&mut admin, conn).await {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    store
+        .now()
+        .await
+        .expect("the dropped connection was replaced");
+    assert_ne!(D::connection_id(&store).await, conn);
     db.drop().await;
 }
 
