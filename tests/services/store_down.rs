@@ -217,7 +217,15 @@ async fn lost_mid_request(name: &str, store: Arc<dyn Store>, outage: &dyn Outage
     // (its lease runs) and the handler does not run again.
     let deadline = Instant::now() + Duration::from_secs(60);
     let a = loop {
-        let a = send(&open, "mid").await;
+        // A run of the handler here waits on its gate for good: fail at once, naming it.
+        let again = h.started.notified();
+        let a = tokio::select! {
+            a = send(&open, "mid") => a,
+            () = again => panic!(
+                "{name}: the retry ran the handler again (run {}), with the store back",
+                h.runs.load(Ordering::SeqCst)
+            ),
+        };
         if a.slug.as_deref() != Some("store-unavailable") || Instant::now() > deadline {
             break a;
         }
