@@ -1080,6 +1080,8 @@ mod rd {
 
 // ---------------------------------------------------------------------------------------------
 
+/// Runs `f` to its end on a runtime of its own (the server backends' set-up and descriptions).
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 fn block<F: Future>(f: F) -> F::Output {
     runtime(1).0.block_on(f)
 }
