@@ -44,6 +44,8 @@ mod pool;
 mod rows;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod sql_core;
+#[cfg(feature = "postgres")]
+mod warm;
 pub use connect::connect;
 pub use ends::KeyEnd;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

@@ -45,6 +45,9 @@ mod mysql;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+// Connections kept between back-to-back reads on PostgreSQL (`store::warm`).
+#[cfg(feature = "postgres")]
+mod warm;
 // Issue 24's Redis Sentinel: typed errors, WAIT, and a failover under load.
 #[cfg(all(
     feature = "redis",

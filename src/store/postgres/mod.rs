@@ -32,6 +32,7 @@ use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refu
 use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_lease, decode_record};
 use super::sql_core::{self, SqlCore, sql_operator_store};
+use super::warm::Warm;
 use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeStale};
 use crate::KeyId;
 use crate::error::StoreError;
@@ -79,6 +80,8 @@ fn db(e: sqlx::Error) -> StoreError {
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    /// Connections kept between back-to-back reads of a key (`store::warm`).
+    warm: Warm<sqlx::Postgres>,
     /// Keys this store has seen exist: their claims read first (a replay is one plain
     /// primary-key read); any other claim runs the claim statement first.
     known: KnownKeys,
@@ -133,6 +136,7 @@ impl PostgresStore {
     /// Uses a pool you manage (its `search_path` decides the schema).
     pub fn from_pool(pool: PgPool) -> Self {
         Self {
+            warm: Warm::new(pool.clone()),
             pool,
             known: KnownKeys::new(known_keys::DEFAULT_SLOTS),
             ends: std::sync::Arc::default(),
@@ -152,10 +156,17 @@ impl PostgresStore {
         &self,
         id: &KeyId,
     ) -> Result<Option<(KeyRecord, DateTime<Utc>)>, StoreError> {
-        let row = sqlx::query(sql::GET)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_optional(&self.pool)
+        // A replay's one statement, on a connection kept from the last read (`store::warm`).
+        let row = self
+            .warm
+            .read(|conn| {
+                Box::pin(
+                    sqlx::query(sql::GET)
+                        .bind(id.scope.as_str())
+                        .bind(id.key.as_str())
+                        .fetch_optional(conn),
+                )
+            })
             .await
             .map_err(|e| self.err(e))?;
         match row {

@@ -1,0 +1,268 @@
+//! Connections kept warm between back-to-back reads of a key (PostgreSQL): a replay is then one
+//! round trip, as a hand-written primary-key read is.
+//!
+//! sqlx pings a connection when a call takes it from the pool and again when the call gives it
+//! back (in a task of its own, that the next take of that connection waits for): two round
+//! trips around a one-statement read. The read of a key ([`Warm::read`]) gives its connection to
+//! [`Warm`] instead and the next read takes it from there, without either ping.
+//!
+//! **Reads only.** A kept connection skips the ping, so one the server or the network closed
+//! since its last read fails its next statement while the store is up. A read has no effect, so
+//! [`Warm::read`] runs a read that failed once more, on a connection from the pool (which sqlx
+//! pings, and replaces when it is dead), whatever the failure and wherever the first connection
+//! came from; the caller sees the second attempt's result. A write
+//! may not be run twice that way (a connection that died while the statement ran leaves its fate
+//! unknown), so claims, finishes and every other write take their connection from the pool, as
+//! sqlx hands them out: pinged first (`docs/performance.md`, "Reverted: a stale connection that
+//! ran a handler twice", and "Kept connections for reads").
+//!
+//! Kept connections go back to the pool after [`HOLD_IDLE`] without a read, and a connection
+//! goes back after [`HOLD_MAX`] out of the pool however busy the store is, so that callers
+//! waiting in the pool (this store's writes, the sweeper's transactions, an application using
+//! `pool()`) get their turn: the pool serves its waiters in order. While one of this store's
+//! reads waits in the pool, no read takes a kept connection and none is kept. `Pool::close`
+//! therefore waits at most about [`HOLD_IDLE`] for the kept ones. The same rule as the SQLite
+//! writer's held connection (`store::sqlite::writer`).
+
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use sqlx::pool::PoolConnection;
+use sqlx::{Database, Pool};
+
+/// A kept connection goes back to the pool after this long without a read.
+pub(crate) const HOLD_IDLE: Duration = Duration::from_millis(1);
+
+/// A connection goes back to the pool after this long out of it, busy or not.
+pub(crate) const HOLD_MAX: Duration = Duration::from_millis(20);
+
+/// The pool and the connections kept out of it (shared by a store's clones).
+pub(crate) struct Warm<DB: Database> {
+    inner: Arc<Inner<DB>>,
+}
+
+impl<DB: Database> Clone for Warm<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<DB: Database> std::fmt::Debug for Warm<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Warm({} kept)", self.inner.held().conns.len())
+    }
+}
+
+struct Inner<DB: Database> {
+    pool: Pool<DB>,
+    held: Mutex<Held<DB>>,
+    /// This store's reads waiting in `pool.acquire()`.
+    waiting: AtomicUsize,
+}
+
+impl<DB: Database> Inner<DB> {
+    fn held(&self) -> MutexGuard<'_, Held<DB>> {
+        // Nothing panics while holding it; a poisoned lock still holds consistent data.
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+struct Held<DB: Database> {
+    conns: Vec<Kept<DB>>,
+    /// Whether a task is giving idle connections back (it ends when none is kept).
+    reaper: bool,
+}
+
+struct Kept<DB: Database> {
+    conn: PoolConnection<DB>,
+    out_since: Instant,
+    idle_since: Instant,
+}
+
+/// A connection taken for one read: [`WarmConn::keep`] once the read ran to its end; dropped,
+/// it goes back to the pool.
+struct WarmConn<DB: Database> {
+    conn: Option<PoolConnection<DB>>,
+    out_since: Instant,
+    home: Arc<Inner<DB>>,
+}
+
+/// Counts a read waiting in the pool, until it got a connection or was dropped.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// One run of a read on a connection.
+pub(crate) type ReadFuture<'c, T> =
+    std::pin::Pin<Box<dyn Future<Output = Result<T, sqlx::Error>> + Send + 'c>>;
+
+impl<DB: Database> Warm<DB> {
+    pub(crate) fn new(pool: Pool<DB>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                pool,
+                held: Mutex::new(Held {
+                    conns: Vec::new(),
+                    reaper: false,
+                }),
+                waiting: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// Runs the read `run` on a kept connection, or one from the pool, and keeps the connection
+    /// when the read succeeds. A read that fails runs once more, on a connection from the pool
+    /// (module docs); the second attempt's result is the caller's. Errors of the pool itself (an
+    /// exhausted pool's timeout, a closed pool) are returned at once.
+    pub(crate) async fn read<T, F>(&self, run: F) -> Result<T, sqlx::Error>
+    where
+        F: for<'c> Fn(&'c mut DB::Connection) -> ReadFuture<'c, T>,
+    {
+        let mut conn = self.take().await?;
+        if let Ok(v) = run(&mut conn).await {
+            conn.keep();
+            return Ok(v);
+        }
+        // Back to the pool, which pings it and closes it when it is dead.
+        drop(conn);
+        let mut conn = self.wait_in_pool(false).await?;
+        let v = run(&mut conn).await?;
+        conn.keep();
+        Ok(v)
+    }
+
+    /// A kept connection, or one from the pool.
+    async fn take(&self) -> Result<WarmConn<DB>, sqlx::Error> {
+        if self.inner.waiting.load(Ordering::SeqCst) == 0
+            && let Some(conn) = self.kept()
+        {
+            return Ok(conn);
+        }
+        self.wait_in_pool(true).await
+    }
+
+    /// A connection from the pool (pinged), counted as waiting while it waits. With `or_kept`,
+    /// a read that kept its connection between the caller's first look and this read counting
+    /// itself as waiting gives that one instead (rather than this read waiting in the pool
+    /// beside it).
+    async fn wait_in_pool(&self, or_kept: bool) -> Result<WarmConn<DB>, sqlx::Error> {
+        let inner = &self.inner;
+        inner.waiting.fetch_add(1, Ordering::SeqCst);
+        let waiting = Waiting(&inner.waiting);
+        if or_kept && let Some(conn) = self.kept() {
+            return Ok(conn);
+        }
+        let conn = inner.pool.acquire().await;
+        drop(waiting);
+        Ok(WarmConn {
+            conn: Some(conn?),
+            out_since: Instant::now(),
+            home: inner.clone(),
+        })
+    }
+
+    /// The most recently kept connection, unless the pool is closed.
+    fn kept(&self) -> Option<WarmConn<DB>> {
+        if self.inner.pool.is_closed() {
+            return None;
+        }
+        let k = self.inner.held().conns.pop()?;
+        Some(WarmConn {
+            conn: Some(k.conn),
+            out_since: k.out_since,
+            home: self.inner.clone(),
+        })
+    }
+}
+
+impl<DB: Database> WarmConn<DB> {
+    /// The read on this connection ran to its end: keep the connection for the next read,
+    /// unless it has been out of the pool for [`HOLD_MAX`], a read of this store waits in the
+    /// pool, the pool is closed, or there is no tokio runtime to give it back later; then it
+    /// goes back to the pool now.
+    fn keep(mut self) {
+        let Some(conn) = self.conn.take() else { return };
+        let home = &self.home;
+        let back_now = home.waiting.load(Ordering::SeqCst) > 0
+            || self.out_since.elapsed() >= HOLD_MAX
+            || home.pool.is_closed();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return drop(conn);
+        };
+        if back_now {
+            return drop(conn);
+        }
+        let mut held = home.held();
+        held.conns.push(Kept {
+            conn,
+            out_since: self.out_since,
+            idle_since: Instant::now(),
+        });
+        // A read that began to wait in the pool after the look above: a kept connection goes
+        // back to the pool for it (the pool wakes its first waiter), none stays kept idle
+        // beside it. (Either this sees its count, or its second look finds the connection.)
+        if home.waiting.load(Ordering::SeqCst) > 0 {
+            let back = held.conns.pop();
+            drop(held);
+            drop(back);
+            return;
+        }
+        if !held.reaper {
+            held.reaper = true;
+            runtime.spawn(give_back(home.clone()));
+        }
+    }
+}
+
+impl<DB: Database> std::ops::Deref for WarmConn<DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &Self::Target {
+        // `conn` is taken only by `keep`, which consumes `self`.
+        self.conn.as_ref().expect("a taken connection")
+    }
+}
+
+impl<DB: Database> std::ops::DerefMut for WarmConn<DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.conn.as_mut().expect("a taken connection")
+    }
+}
+
+/// Gives kept connections back to the pool once idle for [`HOLD_IDLE`] or out for
+/// [`HOLD_MAX`]; ends when none is kept.
+async fn give_back<DB: Database>(inner: Arc<Inner<DB>>) {
+    loop {
+        tokio::time::sleep(HOLD_IDLE).await;
+        let now = Instant::now();
+        let closed = inner.pool.is_closed();
+        let (back, done) = {
+            let mut held = inner.held();
+            let (back, kept): (Vec<_>, Vec<_>) = held.conns.drain(..).partition(|k| {
+                closed
+                    || now.duration_since(k.idle_since) >= HOLD_IDLE
+                    || now.duration_since(k.out_since) >= HOLD_MAX
+            });
+            held.conns = kept;
+            let done = held.conns.is_empty();
+            if done {
+                held.reaper = false;
+            }
+            (back, done)
+        };
+        // Back to the pool outside the lock (each drop hands the connection to sqlx's return
+        // path, which pings it).
+        drop(back);
+        if done {
+            return;
+        }
+    }
+}
