@@ -44,7 +44,7 @@ mod pool;
 mod rows;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod sql_core;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod warm;
 pub use connect::connect;
 pub use ends::KeyEnd;

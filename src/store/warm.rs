@@ -1,5 +1,5 @@
-//! Connections kept warm between back-to-back reads of a key (PostgreSQL): a replay is then one
-//! round trip, as a hand-written primary-key read is.
+//! Connections kept warm between back-to-back reads of a key (PostgreSQL, MariaDB): a replay is
+//! then one round trip, as a hand-written primary-key read is.
 //!
 //! sqlx pings a connection when a call takes it from the pool and again when the call gives it
 //! back (in a task of its own, that the next take of that connection waits for): two round

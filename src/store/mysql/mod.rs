@@ -32,6 +32,7 @@ use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refu
 use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_lease, decode_record};
 use super::sql_core::{self, SqlCore, sql_operator_store};
+use super::warm::Warm;
 use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeStale};
 use crate::KeyId;
 use crate::error::StoreError;
@@ -122,6 +123,8 @@ fn nonce() -> i64 {
 #[derive(Debug, Clone)]
 pub struct MySqlStore {
     pool: MySqlPool,
+    /// Connections kept between back-to-back reads of a key (`store::warm`).
+    warm: Warm<sqlx::MySql>,
     /// Keys this store has seen exist: their claims read first (a replay is one plain read,
     /// cheaper than the claim procedure's call); any other claim calls the procedure first.
     known: KnownKeys,
@@ -178,6 +181,7 @@ impl MySqlStore {
     /// Uses a pool you manage.
     pub fn from_pool(pool: MySqlPool) -> Self {
         Self {
+            warm: Warm::new(pool.clone()),
             pool,
             known: KnownKeys::new(known_keys::DEFAULT_SLOTS),
         }
@@ -189,10 +193,16 @@ impl MySqlStore {
     }
 
     async fn read(&self, id: &KeyId) -> Result<Option<MySqlRow>, StoreError> {
-        sqlx::query(sql::GET)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .fetch_optional(&self.pool)
+        // A replay's one statement, on a connection kept from the last read (`store::warm`).
+        self.warm
+            .read(|conn| {
+                Box::pin(
+                    sqlx::query(sql::GET)
+                        .bind(id.scope.as_str())
+                        .bind(id.key.as_str())
+                        .fetch_optional(conn),
+                )
+            })
             .await
             .map_err(|e| self.err(e))
     }
