@@ -30,7 +30,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
-use sqlx::{Database, Pool};
+use sqlx::{Database, Encode, Executor, IntoArguments, Pool, Type};
+
+use crate::KeyId;
 
 /// A kept connection goes back to the pool after this long without a read.
 pub(crate) const HOLD_IDLE: Duration = Duration::from_millis(1);
@@ -101,7 +103,7 @@ impl Drop for Waiting<'_> {
 }
 
 /// One run of a read on a connection.
-pub(crate) type ReadFuture<'c, T> =
+type ReadFuture<'c, T> =
     std::pin::Pin<Box<dyn Future<Output = Result<T, sqlx::Error>> + Send + 'c>>;
 
 impl<DB: Database> Warm<DB> {
@@ -122,7 +124,7 @@ impl<DB: Database> Warm<DB> {
     /// when the read succeeds. A read that fails runs once more, on a connection from the pool
     /// (module docs); the second attempt's result is the caller's. Errors of the pool itself (an
     /// exhausted pool's timeout, a closed pool) are returned at once.
-    pub(crate) async fn read<T, F>(&self, run: F) -> Result<T, sqlx::Error>
+    async fn read<T, F>(&self, run: F) -> Result<T, sqlx::Error>
     where
         F: for<'c> Fn(&'c mut DB::Connection) -> ReadFuture<'c, T>,
     {
@@ -137,6 +139,29 @@ impl<DB: Database> Warm<DB> {
         let v = run(&mut conn).await?;
         conn.keep();
         Ok(v)
+    }
+
+    /// The row of key `id` read by `sql` (its two parameters: scope and key), through
+    /// [`Self::read`].
+    pub(crate) async fn read_key(
+        &self,
+        sql: &'static str,
+        id: &KeyId,
+    ) -> Result<Option<DB::Row>, sqlx::Error>
+    where
+        DB::Arguments: IntoArguments<DB>,
+        for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+        for<'c> &'c str: Encode<'c, DB> + Type<DB>,
+    {
+        self.read(|conn| {
+            Box::pin(
+                sqlx::query(sql)
+                    .bind(id.scope.as_str())
+                    .bind(id.key.as_str())
+                    .fetch_optional(conn),
+            )
+        })
+        .await
     }
 
     /// A kept connection, or one from the pool.

@@ -195,14 +195,7 @@ impl MySqlStore {
     async fn read(&self, id: &KeyId) -> Result<Option<MySqlRow>, StoreError> {
         // A replay's one statement, on a connection kept from the last read (`store::warm`).
         self.warm
-            .read(|conn| {
-                Box::pin(
-                    sqlx::query(sql::GET)
-                        .bind(id.scope.as_str())
-                        .bind(id.key.as_str())
-                        .fetch_optional(conn),
-                )
-            })
+            .read_key(sql::GET, id)
             .await
             .map_err(|e| self.err(e))
     }

@@ -159,14 +159,7 @@ impl PostgresStore {
         // A replay's one statement, on a connection kept from the last read (`store::warm`).
         let row = self
             .warm
-            .read(|conn| {
-                Box::pin(
-                    sqlx::query(sql::GET)
-                        .bind(id.scope.as_str())
-                        .bind(id.key.as_str())
-                        .fetch_optional(conn),
-                )
-            })
+            .read_key(sql::GET, id)
             .await
             .map_err(|e| self.err(e))?;
         match row {
