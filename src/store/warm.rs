@@ -10,11 +10,11 @@
 //! since its last read fails its next statement while the store is up. A read has no effect, so
 //! [`Warm::read`] runs a read that failed once more, on a connection from the pool (which sqlx
 //! pings, and replaces when it is dead), whatever the failure and wherever the first connection
-//! came from; the caller sees the second attempt's result. A write
-//! may not be run twice that way (a connection that died while the statement ran leaves its fate
-//! unknown), so claims, finishes and every other write take their connection from the pool, as
-//! sqlx hands them out: pinged first (`docs/performance.md`, "Reverted: a stale connection that
-//! ran a handler twice", and "Kept connections for reads").
+//! came from; the caller sees the second attempt's result. A write may not be run twice that
+//! way (a connection that died while the statement ran leaves its fate unknown), so claims,
+//! finishes and every other write take their connection from the pool, as sqlx hands them out:
+//! pinged first (`docs/performance.md`, "Reverted: a stale connection that ran a handler
+//! twice", and "Kept connections for reads").
 //!
 //! Kept connections go back to the pool after [`HOLD_IDLE`] without a read, and a connection
 //! goes back after [`HOLD_MAX`] out of the pool however busy the store is, so that callers
