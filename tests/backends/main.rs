@@ -45,9 +45,6 @@ mod mysql;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
-// Connections kept between back-to-back reads on PostgreSQL and MariaDB (`store::warm`).
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-mod warm;
 // Issue 24's Redis Sentinel: typed errors, WAIT, and a failover under load.
 #[cfg(all(
     feature = "redis",

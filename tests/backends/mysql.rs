@@ -109,6 +109,9 @@ impl SqlDatabase for Database {
                 .unwrap();
         n == 0
     }
+    async fn close_pool(store: &MySqlStore) {
+        store.pool().close().await;
+    }
 }
 
 /// The statement connection `conn` is running, as the process list shows it (inside a

@@ -119,6 +119,9 @@ impl SqlDatabase for Schema {
             .unwrap();
         n == 0
     }
+    async fn close_pool(store: &PostgresStore) {
+        store.pool().close().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,14 +1,16 @@
 //! Faults every SQL backend must survive, written once and run on PostgreSQL and MariaDB through
 //! [`sql_fault_tests!`]: two app instances (two pools) racing for one key or waiting for each
 //! other's answer, the connection of a write killed mid-transaction or while idle in the pool,
-//! and sharing a database with the host app's migrations.
+//! reads on connections kept between reads (`store::warm`) while the server kills them, and
+//! sharing a database with the host app's migrations.
 //!
 //! A backend provides the few statements that differ ([`SqlDatabase`]); the story and every
 //! assertion live here.
 
 use idemflow::store::OperatorStore;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use idemflow::conformance::{self, claim_for, claimed, done, id};
 use idemflow::{KeyId, KeyState, Store, StoreError, StoredResponse, async_trait};
@@ -48,6 +50,8 @@ pub trait SqlDatabase: Sized + Send + Sync + 'static {
     async fn kill(admin: &mut Self::Session, conn: u64) -> bool;
     /// Whether connection `conn` is gone from the server's list of sessions.
     async fn is_gone(admin: &mut Self::Session, conn: u64) -> bool;
+    /// Closes the store's pool.
+    async fn close_pool(store: &Self::Store);
 }
 
 /// Expands to one test per fault test for the [`SqlDatabase`] `$db`.
@@ -58,6 +62,9 @@ macro_rules! sql_fault_tests {
             duplicates_through_another_pool_wait_for_the_first_answer,
             killed_connection_mid_transaction_leaves_old_state_and_retry_succeeds,
             connection_killed_while_idle_is_replaced_before_a_call_gets_it,
+            reads_go_on_while_the_server_kills_their_kept_connection,
+            a_pool_user_gets_a_connection_while_reads_keep_the_store_busy,
+            closing_the_pool_does_not_wait_for_kept_connections,
             app_migrations_and_idemflow_migrations_share_a_database
         );
     };
@@ -188,6 +195,151 @@ pub async fn connection_killed_while_idle_is_replaced_before_a_call_gets_it<D: S
         .await
         .expect("the dropped connection was replaced");
     assert_ne!(D::connection_id(&store).await, conn);
+    db.drop().await;
+}
+
+/// A fresh database, a migrated store on a pool of `max` connections (also as `dyn Store`),
+/// and a finished key of it.
+async fn with_a_finished_key<D: SqlDatabase>(
+    max: u32,
+) -> Option<(D, D::Store, Arc<dyn Store>, KeyId)> {
+    let db = D::fresh().await?;
+    let store = db.store(max).await;
+    store.migrate().await.unwrap();
+    let reader: Arc<dyn Store> = Arc::new(store.clone());
+    let k = id(&conformance::unique("warm"), "k");
+    let lease = claimed(&reader, &claim_for(&k, "{}", Duration::from_secs(30))).await;
+    reader
+        .finish(&k, lease.token, &done(StoredResponse::new(200)))
+        .await
+        .unwrap();
+    Some((db, store, reader, k))
+}
+
+/// `readers` tasks read `k` through `store` in a loop until `stop`; their count of reads, and
+/// the errors they met.
+fn read_loop(
+    store: &Arc<dyn Store>,
+    k: &KeyId,
+    readers: usize,
+    stop: &Arc<AtomicBool>,
+) -> (Arc<AtomicUsize>, Vec<tokio::task::JoinHandle<Vec<String>>>) {
+    let reads = Arc::new(AtomicUsize::new(0));
+    let tasks = (0..readers)
+        .map(|_| {
+            let (store, k, stop, reads) = (store.clone(), k.clone(), stop.clone(), reads.clone());
+            tokio::spawn(async move {
+                let mut errors = Vec::new();
+                while !stop.load(Ordering::SeqCst) {
+                    match store.get(&k).await {
+                        Ok(Some(_)) => {}
+                        Ok(None) => errors.push("the key was not found".to_owned()),
+                        Err(e) => errors.push(e.to_string()),
+                    }
+                    reads.fetch_add(1, Ordering::SeqCst);
+                }
+                errors
+            })
+        })
+        .collect();
+    (reads, tasks)
+}
+
+/// The server kills the store's only connection 30 times while a task reads a key without a
+/// pause (the connection is kept between reads, not pinged: `store::warm`): no read fails.
+/// After each kill, the next waits until the killed connection is gone and three more reads
+/// went on, so it never meets a second attempt's connection. Without the second attempt on a
+/// connection from the pool, a read on a killed kept connection fails.
+pub async fn reads_go_on_while_the_server_kills_their_kept_connection<D: SqlDatabase>() {
+    let Some((db, store, reader, k)) = with_a_finished_key::<D>(1).await else {
+        return;
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let (reads, tasks) = read_loop(&reader, &k, 1, &stop);
+    let mut admin = db.session().await;
+    let mut killed = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while killed < 30 && Instant::now() < deadline {
+        let conn = D::connection_id(&store).await;
+        assert!(D::kill(&mut admin, conn).await);
+        killed += 1;
+        let mut gone_at = None;
+        while Instant::now() < deadline {
+            if gone_at.is_none() && D::is_gone(&mut admin, conn).await {
+                gone_at = Some(reads.load(Ordering::SeqCst));
+            }
+            if gone_at.is_some_and(|n| reads.load(Ordering::SeqCst) >= n + 3) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    let mut errors = Vec::new();
+    for t in tasks {
+        errors.extend(t.await.unwrap());
+    }
+    let reads = reads.load(Ordering::SeqCst);
+    assert!(
+        killed >= 30,
+        "only {killed} connections were killed within 60 s"
+    );
+    assert!(
+        errors.is_empty(),
+        "{} of {reads} reads failed ({killed} connections killed), the first: {}",
+        errors.len(),
+        errors[0]
+    );
+    drop(admin);
+    db.drop().await;
+}
+
+/// Two tasks read without a pause through a 2-connection pool; meanwhile a pool user (an
+/// acquire and a statement) must finish within 3 s. Kept forever while busy, the two
+/// connections would never go back to the pool and the user would wait.
+pub async fn a_pool_user_gets_a_connection_while_reads_keep_the_store_busy<D: SqlDatabase>() {
+    let Some((db, store, reader, k)) = with_a_finished_key::<D>(2).await else {
+        return;
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let (reads, tasks) = read_loop(&reader, &k, 2, &stop);
+    while reads.load(Ordering::SeqCst) < 100 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let before = reads.load(Ordering::SeqCst);
+    // One key in the table: the user reads 1.
+    let user = D::count(&store, "SELECT COUNT(*) FROM idempotency_keys");
+    let turn = tokio::time::timeout(Duration::from_secs(3), user).await;
+    let during = reads.load(Ordering::SeqCst) - before;
+    stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        let errors = t.await.unwrap();
+        assert!(errors.is_empty(), "{errors:?}");
+    }
+    assert_eq!(
+        turn.ok(),
+        Some(1),
+        "a pool user got no connection within 3 s while the store was busy ({during} reads \
+         meanwhile)"
+    );
+    assert!(during > 0, "the store made no read while the user waited");
+    db.drop().await;
+}
+
+/// After back-to-back reads, closing the pool returns at once (kept connections go back within
+/// about 1 ms) and the store reports the closed pool.
+pub async fn closing_the_pool_does_not_wait_for_kept_connections<D: SqlDatabase>() {
+    let Some((db, store, _, k)) = with_a_finished_key::<D>(2).await else {
+        return;
+    };
+    for _ in 0..20 {
+        assert!(store.get(&k).await.unwrap().is_some());
+    }
+    tokio::time::timeout(Duration::from_secs(5), D::close_pool(&store))
+        .await
+        .expect("the pool closed within 5 s of the last read");
+    let err = store.get(&k).await.unwrap_err();
+    assert!(err.to_string().contains("closed"), "{err}");
     db.drop().await;
 }
 

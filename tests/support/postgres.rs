@@ -51,8 +51,7 @@ pub async fn store() -> Option<Arc<dyn Store>> {
     Some(Arc::new(store))
 }
 
-/// Connect options inside `schema` (its `search_path`).
-pub fn options_in(url: &str, schema: &str) -> PgConnectOptions {
+fn options_in(url: &str, schema: &str) -> PgConnectOptions {
     PgConnectOptions::from_str(url)
         .unwrap()
         .options([("search_path", schema)])
