@@ -8,9 +8,9 @@
 //! The table is set-associative: a hash may sit in any of the [`WAYS`] slots of its bucket, and a
 //! bucket that is full drops its oldest hash. (It was direct-mapped: two keys of one slot pushed
 //! each other out, so 5,000 keys in 65,536 slots lost about 7 % of them, and each lost key's
-//! replay went the write path: on PostgreSQL the claim's upsert locks the row it leaves as it
-//! is, a commit with an `fsync`, 2.5 ms against 0.1 ms for the read; `docs/performance.md`,
-//! "The known-keys hint lost 7 % of its keys".)
+//! replay went the write path: the claim statement, after waiting for a connection; 2.5 ms
+//! against 0.1 ms for the read in the benchmark; `docs/performance.md`, "The known-keys hint
+//! lost 7 % of its keys".)
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -12,9 +12,11 @@
 //! pings, and replaces when it is dead), whatever the failure and wherever the first connection
 //! came from; the caller sees the second attempt's result. A write may not be run twice that
 //! way (a connection that died while the statement ran leaves its fate unknown), so claims,
-//! finishes and every other write take their connection from the pool, as sqlx hands them out:
-//! pinged first (`docs/performance.md`, "Reverted: a stale connection that ran a handler
-//! twice", and "Kept connections for reads").
+//! finishes and every other write run on a pinged connection ([`Warm::for_write`]): a kept one
+//! pinged first, as sqlx pings the connections its pool hands out, or one from the pool; it
+//! goes back to the pool afterwards (`docs/performance.md`, "Reverted: a stale connection that
+//! ran a handler twice", "Kept connections for reads" and "The known-keys hint lost 7 % of its
+//! keys").
 //!
 //! Kept connections go back to the pool after [`HOLD_IDLE`] without a read, and a connection
 //! goes back after [`HOLD_MAX`] out of the pool however busy the store is, so that callers
@@ -162,6 +164,24 @@ impl<DB: Database> Warm<DB> {
             )
         })
         .await
+    }
+
+    /// A connection for a write: a kept one, pinged first (as the pool pings every connection
+    /// it hands out, so a write never runs on a connection that died while kept), or one from
+    /// the pool. A kept one that fails its ping goes back to the pool, which closes it, and the
+    /// write takes the pool's next. Without this, a write that found the pool empty while a
+    /// read kept a connection waited until the connection went back after [`HOLD_IDLE`]: 2.1-2.4
+    /// ms with a one-connection pool (`docs/performance.md`, "The known-keys hint lost 7 % of
+    /// its keys"). The write's connection goes back to the pool after it, as any pool user's.
+    pub(crate) async fn for_write(&self) -> Result<PoolConnection<DB>, sqlx::Error> {
+        if self.inner.waiting.load(Ordering::SeqCst) == 0
+            && let Some(mut kept) = self.kept()
+            && let Some(mut conn) = kept.conn.take()
+            && sqlx::Connection::ping(&mut *conn).await.is_ok()
+        {
+            return Ok(conn);
+        }
+        self.inner.pool.acquire().await
     }
 
     /// A kept connection, or one from the pool.

@@ -67,10 +67,21 @@ macro_rules! sql_fault_tests {
             closing_the_pool_does_not_wait_for_kept_connections,
             app_migrations_and_idemflow_migrations_share_a_database
         );
+        $crate::sql_faults::sql_fault_tests!(@current_thread $db;
+            a_write_does_not_run_on_a_kept_connection_that_died
+        );
     };
     (@each $db:ty; $($name:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $crate::sql_faults::$name::<$db>().await;
+            }
+        )*
+    };
+    (@current_thread $db:ty; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
             async fn $name() {
                 $crate::sql_faults::$name::<$db>().await;
             }
@@ -291,6 +302,47 @@ pub async fn reads_go_on_while_the_server_kills_their_kept_connection<D: SqlData
         errors[0]
     );
     drop(admin);
+    db.drop().await;
+}
+
+/// A write takes a connection a read kept (instead of waiting until it goes back to the pool)
+/// only after pinging it, as the pool pings every connection it hands out: here the server
+/// killed it while it was kept, and the write must run on a new one. The test runs on a
+/// current-thread runtime and kills from a thread of its own, so the store's task that gives
+/// kept connections back cannot run in between: the write meets the dead connection every
+/// time. Without the ping the claim fails ("expected to read 4 bytes" / "connection reset").
+pub async fn a_write_does_not_run_on_a_kept_connection_that_died<D: SqlDatabase>() {
+    let Some((db, store, reader, k)) = with_a_finished_key::<D>(1).await else {
+        return;
+    };
+    // The pool's one connection: the read takes it and keeps it.
+    let conn = D::connection_id(&store).await;
+    assert!(reader.get(&k).await.unwrap().is_some());
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let mut admin = db.session().await;
+                assert!(D::kill(&mut admin, conn).await);
+                while !D::is_gone(&mut admin, conn).await {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            });
+        })
+        .join()
+        .unwrap();
+    });
+    // A write: the claim of a new key.
+    let k2 = id(&conformance::unique("warm"), "k2");
+    let lease = claimed(&reader, &claim_for(&k2, "{}", Duration::from_secs(30))).await;
+    reader
+        .finish(&k2, lease.token, &done(StoredResponse::new(201)))
+        .await
+        .unwrap();
+    assert_ne!(D::connection_id(&store).await, conn);
     db.drop().await;
 }
 

@@ -178,6 +178,11 @@ impl MySqlStore {
         super::pool::pool_error(BACKEND, &self.pool, e)
     }
 
+    /// A pinged connection for one write (`store::warm`, `Warm::for_write`).
+    async fn write_conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::MySql>, StoreError> {
+        self.warm.for_write().await.map_err(|e| self.err(e))
+    }
+
     /// Uses a pool you manage.
     pub fn from_pool(pool: MySqlPool) -> Self {
         Self {
@@ -222,7 +227,7 @@ impl MySqlStore {
             attempt += 1;
             let res = sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, micros, Some(nonce))
                 // All of it: the procedure's result set, then its status.
-                .fetch_all(&self.pool)
+                .fetch_all(&mut *self.write_conn().await?)
                 .await;
             match res {
                 Ok(rows) => return Ok(rows.into_iter().next()),
@@ -245,7 +250,7 @@ impl MySqlStore {
             &[(Vec<u8>, Vec<u8>)],
         ) -> Result<T, StoreError>,
     ) -> Result<Option<T>, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(|e| self.err(e))?;
+        let mut conn = self.write_conn().await?;
         conn.execute(sql::READ_COMMITTED).await.map_err(db)?;
         let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(db)?;
         let picked: Vec<(Vec<u8>, Vec<u8>)> = sqlx::query_as(pick)
@@ -391,7 +396,7 @@ impl MySqlStore {
         // The update and the read-back share a transaction inside the procedure, so the row
         // returned is the one written (the update's row lock is held until commit).
         let rows = sql_core::bind_finish(sqlx::query(sql::FINISH), id, mode, finish)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
         match rows.first() {
@@ -410,7 +415,7 @@ impl MySqlStore {
             .bind(id.key.as_str())
             .bind(token.0)
             .bind(micros(lease))
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?
             .into_iter()
@@ -552,7 +557,7 @@ impl Store for MySqlStore {
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .bind(token.0)
-            .execute(&self.pool)
+            .execute(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
         fenced_write(self, id, token, done.rows_affected()).await
@@ -561,7 +566,7 @@ impl Store for MySqlStore {
     #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
         let done = sql_core::bind_fence(sqlx::query(sql::MARK_ATTEMPT), id, token)
-            .execute(&self.pool)
+            .execute(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
         fenced_write(self, id, token, done.rows_affected()).await

@@ -147,6 +147,11 @@ impl PostgresStore {
         super::pool::pool_error(BACKEND, &self.pool, e)
     }
 
+    /// A pinged connection for one write (`store::warm`, `Warm::for_write`).
+    async fn write_conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
+        self.warm.for_write().await.map_err(|e| self.err(e))
+    }
+
     /// The pool (for tests and tools that need raw access).
     pub fn pool(&self) -> &PgPool {
         &self.pool
@@ -271,7 +276,7 @@ impl PostgresStore {
     ) -> Result<KeyRecord, StoreError> {
         check_finish(mode, finish.to)?;
         let row = finish_query(id, mode, finish)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
         match row {
@@ -317,7 +322,7 @@ impl Store for PostgresStore {
             });
         }
         self.known.insert(known_keys::of(&claim.id));
-        let mut conn = self.pool.acquire().await.map_err(|e| self.err(e))?;
+        let mut conn = self.write_conn().await?;
         claim_on(&mut conn, claim).await
     }
 
@@ -345,7 +350,7 @@ impl Store for PostgresStore {
             .bind(release.error.as_deref())
             .bind(release.actor.as_str())
             .bind(&release.reason)
-            .execute(&self.pool)
+            .execute(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
         fenced_write(self, id, token, done.rows_affected()).await
@@ -354,7 +359,7 @@ impl Store for PostgresStore {
     #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
         let done = sql_core::bind_fence(sqlx::query(sql::MARK_ATTEMPT), id, token)
-            .execute(&self.pool)
+            .execute(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
         fenced_write(self, id, token, done.rows_affected()).await
@@ -372,7 +377,7 @@ impl Store for PostgresStore {
             .bind(id.key.as_str())
             .bind(token.0)
             .bind(ms(lease))
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
         match exp {
@@ -391,7 +396,7 @@ impl Store for PostgresStore {
         sqlx::query(sql::ANNOUNCE_END)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
-            .execute(&self.pool)
+            .execute(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
         Ok(true)
@@ -472,7 +477,7 @@ impl SweeperStore for PostgresStore {
             .bind(&take.owner)
             .bind(ms(take.lease))
             .bind(i64::from(take.limit))
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
         rows.iter().map(decode_record).collect()
@@ -482,7 +487,7 @@ impl SweeperStore for PostgresStore {
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         let done = sqlx::query(sql::PURGE)
             .bind(i64::from(batch))
-            .execute(&self.pool)
+            .execute(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
         Ok(done.rows_affected())
