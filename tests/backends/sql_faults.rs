@@ -218,13 +218,19 @@ async fn with_a_finished_key<D: SqlDatabase>(
     let store = db.store(max).await;
     store.migrate().await.unwrap();
     let reader: Arc<dyn Store> = Arc::new(store.clone());
-    let k = id(&conformance::unique("warm"), "k");
-    let lease = claimed(&reader, &claim_for(&k, "{}", Duration::from_secs(30))).await;
-    reader
+    let k = finished_key(&reader, "k").await;
+    Some((db, store, reader, k))
+}
+
+/// A new key `key` of a fresh scope, claimed and finished through `store`.
+async fn finished_key(store: &Arc<dyn Store>, key: &str) -> KeyId {
+    let k = id(&conformance::unique("warm"), key);
+    let lease = claimed(store, &claim_for(&k, "{}", Duration::from_secs(30))).await;
+    store
         .finish(&k, lease.token, &done(StoredResponse::new(200)))
         .await
         .unwrap();
-    Some((db, store, reader, k))
+    k
 }
 
 /// `readers` tasks read `k` through `store` in a loop until `stop`; their count of reads, and
@@ -335,13 +341,8 @@ pub async fn a_write_does_not_run_on_a_kept_connection_that_died<D: SqlDatabase>
         .join()
         .unwrap();
     });
-    // A write: the claim of a new key.
-    let k2 = id(&conformance::unique("warm"), "k2");
-    let lease = claimed(&reader, &claim_for(&k2, "{}", Duration::from_secs(30))).await;
-    reader
-        .finish(&k2, lease.token, &done(StoredResponse::new(201)))
-        .await
-        .unwrap();
+    // Writes: the claim of a new key, and its finish.
+    finished_key(&reader, "k2").await;
     assert_ne!(D::connection_id(&store).await, conn);
     db.drop().await;
 }
