@@ -173,15 +173,21 @@ impl<DB: Database> Warm<DB> {
     /// read kept a connection waited until the connection went back after [`HOLD_IDLE`]: 2.1-2.4
     /// ms with a one-connection pool (`docs/performance.md`, "The known-keys hint lost 7 % of
     /// its keys"). The write's connection goes back to the pool after it, as any pool user's.
+    /// The ping is bounded by the pool's acquire timeout, as the pool's own ping is.
     pub(crate) async fn for_write(&self) -> Result<PoolConnection<DB>, sqlx::Error> {
+        let pool = &self.inner.pool;
         if self.inner.waiting.load(Ordering::SeqCst) == 0
             && let Some(mut kept) = self.kept()
             && let Some(mut conn) = kept.conn.take()
-            && sqlx::Connection::ping(&mut *conn).await.is_ok()
+            && let Ok(Ok(())) = tokio::time::timeout(
+                pool.options().get_acquire_timeout(),
+                sqlx::Connection::ping(&mut *conn),
+            )
+            .await
         {
             return Ok(conn);
         }
-        self.inner.pool.acquire().await
+        pool.acquire().await
     }
 
     /// A kept connection, or one from the pool.
