@@ -1,28 +1,30 @@
-//! Connections kept warm between back-to-back reads of a key (PostgreSQL, MariaDB): a replay is
-//! then one round trip, as a hand-written primary-key read is.
+//! Connections kept warm between back-to-back calls of a store (PostgreSQL, MariaDB): a replay
+//! is then one round trip, as a hand-written primary-key read is, and a write skips the round
+//! trip sqlx adds after it.
 //!
 //! sqlx pings a connection when a call takes it from the pool and again when the call gives it
 //! back (in a task of its own, that the next take of that connection waits for): two round
-//! trips around a one-statement read. The read of a key ([`Warm::read`]) gives its connection to
-//! [`Warm`] instead and the next read takes it from there, without either ping.
+//! trips around a one-statement read. A call that ran to its end gives its connection to
+//! [`Warm`] instead ([`WarmConn::keep`]) and the next call takes it from there.
 //!
-//! **Reads only.** A kept connection skips the ping, so one the server or the network closed
-//! since its last read fails its next statement while the store is up. A read has no effect, so
-//! [`Warm::read`] runs a read that failed once more, on a connection from the pool (which sqlx
-//! pings, and replaces when it is dead), whatever the failure and wherever the first connection
-//! came from; the caller sees the second attempt's result. A write may not be run twice that
-//! way (a connection that died while the statement ran leaves its fate unknown), so claims,
-//! finishes and every other write run on a pinged connection ([`Warm::for_write`]): a kept one
-//! pinged first, as sqlx pings the connections its pool hands out, or one from the pool; it
-//! goes back to the pool afterwards (`docs/performance.md`, "Reverted: a stale connection that
-//! ran a handler twice", "Kept connections for reads" and "The known-keys hint lost 7 % of its
-//! keys").
+//! **Reads skip the ping, writes do not.** A kept connection is not pinged by the pool, so one
+//! the server or the network closed since its last call fails its next statement while the
+//! store is up. A read has no effect, so [`Warm::read`] runs a read that failed once more, on a
+//! connection from the pool (which sqlx pings, and replaces when it is dead), whatever the
+//! failure and wherever the first connection came from; the caller sees the second attempt's
+//! result. A write may not be run twice that way (a connection that died while the statement
+//! ran leaves its fate unknown), so claims, finishes and every other write run on a pinged
+//! connection ([`Warm::for_write`]): a kept one pinged first, as sqlx pings the connections its
+//! pool hands out, or one from the pool. A write that ran to its end keeps its connection too
+//! (`docs/performance.md`, "Reverted: a stale connection that ran a handler twice", "Kept
+//! connections for reads", "The known-keys hint lost 7 % of its keys" and "Writes keep their
+//! connection").
 //!
-//! Kept connections go back to the pool after [`HOLD_IDLE`] without a read, and a connection
+//! Kept connections go back to the pool after [`HOLD_IDLE`] without a call, and a connection
 //! goes back after [`HOLD_MAX`] out of the pool however busy the store is, so that callers
-//! waiting in the pool (this store's writes, the sweeper's transactions, an application using
+//! waiting in the pool (the sweeper's transactions, an atomic phase, an application using
 //! `pool()`) get their turn: the pool serves its waiters in order. While one of this store's
-//! reads waits in the pool, no read takes a kept connection and none is kept. `Pool::close`
+//! calls waits in the pool, no read takes a kept connection and none is kept. `Pool::close`
 //! therefore waits at most about [`HOLD_IDLE`] for the kept ones. The same rule as the SQLite
 //! writer's held connection (`store::sqlite::writer`).
 
@@ -36,7 +38,7 @@ use sqlx::{Database, Encode, Executor, IntoArguments, Pool, Type};
 
 use crate::KeyId;
 
-/// A kept connection goes back to the pool after this long without a read.
+/// A kept connection goes back to the pool after this long without a call.
 pub(crate) const HOLD_IDLE: Duration = Duration::from_millis(1);
 
 /// A connection goes back to the pool after this long out of it, busy or not.
@@ -64,7 +66,7 @@ impl<DB: Database> std::fmt::Debug for Warm<DB> {
 struct Inner<DB: Database> {
     pool: Pool<DB>,
     held: Mutex<Held<DB>>,
-    /// This store's reads waiting in `pool.acquire()`.
+    /// This store's reads and writes waiting in `pool.acquire()`.
     waiting: AtomicUsize,
 }
 
@@ -87,15 +89,15 @@ struct Kept<DB: Database> {
     idle_since: Instant,
 }
 
-/// A connection taken for one read: [`WarmConn::keep`] once the read ran to its end; dropped,
+/// A connection taken for one call: [`WarmConn::keep`] once the call ran to its end; dropped,
 /// it goes back to the pool.
-struct WarmConn<DB: Database> {
+pub(crate) struct WarmConn<DB: Database> {
     conn: Option<PoolConnection<DB>>,
     out_since: Instant,
     home: Arc<Inner<DB>>,
 }
 
-/// Counts a read waiting in the pool, until it got a connection or was dropped.
+/// Counts a call waiting in the pool, until it got a connection or was dropped.
 struct Waiting<'a>(&'a AtomicUsize);
 
 impl Drop for Waiting<'_> {
@@ -172,22 +174,45 @@ impl<DB: Database> Warm<DB> {
     /// write takes the pool's next. Without this, a write that found the pool empty while a
     /// read kept a connection waited until the connection went back after [`HOLD_IDLE`]: 2.1-2.4
     /// ms with a one-connection pool (`docs/performance.md`, "The known-keys hint lost 7 % of
-    /// its keys"). The write's connection goes back to the pool after it, as any pool user's.
-    /// The ping is bounded by the pool's acquire timeout, as the pool's own ping is.
-    pub(crate) async fn for_write(&self) -> Result<PoolConnection<DB>, sqlx::Error> {
-        let pool = &self.inner.pool;
-        if self.inner.waiting.load(Ordering::SeqCst) == 0
-            && let Some(mut kept) = self.kept()
-            && let Some(mut conn) = kept.conn.take()
-            && let Ok(Ok(())) = tokio::time::timeout(
-                pool.options().get_acquire_timeout(),
-                sqlx::Connection::ping(&mut *conn),
-            )
-            .await
+    /// its keys"). The ping is bounded by the pool's acquire timeout, as the pool's own ping is.
+    ///
+    /// A write that ran to its end keeps its connection ([`WarmConn::keep`]) for the next call,
+    /// as a read does, which saves the ping sqlx makes on every connection given back to its
+    /// pool; the next write pings it again here (`docs/performance.md`, "Writes keep their
+    /// connection"). While it waits in the pool it counts as waiting, so no connection is kept
+    /// idle beside it.
+    pub(crate) async fn for_write(&self) -> Result<WarmConn<DB>, sqlx::Error> {
+        let inner = &self.inner;
+        if inner.waiting.load(Ordering::SeqCst) == 0
+            && let Some(conn) = self.pinged_kept().await
         {
             return Ok(conn);
         }
-        pool.acquire().await
+        inner.waiting.fetch_add(1, Ordering::SeqCst);
+        let waiting = Waiting(&inner.waiting);
+        // A call that kept its connection between the first look and this write counting
+        // itself as waiting (as in `wait_in_pool`).
+        if let Some(conn) = self.pinged_kept().await {
+            return Ok(conn);
+        }
+        let conn = inner.pool.acquire().await;
+        drop(waiting);
+        Ok(WarmConn {
+            conn: Some(conn?),
+            out_since: Instant::now(),
+            home: inner.clone(),
+        })
+    }
+
+    /// The most recently kept connection, if there is one and it answers a ping within the
+    /// pool's acquire timeout; one that does not goes back to the pool (which closes it).
+    async fn pinged_kept(&self) -> Option<WarmConn<DB>> {
+        let mut conn = self.kept()?;
+        let timeout = self.inner.pool.options().get_acquire_timeout();
+        match tokio::time::timeout(timeout, sqlx::Connection::ping(&mut *conn)).await {
+            Ok(Ok(())) => Some(conn),
+            _ => None,
+        }
     }
 
     /// A kept connection, or one from the pool.
@@ -235,11 +260,11 @@ impl<DB: Database> Warm<DB> {
 }
 
 impl<DB: Database> WarmConn<DB> {
-    /// The read on this connection ran to its end: keep the connection for the next read,
-    /// unless it has been out of the pool for [`HOLD_MAX`], a read of this store waits in the
+    /// The call on this connection ran to its end: keep the connection for the next call,
+    /// unless it has been out of the pool for [`HOLD_MAX`], a call of this store waits in the
     /// pool, the pool is closed, or there is no tokio runtime to give it back later; then it
     /// goes back to the pool now.
-    fn keep(mut self) {
+    pub(crate) fn keep(mut self) {
         let Some(conn) = self.conn.take() else { return };
         let home = &self.home;
         let back_now = home.waiting.load(Ordering::SeqCst) > 0
@@ -257,7 +282,7 @@ impl<DB: Database> WarmConn<DB> {
             out_since: self.out_since,
             idle_since: Instant::now(),
         });
-        // A read that began to wait in the pool after the look above: a kept connection goes
+        // A call that began to wait in the pool after the look above: a kept connection goes
         // back to the pool for it (the pool wakes its first waiter), none stays kept idle
         // beside it. (Either this sees its count, or its second look finds the connection.)
         if home.waiting.load(Ordering::SeqCst) > 0 {

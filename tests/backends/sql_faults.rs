@@ -68,7 +68,8 @@ macro_rules! sql_fault_tests {
             app_migrations_and_idemflow_migrations_share_a_database
         );
         $crate::sql_faults::sql_fault_tests!(@current_thread $db;
-            a_write_does_not_run_on_a_kept_connection_that_died
+            a_write_does_not_run_on_a_kept_connection_that_died,
+            a_write_after_a_write_does_not_run_on_a_kept_connection_that_died
         );
     };
     (@each $db:ty; $($name:ident),* $(,)?) => {
@@ -324,6 +325,40 @@ pub async fn a_write_does_not_run_on_a_kept_connection_that_died<D: SqlDatabase>
     // The pool's one connection: the read takes it and keeps it.
     let conn = D::connection_id(&store).await;
     assert!(reader.get(&k).await.unwrap().is_some());
+    kill_from_a_thread_of_its_own(&db, conn);
+    // Writes: the claim of a new key, and its finish.
+    finished_key(&reader, "k2").await;
+    assert_ne!(D::connection_id(&store).await, conn);
+    db.drop().await;
+}
+
+/// A write keeps its connection too (as a read does), and the next write pings it first: here
+/// the claim kept the pool's one connection, the server killed it, and the finish must run on
+/// a new one (current-thread runtime, as above). Without the ping the finish fails.
+pub async fn a_write_after_a_write_does_not_run_on_a_kept_connection_that_died<D: SqlDatabase>() {
+    let Some(db) = D::fresh().await else {
+        return;
+    };
+    let store = db.store(1).await;
+    store.migrate().await.unwrap();
+    let writer: Arc<dyn Store> = Arc::new(store.clone());
+    // The pool's one connection: the claim takes it and keeps it.
+    let conn = D::connection_id(&store).await;
+    let k = id(&conformance::unique("warm"), "k");
+    let lease = claimed(&writer, &claim_for(&k, "{}", Duration::from_secs(30))).await;
+    kill_from_a_thread_of_its_own(&db, conn);
+    let record = writer
+        .finish(&k, lease.token, &done(StoredResponse::new(200)))
+        .await
+        .unwrap();
+    assert_eq!(record.state, KeyState::Done);
+    assert_ne!(D::connection_id(&store).await, conn);
+    db.drop().await;
+}
+
+/// Kills the server session `conn` and waits until the server no longer lists it, on a thread
+/// and runtime of its own: the caller's current-thread runtime runs nothing meanwhile.
+fn kill_from_a_thread_of_its_own<D: SqlDatabase>(db: &D, conn: u64) {
     std::thread::scope(|s| {
         s.spawn(|| {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -341,10 +376,6 @@ pub async fn a_write_does_not_run_on_a_kept_connection_that_died<D: SqlDatabase>
         .join()
         .unwrap();
     });
-    // Writes: the claim of a new key, and its finish.
-    finished_key(&reader, "k2").await;
-    assert_ne!(D::connection_id(&store).await, conn);
-    db.drop().await;
 }
 
 /// Two tasks read without a pause through a 2-connection pool; meanwhile a pool user (an

@@ -32,7 +32,7 @@ use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refu
 use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_lease, decode_record};
 use super::sql_core::{self, SqlCore, sql_operator_store};
-use super::warm::Warm;
+use super::warm::{Warm, WarmConn};
 use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeStale};
 use crate::KeyId;
 use crate::error::StoreError;
@@ -178,8 +178,9 @@ impl MySqlStore {
         super::pool::pool_error(BACKEND, &self.pool, e)
     }
 
-    /// A pinged connection for one write (`store::warm`, `Warm::for_write`).
-    async fn write_conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::MySql>, StoreError> {
+    /// A pinged connection for one write (`store::warm`, `Warm::for_write`): `keep()` it once
+    /// the write ran to its end; dropped, it goes back to the pool.
+    async fn write_conn(&self) -> Result<WarmConn<sqlx::MySql>, StoreError> {
         self.warm.for_write().await.map_err(|e| self.err(e))
     }
 
@@ -225,12 +226,16 @@ impl MySqlStore {
         let mut attempt = 0;
         loop {
             attempt += 1;
+            let mut conn = self.write_conn().await?;
             let res = sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, micros, Some(nonce))
                 // All of it: the procedure's result set, then its status.
-                .fetch_all(&mut *self.write_conn().await?)
+                .fetch_all(&mut *conn)
                 .await;
             match res {
-                Ok(rows) => return Ok(rows.into_iter().next()),
+                Ok(rows) => {
+                    conn.keep();
+                    return Ok(rows.into_iter().next());
+                }
                 Err(e) if attempt < LOCK_ATTEMPTS && is_retryable_lock_error(&e) => {
                     tracing::debug!(error = %e, "claim retried after a lock conflict");
                 }
@@ -258,13 +263,14 @@ impl MySqlStore {
             .fetch_all(&mut *tx)
             .await
             .map_err(db)?;
-        if picked.is_empty() {
-            tx.commit().await.map_err(db)?;
-            return Ok(None);
-        }
-        let out = then(&mut tx, &picked).await?;
+        let out = if picked.is_empty() {
+            None
+        } else {
+            Some(then(&mut tx, &picked).await?)
+        };
         tx.commit().await.map_err(db)?;
-        Ok(Some(out))
+        conn.keep();
+        Ok(out)
     }
 }
 
@@ -395,10 +401,12 @@ impl MySqlStore {
         check_finish(mode, finish.to)?;
         // The update and the read-back share a transaction inside the procedure, so the row
         // returned is the one written (the update's row lock is held until commit).
+        let mut conn = self.write_conn().await?;
         let rows = sql_core::bind_finish(sqlx::query(sql::FINISH), id, mode, finish)
-            .fetch_all(&mut *self.write_conn().await?)
+            .fetch_all(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
+        conn.keep();
         match rows.first() {
             Some(row) => decode_record(row),
             None => Err(refused_write(self, id, mode.presented()).await),
@@ -410,16 +418,18 @@ impl MySqlStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
+        let mut conn = self.write_conn().await?;
         let exp: Option<Option<NaiveDateTime>> = sqlx::query_scalar(sql::EXTEND)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .bind(token.0)
             .bind(micros(lease))
-            .fetch_all(&mut *self.write_conn().await?)
+            .fetch_all(&mut *conn)
             .await
             .map_err(|e| self.err(e))?
             .into_iter()
             .next();
+        conn.keep();
         match exp {
             Some(exp) => exp
                 .map(|t| t.and_utc())
@@ -547,6 +557,7 @@ impl Store for MySqlStore {
         token: LeaseToken,
         release: &Release,
     ) -> Result<(), StoreError> {
+        let mut conn = self.write_conn().await?;
         let done = sqlx::query(sql::RELEASE)
             .bind(release.recheck_after.map(micros))
             .bind(release.error.as_deref())
@@ -557,18 +568,21 @@ impl Store for MySqlStore {
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .bind(token.0)
-            .execute(&mut *self.write_conn().await?)
+            .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
+        conn.keep();
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
     #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
+        let mut conn = self.write_conn().await?;
         let done = sql_core::bind_fence(sqlx::query(sql::MARK_ATTEMPT), id, token)
-            .execute(&mut *self.write_conn().await?)
+            .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
+        conn.keep();
         fenced_write(self, id, token, done.rows_affected()).await
     }
 

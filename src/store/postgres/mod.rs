@@ -32,7 +32,7 @@ use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refu
 use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_lease, decode_record};
 use super::sql_core::{self, SqlCore, sql_operator_store};
-use super::warm::Warm;
+use super::warm::{Warm, WarmConn};
 use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeStale};
 use crate::KeyId;
 use crate::error::StoreError;
@@ -147,8 +147,9 @@ impl PostgresStore {
         super::pool::pool_error(BACKEND, &self.pool, e)
     }
 
-    /// A pinged connection for one write (`store::warm`, `Warm::for_write`).
-    async fn write_conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
+    /// A pinged connection for one write (`store::warm`, `Warm::for_write`): `keep()` it once
+    /// the write ran to its end; dropped, it goes back to the pool.
+    async fn write_conn(&self) -> Result<WarmConn<sqlx::Postgres>, StoreError> {
         self.warm.for_write().await.map_err(|e| self.err(e))
     }
 
@@ -275,10 +276,12 @@ impl PostgresStore {
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
         check_finish(mode, finish.to)?;
+        let mut conn = self.write_conn().await?;
         let row = finish_query(id, mode, finish)
-            .fetch_optional(&mut *self.write_conn().await?)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
+        conn.keep();
         match row {
             Some(row) => decode_record(&row),
             None => Err(refused_write(self, id, mode.presented()).await),
@@ -323,7 +326,9 @@ impl Store for PostgresStore {
         }
         self.known.insert(known_keys::of(&claim.id));
         let mut conn = self.write_conn().await?;
-        claim_on(&mut conn, claim).await
+        let outcome = claim_on(&mut conn, claim).await?;
+        conn.keep();
+        Ok(outcome)
     }
 
     async fn finish(
@@ -342,6 +347,7 @@ impl Store for PostgresStore {
         token: LeaseToken,
         release: &Release,
     ) -> Result<(), StoreError> {
+        let mut conn = self.write_conn().await?;
         let done = sqlx::query(sql::RELEASE)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
@@ -350,18 +356,21 @@ impl Store for PostgresStore {
             .bind(release.error.as_deref())
             .bind(release.actor.as_str())
             .bind(&release.reason)
-            .execute(&mut *self.write_conn().await?)
+            .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
+        conn.keep();
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
     #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
+        let mut conn = self.write_conn().await?;
         let done = sql_core::bind_fence(sqlx::query(sql::MARK_ATTEMPT), id, token)
-            .execute(&mut *self.write_conn().await?)
+            .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
+        conn.keep();
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
@@ -372,14 +381,16 @@ impl Store for PostgresStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
+        let mut conn = self.write_conn().await?;
         let exp: Option<DateTime<Utc>> = sqlx::query_scalar(sql::EXTEND)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .bind(token.0)
             .bind(ms(lease))
-            .fetch_optional(&mut *self.write_conn().await?)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
+        conn.keep();
         match exp {
             Some(exp) => Ok(exp),
             None => Err(refused_write(self, id, Some(token)).await),
@@ -393,12 +404,14 @@ impl Store for PostgresStore {
     /// Sets `waiters` on the key while it is processing: the write that ends its attempt then
     /// NOTIFYs `idemflow_key_ends` (the trigger of migration `announce_ends`).
     async fn announce_end(&self, id: &KeyId) -> Result<bool, StoreError> {
+        let mut conn = self.write_conn().await?;
         sqlx::query(sql::ANNOUNCE_END)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
-            .execute(&mut *self.write_conn().await?)
+            .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
+        conn.keep();
         Ok(true)
     }
 
@@ -473,23 +486,27 @@ async fn listen(
 impl SweeperStore for PostgresStore {
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
+        let mut conn = self.write_conn().await?;
         let rows = sqlx::query(sql::TAKE_STALE)
             .bind(&take.owner)
             .bind(ms(take.lease))
             .bind(i64::from(take.limit))
-            .fetch_all(&mut *self.write_conn().await?)
+            .fetch_all(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
+        conn.keep();
         rows.iter().map(decode_record).collect()
     }
 
     #[instrument(name = "idemflow.purge", skip(self), fields(backend = BACKEND), err)]
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let mut conn = self.write_conn().await?;
         let done = sqlx::query(sql::PURGE)
             .bind(i64::from(batch))
-            .execute(&mut *self.write_conn().await?)
+            .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
+        conn.keep();
         Ok(done.rows_affected())
     }
 
