@@ -5,6 +5,11 @@
 //! 1 and 64 callers; each new key writes one order row. Run with
 //! `cargo bench --bench one_commit` (`IDEMFLOW_BENCH_N`, default 2,000 keys per measurement).
 //! Issue 23's targets: >= 0.9x the floor with 1 caller, >= 4x with 64 (group commit).
+//!
+//! With `IDEMFLOW_BENCH_POSTGRES_URL` set (and feature `postgres`), the same on PostgreSQL, in a
+//! schema of its own dropped afterwards: `PostgresStore::atomic_phase` against the seed's one
+//! transaction on raw sqlx, both on pools of 16 connections (the store's default; the floor's
+//! pool pings nothing before handing a connection over). No target; for the record.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -165,6 +170,58 @@ fn ours_op(
     }
 }
 
+/// Measures `ours` and `floor` at `conc` callers, twice each, alternating (so a slow stretch of
+/// the disk hits both), and prints the best-of-two ratio against `target`, if any.
+async fn compare<O, F>(n: usize, conc: usize, target: Option<f64>, ours: O, floor: F)
+where
+    O: Fn(usize) -> Box<dyn Fn(usize) -> BoxFut + Send + Sync>,
+    F: Fn(usize) -> Box<dyn Fn(usize) -> BoxFut + Send + Sync>,
+{
+    let mut ours_best: Option<Stats> = None;
+    let mut floor_best: Option<Stats> = None;
+    println!("  {conc} caller(s)");
+    for round in 0..2 {
+        let l = load();
+        let s = measure(n, conc, ours(round)).await;
+        line("idemflow execute_atomic()", &s, &l);
+        if ours_best.as_ref().is_none_or(|b| s.ops_per_s > b.ops_per_s) {
+            ours_best = Some(s);
+        }
+        let l = load();
+        let s = measure(n, conc, floor(round)).await;
+        line("floor: the seed's one transaction (sqlx)", &s, &l);
+        if floor_best
+            .as_ref()
+            .is_none_or(|b| s.ops_per_s > b.ops_per_s)
+        {
+            floor_best = Some(s);
+        }
+    }
+    let (o, f) = (ours_best.unwrap(), floor_best.unwrap());
+    let ratio = o.ops_per_s / f.ops_per_s;
+    match target {
+        Some(target) => println!(
+            "    best of two: idemflow / floor = {ratio:.2}x (target >= {target}x: {})",
+            if ratio >= target { "met" } else { "missed" }
+        ),
+        None => println!("    best of two: idemflow / floor = {ratio:.2}x"),
+    }
+}
+
+fn runtime(conc: usize) -> tokio::runtime::Runtime {
+    if conc == 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+}
+
 fn main() {
     let n: usize = std::env::var("IDEMFLOW_BENCH_N")
         .ok()
@@ -172,21 +229,8 @@ fn main() {
         .unwrap_or(2_000);
     let dir = tempfile::tempdir().unwrap();
     println!("one commit for local work: SQLite WAL, synchronous=FULL, N = {n} new keys each");
-    let mut run = 0;
     for conc in [1usize, 64] {
-        let rt = if conc == 1 {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-        } else {
-            tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-        };
-        rt.block_on(async {
-            run += 1;
+        runtime(conc).block_on(async {
             let path = dir.path().join(format!("ours-{conc}.db"));
             let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
                 .await
@@ -198,39 +242,173 @@ fn main() {
                 .unwrap();
             let idem = Idempotency::new(Arc::new(store.clone()));
             let floor = floor_pool(&dir.path().join(format!("floor-{conc}.db"))).await;
-            // Alternate, twice each, so a slow stretch of the disk hits both.
-            let mut ours_best: Option<Stats> = None;
-            let mut floor_best: Option<Stats> = None;
-            println!("  {conc} caller(s)");
-            for round in 0..2 {
-                let l = load();
-                let s = measure(
+            let target = if conc == 1 { 0.9 } else { 4.0 };
+            compare(
+                n,
+                conc,
+                Some(target),
+                |round| Box::new(ours_op(idem.clone(), store.clone(), conc * 10 + round)),
+                |round| Box::new(floor_op(floor.clone(), conc * 10 + round)),
+            )
+            .await;
+        });
+    }
+    #[cfg(feature = "postgres")]
+    if let Some(url) = std::env::var("IDEMFLOW_BENCH_POSTGRES_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+    {
+        pg::run(&url, n);
+    }
+}
+
+#[cfg(feature = "postgres")]
+mod pg {
+    use super::*;
+    use idemflow::store::PoolOptions;
+    use idemflow::store::postgres::PostgresStore;
+    use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+    use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
+    use std::str::FromStr;
+
+    const POOL: u32 = 16;
+
+    fn schema() -> String {
+        format!("idemflow_bench_one_commit_{}", std::process::id())
+    }
+
+    pub fn run(url: &str, n: usize) {
+        println!(
+            "\none commit for local work: PostgreSQL, synchronous_commit as the server has it, \
+             N = {n} new keys each, pools of {POOL}"
+        );
+        runtime(1).block_on(async {
+            let mut c = PgConnection::connect(url).await.unwrap();
+            c.execute(AssertSqlSafe(format!("CREATE SCHEMA {}", schema())))
+                .await
+                .unwrap();
+        });
+        for conc in [1usize, 64] {
+            runtime(conc).block_on(async {
+                let sep = if url.contains('?') { '&' } else { '?' };
+                let store = PostgresStore::connect_with(
+                    &format!("{url}{sep}options=-c%20search_path%3D{}", schema()),
+                    PoolOptions::default().max_connections(POOL),
+                )
+                .await
+                .unwrap();
+                store.migrate().await.unwrap();
+                let floor = PgPoolOptions::new()
+                    .max_connections(POOL)
+                    .test_before_acquire(false)
+                    .connect_with(
+                        PgConnectOptions::from_str(url)
+                            .unwrap()
+                            .options([("search_path", schema().as_str())]),
+                    )
+                    .await
+                    .unwrap();
+                for sql in [
+                    "CREATE TABLE IF NOT EXISTS orders (id text PRIMARY KEY, amount bigint NOT \
+                     NULL, created_at bigint)",
+                    "CREATE TABLE IF NOT EXISTS floor_orders (id text PRIMARY KEY, amount bigint \
+                     NOT NULL, created_at bigint)",
+                    "CREATE TABLE IF NOT EXISTS raw_keys (scope text NOT NULL, key text NOT \
+                     NULL, state text NOT NULL, fingerprint text NOT NULL, response bytea, \
+                     expires_at timestamptz NOT NULL, PRIMARY KEY (scope, key))",
+                ] {
+                    sqlx::query(sql).execute(&floor).await.unwrap();
+                }
+                let idem = Idempotency::new(Arc::new(store.clone()));
+                compare(
                     n,
                     conc,
-                    ours_op(idem.clone(), store.clone(), run * 10 + round),
+                    None,
+                    |round| Box::new(ours_op(idem.clone(), store.clone(), conc * 10 + round)),
+                    |round| Box::new(floor_op(floor.clone(), conc * 10 + round)),
                 )
                 .await;
-                line("idemflow execute_atomic()", &s, &l);
-                if ours_best.as_ref().is_none_or(|b| s.ops_per_s > b.ops_per_s) {
-                    ours_best = Some(s);
-                }
-                let l = load();
-                let s = measure(n, conc, floor_op(floor.clone(), run * 10 + round)).await;
-                line("floor: the seed's one transaction (sqlx)", &s, &l);
-                if floor_best
-                    .as_ref()
-                    .is_none_or(|b| s.ops_per_s > b.ops_per_s)
-                {
-                    floor_best = Some(s);
-                }
-            }
-            let (o, f) = (ours_best.unwrap(), floor_best.unwrap());
-            let target = if conc == 1 { 0.9 } else { 4.0 };
-            let ratio = o.ops_per_s / f.ops_per_s;
-            println!(
-                "    best of two: idemflow / floor = {ratio:.2}x (target >= {target}x: {})",
-                if ratio >= target { "met" } else { "missed" }
-            );
+                store.pool().close().await;
+                floor.close().await;
+            });
+        }
+        runtime(1).block_on(async {
+            let mut c = PgConnection::connect(url).await.unwrap();
+            c.execute(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", schema())))
+                .await
+                .unwrap();
         });
+    }
+
+    /// The seed's design on PostgreSQL: one transaction per new key.
+    fn floor_op(pool: PgPool, run: usize) -> impl Fn(usize) -> BoxFut + Send + Sync + 'static {
+        move |i| {
+            let pool = pool.clone();
+            Box::pin(async move {
+                let key = format!("{run}-{i}");
+                let mut tx = pool.begin().await.unwrap();
+                let claimed = sqlx::query(
+                    "INSERT INTO raw_keys (scope, key, state, fingerprint, expires_at) \
+                     VALUES ('raw', $1, 'processing', 'v1:x', now() + interval '1 day') \
+                     ON CONFLICT DO NOTHING",
+                )
+                .bind(&key)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+                assert_eq!(claimed.rows_affected(), 1);
+                sqlx::query(
+                    "INSERT INTO floor_orders (id, amount, created_at) VALUES ($1, 1999, 0)",
+                )
+                .bind(&key)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+                sqlx::query(
+                    "UPDATE raw_keys SET state = 'done', response = $2 \
+                     WHERE scope = 'raw' AND key = $1",
+                )
+                .bind(&key)
+                .bind(BODY)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+                tx.commit().await.unwrap();
+            })
+        }
+    }
+
+    fn ours_op(
+        idem: Idempotency,
+        store: PostgresStore,
+        run: usize,
+    ) -> impl Fn(usize) -> BoxFut + Send + Sync + 'static {
+        move |i| {
+            let (idem, store) = (idem.clone(), store.clone());
+            Box::pin(async move {
+                let key = format!("{run}-{i}");
+                let request = IdempotentRequest::new(
+                    "bench",
+                    &key,
+                    "orders.create",
+                    &serde_json::json!({"amount": 1999, "key": key}),
+                )
+                .unwrap();
+                let phase = store.atomic_phase(move |conn| {
+                    let key = key.clone();
+                    Box::pin(async move {
+                        sqlx::query(
+                            "INSERT INTO orders (id, amount, created_at) VALUES ($1, 1999, 0)",
+                        )
+                        .bind(&key)
+                        .execute(&mut *conn)
+                        .await?;
+                        Ok(StoredResponse::new(201).with_body(BODY))
+                    })
+                });
+                let done = idem.execute_atomic(request, phase).await.unwrap();
+                assert!(matches!(done, Execution::Executed(_)));
+            })
+        }
     }
 }

@@ -256,13 +256,13 @@ impl<DB: sqlx::Database> Clone for PooledOps<DB> {
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 impl<DB: sqlx::Database> Copy for PooledOps<DB> {}
 
-/// The atomic phase of a pooled SQL store (PostgreSQL, MariaDB/MySQL): `BEGIN` on a pooled
-/// connection, the key's claim, the application's writes, the answer's checks, the key's
+/// The atomic phase of a pooled SQL store (PostgreSQL, MariaDB/MySQL): `BEGIN` on a pinged
+/// connection (the store's kept one, or one from its pool: `store::warm`), the key's claim, the application's writes, the answer's checks, the key's
 /// record (each backend's [`RecordStep`]), `COMMIT`; run [`detached`]. Any failure drops the
 /// transaction, which rolls back.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) struct PooledPhase<DB: sqlx::Database, F> {
-    pub(crate) pool: sqlx::Pool<DB>,
+    pub(crate) warm: crate::store::warm::Warm<DB>,
     pub(crate) writes: F,
     pub(crate) ops: PooledOps<DB>,
 }
@@ -285,7 +285,7 @@ where
         prepare: Prepare,
     ) -> Result<OneCommit, PhaseError> {
         use crate::store::ClaimOutcome;
-        let PooledPhase { pool, writes, ops } = *self;
+        let PooledPhase { warm, writes, ops } = *self;
         let claim = claim.clone();
         let backend = ops.backend;
         let failed = move |e: sqlx::Error| PhaseError::Store(StoreError::database(backend, e));
@@ -295,7 +295,7 @@ where
             // next one commits the claim with the refusal's answer only.
             let mut refused: Option<StoredResponse> = None;
             for attempt in 1..=4 {
-                let mut conn = acquire(&pool, &ops).await?;
+                let mut conn = acquire(&warm, &ops).await?;
                 // A dropped transaction rolls back (also on every early return below).
                 let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(failed)?;
                 let lease = match (ops.claim)(&mut *tx, &claim).await {
@@ -331,6 +331,8 @@ where
                     return Err(own_claim_gone(backend, &claim.id));
                 }
                 tx.commit().await.map_err(failed)?;
+                // Committed: the connection is kept for the store's next call.
+                conn.keep();
                 return Ok(if reason == REFUSED_REASON {
                     OneCommit::Refused(answer)
                 } else {
@@ -349,19 +351,20 @@ where
     }
 }
 
-/// A pooled connection for a phase, with the store's statement before `BEGIN` run on it.
+/// A pinged connection for a phase (as for any write: `Warm::for_write`), with the store's
+/// statement before `BEGIN` run on it.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 async fn acquire<DB>(
-    pool: &sqlx::Pool<DB>,
+    warm: &crate::store::warm::Warm<DB>,
     ops: &PooledOps<DB>,
-) -> Result<sqlx::pool::PoolConnection<DB>, PhaseError>
+) -> Result<crate::store::warm::WarmConn<DB>, PhaseError>
 where
     DB: sqlx::Database,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
 {
     let backend = ops.backend;
     let failed = move |e: sqlx::Error| PhaseError::Store(StoreError::database(backend, e));
-    let mut conn = pool.acquire().await.map_err(failed)?;
+    let mut conn = warm.for_write().await.map_err(failed)?;
     if let Some(sql) = ops.before_begin {
         sqlx::raw_sql(sql)
             .execute(&mut *conn)

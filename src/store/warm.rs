@@ -13,20 +13,20 @@
 //! connection from the pool (which sqlx pings, and replaces when it is dead), whatever the
 //! failure and wherever the first connection came from; the caller sees the second attempt's
 //! result. A write may not be run twice that way (a connection that died while the statement
-//! ran leaves its fate unknown), so claims, finishes and every other write run on a pinged
-//! connection ([`Warm::for_write`]): a kept one pinged first, as sqlx pings the connections its
-//! pool hands out, or one from the pool. A write that ran to its end keeps its connection too
-//! (`docs/performance.md`, "Reverted: a stale connection that ran a handler twice", "Kept
-//! connections for reads", "The known-keys hint lost 7 % of its keys" and "Writes keep their
-//! connection").
+//! ran leaves its fate unknown), so claims, finishes, atomic phases and every other write run
+//! on a pinged connection ([`Warm::for_write`]): a kept one pinged first, as sqlx pings the
+//! connections its pool hands out, or one from the pool. A write that ran to its end keeps its
+//! connection too (`docs/performance.md`, "Reverted: a stale connection that ran a handler
+//! twice", "Kept connections for reads", "The known-keys hint lost 7 % of its keys" and
+//! "Writes keep their connection").
 //!
 //! Kept connections go back to the pool after [`HOLD_IDLE`] without a call, and a connection
 //! goes back after [`HOLD_MAX`] out of the pool however busy the store is, so that callers
-//! waiting in the pool (the sweeper's transactions, an atomic phase, an application using
-//! `pool()`) get their turn: the pool serves its waiters in order. While one of this store's
-//! calls waits in the pool, no read takes a kept connection and none is kept. `Pool::close`
-//! therefore waits at most about [`HOLD_IDLE`] for the kept ones. The same rule as the SQLite
-//! writer's held connection (`store::sqlite::writer`).
+//! waiting in the pool (an application using `pool()`, the operator commands) get their turn:
+//! the pool serves its waiters in order. While one of this store's calls waits in the pool, no
+//! read takes a kept connection and none is kept. `Pool::close` therefore waits at most about
+//! [`HOLD_IDLE`] for the kept ones. The same rule as the SQLite writer's held connection
+//! (`store::sqlite::writer`).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -22,7 +22,7 @@ impl MySqlStore {
         F: for<'c> FnOnce(&'c mut MySqlConnection) -> WritesFuture<'c> + Send + 'static,
     {
         PooledPhase {
-            pool: self.pool().clone(),
+            warm: self.warm.clone(),
             writes,
             ops: PooledOps {
                 backend: BACKEND,

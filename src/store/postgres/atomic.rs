@@ -38,7 +38,7 @@ impl PostgresStore {
         F: for<'c> FnOnce(&'c mut PgConnection) -> WritesFuture<'c> + Send + 'static,
     {
         PooledPhase {
-            pool: self.pool.clone(),
+            warm: self.warm.clone(),
             writes,
             ops: PooledOps {
                 backend: BACKEND,
