@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use idemflow::store::phase::AtomicPhase;
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{Execution, Idempotency, IdempotentRequest, Store, StoredResponse};
 use sqlx::sqlite::{
@@ -138,13 +139,20 @@ fn floor_op(pool: SqlitePool, run: usize) -> impl Fn(usize) -> BoxFut + Send + S
     }
 }
 
-fn ours_op(
+/// A new key through `execute_atomic` whose phase, made by `phase` from the key, writes one
+/// order row.
+fn ours_op<P, M>(
     idem: Idempotency,
-    store: SqliteStore,
     run: usize,
-) -> impl Fn(usize) -> BoxFut + Send + Sync + 'static {
+    phase: M,
+) -> impl Fn(usize) -> BoxFut + Send + Sync + 'static
+where
+    P: AtomicPhase + 'static,
+    M: Fn(String) -> P + Send + Sync + 'static,
+{
+    let phase = Arc::new(phase);
     move |i| {
-        let (idem, store) = (idem.clone(), store.clone());
+        let (idem, phase) = (idem.clone(), phase.clone());
         Box::pin(async move {
             let key = format!("{run}-{i}");
             let request = IdempotentRequest::new(
@@ -154,41 +162,50 @@ fn ours_op(
                 &serde_json::json!({"amount": 1999, "key": key}),
             )
             .unwrap();
-            let phase = store.atomic_phase(move |conn| {
-                let key = key.clone();
-                Box::pin(async move {
-                    sqlx::query("INSERT INTO orders (id, amount, created_at) VALUES (?1, 1999, 0)")
-                        .bind(&key)
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok(StoredResponse::new(201).with_body(BODY))
-                })
-            });
-            let done = idem.execute_atomic(request, phase).await.unwrap();
+            let done = idem.execute_atomic(request, phase(key)).await.unwrap();
             assert!(matches!(done, Execution::Executed(_)));
         })
     }
 }
 
+/// The SQLite phase: the order's row, in the key's transaction.
+fn sqlite_phase(store: SqliteStore) -> impl Fn(String) -> Box<dyn AtomicPhase> + Send + Sync {
+    move |key| {
+        Box::new(store.atomic_phase(move |conn| {
+            let key = key.clone();
+            Box::pin(async move {
+                sqlx::query("INSERT INTO orders (id, amount, created_at) VALUES (?1, 1999, 0)")
+                    .bind(&key)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(StoredResponse::new(201).with_body(BODY))
+            })
+        }))
+    }
+}
+
 /// Measures `ours` and `floor` at `conc` callers, twice each, alternating (so a slow stretch of
 /// the disk hits both), and prints the best-of-two ratio against `target`, if any.
-async fn compare<O, F>(n: usize, conc: usize, target: Option<f64>, ours: O, floor: F)
+/// `ours(run)` and `floor(run)` make the operation of a measurement (`run` tells its keys apart).
+async fn compare<O, F, OO, FO>(n: usize, conc: usize, target: Option<f64>, ours: O, floor: F)
 where
-    O: Fn(usize) -> Box<dyn Fn(usize) -> BoxFut + Send + Sync>,
-    F: Fn(usize) -> Box<dyn Fn(usize) -> BoxFut + Send + Sync>,
+    O: Fn(usize) -> OO,
+    F: Fn(usize) -> FO,
+    OO: Fn(usize) -> BoxFut + Send + Sync + 'static,
+    FO: Fn(usize) -> BoxFut + Send + Sync + 'static,
 {
     let mut ours_best: Option<Stats> = None;
     let mut floor_best: Option<Stats> = None;
     println!("  {conc} caller(s)");
     for round in 0..2 {
         let l = load();
-        let s = measure(n, conc, ours(round)).await;
+        let s = measure(n, conc, ours(conc * 10 + round)).await;
         line("idemflow execute_atomic()", &s, &l);
         if ours_best.as_ref().is_none_or(|b| s.ops_per_s > b.ops_per_s) {
             ours_best = Some(s);
         }
         let l = load();
-        let s = measure(n, conc, floor(round)).await;
+        let s = measure(n, conc, floor(conc * 10 + round)).await;
         line("floor: the seed's one transaction (sqlx)", &s, &l);
         if floor_best
             .as_ref()
@@ -247,8 +264,8 @@ fn main() {
                 n,
                 conc,
                 Some(target),
-                |round| Box::new(ours_op(idem.clone(), store.clone(), conc * 10 + round)),
-                |round| Box::new(floor_op(floor.clone(), conc * 10 + round)),
+                |run| ours_op(idem.clone(), run, sqlite_phase(store.clone())),
+                |run| floor_op(floor.clone(), run),
             )
             .await;
         });
@@ -324,8 +341,8 @@ mod pg {
                     n,
                     conc,
                     None,
-                    |round| Box::new(ours_op(idem.clone(), store.clone(), conc * 10 + round)),
-                    |round| Box::new(floor_op(floor.clone(), conc * 10 + round)),
+                    |run| ours_op(idem.clone(), run, pg_phase(store.clone())),
+                    |run| floor_op(floor.clone(), run),
                 )
                 .await;
                 store.pool().close().await;
@@ -378,37 +395,18 @@ mod pg {
         }
     }
 
-    fn ours_op(
-        idem: Idempotency,
-        store: PostgresStore,
-        run: usize,
-    ) -> impl Fn(usize) -> BoxFut + Send + Sync + 'static {
-        move |i| {
-            let (idem, store) = (idem.clone(), store.clone());
-            Box::pin(async move {
-                let key = format!("{run}-{i}");
-                let request = IdempotentRequest::new(
-                    "bench",
-                    &key,
-                    "orders.create",
-                    &serde_json::json!({"amount": 1999, "key": key}),
-                )
-                .unwrap();
-                let phase = store.atomic_phase(move |conn| {
-                    let key = key.clone();
-                    Box::pin(async move {
-                        sqlx::query(
-                            "INSERT INTO orders (id, amount, created_at) VALUES ($1, 1999, 0)",
-                        )
+    /// The PostgreSQL phase: the order's row, in the key's transaction.
+    fn pg_phase(store: PostgresStore) -> impl Fn(String) -> Box<dyn AtomicPhase> + Send + Sync {
+        move |key| {
+            Box::new(store.atomic_phase(move |conn| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO orders (id, amount, created_at) VALUES ($1, 1999, 0)")
                         .bind(&key)
                         .execute(&mut *conn)
                         .await?;
-                        Ok(StoredResponse::new(201).with_body(BODY))
-                    })
-                });
-                let done = idem.execute_atomic(request, phase).await.unwrap();
-                assert!(matches!(done, Execution::Executed(_)));
-            })
+                    Ok(StoredResponse::new(201).with_body(BODY))
+                })
+            }))
         }
     }
 }

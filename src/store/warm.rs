@@ -97,6 +97,15 @@ pub(crate) struct WarmConn<DB: Database> {
     home: Arc<Inner<DB>>,
 }
 
+/// Whether a call about to wait in the pool looks for a kept connection first (a read: as it
+/// is; a write: pinged).
+#[derive(Clone, Copy)]
+enum Look {
+    No,
+    Kept,
+    Pinged,
+}
+
 /// Counts a call waiting in the pool, until it got a connection or was dropped.
 struct Waiting<'a>(&'a AtomicUsize);
 
@@ -139,7 +148,7 @@ impl<DB: Database> Warm<DB> {
         }
         // Back to the pool, which pings it and closes it when it is dead.
         drop(conn);
-        let mut conn = self.wait_in_pool(false).await?;
+        let mut conn = self.wait_in_pool(Look::No).await?;
         let v = run(&mut conn).await?;
         conn.keep();
         Ok(v)
@@ -182,26 +191,12 @@ impl<DB: Database> Warm<DB> {
     /// connection"). While it waits in the pool it counts as waiting, so no connection is kept
     /// idle beside it.
     pub(crate) async fn for_write(&self) -> Result<WarmConn<DB>, sqlx::Error> {
-        let inner = &self.inner;
-        if inner.waiting.load(Ordering::SeqCst) == 0
+        if self.inner.waiting.load(Ordering::SeqCst) == 0
             && let Some(conn) = self.pinged_kept().await
         {
             return Ok(conn);
         }
-        inner.waiting.fetch_add(1, Ordering::SeqCst);
-        let waiting = Waiting(&inner.waiting);
-        // A call that kept its connection between the first look and this write counting
-        // itself as waiting (as in `wait_in_pool`).
-        if let Some(conn) = self.pinged_kept().await {
-            return Ok(conn);
-        }
-        let conn = inner.pool.acquire().await;
-        drop(waiting);
-        Ok(WarmConn {
-            conn: Some(conn?),
-            out_since: Instant::now(),
-            home: inner.clone(),
-        })
+        self.wait_in_pool(Look::Pinged).await
     }
 
     /// The most recently kept connection, if there is one and it answers a ping within the
@@ -222,18 +217,22 @@ impl<DB: Database> Warm<DB> {
         {
             return Ok(conn);
         }
-        self.wait_in_pool(true).await
+        self.wait_in_pool(Look::Kept).await
     }
 
-    /// A connection from the pool (pinged), counted as waiting while it waits. With `or_kept`,
-    /// a read that kept its connection between the caller's first look and this read counting
-    /// itself as waiting gives that one instead (rather than this read waiting in the pool
-    /// beside it).
-    async fn wait_in_pool(&self, or_kept: bool) -> Result<WarmConn<DB>, sqlx::Error> {
+    /// A connection from the pool (pinged), counted as waiting while it waits. First, as `look`
+    /// says, a connection that a call kept between the caller's first look and this one counting
+    /// itself as waiting (rather than this call waiting in the pool beside it).
+    async fn wait_in_pool(&self, look: Look) -> Result<WarmConn<DB>, sqlx::Error> {
         let inner = &self.inner;
         inner.waiting.fetch_add(1, Ordering::SeqCst);
         let waiting = Waiting(&inner.waiting);
-        if or_kept && let Some(conn) = self.kept() {
+        let kept = match look {
+            Look::No => None,
+            Look::Kept => self.kept(),
+            Look::Pinged => self.pinged_kept().await,
+        };
+        if let Some(conn) = kept {
             return Ok(conn);
         }
         let conn = inner.pool.acquire().await;
