@@ -257,9 +257,10 @@ impl<DB: sqlx::Database> Clone for PooledOps<DB> {
 impl<DB: sqlx::Database> Copy for PooledOps<DB> {}
 
 /// The atomic phase of a pooled SQL store (PostgreSQL, MariaDB/MySQL): `BEGIN` on a pinged
-/// connection (the store's kept one, or one from its pool: `store::warm`), the key's claim, the application's writes, the answer's checks, the key's
-/// record (each backend's [`RecordStep`]), `COMMIT`; run [`detached`]. Any failure drops the
-/// transaction, which rolls back.
+/// connection (the store's kept one, or one from its pool: `store::warm`), the key's claim, the
+/// application's writes, the answer's checks, the key's record (each backend's [`RecordStep`]),
+/// `COMMIT`; run [`detached`]. Any failure drops the transaction, which rolls back; after a
+/// commit the connection is kept for the store's next call.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) struct PooledPhase<DB: sqlx::Database, F> {
     pub(crate) warm: crate::store::warm::Warm<DB>,
