@@ -244,6 +244,9 @@ pub(crate) struct PooledOps<DB: sqlx::Database> {
     /// Whether a claim's error rolled its transaction back whole and may be tried again in a
     /// new one (a lock conflict; nothing else had run in it).
     pub(crate) claim_again: fn(&StoreError) -> bool,
+    /// Whether the connection is kept for the store's next call once the phase committed
+    /// (`store::warm`; PostgreSQL), or goes back to the pool (MariaDB/MySQL).
+    pub(crate) keep_after_commit: bool,
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -260,7 +263,7 @@ impl<DB: sqlx::Database> Copy for PooledOps<DB> {}
 /// connection (the store's kept one, or one from its pool: `store::warm`), the key's claim, the
 /// application's writes, the answer's checks, the key's record (each backend's [`RecordStep`]),
 /// `COMMIT`; run [`detached`]. Any failure drops the transaction, which rolls back; after a
-/// commit the connection is kept for the store's next call.
+/// commit the connection is kept for the store's next call where the store says so.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) struct PooledPhase<DB: sqlx::Database, F> {
     pub(crate) warm: crate::store::warm::Warm<DB>,
@@ -332,8 +335,9 @@ where
                     return Err(own_claim_gone(backend, &claim.id));
                 }
                 tx.commit().await.map_err(failed)?;
-                // Committed: the connection is kept for the store's next call.
-                conn.keep();
+                if ops.keep_after_commit {
+                    conn.keep();
+                }
                 return Ok(if reason == REFUSED_REASON {
                     OneCommit::Refused(answer)
                 } else {

@@ -15,8 +15,8 @@
 //! result. A write may not be run twice that way (a connection that died while the statement
 //! ran leaves its fate unknown), so claims, finishes, atomic phases and every other write run
 //! on a pinged connection ([`Warm::for_write`]): a kept one pinged first, as sqlx pings the
-//! connections its pool hands out, or one from the pool. A write that ran to its end keeps its
-//! connection too (`docs/performance.md`, "Reverted: a stale connection that ran a handler
+//! connections its pool hands out, or one from the pool. A PostgreSQL write that ran to its end
+//! keeps its connection too; MariaDB's give theirs back (`docs/performance.md`, "Reverted: a stale connection that ran a handler
 //! twice", "Kept connections for reads", "The known-keys hint lost 7 % of its keys" and
 //! "Writes keep their connection").
 //!
@@ -185,8 +185,8 @@ impl<DB: Database> Warm<DB> {
     /// ms with a one-connection pool (`docs/performance.md`, "The known-keys hint lost 7 % of
     /// its keys"). The ping is bounded by the pool's acquire timeout, as the pool's own ping is.
     ///
-    /// A write that ran to its end keeps its connection ([`WarmConn::keep`]) for the next call,
-    /// as a read does, which saves the ping sqlx makes on every connection given back to its
+    /// A PostgreSQL write that ran to its end keeps its connection ([`WarmConn::keep`]) for the
+    /// next call, as a read does, which saves the ping sqlx makes on every connection given back to its
     /// pool; the next write pings it again here (`docs/performance.md`, "Writes keep their
     /// connection"). While it waits in the pool it counts as waiting, so no connection is kept
     /// idle beside it.

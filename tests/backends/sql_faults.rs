@@ -332,9 +332,10 @@ pub async fn a_write_does_not_run_on_a_kept_connection_that_died<D: SqlDatabase>
     db.drop().await;
 }
 
-/// A write keeps its connection too (as a read does), and the next write pings it first: here
-/// the claim kept the pool's one connection, the server killed it, and the finish must run on
-/// a new one (current-thread runtime, as above). Without the ping the finish fails.
+/// A PostgreSQL write keeps its connection too (as a read does), and the next write pings it
+/// first: here the claim kept the pool's one connection, the server killed it, and the finish
+/// must run on a new one (current-thread runtime, as above). Without the ping the finish fails.
+/// (MariaDB's writes give their connection back to the pool, whose ping finds it dead.)
 pub async fn a_write_after_a_write_does_not_run_on_a_kept_connection_that_died<D: SqlDatabase>() {
     let Some(db) = D::fresh().await else {
         return;

@@ -178,8 +178,10 @@ impl MySqlStore {
         super::pool::pool_error(BACKEND, &self.pool, e)
     }
 
-    /// A pinged connection for one write (`store::warm`, `Warm::for_write`): `keep()` it once
-    /// the write ran to its end; dropped, it goes back to the pool.
+    /// A pinged connection for one write (`store::warm`, `Warm::for_write`); dropped, it goes
+    /// back to the pool. MariaDB's writes do not keep theirs (`docs/performance.md`, "Writes
+    /// keep their connection": no gain measured, and a CI run under load failed a `take_stale`
+    /// with `BeginFailed` while they did).
     async fn write_conn(&self) -> Result<WarmConn<sqlx::MySql>, StoreError> {
         self.warm.for_write().await.map_err(|e| self.err(e))
     }
@@ -232,10 +234,7 @@ impl MySqlStore {
                 .fetch_all(&mut *conn)
                 .await;
             match res {
-                Ok(rows) => {
-                    conn.keep();
-                    return Ok(rows.into_iter().next());
-                }
+                Ok(rows) => return Ok(rows.into_iter().next()),
                 Err(e) if attempt < LOCK_ATTEMPTS && is_retryable_lock_error(&e) => {
                     tracing::debug!(error = %e, "claim retried after a lock conflict");
                 }
@@ -269,7 +268,6 @@ impl MySqlStore {
             Some(then(&mut tx, &picked).await?)
         };
         tx.commit().await.map_err(db)?;
-        conn.keep();
         Ok(out)
     }
 }
@@ -406,7 +404,8 @@ impl MySqlStore {
             .fetch_all(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
+        // Back to the pool before any read below takes one.
+        drop(conn);
         match rows.first() {
             Some(row) => decode_record(row),
             None => Err(refused_write(self, id, mode.presented()).await),
@@ -429,7 +428,7 @@ impl MySqlStore {
             .map_err(|e| self.err(e))?
             .into_iter()
             .next();
-        conn.keep();
+        drop(conn);
         match exp {
             Some(exp) => exp
                 .map(|t| t.and_utc())
@@ -571,7 +570,7 @@ impl Store for MySqlStore {
             .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
+        drop(conn);
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
@@ -582,7 +581,7 @@ impl Store for MySqlStore {
             .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
+        drop(conn);
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
