@@ -178,10 +178,11 @@ impl MySqlStore {
         super::pool::pool_error(BACKEND, &self.pool, e)
     }
 
-    /// A pinged connection for one write (`store::warm`, `Warm::for_write`); dropped, it goes
-    /// back to the pool. MariaDB's writes do not keep theirs (`docs/performance.md`, "Writes
-    /// keep their connection": no gain measured, and a CI run under load failed a `take_stale`
-    /// with `BeginFailed` while they did).
+    /// A pinged connection for one write (`store::warm`, `Warm::for_write`), dropped at the end
+    /// of the write's statement: back to the pool before any read that follows. MariaDB's writes
+    /// do not keep theirs (`docs/performance.md`, "Writes keep their connection": no gain
+    /// measured, and a CI run under load failed a `take_stale` with `BeginFailed` while they
+    /// did).
     async fn write_conn(&self) -> Result<WarmConn<sqlx::MySql>, StoreError> {
         self.warm.for_write().await.map_err(|e| self.err(e))
     }
@@ -228,10 +229,9 @@ impl MySqlStore {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let mut conn = self.write_conn().await?;
             let res = sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, micros, Some(nonce))
                 // All of it: the procedure's result set, then its status.
-                .fetch_all(&mut *conn)
+                .fetch_all(&mut *self.write_conn().await?)
                 .await;
             match res {
                 Ok(rows) => return Ok(rows.into_iter().next()),
@@ -262,13 +262,13 @@ impl MySqlStore {
             .fetch_all(&mut *tx)
             .await
             .map_err(db)?;
-        let out = if picked.is_empty() {
-            None
-        } else {
-            Some(then(&mut tx, &picked).await?)
-        };
+        if picked.is_empty() {
+            tx.commit().await.map_err(db)?;
+            return Ok(None);
+        }
+        let out = then(&mut tx, &picked).await?;
         tx.commit().await.map_err(db)?;
-        Ok(out)
+        Ok(Some(out))
     }
 }
 
@@ -399,13 +399,10 @@ impl MySqlStore {
         check_finish(mode, finish.to)?;
         // The update and the read-back share a transaction inside the procedure, so the row
         // returned is the one written (the update's row lock is held until commit).
-        let mut conn = self.write_conn().await?;
         let rows = sql_core::bind_finish(sqlx::query(sql::FINISH), id, mode, finish)
-            .fetch_all(&mut *conn)
+            .fetch_all(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
-        // Back to the pool before any read below takes one.
-        drop(conn);
         match rows.first() {
             Some(row) => decode_record(row),
             None => Err(refused_write(self, id, mode.presented()).await),
@@ -417,18 +414,16 @@ impl MySqlStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
-        let mut conn = self.write_conn().await?;
         let exp: Option<Option<NaiveDateTime>> = sqlx::query_scalar(sql::EXTEND)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .bind(token.0)
             .bind(micros(lease))
-            .fetch_all(&mut *conn)
+            .fetch_all(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?
             .into_iter()
             .next();
-        drop(conn);
         match exp {
             Some(exp) => exp
                 .map(|t| t.and_utc())
@@ -556,7 +551,6 @@ impl Store for MySqlStore {
         token: LeaseToken,
         release: &Release,
     ) -> Result<(), StoreError> {
-        let mut conn = self.write_conn().await?;
         let done = sqlx::query(sql::RELEASE)
             .bind(release.recheck_after.map(micros))
             .bind(release.error.as_deref())
@@ -567,21 +561,18 @@ impl Store for MySqlStore {
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .bind(token.0)
-            .execute(&mut *conn)
+            .execute(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
-        drop(conn);
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
     #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
-        let mut conn = self.write_conn().await?;
         let done = sql_core::bind_fence(sqlx::query(sql::MARK_ATTEMPT), id, token)
-            .execute(&mut *conn)
+            .execute(&mut *self.write_conn().await?)
             .await
             .map_err(|e| self.err(e))?;
-        drop(conn);
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
