@@ -145,6 +145,10 @@ pub(crate) struct Settings {
     pub(crate) max_body_bytes: usize,
     pub(crate) operation: Option<OperationFn>,
     pub(crate) provider: Option<String>,
+    /// The key rules of the provider [`IdempotencyLayer::provider`] declared (`None`: no
+    /// provider, or a workflow): its length limit and dedup window, as `Idempotency::call`
+    /// applies them.
+    pub(crate) key_spec: Option<crate::provider::KeySpec>,
     /// The provider's secret fields ([`Provider::secret_fields`]), masked in the handler's
     /// answer before it is stored or given to the first caller.
     pub(crate) secret_fields: Vec<String>,
@@ -206,6 +210,7 @@ impl IdempotencyLayer {
                 max_body_bytes,
                 operation: None,
                 provider: None,
+                key_spec: None,
                 secret_fields: Vec::new(),
                 stored_request: None,
                 replay: None,
@@ -275,6 +280,7 @@ impl IdempotencyLayer {
     pub fn workflow(self) -> Self {
         self.set(|s| {
             s.provider = Some(crate::record::WORKFLOW_MARKER.to_owned());
+            s.key_spec = None;
             s.secret_fields.clear();
         })
     }
@@ -286,9 +292,14 @@ impl IdempotencyLayer {
     ///
     /// The provider's [secret fields](Provider::secret_fields) (Stripe: `client_secret`) are
     /// masked in the handler's answer before it is stored and before the first caller gets it,
-    /// as [`Idempotency::call`] does.
+    /// and its [key rules](Provider::key_spec) apply, as [`Idempotency::call`] does: the
+    /// provider key is derived within the provider's length limit, and a retry takes over a
+    /// crashed request's key (the executor's
+    /// [`retry_takeover_window`](Idempotency::retry_takeover_window)) only inside the
+    /// provider's dedup window, never for a provider that does not dedupe by key.
     pub fn provider(self, provider: &dyn Provider) -> Self {
         let name = provider.name().to_owned();
+        let spec = provider.key_spec();
         let secrets = provider
             .secret_fields()
             .iter()
@@ -296,6 +307,7 @@ impl IdempotencyLayer {
             .collect();
         self.set(|s| {
             s.provider = Some(name);
+            s.key_spec = Some(spec);
             s.secret_fields = secrets;
         })
     }

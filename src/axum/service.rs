@@ -402,9 +402,11 @@ async fn parse(settings: &Settings, req: Request) -> Result<Parsed, NotRun> {
         Ok(r) => r,
         Err(e) => return Err(NotRun::Answer(error_response(&Error::from(e)))),
     };
-    if let Some(p) = &settings.provider {
-        request = request.with_provider(p.clone());
-    }
+    request = match (&settings.provider, &settings.key_spec) {
+        (Some(p), Some(spec)) => request.sent_through(p, spec),
+        (Some(p), None) => request.with_provider(p.clone()),
+        (None, _) => request,
+    };
     Ok(Parsed {
         request,
         parts,

@@ -15,14 +15,9 @@ impl Idempotency {
         request: IdempotentRequest,
         provider: &dyn Provider,
     ) -> Result<Execution, Error> {
-        let spec = provider.key_spec();
-        let mut request = request.with_provider(provider.name());
-        // Unless the request sets one, the provider key is derived within the provider's limit
-        // (`KeySpec::derive` for the key's first row; see `provider_key::renewed`).
-        request.key_max_len = spec.max_len;
-        // A retry takes the key over only inside the provider's dedup window, and never for a
-        // provider that does not dedupe by key (a re-send would act again).
-        request.dedup_window = Some(spec.retention.filter(|_| spec.replays_same_key));
+        // The provider key within the provider's limit (`KeySpec::derive` for the key's first
+        // row; see `provider_key::renewed`), takeovers within its dedup window.
+        let request = request.sent_through(provider.name(), &provider.key_spec());
         self.execute(request, |ctx| async move { send(&ctx, provider).await.0 })
             .await
     }

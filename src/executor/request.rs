@@ -148,6 +148,19 @@ impl IdempotentRequest {
         self
     }
 
+    /// The request as sent through a provider of key rules `spec` named `name`
+    /// ([`Idempotency::call`](crate::Idempotency::call), and the axum layer declared with
+    /// [`IdempotencyLayer::provider`](crate::axum::IdempotencyLayer::provider)): the provider
+    /// key is derived within the provider's length limit (unless the request sets one), and a
+    /// retry takes the key over only inside the provider's dedup window, never for a provider
+    /// that does not dedupe by key (a re-send would act again).
+    pub(crate) fn sent_through(mut self, name: &str, spec: &crate::provider::KeySpec) -> Self {
+        self.provider = Some(name.to_owned());
+        self.key_max_len = spec.max_len;
+        self.dedup_window = Some(spec.retention.filter(|_| spec.replays_same_key));
+        self
+    }
+
     /// Declares the request a **workflow**: its operation runs named steps
     /// ([`Context::step`](crate::Context::step), [`Context::call_step`](crate::Context::call_step)),
     /// each recorded under its own key, and does nothing to the outside world except through

@@ -175,3 +175,168 @@ async fn a_provider_the_layer_was_not_declared_with_is_never_called() {
         "nothing happened: a retry (with the code fixed) may run it"
     );
 }
+
+/// A provider whose keys are at most 36 characters (a UUID's length), recording the keys it is
+/// sent; with `keyless`, one that does not dedupe by key at all (every send acts).
+#[derive(Debug, Default)]
+struct ShortKeys {
+    sent: std::sync::Mutex<Vec<String>>,
+    keyless: bool,
+}
+
+#[idemflow::async_trait]
+impl idemflow::Provider for ShortKeys {
+    fn name(&self) -> &str {
+        "short-keys"
+    }
+
+    fn key_spec(&self) -> idemflow::KeySpec {
+        if self.keyless {
+            idemflow::KeySpec::no_keys()
+        } else {
+            idemflow::KeySpec {
+                max_len: 36,
+                retention: Some(Duration::from_secs(24 * 3600)),
+                replays_same_key: true,
+            }
+        }
+    }
+
+    async fn send(
+        &self,
+        provider_key: &str,
+        _request: &serde_json::Value,
+    ) -> idemflow::provider::CallReply {
+        self.sent.lock().unwrap().push(provider_key.to_owned());
+        idemflow::provider::CallReply::Succeeded {
+            response: idemflow::StoredResponse::new(201),
+            replayed: false,
+        }
+    }
+
+    async fn lookup(
+        &self,
+        _provider_key: &str,
+        _request: &serde_json::Value,
+        _attempts: idemflow::provider::Attempts,
+        _now: chrono::DateTime<chrono::Utc>,
+    ) -> idemflow::provider::Lookup {
+        idemflow::provider::Lookup::NotFound {
+            authoritative: false,
+        }
+    }
+}
+
+async fn call_short(State(p): State<Arc<ShortKeys>>, ctx: IdempotencyContext) -> Response {
+    match ctx.call(p.as_ref()).await {
+        Ok(answer) => answer.into_response(),
+        Err(no_answer_yet) => no_answer_yet,
+    }
+}
+
+#[tokio::test]
+async fn the_forwarded_key_fits_the_declared_providers_limit_as_with_idempotency_call() {
+    let provider = Arc::new(ShortKeys::default());
+    let store = Arc::new(SqliteStore::connect("sqlite::memory:").await.unwrap());
+    store.migrate().await.unwrap();
+    let idem = Idempotency::new(store.clone() as Arc<dyn Store>);
+    let layer = IdempotencyLayer::new(
+        idem.clone(),
+        ScopeSource::fixed(Scope::new("acct").unwrap()),
+    )
+    .operation("payments.create")
+    .provider(provider.as_ref());
+    let app = Router::new()
+        .route("/payments", post(call_short))
+        .layer(layer)
+        .with_state(provider.clone());
+    let answer = post_key(&app, "pay-5").await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    // The same key of another scope through `Idempotency::call`: the same derivation.
+    let request = idemflow::IdempotentRequest::new(
+        "other",
+        "pay-5",
+        "payments.create",
+        &serde_json::json!({"amount": 1999, "currency": "eur"}),
+    )
+    .unwrap();
+    idem.call(request, provider.as_ref()).await.unwrap();
+    let sent = provider.sent.lock().unwrap().clone();
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    let spec = idemflow::Provider::key_spec(provider.as_ref());
+    for (scope, pk) in ["acct", "other"].into_iter().zip(&sent) {
+        let id = idemflow::conformance::id(scope, "pay-5");
+        assert!(pk.len() <= 36, "{pk:?} is longer than the provider's 36");
+        assert_eq!(*pk, spec.derive(&id.scope, &id.key, "payments.create"));
+        let record = store.get(&id).await.unwrap().unwrap();
+        assert_eq!(&record.provider_key, pk, "the stored key is the one sent");
+    }
+}
+
+/// The handler of the takeover test: calls the provider, then (on the first request only) hangs
+/// until the test drops it, as a process that died after the provider acted.
+async fn call_then_hang(State(p): State<Arc<ShortKeys>>, ctx: IdempotencyContext) -> Response {
+    let answer = ctx.call(p.as_ref()).await;
+    if p.sent.lock().unwrap().len() == 1 {
+        std::future::pending::<()>().await;
+    }
+    match answer {
+        Ok(answer) => answer.into_response(),
+        Err(no_answer_yet) => no_answer_yet,
+    }
+}
+
+#[tokio::test]
+async fn a_retry_never_takes_over_a_key_of_a_provider_that_does_not_dedupe() {
+    // An executor that lets a retry take over an expired lease within an hour, and a layer
+    // declared with a provider that does not dedupe by key: a re-send would act again, so no
+    // retry may take over (as with `Idempotency::call`); the sweeper settles the key.
+    let provider = Arc::new(ShortKeys {
+        keyless: true,
+        ..ShortKeys::default()
+    });
+    let store = Arc::new(SqliteStore::connect("sqlite::memory:").await.unwrap());
+    store.migrate().await.unwrap();
+    let idem = Idempotency::new(store.clone() as Arc<dyn Store>)
+        .lease(Duration::from_millis(300))
+        .retry_takeover_window(Some(Duration::from_secs(3600)));
+    let layer = IdempotencyLayer::new(idem, ScopeSource::fixed(Scope::new("acct").unwrap()))
+        .operation("email.send")
+        .provider(provider.as_ref());
+    let app = Router::new()
+        .route("/payments", post(call_then_hang))
+        .layer(layer)
+        .with_state(provider.clone());
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { post_key(&app, "mail-1").await }
+    });
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    while provider.sent.lock().unwrap().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the first request never sent"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The process dies after the provider acted: its lease runs out unrenewed.
+    first.abort();
+    let _ = first.await;
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let retry = post_key(&app, "mail-1").await;
+    assert_eq!(
+        provider.sent.lock().unwrap().len(),
+        1,
+        "the retry sent the request again to a provider that does not dedupe: {} {:?}",
+        retry.status,
+        retry.body
+    );
+    assert!(
+        retry.status.is_server_error() || retry.status == StatusCode::CONFLICT,
+        "the retry is told to wait for the sweeper: {} {:?}",
+        retry.status,
+        retry.body
+    );
+    let record = store.get(&key_id("mail-1")).await.unwrap().unwrap();
+    assert_eq!(record.state, KeyState::Processing, "left for the sweeper");
+}
