@@ -1,11 +1,15 @@
-//! Atomic phases as an actor (SQLite only): a workflow step run with `Context::atomic_step` whose
-//! writes are the application's row in `sim_orders`, with the faults of
-//! `docs/reliability.md` ("Atomic phases on SQLite"): a second connection (another process)
-//! holding or taking the write lock during the phase (`SQLITE_BUSY`, `SQLITE_BUSY_SNAPSHOT`; file
-//! databases only), a trigger's `RAISE(ROLLBACK)` (its error returned, or swallowed by the
-//! application), a panicking writes closure, and a phase sharing its writer batch with other
-//! callers' writes (`sim_notes`). What each caller was told is recorded, and checked against
-//! what committed (`World::check_atomic`, at every step and after reopening the file).
+//! Atomic phases as an actor, on the three SQL backends: a workflow step run with
+//! `Context::atomic_step`, or a key run with `Idempotency::execute_atomic`, whose writes are the
+//! application's row in `sim_orders`. Faults on every backend: a trigger that refuses the row
+//! (its error returned, or swallowed by the application; on PostgreSQL the swallowed error has
+//! aborted the transaction), a panicking writes closure. On SQLite (`docs/reliability.md`,
+//! "Atomic phases on SQLite"): a second connection (another process) holding or taking the write
+//! lock during the phase (`SQLITE_BUSY`, `SQLITE_BUSY_SNAPSHOT`; file databases only), and a
+//! phase sharing its writer batch with other callers' writes (`sim_notes`). On PostgreSQL and
+//! MariaDB/MySQL: the phase's connection killed by the server in the middle of the writes, or
+//! after them, before the key's record and the commit (`pg_terminate_backend`, `KILL`). What
+//! each caller was told is recorded, and checked against what committed
+//! (`World::check_atomic`, at every step and, for a SQLite file, after reopening it).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -20,7 +24,7 @@ use crate::gate::{SharedRef, park};
 use crate::rng::Rng;
 
 /// The application's tables, made in every SQLite store of the simulation.
-pub const SCHEMA: &[&str] = &[
+pub const SQLITE_SCHEMA: &[&str] = &[
     "CREATE TABLE sim_orders (step TEXT NOT NULL, token INTEGER NOT NULL, \
      PRIMARY KEY (step, token))",
     "CREATE TRIGGER sim_orders_refused BEFORE INSERT ON sim_orders WHEN NEW.step LIKE 'boom%' \
@@ -29,19 +33,105 @@ pub const SCHEMA: &[&str] = &[
     "CREATE TABLE sim_other (id INTEGER PRIMARY KEY AUTOINCREMENT, at TEXT)",
 ];
 
+/// The application's tables on PostgreSQL (in the slot's schema; emptied with the store's).
+#[cfg(feature = "postgres")]
+pub const PG_SCHEMA: &[&str] = &[
+    "CREATE TABLE sim_orders (step TEXT NOT NULL, token BIGINT NOT NULL, \
+     PRIMARY KEY (step, token))",
+    "CREATE FUNCTION sim_orders_refuse() RETURNS trigger LANGUAGE plpgsql AS $$ \
+     BEGIN IF NEW.step LIKE 'boom%' THEN RAISE EXCEPTION 'order refused by a trigger'; END IF; \
+     RETURN NEW; END $$",
+    "CREATE TRIGGER sim_orders_refused BEFORE INSERT ON sim_orders FOR EACH ROW \
+     EXECUTE FUNCTION sim_orders_refuse()",
+    "CREATE TABLE sim_notes (id TEXT PRIMARY KEY)",
+    "CREATE TABLE sim_other (id BIGSERIAL PRIMARY KEY, at TEXT)",
+];
+
+/// The application's tables on MariaDB/MySQL (binary steps, as the store's scopes and keys).
+#[cfg(feature = "mysql")]
+pub const MYSQL_SCHEMA: &[&str] = &[
+    "CREATE TABLE sim_orders (step VARBINARY(600) NOT NULL, token BIGINT NOT NULL, \
+     PRIMARY KEY (step, token))",
+    "CREATE TRIGGER sim_orders_refused BEFORE INSERT ON sim_orders FOR EACH ROW \
+     BEGIN IF NEW.step LIKE 'boom%' THEN \
+     SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'order refused by a trigger'; END IF; END",
+    "CREATE TABLE sim_notes (id VARCHAR(64) PRIMARY KEY)",
+    "CREATE TABLE sim_other (id BIGINT AUTO_INCREMENT PRIMARY KEY, at TEXT)",
+];
+
+/// The application's tables, emptied between the schedules of a reused PostgreSQL or MariaDB
+/// slot.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub const APP_TABLES: [&str; 3] = ["sim_orders", "sim_notes", "sim_other"];
+
 /// How an injected panic's message starts.
 pub const INJECTED: &str = "injected: ";
 
-/// The SQLite database of a schedule, for its atomic phases.
+/// The store the phases of a schedule write through.
+#[derive(Clone)]
+pub enum PhaseStore {
+    Sqlite(SqliteStore),
+    #[cfg(feature = "postgres")]
+    Postgres(idemflow::store::postgres::PostgresStore),
+    #[cfg(feature = "mysql")]
+    MySql(idemflow::store::mysql::MySqlStore),
+}
+
+/// A pool on the phases' database, beside the store's own.
+#[derive(Clone)]
+pub enum AppPool {
+    Sqlite(SqlitePool),
+    #[cfg(feature = "postgres")]
+    Postgres(sqlx::PgPool),
+    #[cfg(feature = "mysql")]
+    MySql(sqlx::MySqlPool),
+}
+
+impl AppPool {
+    pub async fn close(&self) {
+        match self {
+            AppPool::Sqlite(p) => p.close().await,
+            #[cfg(feature = "postgres")]
+            AppPool::Postgres(p) => p.close().await,
+            #[cfg(feature = "mysql")]
+            AppPool::MySql(p) => p.close().await,
+        }
+    }
+}
+
+/// The database of a schedule, for its atomic phases.
 #[derive(Clone)]
 pub struct Db {
-    pub store: SqliteStore,
-    /// The file's URL (`None`: in memory, no second connection possible).
+    pub store: PhaseStore,
+    /// A SQLite file's URL (`None`: in memory, or a server).
     pub url: Option<String>,
-    /// Another connection to the file: a second process (short busy timeout).
-    pub other: Option<SqlitePool>,
+    /// Another connection: on a SQLite file a second process (short busy timeout), on a server
+    /// the one that kills the phase's connection. `None`: SQLite in memory.
+    pub other: Option<AppPool>,
     /// A pool the scheduler reads the app's rows with.
-    pub read: SqlitePool,
+    pub read: AppPool,
+}
+
+impl Db {
+    fn store_id(&self) -> StoreId {
+        let id = match &self.store {
+            PhaseStore::Sqlite(s) => Store::phase_store(s),
+            #[cfg(feature = "postgres")]
+            PhaseStore::Postgres(s) => Store::phase_store(s),
+            #[cfg(feature = "mysql")]
+            PhaseStore::MySql(s) => Store::phase_store(s),
+        };
+        id.expect("a SQL store shares its transactions")
+    }
+
+    /// Whether the store is SQLite's (one writer, batches, a lock a second process can take).
+    fn sqlite(&self) -> Option<&SqliteStore> {
+        match &self.store {
+            PhaseStore::Sqlite(s) => Some(s),
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            _ => None,
+        }
+    }
 }
 
 const INJECTED_PANIC: &str = "injected: a bug in the application's phase";
@@ -62,6 +152,13 @@ pub enum Fault {
     /// The other process commits a write after the phase's first read (`SQLITE_BUSY_SNAPSHOT`
     /// for the phase's writes, if it can).
     Snapshot,
+    /// The server kills the phase's connection after its first read: the writes fail
+    /// (PostgreSQL, MariaDB/MySQL).
+    Kill,
+    /// The server kills the phase's connection after the application's row is written, before
+    /// the key's record and the commit: the phase ends with a store error, nothing committed
+    /// (PostgreSQL, MariaDB/MySQL).
+    KillLate,
 }
 
 /// What a phase's caller was told.
@@ -88,6 +185,9 @@ pub struct AtomicSim {
     pub read_only: Mutex<std::collections::BTreeSet<(String, i64)>>,
     /// Writes still running (batched notes): awaited at quiescence.
     pub pending: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// The steps whose phase had its connection killed after its writes at least once (a store
+    /// error its caller may get: [`Fault::KillLate`]).
+    late_kills: Mutex<std::collections::BTreeSet<String>>,
     next_note: std::sync::atomic::AtomicU64,
 }
 
@@ -101,6 +201,7 @@ impl AtomicSim {
             notes: Mutex::default(),
             read_only: Mutex::default(),
             pending: Mutex::default(),
+            late_kills: Mutex::default(),
             next_note: Default::default(),
         }
     }
@@ -121,12 +222,20 @@ impl AtomicSim {
             .contains(&(label.to_owned(), token))
     }
 
-    /// The phase's fault, whether it is batched, and whether it writes no app row (a phase that
-    /// only reads: then the step's record is its first write, which meets the other process's
-    /// lock or newer snapshot).
+    /// Whether a store error of the phase of `label` may come from the server killing its
+    /// connection ([`Fault::KillLate`]).
+    pub fn killed_late(&self, label: &str) -> bool {
+        self.late_kills.lock().unwrap().contains(label)
+    }
+
+    /// The phase's fault, whether it is batched (SQLite), and whether it writes no app row (a
+    /// phase that only reads: then the step's record is its first write, which meets the other
+    /// process's lock or newer snapshot).
     fn draw(&self) -> (Fault, bool, bool) {
         let mut rng = self.rng.lock().unwrap();
-        let file = self.db.other.is_some();
+        let sqlite = self.db.sqlite().is_some();
+        let file = sqlite && self.db.other.is_some();
+        // Zero weights at the end draw as before: SQLite's schedules are unchanged.
         let w = [
             40,
             10,
@@ -134,6 +243,8 @@ impl AtomicSim {
             8,
             if file { 16 } else { 0 },
             if file { 16 } else { 0 },
+            if sqlite { 0 } else { 12 },
+            if sqlite { 0 } else { 12 },
         ];
         let fault = [
             Fault::None,
@@ -142,9 +253,11 @@ impl AtomicSim {
             Fault::Panic,
             Fault::HoldLock,
             Fault::Snapshot,
+            Fault::Kill,
+            Fault::KillLate,
         ][rng.weighted(&w)];
         let read_only = matches!(fault, Fault::HoldLock | Fault::Snapshot) && rng.chance(500);
-        (fault, rng.chance(350), read_only)
+        (fault, rng.chance(350) && sqlite, read_only)
     }
 
     /// Waits for every batched write still running.
@@ -193,11 +306,178 @@ impl Guard {
     }
 }
 
+/// The statements of a phase's writes, per backend.
+struct Sql {
+    /// The key's lease token, read inside the phase (the app row carries it).
+    token: &'static str,
+    /// A read of the app's table (the phase's first read: its snapshot on SQLite).
+    count: &'static str,
+    /// The app row.
+    insert: &'static str,
+    /// The phase's connection id on the server (unused on SQLite).
+    pid: &'static str,
+}
+
+const SQLITE_SQL: Sql = Sql {
+    token: "SELECT lease_token FROM idempotency_keys WHERE scope = ? AND key = ?",
+    count: "SELECT count(*) FROM sim_orders",
+    insert: "INSERT INTO sim_orders (step, token) VALUES (?, ?)",
+    pid: "SELECT 0",
+};
+
+#[cfg(feature = "postgres")]
+const PG_SQL: Sql = Sql {
+    token: "SELECT lease_token FROM idempotency_keys WHERE scope = $1 AND key = $2",
+    count: "SELECT count(*) FROM sim_orders",
+    insert: "INSERT INTO sim_orders (step, token) VALUES ($1, $2)",
+    pid: "SELECT pg_backend_pid()::bigint",
+};
+
+#[cfg(feature = "mysql")]
+const MYSQL_SQL: Sql = Sql {
+    token: "SELECT lease_token FROM idempotency_keys WHERE scope = ? AND `key` = ?",
+    count: "SELECT count(*) FROM sim_orders",
+    insert: "INSERT INTO sim_orders (step, token) VALUES (?, ?)",
+    pid: "SELECT CAST(CONNECTION_ID() AS SIGNED)",
+};
+
+/// What a phase's writes need besides their connection (cloned for each run: on SQLite the
+/// writes run again after their batch is rolled back).
+#[derive(Clone)]
+struct Writes {
+    fault: Fault,
+    read_only: bool,
+    row_label: String,
+    token: TokenOf,
+    sim: Arc<AtomicSim>,
+    /// Tells the other process to take the lock ([`Fault::HoldLock`]).
+    go: Arc<Mutex<Option<tokio::sync::oneshot::Sender<Ack>>>>,
+    other: Option<AppPool>,
+}
+
+impl Writes {
+    /// [`Fault::HoldLock`]: the other process takes the write lock; returns once it has (or
+    /// could not).
+    async fn hold_lock(&self) {
+        let go = self.go.lock().unwrap().take();
+        if let Some(go) = go {
+            let (ack, acked) = tokio::sync::oneshot::channel();
+            if go.send(ack).is_ok() {
+                let _ = acked.await;
+            }
+        }
+    }
+
+    /// [`Fault::Snapshot`]: the other process commits a write.
+    async fn other_commits(&self) {
+        if let Some(AppPool::Sqlite(other)) = &self.other {
+            let _ = sqlx::query("INSERT INTO sim_other (at) VALUES (?)")
+                .bind(&self.row_label)
+                .execute(other)
+                .await;
+        }
+    }
+
+    /// [`Fault::Kill`], [`Fault::KillLate`]: the server ends the connection `pid` (waiting, on
+    /// PostgreSQL, until it has ended).
+    async fn kill(&self, pid: i64) {
+        let killed: Result<String, sqlx::Error> = match &self.other {
+            #[cfg(feature = "postgres")]
+            Some(AppPool::Postgres(other)) => {
+                sqlx::query_scalar::<_, bool>("SELECT pg_terminate_backend($1::int, 5000)")
+                    .bind(pid)
+                    .fetch_one(other)
+                    .await
+                    .map(|ended| ended.to_string())
+            }
+            #[cfg(feature = "mysql")]
+            Some(AppPool::MySql(other)) => {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {pid}")))
+                    .execute(other)
+                    .await
+                    .map(|_| "true".to_owned())
+            }
+            _ => Ok("no server".to_owned()),
+        };
+        self.sim.shared.lock().unwrap().trace.push(format!(
+            "    phase of {}: its connection {pid} killed: {killed:?}",
+            self.row_label
+        ));
+    }
+}
+
+/// A phase's writes on `$conn` with the backend's statements `$sql`, making `$w`'s fault (one
+/// body for the three connection types).
+macro_rules! writes {
+    ($conn:ident, $sql:expr, $w:ident) => {{
+        let w = $w;
+        let sql: &Sql = &$sql;
+        let tok: i64 = sqlx::query_scalar(sql.token)
+            .bind(&w.token.scope)
+            .bind(&w.token.key)
+            .fetch_one(&mut *$conn)
+            .await?;
+        *w.token.seen.lock().unwrap() = Some(tok);
+        if w.read_only {
+            w.sim
+                .read_only
+                .lock()
+                .unwrap()
+                .insert((w.row_label.clone(), tok));
+        }
+        sqlx::query(sql.count).execute(&mut *$conn).await?;
+        match w.fault {
+            Fault::HoldLock => w.hold_lock().await,
+            Fault::Snapshot => w.other_commits().await,
+            Fault::Kill => {
+                let pid: i64 = sqlx::query_scalar(sql.pid).fetch_one(&mut *$conn).await?;
+                w.kill(pid).await;
+            }
+            Fault::Trigger | Fault::TriggerSwallowed => {
+                let refused = sqlx::query(sql.insert)
+                    .bind(format!("boom/{}", w.row_label))
+                    .bind(tok)
+                    .execute(&mut *$conn)
+                    .await;
+                if w.fault == Fault::Trigger {
+                    refused?;
+                }
+            }
+            Fault::None | Fault::Panic | Fault::KillLate => {}
+        }
+        if w.read_only {
+            return Ok(StoredResponse::json(
+                200,
+                &serde_json::json!({"order": w.row_label, "token": tok, "rows": 0}),
+            )?);
+        }
+        sqlx::query(sql.insert)
+            .bind(&w.row_label)
+            .bind(tok)
+            .execute(&mut *$conn)
+            .await?;
+        if w.fault == Fault::Panic {
+            std::panic::panic_any(INJECTED_PANIC);
+        }
+        if w.fault == Fault::KillLate {
+            let pid: i64 = sqlx::query_scalar(sql.pid).fetch_one(&mut *$conn).await?;
+            w.kill(pid).await;
+        }
+        Ok(StoredResponse::json(
+            201,
+            &serde_json::json!({"order": w.row_label, "token": tok}),
+        )?)
+    }};
+}
+
 impl SimPhase {
     /// Draws the phase's fault and builds the store's phase with the writes that fault makes.
-    fn build(&self, token: TokenOf) -> (impl AtomicPhase + 'static + use<>, Guard) {
+    fn build(&self, token: TokenOf) -> (Box<dyn AtomicPhase>, Guard) {
         let (sim, label) = (self.sim.clone(), self.label.clone());
         let (fault, batched, read_only) = sim.draw();
+        if fault == Fault::KillLate {
+            sim.late_kills.lock().unwrap().insert(label.clone());
+        }
         sim.shared.lock().unwrap().trace.push(format!(
             "    phase of {label}: {fault:?}{}{}",
             if read_only { ", reads only" } else { "" },
@@ -212,7 +492,7 @@ impl SimPhase {
         let (go_tx, go_rx) = tokio::sync::oneshot::channel::<Ack>();
         let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
         let holder = match (&sim.db.other, fault) {
-            (Some(other), Fault::HoldLock) => {
+            (Some(AppPool::Sqlite(other)), Fault::HoldLock) => {
                 let other = other.clone();
                 Some(tokio::spawn(async move {
                     let Ok(mut conn) = other.acquire().await else {
@@ -232,82 +512,31 @@ impl SimPhase {
             }
             _ => None,
         };
-        let go = Arc::new(Mutex::new(Some(go_tx)));
-        let other = sim.db.other.clone();
-        let row_label = label.clone();
-        let sim2 = sim.clone();
-        let inner = sim.db.store.atomic_phase(move |conn| {
-            let (go, other, row_label) = (go.clone(), other.clone(), row_label.clone());
-            let (token, sim) = (token.clone(), sim2.clone());
-            Box::pin(async move {
-                let tok: i64 = sqlx::query_scalar(
-                    "SELECT lease_token FROM idempotency_keys WHERE scope = ? AND key = ?",
-                )
-                .bind(&token.scope)
-                .bind(&token.key)
-                .fetch_one(&mut *conn)
-                .await?;
-                *token.seen.lock().unwrap() = Some(tok);
-                if read_only {
-                    sim.read_only
-                        .lock()
-                        .unwrap()
-                        .insert((row_label.clone(), tok));
-                }
-                sqlx::query("SELECT count(*) FROM sim_orders")
-                    .execute(&mut *conn)
-                    .await?;
-                match fault {
-                    Fault::HoldLock => {
-                        let go = go.lock().unwrap().take();
-                        if let Some(go) = go {
-                            let (ack, acked) = tokio::sync::oneshot::channel();
-                            if go.send(ack).is_ok() {
-                                let _ = acked.await;
-                            }
-                        }
-                    }
-                    Fault::Snapshot => {
-                        if let Some(other) = &other {
-                            let _ = sqlx::query("INSERT INTO sim_other (at) VALUES (?)")
-                                .bind(&row_label)
-                                .execute(other)
-                                .await;
-                        }
-                    }
-                    Fault::Trigger | Fault::TriggerSwallowed => {
-                        let refused =
-                            sqlx::query("INSERT INTO sim_orders (step, token) VALUES (?, ?)")
-                                .bind(format!("boom/{row_label}"))
-                                .bind(tok)
-                                .execute(&mut *conn)
-                                .await;
-                        if fault == Fault::Trigger {
-                            refused?;
-                        }
-                    }
-                    Fault::None | Fault::Panic => {}
-                }
-                if read_only {
-                    return Ok(StoredResponse::json(
-                        200,
-                        &serde_json::json!({"order": row_label, "token": tok, "rows": 0}),
-                    )?);
-                }
-                sqlx::query("INSERT INTO sim_orders (step, token) VALUES (?, ?)")
-                    .bind(&row_label)
-                    .bind(tok)
-                    .execute(&mut *conn)
-                    .await?;
-                if fault == Fault::Panic {
-                    std::panic::panic_any(INJECTED_PANIC);
-                }
-                Ok(StoredResponse::json(
-                    201,
-                    &serde_json::json!({"order": row_label, "token": tok}),
-                )?)
-            })
-        });
+        let w = Writes {
+            fault,
+            read_only,
+            row_label: label.clone(),
+            token,
+            sim: sim.clone(),
+            go: Arc::new(Mutex::new(Some(go_tx))),
+            other: sim.db.other.clone(),
+        };
+        let inner: Box<dyn AtomicPhase> = match &sim.db.store {
+            PhaseStore::Sqlite(s) => Box::new(s.atomic_phase(move |conn| {
+                let w = w.clone();
+                Box::pin(async move { writes!(conn, SQLITE_SQL, w) })
+            })),
+            #[cfg(feature = "postgres")]
+            PhaseStore::Postgres(s) => Box::new(s.atomic_phase(move |conn| {
+                let w = w.clone();
+                Box::pin(async move { writes!(conn, PG_SQL, w) })
+            })),
+            #[cfg(feature = "mysql")]
+            PhaseStore::MySql(s) => Box::new(s.atomic_phase(move |conn| {
+                let w = w.clone();
+                Box::pin(async move { writes!(conn, MYSQL_SQL, w) })
+            })),
+        };
         (
             inner,
             Guard {
@@ -351,7 +580,7 @@ fn committed<T>(r: &Result<T, PhaseError>) -> Option<bool> {
 #[async_trait]
 impl AtomicPhase for SimPhase {
     fn store_id(&self) -> StoreId {
-        Store::phase_store(&self.sim.db.store).expect("a SQLite store shares its transactions")
+        self.sim.db.store_id()
     }
 
     async fn claim_and_commit(
@@ -367,7 +596,7 @@ impl AtomicPhase for SimPhase {
             seen: seen.clone(),
         });
         let claim = claim.clone();
-        let run = async move { Box::new(inner).claim_and_commit(&claim, prepare).await };
+        let run = async move { inner.claim_and_commit(&claim, prepare).await };
         let r = if guard.batched {
             batch(&self.sim, run).await
         } else {
@@ -405,7 +634,9 @@ async fn batch<T: Send + 'static>(
     sim: &Arc<AtomicSim>,
     phase: impl std::future::Future<Output = Result<T, PhaseError>> + Send + 'static,
 ) -> Result<T, PhaseError> {
-    let store = sim.db.store.clone();
+    let Some(store) = sim.db.sqlite().cloned() else {
+        return phase.await;
+    };
     let gate = Arc::new(tokio::sync::Notify::new());
     let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
     let started_tx = Arc::new(Mutex::new(Some(started_tx)));
@@ -485,35 +716,91 @@ async fn wait_queued(store: &SqliteStore, n: usize) {
 
 /// The step's state, token and app rows under that token, read in one statement (one snapshot).
 pub async fn step_rows(
-    pool: &SqlitePool,
+    pool: &AppPool,
     id: &KeyId,
 ) -> Result<Option<(String, i64, i64)>, sqlx::Error> {
-    sqlx::query_as::<_, (String, i64, i64)>(
-        "SELECT k.state, k.lease_token, (SELECT count(*) FROM sim_orders o \
-         WHERE o.step = k.scope || '/' || k.key AND o.token = k.lease_token) \
-         FROM idempotency_keys k WHERE k.scope = ? AND k.key = ?",
-    )
-    .bind(id.scope.as_str())
-    .bind(id.key.as_str())
-    .fetch_optional(pool)
-    .await
+    let (scope, key) = (id.scope.as_str(), id.key.as_str());
+    match pool {
+        AppPool::Sqlite(pool) => {
+            sqlx::query_as(
+                "SELECT k.state, k.lease_token, (SELECT count(*) FROM sim_orders o \
+                 WHERE o.step = k.scope || '/' || k.key AND o.token = k.lease_token) \
+                 FROM idempotency_keys k WHERE k.scope = ? AND k.key = ?",
+            )
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(pool)
+            .await
+        }
+        #[cfg(feature = "postgres")]
+        AppPool::Postgres(pool) => {
+            sqlx::query_as(
+                "SELECT k.state, k.lease_token, (SELECT count(*) FROM sim_orders o \
+                 WHERE o.step = k.scope || '/' || k.key AND o.token = k.lease_token) \
+                 FROM idempotency_keys k WHERE k.scope = $1 AND k.key = $2",
+            )
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(pool)
+            .await
+        }
+        #[cfg(feature = "mysql")]
+        AppPool::MySql(pool) => {
+            sqlx::query_as(
+                "SELECT k.state, k.lease_token, (SELECT count(*) FROM sim_orders o \
+                 WHERE o.step = CONCAT(k.scope, '/', k.`key`) AND o.token = k.lease_token) \
+                 FROM idempotency_keys k WHERE k.scope = ? AND k.`key` = ?",
+            )
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(pool)
+            .await
+        }
+    }
+}
+
+/// `SELECT count(*) FROM {table} WHERE {column} = ? [AND token = ?]` on any backend's pool.
+async fn count_where(
+    pool: &AppPool,
+    table: &str,
+    column: &str,
+    value: &str,
+    token: Option<i64>,
+) -> Result<i64, sqlx::Error> {
+    let q = |p1: &str, p2: &str| {
+        let token = if token.is_some() {
+            format!(" AND token = {p2}")
+        } else {
+            String::new()
+        };
+        sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {table} WHERE {column} = {p1}{token}"
+        ))
+    };
+    macro_rules! count {
+        ($pool:expr, $sql:expr) => {{
+            let mut q = sqlx::query_scalar($sql).bind(value);
+            if let Some(t) = token {
+                q = q.bind(t);
+            }
+            q.fetch_one($pool).await
+        }};
+    }
+    match pool {
+        AppPool::Sqlite(pool) => count!(pool, q("?", "?")),
+        #[cfg(feature = "postgres")]
+        AppPool::Postgres(pool) => count!(pool, q("$1", "$2")),
+        #[cfg(feature = "mysql")]
+        AppPool::MySql(pool) => count!(pool, q("?", "?")),
+    }
 }
 
 /// Whether the app row of (`label`, `token`) is there.
-pub async fn row_there(pool: &SqlitePool, label: &str, token: i64) -> Result<bool, sqlx::Error> {
-    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM sim_orders WHERE step = ? AND token = ?")
-        .bind(label)
-        .bind(token)
-        .fetch_one(pool)
-        .await?;
-    Ok(n == 1)
+pub async fn row_there(pool: &AppPool, label: &str, token: i64) -> Result<bool, sqlx::Error> {
+    Ok(count_where(pool, "sim_orders", "step", label, Some(token)).await? == 1)
 }
 
 /// Whether the note `id` is there.
-pub async fn note_there(pool: &SqlitePool, id: &str) -> Result<bool, sqlx::Error> {
-    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM sim_notes WHERE id = ?")
-        .bind(id)
-        .fetch_one(pool)
-        .await?;
-    Ok(n == 1)
+pub async fn note_there(pool: &AppPool, id: &str) -> Result<bool, sqlx::Error> {
+    Ok(count_where(pool, "sim_notes", "id", id, None).await? == 1)
 }

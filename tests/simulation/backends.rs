@@ -53,7 +53,7 @@ impl Backend {
                 Ok(Slot {
                     store: Arc::new(s),
                     kind: SlotKind::OneShot,
-                    sqlite: None,
+                    app: None,
                     replica: Some(replica),
                     _dir: None,
                 })
@@ -62,7 +62,7 @@ impl Backend {
     }
 }
 
-/// A SQLite store with the application's tables of the atomic phases (`atomic::SCHEMA`): in
+/// A SQLite store with the application's tables of the atomic phases (`atomic::SQLITE_SCHEMA`): in
 /// memory, or in a file of its own with a second connection to it (another process).
 async fn sqlite_open(file: bool) -> Result<Slot, String> {
     use idemflow::store::sqlite::{SqliteConfig, SqliteStore};
@@ -89,7 +89,7 @@ async fn sqlite_open(file: bool) -> Result<Slot, String> {
     };
     let s = SqliteStore::connect_with(config).await.map_err(|x| e(&x))?;
     s.migrate().await.map_err(|x| e(&x))?;
-    for sql in crate::atomic::SCHEMA {
+    for sql in crate::atomic::SQLITE_SCHEMA {
         sqlx::query(sqlx::AssertSqlSafe(*sql))
             .execute(s.writer_pool())
             .await
@@ -117,11 +117,11 @@ async fn sqlite_open(file: bool) -> Result<Slot, String> {
     Ok(Slot {
         store: Arc::new(s.clone()),
         kind: SlotKind::OneShot,
-        sqlite: Some(crate::atomic::Db {
-            store: s,
+        app: Some(crate::atomic::Db {
+            store: crate::atomic::PhaseStore::Sqlite(s),
             url: file.then_some(url),
-            other,
-            read,
+            other: other.map(crate::atomic::AppPool::Sqlite),
+            read: crate::atomic::AppPool::Sqlite(read),
         }),
         replica: None,
         _dir: dir,
@@ -132,8 +132,8 @@ async fn sqlite_open(file: bool) -> Result<Slot, String> {
 pub struct Slot {
     pub store: Arc<dyn Store>,
     kind: SlotKind,
-    /// On SQLite: the store itself, for atomic phases.
-    pub sqlite: Option<crate::atomic::Db>,
+    /// On the SQL backends: the store itself and the application's tables, for atomic phases.
+    pub app: Option<crate::atomic::Db>,
     /// On Redis: the schedule's keys as a primary and its replica, for failovers.
     pub replica: Option<crate::failover::Replica>,
     /// A file database's directory, removed with the slot.
@@ -228,13 +228,27 @@ impl StorePool {
     }
 }
 
-/// The tables of the PostgreSQL store (`migrations/postgres/`).
+/// The tables of the PostgreSQL store (`migrations/postgres/`), then the application's
+/// (`atomic::APP_TABLES`).
 #[cfg(feature = "postgres")]
-const PG_TABLES: [&str; 2] = ["idempotency_key_tombstones", "idempotency_keys"];
+const PG_TABLES: [&str; 5] = [
+    "idempotency_key_tombstones",
+    "idempotency_keys",
+    crate::atomic::APP_TABLES[0],
+    crate::atomic::APP_TABLES[1],
+    crate::atomic::APP_TABLES[2],
+];
 
-/// The tables of the MariaDB/MySQL store (`migrations/mysql/`), events first.
+/// The tables of the MariaDB/MySQL store (`migrations/mysql/`), events first, then the
+/// application's (`atomic::APP_TABLES`).
 #[cfg(feature = "mysql")]
-const MYSQL_TABLES: [&str; 2] = ["idempotency_key_events", "idempotency_keys"];
+const MYSQL_TABLES: [&str; 5] = [
+    "idempotency_key_events",
+    "idempotency_keys",
+    crate::atomic::APP_TABLES[0],
+    crate::atomic::APP_TABLES[1],
+    crate::atomic::APP_TABLES[2],
+];
 
 /// Deletes every row of `$tables` through `$pool` until none is left (the same SQL on
 /// PostgreSQL and MariaDB/MySQL, on two pool types). A statement sent by an actor that the
@@ -318,6 +332,20 @@ mod pg {
         let pool = pool_in(url, &schema, 2).await;
         let s = idemflow::store::postgres::PostgresStore::from_pool(pool.clone());
         s.migrate().await.map_err(|e| e.to_string())?;
+        for sql in crate::atomic::PG_SCHEMA {
+            sqlx::raw_sql(AssertSqlSafe(*sql))
+                .execute(&pool)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let app = crate::atomic::Db {
+            store: crate::atomic::PhaseStore::Postgres(s.clone()),
+            url: None,
+            other: Some(crate::atomic::AppPool::Postgres(
+                pool_in(url, &schema, 1).await,
+            )),
+            read: crate::atomic::AppPool::Postgres(pool_in(url, &schema, 1).await),
+        };
         Ok(Slot {
             store: Arc::new(s),
             kind: SlotKind::Postgres {
@@ -325,7 +353,7 @@ mod pg {
                 url: url.to_owned(),
                 schema,
             },
-            sqlite: None,
+            app: Some(app),
             replica: None,
             _dir: None,
         })
@@ -376,11 +404,30 @@ mod my {
                     Ok(())
                 })
             })
-            .connect_with(options)
+            .connect_with(options.clone())
             .await
             .map_err(|e| e.to_string())?;
         let s = idemflow::store::mysql::MySqlStore::from_pool(pool.clone());
         s.migrate().await.map_err(|e| e.to_string())?;
+        for sql in crate::atomic::MYSQL_SCHEMA {
+            sqlx::raw_sql(AssertSqlSafe(*sql))
+                .execute(&pool)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let one = || {
+            MySqlPoolOptions::new()
+                .max_connections(1)
+                .connect_with(options.clone())
+        };
+        let app = crate::atomic::Db {
+            store: crate::atomic::PhaseStore::MySql(s.clone()),
+            url: None,
+            other: Some(crate::atomic::AppPool::MySql(
+                one().await.map_err(|e| e.to_string())?,
+            )),
+            read: crate::atomic::AppPool::MySql(one().await.map_err(|e| e.to_string())?),
+        };
         Ok(Slot {
             store: Arc::new(s),
             kind: SlotKind::MySql {
@@ -388,7 +435,7 @@ mod my {
                 base: Box::new(base),
                 name,
             },
-            sqlite: None,
+            app: Some(app),
             replica: None,
             _dir: None,
         })

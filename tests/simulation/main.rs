@@ -4,10 +4,12 @@
 //! lag, lost responses, faults, hangs and purge, checking after every step and at quiescence that
 //! the provider acts at most once per key and that no effect is lost (see `docs/reliability.md`).
 //! Half the schedules also hold a workflow of two steps (a keyed charge, then a keyless email,
-//! through `Context::call_step`), whose steps are checked as keys of their own. On SQLite, some
-//! hold an atomic phase (`Context::atomic_step`, [`atomic`]), a few of them on a file with a
-//! second connection contending for its write lock; and a client's try may go through the other
-//! provider (a failover between attempts).
+//! through `Context::call_step`), whose steps are checked as keys of their own. On the SQL
+//! backends, some hold an atomic phase (`Context::atomic_step`, [`atomic`]) and a one-commit key
+//! (`Idempotency::execute_atomic`): on SQLite a few of them on a file with a second connection
+//! contending for its write lock, on PostgreSQL and MariaDB/MySQL with the phase's connection
+//! killed by the server; and a client's try may go through the other provider (a failover
+//! between attempts).
 //!
 //! The PRNG is our own SplitMix64 ([`rng`]), not proptest: the store under test is real (SQLite,
 //! PostgreSQL, MariaDB, Redis) and leases run on the database clock, so a schedule is a sequence
@@ -262,7 +264,7 @@ async fn simulate_seeds(
             let r = run_case(
                 seed,
                 slot.store.clone(),
-                slot.sqlite.clone(),
+                slot.app.clone(),
                 slot.replica.clone(),
                 mode,
             )

@@ -51,7 +51,7 @@ pub enum Role {
     Workflow,
     /// Step `.1` of the workflow key `.0` (an index into the keys).
     Step(usize, u32),
-    /// A key run in one commit with its app row (`Idempotency::execute_atomic`, SQLite,
+    /// A key run in one commit with its app row (`Idempotency::execute_atomic`, SQL backends,
     /// [`Mode::OneCommit`]): its effect is its app row, as an atomic step's.
     Local,
 }
@@ -62,12 +62,13 @@ pub enum Role {
 pub enum Mode {
     /// Single calls, sweepers, an operator and purge (issue 11).
     Classic,
-    /// Also a workflow of two steps, atomic phases on SQLite and provider changes (issue 20).
+    /// Also a workflow of two steps, atomic phases on the SQL backends and provider changes
+    /// (issue 20).
     Workflows,
     /// Also resumers racing client retries, sweepers on the default lease ratio, dropped store
     /// connections and the liveness check (issue 20).
     Full,
-    /// Also, on SQLite with atomic phases, a key run in one commit with its app row
+    /// Also, on the SQL backends with atomic phases, a key run in one commit with its app row
     /// (`Idempotency::execute_atomic`, issue 23).
     OneCommit,
     /// Also webhooks: the providers' events for effects that happened, delivered late, twice
@@ -251,7 +252,7 @@ struct World {
     next_id: usize,
     /// Key labels that existed at the last check (to see purges).
     existed: BTreeSet<String>,
-    /// The schedule's atomic phases (SQLite, with the new actors).
+    /// The schedule's atomic phases (the SQL backends, with the new actors).
     atomic: Option<Arc<AtomicSim>>,
     /// The draws of the actors added with workflows (provider switches), apart from the main
     /// stream the regression seeds replay.
@@ -866,6 +867,7 @@ impl World {
             if let Some(url) = sim.db.url.clone() {
                 match sqlx::SqlitePool::connect(&url).await {
                     Ok(fresh) => {
+                        let fresh = crate::atomic::AppPool::Sqlite(fresh);
                         self.check_told(&sim, &fresh, " after reopening the file")
                             .await;
                         for k in self.keys.clone().iter().filter(|k| k.local) {
@@ -896,7 +898,7 @@ impl World {
         self.check_acked().await;
     }
 
-    async fn check_told(&mut self, sim: &AtomicSim, pool: &sqlx::SqlitePool, when: &str) {
+    async fn check_told(&mut self, sim: &AtomicSim, pool: &crate::atomic::AppPool, when: &str) {
         let told = sim.told.lock().unwrap().clone();
         for t in told {
             let Some(committed) = t.committed else {
@@ -1301,6 +1303,11 @@ async fn local_client(
             sh.violate(Check::ScopesIsolated, &key.label, e.to_string());
             (format!("error: {e}"), false)
         }
+        // The server killed the phase's connection after its writes: nothing committed, the
+        // client is told it does not know (as after any lost connection) and tries again.
+        Err(Error::Store(e)) if !expected(&e) && sim.killed_late(&key.label) => {
+            (format!("store error (a killed connection): {e}"), true)
+        }
         Err(Error::Store(e)) if !expected(&e) => {
             sh.violate(Check::NoStoreErrors, &key.label, e.to_string());
             (format!("store error: {e}"), false)
@@ -1571,7 +1578,7 @@ impl Shared {
 pub async fn run_case(
     seed: u64,
     store: Arc<dyn Store>,
-    sqlite: Option<crate::atomic::Db>,
+    app: Option<crate::atomic::Db>,
     replica: Option<Replica>,
     mode: Mode,
 ) -> CaseResult {
@@ -1696,10 +1703,10 @@ pub async fn run_case(
             });
         }
     }
-    // On SQLite, some schedules hold a workflow whose first step is an atomic phase
+    // On the SQL backends, some schedules hold a workflow whose first step is an atomic phase
     // (its app row in `sim_orders`), then a keyed charge (`crate::atomic`; drawn apart too).
     let mut at_rng = Rng::new(seed ^ ATOMIC_STREAM);
-    let atomic = match &sqlite {
+    let atomic = match &app {
         Some(db) if with_workflows && at_rng.chance(ATOMIC_PER_MILLE) => {
             let _file = at_rng.chance(FILE_PER_MILLE);
             let scope = ["a", "b"][at_rng.below(2) as usize];
