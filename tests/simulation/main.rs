@@ -9,7 +9,8 @@
 //! (`Idempotency::execute_atomic`): on SQLite a few of them on a file with a second connection
 //! contending for its write lock, on PostgreSQL and MariaDB/MySQL with the phase's connection
 //! killed by the server; and a client's try may go through the other provider (a failover
-//! between attempts).
+//! between attempts). By default a third of the single calls are served through the axum
+//! layer ([`http`]).
 //!
 //! The PRNG is our own SplitMix64 ([`rng`]), not proptest: the store under test is real (SQLite,
 //! PostgreSQL, MariaDB, Redis) and leases run on the database clock, so a schedule is a sequence
@@ -31,6 +32,7 @@ mod backends;
 mod checks;
 mod failover;
 mod gate;
+mod http;
 mod provider;
 mod rng;
 mod store;
@@ -177,10 +179,11 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
         Ok("webhooks") => Mode::Webhooks,
         Ok("waiting") => Mode::Waiting,
         Ok("outages") => Mode::Outages,
-        Ok("failover") | Err(_) => Mode::Failover,
+        Ok("failover") => Mode::Failover,
+        Ok("http") | Err(_) => Mode::Http,
         Ok(other) => {
             panic!(
-                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit, webhooks, waiting, outages or failover"
+                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit, webhooks, waiting, outages, failover or http"
             )
         }
     };

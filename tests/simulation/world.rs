@@ -39,6 +39,8 @@ pub struct KeyDef {
     pub role: Role,
     /// An atomic-phase step (`Context::atomic_step`, `crate::atomic`): its effect is its app row.
     pub local: bool,
+    /// A single call served through the axum layer (`crate::http`, [`Mode::Http`]).
+    pub http: bool,
 }
 
 /// What a key is in the schedule.
@@ -84,9 +86,13 @@ pub enum Mode {
     Outages,
     /// Also, on Redis, a failover that loses acknowledged writes (issue 24's Sentinel): in some
     /// schedules a replica's copy of the keys is taken at one step and promoted at a later one,
-    /// so every write in between is lost ([`crate::failover`]); what the simulation runs by
-    /// default (on the other backends it is [`Mode::Outages`]: their commits are not lost).
+    /// so every write in between is lost ([`crate::failover`]).
     Failover,
+    /// Also single calls served through the axum layer (`crate::http`, feature `axum`): a third
+    /// of the single-call keys are posted with `Idempotency-Key` to a router whose layer is
+    /// declared with the key's provider. What the simulation runs by default (on the backends
+    /// other than Redis without the failovers: their commits are not lost).
+    Http,
 }
 
 impl Mode {
@@ -104,6 +110,7 @@ impl Mode {
                 | Mode::Waiting
                 | Mode::Outages
                 | Mode::Failover
+                | Mode::Http
         )
     }
 
@@ -111,7 +118,12 @@ impl Mode {
     pub fn one_commit(self) -> bool {
         matches!(
             self,
-            Mode::OneCommit | Mode::Webhooks | Mode::Waiting | Mode::Outages | Mode::Failover
+            Mode::OneCommit
+                | Mode::Webhooks
+                | Mode::Waiting
+                | Mode::Outages
+                | Mode::Failover
+                | Mode::Http
         )
     }
 
@@ -119,8 +131,13 @@ impl Mode {
     pub fn webhooks(self) -> bool {
         matches!(
             self,
-            Mode::Webhooks | Mode::Waiting | Mode::Outages | Mode::Failover
+            Mode::Webhooks | Mode::Waiting | Mode::Outages | Mode::Failover | Mode::Http
         )
+    }
+
+    /// Whether the additions of [`Mode::Failover`] are on (Redis only).
+    pub fn failovers(self) -> bool {
+        matches!(self, Mode::Failover | Mode::Http)
     }
 }
 
@@ -417,6 +434,15 @@ impl World {
                                 steps.clone(),
                                 providers.clone(),
                                 atomic.clone(),
+                                shared.clone(),
+                            )
+                            .await
+                        } else if key.http {
+                            // The layer is declared with one provider: no switch.
+                            crate::http::client(
+                                exec.clone(),
+                                key.clone(),
+                                provider.clone(),
                                 shared.clone(),
                             )
                             .await
@@ -1152,6 +1178,15 @@ impl World {
                     )
                     .await
                 }
+                Role::Call if key.http => {
+                    crate::http::client(
+                        self.executors[key.provider].clone(),
+                        key.clone(),
+                        self.providers[key.provider].clone(),
+                        self.shared.clone(),
+                    )
+                    .await
+                }
                 Role::Call => {
                     client(
                         self.executors[key.provider].clone(),
@@ -1537,7 +1572,7 @@ impl Shared {
     /// A client of `label` was told `resp`: the key is acknowledged in the generation the
     /// client's claim (or one-commit phase) saw, and a replay must equal that generation's first
     /// answer.
-    fn acknowledged(&mut self, label: &str, resp: &idemflow::StoredResponse) {
+    pub fn acknowledged(&mut self, label: &str, resp: &idemflow::StoredResponse) {
         let g = crate::gate::current_actor()
             .and_then(|a| self.claimed_in.get(&(a, label.to_owned())).copied())
             .unwrap_or_else(|| self.generation(label));
@@ -1665,7 +1700,15 @@ pub async fn run_case(
             pk,
             role: Role::Call,
             local: false,
+            http: false,
         });
+    }
+    // With the layer, a third of the single calls are served through it (a stream of its own).
+    if mode == Mode::Http && cfg!(feature = "axum") {
+        let mut h = Rng::new(seed ^ HTTP_STREAM);
+        for k in &mut keys {
+            k.http = h.chance(HTTP_PER_MILLE);
+        }
     }
     // Half the schedules hold a workflow of two steps: a keyed charge, then a keyless email
     // (drawn apart from the main stream, which the regression seeds replay unchanged).
@@ -1684,6 +1727,7 @@ pub async fn run_case(
             pk: String::new(),
             role: Role::Workflow,
             local: false,
+            http: false,
         });
         for (position, (operation, provider)) in
             [("charge", 0), ("email.send", 1)].into_iter().enumerate()
@@ -1700,6 +1744,7 @@ pub async fn run_case(
                 pk,
                 role: Role::Step(parent, position as u32),
                 local: false,
+                http: false,
             });
         }
     }
@@ -1721,6 +1766,7 @@ pub async fn run_case(
                 pk: String::new(),
                 role: Role::Workflow,
                 local: false,
+                http: false,
             });
             for (position, (operation, provider, local)) in
                 [("order.record", 0, true), ("charge", 0, false)]
@@ -1743,6 +1789,7 @@ pub async fn run_case(
                     pk,
                     role: Role::Step(parent, position as u32),
                     local,
+                    http: false,
                 });
             }
             // With one commit, a key run by `execute_atomic` too (drawn from a stream of its
@@ -1760,6 +1807,7 @@ pub async fn run_case(
                     provider: 0,
                     role: Role::Local,
                     local: true,
+                    http: false,
                 });
             }
             Some(Arc::new(AtomicSim::new(
@@ -1772,13 +1820,16 @@ pub async fn run_case(
     };
     let alt = with_workflows.then(|| Rng::new(seed ^ 0xA17E_F0DE));
     let hooks = mode.webhooks().then(|| Rng::new(seed ^ WEBHOOK_STREAM));
-    let waits = matches!(mode, Mode::Waiting | Mode::Outages | Mode::Failover)
-        .then(|| Rng::new(seed ^ WAIT_STREAM));
-    let outages = matches!(mode, Mode::Outages | Mode::Failover)
+    let waits = matches!(
+        mode,
+        Mode::Waiting | Mode::Outages | Mode::Failover | Mode::Http
+    )
+    .then(|| Rng::new(seed ^ WAIT_STREAM));
+    let outages = matches!(mode, Mode::Outages | Mode::Failover | Mode::Http)
         .then(|| Rng::new(seed ^ OUTAGE_STREAM))
         .and_then(|mut r| r.chance(OUTAGE_SCHEDULES_PER_MILLE).then_some(r));
     let failover = replica
-        .filter(|_| mode == Mode::Failover)
+        .filter(|_| mode.failovers())
         .map(|replica| (Rng::new(seed ^ FAILOVER_STREAM), replica))
         .and_then(|(mut r, replica)| {
             r.chance(FAILOVER_SCHEDULES_PER_MILLE)
@@ -1814,7 +1865,11 @@ pub async fn run_case(
     let takeover = settings
         .takeover
         .then(|| settings.window.saturating_sub(settings.margin));
-    let executors = [exec(takeover, "worker-pay"), exec(None, "worker-mail")];
+    // The keyless provider's executor gets the same takeover window: a call through it (direct
+    // or through the layer) must never be taken over, since its provider does not dedupe by
+    // key (the window is capped at the provider's, none: `Idempotency::call`, and the layer
+    // declared with the provider).
+    let executors = [exec(takeover, "worker-pay"), exec(takeover, "worker-mail")];
     let workflow_exec = exec(takeover, "worker-flow").retention(workflow_retention);
     let mut w = World {
         rng,
@@ -1901,6 +1956,11 @@ const FILE_PER_MILLE: u64 = 350;
 /// mille, [`Mode::OneCommit`]).
 const ONE_COMMIT_STREAM: u64 = 0x0C0_33A7;
 const ONE_COMMIT_PER_MILLE: u64 = 600;
+/// The seed stream of the keys served through the axum layer ([`Mode::Http`]), and how many
+/// single-call keys in a thousand are.
+const HTTP_STREAM: u64 = 0x4771_9A7E;
+const HTTP_PER_MILLE: u64 = 350;
+
 /// The seed stream of the waiting clients ([`Mode::Waiting`]), and how many clients in a
 /// thousand wait for the first attempt's answer.
 const WAIT_STREAM: u64 = 0x3A17_1F17;
