@@ -321,7 +321,8 @@ struct Inner {
     given: Idempotency,
     scope: String,
     key: KeySource,
-    provider: Option<String>,
+    /// The provider the handler acts through: its name and key rules ([`Consumer::provider`]).
+    provider: Option<(String, crate::KeySpec)>,
     handler: HandlerFn,
     concurrency: usize,
     retry_after: Duration,
@@ -332,7 +333,10 @@ impl fmt::Debug for Consumer {
         f.debug_struct("Consumer")
             .field("scope", &self.inner.scope)
             .field("key", &self.inner.key)
-            .field("provider", &self.inner.provider)
+            .field(
+                "provider",
+                &self.inner.provider.as_ref().map(|(name, _)| name),
+            )
             .field("concurrency", &self.inner.concurrency)
             .field("retry_after", &self.inner.retry_after)
             .finish_non_exhaustive()
@@ -385,15 +389,17 @@ impl Consumer {
         self.set(|c| c.key = from)
     }
 
-    /// Names the provider the handler acts through (forwarding [`Context::provider_key`] as its
-    /// idempotency key), so that the sweeper, with that provider registered, settles a run that
-    /// crashed or ended `Unknown` by asking it. A delivery then never takes such a run over
-    /// (beyond the executor's own `retry_takeover_window`): it is redelivered until the sweeper
-    /// has settled the key.
-    pub fn provider(self, name: impl Into<String>) -> Self {
-        let name = name.into();
+    /// Declares the provider the handler acts through (forwarding [`Context::provider_key`] as
+    /// its idempotency key), so that the sweeper, with that provider registered, settles a run
+    /// that crashed or ended `Unknown` by asking it. A delivery then never takes such a run over
+    /// beyond the executor's own `retry_takeover_window`, itself capped by the provider's dedup
+    /// window (none for a provider that does not dedupe by key), as with
+    /// [`Idempotency::call`]: it is redelivered until the sweeper has settled the key. The
+    /// provider key is derived within the provider's length limit.
+    pub fn provider(self, provider: &dyn crate::Provider) -> Self {
+        let declared = (provider.name().to_owned(), provider.key_spec());
         self.set(|c| {
-            c.provider = Some(name);
+            c.provider = Some(declared);
             c.idem = c.given.clone();
         })
     }
@@ -472,7 +478,7 @@ impl Consumer {
         let fingerprinted = json!({"key": key, "body_sha256": digest});
         let request = match IdempotentRequest::new(&r.scope, &key, OPERATION, &fingerprinted) {
             Ok(request) => match &r.provider {
-                Some(provider) => request.with_provider(provider),
+                Some((name, spec)) => request.sent_through(name, spec),
                 None => request,
             },
             Err(e) => return Disposition::Reject(ConsumerError::InvalidKey(e)),
@@ -691,5 +697,90 @@ mod tests {
             key_of(&Message::new("{}"), &KeySource::MessageId),
             Err(ConsumerError::NoKey { .. })
         ));
+    }
+
+    /// A provider without idempotency keys (every send acts), which the sweeper cannot settle.
+    #[cfg(feature = "sqlite")]
+    #[derive(Debug)]
+    struct Keyless;
+
+    #[cfg(feature = "sqlite")]
+    #[async_trait::async_trait]
+    impl crate::Provider for Keyless {
+        fn name(&self) -> &str {
+            "keyless"
+        }
+
+        fn key_spec(&self) -> crate::KeySpec {
+            crate::KeySpec::no_keys()
+        }
+
+        async fn send(&self, _provider_key: &str, _request: &Value) -> crate::CallReply {
+            crate::CallReply::Unknown {
+                reason: "unused".to_owned(),
+            }
+        }
+
+        async fn lookup(
+            &self,
+            _provider_key: &str,
+            _request: &Value,
+            _attempts: crate::Attempts,
+            _now: chrono::DateTime<chrono::Utc>,
+        ) -> crate::Lookup {
+            crate::Lookup::NotFound {
+                authoritative: false,
+            }
+        }
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn a_redelivery_never_takes_over_a_run_whose_provider_does_not_dedupe() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let store = crate::store::sqlite::SqliteStore::connect("sqlite::memory:")
+            .await
+            .unwrap();
+        crate::Store::migrate(&store).await.unwrap();
+        // An executor that lets a retry take over an expired lease within an hour (set for
+        // another provider, say): the consumer's provider does not dedupe, so its rules cap
+        // that at none, as `Idempotency::call` does.
+        let idem = Idempotency::new(Arc::new(store))
+            .lease(Duration::from_millis(200))
+            .retry_takeover_window(Some(Duration::from_secs(3600)));
+        let runs = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let runs = runs.clone();
+            move |_message: Message, _ctx: Context| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Outcome::unknown("the email went out; its answer was lost")
+                }
+            }
+        };
+        let consumer =
+            Consumer::new(idem, Scope::new("queue:mail").unwrap(), handler).provider(&Keyless);
+        let message = || Message::new("{}").with_message_id("m-1");
+        let first = consumer.handle(message()).await;
+        assert!(
+            matches!(
+                first,
+                Disposition::Redeliver {
+                    reason: Redeliver::OutcomeUnknown,
+                    ..
+                }
+            ),
+            "{first:?}"
+        );
+        // The lease runs out; the broker redelivers.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let again = consumer.handle(message()).await;
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "a redelivery ran the handler again, which sends again: {again:?}"
+        );
+        assert!(matches!(again, Disposition::Redeliver { .. }), "{again:?}");
     }
 }

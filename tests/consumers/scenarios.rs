@@ -529,7 +529,7 @@ pub async fn an_unknown_outcome_is_left_unacked_until_the_sweeper_settles_it(bro
         }
     };
     let scope = scope(&broker);
-    let consumer = Consumer::new(idem, scope.clone(), handler).provider(LEDGER);
+    let consumer = Consumer::new(idem, scope.clone(), handler).provider(&Ledger(effects.clone()));
     let running = broker.start(consumer.clone()).await;
     assert!(broker.publish("lost-1", b"{}").await);
     until_stats(
@@ -566,6 +566,7 @@ struct ChildSpec {
 /// The consumer of the kill test, in the child and in the test: keys under the ledger, so
 /// that a run that died is settled by the sweeper from the effects, never run again.
 fn kill_consumer(idem: Idempotency, scope: Scope, effects: Effects, hang: bool) -> Consumer {
+    let ledger = Ledger(effects.clone());
     let handler = move |_message: Message, ctx: Context| {
         let effects = effects.clone();
         async move {
@@ -578,7 +579,7 @@ fn kill_consumer(idem: Idempotency, scope: Scope, effects: Effects, hang: bool) 
         }
     };
     Consumer::new(idem, scope, handler)
-        .provider(LEDGER)
+        .provider(&ledger)
         .concurrency(1)
 }
 
