@@ -244,9 +244,6 @@ pub(crate) struct PooledOps<DB: sqlx::Database> {
     /// Whether a claim's error rolled its transaction back whole and may be tried again in a
     /// new one (a lock conflict; nothing else had run in it).
     pub(crate) claim_again: fn(&StoreError) -> bool,
-    /// Whether the connection is kept for the store's next call once the phase committed
-    /// (`store::warm`; PostgreSQL), or goes back to the pool (MariaDB/MySQL).
-    pub(crate) keep_after_commit: bool,
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -263,7 +260,8 @@ impl<DB: sqlx::Database> Copy for PooledOps<DB> {}
 /// connection (the store's kept one, or one from its pool: `store::warm`), the key's claim, the
 /// application's writes, the answer's checks, the key's record (each backend's [`RecordStep`]),
 /// `COMMIT`; run [`detached`]. Any failure drops the transaction, which rolls back; after a
-/// commit the connection is kept for the store's next call where the store says so.
+/// commit the connection is kept for the store's next call where the store keeps its writes'
+/// connections ([`WarmConn::keep_write`](crate::store::warm::WarmConn::keep_write)).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) struct PooledPhase<DB: sqlx::Database, F> {
     pub(crate) warm: crate::store::warm::Warm<DB>,
@@ -335,9 +333,8 @@ where
                     return Err(own_claim_gone(backend, &claim.id));
                 }
                 tx.commit().await.map_err(failed)?;
-                if ops.keep_after_commit {
-                    conn.keep();
-                }
+                // Kept for the store's next call where the store keeps its writes' connections.
+                conn.keep_write();
                 return Ok(if reason == REFUSED_REASON {
                     OneCommit::Refused(answer)
                 } else {

@@ -16,9 +16,9 @@
 //! ran leaves its fate unknown), so claims, finishes, atomic phases and every other write run
 //! on a pinged connection ([`Warm::for_write`]): a kept one pinged first, as sqlx pings the
 //! connections its pool hands out, or one from the pool. A PostgreSQL write that ran to its end
-//! keeps its connection too; MariaDB's give theirs back (`docs/performance.md`, "Reverted: a stale connection that ran a handler
-//! twice", "Kept connections for reads", "The known-keys hint lost 7 % of its keys" and
-//! "Writes keep their connection").
+//! keeps its connection too; MariaDB's give theirs back ([`Warm::new`]; `docs/performance.md`,
+//! "Reverted: a stale connection that ran a handler twice", "Kept connections for reads", "The
+//! known-keys hint lost 7 % of its keys" and "Writes keep their connection").
 //!
 //! Kept connections go back to the pool after [`HOLD_IDLE`] without a call, and a connection
 //! goes back after [`HOLD_MAX`] out of the pool however busy the store is, so that callers
@@ -68,6 +68,8 @@ struct Inner<DB: Database> {
     held: Mutex<Held<DB>>,
     /// This store's reads and writes waiting in `pool.acquire()`.
     waiting: AtomicUsize,
+    /// Whether a write that ran to its end keeps its connection ([`WarmConn::keep_write`]).
+    keeps_writes: bool,
 }
 
 impl<DB: Database> Inner<DB> {
@@ -120,7 +122,10 @@ type ReadFuture<'c, T> =
     std::pin::Pin<Box<dyn Future<Output = Result<T, sqlx::Error>> + Send + 'c>>;
 
 impl<DB: Database> Warm<DB> {
-    pub(crate) fn new(pool: Pool<DB>) -> Self {
+    /// `keeps_writes`: whether a write that ran to its end keeps its connection for the next
+    /// call (PostgreSQL), or gives it back to the pool (MariaDB/MySQL: no gain measured, and a
+    /// CI run under load failed a `take_stale` with `BeginFailed` while they kept it).
+    pub(crate) fn new(pool: Pool<DB>, keeps_writes: bool) -> Self {
         Self {
             inner: Arc::new(Inner {
                 pool,
@@ -129,6 +134,7 @@ impl<DB: Database> Warm<DB> {
                     reaper: false,
                 }),
                 waiting: AtomicUsize::new(0),
+                keeps_writes,
             }),
         }
     }
@@ -185,9 +191,9 @@ impl<DB: Database> Warm<DB> {
     /// ms with a one-connection pool (`docs/performance.md`, "The known-keys hint lost 7 % of
     /// its keys"). The ping is bounded by the pool's acquire timeout, as the pool's own ping is.
     ///
-    /// A PostgreSQL write that ran to its end keeps its connection ([`WarmConn::keep`]) for the
-    /// next call, as a read does, which saves the ping sqlx makes on every connection given back to its
-    /// pool; the next write pings it again here (`docs/performance.md`, "Writes keep their
+    /// A PostgreSQL write that ran to its end keeps its connection ([`WarmConn::keep_write`]) for
+    /// the next call, as a read does, which saves the ping sqlx makes on every connection given
+    /// back to its pool; the next write pings it again here (`docs/performance.md`, "Writes keep their
     /// connection"). While it waits in the pool it counts as waiting, so no connection is kept
     /// idle beside it.
     pub(crate) async fn for_write(&self) -> Result<WarmConn<DB>, sqlx::Error> {
@@ -263,6 +269,14 @@ impl<DB: Database> WarmConn<DB> {
     /// unless it has been out of the pool for [`HOLD_MAX`], a call of this store waits in the
     /// pool, the pool is closed, or there is no tokio runtime to give it back later; then it
     /// goes back to the pool now.
+    /// A write's connection once the write ran to its end: kept ([`keep`](Self::keep)) where
+    /// the store keeps its writes' connections ([`Warm::new`]), else back to the pool.
+    pub(crate) fn keep_write(self) {
+        if self.home.keeps_writes {
+            self.keep();
+        }
+    }
+
     pub(crate) fn keep(mut self) {
         let Some(conn) = self.conn.take() else { return };
         let home = &self.home;

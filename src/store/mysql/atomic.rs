@@ -32,7 +32,6 @@ impl MySqlStore {
                 claim: |conn, claim| Box::pin(claim_on(conn, claim)),
                 record: record_step,
                 claim_again: is_lock_conflict,
-                keep_after_commit: false,
             },
         }
     }

@@ -190,7 +190,7 @@ impl MySqlStore {
     /// Uses a pool you manage.
     pub fn from_pool(pool: MySqlPool) -> Self {
         Self {
-            warm: Warm::new(pool.clone()),
+            warm: Warm::new(pool.clone(), false),
             pool,
             known: KnownKeys::new(known_keys::DEFAULT_SLOTS),
         }

@@ -47,7 +47,6 @@ impl PostgresStore {
                 claim: |conn, claim| Box::pin(claim_on(conn, claim)),
                 record: record_step,
                 claim_again: |_| false,
-                keep_after_commit: true,
             },
         }
     }

@@ -136,7 +136,7 @@ impl PostgresStore {
     /// Uses a pool you manage (its `search_path` decides the schema).
     pub fn from_pool(pool: PgPool) -> Self {
         Self {
-            warm: Warm::new(pool.clone()),
+            warm: Warm::new(pool.clone(), true),
             pool,
             known: KnownKeys::new(known_keys::DEFAULT_SLOTS),
             ends: std::sync::Arc::default(),
@@ -281,7 +281,7 @@ impl PostgresStore {
             .fetch_optional(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
+        conn.keep_write();
         match row {
             Some(row) => decode_record(&row),
             None => Err(refused_write(self, id, mode.presented()).await),
@@ -327,7 +327,7 @@ impl Store for PostgresStore {
         self.known.insert(known_keys::of(&claim.id));
         let mut conn = self.write_conn().await?;
         let outcome = claim_on(&mut conn, claim).await?;
-        conn.keep();
+        conn.keep_write();
         Ok(outcome)
     }
 
@@ -359,7 +359,7 @@ impl Store for PostgresStore {
             .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
+        conn.keep_write();
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
@@ -370,7 +370,7 @@ impl Store for PostgresStore {
             .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
+        conn.keep_write();
         fenced_write(self, id, token, done.rows_affected()).await
     }
 
@@ -390,7 +390,7 @@ impl Store for PostgresStore {
             .fetch_optional(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
+        conn.keep_write();
         match exp {
             Some(exp) => Ok(exp),
             None => Err(refused_write(self, id, Some(token)).await),
@@ -411,7 +411,7 @@ impl Store for PostgresStore {
             .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
+        conn.keep_write();
         Ok(true)
     }
 
@@ -494,7 +494,7 @@ impl SweeperStore for PostgresStore {
             .fetch_all(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
+        conn.keep_write();
         rows.iter().map(decode_record).collect()
     }
 
@@ -506,7 +506,7 @@ impl SweeperStore for PostgresStore {
             .execute(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;
-        conn.keep();
+        conn.keep_write();
         Ok(done.rows_affected())
     }
 
