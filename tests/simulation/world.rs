@@ -58,9 +58,10 @@ pub enum Role {
     Local,
 }
 
-/// Which actors and faults a schedule may hold. Each later mode draws its additions from seed
-/// streams of their own, so a seed found in an earlier mode replays its schedule there.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which actors and faults a schedule may hold. Each later mode holds every earlier one's and
+/// draws its additions from seed streams of their own, so a seed found in an earlier mode
+/// replays its schedule there. Declared in that order ([`Mode::holds`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Mode {
     /// Single calls, sweepers, an operator and purge (issue 11).
     Classic,
@@ -96,48 +97,44 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// Whether the additions of `earlier` are on: each mode holds every earlier one's (the
+    /// variants are declared in that order).
+    fn holds(self, earlier: Mode) -> bool {
+        self >= earlier
+    }
+
     pub fn workflows(self) -> bool {
-        self != Mode::Classic
+        self.holds(Mode::Workflows)
     }
 
     /// Whether the additions of [`Mode::Full`] are on.
     pub fn full(self) -> bool {
-        matches!(
-            self,
-            Mode::Full
-                | Mode::OneCommit
-                | Mode::Webhooks
-                | Mode::Waiting
-                | Mode::Outages
-                | Mode::Failover
-                | Mode::Http
-        )
+        self.holds(Mode::Full)
     }
 
     /// Whether the additions of [`Mode::OneCommit`] are on.
     pub fn one_commit(self) -> bool {
-        matches!(
-            self,
-            Mode::OneCommit
-                | Mode::Webhooks
-                | Mode::Waiting
-                | Mode::Outages
-                | Mode::Failover
-                | Mode::Http
-        )
+        self.holds(Mode::OneCommit)
     }
 
     /// Whether the additions of [`Mode::Webhooks`] are on.
     pub fn webhooks(self) -> bool {
-        matches!(
-            self,
-            Mode::Webhooks | Mode::Waiting | Mode::Outages | Mode::Failover | Mode::Http
-        )
+        self.holds(Mode::Webhooks)
+    }
+
+    /// Whether the additions of [`Mode::Waiting`] are on.
+    pub fn waiting(self) -> bool {
+        self.holds(Mode::Waiting)
+    }
+
+    /// Whether the additions of [`Mode::Outages`] are on.
+    pub fn outages(self) -> bool {
+        self.holds(Mode::Outages)
     }
 
     /// Whether the additions of [`Mode::Failover`] are on (Redis only).
     pub fn failovers(self) -> bool {
-        matches!(self, Mode::Failover | Mode::Http)
+        self.holds(Mode::Failover)
     }
 }
 
@@ -1704,7 +1701,7 @@ pub async fn run_case(
         });
     }
     // With the layer, a third of the single calls are served through it (a stream of its own).
-    if mode == Mode::Http && cfg!(feature = "axum") {
+    if mode.holds(Mode::Http) && cfg!(feature = "axum") {
         let mut h = Rng::new(seed ^ HTTP_STREAM);
         for k in &mut keys {
             k.http = h.chance(HTTP_PER_MILLE);
@@ -1820,12 +1817,9 @@ pub async fn run_case(
     };
     let alt = with_workflows.then(|| Rng::new(seed ^ 0xA17E_F0DE));
     let hooks = mode.webhooks().then(|| Rng::new(seed ^ WEBHOOK_STREAM));
-    let waits = matches!(
-        mode,
-        Mode::Waiting | Mode::Outages | Mode::Failover | Mode::Http
-    )
-    .then(|| Rng::new(seed ^ WAIT_STREAM));
-    let outages = matches!(mode, Mode::Outages | Mode::Failover | Mode::Http)
+    let waits = mode.waiting().then(|| Rng::new(seed ^ WAIT_STREAM));
+    let outages = mode
+        .outages()
         .then(|| Rng::new(seed ^ OUTAGE_STREAM))
         .and_then(|mut r| r.chance(OUTAGE_SCHEDULES_PER_MILLE).then_some(r));
     let failover = replica
