@@ -23,6 +23,33 @@ impl Idempotency {
     }
 }
 
+impl super::Context {
+    /// Sends `body` to `provider` under this attempt's provider key and classifies the answer
+    /// as [`Idempotency::call`] does, for an operation that acts through one provider call but
+    /// does not send the key's stored request as it is: a queue consumer's handler
+    /// ([`Consumer`](crate::consumer::Consumer), which sends what it makes of the message), or
+    /// an [`execute`](Idempotency::execute) whose request is not the provider's.
+    ///
+    /// * Nothing is sent when the attempt may no longer send ([`may_send`](Self::may_send): its
+    ///   lease is lost or ran out, or a takeover's window closed): the outcome is then
+    ///   retryable.
+    /// * After an earlier attempt of the key that may have acted (a takeover), a refusal is the
+    ///   key's answer only when the provider says it is about this request
+    ///   ([`Provider::definitive_refusal`]); any other may answer this re-send alone while the
+    ///   first still runs, so the outcome is unknown and the sweeper settles the key from the
+    ///   provider's records.
+    /// * The provider's secret fields ([`Provider::secret_fields`]) are masked in what is stored.
+    ///
+    /// Calling `provider.send(ctx.provider_key(), ..)` directly skips all three.
+    ///
+    /// The sweeper re-drives a crashed key by re-sending its *stored* request: an executor whose
+    /// operation sends something else must not store it ([`Idempotency::store_request`] off, as
+    /// the consumer's executor is), so that the sweeper looks the key up instead.
+    pub async fn send(&self, provider: &dyn Provider, body: &serde_json::Value) -> crate::Outcome {
+        send_body(self, provider, body).await.0
+    }
+}
+
 /// Sends the attempt's stored request to `provider` with its provider key, and classifies the
 /// answer as an [`Outcome`](crate::Outcome), the provider's secret fields masked, with the
 /// provider's `Retry-After` when it refused without acting: what
@@ -44,12 +71,22 @@ pub(crate) async fn send(
             );
         }
     };
+    send_body(ctx, provider, &body).await
+}
+
+/// [`send`] with the body given: [`Context::send`](super::Context::send), with the provider's
+/// `Retry-After`.
+async fn send_body(
+    ctx: &super::Context,
+    provider: &dyn Provider,
+    body: &serde_json::Value,
+) -> (crate::Outcome, Option<std::time::Duration>) {
     // The last check before the request leaves: a paused process, a lost lease or a closed
     // takeover window sends nothing (see Context::may_send).
     if let Some(why) = ctx.send_refusal() {
         return (crate::Outcome::retryable(format!("not sent: {why}")), None);
     }
-    let reply = provider.send(ctx.provider_key(), &body).await;
+    let reply = provider.send(ctx.provider_key(), body).await;
     let retry_after = match &reply {
         crate::provider::CallReply::Retryable { retry_after, .. } => *retry_after,
         _ => None,
