@@ -317,7 +317,7 @@ struct Inner {
     /// The executor the runs go through: `given`, with a takeover window of its retention
     /// until a provider is named.
     idem: Idempotency,
-    /// The executor as given.
+    /// The executor as given, storing no request (`Consumer::new`).
     given: Idempotency,
     scope: String,
     key: KeySource,
@@ -356,7 +356,10 @@ impl Consumer {
     ///
     /// `idem` is used with its store, lease and retention; until [`provider`](Self::provider)
     /// names a provider, a later delivery may take over a crashed run for the whole retention
-    /// (the handler's effect is the application's own), as the webhook receiver allows.
+    /// (the handler's effect is the application's own), as the webhook receiver allows. The
+    /// keys store no request ([`Idempotency::store_request`] off): the message's fingerprint
+    /// still refuses another body under the same key, and the sweeper, which would re-send a
+    /// stored request to the provider, looks a crashed run up by its provider key instead.
     pub fn new<F, Fut>(idem: Idempotency, scope: Scope, handler: F) -> Self
     where
         F: Fn(Message, Context) -> Fut + Send + Sync + 'static,
@@ -364,6 +367,10 @@ impl Consumer {
     {
         let handler: HandlerFn = Arc::new(move |message, ctx| Box::pin(handler(message, ctx)));
         let retention = idem.config().retention;
+        // What the key would store as its request is the message's key and digest, not what the
+        // handler sends: stored, the sweeper would re-send it to the provider (a re-drive) as if
+        // it were. Not stored, the sweeper looks the key up instead.
+        let idem = idem.store_request(false);
         Self {
             inner: Arc::new(Inner {
                 idem: idem.clone().retry_takeover_window(Some(retention)),
@@ -782,5 +789,230 @@ mod tests {
             "a redelivery ran the handler again, which sends again: {again:?}"
         );
         assert!(matches!(again, Disposition::Redeliver { .. }), "{again:?}");
+    }
+
+    /// A provider that dedupes by key for an hour: the first send acts and its answer is lost;
+    /// a re-send of the same key is refused without saying anything of the first (a fraud rule
+    /// declining what looks like a duplicate charge).
+    #[cfg(feature = "sqlite")]
+    #[derive(Debug)]
+    struct RefusesResends {
+        sends: std::sync::atomic::AtomicUsize,
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[async_trait::async_trait]
+    impl crate::Provider for RefusesResends {
+        fn name(&self) -> &str {
+            "refuses-resends"
+        }
+
+        fn key_spec(&self) -> crate::KeySpec {
+            crate::KeySpec {
+                max_len: 255,
+                retention: Some(Duration::from_secs(3600)),
+                replays_same_key: true,
+            }
+        }
+
+        async fn send(&self, _provider_key: &str, _request: &Value) -> crate::CallReply {
+            if self.sends.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                crate::CallReply::Unknown {
+                    reason: "charged; the answer was lost".to_owned(),
+                }
+            } else {
+                crate::CallReply::Rejected {
+                    response: StoredResponse::new(402).with_body("declined: duplicate"),
+                }
+            }
+        }
+
+        async fn lookup(
+            &self,
+            _provider_key: &str,
+            _request: &Value,
+            _attempts: crate::Attempts,
+            _now: chrono::DateTime<chrono::Utc>,
+        ) -> crate::Lookup {
+            crate::Lookup::NotFound {
+                authoritative: false,
+            }
+        }
+    }
+
+    /// `Context::send` in a handler: after a takeover, a refusal that does not say what the
+    /// first send did leaves the key to the sweeper; the message is not acknowledged as refused
+    /// while the first send charged.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn a_refused_resend_after_a_takeover_is_not_the_messages_answer() {
+        let store = crate::store::sqlite::SqliteStore::connect("sqlite::memory:")
+            .await
+            .unwrap();
+        crate::Store::migrate(&store).await.unwrap();
+        let idem = Idempotency::new(Arc::new(store))
+            .lease(Duration::from_millis(200))
+            .retry_takeover_window(Some(Duration::from_secs(600)));
+        let provider = Arc::new(RefusesResends {
+            sends: std::sync::atomic::AtomicUsize::new(0),
+        });
+        let handler = {
+            let provider = provider.clone();
+            move |message: Message, ctx: Context| {
+                let provider = provider.clone();
+                async move {
+                    let body: Value = serde_json::from_slice(message.body()).unwrap_or_default();
+                    ctx.send(provider.as_ref(), &body).await
+                }
+            }
+        };
+        let consumer = Consumer::new(idem.clone(), Scope::new("queue:pay").unwrap(), handler)
+            .provider(provider.as_ref());
+        let message = || Message::new(r#"{"amount": 5}"#).with_message_id("m-1");
+        let first = consumer.handle(message()).await;
+        assert!(
+            matches!(
+                first,
+                Disposition::Redeliver {
+                    reason: Redeliver::OutcomeUnknown,
+                    ..
+                }
+            ),
+            "{first:?}"
+        );
+        // The lease runs out; the redelivery takes the key over inside the provider's window
+        // and sends again, which the provider refuses.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let again = consumer.handle(message()).await;
+        assert_eq!(
+            provider.sends.load(std::sync::atomic::Ordering::SeqCst),
+            2,
+            "the redelivery did not re-send: {again:?}"
+        );
+        assert!(
+            matches!(
+                again,
+                Disposition::Redeliver {
+                    reason: Redeliver::OutcomeUnknown,
+                    ..
+                }
+            ),
+            "the re-send's refusal became the message's answer: {again:?}"
+        );
+        let key = IdempotentRequest::new("queue:pay", "m-1", OPERATION, &1)
+            .unwrap()
+            .id()
+            .clone();
+        let record = idem.store().get(&key).await.unwrap().unwrap();
+        assert_eq!(record.state, crate::KeyState::Processing, "{record:?}");
+    }
+
+    /// A provider that dedupes by key for a day (as Stripe does) and records every request it
+    /// is sent.
+    #[cfg(feature = "sqlite")]
+    #[derive(Debug, Default)]
+    struct Recording {
+        sent: std::sync::Mutex<Vec<Value>>,
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[async_trait::async_trait]
+    impl crate::Provider for Recording {
+        fn name(&self) -> &str {
+            "recording"
+        }
+
+        fn key_spec(&self) -> crate::KeySpec {
+            crate::KeySpec {
+                max_len: 255,
+                retention: Some(Duration::from_secs(24 * 3600)),
+                replays_same_key: true,
+            }
+        }
+
+        async fn send(&self, _provider_key: &str, request: &Value) -> crate::CallReply {
+            self.sent.lock().unwrap().push(request.clone());
+            crate::CallReply::Succeeded {
+                response: StoredResponse::new(201),
+                replayed: false,
+            }
+        }
+
+        async fn lookup(
+            &self,
+            _provider_key: &str,
+            _request: &Value,
+            _attempts: crate::Attempts,
+            _now: chrono::DateTime<chrono::Utc>,
+        ) -> crate::Lookup {
+            crate::Lookup::NotFound {
+                authoritative: true,
+            }
+        }
+    }
+
+    /// The sweeper never re-sends a consumer's stored request to its provider: what the
+    /// consumer stores is the message's key and digest, not what the handler sends. A run that
+    /// ended before sending is looked up instead, and the next delivery sends the handler's own
+    /// request. (Found by the simulation's queue deliveries: the re-drive acted on the digest.)
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn the_sweeper_never_sends_a_consumers_stored_request() {
+        let store = crate::store::sqlite::SqliteStore::connect("sqlite::memory:")
+            .await
+            .unwrap();
+        crate::Store::migrate(&store).await.unwrap();
+        let store: Arc<dyn crate::Store> = Arc::new(store);
+        let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(200));
+        let provider = Arc::new(Recording::default());
+        let first_run = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let handler = {
+            let provider = provider.clone();
+            let first_run = first_run.clone();
+            move |message: Message, ctx: Context| {
+                let provider = provider.clone();
+                let first = first_run.swap(false, std::sync::atomic::Ordering::SeqCst);
+                async move {
+                    if first {
+                        // The process dies before the request leaves.
+                        return Outcome::unknown("killed before sending");
+                    }
+                    let body: Value = serde_json::from_slice(message.body()).unwrap_or_default();
+                    ctx.send(provider.as_ref(), &body).await
+                }
+            }
+        };
+        let consumer = Consumer::new(idem, Scope::new("queue:pay").unwrap(), handler)
+            .provider(provider.as_ref());
+        let message = || Message::new(r#"{"amount": 5}"#).with_message_id("m-1");
+        let first = consumer.handle(message()).await;
+        assert!(
+            matches!(
+                first,
+                Disposition::Redeliver {
+                    reason: Redeliver::OutcomeUnknown,
+                    ..
+                }
+            ),
+            "{first:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let sweeper = crate::Sweeper::new(
+            store,
+            crate::Providers::new().with(provider.clone() as Arc<dyn crate::Provider>),
+        );
+        let swept = sweeper.run_once().await.unwrap();
+        assert_eq!(
+            *provider.sent.lock().unwrap(),
+            Vec::<Value>::new(),
+            "the sweeper sent the consumer's stored request ({})",
+            swept.summary()
+        );
+        let again = consumer.handle(message()).await;
+        assert!(matches!(again, Disposition::Ack { ran: true }), "{again:?}");
+        assert_eq!(
+            *provider.sent.lock().unwrap(),
+            vec![serde_json::json!({"amount": 5})]
+        );
     }
 }

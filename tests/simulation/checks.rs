@@ -69,6 +69,10 @@ pub enum Check {
     /// another. A change now keeps the row's key, and a re-created key's is numbered by its
     /// place in the key's history).
     ProviderKeyKeptAcrossLostWrites,
+    /// The provider acts on the request the key's client sends (a queue consumer's handler
+    /// sends what it makes of the message, not the key's stored request), whoever sends it: a
+    /// client, a takeover or the sweeper's re-drive.
+    ActsOnTheClientsRequest,
 }
 
 impl Check {
@@ -93,6 +97,7 @@ impl Check {
             Check::AckedWriteSurvivesReopen => "acked_write_survives_reopen",
             Check::SettlesWithinALeaseOfTheLastCrash => "settles_within_a_lease_of_the_last_crash",
             Check::ProviderKeyKeptAcrossLostWrites => "provider_key_kept_across_lost_writes",
+            Check::ActsOnTheClientsRequest => "acts_on_the_clients_request",
         }
     }
 
@@ -126,7 +131,7 @@ impl Check {
         }
     }
 
-    pub const ALL: [Check; 19] = [
+    pub const ALL: [Check; 20] = [
         Check::AtMostOneEffect,
         Check::DoneMatchesAnEffect,
         Check::ReplaysIdentical,
@@ -146,6 +151,7 @@ impl Check {
         Check::AckedWriteSurvivesReopen,
         Check::SettlesWithinALeaseOfTheLastCrash,
         Check::ProviderKeyKeptAcrossLostWrites,
+        Check::ActsOnTheClientsRequest,
     ];
 }
 

@@ -193,11 +193,27 @@ pub struct Shared {
     pub provider_windows: BTreeMap<&'static str, Option<std::time::Duration>>,
     /// Violations on rolled-back keys that the lost writes explain (check, key, detail, why).
     pub lost_writes_excused: Vec<String>,
+    /// Actor -> the switch that kills the runs a queue consumer started for it, which go on in
+    /// tasks of their own (`crate::queue::AsActor`): thrown when the actor crashes, and for
+    /// every actor left when the schedule ends.
+    pub kill_switches: BTreeMap<usize, tokio::sync::watch::Sender<bool>>,
+    /// Provider key -> the request its key's client sends, where the key's stored request is
+    /// not it (the queue deliveries): the provider must act on that request only.
+    pub requests: BTreeMap<String, serde_json::Value>,
     pub violations: Vec<Violation>,
     pub trace: Vec<String>,
 }
 
 pub type SharedRef = Arc<Mutex<Shared>>;
+
+impl Shared {
+    /// Kills the runs a queue consumer started for `actor`, if it started any.
+    pub fn kill(&mut self, actor: usize) {
+        if let Some(switch) = self.kill_switches.remove(&actor) {
+            let _ = switch.send(true);
+        }
+    }
+}
 
 impl Shared {
     pub fn violate(&mut self, check: Check, key: &str, detail: String) {
@@ -295,7 +311,8 @@ impl Shared {
             | Check::AtomicRowsIffDone
             | Check::ToldWhatCommitted
             | Check::SettlesWithinALeaseOfTheLastCrash
-            | Check::ProviderKeyKeptAcrossLostWrites => None,
+            | Check::ProviderKeyKeptAcrossLostWrites
+            | Check::ActsOnTheClientsRequest => None,
         }
     }
 

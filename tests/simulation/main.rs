@@ -10,7 +10,8 @@
 //! contending for its write lock, on PostgreSQL and MariaDB/MySQL with the phase's connection
 //! killed by the server; and a client's try may go through the other provider (a failover
 //! between attempts). By default a third of the single calls are served through the axum
-//! layer ([`http`]).
+//! layer ([`http`]), and a fifth of the others are a queue's messages delivered to a consumer
+//! ([`queue`]).
 //!
 //! The PRNG is our own SplitMix64 ([`rng`]), not proptest: the store under test is real (SQLite,
 //! PostgreSQL, MariaDB, Redis) and leases run on the database clock, so a schedule is a sequence
@@ -34,6 +35,7 @@ mod failover;
 mod gate;
 mod http;
 mod provider;
+mod queue;
 mod rng;
 mod store;
 #[path = "../support/mod.rs"]
@@ -149,6 +151,14 @@ const REGRESSION_SEEDS_FULL: &[(u64, &str)] = &[
     ),
 ];
 
+/// Schedules with queue deliveries ([`Mode::Queues`]) that once broke a check, found on the code
+/// before its fix (docs/reliability.md, "Queue deliveries"). They run, in that mode, in
+/// `regression_seeds` too.
+const REGRESSION_SEEDS_QUEUES: &[(u64, &str)] = &[(
+    59,
+    "the sweeper re-drove a consumer's stored digest: the provider declined it, the charge never ran",
+)];
+
 /// Runs the simulation on `backend`; panics when a check not tied to an open finding fails.
 async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
     let single = env_u64("IDEMFLOW_SIM_SEED");
@@ -180,10 +190,11 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
         Ok("waiting") => Mode::Waiting,
         Ok("outages") => Mode::Outages,
         Ok("failover") => Mode::Failover,
-        Ok("http") | Err(_) => Mode::Http,
+        Ok("http") => Mode::Http,
+        Ok("queues") | Err(_) => Mode::Queues,
         Ok(other) => {
             panic!(
-                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit, webhooks, waiting, outages, failover or http"
+                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit, webhooks, waiting, outages, failover, http or queues"
             )
         }
     };
@@ -388,6 +399,7 @@ async fn simulate_seeds(
         let atomic: &[(u64, &str)] = match mode {
             Mode::Workflows if name == "sqlite" => REGRESSION_SEEDS_WITH_WORKFLOWS,
             Mode::Full => REGRESSION_SEEDS_FULL,
+            Mode::Queues if name == "sqlite" => REGRESSION_SEEDS_QUEUES,
             _ => &[],
         };
         let classic: &[(u64, &str)] = if mode == Mode::Classic {
@@ -490,6 +502,8 @@ async fn regression_seeds() {
     simulate_seeds(Backend::SqliteMemory, seeds, false, 8, Mode::Workflows).await;
     let seeds = REGRESSION_SEEDS_FULL.iter().map(|(s, _)| *s).collect();
     simulate_seeds(Backend::SqliteMemory, seeds, false, 8, Mode::Full).await;
+    let seeds = REGRESSION_SEEDS_QUEUES.iter().map(|(s, _)| *s).collect();
+    simulate_seeds(Backend::SqliteMemory, seeds, false, 8, Mode::Queues).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,6 +13,7 @@ use idemflow::{
     Attempts, CallReply, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait,
 };
 
+use crate::checks::Check;
 use crate::gate::{Effect, SharedRef, current_actor, park};
 use crate::rng::Rng;
 
@@ -196,6 +197,12 @@ impl Provider for SimProvider {
                 .unwrap_or_else(|| "?".into());
             let generation = sh.generation(&label);
             sh.check_acting_lease(&label);
+            if let Some(expected) = sh.requests.get(provider_key)
+                && expected != request
+            {
+                let detail = format!("acted on {request} where its client sends {expected}");
+                sh.violate(Check::ActsOnTheClientsRequest, &label, detail);
+            }
             let amt = amount(request);
             let response = if amt.is_multiple_of(5) {
                 StoredResponse::json(

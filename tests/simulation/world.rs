@@ -41,6 +41,8 @@ pub struct KeyDef {
     pub local: bool,
     /// A single call served through the axum layer (`crate::http`, [`Mode::Http`]).
     pub http: bool,
+    /// A queue's message delivered to a consumer (`crate::queue`, [`Mode::Queues`]).
+    pub queued: bool,
 }
 
 /// What a key is in the schedule.
@@ -94,6 +96,11 @@ pub enum Mode {
     /// declared with the key's provider. What the simulation runs by default (on the backends
     /// other than Redis without the failovers: their commits are not lost).
     Http,
+    /// Also queue deliveries (`crate::queue`): a fifth of the single-call keys not served
+    /// through the layer are a queue's messages, delivered (and redelivered while the consumer
+    /// says so) to a consumer declared with the key's provider, whose handler sends with
+    /// `Context::send`. What the simulation runs by default.
+    Queues,
 }
 
 impl Mode {
@@ -135,6 +142,11 @@ impl Mode {
     /// Whether the additions of [`Mode::Failover`] are on (Redis only).
     pub fn failovers(self) -> bool {
         self.holds(Mode::Failover)
+    }
+
+    /// Whether the additions of [`Mode::Queues`] are on.
+    pub fn queues(self) -> bool {
+        self.holds(Mode::Queues)
     }
 }
 
@@ -413,6 +425,7 @@ impl World {
                 let shared = self.shared.clone();
                 let steps = self.steps_of(k);
                 let providers = self.providers.clone();
+                let gated = self.gated.clone();
                 Box::pin(async move {
                     let mut said = Vec::new();
                     for switch in switches {
@@ -431,6 +444,16 @@ impl World {
                                 steps.clone(),
                                 providers.clone(),
                                 atomic.clone(),
+                                shared.clone(),
+                            )
+                            .await
+                        } else if key.queued {
+                            // The consumer is declared with one provider: no switch.
+                            crate::queue::client(
+                                exec.clone(),
+                                key.clone(),
+                                provider.clone(),
+                                gated.clone(),
                                 shared.clone(),
                             )
                             .await
@@ -604,6 +627,7 @@ impl World {
             sh.renewing.retain(|(a, _), _| *a != id);
             sh.ticked.remove(&id);
             sh.last_disruption = Some(std::time::Instant::now());
+            sh.kill(id);
         }
         let at = slot
             .parked
@@ -1175,6 +1199,16 @@ impl World {
                     )
                     .await
                 }
+                Role::Call if key.queued => {
+                    crate::queue::client(
+                        self.executors[key.provider].clone(),
+                        key.clone(),
+                        self.providers[key.provider].clone(),
+                        self.gated.clone(),
+                        self.shared.clone(),
+                    )
+                    .await
+                }
                 Role::Call if key.http => {
                     crate::http::client(
                         self.executors[key.provider].clone(),
@@ -1590,6 +1624,16 @@ impl Shared {
         }
     }
 
+    /// A delivery of `label`'s message was acknowledged: the key counts as told an answer in
+    /// the generation the consumer's claim saw, as [`acknowledged`](Self::acknowledged) counts
+    /// it (an acknowledgement carries no answer to compare).
+    pub fn told_settled(&mut self, label: &str) {
+        let g = crate::gate::current_actor()
+            .and_then(|a| self.claimed_in.get(&(a, label.to_owned())).copied())
+            .unwrap_or_else(|| self.generation(label));
+        self.acked.insert(label.to_owned(), g);
+    }
+
     /// The first response a client of (label, generation) got, recording `resp` if none yet.
     pub fn first_response(
         &mut self,
@@ -1698,6 +1742,7 @@ pub async fn run_case(
             role: Role::Call,
             local: false,
             http: false,
+            queued: false,
         });
     }
     // With the layer, a third of the single calls are served through it (a stream of its own).
@@ -1705,6 +1750,20 @@ pub async fn run_case(
         let mut h = Rng::new(seed ^ HTTP_STREAM);
         for k in &mut keys {
             k.http = h.chance(HTTP_PER_MILLE);
+        }
+    }
+    // With queues, a fifth of the single calls not served through the layer are a queue's
+    // messages (a stream of their own): the consumer's operation, and the provider key derived
+    // from it.
+    if mode.queues() {
+        let mut q = Rng::new(seed ^ QUEUE_STREAM);
+        for k in keys.iter_mut().filter(|k| !k.http) {
+            if q.chance(QUEUE_PER_MILLE) {
+                let spec = [&pay, &mail][k.provider].key_spec();
+                k.queued = true;
+                k.operation = idemflow::consumer::OPERATION;
+                k.pk = spec.derive(&k.id.scope, &k.id.key, k.operation);
+            }
         }
     }
     // Half the schedules hold a workflow of two steps: a keyed charge, then a keyless email
@@ -1725,6 +1784,7 @@ pub async fn run_case(
             role: Role::Workflow,
             local: false,
             http: false,
+            queued: false,
         });
         for (position, (operation, provider)) in
             [("charge", 0), ("email.send", 1)].into_iter().enumerate()
@@ -1742,6 +1802,7 @@ pub async fn run_case(
                 role: Role::Step(parent, position as u32),
                 local: false,
                 http: false,
+                queued: false,
             });
         }
     }
@@ -1764,6 +1825,7 @@ pub async fn run_case(
                 role: Role::Workflow,
                 local: false,
                 http: false,
+                queued: false,
             });
             for (position, (operation, provider, local)) in
                 [("order.record", 0, true), ("charge", 0, false)]
@@ -1787,6 +1849,7 @@ pub async fn run_case(
                     role: Role::Step(parent, position as u32),
                     local,
                     http: false,
+                    queued: false,
                 });
             }
             // With one commit, a key run by `execute_atomic` too (drawn from a stream of its
@@ -1805,6 +1868,7 @@ pub async fn run_case(
                     role: Role::Local,
                     local: true,
                     http: false,
+                    queued: false,
                 });
             }
             Some(Arc::new(AtomicSim::new(
@@ -1833,6 +1897,10 @@ pub async fn run_case(
         let mut sh = shared.lock().unwrap();
         for k in keys.iter().filter(|k| k.role != Role::Workflow) {
             sh.labels.insert(k.pk.clone(), k.label.clone());
+            if k.queued {
+                // What the consumer's handler sends: the message's body.
+                sh.requests.insert(k.pk.clone(), k.body.clone());
+            }
             if k.role == Role::Call {
                 // The provider key the other provider would send (a client's failover).
                 let other = [&pay, &mail][1 - k.provider].key_spec();
@@ -1902,11 +1970,18 @@ pub async fn run_case(
     }
     for k in &w.keys {
         w.trace(format!(
-            "key {} via {} body {} (provider key {})",
+            "key {} via {} body {} (provider key {}){}",
             k.label,
             ["simpay (keyed)", "simmail (keyless)"][k.provider],
             k.body,
-            k.pk
+            k.pk,
+            if k.queued {
+                ", a queue's message"
+            } else if k.http {
+                ", through the HTTP layer"
+            } else {
+                ""
+            }
         ));
     }
     let outcome = run_steps(&mut w).await;
@@ -1917,6 +1992,8 @@ pub async fn run_case(
     // Abort and wait for every actor left, so none touches the store after the schedule (the
     // store is emptied and reused by the next schedule on this slot).
     for slot in w.slots.drain(..) {
+        // A queue consumer's runs go on in tasks of their own: they make no more calls either.
+        w.shared.lock().unwrap().kill(slot.id);
         slot.handle.abort();
         let _ = slot.handle.await;
     }
@@ -1954,6 +2031,10 @@ const ONE_COMMIT_PER_MILLE: u64 = 600;
 /// single-call keys in a thousand are.
 const HTTP_STREAM: u64 = 0x4771_9A7E;
 const HTTP_PER_MILLE: u64 = 350;
+/// The seed stream of the queue deliveries ([`Mode::Queues`]), and how many single-call keys in
+/// a thousand not served through the layer are.
+const QUEUE_STREAM: u64 = 0x0C0E_0E5D;
+const QUEUE_PER_MILLE: u64 = 300;
 
 /// The seed stream of the waiting clients ([`Mode::Waiting`]), and how many clients in a
 /// thousand wait for the first attempt's answer.

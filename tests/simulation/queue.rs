@@ -1,0 +1,198 @@
+//! Queue deliveries ([`Mode::Queues`](crate::world::Mode::Queues)): a client of such a key is a
+//! broker delivering the key's message to a queue consumer (`idemflow::consumer::Consumer`)
+//! declared with the key's provider, whose handler sends the message's body to it with
+//! `Context::send`. The consumer's key is the message id in the key's scope, under the
+//! consumer's operation, so every check of a single call holds for it; a delivery left for
+//! redelivery is tried again, as the broker would, and an acknowledged one counts as told an
+//! answer (its key must be decided).
+//!
+//! The consumer runs each delivery's handler in tasks of its own, where the actor's task-local
+//! context does not follow, and which the scheduler's crash of the actor (an abort of its task)
+//! does not stop. So its executor's store and the handler's provider calls run as the
+//! delivering actor ([`AsActor`]): they park where the actor's own calls would, and when the
+//! scheduler crashes that actor, the call each run is in is dropped (as the abort drops a
+//! client's) and no call of those runs returns or starts again, as a killed consumer process
+//! makes no more calls, its lease renewals included.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use idemflow::consumer::{Consumer, Disposition, Message};
+use idemflow::store::{ClaimOutcome, Finish, NewClaim, Release};
+use idemflow::{
+    Context, Idempotency, KeyId, KeyRecord, LeaseToken, Scope, Store, StoreError, async_trait,
+    conformance::Delegate,
+};
+
+use tokio::sync::watch;
+
+use crate::checks::Check;
+use crate::gate::{ACTOR, ActorCtx, SharedRef};
+use crate::provider::SimProvider;
+use crate::world::KeyDef;
+
+/// A store whose every call the consumer's executor makes runs as the delivering actor, and is
+/// dropped, never to return, once that actor crashed.
+pub struct AsActor {
+    inner: Arc<dyn Store>,
+    actor: ActorCtx,
+    killed: watch::Receiver<bool>,
+}
+
+impl std::fmt::Debug for AsActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AsActor(a{})", self.actor.id)
+    }
+}
+
+impl AsActor {
+    async fn run<T>(&self, call: impl Future<Output = T>) -> T {
+        as_actor(&self.actor, self.killed.clone(), call).await
+    }
+}
+
+/// Runs `call` as `actor` until the actor is killed; then drops it and waits for good.
+async fn as_actor<T>(
+    actor: &ActorCtx,
+    mut killed: watch::Receiver<bool>,
+    call: impl Future<Output = T>,
+) -> T {
+    tokio::select! {
+        biased;
+        // Thrown, or its sender gone with the schedule.
+        _ = killed.wait_for(|k| *k) => {}
+        out = ACTOR.scope(actor.clone(), call) => return out,
+    }
+    std::future::pending().await
+}
+
+#[async_trait]
+impl Delegate for AsActor {
+    fn inner(&self) -> &dyn Store {
+        &*self.inner
+    }
+
+    async fn now(&self) -> Result<DateTime<Utc>, StoreError> {
+        self.run(self.inner.now()).await
+    }
+
+    async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
+        self.run(self.inner.claim(claim)).await
+    }
+
+    async fn finish(
+        &self,
+        id: &KeyId,
+        token: LeaseToken,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError> {
+        self.run(self.inner.finish(id, token, finish)).await
+    }
+
+    async fn release(&self, id: &KeyId, token: LeaseToken, r: &Release) -> Result<(), StoreError> {
+        self.run(self.inner.release(id, token, r)).await
+    }
+
+    async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
+        self.run(self.inner.mark_attempt(id, token)).await
+    }
+
+    async fn extend(
+        &self,
+        id: &KeyId,
+        token: LeaseToken,
+        lease: std::time::Duration,
+    ) -> Result<DateTime<Utc>, StoreError> {
+        self.run(self.inner.extend(id, token, lease)).await
+    }
+
+    async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
+        self.run(self.inner.get(id)).await
+    }
+
+    async fn announce_end(&self, id: &KeyId) -> Result<bool, StoreError> {
+        self.run(self.inner.announce_end(id)).await
+    }
+}
+
+/// Delivers `key`'s message once to a consumer over `exec`'s settings and `store`, declared with
+/// `provider`. Returns what the delivery came to and whether the broker delivers it again.
+pub async fn client(
+    exec: Idempotency,
+    key: KeyDef,
+    provider: Arc<SimProvider>,
+    store: Arc<dyn Store>,
+    shared: SharedRef,
+) -> (String, bool) {
+    // Outside an actor (the scheduler's last retries) the calls pass straight through.
+    let actor = ACTOR.try_with(Clone::clone).ok().map(|actor| {
+        let killed = shared
+            .lock()
+            .unwrap()
+            .kill_switches
+            .entry(actor.id)
+            .or_insert_with(|| watch::channel(false).0)
+            .subscribe();
+        (actor, killed)
+    });
+    let store: Arc<dyn Store> = match &actor {
+        Some((actor, killed)) => Arc::new(AsActor {
+            inner: store,
+            actor: actor.clone(),
+            killed: killed.clone(),
+        }),
+        None => store,
+    };
+    let c = exec.config();
+    let idem = Idempotency::new(store)
+        .lease(c.lease)
+        .retention(c.retention)
+        .retry_takeover_window(c.retry_takeover_window)
+        .owner(c.owner.clone());
+    let scope = match Scope::new(key.id.scope.as_str()) {
+        Ok(s) => s,
+        Err(e) => return (format!("bad scope: {e}"), false),
+    };
+    let handler = {
+        let provider = provider.clone();
+        move |message: Message, ctx: Context| {
+            let provider = provider.clone();
+            let actor = actor.clone();
+            async move {
+                let body: serde_json::Value =
+                    serde_json::from_slice(message.body()).unwrap_or_default();
+                let send = async move { ctx.send(provider.as_ref(), &body).await };
+                match actor {
+                    Some((actor, killed)) => as_actor(&actor, killed, send).await,
+                    None => send.await,
+                }
+            }
+        }
+    };
+    let consumer = Consumer::new(idem, scope, handler).provider(provider.as_ref());
+    let body = match serde_json::to_vec(&key.body) {
+        Ok(b) => b,
+        Err(e) => return (format!("bad body: {e}"), false),
+    };
+    let message = Message::new(body).with_message_id(key.id.key.as_str());
+    match consumer.handle(message).await {
+        Disposition::Ack { ran } => {
+            shared.lock().unwrap().told_settled(&key.label);
+            let how = if ran { "ran" } else { "settled before" };
+            (format!("acked ({how})"), false)
+        }
+        Disposition::Redeliver { reason, after } => (
+            format!("left for redelivery ({reason:?}, after {after:?})"),
+            true,
+        ),
+        Disposition::Reject(e) => {
+            let said = format!("rejected: {e}");
+            shared
+                .lock()
+                .unwrap()
+                .violate(Check::ScopesIsolated, &key.label, said.clone());
+            (said, false)
+        }
+        other => (format!("{other:?}"), false),
+    }
+}
