@@ -706,26 +706,66 @@ mod tests {
         ));
     }
 
-    /// A provider without idempotency keys (every send acts), which the sweeper cannot settle.
+    /// A test provider: its name and key rules, its answer to the `n`th send (from 0), and
+    /// whether its lookup's "not found" is authoritative. It records every request it is sent.
     #[cfg(feature = "sqlite")]
     #[derive(Debug)]
-    struct Keyless;
+    struct Scripted {
+        name: &'static str,
+        spec: crate::KeySpec,
+        reply: fn(usize) -> crate::CallReply,
+        lookup_authoritative: bool,
+        sent: std::sync::Mutex<Vec<Value>>,
+    }
+
+    #[cfg(feature = "sqlite")]
+    impl Scripted {
+        fn new(
+            name: &'static str,
+            spec: crate::KeySpec,
+            reply: fn(usize) -> crate::CallReply,
+        ) -> Self {
+            Self {
+                name,
+                spec,
+                reply,
+                lookup_authoritative: false,
+                sent: std::sync::Mutex::default(),
+            }
+        }
+
+        /// Dedupes by key for `window`.
+        fn dedupes(window: Duration) -> crate::KeySpec {
+            crate::KeySpec {
+                max_len: 255,
+                retention: Some(window),
+                replays_same_key: true,
+            }
+        }
+
+        fn sent(&self) -> Vec<Value> {
+            self.sent.lock().unwrap().clone()
+        }
+    }
 
     #[cfg(feature = "sqlite")]
     #[async_trait::async_trait]
-    impl crate::Provider for Keyless {
+    impl crate::Provider for Scripted {
         fn name(&self) -> &str {
-            "keyless"
+            self.name
         }
 
         fn key_spec(&self) -> crate::KeySpec {
-            crate::KeySpec::no_keys()
+            self.spec.clone()
         }
 
-        async fn send(&self, _provider_key: &str, _request: &Value) -> crate::CallReply {
-            crate::CallReply::Unknown {
-                reason: "unused".to_owned(),
-            }
+        async fn send(&self, _provider_key: &str, request: &Value) -> crate::CallReply {
+            let n = {
+                let mut sent = self.sent.lock().unwrap();
+                sent.push(request.clone());
+                sent.len() - 1
+            };
+            (self.reply)(n)
         }
 
         async fn lookup(
@@ -736,23 +776,29 @@ mod tests {
             _now: chrono::DateTime<chrono::Utc>,
         ) -> crate::Lookup {
             crate::Lookup::NotFound {
-                authoritative: false,
+                authoritative: self.lookup_authoritative,
             }
         }
+    }
+
+    /// A migrated in-memory SQLite store.
+    #[cfg(feature = "sqlite")]
+    async fn memory_store() -> Arc<dyn crate::Store> {
+        let store = crate::store::sqlite::SqliteStore::connect("sqlite::memory:")
+            .await
+            .unwrap();
+        crate::Store::migrate(&store).await.unwrap();
+        Arc::new(store)
     }
 
     #[cfg(feature = "sqlite")]
     #[tokio::test]
     async fn a_redelivery_never_takes_over_a_run_whose_provider_does_not_dedupe() {
         use std::sync::atomic::{AtomicUsize, Ordering};
-        let store = crate::store::sqlite::SqliteStore::connect("sqlite::memory:")
-            .await
-            .unwrap();
-        crate::Store::migrate(&store).await.unwrap();
         // An executor that lets a retry take over an expired lease within an hour (set for
         // another provider, say): the consumer's provider does not dedupe, so its rules cap
         // that at none, as `Idempotency::call` does.
-        let idem = Idempotency::new(Arc::new(store))
+        let idem = Idempotency::new(memory_store().await)
             .lease(Duration::from_millis(200))
             .retry_takeover_window(Some(Duration::from_secs(3600)));
         let runs = Arc::new(AtomicUsize::new(0));
@@ -766,8 +812,15 @@ mod tests {
                 }
             }
         };
+        // A provider without idempotency keys (every send acts), which the sweeper cannot
+        // settle.
+        let keyless = Scripted::new("keyless", crate::KeySpec::no_keys(), |_| {
+            crate::CallReply::Unknown {
+                reason: "unused".to_owned(),
+            }
+        });
         let consumer =
-            Consumer::new(idem, Scope::new("queue:mail").unwrap(), handler).provider(&Keyless);
+            Consumer::new(idem, Scope::new("queue:mail").unwrap(), handler).provider(&keyless);
         let message = || Message::new("{}").with_message_id("m-1");
         let first = consumer.handle(message()).await;
         assert!(
@@ -791,71 +844,30 @@ mod tests {
         assert!(matches!(again, Disposition::Redeliver { .. }), "{again:?}");
     }
 
-    /// A provider that dedupes by key for an hour: the first send acts and its answer is lost;
-    /// a re-send of the same key is refused without saying anything of the first (a fraud rule
-    /// declining what looks like a duplicate charge).
-    #[cfg(feature = "sqlite")]
-    #[derive(Debug)]
-    struct RefusesResends {
-        sends: std::sync::atomic::AtomicUsize,
-    }
-
-    #[cfg(feature = "sqlite")]
-    #[async_trait::async_trait]
-    impl crate::Provider for RefusesResends {
-        fn name(&self) -> &str {
-            "refuses-resends"
-        }
-
-        fn key_spec(&self) -> crate::KeySpec {
-            crate::KeySpec {
-                max_len: 255,
-                retention: Some(Duration::from_secs(3600)),
-                replays_same_key: true,
-            }
-        }
-
-        async fn send(&self, _provider_key: &str, _request: &Value) -> crate::CallReply {
-            if self.sends.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
-                crate::CallReply::Unknown {
-                    reason: "charged; the answer was lost".to_owned(),
-                }
-            } else {
-                crate::CallReply::Rejected {
-                    response: StoredResponse::new(402).with_body("declined: duplicate"),
-                }
-            }
-        }
-
-        async fn lookup(
-            &self,
-            _provider_key: &str,
-            _request: &Value,
-            _attempts: crate::Attempts,
-            _now: chrono::DateTime<chrono::Utc>,
-        ) -> crate::Lookup {
-            crate::Lookup::NotFound {
-                authoritative: false,
-            }
-        }
-    }
-
     /// `Context::send` in a handler: after a takeover, a refusal that does not say what the
     /// first send did leaves the key to the sweeper; the message is not acknowledged as refused
     /// while the first send charged.
     #[cfg(feature = "sqlite")]
     #[tokio::test]
     async fn a_refused_resend_after_a_takeover_is_not_the_messages_answer() {
-        let store = crate::store::sqlite::SqliteStore::connect("sqlite::memory:")
-            .await
-            .unwrap();
-        crate::Store::migrate(&store).await.unwrap();
-        let idem = Idempotency::new(Arc::new(store))
+        let idem = Idempotency::new(memory_store().await)
             .lease(Duration::from_millis(200))
             .retry_takeover_window(Some(Duration::from_secs(600)));
-        let provider = Arc::new(RefusesResends {
-            sends: std::sync::atomic::AtomicUsize::new(0),
-        });
+        // It dedupes by key for an hour: the first send acts and its answer is lost; a re-send
+        // of the same key is refused without saying anything of the first (a fraud rule
+        // declining what looks like a duplicate charge).
+        let provider = Arc::new(Scripted::new(
+            "refuses-resends",
+            Scripted::dedupes(Duration::from_secs(3600)),
+            |n| match n {
+                0 => crate::CallReply::Unknown {
+                    reason: "charged; the answer was lost".to_owned(),
+                },
+                _ => crate::CallReply::Rejected {
+                    response: StoredResponse::new(402).with_body("declined: duplicate"),
+                },
+            },
+        ));
         let handler = {
             let provider = provider.clone();
             move |message: Message, ctx: Context| {
@@ -885,7 +897,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(600)).await;
         let again = consumer.handle(message()).await;
         assert_eq!(
-            provider.sends.load(std::sync::atomic::Ordering::SeqCst),
+            provider.sent().len(),
             2,
             "the redelivery did not re-send: {again:?}"
         );
@@ -907,50 +919,6 @@ mod tests {
         assert_eq!(record.state, crate::KeyState::Processing, "{record:?}");
     }
 
-    /// A provider that dedupes by key for a day (as Stripe does) and records every request it
-    /// is sent.
-    #[cfg(feature = "sqlite")]
-    #[derive(Debug, Default)]
-    struct Recording {
-        sent: std::sync::Mutex<Vec<Value>>,
-    }
-
-    #[cfg(feature = "sqlite")]
-    #[async_trait::async_trait]
-    impl crate::Provider for Recording {
-        fn name(&self) -> &str {
-            "recording"
-        }
-
-        fn key_spec(&self) -> crate::KeySpec {
-            crate::KeySpec {
-                max_len: 255,
-                retention: Some(Duration::from_secs(24 * 3600)),
-                replays_same_key: true,
-            }
-        }
-
-        async fn send(&self, _provider_key: &str, request: &Value) -> crate::CallReply {
-            self.sent.lock().unwrap().push(request.clone());
-            crate::CallReply::Succeeded {
-                response: StoredResponse::new(201),
-                replayed: false,
-            }
-        }
-
-        async fn lookup(
-            &self,
-            _provider_key: &str,
-            _request: &Value,
-            _attempts: crate::Attempts,
-            _now: chrono::DateTime<chrono::Utc>,
-        ) -> crate::Lookup {
-            crate::Lookup::NotFound {
-                authoritative: true,
-            }
-        }
-    }
-
     /// The sweeper never re-sends a consumer's stored request to its provider: what the
     /// consumer stores is the message's key and digest, not what the handler sends. A run that
     /// ended before sending is looked up instead, and the next delivery sends the handler's own
@@ -958,13 +926,21 @@ mod tests {
     #[cfg(feature = "sqlite")]
     #[tokio::test]
     async fn the_sweeper_never_sends_a_consumers_stored_request() {
-        let store = crate::store::sqlite::SqliteStore::connect("sqlite::memory:")
-            .await
-            .unwrap();
-        crate::Store::migrate(&store).await.unwrap();
-        let store: Arc<dyn crate::Store> = Arc::new(store);
+        let store = memory_store().await;
         let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(200));
-        let provider = Arc::new(Recording::default());
+        // It dedupes by key for a day (as Stripe does), so the sweeper would re-drive a stored
+        // request; its lookup finds nothing, for sure.
+        let provider = Arc::new(Scripted {
+            lookup_authoritative: true,
+            ..Scripted::new(
+                "recording",
+                Scripted::dedupes(Duration::from_secs(24 * 3600)),
+                |_| crate::CallReply::Succeeded {
+                    response: StoredResponse::new(201),
+                    replayed: false,
+                },
+            )
+        });
         let first_run = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let handler = {
             let provider = provider.clone();
@@ -1003,16 +979,13 @@ mod tests {
         );
         let swept = sweeper.run_once().await.unwrap();
         assert_eq!(
-            *provider.sent.lock().unwrap(),
+            provider.sent(),
             Vec::<Value>::new(),
             "the sweeper sent the consumer's stored request ({})",
             swept.summary()
         );
         let again = consumer.handle(message()).await;
         assert!(matches!(again, Disposition::Ack { ran: true }), "{again:?}");
-        assert_eq!(
-            *provider.sent.lock().unwrap(),
-            vec![serde_json::json!({"amount": 5})]
-        );
+        assert_eq!(provider.sent(), vec![serde_json::json!({"amount": 5})]);
     }
 }
