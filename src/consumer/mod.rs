@@ -781,6 +781,18 @@ mod tests {
         }
     }
 
+    /// Whether the delivery was left for redelivery with its outcome unknown.
+    #[cfg(feature = "sqlite")]
+    fn left_unknown(d: &Disposition) -> bool {
+        matches!(
+            d,
+            Disposition::Redeliver {
+                reason: Redeliver::OutcomeUnknown,
+                ..
+            }
+        )
+    }
+
     /// A migrated in-memory SQLite store.
     #[cfg(feature = "sqlite")]
     async fn memory_store() -> Arc<dyn crate::Store> {
@@ -823,16 +835,7 @@ mod tests {
             Consumer::new(idem, Scope::new("queue:mail").unwrap(), handler).provider(&keyless);
         let message = || Message::new("{}").with_message_id("m-1");
         let first = consumer.handle(message()).await;
-        assert!(
-            matches!(
-                first,
-                Disposition::Redeliver {
-                    reason: Redeliver::OutcomeUnknown,
-                    ..
-                }
-            ),
-            "{first:?}"
-        );
+        assert!(left_unknown(&first), "{first:?}");
         // The lease runs out; the broker redelivers.
         tokio::time::sleep(Duration::from_millis(600)).await;
         let again = consumer.handle(message()).await;
@@ -882,16 +885,7 @@ mod tests {
             .provider(provider.as_ref());
         let message = || Message::new(r#"{"amount": 5}"#).with_message_id("m-1");
         let first = consumer.handle(message()).await;
-        assert!(
-            matches!(
-                first,
-                Disposition::Redeliver {
-                    reason: Redeliver::OutcomeUnknown,
-                    ..
-                }
-            ),
-            "{first:?}"
-        );
+        assert!(left_unknown(&first), "{first:?}");
         // The lease runs out; the redelivery takes the key over inside the provider's window
         // and sends again, which the provider refuses.
         tokio::time::sleep(Duration::from_millis(600)).await;
@@ -902,13 +896,7 @@ mod tests {
             "the redelivery did not re-send: {again:?}"
         );
         assert!(
-            matches!(
-                again,
-                Disposition::Redeliver {
-                    reason: Redeliver::OutcomeUnknown,
-                    ..
-                }
-            ),
+            left_unknown(&again),
             "the re-send's refusal became the message's answer: {again:?}"
         );
         let key = IdempotentRequest::new("queue:pay", "m-1", OPERATION, &1)
@@ -962,16 +950,7 @@ mod tests {
             .provider(provider.as_ref());
         let message = || Message::new(r#"{"amount": 5}"#).with_message_id("m-1");
         let first = consumer.handle(message()).await;
-        assert!(
-            matches!(
-                first,
-                Disposition::Redeliver {
-                    reason: Redeliver::OutcomeUnknown,
-                    ..
-                }
-            ),
-            "{first:?}"
-        );
+        assert!(left_unknown(&first), "{first:?}");
         tokio::time::sleep(Duration::from_millis(600)).await;
         let sweeper = crate::Sweeper::new(
             store,
