@@ -213,9 +213,7 @@ impl Shared {
             let _ = switch.send(true);
         }
     }
-}
 
-impl Shared {
     pub fn violate(&mut self, check: Check, key: &str, detail: String) {
         // Printed and kept apart, not failed: what a lossy failover explains, then what
         // follows a starved takeover.

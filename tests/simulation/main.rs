@@ -10,7 +10,7 @@
 //! contending for its write lock, on PostgreSQL and MariaDB/MySQL with the phase's connection
 //! killed by the server; and a client's try may go through the other provider (a failover
 //! between attempts). By default a third of the single calls are served through the axum
-//! layer ([`http`]), and a fifth of the others are a queue's messages delivered to a consumer
+//! layer ([`http`]), and three in ten of the others are a queue's messages delivered to a consumer
 //! ([`queue`]).
 //!
 //! The PRNG is our own SplitMix64 ([`rng`]), not proptest: the store under test is real (SQLite,
@@ -152,7 +152,7 @@ const REGRESSION_SEEDS_FULL: &[(u64, &str)] = &[
 ];
 
 /// Schedules with queue deliveries ([`Mode::Queues`]) that once broke a check, found on the code
-/// before its fix (docs/reliability.md, "Queue deliveries"). They run, in that mode, in
+/// before its fix (docs/reliability.md, "In `Mode::Queues`"). They run, in that mode, in
 /// `regression_seeds` too.
 const REGRESSION_SEEDS_QUEUES: &[(u64, &str)] = &[(
     59,

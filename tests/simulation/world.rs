@@ -96,7 +96,7 @@ pub enum Mode {
     /// declared with the key's provider. What the simulation runs by default (on the backends
     /// other than Redis without the failovers: their commits are not lost).
     Http,
-    /// Also queue deliveries (`crate::queue`): a fifth of the single-call keys not served
+    /// Also queue deliveries (`crate::queue`): three in ten of the single-call keys not served
     /// through the layer are a queue's messages, delivered (and redelivered while the consumer
     /// says so) to a consumer declared with the key's provider, whose handler sends with
     /// `Context::send`. What the simulation runs by default.
@@ -1752,7 +1752,7 @@ pub async fn run_case(
             k.http = h.chance(HTTP_PER_MILLE);
         }
     }
-    // With queues, a fifth of the single calls not served through the layer are a queue's
+    // With queues, three in ten of the single calls not served through the layer are a queue's
     // messages (a stream of their own): the consumer's operation, and the provider key derived
     // from it.
     if mode.queues() {
