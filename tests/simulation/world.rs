@@ -1604,10 +1604,7 @@ impl Shared {
     /// client's claim (or one-commit phase) saw, and a replay must equal that generation's first
     /// answer.
     pub fn acknowledged(&mut self, label: &str, resp: &idemflow::StoredResponse) {
-        let g = crate::gate::current_actor()
-            .and_then(|a| self.claimed_in.get(&(a, label.to_owned())).copied())
-            .unwrap_or_else(|| self.generation(label));
-        self.acked.insert(label.to_owned(), g);
+        let g = self.told_settled(label);
         let first = self.first_response(label, g, resp);
         if first != *resp {
             self.violate(
@@ -1624,14 +1621,16 @@ impl Shared {
         }
     }
 
-    /// A delivery of `label`'s message was acknowledged: the key counts as told an answer in
-    /// the generation the consumer's claim saw, as [`acknowledged`](Self::acknowledged) counts
-    /// it (an acknowledgement carries no answer to compare).
-    pub fn told_settled(&mut self, label: &str) {
+    /// A client of `label` was told the key is settled (a queue delivery's acknowledgement,
+    /// which carries no answer to compare; [`acknowledged`](Self::acknowledged) with one): the
+    /// key counts as told an answer in the generation the client's claim saw. Returns that
+    /// generation.
+    pub fn told_settled(&mut self, label: &str) -> u32 {
         let g = crate::gate::current_actor()
             .and_then(|a| self.claimed_in.get(&(a, label.to_owned())).copied())
             .unwrap_or_else(|| self.generation(label));
         self.acked.insert(label.to_owned(), g);
+        g
     }
 
     /// The first response a client of (label, generation) got, recording `resp` if none yet.
