@@ -3,7 +3,8 @@
 //! row, store the answer, `COMMIT`, on a lean key table, one connection (a hand-written SQLite
 //! implementation's). SQLite on a WAL file with `synchronous = FULL` (the store's default), at
 //! 1 and 64 callers; each new key writes one order row. Run with
-//! `cargo bench --bench one_commit` (`IDEMFLOW_BENCH_N`, default 2,000 keys per measurement).
+//! `cargo bench --bench one_commit` (`IDEMFLOW_BENCH_N`, default 2,000 keys per measurement;
+//! `IDEMFLOW_BENCH_ONLY=ours` or `floor` runs one side alone, to profile it).
 //! Issue 23's targets: >= 0.9x the floor with 1 caller, >= 4x with 64 (group commit).
 //!
 //! With `IDEMFLOW_BENCH_POSTGRES_URL` set (and feature `postgres`), the same on PostgreSQL, in a
@@ -196,25 +197,34 @@ where
 {
     let mut ours_best: Option<Stats> = None;
     let mut floor_best: Option<Stats> = None;
+    // `IDEMFLOW_BENCH_ONLY=ours` (or `floor`) runs one side alone, for a profile of it.
+    let only = std::env::var("IDEMFLOW_BENCH_ONLY").unwrap_or_default();
     println!("  {conc} caller(s)");
     for round in 0..2 {
-        let l = load();
-        let s = measure(n, conc, ours(conc * 10 + round)).await;
-        line("idemflow execute_atomic()", &s, &l);
-        if ours_best.as_ref().is_none_or(|b| s.ops_per_s > b.ops_per_s) {
-            ours_best = Some(s);
+        if only != "floor" {
+            let l = load();
+            let s = measure(n, conc, ours(conc * 10 + round)).await;
+            line("idemflow execute_atomic()", &s, &l);
+            if ours_best.as_ref().is_none_or(|b| s.ops_per_s > b.ops_per_s) {
+                ours_best = Some(s);
+            }
         }
-        let l = load();
-        let s = measure(n, conc, floor(conc * 10 + round)).await;
-        line("floor: the seed's one transaction (sqlx)", &s, &l);
-        if floor_best
-            .as_ref()
-            .is_none_or(|b| s.ops_per_s > b.ops_per_s)
-        {
-            floor_best = Some(s);
+        if only != "ours" {
+            let l = load();
+            let s = measure(n, conc, floor(conc * 10 + round)).await;
+            line("floor: the seed's one transaction (sqlx)", &s, &l);
+            if floor_best
+                .as_ref()
+                .is_none_or(|b| s.ops_per_s > b.ops_per_s)
+            {
+                floor_best = Some(s);
+            }
         }
     }
-    let (o, f) = (ours_best.unwrap(), floor_best.unwrap());
+    let (Some(o), Some(f)) = (ours_best, floor_best) else {
+        println!("    one side only ({only}): no ratio");
+        return;
+    };
     let ratio = o.ops_per_s / f.ops_per_s;
     match target {
         Some(target) => println!(
@@ -268,6 +278,15 @@ fn main() {
                 |run| floor_op(floor.clone(), run),
             )
             .await;
+            let w = store.writer_stats();
+            println!(
+                "    idemflow's writer: {} commits carried {} writes (mean batch {:.1}), {} \
+                 batches rolled back",
+                w.commits,
+                w.writes,
+                w.writes as f64 / w.commits.max(1) as f64,
+                w.rolled_back
+            );
         });
     }
     #[cfg(feature = "postgres")]

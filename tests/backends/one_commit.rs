@@ -407,30 +407,42 @@ mod sqlite {
         assert_eq!(Sqlite(b).orders().await, 0);
         assert!(a.get(&id("k")).await.unwrap().is_none());
     }
-    /// Writes that move the key's own lease token (the application writing idemflow's table
-    /// through the phase's connection) make the record find the phase's claim gone. On SQLite
-    /// the record releases the phase's savepoint in the same trip, so nothing of the phase can
-    /// be undone alone: the writer must roll the transaction back. Neither the key nor the
-    /// order may stay, and the caller gets a store error.
+    /// A phase writing order `order` and then moving the lease token of its own key `key`
+    /// (the application writing idemflow's table through the phase's connection): its record
+    /// finds the phase's claim gone.
+    fn moves_its_own_token(
+        store: &SqliteStore,
+        order: &'static str,
+        key: &'static str,
+    ) -> impl AtomicPhase + 'static {
+        store.atomic_phase(move |conn: &mut SqliteConnection| -> WritesFuture<'_> {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO orders (id, cart) VALUES (?1, ?1)")
+                    .bind(order)
+                    .execute(&mut *conn)
+                    .await?;
+                sqlx::query(
+                    "UPDATE idempotency_keys SET lease_token = lease_token + 1 \
+                     WHERE scope = 'shop' AND key = ?1",
+                )
+                .bind(key)
+                .execute(&mut *conn)
+                .await?;
+                Ok(StoredResponse::new(201))
+            })
+        })
+    }
+
+    /// Writes that move the key's own lease token make the record find the phase's claim gone.
+    /// On SQLite the record releases the phase's savepoint in the same trip, so nothing of the
+    /// phase can be undone alone: the writer must roll the transaction back. Neither the key
+    /// nor the order may stay, and the caller gets a store error.
     #[tokio::test]
     async fn a_record_that_finds_its_claim_gone_keeps_nothing() {
         let store = crate::support::sqlite::file().await;
         let db = Sqlite(store.clone());
         db.exec(ORDERS).await;
-        let phase = store.atomic_phase(|conn: &mut SqliteConnection| -> WritesFuture<'_> {
-            Box::pin(async move {
-                sqlx::query("INSERT INTO orders (id, cart) VALUES ('o-gone', 'c-gone')")
-                    .execute(&mut *conn)
-                    .await?;
-                sqlx::query(
-                    "UPDATE idempotency_keys SET lease_token = lease_token + 1 \
-                     WHERE scope = 'shop' AND key = 'k-gone'",
-                )
-                .execute(&mut *conn)
-                .await?;
-                Ok(StoredResponse::new(201))
-            })
-        });
+        let phase = moves_its_own_token(&store, "o-gone", "k-gone");
         let err = Idempotency::new(store.clone())
             .execute_atomic(request("k-gone", "c-gone"), phase)
             .await
@@ -451,6 +463,64 @@ mod sqlite {
             .unwrap();
         assert!(matches!(done, Execution::Executed(_)), "{done:?}");
         assert_eq!(db.orders().await, 1);
+    }
+
+    /// The same inside a batch: the writer is held while three phases queue, so they run in
+    /// one transaction in the order sent, the one whose record finds its claim gone in the
+    /// middle (a phase of the batch runs after it) or last (the batch's `COMMIT` follows it).
+    /// The error is that phase's alone: it gets it and keeps nothing, the batch is rolled back,
+    /// and the other two run again and commit.
+    async fn a_record_in_a_batch_that_finds_its_claim_gone(gone_at: usize) {
+        let store = crate::support::sqlite::file().await;
+        let db = Sqlite(store.clone());
+        db.exec(ORDERS).await;
+        let (gate, held) = crate::sqlite::group_commit::hold_writer(&store).await;
+        let keys = ["k-0", "k-1", "k-2"];
+        let mut calls = Vec::new();
+        for (i, key) in keys.into_iter().enumerate() {
+            let phase: Box<dyn AtomicPhase> = if i == gone_at {
+                Box::new(moves_its_own_token(&store, "o-gone", key))
+            } else {
+                db.phase(&format!("o-{i}"), &format!("c-{i}"), Then::Answer)
+            };
+            let idem = Idempotency::new(store.clone());
+            calls.push(tokio::spawn(async move {
+                idem.execute_atomic(request(key, key), phase).await
+            }));
+            crate::sqlite::group_commit::wait_queued(&store, i + 1).await;
+        }
+        let before = store.writer_stats();
+        gate.notify_one();
+        held.await.unwrap();
+        for (i, call) in calls.into_iter().enumerate() {
+            let r = call.await.unwrap();
+            if i == gone_at {
+                let err = r.unwrap_err();
+                assert!(
+                    err.to_string().contains("found its own claim gone"),
+                    "phase {i}: {err}"
+                );
+                assert!(store.get(&id(keys[i])).await.unwrap().is_none());
+            } else {
+                assert!(matches!(r, Ok(Execution::Executed(_))), "phase {i}: {r:?}");
+            }
+        }
+        assert_eq!(db.orders().await, 2, "only the two other phases' orders");
+        let after = store.writer_stats();
+        assert!(
+            after.rolled_back > before.rolled_back,
+            "the batch was rolled back: {before:?} -> {after:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_record_in_the_middle_of_a_batch_that_finds_its_claim_gone_fails_only_its_own() {
+        a_record_in_a_batch_that_finds_its_claim_gone(1).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_record_last_in_a_batch_that_finds_its_claim_gone_fails_only_its_own() {
+        a_record_in_a_batch_that_finds_its_claim_gone(2).await;
     }
 }
 

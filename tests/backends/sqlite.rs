@@ -8,7 +8,7 @@ use idemflow::Store;
 
 use crate::support::sqlite;
 
-mod group_commit;
+pub(crate) mod group_commit;
 
 async fn memory_store() -> Option<Arc<dyn Store>> {
     Some(sqlite::memory().await)

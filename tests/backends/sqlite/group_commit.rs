@@ -153,7 +153,7 @@ fn acknowledged_writes_survive_a_kill_mid_batch() {
 
 /// Holds the writer task in a job of its own until released, so that the jobs sent meanwhile
 /// make up the next batch.
-async fn hold_writer(store: &SqliteStore) -> (Arc<Notify>, tokio::task::JoinHandle<()>) {
+pub(crate) async fn hold_writer(store: &SqliteStore) -> (Arc<Notify>, tokio::task::JoinHandle<()>) {
     let gate = Arc::new(Notify::new());
     let entered = Arc::new(Notify::new());
     let (g, e) = (gate.clone(), entered.clone());
@@ -174,7 +174,7 @@ async fn hold_writer(store: &SqliteStore) -> (Arc<Notify>, tokio::task::JoinHand
     (gate, held)
 }
 
-async fn wait_queued(store: &SqliteStore, n: usize) {
+pub(crate) async fn wait_queued(store: &SqliteStore, n: usize) {
     while store.writer_stats().queued < n {
         tokio::task::yield_now().await;
     }
