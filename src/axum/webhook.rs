@@ -324,9 +324,9 @@ impl WebhookReceiver {
     /// A handler therefore runs more than once only after a failed run: its effect must be all
     /// or nothing, or keyed by the event id (`docs/consumers.md`).
     ///
-    /// `idem` is used with its store, lease and retention; a retry's takeover of a crashed run
-    /// is allowed for the whole retention (the handler's effect is the application's own, not
-    /// a provider's).
+    /// `idem` is used with its store, lease and retention; a retry takes a crashed run over
+    /// once its lease has run out, however old the key (the handler's effect is the
+    /// application's own, not a provider's).
     pub fn new<V, X, F, Fut, E>(
         idem: Idempotency,
         scope: Scope,
@@ -383,10 +383,9 @@ impl WebhookReceiver {
         V: VerifyWebhook,
         X: Fn(&HeaderMap, &Bytes) -> Result<WebhookEvent, WebhookError> + Send + Sync + 'static,
     {
-        let retention = idem.config().retention;
         Self {
             inner: Arc::new(Receiver {
-                idem: idem.retry_takeover_window(Some(retention)),
+                idem: idem.retry_takeover_window(Some(crate::executor::LOCAL_EFFECT_TAKEOVER)),
                 scope: scope.as_str().to_owned(),
                 verifier: Arc::new(verifier),
                 extract: Arc::new(extract),

@@ -314,8 +314,8 @@ pub struct Consumer {
 
 #[derive(Clone)]
 struct Inner {
-    /// The executor the runs go through: `given`, with a takeover window of its retention
-    /// until a provider is named.
+    /// The executor the runs go through: `given`, with an unbounded takeover window
+    /// (`LOCAL_EFFECT_TAKEOVER`) until a provider is named.
     idem: Idempotency,
     /// The executor as given, storing no request (`Consumer::new`).
     given: Idempotency,
@@ -355,8 +355,9 @@ impl Consumer {
     /// must be all or nothing, or keyed by the message's key (`docs/consumers.md`).
     ///
     /// `idem` is used with its store, lease and retention; until [`provider`](Self::provider)
-    /// names a provider, a later delivery may take over a crashed run for the whole retention
-    /// (the handler's effect is the application's own), as the webhook receiver allows. The
+    /// names a provider, a later delivery takes a crashed run over once its lease has run out,
+    /// however old the key (the handler's effect is the application's own), as the webhook
+    /// receiver does. The
     /// keys store no request ([`Idempotency::store_request`] off): the message's fingerprint
     /// still refuses another body under the same key, and the sweeper, which would re-send a
     /// stored request to the provider, looks a crashed run up by its provider key instead.
@@ -366,14 +367,15 @@ impl Consumer {
         Fut: Future<Output = Outcome> + Send + 'static,
     {
         let handler: HandlerFn = Arc::new(move |message, ctx| Box::pin(handler(message, ctx)));
-        let retention = idem.config().retention;
         // What the key would store as its request is the message's key and digest, not what the
         // handler sends: stored, the sweeper would re-send it to the provider (a re-drive) as if
         // it were. Not stored, the sweeper looks the key up instead.
         let idem = idem.store_request(false);
         Self {
             inner: Arc::new(Inner {
-                idem: idem.clone().retry_takeover_window(Some(retention)),
+                idem: idem
+                    .clone()
+                    .retry_takeover_window(Some(crate::executor::LOCAL_EFFECT_TAKEOVER)),
                 given: idem,
                 scope: scope.as_str().to_owned(),
                 key: KeySource::MessageId,
@@ -966,5 +968,45 @@ mod tests {
         let again = consumer.handle(message()).await;
         assert!(matches!(again, Disposition::Ack { ran: true }), "{again:?}");
         assert_eq!(provider.sent(), vec![serde_json::json!({"amount": 5})]);
+    }
+
+    /// A consumer without a provider (the effect is the application's own): a run that ended
+    /// unknown (or crashed) is taken over by the next delivery once its lease has run out, as
+    /// `docs/consumers.md` promises, also when that delivery comes after the retention and
+    /// after a sweep found nobody to ask about the key. (The takeover was bounded by the
+    /// retention: the delivery was left for redelivery, as every later one, for good.)
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn a_redelivery_takes_over_a_run_without_a_provider_after_its_retention() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let store = memory_store().await;
+        let idem = Idempotency::new(store.clone())
+            .lease(Duration::from_millis(200))
+            .retention(Duration::from_millis(300));
+        let runs = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let runs = runs.clone();
+            move |_message: Message, _ctx: Context| {
+                let runs = runs.clone();
+                async move {
+                    match runs.fetch_add(1, Ordering::SeqCst) {
+                        0 => Outcome::unknown("the process died before its answer"),
+                        _ => Outcome::Succeeded(crate::StoredResponse::new(200)),
+                    }
+                }
+            }
+        };
+        let consumer = Consumer::new(idem, Scope::new("queue:own").unwrap(), handler);
+        let message = || Message::new("{}").with_message_id("m-1");
+        let first = consumer.handle(message()).await;
+        assert!(left_unknown(&first), "{first:?}");
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        // A sweep finds the key stale and nobody to ask (no provider).
+        let sweeper = crate::Sweeper::new(store.clone(), crate::Providers::new());
+        sweeper.run_once().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let again = consumer.handle(message()).await;
+        assert!(matches!(again, Disposition::Ack { ran: true }), "{again:?}");
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
     }
 }

@@ -756,6 +756,16 @@ impl Idempotency {
 /// the instant is never late). A takeover must send before it; a workflow starts no step after
 /// it. `None` without a window, or when the window is too large to add (the store caps durations
 /// at 100 years).
+/// The takeover window of a key whose effect is the application's own (a queue consumer without
+/// a provider, the webhook receiver): a later delivery takes a crashed or unknown run over
+/// whenever its lease has run out, however old the key is. No provider's dedup window bounds
+/// such a re-run, and the effect must be keyed by the message anyway (`docs/consumers.md`). The
+/// stores cap it at `store::kit::MAX_DURATION_MS`. (Bounded by the retention before 2026-12-06:
+/// a run that crashed and was delivered again only after the retention was never taken over,
+/// and every later delivery was left for a sweeper that has nobody to ask.)
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "axum"))]
+pub(crate) const LOCAL_EFFECT_TAKEOVER: Duration = Duration::MAX;
+
 pub(crate) fn window_closes(
     lease: &Lease,
     lease_len: Duration,

@@ -274,12 +274,25 @@ async fn a_failing_or_panicking_handler_is_retried_and_takes_effect_once() {
 
 /// A run whose process died (here: its future dropped mid-handler, which leaves the key as a
 /// killed process does) holds the event until its lease runs out (409 meanwhile); the next
-/// delivery then takes the key over and runs the handler.
+/// delivery then takes the key over and runs the handler, also when it comes after the
+/// retention (a takeover was once allowed only within it: the event then stayed unprocessed at
+/// every delivery).
 #[tokio::test]
 async fn a_crashed_run_is_taken_over_by_a_later_delivery() {
+    let lease = Duration::from_millis(400);
+    // The default retention, and one that has passed when the next delivery comes.
+    for retention in [None, Some(Duration::from_millis(300))] {
+        crashed_run_taken_over(lease, retention).await;
+    }
+}
+
+async fn crashed_run_taken_over(lease: Duration, retention: Option<Duration>) {
     for (backend, store) in stores().await {
-        let lease = Duration::from_millis(400);
-        let idem = Idempotency::new(store.clone()).lease(lease);
+        let backend = format!("{backend}, retention {retention:?}");
+        let mut idem = Idempotency::new(store.clone()).lease(lease);
+        if let Some(retention) = retention {
+            idem = idem.retention(retention);
+        }
         let runs = Arc::new(AtomicUsize::new(0));
         let counted = runs.clone();
         let receiver =
