@@ -73,6 +73,9 @@ pub enum Check {
     /// sends what it makes of the message, not the key's stored request), whoever sends it: a
     /// client, a takeover or the sweeper's re-drive.
     ActsOnTheClientsRequest,
+    /// A queue message whose effect is the application's own (no provider) is acknowledged,
+    /// and its key is `done`, only after a run of its handler recorded the effect.
+    AckedAfterItsOwnEffect,
 }
 
 impl Check {
@@ -98,6 +101,7 @@ impl Check {
             Check::SettlesWithinALeaseOfTheLastCrash => "settles_within_a_lease_of_the_last_crash",
             Check::ProviderKeyKeptAcrossLostWrites => "provider_key_kept_across_lost_writes",
             Check::ActsOnTheClientsRequest => "acts_on_the_clients_request",
+            Check::AckedAfterItsOwnEffect => "acked_after_its_own_effect",
         }
     }
 
@@ -131,7 +135,7 @@ impl Check {
         }
     }
 
-    pub const ALL: [Check; 20] = [
+    pub const ALL: [Check; 21] = [
         Check::AtMostOneEffect,
         Check::DoneMatchesAnEffect,
         Check::ReplaysIdentical,
@@ -152,6 +156,7 @@ impl Check {
         Check::SettlesWithinALeaseOfTheLastCrash,
         Check::ProviderKeyKeptAcrossLostWrites,
         Check::ActsOnTheClientsRequest,
+        Check::AckedAfterItsOwnEffect,
     ];
 }
 

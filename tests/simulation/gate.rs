@@ -200,6 +200,10 @@ pub struct Shared {
     /// Provider key -> the request its key's client sends, where the key's stored request is
     /// not it (the queue deliveries): the provider must act on that request only.
     pub requests: BTreeMap<String, serde_json::Value>,
+    /// Key label -> the runs of its queue handler that recorded its own effect (a message
+    /// whose consumer has no provider): keyed by the message, so the effect is there once
+    /// however many runs record it.
+    pub own_effects: BTreeMap<String, u32>,
     pub violations: Vec<Violation>,
     pub trace: Vec<String>,
 }
@@ -310,7 +314,8 @@ impl Shared {
             | Check::ToldWhatCommitted
             | Check::SettlesWithinALeaseOfTheLastCrash
             | Check::ProviderKeyKeptAcrossLostWrites
-            | Check::ActsOnTheClientsRequest => None,
+            | Check::ActsOnTheClientsRequest
+            | Check::AckedAfterItsOwnEffect => None,
         }
     }
 

@@ -159,6 +159,14 @@ const REGRESSION_SEEDS_QUEUES: &[(u64, &str)] = &[(
     "the sweeper re-drove a consumer's stored digest: the provider declined it, the charge never ran",
 )];
 
+/// Schedules with queue messages whose effect is the application's own ([`Mode::OwnEffects`])
+/// that once broke a check, found on the code before its fix (docs/reliability.md, "In
+/// `Mode::OwnEffects`"). They run, in that mode, in `regression_seeds` too.
+const REGRESSION_SEEDS_OWN_EFFECTS: &[(u64, &str)] = &[(
+    20,
+    "a provider-less consumer's crashed run, delivered again after the retention, was never taken over",
+)];
+
 /// Runs the simulation on `backend`; panics when a check not tied to an open finding fails.
 async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
     let single = env_u64("IDEMFLOW_SIM_SEED");
@@ -191,10 +199,11 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
         Ok("outages") => Mode::Outages,
         Ok("failover") => Mode::Failover,
         Ok("http") => Mode::Http,
-        Ok("queues") | Err(_) => Mode::Queues,
+        Ok("queues") => Mode::Queues,
+        Ok("own-effects") | Err(_) => Mode::OwnEffects,
         Ok(other) => {
             panic!(
-                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit, webhooks, waiting, outages, failover, http or queues"
+                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit, webhooks, waiting, outages, failover, http, queues or own-effects"
             )
         }
     };
@@ -400,6 +409,7 @@ async fn simulate_seeds(
             Mode::Workflows if name == "sqlite" => REGRESSION_SEEDS_WITH_WORKFLOWS,
             Mode::Full => REGRESSION_SEEDS_FULL,
             Mode::Queues if name == "sqlite" => REGRESSION_SEEDS_QUEUES,
+            Mode::OwnEffects if name == "sqlite" => REGRESSION_SEEDS_OWN_EFFECTS,
             _ => &[],
         };
         let classic: &[(u64, &str)] = if mode == Mode::Classic {
@@ -504,6 +514,11 @@ async fn regression_seeds() {
     simulate_seeds(Backend::SqliteMemory, seeds, false, 8, Mode::Full).await;
     let seeds = REGRESSION_SEEDS_QUEUES.iter().map(|(s, _)| *s).collect();
     simulate_seeds(Backend::SqliteMemory, seeds, false, 8, Mode::Queues).await;
+    let seeds = REGRESSION_SEEDS_OWN_EFFECTS
+        .iter()
+        .map(|(s, _)| *s)
+        .collect();
+    simulate_seeds(Backend::SqliteMemory, seeds, false, 8, Mode::OwnEffects).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

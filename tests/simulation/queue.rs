@@ -6,6 +6,11 @@
 //! redelivery is tried again, as the broker would, and an acknowledged one counts as told an
 //! answer (its key must be decided).
 //!
+//! In [`Mode::OwnEffects`](crate::world::Mode::OwnEffects), half the messages go to a consumer
+//! without a provider instead: its handler records the message's own effect (keyed by the
+//! message, in `Shared::own_effects`) after a point where its actor may crash, and an `Ack`
+//! must come after such a record (`acked_after_its_own_effect`).
+//!
 //! The consumer runs each delivery's handler in tasks of its own, where the actor's task-local
 //! context does not follow, and which the scheduler's crash of the actor (an abort of its task)
 //! does not stop. So its executor's store and the handler's provider calls run as the
@@ -20,14 +25,14 @@ use chrono::{DateTime, Utc};
 use idemflow::consumer::{Consumer, Disposition, Message};
 use idemflow::store::{ClaimOutcome, Finish, NewClaim, Release};
 use idemflow::{
-    Context, Idempotency, KeyId, KeyRecord, LeaseToken, Scope, Store, StoreError, async_trait,
-    conformance::Delegate,
+    Context, Idempotency, KeyId, KeyRecord, LeaseToken, Outcome, Scope, Store, StoreError,
+    StoredResponse, async_trait, conformance::Delegate,
 };
 
 use tokio::sync::watch;
 
 use crate::checks::Check;
-use crate::gate::{ACTOR, ActorCtx, SharedRef};
+use crate::gate::{ACTOR, ActorCtx, SharedRef, park};
 use crate::provider::SimProvider;
 use crate::world::KeyDef;
 
@@ -154,7 +159,7 @@ pub async fn client(
         Err(e) => return (format!("bad scope: {e}"), false),
     };
     let handler = {
-        let provider = provider.clone();
+        let (provider, actor) = (provider.clone(), actor.clone());
         move |message: Message, ctx: Context| {
             let provider = provider.clone();
             let actor = actor.clone();
@@ -169,15 +174,52 @@ pub async fn client(
             }
         }
     };
-    let consumer = Consumer::new(idem, scope, handler).provider(provider.as_ref());
     let body = match serde_json::to_vec(&key.body) {
         Ok(b) => b,
         Err(e) => return (format!("bad body: {e}"), false),
     };
     let message = Message::new(body).with_message_id(key.id.key.as_str());
-    match consumer.handle(message).await {
+    let disposition = if key.own_effect {
+        // The application's own effect, keyed by the message: recorded by the run as the
+        // delivering actor, after a point where the actor may crash.
+        let own = {
+            let (shared, label) = (shared.clone(), key.label.clone());
+            move |_message: Message, _ctx: Context| {
+                let (shared, label, actor) = (shared.clone(), label.clone(), actor.clone());
+                async move {
+                    let effect = async move {
+                        park("consumer.effect", "before", &label).await;
+                        *shared.lock().unwrap().own_effects.entry(label).or_default() += 1;
+                        Outcome::Succeeded(
+                            StoredResponse::new(200).with_body("{\"recorded\":true}"),
+                        )
+                    };
+                    match actor {
+                        Some((actor, killed)) => as_actor(&actor, killed, effect).await,
+                        None => effect.await,
+                    }
+                }
+            }
+        };
+        Consumer::new(idem, scope, own).handle(message).await
+    } else {
+        Consumer::new(idem, scope, handler)
+            .provider(provider.as_ref())
+            .handle(message)
+            .await
+    };
+    match disposition {
         Disposition::Ack { ran } => {
-            shared.lock().unwrap().told_settled(&key.label);
+            let mut sh = shared.lock().unwrap();
+            if key.own_effect && !sh.own_effects.contains_key(&key.label) {
+                sh.violate(
+                    Check::AckedAfterItsOwnEffect,
+                    &key.label,
+                    format!("acked (ran: {ran}) with no run of its handler recorded"),
+                );
+            }
+            sh.told_settled(&key.label);
+            drop(sh);
             let how = if ran { "ran" } else { "settled before" };
             (format!("acked ({how})"), false)
         }

@@ -43,6 +43,9 @@ pub struct KeyDef {
     pub http: bool,
     /// A queue's message delivered to a consumer (`crate::queue`, [`Mode::Queues`]).
     pub queued: bool,
+    /// A queue's message whose consumer has no provider: its handler's effect is the
+    /// application's own, recorded in `Shared::own_effects` ([`Mode::OwnEffects`]).
+    pub own_effect: bool,
 }
 
 /// What a key is in the schedule.
@@ -99,8 +102,14 @@ pub enum Mode {
     /// Also queue deliveries (`crate::queue`): three in ten of the single-call keys not served
     /// through the layer are a queue's messages, delivered (and redelivered while the consumer
     /// says so) to a consumer declared with the key's provider, whose handler sends with
-    /// `Context::send`. What the simulation runs by default.
+    /// `Context::send`.
     Queues,
+    /// Also queue messages whose handler's effect is the application's own (a consumer without
+    /// a provider): half the queue's messages. The handler records its effect keyed by the
+    /// message (all or nothing, as `docs/consumers.md` asks of such an effect); nothing but a
+    /// redelivery after the lease settles a run that crashed. What the simulation runs by
+    /// default.
+    OwnEffects,
 }
 
 impl Mode {
@@ -147,6 +156,10 @@ impl Mode {
     /// Whether the additions of [`Mode::Queues`] are on.
     pub fn queues(self) -> bool {
         self.holds(Mode::Queues)
+    }
+    /// Whether the additions of [`Mode::OwnEffects`] are on.
+    pub fn own_effects(self) -> bool {
+        self.holds(Mode::OwnEffects)
     }
 }
 
@@ -764,6 +777,25 @@ impl World {
                 self.check_atomic_step(&key).await;
                 continue;
             }
+            if key.own_effect {
+                // Its handler acts on no provider: its effect is recorded by the run.
+                let recorded = self
+                    .shared
+                    .lock()
+                    .unwrap()
+                    .own_effects
+                    .contains_key(&key.label);
+                if rec.state == KeyState::Done && !recorded {
+                    let generation = self.shared.lock().unwrap().generation(&key.label);
+                    self.report(
+                        Check::AckedAfterItsOwnEffect,
+                        &key.label,
+                        generation,
+                        "done with no run of its handler recorded".into(),
+                    );
+                }
+                continue;
+            }
             let (generation, effects, any) = {
                 let sh = self.shared.lock().unwrap();
                 let g = sh.generation(&key.label);
@@ -1065,6 +1097,7 @@ impl World {
             if let Err(e) = sweeper.run_once().await {
                 self.violate(Check::NoStoreErrors, "-", format!("final sweep: {e}"));
             }
+            self.redeliver_own_effects().await;
             self.check().await;
             let mut open = Vec::new();
             for k in &self.keys {
@@ -1094,6 +1127,29 @@ impl World {
                 return open;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The broker redelivers each message whose handler acts on no provider and whose run's
+    /// lease ran out: nothing else settles its key (the sweeper has nobody to ask).
+    async fn redeliver_own_effects(&mut self) {
+        for k in self.keys.clone().iter().filter(|k| k.own_effect) {
+            let Ok(Some(r)) = self.inner.get(&k.id).await else {
+                continue;
+            };
+            let expired = r.lease_expires_at.is_some_and(|e| e <= chrono::Utc::now());
+            if r.state != KeyState::Processing || !expired {
+                continue;
+            }
+            let (summary, _) = crate::queue::client(
+                self.executors[k.provider].clone(),
+                k.clone(),
+                self.providers[k.provider].clone(),
+                self.gated.clone(),
+                self.shared.clone(),
+            )
+            .await;
+            self.trace(format!("end: {} redelivered: {summary}", k.label));
         }
     }
 
@@ -1742,6 +1798,7 @@ pub async fn run_case(
             local: false,
             http: false,
             queued: false,
+            own_effect: false,
         });
     }
     // With the layer, a third of the single calls are served through it (a stream of its own).
@@ -1765,6 +1822,14 @@ pub async fn run_case(
             }
         }
     }
+    // With own effects, half the queue's messages go to a consumer without a provider (a
+    // stream of their own).
+    if mode.own_effects() {
+        let mut o = Rng::new(seed ^ OWN_EFFECT_STREAM);
+        for k in keys.iter_mut().filter(|k| k.queued) {
+            k.own_effect = o.chance(OWN_EFFECT_PER_MILLE);
+        }
+    }
     // Half the schedules hold a workflow of two steps: a keyed charge, then a keyless email
     // (drawn apart from the main stream, which the regression seeds replay unchanged).
     let mut wf_rng = Rng::new(seed ^ 0x5EED_F10E);
@@ -1784,6 +1849,7 @@ pub async fn run_case(
             local: false,
             http: false,
             queued: false,
+            own_effect: false,
         });
         for (position, (operation, provider)) in
             [("charge", 0), ("email.send", 1)].into_iter().enumerate()
@@ -1802,6 +1868,7 @@ pub async fn run_case(
                 local: false,
                 http: false,
                 queued: false,
+                own_effect: false,
             });
         }
     }
@@ -1825,6 +1892,7 @@ pub async fn run_case(
                 local: false,
                 http: false,
                 queued: false,
+                own_effect: false,
             });
             for (position, (operation, provider, local)) in
                 [("order.record", 0, true), ("charge", 0, false)]
@@ -1849,6 +1917,7 @@ pub async fn run_case(
                     local,
                     http: false,
                     queued: false,
+                    own_effect: false,
                 });
             }
             // With one commit, a key run by `execute_atomic` too (drawn from a stream of its
@@ -1868,6 +1937,7 @@ pub async fn run_case(
                     local: true,
                     http: false,
                     queued: false,
+                    own_effect: false,
                 });
             }
             Some(Arc::new(AtomicSim::new(
@@ -1974,7 +2044,9 @@ pub async fn run_case(
             ["simpay (keyed)", "simmail (keyless)"][k.provider],
             k.body,
             k.pk,
-            if k.queued {
+            if k.own_effect {
+                ", a queue's message with its own effect"
+            } else if k.queued {
                 ", a queue's message"
             } else if k.http {
                 ", through the HTTP layer"
@@ -2034,6 +2106,10 @@ const HTTP_PER_MILLE: u64 = 350;
 /// a thousand not served through the layer are.
 const QUEUE_STREAM: u64 = 0x0C0E_0E5D;
 const QUEUE_PER_MILLE: u64 = 300;
+/// The seed stream of the queue messages whose effect is the application's own
+/// ([`Mode::OwnEffects`]), and how many queue messages in a thousand are.
+const OWN_EFFECT_STREAM: u64 = 0x0E1F_EC75;
+const OWN_EFFECT_PER_MILLE: u64 = 500;
 
 /// The seed stream of the waiting clients ([`Mode::Waiting`]), and how many clients in a
 /// thousand wait for the first attempt's answer.
