@@ -58,6 +58,7 @@ macro_rules! scenario_tests {
             a_duplicate_in_flight_is_redelivered_then_acked_without_running,
             an_unknown_outcome_is_left_unacked_until_the_sweeper_settles_it,
             a_consumer_killed_mid_message_leaves_one_effect,
+            a_consumer_without_a_provider_killed_mid_message_keeps_one_effect,
             a_keyless_message_is_rejected_and_a_panic_redelivered
         );
     };
@@ -130,6 +131,7 @@ impl Effects {
             "PRAGMA journal_mode = WAL",
             "PRAGMA busy_timeout = 10000",
             "CREATE TABLE IF NOT EXISTS effects (key TEXT NOT NULL, provider_key TEXT NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS own_effects (key TEXT PRIMARY KEY)",
         ] {
             sqlx::query(stmt).execute(&pool).await.unwrap();
         }
@@ -144,6 +146,31 @@ impl Effects {
             .execute(&self.0)
             .await
             .unwrap();
+    }
+
+    /// Records the run `ctx` holds (in `effects`, one row per run) and the message's own effect
+    /// keyed by its key, all or nothing in one transaction (`own_effects`: a second run finds
+    /// the first one's row and adds none), as `docs/consumers.md` asks of the effect of a
+    /// consumer without a provider.
+    pub async fn record_keyed(&self, ctx: &Context) {
+        let mut tx = self.0.begin().await.unwrap();
+        sqlx::query("INSERT INTO effects (key, provider_key) VALUES (?, ?)")
+            .bind(ctx.id().key.as_str())
+            .bind(ctx.provider_key())
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO own_effects (key) VALUES (?) ON CONFLICT (key) DO NOTHING")
+            .bind(ctx.id().key.as_str())
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+
+    /// The messages whose own effect was recorded.
+    pub async fn own(&self) -> i64 {
+        self.count("SELECT COUNT(*) FROM own_effects", None).await
     }
 
     async fn count(&self, sql: &'static str, bind: Option<&str>) -> i64 {
@@ -563,14 +590,27 @@ struct ChildSpec {
     dir: PathBuf,
 }
 
-/// The consumer of the kill test, in the child and in the test: keys under the ledger, so
-/// that a run that died is settled by the sweeper from the effects, never run again.
-fn kill_consumer(idem: Idempotency, scope: Scope, effects: Effects, hang: bool) -> Consumer {
+/// The consumer of the kill tests, in the child and in the test. With a provider (`own`
+/// false): keys under the ledger, so that a run that died is settled by the sweeper from the
+/// effects, never run again. Without one (`own`): the effect is the application's own, keyed
+/// by the message, so that a run that died is taken over by a later delivery and runs again,
+/// leaving one effect.
+fn kill_consumer(
+    idem: Idempotency,
+    scope: Scope,
+    effects: Effects,
+    hang: bool,
+    own: bool,
+) -> Consumer {
     let ledger = Ledger(effects.clone());
     let handler = move |_message: Message, ctx: Context| {
         let effects = effects.clone();
         async move {
-            effects.record(&ctx).await;
+            if own {
+                effects.record_keyed(&ctx).await;
+            } else {
+                effects.record(&ctx).await;
+            }
             if hang {
                 // Killed here: the effect is recorded, the key not finished.
                 std::future::pending::<()>().await;
@@ -578,10 +618,16 @@ fn kill_consumer(idem: Idempotency, scope: Scope, effects: Effects, hang: bool) 
             Outcome::Succeeded(StoredResponse::new(200))
         }
     };
-    Consumer::new(idem, scope, handler)
-        .provider(&ledger)
-        .concurrency(1)
+    let consumer = Consumer::new(idem, scope, handler).concurrency(1);
+    if own {
+        consumer
+    } else {
+        consumer.provider(&ledger)
+    }
 }
+
+/// Set for the kill test's child when its consumer has no provider.
+const CHILD_OWN: &str = "IDEMFLOW_CONSUMER_KILL_OWN";
 
 /// The child of the kill tests: consumes the queue named by [`CHILD_SPEC`] with a handler that
 /// records its effect and hangs; the test kills it. Run alone (no variable) it says so.
@@ -603,16 +649,17 @@ async fn child_consumes_until_killed() {
             .lease(SHORT_LEASE)
             .owner("doomed-consumer");
         let effects = files.effects().await;
+        let own = std::env::var(CHILD_OWN).is_ok();
         let parts: Vec<&str> = spec.broker.split(' ').collect();
         let running = match parts.as_slice() {
             ["amqp", url, queue] => {
                 let broker = crate::amqp::Amqp::attach(url, queue).await;
-                let consumer = kill_consumer(idem, scope(&broker), effects, true);
+                let consumer = kill_consumer(idem, scope(&broker), effects, true, own);
                 broker.start(consumer).await
             }
             ["nats", url, stream] => {
                 let broker = crate::nats::Nats::attach(url, stream).await;
-                let consumer = kill_consumer(idem, scope(&broker), effects, true);
+                let consumer = kill_consumer(idem, scope(&broker), effects, true, own);
                 broker.start(consumer).await
             }
             _ => panic!("not a broker spec: {:?}", spec.broker),
@@ -622,27 +669,26 @@ async fn child_consumes_until_killed() {
     }
 }
 
-/// The kill test: a child consumer records the first message's effect and hangs; SIGKILL; the
-/// broker redelivers to a consumer here. The key is `processing` under the dead child's lease:
-/// the deliveries are left for redelivery (in flight, then unknown) until the sweeper, asking
-/// the ledger, finds the effect and settles the key `done`; the next delivery is acknowledged
-/// without running. The effect stays single, and the other messages take effect once each.
-pub async fn a_consumer_killed_mid_message_leaves_one_effect(broker: impl Broker) {
+/// The kill tests' first part: three messages published, a child consumer (with the ledger as
+/// its provider, or none when `own`) records the first message's effect and hangs, and is
+/// killed with SIGKILL. Returns the files and when the kill was.
+async fn killed_mid_message(broker: &impl Broker, own: bool) -> (Files, Instant) {
     let files = Files::new();
-    let store = files.store().await;
     let effects = files.effects().await;
     for id in ["kill-1", "kill-2", "kill-3"] {
         assert!(broker.publish(id, b"{}").await);
     }
-    let child = crate::support::child_test(module_path!(), "child_consumes_until_killed")
+    let mut command = crate::support::child_test(module_path!(), "child_consumes_until_killed");
+    command
         .env(
             CHILD_SPEC,
             format!("{} {}", broker.spec(), files.dir.display()),
         )
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut child = KillOnDrop(child);
+        .stdout(Stdio::null());
+    if own {
+        command.env(CHILD_OWN, "1");
+    }
+    let mut child = KillOnDrop(command.spawn().unwrap());
     eventually(
         Duration::from_secs(30),
         "the child recorded its first effect",
@@ -658,7 +704,18 @@ pub async fn a_consumer_killed_mid_message_leaves_one_effect(broker: impl Broker
     );
     child.0.kill().unwrap(); // SIGKILL
     child.0.wait().unwrap();
-    let killed_at = Instant::now();
+    (files, Instant::now())
+}
+
+/// The kill test: a child consumer records the first message's effect and hangs; SIGKILL; the
+/// broker redelivers to a consumer here. The key is `processing` under the dead child's lease:
+/// the deliveries are left for redelivery (in flight, then unknown) until the sweeper, asking
+/// the ledger, finds the effect and settles the key `done`; the next delivery is acknowledged
+/// without running. The effect stays single, and the other messages take effect once each.
+pub async fn a_consumer_killed_mid_message_leaves_one_effect(broker: impl Broker) {
+    let (files, killed_at) = killed_mid_message(&broker, false).await;
+    let store = files.store().await;
+    let effects = files.effects().await;
     let (_, _, most) = effects.summary().await;
     assert_eq!(most, 1);
     let idem = Idempotency::new(store.clone())
@@ -666,7 +723,7 @@ pub async fn a_consumer_killed_mid_message_leaves_one_effect(broker: impl Broker
         .in_flight_retry_after(Duration::from_millis(200))
         .unknown_retry_after(Duration::from_millis(200));
     let scope = scope(&broker);
-    let consumer = kill_consumer(idem, scope.clone(), effects.clone(), false).concurrency(4);
+    let consumer = kill_consumer(idem, scope.clone(), effects.clone(), false, false).concurrency(4);
     let _sweeper = sweeping(store.clone(), &effects);
     let running = broker.start(consumer.clone()).await;
     until_stats(
@@ -698,6 +755,61 @@ pub async fn a_consumer_killed_mid_message_leaves_one_effect(broker: impl Broker
         settled, 1,
         "the dead child's key was settled by the sweeper"
     );
+    assert_eq!(broker.unacked().await, 0, "the queue drained");
+    broker.delete().await;
+}
+
+/// The kill test for a consumer without a provider (the effect is the application's own,
+/// keyed by the message): a child consumer records the first message's effect and hangs;
+/// SIGKILL; the broker redelivers to a consumer here, with no sweeper running. Once the dead
+/// child's lease has run out, a delivery takes the key over and runs the handler again, which
+/// finds the first run's effect: each message has one effect, the first one two runs, and its
+/// key was taken over by a worker, not settled by a sweeper.
+pub async fn a_consumer_without_a_provider_killed_mid_message_keeps_one_effect(
+    broker: impl Broker,
+) {
+    let (files, killed_at) = killed_mid_message(&broker, true).await;
+    let store = files.store().await;
+    let effects = files.effects().await;
+    let (runs, _, most) = effects.summary().await;
+    assert_eq!((runs, most), (1, 1));
+    let idem = Idempotency::new(store.clone())
+        .lease(SHORT_LEASE)
+        .in_flight_retry_after(Duration::from_millis(200));
+    let scope = scope(&broker);
+    let consumer = kill_consumer(idem, scope.clone(), effects.clone(), false, true).concurrency(4);
+    let running = broker.start(consumer.clone()).await;
+    until_stats(
+        &consumer,
+        Duration::from_secs(60),
+        "every message acknowledged after the kill",
+        |s| s.ran == 3,
+    )
+    .await;
+    running.stop().await;
+    let stats = consumer.stats();
+    eprintln!(
+        "acknowledged {:?} after the kill: {stats:?}",
+        killed_at.elapsed()
+    );
+    assert_eq!(effects.own().await, 3, "one effect per message: {stats:?}");
+    // Four runs: the dead child's, its takeover's, and one each for the other two.
+    assert_eq!(effects.summary().await, (4, 3, 2), "{stats:?}");
+    let mut taken_over = 0;
+    for id in ["kill-1", "kill-2", "kill-3"] {
+        let key = KeyId::new(scope.clone(), idemflow::IdempotencyKey::new(id).unwrap());
+        let record = store.get(&key).await.unwrap().unwrap();
+        assert_eq!(record.state, KeyState::Done, "{id}");
+        let history = store.history(&key).await.unwrap();
+        assert!(
+            history.iter().all(|e| e.actor != Actor::Sweeper),
+            "{id}: settled by a sweeper: {history:?}"
+        );
+        if record.attempts > 1 {
+            taken_over += 1;
+        }
+    }
+    assert_eq!(taken_over, 1, "the dead child's key was taken over");
     assert_eq!(broker.unacked().await, 0, "the queue drained");
     broker.delete().await;
 }
