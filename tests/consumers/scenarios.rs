@@ -707,6 +707,31 @@ async fn killed_mid_message(broker: &impl Broker, own: bool) -> (Files, Instant)
     (files, Instant::now())
 }
 
+/// The kill tests' second part: `consumer` runs on the queue until its stats say every message
+/// was acknowledged (`all_acked`, within a minute), and stops; its stats.
+async fn consume_after_kill(
+    broker: &impl Broker,
+    consumer: &Consumer,
+    killed_at: Instant,
+    all_acked: impl Fn(&ConsumerStats) -> bool,
+) -> ConsumerStats {
+    let running = broker.start(consumer.clone()).await;
+    until_stats(
+        consumer,
+        Duration::from_secs(60),
+        "every message acknowledged after the kill",
+        all_acked,
+    )
+    .await;
+    running.stop().await;
+    let stats = consumer.stats();
+    eprintln!(
+        "acknowledged {:?} after the kill: {stats:?}",
+        killed_at.elapsed()
+    );
+    stats
+}
+
 /// The kill test: a child consumer records the first message's effect and hangs; SIGKILL; the
 /// broker redelivers to a consumer here. The key is `processing` under the dead child's lease:
 /// the deliveries are left for redelivery (in flight, then unknown) until the sweeper, asking
@@ -725,20 +750,8 @@ pub async fn a_consumer_killed_mid_message_leaves_one_effect(broker: impl Broker
     let scope = scope(&broker);
     let consumer = kill_consumer(idem, scope.clone(), effects.clone(), false, false).concurrency(4);
     let _sweeper = sweeping(store.clone(), &effects);
-    let running = broker.start(consumer.clone()).await;
-    until_stats(
-        &consumer,
-        Duration::from_secs(60),
-        "every message acknowledged after the kill",
-        |s| s.ran + s.replayed == 3,
-    )
-    .await;
-    running.stop().await;
-    let stats = consumer.stats();
-    eprintln!(
-        "acknowledged {:?} after the kill: {stats:?}",
-        killed_at.elapsed()
-    );
+    let stats =
+        consume_after_kill(&broker, &consumer, killed_at, |s| s.ran + s.replayed == 3).await;
     assert_eq!(effects.summary().await, (3, 3, 1), "{stats:?}");
     assert_eq!((stats.ran, stats.replayed), (2, 1), "{stats:?}");
     let died_on = ["kill-1", "kill-2", "kill-3"];
@@ -778,20 +791,7 @@ pub async fn a_consumer_without_a_provider_killed_mid_message_keeps_one_effect(
         .in_flight_retry_after(Duration::from_millis(200));
     let scope = scope(&broker);
     let consumer = kill_consumer(idem, scope.clone(), effects.clone(), false, true).concurrency(4);
-    let running = broker.start(consumer.clone()).await;
-    until_stats(
-        &consumer,
-        Duration::from_secs(60),
-        "every message acknowledged after the kill",
-        |s| s.ran == 3,
-    )
-    .await;
-    running.stop().await;
-    let stats = consumer.stats();
-    eprintln!(
-        "acknowledged {:?} after the kill: {stats:?}",
-        killed_at.elapsed()
-    );
+    let stats = consume_after_kill(&broker, &consumer, killed_at, |s| s.ran == 3).await;
     assert_eq!(effects.own().await, 3, "one effect per message: {stats:?}");
     // Four runs: the dead child's, its takeover's, and one each for the other two.
     assert_eq!(effects.summary().await, (4, 3, 2), "{stats:?}");
