@@ -357,10 +357,10 @@ impl Consumer {
     /// `idem` is used with its store, lease and retention; until [`provider`](Self::provider)
     /// names a provider, a later delivery takes a crashed run over once its lease has run out,
     /// however old the key (the handler's effect is the application's own), as the webhook
-    /// receiver does. The
-    /// keys store no request ([`Idempotency::store_request`] off): the message's fingerprint
-    /// still refuses another body under the same key, and the sweeper, which would re-send a
-    /// stored request to the provider, looks a crashed run up by its provider key instead.
+    /// receiver does. The keys store no request ([`Idempotency::store_request`] off): the
+    /// message's fingerprint still refuses another body under the same key, and the sweeper,
+    /// which would re-send a stored request to the provider, looks a crashed run up by its
+    /// provider key instead.
     pub fn new<F, Fut>(idem: Idempotency, scope: Scope, handler: F) -> Self
     where
         F: Fn(Message, Context) -> Fut + Send + Sync + 'static,

@@ -750,12 +750,6 @@ impl Idempotency {
     }
 }
 
-/// The local instant at which a takeover window closes: `window` counted from the key's first
-/// claim (database clock), moved onto this process's clock from the claim, which was sent at
-/// `asked` and answered with the database time `expires_at - lease` (no earlier than `asked`, so
-/// the instant is never late). A takeover must send before it; a workflow starts no step after
-/// it. `None` without a window, or when the window is too large to add (the store caps durations
-/// at 100 years).
 /// The takeover window of a key whose effect is the application's own (a queue consumer without
 /// a provider, the webhook receiver): a later delivery takes a crashed or unknown run over
 /// whenever its lease has run out, however old the key is. No provider's dedup window bounds
@@ -766,6 +760,12 @@ impl Idempotency {
 #[cfg(any(feature = "rabbitmq", feature = "nats", feature = "axum"))]
 pub(crate) const LOCAL_EFFECT_TAKEOVER: Duration = Duration::MAX;
 
+/// The local instant at which a takeover window closes: `window` counted from the key's first
+/// claim (database clock), moved onto this process's clock from the claim, which was sent at
+/// `asked` and answered with the database time `expires_at - lease` (no earlier than `asked`, so
+/// the instant is never late). A takeover must send before it; a workflow starts no step after
+/// it. `None` without a window, or when the window is too large to add (the store caps durations
+/// at 100 years).
 pub(crate) fn window_closes(
     lease: &Lease,
     lease_len: Duration,

@@ -157,6 +157,7 @@ impl Mode {
     pub fn queues(self) -> bool {
         self.holds(Mode::Queues)
     }
+
     /// Whether the additions of [`Mode::OwnEffects`] are on.
     pub fn own_effects(self) -> bool {
         self.holds(Mode::OwnEffects)
