@@ -783,6 +783,19 @@ mod tests {
         }
     }
 
+    /// A handler that counts its runs in `runs` and answers the `n`th (from 0) with `answer(n)`.
+    #[cfg(feature = "sqlite")]
+    fn counted(
+        runs: Arc<std::sync::atomic::AtomicUsize>,
+        answer: fn(usize) -> Outcome,
+    ) -> impl Fn(Message, Context) -> std::future::Ready<Outcome> + Send + Sync + 'static {
+        move |_message, _ctx| {
+            std::future::ready(answer(
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+            ))
+        }
+    }
+
     /// Whether the delivery was left for redelivery with its outcome unknown.
     #[cfg(feature = "sqlite")]
     fn left_unknown(d: &Disposition) -> bool {
@@ -816,16 +829,9 @@ mod tests {
             .lease(Duration::from_millis(200))
             .retry_takeover_window(Some(Duration::from_secs(3600)));
         let runs = Arc::new(AtomicUsize::new(0));
-        let handler = {
-            let runs = runs.clone();
-            move |_message: Message, _ctx: Context| {
-                let runs = runs.clone();
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    Outcome::unknown("the email went out; its answer was lost")
-                }
-            }
-        };
+        let handler = counted(runs.clone(), |_| {
+            Outcome::unknown("the email went out; its answer was lost")
+        });
         // A provider without idempotency keys (every send acts), which the sweeper cannot
         // settle.
         let keyless = Scripted::new("keyless", crate::KeySpec::no_keys(), |_| {
@@ -984,18 +990,10 @@ mod tests {
             .lease(Duration::from_millis(200))
             .retention(Duration::from_millis(300));
         let runs = Arc::new(AtomicUsize::new(0));
-        let handler = {
-            let runs = runs.clone();
-            move |_message: Message, _ctx: Context| {
-                let runs = runs.clone();
-                async move {
-                    match runs.fetch_add(1, Ordering::SeqCst) {
-                        0 => Outcome::unknown("the process died before its answer"),
-                        _ => Outcome::Succeeded(crate::StoredResponse::new(200)),
-                    }
-                }
-            }
-        };
+        let handler = counted(runs.clone(), |run| match run {
+            0 => Outcome::unknown("the process died before its answer"),
+            _ => Outcome::Succeeded(crate::StoredResponse::new(200)),
+        });
         let consumer = Consumer::new(idem, Scope::new("queue:own").unwrap(), handler);
         let message = || Message::new("{}").with_message_id("m-1");
         let first = consumer.handle(message()).await;
