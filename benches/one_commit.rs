@@ -4,7 +4,8 @@
 //! implementation's). SQLite on a WAL file with `synchronous = FULL` (the store's default), at
 //! 1 and 64 callers; each new key writes one order row. Run with
 //! `cargo bench --bench one_commit` (`IDEMFLOW_BENCH_N`, default 2,000 keys per measurement;
-//! `IDEMFLOW_BENCH_ONLY=ours` or `floor` runs one side alone, to profile it).
+//! `IDEMFLOW_BENCH_ONLY=ours` or `floor` runs one side alone, to profile it;
+//! `IDEMFLOW_BENCH_KEEP=1` keeps the databases).
 //! Issue 23's targets: >= 0.9x the floor with 1 caller, >= 4x with 64 (group commit).
 //!
 //! With `IDEMFLOW_BENCH_POSTGRES_URL` set (and feature `postgres`), the same on PostgreSQL, in a
@@ -255,10 +256,18 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(2_000);
     let dir = tempfile::tempdir().unwrap();
+    // `IDEMFLOW_BENCH_KEEP=1` keeps the databases, to look into them afterwards.
+    let dir = if std::env::var_os("IDEMFLOW_BENCH_KEEP").is_some() {
+        let kept = dir.keep();
+        println!("databases kept in {}", kept.display());
+        kept
+    } else {
+        dir.path().to_owned()
+    };
     println!("one commit for local work: SQLite WAL, synchronous=FULL, N = {n} new keys each");
     for conc in [1usize, 64] {
         runtime(conc).block_on(async {
-            let path = dir.path().join(format!("ours-{conc}.db"));
+            let path = dir.join(format!("ours-{conc}.db"));
             let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
                 .await
                 .unwrap();
@@ -268,7 +277,7 @@ fn main() {
                 .await
                 .unwrap();
             let idem = Idempotency::new(Arc::new(store.clone()));
-            let floor = floor_pool(&dir.path().join(format!("floor-{conc}.db"))).await;
+            let floor = floor_pool(&dir.join(format!("floor-{conc}.db"))).await;
             let target = if conc == 1 { 0.9 } else { 4.0 };
             compare(
                 n,

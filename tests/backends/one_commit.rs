@@ -8,11 +8,12 @@
 //! `one_commit_kill.rs`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use idemflow::store::phase::{AtomicPhase, Refusal, WritesError, WritesFuture};
 use idemflow::{
-    Error, Execution, Idempotency, IdempotencyKey, IdempotentRequest, KeyId, Scope, Store,
-    StoredResponse, async_trait,
+    Actor, Error, Execution, Idempotency, IdempotencyKey, IdempotentRequest, KeyId, KeyState,
+    Outcome, Scope, Store, StoredResponse, async_trait,
 };
 use serde_json::json;
 
@@ -308,6 +309,133 @@ pub async fn suite(db: &dyn Db, tag: &str) {
         .collect();
     assert_eq!(reasons.len(), 2, "{tag}: {reasons:?}");
     assert!(reasons[1].starts_with("one commit"), "{tag}: {reasons:?}");
+
+    // The committed row is the claim's, finished by its holder (SQLite writes it once, already
+    // `done`: `docs/one-commit.md`): one attempt, no lease, the claim's token in both entries.
+    let record = db.store().get(&id("one-0")).await.unwrap().unwrap();
+    assert_eq!(record.state, KeyState::Done, "{tag}");
+    assert_eq!(record.response.as_ref().map(|r| r.status()), Some(201));
+    assert_eq!(record.provider.as_deref(), Some("idemflow.local"), "{tag}");
+    assert_eq!(record.attempts, 1, "{tag}");
+    assert!(record.lease_owner.is_none() && record.lease_expires_at.is_none());
+    assert!(!record.may_have_acted, "{tag}");
+    assert!(record.request.is_some(), "{tag}: the request is stored");
+    assert_eq!(
+        record.expires_at,
+        Some(record.updated_at + chrono::Duration::hours(24)),
+        "{tag}: kept for the executor's retention"
+    );
+    let shape: Vec<_> = history
+        .iter()
+        .map(|e| (e.seq, e.from, e.to, e.lease_token, e.actor))
+        .collect();
+    let token = Some(record.lease_token);
+    assert_eq!(
+        shape,
+        [
+            (1, None, Some(KeyState::Processing), token, Actor::Worker),
+            (
+                2,
+                Some(KeyState::Processing),
+                Some(KeyState::Done),
+                token,
+                Actor::Worker
+            ),
+        ],
+        "{tag}"
+    );
+    assert_eq!(reasons[0], "claimed", "{tag}");
+
+    // A key re-created after its purge is a new life: its history numbered on after the
+    // purge's entry, and a provider key of its own (`NewClaim::renewed_key_base`).
+    let short = Idempotency::new(db.store()).retention(Duration::from_millis(1));
+    let life = |cart: &str| {
+        short.execute_atomic(
+            request("life", cart),
+            db.phase(&format!("o-{cart}"), cart, Then::Answer),
+        )
+    };
+    assert!(matches!(
+        life("c-life-1").await.unwrap(),
+        Execution::Executed(_)
+    ));
+    let first = db.store().get(&id("life")).await.unwrap().unwrap();
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        db.store().purge_expired(100).await.unwrap();
+        if db.store().get(&id("life")).await.unwrap().is_none() {
+            break;
+        }
+    }
+    assert!(
+        db.store().get(&id("life")).await.unwrap().is_none(),
+        "{tag}: purged"
+    );
+    assert!(matches!(
+        life("c-life-2").await.unwrap(),
+        Execution::Executed(_)
+    ));
+    let second = db.store().get(&id("life")).await.unwrap().unwrap();
+    assert_eq!(second.state, KeyState::Done, "{tag}");
+    assert_ne!(
+        second.provider_key, first.provider_key,
+        "{tag}: a renewed key"
+    );
+    let lives: Vec<_> = db
+        .store()
+        .history(&id("life"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| (e.seq, e.to, e.actor))
+        .collect();
+    // MariaDB numbers history entries across keys: there only their order is checked.
+    let first_seq = if tag == "mysql" { lives[0].0 } else { 1 };
+    let lives: Vec<_> = lives
+        .into_iter()
+        .map(|(seq, to, actor)| (seq - first_seq + 1, to, actor))
+        .collect();
+    assert_eq!(
+        lives,
+        [
+            (1, Some(KeyState::Processing), Actor::Worker),
+            (2, Some(KeyState::Done), Actor::Worker),
+            (3, None, Actor::Purge),
+            (4, Some(KeyState::Processing), Actor::Worker),
+            (5, Some(KeyState::Done), Actor::Worker),
+        ],
+        "{tag}"
+    );
+    assert_eq!(db.orders().await, base + 4);
+
+    // A key that `execute` left `failed{retryable}`, nothing having acted: the phase claims
+    // it again (a reclaim, not a new row) and commits its writes with the answer.
+    let failed = idem
+        .execute(request("mixed", "c-mixed"), |_| async {
+            Outcome::retryable("the provider said later")
+        })
+        .await;
+    assert!(failed.is_err(), "{tag}: {failed:?}");
+    let before = db.store().get(&id("mixed")).await.unwrap().unwrap();
+    assert_eq!(before.state, KeyState::Failed { retryable: true }, "{tag}");
+    let done = idem
+        .execute_atomic(
+            request("mixed", "c-mixed"),
+            db.phase("o-mixed", "c-mixed", Then::Answer),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(&done, Execution::Executed(r) if r.status() == 201),
+        "{tag}"
+    );
+    let after = db.store().get(&id("mixed")).await.unwrap().unwrap();
+    assert_eq!(after.state, KeyState::Done, "{tag}");
+    assert_eq!(
+        after.attempts, 2,
+        "{tag}: the second attempt of the same row"
+    );
+    assert_eq!(db.orders().await, base + 5);
 }
 
 #[cfg(feature = "sqlite")]
@@ -407,10 +535,11 @@ mod sqlite {
         assert_eq!(Sqlite(b).orders().await, 0);
         assert!(a.get(&id("k")).await.unwrap().is_none());
     }
-    /// A phase writing order `order` and then moving the lease token of its own key `key`
-    /// (the application writing idemflow's table through the phase's connection): its record
-    /// finds the phase's claim gone.
-    fn moves_its_own_token(
+    /// A phase writing order `order` and then idemflow's row of its own key `key` (the
+    /// application writing idemflow's table through the phase's connection): moving its lease
+    /// token when the key is there (its record then finds the phase's claim gone), inserting a
+    /// row of its own when it is not (the one-commit insert then finds the key taken).
+    fn writes_its_own_key(
         store: &SqliteStore,
         order: &'static str,
         key: &'static str,
@@ -421,37 +550,75 @@ mod sqlite {
                     .bind(order)
                     .execute(&mut *conn)
                     .await?;
-                sqlx::query(
+                let moved = sqlx::query(
                     "UPDATE idempotency_keys SET lease_token = lease_token + 1 \
                      WHERE scope = 'shop' AND key = ?1",
                 )
                 .bind(key)
                 .execute(&mut *conn)
                 .await?;
+                if moved.rows_affected() == 0 {
+                    sqlx::query(
+                        "INSERT INTO idempotency_keys (scope, key, operation, provider_key, \
+                         state, fingerprint, lease_token, lease_expires_at, attempts, \
+                         created_at, updated_at, retention_ms, version) \
+                         VALUES ('shop', ?1, 'x', 'x', 'processing', 'x', 1, 0, 1, 0, 0, 0, 1)",
+                    )
+                    .bind(key)
+                    .execute(&mut *conn)
+                    .await?;
+                }
                 Ok(StoredResponse::new(201))
             })
         })
     }
 
-    /// Writes that move the key's own lease token make the record find the phase's claim gone.
-    /// On SQLite the record releases the phase's savepoint in the same trip, so nothing of the
-    /// phase can be undone alone: the writer must roll the transaction back. Neither the key
-    /// nor the order may stay, and the caller gets a store error.
-    #[tokio::test]
-    async fn a_record_that_finds_its_claim_gone_keeps_nothing() {
+    /// Leaves `key` `failed{retryable}` through `execute` (nothing acted): a phase then
+    /// claims it again and finishes it with a record, as on the pooled stores.
+    async fn left_retryable(store: &Arc<SqliteStore>, key: &str, cart: &str) {
+        let r = Idempotency::new(store.clone())
+            .execute(request(key, cart), |_| async {
+                Outcome::retryable("the provider said later")
+            })
+            .await;
+        assert!(r.is_err(), "{r:?}");
+    }
+
+    /// What a phase whose writes wrote its own key's row must leave: the key as it was
+    /// (`before`: absent, or `failed{retryable}`), and a store error saying what happened.
+    async fn kept_nothing(store: &SqliteStore, key: &str, err: &Error, before: Option<KeyState>) {
+        let said = if before.is_some() {
+            "found its own claim gone"
+        } else {
+            "found the key written during the phase"
+        };
+        assert!(
+            err.to_string().contains(said),
+            "a store error about the key: {err}"
+        );
+        let state = store.get(&id(key)).await.unwrap().map(|r| r.state);
+        assert_eq!(state, before, "the key as it was");
+    }
+
+    /// Writes that write their own key's row: the phase keeps nothing, its caller gets a store
+    /// error, and the writer goes on. For a key that is there and claimed again, the record
+    /// finds the phase's claim gone, and it releases the phase's savepoint in the same trip,
+    /// so nothing of the phase can be undone alone: the writer must roll the transaction back.
+    /// For a new key, the one-commit insert (no `ON CONFLICT`) finds the key taken.
+    async fn writes_its_own_key_alone(reclaimed: bool) {
         let store = crate::support::sqlite::file().await;
         let db = Sqlite(store.clone());
         db.exec(ORDERS).await;
-        let phase = moves_its_own_token(&store, "o-gone", "k-gone");
+        if reclaimed {
+            left_retryable(&store, "k-gone", "c-gone").await;
+        }
+        let before = store.get(&id("k-gone")).await.unwrap().map(|r| r.state);
+        let phase = writes_its_own_key(&store, "o-gone", "k-gone");
         let err = Idempotency::new(store.clone())
             .execute_atomic(request("k-gone", "c-gone"), phase)
             .await
             .unwrap_err();
-        assert!(
-            err.to_string().contains("found its own claim gone"),
-            "a store error about the claim: {err}"
-        );
-        assert!(store.get(&id("k-gone")).await.unwrap().is_none());
+        kept_nothing(&store, "k-gone", &err, before).await;
         assert_eq!(db.orders().await, 0, "the phase's order was kept");
         // The writer goes on.
         let done = Idempotency::new(store.clone())
@@ -465,21 +632,39 @@ mod sqlite {
         assert_eq!(db.orders().await, 1);
     }
 
+    #[tokio::test]
+    async fn a_record_that_finds_its_claim_gone_keeps_nothing() {
+        writes_its_own_key_alone(true).await;
+    }
+
+    #[tokio::test]
+    async fn a_new_key_written_by_its_own_writes_keeps_nothing() {
+        writes_its_own_key_alone(false).await;
+    }
+
     /// The same inside a batch: the writer is held while three phases queue, so they run in
-    /// one transaction in the order sent, the one whose record finds its claim gone in the
+    /// one transaction in the order sent, the one whose writes write its own key in the
     /// middle (a phase of the batch runs after it) or last (the batch's `COMMIT` follows it).
     /// The error is that phase's alone: it gets it and keeps nothing, the batch is rolled back,
     /// and the other two run again and commit.
-    async fn a_record_in_a_batch_that_finds_its_claim_gone(gone_at: usize) {
+    async fn writes_its_own_key_in_a_batch(gone_at: usize, reclaimed: bool) {
         let store = crate::support::sqlite::file().await;
         let db = Sqlite(store.clone());
         db.exec(ORDERS).await;
-        let (gate, held) = crate::sqlite::group_commit::hold_writer(&store).await;
         let keys = ["k-0", "k-1", "k-2"];
+        if reclaimed {
+            left_retryable(&store, keys[gone_at], keys[gone_at]).await;
+        }
+        let before_state = store
+            .get(&id(keys[gone_at]))
+            .await
+            .unwrap()
+            .map(|r| r.state);
+        let (gate, held) = crate::sqlite::group_commit::hold_writer(&store).await;
         let mut calls = Vec::new();
         for (i, key) in keys.into_iter().enumerate() {
             let phase: Box<dyn AtomicPhase> = if i == gone_at {
-                Box::new(moves_its_own_token(&store, "o-gone", key))
+                Box::new(writes_its_own_key(&store, "o-gone", key))
             } else {
                 db.phase(&format!("o-{i}"), &format!("c-{i}"), Then::Answer)
             };
@@ -495,12 +680,7 @@ mod sqlite {
         for (i, call) in calls.into_iter().enumerate() {
             let r = call.await.unwrap();
             if i == gone_at {
-                let err = r.unwrap_err();
-                assert!(
-                    err.to_string().contains("found its own claim gone"),
-                    "phase {i}: {err}"
-                );
-                assert!(store.get(&id(keys[i])).await.unwrap().is_none());
+                kept_nothing(&store, keys[i], &r.unwrap_err(), before_state).await;
             } else {
                 assert!(matches!(r, Ok(Execution::Executed(_))), "phase {i}: {r:?}");
             }
@@ -515,12 +695,17 @@ mod sqlite {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_record_in_the_middle_of_a_batch_that_finds_its_claim_gone_fails_only_its_own() {
-        a_record_in_a_batch_that_finds_its_claim_gone(1).await;
+        writes_its_own_key_in_a_batch(1, true).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_record_last_in_a_batch_that_finds_its_claim_gone_fails_only_its_own() {
-        a_record_in_a_batch_that_finds_its_claim_gone(2).await;
+        writes_its_own_key_in_a_batch(2, true).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_key_written_by_its_own_writes_in_a_batch_fails_only_its_own() {
+        writes_its_own_key_in_a_batch(1, false).await;
     }
 }
 

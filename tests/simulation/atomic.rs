@@ -2,7 +2,9 @@
 //! `Context::atomic_step`, or a key run with `Idempotency::execute_atomic`, whose writes are the
 //! application's row in `sim_orders`. Faults on every backend: a trigger that refuses the row
 //! (its error returned, or swallowed by the application; on PostgreSQL the swallowed error has
-//! aborted the transaction), a panicking writes closure. On SQLite (`docs/reliability.md`,
+//! aborted the transaction), a panicking writes closure, the application's refusal (`Refusal`:
+//! its row undone, its answer kept). On SQLite also a trigger's `RAISE(ABORT)`, which fails the
+//! statement and leaves the transaction open. On SQLite (`docs/reliability.md`,
 //! "Atomic phases on SQLite"): a second connection (another process) holding or taking the write
 //! lock during the phase (`SQLITE_BUSY`, `SQLITE_BUSY_SNAPSHOT`; file databases only), and a
 //! phase sharing its writer batch with other callers' writes (`sim_notes`). On PostgreSQL and
@@ -15,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idemflow::store::NewClaim;
-use idemflow::store::phase::{AtomicPhase, OneCommit, PhaseError, Prepare, StoreId};
+use idemflow::store::phase::{AtomicPhase, OneCommit, PhaseError, Prepare, Refusal, StoreId};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{KeyId, Store, StoredResponse, async_trait};
 use sqlx::SqlitePool;
@@ -29,6 +31,8 @@ pub const SQLITE_SCHEMA: &[&str] = &[
      PRIMARY KEY (step, token))",
     "CREATE TRIGGER sim_orders_refused BEFORE INSERT ON sim_orders WHEN NEW.step LIKE 'boom%' \
      BEGIN SELECT RAISE(ROLLBACK, 'order refused by a trigger'); END",
+    "CREATE TRIGGER sim_orders_aborted BEFORE INSERT ON sim_orders WHEN NEW.step LIKE 'abort%' \
+     BEGIN SELECT RAISE(ABORT, 'order refused by a constraint'); END",
     "CREATE TABLE sim_notes (id TEXT PRIMARY KEY)",
     "CREATE TABLE sim_other (id INTEGER PRIMARY KEY AUTOINCREMENT, at TEXT)",
 ];
@@ -159,6 +163,13 @@ pub enum Fault {
     /// the key's record and the commit: the phase ends with a store error, nothing committed
     /// (PostgreSQL, MariaDB/MySQL).
     KillLate,
+    /// The application refuses after writing its row (`Refusal`, a 409 naming the writes'
+    /// token): the row is undone, the key stores the refusal.
+    Refuse,
+    /// A row refused by a `RAISE(ABORT)` trigger (a statement error that leaves the
+    /// transaction open, as a constraint's), its error returned: everything rolled back
+    /// (SQLite; on PostgreSQL and MariaDB/MySQL [`Fault::Trigger`] is that already).
+    Abort,
 }
 
 /// What a phase's caller was told.
@@ -176,12 +187,16 @@ pub struct Told {
 pub struct AtomicSim {
     pub db: Db,
     pub rng: Mutex<Rng>,
+    /// The draws of the faults added after the others (`Fault::Refuse`, `Fault::Abort`): a
+    /// stream of their own, so the other draws, and the regression seeds' schedules up to the
+    /// first such fault, are as before.
+    more: Mutex<Rng>,
     pub shared: SharedRef,
     /// Every phase's answer to its caller.
     pub told: Mutex<Vec<Told>>,
     /// Every batched other caller's write: note id and whether it was told it committed.
     pub notes: Mutex<Vec<(String, bool)>>,
-    /// (step label, token) of the phases that wrote no app row (read-only runs).
+    /// (step label, token) of the phases that kept no app row (read-only runs, refusals).
     pub read_only: Mutex<std::collections::BTreeSet<(String, i64)>>,
     /// Writes still running (batched notes): awaited at quiescence.
     pub pending: Mutex<Vec<tokio::task::JoinHandle<()>>>,
@@ -189,13 +204,16 @@ pub struct AtomicSim {
     /// error its caller may get: [`Fault::KillLate`]).
     late_kills: Mutex<std::collections::BTreeSet<String>>,
     next_note: std::sync::atomic::AtomicU64,
+    next_token: std::sync::atomic::AtomicU64,
 }
 
 impl AtomicSim {
     pub fn new(db: Db, rng: Rng, shared: SharedRef) -> Self {
+        let more = Rng::new(rng.clone().next_u64() ^ 0x0A7E_5EED);
         Self {
             db,
             rng: Mutex::new(rng),
+            more: Mutex::new(more),
             shared,
             told: Mutex::default(),
             notes: Mutex::default(),
@@ -203,7 +221,16 @@ impl AtomicSim {
             pending: Mutex::default(),
             late_kills: Mutex::default(),
             next_note: Default::default(),
+            next_token: Default::default(),
         }
+    }
+
+    /// A new token for a run of a phase's writes ([`TokenOf`]).
+    fn next_token(&self) -> i64 {
+        self.next_token
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .cast_signed()
+            + 1
     }
 
     /// The phase for the step `label` (faults drawn when it commits).
@@ -257,7 +284,13 @@ impl AtomicSim {
             Fault::KillLate,
         ][rng.weighted(&w)];
         let read_only = matches!(fault, Fault::HoldLock | Fault::Snapshot) && rng.chance(500);
-        (fault, rng.chance(350) && sqlite, read_only)
+        let batched = rng.chance(350) && sqlite;
+        let fault = match (fault, self.more.lock().unwrap().range(0, 9)) {
+            (Fault::None, 0..=2) => Fault::Refuse,
+            (Fault::None, 3 | 4) if sqlite => Fault::Abort,
+            (fault, _) => fault,
+        };
+        (fault, batched, read_only)
     }
 
     /// Waits for every batched write still running.
@@ -280,13 +313,12 @@ pub struct SimPhase {
 
 type Ack = tokio::sync::oneshot::Sender<()>;
 
-/// Where a phase's writes get the token of their key's lease (the app row carries it): the
-/// key is claimed inside the phase's own transaction, so from its row there (the writes may run
-/// more than once, after a batch is rolled back: the last run's token is kept).
+/// The token of a phase's writes: drawn anew by each run (on SQLite the writes may run more
+/// than once, after a batch is rolled back: the last run's is kept), carried by the app row
+/// and by the answer the key stores, which ties the row to the key's answer. (Not the key's
+/// lease token: on SQLite a new key's row is written after the writes, `docs/one-commit.md`.)
 #[derive(Clone)]
 struct TokenOf {
-    scope: String,
-    key: String,
     seen: Arc<Mutex<Option<i64>>>,
 }
 
@@ -308,8 +340,6 @@ impl Guard {
 
 /// The statements of a phase's writes, per backend.
 struct Sql {
-    /// The key's lease token, read inside the phase (the app row carries it).
-    token: &'static str,
     /// A read of the app's table (the phase's first read: its snapshot on SQLite).
     count: &'static str,
     /// The app row.
@@ -319,7 +349,6 @@ struct Sql {
 }
 
 const SQLITE_SQL: Sql = Sql {
-    token: "SELECT lease_token FROM idempotency_keys WHERE scope = ? AND key = ?",
     count: "SELECT count(*) FROM sim_orders",
     insert: "INSERT INTO sim_orders (step, token) VALUES (?, ?)",
     pid: "SELECT 0",
@@ -327,7 +356,6 @@ const SQLITE_SQL: Sql = Sql {
 
 #[cfg(feature = "postgres")]
 const PG_SQL: Sql = Sql {
-    token: "SELECT lease_token FROM idempotency_keys WHERE scope = $1 AND key = $2",
     count: "SELECT count(*) FROM sim_orders",
     insert: "INSERT INTO sim_orders (step, token) VALUES ($1, $2)",
     pid: "SELECT pg_backend_pid()::bigint",
@@ -335,7 +363,6 @@ const PG_SQL: Sql = Sql {
 
 #[cfg(feature = "mysql")]
 const MYSQL_SQL: Sql = Sql {
-    token: "SELECT lease_token FROM idempotency_keys WHERE scope = ? AND `key` = ?",
     count: "SELECT count(*) FROM sim_orders",
     insert: "INSERT INTO sim_orders (step, token) VALUES (?, ?)",
     pid: "SELECT CAST(CONNECTION_ID() AS SIGNED)",
@@ -412,11 +439,7 @@ macro_rules! writes {
     ($conn:ident, $sql:expr, $w:ident) => {{
         let w = $w;
         let sql: &Sql = &$sql;
-        let tok: i64 = sqlx::query_scalar(sql.token)
-            .bind(&w.token.scope)
-            .bind(&w.token.key)
-            .fetch_one(&mut *$conn)
-            .await?;
+        let tok = w.sim.next_token();
         *w.token.seen.lock().unwrap() = Some(tok);
         if w.read_only {
             w.sim
@@ -443,7 +466,14 @@ macro_rules! writes {
                     refused?;
                 }
             }
-            Fault::None | Fault::Panic | Fault::KillLate => {}
+            Fault::Abort => {
+                sqlx::query(sql.insert)
+                    .bind(format!("abort/{}", w.row_label))
+                    .bind(tok)
+                    .execute(&mut *$conn)
+                    .await?;
+            }
+            Fault::None | Fault::Panic | Fault::KillLate | Fault::Refuse => {}
         }
         if w.read_only {
             return Ok(StoredResponse::json(
@@ -462,6 +492,19 @@ macro_rules! writes {
         if w.fault == Fault::KillLate {
             let pid: i64 = sqlx::query_scalar(sql.pid).fetch_one(&mut *$conn).await?;
             w.kill(pid).await;
+        }
+        if w.fault == Fault::Refuse {
+            // The row is undone: the key's answer names a token with no row.
+            w.sim
+                .read_only
+                .lock()
+                .unwrap()
+                .insert((w.row_label.clone(), tok));
+            return Err(Refusal::new(StoredResponse::json(
+                409,
+                &serde_json::json!({"order": w.row_label, "token": tok, "refused": true}),
+            )?)
+            .into());
         }
         Ok(StoredResponse::json(
             201,
@@ -590,11 +633,7 @@ impl AtomicPhase for SimPhase {
     ) -> Result<OneCommit, PhaseError> {
         park("phase.one_commit", "before", &self.label).await;
         let seen = Arc::new(Mutex::new(None));
-        let (inner, guard) = self.build(TokenOf {
-            scope: claim.id.scope.as_str().to_owned(),
-            key: claim.id.key.as_str().to_owned(),
-            seen: seen.clone(),
-        });
+        let (inner, guard) = self.build(TokenOf { seen: seen.clone() });
         let claim = claim.clone();
         let run = async move { inner.claim_and_commit(&claim, prepare).await };
         let r = if guard.batched {
@@ -714,7 +753,8 @@ async fn wait_queued(store: &SqliteStore, n: usize) {
     }
 }
 
-/// The step's state, token and app rows under that token, read in one statement (one snapshot).
+/// The step's state, the token of its stored answer ([`TokenOf`]; 0 without one) and the app
+/// rows under that token, read in one statement (one snapshot).
 pub async fn step_rows(
     pool: &AppPool,
     id: &KeyId,
@@ -723,9 +763,12 @@ pub async fn step_rows(
     match pool {
         AppPool::Sqlite(pool) => {
             sqlx::query_as(
-                "SELECT k.state, k.lease_token, (SELECT count(*) FROM sim_orders o \
-                 WHERE o.step = k.scope || '/' || k.key AND o.token = k.lease_token) \
-                 FROM idempotency_keys k WHERE k.scope = ? AND k.key = ?",
+                "SELECT state, ifnull(token, 0), (SELECT count(*) FROM sim_orders o \
+                 WHERE o.step = k.step AND o.token = k.token) \
+                 FROM (SELECT state, scope || '/' || key AS step, \
+                   CASE WHEN json_valid(CAST(response_body AS TEXT)) \
+                   THEN json_extract(CAST(response_body AS TEXT), '$.token') END AS token \
+                 FROM idempotency_keys WHERE scope = ? AND key = ?) k",
             )
             .bind(scope)
             .bind(key)
@@ -735,9 +778,12 @@ pub async fn step_rows(
         #[cfg(feature = "postgres")]
         AppPool::Postgres(pool) => {
             sqlx::query_as(
-                "SELECT k.state, k.lease_token, (SELECT count(*) FROM sim_orders o \
-                 WHERE o.step = k.scope || '/' || k.key AND o.token = k.lease_token) \
-                 FROM idempotency_keys k WHERE k.scope = $1 AND k.key = $2",
+                "SELECT state, coalesce(token, 0), (SELECT count(*) FROM sim_orders o \
+                 WHERE o.step = k.step AND o.token = k.token) \
+                 FROM (SELECT state, scope || '/' || key AS step, \
+                   substring(convert_from(response_body, 'UTF8') from '\"token\":([0-9]+)')::bigint \
+                   AS token \
+                 FROM idempotency_keys WHERE scope = $1 AND key = $2) k",
             )
             .bind(scope)
             .bind(key)
@@ -747,9 +793,11 @@ pub async fn step_rows(
         #[cfg(feature = "mysql")]
         AppPool::MySql(pool) => {
             sqlx::query_as(
-                "SELECT k.state, k.lease_token, (SELECT count(*) FROM sim_orders o \
-                 WHERE o.step = CONCAT(k.scope, '/', k.`key`) AND o.token = k.lease_token) \
-                 FROM idempotency_keys k WHERE k.scope = ? AND k.`key` = ?",
+                "SELECT state, coalesce(token, 0), (SELECT count(*) FROM sim_orders o \
+                 WHERE o.step = k.step AND o.token = k.token) \
+                 FROM (SELECT state, CONCAT(scope, '/', `key`) AS step, \
+                   CAST(JSON_VALUE(CAST(response_body AS CHAR), '$.token') AS SIGNED) AS token \
+                 FROM idempotency_keys WHERE scope = ? AND `key` = ?) k",
             )
             .bind(scope)
             .bind(key)

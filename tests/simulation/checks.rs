@@ -51,7 +51,8 @@ pub enum Check {
     EffectSettlesAtQuiescence,
     /// Stores and sweeps return no error other than a fenced-out write.
     NoStoreErrors,
-    /// The app's row of an atomic phase exists exactly when its step is `done` (its lease).
+    /// The app's row of an atomic phase exists exactly when its step is `done`: the row of the
+    /// writes whose answer the step stored.
     AtomicRowsIffDone,
     /// No caller is told success for work that did not commit, nor failure for work that did
     /// (atomic phases, and the other writes of their batches).

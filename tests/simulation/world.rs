@@ -926,7 +926,7 @@ impl World {
                         &key.label,
                         generation,
                         format!(
-                            "the step is {state} (token {token}) with {rows} app rows of its lease"
+                            "the step is {state} (token {token}) with {rows} app rows under its answer's token"
                         ),
                     );
                 }

@@ -17,9 +17,9 @@ use async_trait::async_trait;
 use sqlx::SqliteConnection;
 
 use super::writer::{BoxFut, JobAborted, job};
-use super::{SqliteStore, claim_after, claim_on, db, sql};
+use super::{SqliteStore, claim_on, db, decode_with_now, sql};
 use crate::record::{KeyRecord, LeaseToken};
-use crate::store::kit::FinishMode;
+use crate::store::kit::{FinishMode, claimable, millis};
 use crate::store::phase::{
     AtomicPhase, ONE_COMMIT_REASON, OneCommit, PhaseError, Prepare, REFUSED_REASON, StoreId,
     WritesError, WritesFuture, own_claim_gone_detail, refusal, step_record,
@@ -44,12 +44,18 @@ enum Ran {
 
 type Writes = Arc<dyn for<'c> Fn(&'c mut SqliteConnection) -> WritesFuture<'c> + Send + Sync>;
 
-/// The phase's savepoint and its claim's insert, sent together: one trip to the connection's
-/// thread (sqlx runs every statement of a query string, binding the arguments to each).
-static SAVEPOINT_AND_CLAIM: LazyLock<String> =
-    LazyLock::new(|| format!("SAVEPOINT idemflow_phase;\n{}", sql::CLAIM));
+/// The phase's savepoint and the read of its key's row, sent together: one trip to the
+/// connection's thread (sqlx runs every statement of a query string, binding the arguments to
+/// each).
+static SAVEPOINT_AND_READ: LazyLock<String> =
+    LazyLock::new(|| format!("SAVEPOINT idemflow_phase;\n{}", sql::CLAIM_READ));
 
-/// The key's answer and the savepoint's release, sent together (as [`SAVEPOINT_AND_CLAIM`]).
+/// A new key's row, written `done`, and the savepoint's release, sent together (as
+/// [`SAVEPOINT_AND_READ`]).
+static CLAIM_DONE_AND_RELEASE: LazyLock<String> =
+    LazyLock::new(|| format!("{};\nRELEASE idemflow_phase", sql::CLAIM_DONE));
+
+/// The key's answer and the savepoint's release, sent together (as [`SAVEPOINT_AND_READ`]).
 static FINISH_AND_RELEASE: LazyLock<String> =
     LazyLock::new(|| format!("{};\nRELEASE idemflow_phase", sql::FINISH));
 
@@ -141,15 +147,93 @@ impl AtomicPhase for SqlitePhase {
     }
 }
 
-/// One run of the phase: its savepoint and the claim, the application's writes, the answer's
-/// checks and the record (which releases the savepoint).
+/// One run of the phase: its savepoint and the key's row as it is (one trip), then, for a new
+/// key, the application's writes, the answer's checks and the key's row written `done` at once
+/// ([`sql::CLAIM_DONE`], which releases the savepoint). The writer holds SQLite's write lock
+/// from its `BEGIN IMMEDIATE`, so the key found absent stays absent until that insert: the row
+/// is written once, never `processing`, one statement and one index fewer per key than a claim
+/// and a record (`docs/one-commit.md`). A key that is there is answered from, or, when
+/// claimable, claimed and recorded as any other ([`run_claimed`]).
 async fn run(
     conn: &mut SqliteConnection,
     claim: &NewClaim,
     writes: &Writes,
     prepare: &Prepare,
 ) -> Result<Ran, crate::StoreError> {
-    let mut lease = match claim_after(&mut *conn, claim, SAVEPOINT_AND_CLAIM.as_str()).await? {
+    let row = sqlx::query(SAVEPOINT_AND_READ.as_str())
+        .bind(claim.id.scope.as_str())
+        .bind(claim.id.key.as_str())
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(db)?
+        .into_iter()
+        .next();
+    if let Some(row) = row {
+        let (record, now) = decode_with_now(&row)?;
+        if !claimable(claim, &record, now) {
+            return Ok(Ran::Existing(Box::new(record), now));
+        }
+        return run_claimed(conn, claim, writes, prepare).await;
+    }
+    let (answer, reason, refused) = match writes(&mut *conn).await {
+        Ok(a) => (a, ONE_COMMIT_REASON, false),
+        Err(e) => match refusal(&e) {
+            Some(a) => {
+                // Undo the writes; the key is not written yet.
+                savepoint(conn, "ROLLBACK TO idemflow_phase").await?;
+                (a, REFUSED_REASON, true)
+            }
+            None => return Ok(Ran::WritesFailed(e)),
+        },
+    };
+    let answer = match prepare(answer) {
+        Ok(a) => a,
+        Err(e) => return Ok(Ran::TooLarge(e)),
+    };
+    let finish = step_record(&answer, reason);
+    let (status, headers, body) = finish.response_columns();
+    sql_core::bind_claim(
+        sqlx::query(CLAIM_DONE_AND_RELEASE.as_str()),
+        claim,
+        millis,
+        None,
+    )
+    .bind(status)
+    .bind(headers)
+    .bind(body)
+    .bind(reason)
+    .execute(&mut *conn)
+    .await
+    .map_err(|e| match e.as_database_error() {
+        // The key was not there when the phase read it, and only this connection can write
+        // until the commit: the application's writes wrote it.
+        Some(d) if d.is_unique_violation() => crate::StoreError::database(
+            super::BACKEND,
+            format!(
+                "the one-commit insert of {} found the key written during the phase (by the \
+                 application's writes?): {d}",
+                claim.id
+            ),
+        ),
+        _ => db(e),
+    })?;
+    Ok(if refused {
+        Ran::Refusal(answer)
+    } else {
+        Ran::Committed(answer)
+    })
+}
+
+/// [`run`] for a key that is there and claimable (a retryable failure, or an expired lease of
+/// another kind of key): its claim, the application's writes, the answer's checks and the
+/// record (which releases the savepoint).
+async fn run_claimed(
+    conn: &mut SqliteConnection,
+    claim: &NewClaim,
+    writes: &Writes,
+    prepare: &Prepare,
+) -> Result<Ran, crate::StoreError> {
+    let mut lease = match claim_on(&mut *conn, claim).await? {
         ClaimOutcome::Claimed(lease) => lease,
         ClaimOutcome::Existing { record, now } => return Ok(Ran::Existing(record, now)),
     };
@@ -157,9 +241,8 @@ async fn run(
         Ok(a) => (a, ONE_COMMIT_REASON, false),
         Err(e) => match refusal(&e) {
             Some(a) => {
-                // Undo the writes and the claim (no savepoint of their own: two statements
-                // fewer on every key), then claim again; nothing else writes in between (this
-                // job holds the writer).
+                // Undo the writes and the claim (no savepoint of their own), then claim again;
+                // nothing else writes in between (this job holds the writer).
                 savepoint(conn, "ROLLBACK TO idemflow_phase").await?;
                 lease = match claim_on(&mut *conn, claim).await? {
                     ClaimOutcome::Claimed(lease) => lease,

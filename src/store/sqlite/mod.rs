@@ -387,21 +387,9 @@ async fn claim_on(
     conn: &mut SqliteConnection,
     claim: &NewClaim,
 ) -> Result<ClaimOutcome, StoreError> {
-    claim_after(conn, claim, sql::CLAIM).await
-}
-
-/// [`claim_on`] whose first insert is `first`: [`sql::CLAIM`], or it with statements before it
-/// that take no arguments, sent in the same trip to the connection's thread (an atomic phase's
-/// savepoint). The retries run the bare claim.
-async fn claim_after(
-    conn: &mut SqliteConnection,
-    claim: &NewClaim,
-    first: &'static str,
-) -> Result<ClaimOutcome, StoreError> {
-    for attempt in 0..3 {
-        let insert = if attempt == 0 { first } else { sql::CLAIM };
+    for _ in 0..3 {
         let row = write_returning(
-            sql_core::bind_claim(sqlx::query(insert), claim, millis, None),
+            sql_core::bind_claim(sqlx::query(sql::CLAIM), claim, millis, None),
             conn,
         )
         .await?;

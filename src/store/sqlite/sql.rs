@@ -144,6 +144,57 @@ pub(in crate::store) const CLAIM: &str = concat!(
        'claimed' AS last_reason, created_at"
 );
 
+/// An atomic phase's new key, claimed and finished `done` in one insert after the application's
+/// writes (`atomic.rs`): the row [`CLAIM`] writes, then [`FINISH`] by its holder, with both
+/// history entries, written once. Run only by the writer, inside its `BEGIN IMMEDIATE`, after a
+/// read found no row: the write lock keeps the key absent until this insert, and the primary
+/// key would refuse a second row all the same (no `ON CONFLICT`).
+///
+/// Bound as [`CLAIM`] (`?8` the owner, `?9` the lease and `?11` unused: the key is never
+/// held), then `?13` status, `?14` headers, `?15` body, `?16` the reason.
+pub(super) const CLAIM_DONE: &str = concat!(
+    "INSERT INTO idempotency_keys (scope, key, operation, provider, provider_key, state, \
+       retryable, fingerprint, request, response_status, response_headers, response_body, \
+       lease_token, attempts, created_at, updated_at, expires_at, retention_ms, version, \
+       history, last_attempt_at, may_have_acted) \
+     SELECT ?1, ?2, ?3, ?4, CASE WHEN ?12 IS NOT NULL AND s.seq > 1 THEN ?12 || ",
+    renewed!("s.seq"),
+    " ELSE ?5 END, 'done', 0, ?6, ?7, ?13, ?14, ?15, ",
+    now_us!(),
+    ", 1, ",
+    now!(),
+    ", ",
+    now!(),
+    ", ",
+    now!(),
+    " + ?10, ?10, s.seq + 1, ",
+    entry!(
+        "s.seq",
+        "NULL",
+        "NULL",
+        "'processing'",
+        "'0'",
+        now_us!(),
+        "'worker'",
+        "'claimed'"
+    ),
+    " || char(10) || ",
+    entry!(
+        "s.seq + 1",
+        "'processing'",
+        "'0'",
+        "'done'",
+        "'0'",
+        now_us!(),
+        "'worker'",
+        "?16"
+    ),
+    ", ",
+    now!(),
+    ", 0 FROM (SELECT COALESCE((SELECT last_seq FROM idempotency_key_tombstones \
+       WHERE scope = ?1 AND key = ?2), 0) + 1 AS seq) s"
+);
+
 /// The reason a reclaim records (`?13`: the state the store read).
 macro_rules! reclaim_reason {
     () => {
