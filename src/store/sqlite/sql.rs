@@ -104,6 +104,43 @@ macro_rules! renewed {
     };
 }
 
+/// A new row's life number, `s.seq`: one after the last of its key's purged lives (the
+/// tombstone), or 1 (`?1` scope, `?2` key).
+macro_rules! new_seq {
+    () => {
+        "(SELECT COALESCE((SELECT last_seq FROM idempotency_key_tombstones \
+         WHERE scope = ?1 AND key = ?2), 0) + 1 AS seq) s"
+    };
+}
+
+/// A new row's provider key: `?5`, or, for a key re-created after its purge (`s.seq > 1`) with a
+/// renewable key (`?12` its base), the base and the life number.
+macro_rules! new_provider_key {
+    () => {
+        concat!(
+            "CASE WHEN ?12 IS NOT NULL AND s.seq > 1 THEN ?12 || ",
+            renewed!("s.seq"),
+            " ELSE ?5 END"
+        )
+    };
+}
+
+/// A new row's first history entry: claimed by the worker under the first token.
+macro_rules! claimed_entry {
+    () => {
+        entry!(
+            "s.seq",
+            "NULL",
+            "NULL",
+            "'processing'",
+            "'0'",
+            now_us!(),
+            "'worker'",
+            "'claimed'"
+        )
+    };
+}
+
 /// Claim a new key: `INSERT .. ON CONFLICT DO NOTHING`, with its first history entry, numbered
 /// after any purged life's in the tombstone. A present key is not written (no row returned):
 /// the store reads it, and runs [`RECLAIM`] when it is claimable.
@@ -113,9 +150,9 @@ pub(in crate::store) const CLAIM: &str = concat!(
     "INSERT INTO idempotency_keys (scope, key, operation, provider, provider_key, state, \
        retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts, \
        created_at, updated_at, retention_ms, version, history, last_attempt_at, may_have_acted) \
-     SELECT ?1, ?2, ?3, ?4, CASE WHEN ?12 IS NOT NULL AND s.seq > 1 THEN ?12 || ",
-    renewed!("s.seq"),
-    " ELSE ?5 END, \
+     SELECT ?1, ?2, ?3, ?4, ",
+    new_provider_key!(),
+    ", \
        'processing', 0, ?6, ?7, ",
     now_us!(),
     ", ?8, ",
@@ -125,20 +162,12 @@ pub(in crate::store) const CLAIM: &str = concat!(
     ", ",
     now!(),
     ", ?10, s.seq, ",
-    entry!(
-        "s.seq",
-        "NULL",
-        "NULL",
-        "'processing'",
-        "'0'",
-        now_us!(),
-        "'worker'",
-        "'claimed'"
-    ),
+    claimed_entry!(),
     ", ",
     now!(),
-    ", 0 FROM (SELECT COALESCE((SELECT last_seq FROM idempotency_key_tombstones \
-       WHERE scope = ?1 AND key = ?2), 0) + 1 AS seq) s WHERE true \
+    ", 0 FROM ",
+    new_seq!(),
+    " WHERE true \
      ON CONFLICT (scope, key) DO NOTHING \
      RETURNING lease_token, lease_expires_at, attempts, provider_key, may_have_acted, \
        'claimed' AS last_reason, created_at"
@@ -157,9 +186,9 @@ pub(super) const CLAIM_DONE: &str = concat!(
        retryable, fingerprint, request, response_status, response_headers, response_body, \
        lease_token, attempts, created_at, updated_at, expires_at, retention_ms, version, \
        history, last_attempt_at, may_have_acted) \
-     SELECT ?1, ?2, ?3, ?4, CASE WHEN ?12 IS NOT NULL AND s.seq > 1 THEN ?12 || ",
-    renewed!("s.seq"),
-    " ELSE ?5 END, 'done', 0, ?6, ?7, ?13, ?14, ?15, ",
+     SELECT ?1, ?2, ?3, ?4, ",
+    new_provider_key!(),
+    ", 'done', 0, ?6, ?7, ?13, ?14, ?15, ",
     now_us!(),
     ", 1, ",
     now!(),
@@ -168,16 +197,7 @@ pub(super) const CLAIM_DONE: &str = concat!(
     ", ",
     now!(),
     " + ?10, ?10, s.seq + 1, ",
-    entry!(
-        "s.seq",
-        "NULL",
-        "NULL",
-        "'processing'",
-        "'0'",
-        now_us!(),
-        "'worker'",
-        "'claimed'"
-    ),
+    claimed_entry!(),
     " || char(10) || ",
     entry!(
         "s.seq + 1",
@@ -191,8 +211,8 @@ pub(super) const CLAIM_DONE: &str = concat!(
     ),
     ", ",
     now!(),
-    ", 0 FROM (SELECT COALESCE((SELECT last_seq FROM idempotency_key_tombstones \
-       WHERE scope = ?1 AND key = ?2), 0) + 1 AS seq) s"
+    ", 0 FROM ",
+    new_seq!()
 );
 
 /// The reason a reclaim records (`?13`: the state the store read).
