@@ -156,15 +156,16 @@ pub struct Finish {
 impl Finish {
     /// The stored response as column values: status, headers (a JSON array of pairs), body.
     pub fn response_columns(&self) -> (Option<i32>, Option<String>, Option<&[u8]>) {
-        match &self.response {
-            Some(r) => (
-                Some(i32::from(r.status())),
-                Some(r.headers_json()),
-                Some(r.body()),
-            ),
+        match self.response.as_ref().map(response_columns) {
+            Some((status, headers, body)) => (Some(status), Some(headers), Some(body)),
             None => (None, None, None),
         }
     }
+}
+
+/// A response as the columns that store it: status, headers (a JSON array of pairs), body.
+pub(crate) fn response_columns(r: &StoredResponse) -> (i32, String, &[u8]) {
+    (i32::from(r.status()), r.headers_json(), r.body())
 }
 
 /// Giving a lease back while the key stays processing (outcome unknown, or a deferred check).

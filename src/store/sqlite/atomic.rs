@@ -190,8 +190,7 @@ async fn run(
         Ok(a) => a,
         Err(e) => return Ok(Ran::TooLarge(e)),
     };
-    let finish = step_record(&answer, reason);
-    let (status, headers, body) = finish.response_columns();
+    let (status, headers, body) = crate::store::response_columns(&answer);
     sql_core::bind_claim(
         sqlx::query(CLAIM_DONE_AND_RELEASE.as_str()),
         claim,
