@@ -5,7 +5,8 @@
 //! 1 and 64 callers; each new key writes one order row. Run with
 //! `cargo bench --bench one_commit` (`IDEMFLOW_BENCH_N`, default 2,000 keys per measurement;
 //! `IDEMFLOW_BENCH_ONLY=ours` or `floor` runs one side alone, to profile it;
-//! `IDEMFLOW_BENCH_KEEP=1` keeps the databases).
+//! `IDEMFLOW_BENCH_KEEP=1` keeps the databases; `IDEMFLOW_BENCH_CALLERS=1` or `64` measures
+//! one count of callers alone).
 //! Issue 23's targets: >= 0.9x the floor with 1 caller, >= 4x with 64 (group commit).
 //!
 //! With `IDEMFLOW_BENCH_POSTGRES_URL` set (and feature `postgres`), the same on PostgreSQL, in a
@@ -250,6 +251,17 @@ fn runtime(conc: usize) -> tokio::runtime::Runtime {
     }
 }
 
+/// The caller counts to measure: `IDEMFLOW_BENCH_CALLERS=1` (or `64`) measures one alone.
+fn callers() -> Vec<usize> {
+    match std::env::var("IDEMFLOW_BENCH_CALLERS") {
+        Ok(c) => vec![
+            c.parse()
+                .expect("IDEMFLOW_BENCH_CALLERS: a number of callers"),
+        ],
+        Err(_) => vec![1, 64],
+    }
+}
+
 fn main() {
     let n: usize = std::env::var("IDEMFLOW_BENCH_N")
         .ok()
@@ -265,7 +277,7 @@ fn main() {
         dir.path().to_owned()
     };
     println!("one commit for local work: SQLite WAL, synchronous=FULL, N = {n} new keys each");
-    for conc in [1usize, 64] {
+    for conc in callers() {
         runtime(conc).block_on(async {
             let path = dir.join(format!("ours-{conc}.db"));
             let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
@@ -333,7 +345,7 @@ mod pg {
                 .await
                 .unwrap();
         });
-        for conc in [1usize, 64] {
+        for conc in callers() {
             runtime(conc).block_on(async {
                 let sep = if url.contains('?') { '&' } else { '?' };
                 let store = PostgresStore::connect_with(
