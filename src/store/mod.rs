@@ -377,7 +377,8 @@ pub(crate) fn assert_claim_reasons(statement: &str) {
         "1970-01-01 00:00:00",
         // Renewed provider keys: the life number's format and padding.
         "%08x",
-        // History entries: separators, flags, escapes.
+        // History entries: SQLite's format, separators, flags, escapes.
+        "%s|%s|%s|%s|%s|%s|%s|%s|%s%s",
         "",
         "|",
         "0",

@@ -48,29 +48,34 @@ pub(super) const CLAIM_READ: &str = concat!(
 /// from state, from retryable, to state, to retryable, token, actor, reason (`NULL` fields are
 /// written empty). The reason is cut to 512 characters, then its `\` and line feeds are escaped,
 /// so an entry never holds a line feed.
+///
+/// One `printf` call, not a chain of `||`: each `||` allocates and copies a new string; in
+/// SQLite 3.40 a chain of 18 took 2.3 us where `printf` takes 0.9 us (`docs/performance.md`,
+/// "The VM's idle policy, and the key's work counted in instructions"). `%s` writes a `NULL` as
+/// the empty string, as `ifnull(.., '')` did; the seq, the clock and the actor are never `NULL`.
 macro_rules! entry {
     ($seq:expr, $from:expr, $from_rt:expr, $to:expr, $to_rt:expr, $tok:expr, $actor:expr,
      $reason:expr) => {
         concat!(
-            "((",
+            "printf('%s|%s|%s|%s|%s|%s|%s|%s|%s%s', ",
             $seq,
-            ") || '|' || ifnull(",
+            ", ",
             $from,
-            ", '') || '|' || ifnull(",
+            ", ",
             $from_rt,
-            ", '') || '|' || ifnull(",
+            ", ",
             $to,
-            ", '') || '|' || ifnull(",
+            ", ",
             $to_rt,
-            ", '') || '|' || ifnull(",
+            ", ",
             $tok,
-            ", '') || '|' || ",
+            ", ",
             now!(),
-            " || '|' || length(",
+            ", length(",
             $actor,
-            ") || '|' || ",
+            "), ",
             $actor,
-            " || ifnull('|' || replace(replace(substr(",
+            ", ifnull('|' || replace(replace(substr(",
             $reason,
             ", 1, 512), '\\', '\\\\'), char(10), '\\n'), ''))"
         )
