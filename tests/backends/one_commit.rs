@@ -707,6 +707,207 @@ mod sqlite {
     async fn a_new_key_written_by_its_own_writes_in_a_batch_fails_only_its_own() {
         writes_its_own_key_in_a_batch(1, false).await;
     }
+
+    /// The application's tables for a `COMMIT` that fails: `lines` points at `carts` with a
+    /// deferred foreign key, checked only at the commit.
+    async fn deferred_lines(db: &Sqlite) {
+        db.exec("CREATE TABLE carts (id TEXT PRIMARY KEY)").await;
+        db.exec(
+            "CREATE TABLE lines (id TEXT PRIMARY KEY, cart TEXT REFERENCES carts (id) \
+             DEFERRABLE INITIALLY DEFERRED)",
+        )
+        .await;
+    }
+
+    /// A phase whose row breaks [`deferred_lines`]' foreign key: accepted until the commit.
+    fn breaks_the_commit(store: &SqliteStore) -> impl AtomicPhase + 'static {
+        store.atomic_phase(|conn: &mut SqliteConnection| -> WritesFuture<'_> {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO lines (id, cart) VALUES ('l-1', 'no-such-cart')")
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(StoredResponse::new(201))
+            })
+        })
+    }
+
+    /// The error and its sources, as one line.
+    fn chain(err: &Error) -> String {
+        std::iter::successors(Some(err as &dyn std::error::Error), |e| e.source())
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join(": ")
+    }
+
+    /// Nothing of the failed commit is there: no key in `keys`, no line.
+    async fn nothing_of(store: &SqliteStore, keys: &[&str]) {
+        for key in keys {
+            assert!(
+                store.get(&id(key)).await.unwrap().is_none(),
+                "{key} was kept"
+            );
+        }
+        let (lines,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM lines")
+            .fetch_one(store.writer_pool())
+            .await
+            .unwrap();
+        assert_eq!(lines, 0, "the application's row was kept");
+    }
+
+    /// A phase last in its batch ends its last statement with the batch's `COMMIT` (alone, it
+    /// also sent the `BEGIN IMMEDIATE` with its first: `writer.rs`, "Trips"). That `COMMIT`
+    /// failing (a deferred foreign key the application's row breaks): the caller gets the
+    /// batch's store error (it may have committed, as after any failed `COMMIT`), nothing is
+    /// kept (the writer rolls back the transaction, which SQLite leaves open after such a
+    /// failure), and the writer goes on, committing nothing of it later.
+    #[tokio::test]
+    async fn a_lone_phase_whose_commit_fails_keeps_nothing() {
+        let store = crate::support::sqlite::file().await;
+        let db = Sqlite(store.clone());
+        db.exec(ORDERS).await;
+        deferred_lines(&db).await;
+        let idem = Idempotency::new(store.clone());
+        let err = idem
+            .execute_atomic(request("k-fk", "c-fk"), breaks_the_commit(&store))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Store(_)), "{err:?}");
+        let said = chain(&err);
+        assert!(
+            said.contains("the batch of writes") && said.contains("FOREIGN KEY"),
+            "the batch's error, the commit's: {said}"
+        );
+        nothing_of(&store, &["k-fk"]).await;
+        let done = idem
+            .execute_atomic(
+                request("k-next", "c-next"),
+                db.phase("o-next", "c-next", Then::Answer),
+            )
+            .await
+            .unwrap();
+        assert!(matches!(done, Execution::Executed(_)), "{done:?}");
+        assert_eq!(db.orders().await, 1);
+        nothing_of(&store, &["k-fk"]).await;
+    }
+
+    /// The same last in a batch of two phases: both callers get the batch's error (the first
+    /// phase's work was in the transaction that did not commit), nothing of either is kept, and
+    /// the writer goes on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_whose_last_phase_fails_its_commit_keeps_nothing() {
+        let store = crate::support::sqlite::file().await;
+        let db = Sqlite(store.clone());
+        db.exec(ORDERS).await;
+        deferred_lines(&db).await;
+        let (gate, held) = crate::sqlite::group_commit::hold_writer(&store).await;
+        let phases: Vec<(&str, Box<dyn AtomicPhase>)> = vec![
+            ("k-a", db.phase("o-a", "c-a", Then::Answer)),
+            ("k-fk", Box::new(breaks_the_commit(&store))),
+        ];
+        let mut calls = Vec::new();
+        for (i, (key, phase)) in phases.into_iter().enumerate() {
+            let idem = Idempotency::new(store.clone());
+            calls.push(tokio::spawn(async move {
+                idem.execute_atomic(request(key, key), phase).await
+            }));
+            crate::sqlite::group_commit::wait_queued(&store, i + 1).await;
+        }
+        let before = store.writer_stats();
+        gate.notify_one();
+        held.await.unwrap();
+        for call in calls {
+            let err = call.await.unwrap().unwrap_err();
+            assert!(matches!(err, Error::Store(_)), "{err:?}");
+            let said = chain(&err);
+            assert!(
+                said.contains("the batch of writes") && said.contains("FOREIGN KEY"),
+                "the batch's error, the commit's: {said}"
+            );
+        }
+        let after = store.writer_stats();
+        assert_eq!(
+            (after.commits, after.writes),
+            (before.commits + 1, before.writes + 1),
+            "the holding job's commit alone: {before:?} -> {after:?}"
+        );
+        nothing_of(&store, &["k-a", "k-fk"]).await;
+        assert_eq!(db.orders().await, 0, "the first phase's order was kept");
+        let done = Idempotency::new(store.clone())
+            .execute_atomic(request("k-a", "k-a"), db.phase("o-a", "c-a", Then::Answer))
+            .await
+            .unwrap();
+        assert!(matches!(done, Execution::Executed(_)), "{done:?}");
+        assert_eq!(db.orders().await, 1);
+        nothing_of(&store, &["k-fk"]).await;
+    }
+
+    /// A phase first in its batch sends the batch's `BEGIN IMMEDIATE` with its first statement.
+    /// That `BEGIN` failing (another process holds the write lock past the busy timeout):
+    /// the caller gets a store error, nothing ran or was kept, and a retry once the lock is
+    /// free runs the writes once.
+    #[tokio::test]
+    async fn a_phase_whose_begin_fails_keeps_nothing() {
+        use idemflow::store::sqlite::SqliteConfig;
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}?mode=rwc", dir.path().join("t.db").display());
+        let store = Arc::new(
+            SqliteStore::connect_with(
+                SqliteConfig::new(url.clone()).busy_timeout(Duration::from_millis(100)),
+            )
+            .await
+            .unwrap(),
+        );
+        store.migrate().await.unwrap();
+        let db = Sqlite(store.clone());
+        db.exec(ORDERS).await;
+        // Another process's connection, holding the write lock.
+        let mut other = <sqlx::SqliteConnection as sqlx::Connection>::connect(&url)
+            .await
+            .unwrap();
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut other)
+            .await
+            .unwrap();
+        let ran = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let phase = |ran: Arc<std::sync::atomic::AtomicUsize>| {
+            store.atomic_phase(move |conn: &mut SqliteConnection| -> WritesFuture<'_> {
+                let ran = ran.clone();
+                Box::pin(async move {
+                    ran.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    sqlx::query("INSERT INTO orders (id, cart) VALUES ('o-b', 'c-b')")
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(StoredResponse::new(201))
+                })
+            })
+        };
+        let idem = Idempotency::new(store.clone());
+        let err = idem
+            .execute_atomic(request("k-b", "c-b"), phase(ran.clone()))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Store(_)), "{err:?}");
+        let said = chain(&err);
+        assert!(
+            said.contains("the batch of writes") && said.contains("locked"),
+            "the batch's error, SQLite's busy: {said}"
+        );
+        assert_eq!(
+            ran.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "the writes ran"
+        );
+        sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+        assert!(store.get(&id("k-b")).await.unwrap().is_none());
+        assert_eq!(db.orders().await, 0);
+        let done = idem
+            .execute_atomic(request("k-b", "c-b"), phase(ran.clone()))
+            .await
+            .unwrap();
+        assert!(matches!(done, Execution::Executed(_)), "{done:?}");
+        assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(db.orders().await, 1);
+    }
 }
 
 #[cfg(feature = "postgres")]

@@ -191,6 +191,9 @@ pub struct AtomicSim {
     /// stream of their own, so the other draws, and the regression seeds' schedules up to the
     /// first such fault, are as before.
     more: Mutex<Rng>,
+    /// Where a batched phase stands in its batch (how many of the others' writes come before
+    /// it): a stream of its own too.
+    order: Mutex<Rng>,
     pub shared: SharedRef,
     /// Every phase's answer to its caller.
     pub told: Mutex<Vec<Told>>,
@@ -210,10 +213,12 @@ pub struct AtomicSim {
 impl AtomicSim {
     pub fn new(db: Db, rng: Rng, shared: SharedRef) -> Self {
         let more = Rng::new(rng.clone().next_u64() ^ 0x0A7E_5EED);
+        let order = Rng::new(rng.clone().next_u64() ^ 0x0BA7_C4ED);
         Self {
             db,
             rng: Mutex::new(rng),
             more: Mutex::new(more),
+            order: Mutex::new(order),
             shared,
             told: Mutex::default(),
             notes: Mutex::default(),
@@ -324,7 +329,8 @@ struct TokenOf {
 
 /// What a phase leaves to do once it has answered: let the other process go.
 struct Guard {
-    batched: bool,
+    /// Batched, after this many of the others' writes.
+    batched: Option<usize>,
     release_tx: tokio::sync::oneshot::Sender<()>,
     holder: Option<tokio::task::JoinHandle<()>>,
 }
@@ -518,6 +524,13 @@ impl SimPhase {
     fn build(&self, token: TokenOf) -> (Box<dyn AtomicPhase>, Guard) {
         let (sim, label) = (self.sim.clone(), self.label.clone());
         let (fault, batched, read_only) = sim.draw();
+        // Batched: first in its batch (it sends the `BEGIN`), in the middle, or last (it sends
+        // the `COMMIT`; `writer.rs`, "Trips").
+        let before = if batched {
+            sim.order.lock().unwrap().range(0, NOTES as u64) as usize
+        } else {
+            0
+        };
         if fault == Fault::KillLate {
             sim.late_kills.lock().unwrap().insert(label.clone());
         }
@@ -525,9 +538,9 @@ impl SimPhase {
             "    phase of {label}: {fault:?}{}{}",
             if read_only { ", reads only" } else { "" },
             if batched {
-                ", batched with others' writes"
+                format!(", batched after {before} of {NOTES} others' writes")
             } else {
-                ""
+                String::new()
             }
         ));
         // The other process, for HoldLock: takes the lock when the phase says, holds it until
@@ -583,7 +596,7 @@ impl SimPhase {
         (
             inner,
             Guard {
-                batched,
+                batched: batched.then_some(before),
                 release_tx,
                 holder,
             },
@@ -636,8 +649,8 @@ impl AtomicPhase for SimPhase {
         let (inner, guard) = self.build(TokenOf { seen: seen.clone() });
         let claim = claim.clone();
         let run = async move { inner.claim_and_commit(&claim, prepare).await };
-        let r = if guard.batched {
-            batch(&self.sim, run).await
+        let r = if let Some(before) = guard.batched {
+            batch(&self.sim, run, before).await
         } else {
             run.await
         };
@@ -667,11 +680,16 @@ impl AtomicPhase for SimPhase {
     }
 }
 
-/// Runs `phase` in one writer batch with three other callers' writes: the writer is held by a
-/// job that waits until the phase and the writes are queued behind it.
+/// How many other callers' writes share a batched phase's batch.
+const NOTES: usize = 3;
+
+/// Runs `phase` in one writer batch with [`NOTES`] other callers' writes, `before` of them
+/// queued ahead of it: the writer is held by a job that waits until the phase and the writes
+/// are queued behind it.
 async fn batch<T: Send + 'static>(
     sim: &Arc<AtomicSim>,
     phase: impl std::future::Future<Output = Result<T, PhaseError>> + Send + 'static,
+    before: usize,
 ) -> Result<T, PhaseError> {
     let Some(store) = sim.db.sqlite().cloned() else {
         return phase.await;
@@ -706,17 +724,26 @@ async fn batch<T: Send + 'static>(
         return phase.await;
     }
     let base = store.writer_stats().queued;
-    let phase_task = tokio::spawn(phase);
-    wait_queued(&store, base + 1).await;
-    for _ in 0..3 {
+    let mut phase = Some(phase);
+    let mut phase_task = None;
+    for i in 0..=NOTES {
+        if i == before
+            && let Some(phase) = phase.take()
+        {
+            phase_task = Some(tokio::spawn(phase));
+            wait_queued(&store, base + i + 1).await;
+        }
+        if i == NOTES {
+            break;
+        }
         let n = sim
             .next_note
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let id = format!("note-{n}");
-        let (store, sim2) = (store.clone(), sim.clone());
+        let (note_store, sim2) = (store.clone(), sim.clone());
         let h = tokio::spawn(async move {
             let note = id.clone();
-            let r = store
+            let r = note_store
                 .write_job(move |conn| {
                     let id = note.clone();
                     Box::pin(async move {
@@ -732,10 +759,12 @@ async fn batch<T: Send + 'static>(
             sim2.notes.lock().unwrap().push((id, r.is_ok()));
         });
         sim.pending.lock().unwrap().push(h);
+        // Queued in this order (the writer takes its jobs in the order sent).
+        wait_queued(&store, base + i + 1 + usize::from(phase_task.is_some())).await;
     }
-    wait_queued(&store, base + 4).await;
     gate.notify_one();
     let _ = held.await;
+    let phase_task = phase_task.expect("spawned at its place: `before` is at most NOTES");
     match phase_task.await {
         Ok(r) => r,
         Err(e) => Err(PhaseError::Store(idemflow::StoreError::database(

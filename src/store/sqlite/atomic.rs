@@ -16,7 +16,7 @@ use std::sync::{Arc, LazyLock};
 use async_trait::async_trait;
 use sqlx::SqliteConnection;
 
-use super::writer::{BoxFut, JobAborted, job};
+use super::writer::{BoxFut, JobAborted, Turn, phase_job};
 use super::{SqliteStore, claim_on, db, decode_with_now, sql};
 use crate::record::{KeyRecord, LeaseToken};
 use crate::store::kit::{FinishMode, claimable, millis};
@@ -50,10 +50,20 @@ type Writes = Arc<dyn for<'c> Fn(&'c mut SqliteConnection) -> WritesFuture<'c> +
 static SAVEPOINT_AND_READ: LazyLock<String> =
     LazyLock::new(|| format!("SAVEPOINT idemflow_phase;\n{}", sql::CLAIM_READ));
 
+/// [`SAVEPOINT_AND_READ`] after the batch's `BEGIN IMMEDIATE`, for a phase first in its batch
+/// (`writer.rs`, "Trips").
+static BEGIN_SAVEPOINT_AND_READ: LazyLock<String> =
+    LazyLock::new(|| format!("BEGIN IMMEDIATE;\n{}", *SAVEPOINT_AND_READ));
+
 /// A new key's row, written `done`, and the savepoint's release, sent together (as
 /// [`SAVEPOINT_AND_READ`]).
 static CLAIM_DONE_AND_RELEASE: LazyLock<String> =
     LazyLock::new(|| format!("{};\nRELEASE idemflow_phase", sql::CLAIM_DONE));
+
+/// [`CLAIM_DONE_AND_RELEASE`] and the batch's `COMMIT`, for a phase last in its batch
+/// (`writer.rs`, "Trips").
+static CLAIM_DONE_RELEASE_AND_COMMIT: LazyLock<String> =
+    LazyLock::new(|| format!("{};\nCOMMIT", *CLAIM_DONE_AND_RELEASE));
 
 /// The key's answer and the savepoint's release, sent together (as [`SAVEPOINT_AND_READ`]).
 static FINISH_AND_RELEASE: LazyLock<String> =
@@ -101,10 +111,10 @@ impl AtomicPhase for SqlitePhase {
         let claim = Arc::new(claim.clone());
         let ran = store
             .writer
-            .call_phase(job(move |conn: &mut SqliteConnection| -> BoxFut<'_, _> {
+            .call_phase(phase_job(move |conn, turn| -> BoxFut<'_, _> {
                 let (claim, writes, prepare) = (claim.clone(), writes.clone(), prepare.clone());
                 Box::pin(async move {
-                    match run(conn, &claim, &writes, &prepare).await {
+                    match run(conn, turn, &claim, &writes, &prepare).await {
                         // The record released the savepoint.
                         Ok(ran @ (Ran::Committed(_) | Ran::Refusal(_))) => Ok(ran),
                         Ok(ran @ Ran::Existing(..)) => {
@@ -120,8 +130,11 @@ impl AtomicPhase for SqlitePhase {
                             Ok(other)
                         }
                         Err(e) => {
-                            // Nothing of the phase may stay in the batch's transaction.
-                            undo(conn).await?;
+                            // Nothing of the phase may stay in the batch's transaction (unless
+                            // its own `BEGIN` or `COMMIT` failed: the writer ends it then).
+                            if turn.left_open() {
+                                undo(conn).await?;
+                            }
                             Err(e)
                         }
                     }
@@ -147,27 +160,41 @@ impl AtomicPhase for SqlitePhase {
     }
 }
 
-/// One run of the phase: its savepoint and the key's row as it is (one trip), then, for a new
-/// key, the application's writes, the answer's checks and the key's row written `done` at once
-/// ([`sql::CLAIM_DONE`], which releases the savepoint). The writer holds SQLite's write lock
-/// from its `BEGIN IMMEDIATE`, so the key found absent stays absent until that insert: the row
-/// is written once, never `processing`, one statement and one index fewer per key than a claim
-/// and a record (`docs/one-commit.md`). A key that is there is answered from, or, when
-/// claimable, claimed and recorded as any other ([`run_claimed`]).
+/// One run of the phase: its savepoint and the key's row as it is (one trip; first in its
+/// batch, after the batch's `BEGIN IMMEDIATE`), then, for a new key, the application's writes,
+/// the answer's checks and the key's row written `done` at once ([`sql::CLAIM_DONE`], which
+/// releases the savepoint; last in its batch, followed by the `COMMIT`). The writer holds
+/// SQLite's write lock from the `BEGIN IMMEDIATE`, so the key found absent stays absent until
+/// that insert: the row is written once, never `processing`, one statement and one index fewer
+/// per key than a claim and a record (`docs/one-commit.md`). A key that is there is answered
+/// from, or, when claimable, claimed and recorded as any other ([`run_claimed`]).
 async fn run(
     conn: &mut SqliteConnection,
+    turn: &mut Turn,
     claim: &NewClaim,
     writes: &Writes,
     prepare: &Prepare,
 ) -> Result<Ran, crate::StoreError> {
-    let row = sqlx::query(SAVEPOINT_AND_READ.as_str())
+    let read = if turn.begins() {
+        BEGIN_SAVEPOINT_AND_READ.as_str()
+    } else {
+        SAVEPOINT_AND_READ.as_str()
+    };
+    let query = sqlx::query(read)
         .bind(claim.id.scope.as_str())
-        .bind(claim.id.key.as_str())
-        .fetch_all(&mut *conn)
-        .await
-        .map_err(db)?
-        .into_iter()
-        .next();
+        .bind(claim.id.key.as_str());
+    let row = match trip(&mut *conn, query).await {
+        Ok(rows) => rows.into_iter().next(),
+        Err((0, e)) if turn.begins() => {
+            // The `BEGIN IMMEDIATE` itself failed: nothing began.
+            turn.begin_failed(e);
+            return Err(crate::StoreError::database(
+                super::BACKEND,
+                "the writer's batch could not begin",
+            ));
+        }
+        Err((_, e)) => return Err(db(e)),
+    };
     if let Some(row) = row {
         let (record, now) = decode_with_now(&row)?;
         if !claimable(claim, &record, now) {
@@ -191,31 +218,45 @@ async fn run(
         Err(e) => return Ok(Ran::TooLarge(e)),
     };
     let (status, headers, body) = crate::store::response_columns(&answer);
-    sql_core::bind_claim(
-        sqlx::query(CLAIM_DONE_AND_RELEASE.as_str()),
-        claim,
-        millis,
-        None,
-    )
-    .bind(status)
-    .bind(headers)
-    .bind(body)
-    .bind(reason)
-    .execute(&mut *conn)
-    .await
-    .map_err(|e| match e.as_database_error() {
-        // The key was not there when the phase read it, and only this connection can write
-        // until the commit: the application's writes wrote it.
-        Some(d) if d.is_unique_violation() => crate::StoreError::database(
-            super::BACKEND,
-            format!(
-                "the one-commit insert of {} found the key written during the phase (by the \
-                 application's writes?): {d}",
-                claim.id
-            ),
-        ),
-        _ => db(e),
-    })?;
+    // Last in its batch, the phase commits it with its last statement (`writer.rs`, "Trips").
+    let commits = turn.take_commit();
+    let insert = if commits {
+        CLAIM_DONE_RELEASE_AND_COMMIT.as_str()
+    } else {
+        CLAIM_DONE_AND_RELEASE.as_str()
+    };
+    let query = sql_core::bind_claim(sqlx::query(insert), claim, millis, None)
+        .bind(status)
+        .bind(headers)
+        .bind(body)
+        .bind(reason);
+    match trip(&mut *conn, query).await {
+        Ok(_) if commits => turn.committed(),
+        Ok(_) => {}
+        // The insert and the release went through, the `COMMIT` did not.
+        Err((2, e)) if commits => {
+            turn.commit_failed(e);
+            return Err(crate::StoreError::database(
+                super::BACKEND,
+                "the commit of the one-commit insert failed",
+            ));
+        }
+        Err((_, e)) => {
+            return Err(match e.as_database_error() {
+                // The key was not there when the phase read it, and only this connection can
+                // write until the commit: the application's writes wrote it.
+                Some(d) if d.is_unique_violation() => crate::StoreError::database(
+                    super::BACKEND,
+                    format!(
+                        "the one-commit insert of {} found the key written during the phase (by \
+                         the application's writes?): {d}",
+                        claim.id
+                    ),
+                ),
+                _ => db(e),
+            });
+        }
+    }
     Ok(if refused {
         Ran::Refusal(answer)
     } else {
@@ -259,6 +300,27 @@ async fn run_claimed(
         Err(e) => return Ok(Ran::TooLarge(e)),
     };
     record(conn, &claim.id, lease.token, answer, reason, refused).await
+}
+
+/// Runs every statement of `query` in one trip to the connection's thread and returns their
+/// rows; on an error, how many of the statements had completed before it, with the error (sqlx
+/// stops at a failed statement: none after it ran).
+async fn trip<'q>(
+    conn: &mut SqliteConnection,
+    query: sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>,
+) -> Result<Vec<sqlx::sqlite::SqliteRow>, (usize, sqlx::Error)> {
+    use futures_util::StreamExt;
+    use sqlx::Executor;
+    let mut steps = conn.fetch_many(query);
+    let (mut rows, mut completed) = (Vec::new(), 0);
+    while let Some(step) = steps.next().await {
+        match step {
+            Ok(sqlx::Either::Left(_)) => completed += 1,
+            Ok(sqlx::Either::Right(row)) => rows.push(row),
+            Err(e) => return Err((completed, e)),
+        }
+    }
+    Ok(rows)
 }
 
 /// The error of a record that found the phase's own claim gone: of the database kind, so that

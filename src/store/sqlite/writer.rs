@@ -37,7 +37,8 @@
 //!
 //! - a phase job always runs inside `BEGIN IMMEDIATE` .. `COMMIT`, even alone: the write lock is
 //!   taken before its first statement (no `SQLITE_BUSY_SNAPSHOT` after a read), and the
-//!   transaction it runs in is the task's to end, never the job's;
+//!   transaction it runs in is never the application's statements' to end (the `COMMIT` a job
+//!   last in its batch sends comes after them: "Trips", below);
 //! - while it runs, a commit hook refuses every commit and a rollback hook notes any rollback of
 //!   the transaction: a statement that ends the transaction (`RAISE(ROLLBACK)`, `SQLITE_FULL`, an
 //!   explicit `COMMIT`) is seen, and nothing the job writes after it commits on its own;
@@ -45,6 +46,19 @@
 //!   batch is rolled back, the job gets [`JobAborted`], and the others run again;
 //! - a write through the same store from inside it (which would wait for this very task) is
 //!   refused at once with [`JobAborted::Reentrant`].
+//!
+//! **Trips.** Every statement sent to the connection's thread is a trip there and back, which
+//! costs more than most statements (a thread's wake-up on each side; `docs/performance.md`).
+//! A phase job's place in its batch ([`Turn`]) lets it carry the batch's own statements: first
+//! in its batch, it sends the `BEGIN IMMEDIATE` ahead of its first statement, in the same trip;
+//! last in its batch, its last statement ends with the `COMMIT`, once it has checked that no
+//! statement of the application's ended the transaction and turned the guards off (only its own
+//! statements follow). A new key alone is then three trips, as many as it has statements of its
+//! own (the read, the application's, the insert). The job tells the task how those statements
+//! went, and the task answers as if it had sent them itself: a `BEGIN` that failed fails the
+//! batch (nothing ran); a `COMMIT` that failed, or a job cut off once it may have sent one,
+//! rolls the batch back and gives every job of it the batch's error: their callers are told
+//! they may have committed.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -128,8 +142,13 @@ enum Verdict {
 trait Job: Send {
     /// Whether the caller still waits for the answer.
     fn wanted(&self) -> bool;
-    /// Runs the statements and keeps the result.
-    fn run<'c>(&'c mut self, conn: &'c mut SqliteConnection) -> BoxFut<'c, Verdict>;
+    /// Runs the statements and keeps the result; `turn` is the job's place in its batch (only
+    /// a phase job's statements act on it).
+    fn run<'c>(
+        &'c mut self,
+        conn: &'c mut SqliteConnection,
+        turn: &'c mut Turn,
+    ) -> BoxFut<'c, Verdict>;
     /// Sends the kept result (`Ok`), or the batch's error instead.
     fn answer(self: Box<Self>, batch: Result<(), &Arc<sqlx::Error>>);
     /// Counts a run; `false` once the job has run [`MAX_RUNS`] times.
@@ -160,14 +179,114 @@ impl<T, F> JobFn<T> for F where
 {
 }
 
-impl<T: Send + 'static, F: JobFn<T>> Job for Call<T, F> {
+/// The statements of a phase job: a [`JobFn`] that also gets its [`Turn`].
+pub(super) trait PhaseFn<T>:
+    for<'c> Fn(&'c mut SqliteConnection, &'c mut Turn) -> BoxFut<'c, Result<T, StoreError>>
+    + Send
+    + 'static
+{
+}
+
+impl<T, F> PhaseFn<T> for F where
+    F: for<'c> Fn(&'c mut SqliteConnection, &'c mut Turn) -> BoxFut<'c, Result<T, StoreError>>
+        + Send
+        + 'static
+{
+}
+
+/// A phase job's place in its batch, and what its own statements did to the batch's
+/// transaction (module docs, "Trips").
+pub(super) struct Turn {
+    /// The job is first in its batch: the batch's `BEGIN IMMEDIATE` is its to send, ahead of its
+    /// first statement.
+    begins: bool,
+    /// The job is last in its batch: the guards' hooks, which [`Turn::take_commit`] disarms.
+    last: Option<PhaseHooks>,
+    /// [`Turn::take_commit`] said yes: a statement ending with `COMMIT` may have been sent.
+    commit_taken: bool,
+    ended: Ended,
+}
+
+/// What a phase job's own statements did to the batch's transaction.
+enum Ended {
+    /// Nothing: the writer ends it.
+    Open,
+    /// The job's `BEGIN IMMEDIATE` failed: nothing began.
+    BeginFailed(sqlx::Error),
+    /// The job's last statement committed it.
+    Committed,
+    /// The job's `COMMIT` failed, or was cut off: it may have committed or not.
+    CommitFailed(sqlx::Error),
+}
+
+impl Turn {
+    /// A turn of a job the writer begins and commits around.
+    fn plain() -> Self {
+        Self {
+            begins: false,
+            last: None,
+            commit_taken: false,
+            ended: Ended::Open,
+        }
+    }
+
+    /// Whether the job must send the batch's `BEGIN IMMEDIATE` ahead of its first statement,
+    /// in the same trip; if that `BEGIN` fails, the job reports it with
+    /// [`begin_failed`](Self::begin_failed).
+    pub(super) fn begins(&self) -> bool {
+        self.begins
+    }
+
+    /// Whether the job may end its last statement with `COMMIT`: it is last in its batch and
+    /// no statement of the application's ended the transaction. Once it says yes the phase
+    /// guards are off: the job runs only its own statements after it, and reports how the
+    /// commit went ([`committed`](Self::committed), [`commit_failed`](Self::commit_failed)).
+    pub(super) fn take_commit(&mut self) -> bool {
+        let Some(hooks) = &self.last else {
+            return false;
+        };
+        if hooks.ended.load(Ordering::SeqCst) {
+            return false;
+        }
+        hooks.active.store(false, Ordering::SeqCst);
+        self.commit_taken = true;
+        true
+    }
+
+    /// The job's `BEGIN IMMEDIATE` failed with `e` (nothing of the batch ran).
+    pub(super) fn begin_failed(&mut self, e: sqlx::Error) {
+        self.ended = Ended::BeginFailed(e);
+    }
+
+    /// The job's last statement committed the batch's transaction.
+    pub(super) fn committed(&mut self) {
+        self.ended = Ended::Committed;
+    }
+
+    /// The job's `COMMIT` failed with `e`.
+    pub(super) fn commit_failed(&mut self, e: sqlx::Error) {
+        self.ended = Ended::CommitFailed(e);
+    }
+
+    /// Whether the batch's transaction is the writer's to end (and, if the job's statements
+    /// failed, the job's own savepoint still there to undo).
+    pub(super) fn left_open(&self) -> bool {
+        matches!(self.ended, Ended::Open)
+    }
+}
+
+impl<T: Send + 'static, F: PhaseFn<T>> Job for Call<T, F> {
     fn wanted(&self) -> bool {
         !self.tx.is_closed()
     }
 
-    fn run<'c>(&'c mut self, conn: &'c mut SqliteConnection) -> BoxFut<'c, Verdict> {
+    fn run<'c>(
+        &'c mut self,
+        conn: &'c mut SqliteConnection,
+        turn: &'c mut Turn,
+    ) -> BoxFut<'c, Verdict> {
         Box::pin(async move {
-            let result = (self.f)(conn).await;
+            let result = (self.f)(conn, turn).await;
             let verdict = match &result {
                 Err(e) if may_end_transaction(e) => Verdict::Broken,
                 _ => Verdict::Kept,
@@ -325,7 +444,7 @@ impl Writer {
     /// Runs `f` on the writer connection, batched with other callers' jobs; returns its result
     /// once it is committed (durable as `synchronous` says).
     pub(super) async fn call<T: Send + 'static>(&self, f: impl JobFn<T>) -> Result<T, StoreError> {
-        self.send(f, false).await
+        self.send(phase_job(move |conn, _| f(conn)), false).await
     }
 
     /// Runs `f`, the application's statements with the store's, as a guarded phase job (module
@@ -333,14 +452,14 @@ impl Writer {
     /// caught. An abort is a [`JobAborted`] error; nothing of the job was then written.
     pub(super) async fn call_phase<T: Send + 'static>(
         &self,
-        f: impl JobFn<T>,
+        f: impl PhaseFn<T>,
     ) -> Result<T, StoreError> {
         self.send(f, true).await
     }
 
     async fn send<T: Send + 'static>(
         &self,
-        f: impl JobFn<T>,
+        f: impl PhaseFn<T>,
         phase: bool,
     ) -> Result<T, StoreError> {
         if WRITER_TASK.try_with(|id| *id == self.id()).unwrap_or(false) {
@@ -462,7 +581,7 @@ async fn run_batch(
     if batch.len() == 1 && !batch[0].is_phase() {
         let mut verdict = Verdict::Kept;
         for mut job in batch {
-            verdict = job.run(conn).await;
+            verdict = job.run(conn, &mut Turn::plain()).await;
             counters.commits.fetch_add(1, Ordering::Relaxed);
             counters.writes.fetch_add(1, Ordering::Relaxed);
             job.answer(Ok(()));
@@ -475,19 +594,61 @@ async fn run_batch(
         held.hooks = Some(PhaseHooks::install(conn).await);
     }
     let hooks = held.hooks.as_ref().and_then(|h| h.as_ref());
-    if let Err(e) = conn.execute("BEGIN IMMEDIATE").await {
+    // A phase job first in its batch sends the `BEGIN IMMEDIATE` with its first statement; one
+    // last in it may send the `COMMIT` with its last (module docs, "Trips").
+    let phase_begins = batch[0].is_phase();
+    if !phase_begins && let Err(e) = conn.execute("BEGIN IMMEDIATE").await {
         fail_all(batch, e);
         return Verdict::Broken;
     }
     let mut done: Vec<Box<dyn Job>> = Vec::with_capacity(batch.len());
     let mut rest = batch.into_iter();
     let mut broken = false;
-    for mut job in rest.by_ref() {
+    let mut first = true;
+    while let Some(mut job) = rest.next() {
         let verdict = if job.is_phase() {
-            run_phase(&mut *job, conn, hooks, phase_timeout).await
+            let mut turn = Turn {
+                begins: first,
+                last: if rest.len() == 0 {
+                    hooks.cloned()
+                } else {
+                    None
+                },
+                commit_taken: false,
+                ended: Ended::Open,
+            };
+            let verdict = run_phase(&mut *job, conn, hooks, phase_timeout, &mut turn).await;
+            match turn.ended {
+                Ended::Open => verdict,
+                Ended::BeginFailed(e) => {
+                    // As a failed `BEGIN IMMEDIATE` of the writer's own: nothing ran.
+                    fail_all(std::iter::once(job).chain(rest).collect(), e);
+                    return Verdict::Broken;
+                }
+                Ended::Committed => {
+                    // Last in its batch: as a `COMMIT` of the writer's own (below).
+                    done.push(job);
+                    counters.commits.fetch_add(1, Ordering::Relaxed);
+                    counters
+                        .writes
+                        .fetch_add(done.len() as u64, Ordering::Relaxed);
+                    for job in done {
+                        job.answer(Ok(()));
+                    }
+                    return Verdict::Kept;
+                }
+                Ended::CommitFailed(e) => {
+                    // As a failed `COMMIT` of the writer's own (below).
+                    let _ = conn.execute("ROLLBACK").await;
+                    done.push(job);
+                    fail_all(done, e);
+                    return Verdict::Broken;
+                }
+            }
         } else {
-            job.run(conn).await
+            job.run(conn, &mut Turn::plain()).await
         };
+        first = false;
         if verdict == Verdict::Broken {
             // Roll back whatever is left of the transaction; this job keeps its own error,
             // the others run again.
@@ -536,6 +697,7 @@ async fn run_batch(
 /// connection for a batch: while `active`, every commit is refused (turned into a rollback) and
 /// a rollback of the transaction is noted in `ended`; otherwise they do nothing, so they may stay
 /// on the connection after the batch.
+#[derive(Clone)]
 struct PhaseHooks {
     active: Arc<AtomicBool>,
     ended: Arc<AtomicBool>,
@@ -572,6 +734,7 @@ async fn run_phase(
     conn: &mut SqliteConnection,
     hooks: Option<&PhaseHooks>,
     timeout: Duration,
+    turn: &mut Turn,
 ) -> Verdict {
     let Some(hooks) = hooks else {
         // The connection's thread is gone: nothing can run on it.
@@ -580,8 +743,17 @@ async fn run_phase(
     };
     hooks.ended.store(false, Ordering::SeqCst);
     hooks.active.store(true, Ordering::SeqCst);
-    let ran = tokio::time::timeout(timeout, catch_unwind(job.run(conn))).await;
+    let ran = tokio::time::timeout(timeout, catch_unwind(job.run(conn, turn))).await;
     hooks.active.store(false, Ordering::SeqCst);
+    if turn.commit_taken && !matches!(ran, Ok(Ok(_))) {
+        // Cut off (or panicked) once its statement with the `COMMIT` may have been sent: whether
+        // it committed is not known, as after a failed `COMMIT`.
+        turn.commit_failed(sqlx::Error::Protocol(format!(
+            "the atomic phase was cut off (a timeout of {timeout:?}, or a panic) while \
+             committing; it may have committed"
+        )));
+        return Verdict::Broken;
+    }
     let aborted = match ran {
         Err(_) => Some(JobAborted::TimedOut(timeout)),
         Ok(Err(panic)) => Some(JobAborted::Panicked(crate::store::phase::panic_message(
@@ -621,6 +793,15 @@ fn fail_all(batch: Vec<Box<dyn Job>>, e: sqlx::Error) {
 pub(super) fn job<T, F>(f: F) -> F
 where
     F: for<'c> Fn(&'c mut SqliteConnection) -> BoxFut<'c, Result<T, StoreError>>,
+{
+    f
+}
+
+/// A phase job closure for [`Writer::call_phase`], as [`job`]:
+/// `phase_job(move |conn, turn| Box::pin(async move { .. }))`.
+pub(super) fn phase_job<T, F>(f: F) -> F
+where
+    F: for<'c> Fn(&'c mut SqliteConnection, &'c mut Turn) -> BoxFut<'c, Result<T, StoreError>>,
 {
     f
 }
