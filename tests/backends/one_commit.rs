@@ -708,6 +708,64 @@ mod sqlite {
         writes_its_own_key_in_a_batch(1, false).await;
     }
 
+    /// Phases next to each other in a batch: each sends the next one's savepoint and read with
+    /// its own insert (`writer.rs`, "Trips"). A key twice in the batch: the second finds the
+    /// first's row (its read runs after the first's insert) and replays its answer; a key that
+    /// was there before is answered from; the writes run once per key, and the batch is one
+    /// commit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn phases_next_to_each_other_in_a_batch_read_the_rows_before_them() {
+        let store = crate::support::sqlite::file().await;
+        let db = Sqlite(store.clone());
+        db.exec(ORDERS).await;
+        let idem = Idempotency::new(store.clone());
+        idem.execute_atomic(
+            request("k-old", "c-old"),
+            db.phase("o-old", "c-old", Then::Answer),
+        )
+        .await
+        .unwrap();
+        let (gate, held) = crate::sqlite::group_commit::hold_writer(&store).await;
+        let calls = [
+            ("k-1", "o-1"),
+            ("k-1", "o-1-again"),
+            ("k-old", "o-old-again"),
+            ("k-2", "o-2"),
+        ];
+        let mut running = Vec::new();
+        for (i, (key, order)) in calls.into_iter().enumerate() {
+            let (idem, phase) = (idem.clone(), db.phase(order, order, Then::Answer));
+            let cart = if key == "k-old" { "c-old" } else { key };
+            running.push(tokio::spawn(async move {
+                idem.execute_atomic(request(key, cart), phase).await
+            }));
+            crate::sqlite::group_commit::wait_queued(&store, i + 1).await;
+        }
+        let before = store.writer_stats();
+        gate.notify_one();
+        held.await.unwrap();
+        let mut answers = Vec::new();
+        for call in running {
+            answers.push(call.await.unwrap().unwrap());
+        }
+        let body = |e: &Execution| String::from_utf8_lossy(e.response().body()).into_owned();
+        assert!(matches!(answers[0], Execution::Executed(_)), "{answers:?}");
+        assert!(body(&answers[0]).contains("\"o-1\""), "{answers:?}");
+        assert!(matches!(answers[1], Execution::Replayed(_)), "{answers:?}");
+        assert_eq!(body(&answers[1]), body(&answers[0]));
+        assert!(matches!(answers[2], Execution::Replayed(_)), "{answers:?}");
+        assert!(body(&answers[2]).contains("\"o-old\""), "{answers:?}");
+        assert!(matches!(answers[3], Execution::Executed(_)), "{answers:?}");
+        assert!(body(&answers[3]).contains("\"o-2\""), "{answers:?}");
+        assert_eq!(db.orders().await, 3, "o-old, o-1 and o-2");
+        let after = store.writer_stats();
+        assert_eq!(
+            (after.commits, after.writes),
+            (before.commits + 2, before.writes + 5),
+            "the holding job's commit, and one for the four phases: {before:?} -> {after:?}"
+        );
+    }
+
     /// The application's tables for a `COMMIT` that fails: `lines` points at `carts` with a
     /// deferred foreign key, checked only at the commit.
     async fn deferred_lines(db: &Sqlite) {

@@ -7,7 +7,9 @@
 //! statement and leaves the transaction open. On SQLite (`docs/reliability.md`,
 //! "Atomic phases on SQLite"): a second connection (another process) holding or taking the write
 //! lock during the phase (`SQLITE_BUSY`, `SQLITE_BUSY_SNAPSHOT`; file databases only), and a
-//! phase sharing its writer batch with other callers' writes (`sim_notes`). On PostgreSQL and
+//! phase sharing its writer batch with other callers' writes (`sim_notes`), first, in the middle
+//! or last, each of them a plain write or a phase of its own (phases next to each other hand on
+//! their savepoint and read: `writer.rs`, "Trips"). On PostgreSQL and
 //! MariaDB/MySQL: the phase's connection killed by the server in the middle of the writes, or
 //! after them, before the key's record and the commit (`pg_terminate_backend`, `KILL`). What
 //! each caller was told is recorded, and checked against what committed
@@ -17,7 +19,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idemflow::store::NewClaim;
-use idemflow::store::phase::{AtomicPhase, OneCommit, PhaseError, Prepare, Refusal, StoreId};
+use idemflow::store::phase::{
+    AtomicPhase, OneCommit, PhaseError, Prepare, Refusal, StoreId, WritesFuture,
+};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{KeyId, Store, StoredResponse, async_trait};
 use sqlx::SqlitePool;
@@ -330,7 +334,7 @@ struct TokenOf {
 /// What a phase leaves to do once it has answered: let the other process go.
 struct Guard {
     /// Batched, after this many of the others' writes.
-    batched: Option<usize>,
+    batched: Option<(usize, [Other; NOTES])>,
     release_tx: tokio::sync::oneshot::Sender<()>,
     holder: Option<tokio::task::JoinHandle<()>>,
 }
@@ -526,10 +530,20 @@ impl SimPhase {
         let (fault, batched, read_only) = sim.draw();
         // Batched: first in its batch (it sends the `BEGIN`), in the middle, or last (it sends
         // the `COMMIT`; `writer.rs`, "Trips").
-        let before = if batched {
-            sim.order.lock().unwrap().range(0, NOTES as u64) as usize
+        // Each of the others' writes a plain write or another caller's phase (whose row is its
+        // note): phases next to each other in a batch hand each other their savepoint and read.
+        let (before, others) = if batched {
+            let mut order = sim.order.lock().unwrap();
+            let before = order.range(0, NOTES as u64) as usize;
+            let mut others = [Other::Write; NOTES];
+            for o in &mut others {
+                if order.chance(500) {
+                    *o = Other::Phase;
+                }
+            }
+            (before, others)
         } else {
-            0
+            (0, [Other::Write; NOTES])
         };
         if fault == Fault::KillLate {
             sim.late_kills.lock().unwrap().insert(label.clone());
@@ -538,7 +552,7 @@ impl SimPhase {
             "    phase of {label}: {fault:?}{}{}",
             if read_only { ", reads only" } else { "" },
             if batched {
-                format!(", batched after {before} of {NOTES} others' writes")
+                format!(", batched after {before} of the others' writes {others:?}")
             } else {
                 String::new()
             }
@@ -596,7 +610,7 @@ impl SimPhase {
         (
             inner,
             Guard {
-                batched: batched.then_some(before),
+                batched: batched.then_some((before, others)),
                 release_tx,
                 holder,
             },
@@ -649,8 +663,8 @@ impl AtomicPhase for SimPhase {
         let (inner, guard) = self.build(TokenOf { seen: seen.clone() });
         let claim = claim.clone();
         let run = async move { inner.claim_and_commit(&claim, prepare).await };
-        let r = if let Some(before) = guard.batched {
-            batch(&self.sim, run, before).await
+        let r = if let Some((before, others)) = guard.batched {
+            batch(&self.sim, run, before, others).await
         } else {
             run.await
         };
@@ -683,6 +697,16 @@ impl AtomicPhase for SimPhase {
 /// How many other callers' writes share a batched phase's batch.
 const NOTES: usize = 3;
 
+/// One of the other callers' writes in a batched phase's batch: its note row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Other {
+    /// A plain write of the writer (`SqliteStore::write_job`).
+    Write,
+    /// An atomic phase of its own (`Idempotency::execute_atomic`, a new key in the scope
+    /// `sim-notes`) whose writes insert the note.
+    Phase,
+}
+
 /// Runs `phase` in one writer batch with [`NOTES`] other callers' writes, `before` of them
 /// queued ahead of it: the writer is held by a job that waits until the phase and the writes
 /// are queued behind it.
@@ -690,6 +714,7 @@ async fn batch<T: Send + 'static>(
     sim: &Arc<AtomicSim>,
     phase: impl std::future::Future<Output = Result<T, PhaseError>> + Send + 'static,
     before: usize,
+    others: [Other; NOTES],
 ) -> Result<T, PhaseError> {
     let Some(store) = sim.db.sqlite().cloned() else {
         return phase.await;
@@ -733,9 +758,9 @@ async fn batch<T: Send + 'static>(
             phase_task = Some(tokio::spawn(phase));
             wait_queued(&store, base + i + 1).await;
         }
-        if i == NOTES {
+        let Some(&other) = others.get(i) else {
             break;
-        }
+        };
         let n = sim
             .next_note
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -743,20 +768,50 @@ async fn batch<T: Send + 'static>(
         let (note_store, sim2) = (store.clone(), sim.clone());
         let h = tokio::spawn(async move {
             let note = id.clone();
-            let r = note_store
-                .write_job(move |conn| {
-                    let id = note.clone();
-                    Box::pin(async move {
-                        sqlx::query("INSERT INTO sim_notes (id) VALUES (?)")
-                            .bind(&id)
-                            .execute(&mut *conn)
-                            .await
-                            .map_err(|e| idemflow::StoreError::database("sqlite", e))?;
-                        Ok(())
+            let ok = match other {
+                Other::Write => note_store
+                    .write_job(move |conn| {
+                        let id = note.clone();
+                        Box::pin(async move {
+                            sqlx::query("INSERT INTO sim_notes (id) VALUES (?)")
+                                .bind(&id)
+                                .execute(&mut *conn)
+                                .await
+                                .map_err(|e| idemflow::StoreError::database("sqlite", e))?;
+                            Ok(())
+                        })
                     })
-                })
-                .await;
-            sim2.notes.lock().unwrap().push((id, r.is_ok()));
+                    .await
+                    .is_ok(),
+                Other::Phase => {
+                    let phase = note_store.atomic_phase(
+                        move |conn: &mut sqlx::SqliteConnection| -> WritesFuture<'_> {
+                            let id = note.clone();
+                            Box::pin(async move {
+                                sqlx::query("INSERT INTO sim_notes (id) VALUES (?)")
+                                    .bind(&id)
+                                    .execute(&mut *conn)
+                                    .await?;
+                                Ok(StoredResponse::new(201))
+                            })
+                        },
+                    );
+                    let request = idemflow::IdempotentRequest::new(
+                        "sim-notes",
+                        &id,
+                        "note",
+                        &serde_json::json!({}),
+                    )
+                    .expect("a valid request");
+                    matches!(
+                        idemflow::Idempotency::new(Arc::new(note_store))
+                            .execute_atomic(request, phase)
+                            .await,
+                        Ok(idemflow::Execution::Executed(_))
+                    )
+                }
+            };
+            sim2.notes.lock().unwrap().push((id, ok));
         });
         sim.pending.lock().unwrap().push(h);
         // Queued in this order (the writer takes its jobs in the order sent).

@@ -162,10 +162,17 @@ const REGRESSION_SEEDS_QUEUES: &[(u64, &str)] = &[(
 /// Schedules with queue messages whose effect is the application's own ([`Mode::OwnEffects`])
 /// that once broke a check, found on the code before its fix (docs/reliability.md, "In
 /// `Mode::OwnEffects`"). They run, in that mode, in `regression_seeds` too.
-const REGRESSION_SEEDS_OWN_EFFECTS: &[(u64, &str)] = &[(
-    20,
-    "a provider-less consumer's crashed run, delivered again after the retention, was never taken over",
-)];
+const REGRESSION_SEEDS_OWN_EFFECTS: &[(u64, &str)] = &[
+    (
+        20,
+        "a provider-less consumer's crashed run, delivered again after the retention, was never taken over",
+    ),
+    (
+        30385,
+        "a batched phase read its key through the insert of another caller's phase before it: \
+         the read's `?17` went unbound, the key read as absent",
+    ),
+];
 
 /// Runs the simulation on `backend`; panics when a check not tied to an open finding fails.
 async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {

@@ -16,7 +16,7 @@ use std::sync::{Arc, LazyLock};
 use async_trait::async_trait;
 use sqlx::SqliteConnection;
 
-use super::writer::{BoxFut, JobAborted, Turn, phase_job};
+use super::writer::{Ahead, BoxFut, JobAborted, Turn, phase_job};
 use super::{SqliteStore, claim_on, db, decode_with_now, sql};
 use crate::record::{KeyRecord, LeaseToken};
 use crate::store::kit::{FinishMode, claimable, millis};
@@ -59,6 +59,16 @@ static BEGIN_SAVEPOINT_AND_READ: LazyLock<String> =
 /// [`SAVEPOINT_AND_READ`]).
 static CLAIM_DONE_AND_RELEASE: LazyLock<String> =
     LazyLock::new(|| format!("{};\nRELEASE idemflow_phase", sql::CLAIM_DONE));
+
+/// [`CLAIM_DONE_AND_RELEASE`], then the next phase's savepoint and read ([`sql::CLAIM_READ_NEXT`]),
+/// for a phase with a phase after it in its batch (`writer.rs`, "Trips").
+static CLAIM_DONE_RELEASE_AND_NEXT: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "{};\nSAVEPOINT idemflow_phase;\n{}",
+        *CLAIM_DONE_AND_RELEASE,
+        sql::CLAIM_READ_NEXT
+    )
+});
 
 /// [`CLAIM_DONE_AND_RELEASE`] and the batch's `COMMIT`, for a phase last in its batch
 /// (`writer.rs`, "Trips").
@@ -111,35 +121,38 @@ impl AtomicPhase for SqlitePhase {
         let claim = Arc::new(claim.clone());
         let ran = store
             .writer
-            .call_phase(phase_job(move |conn, turn| -> BoxFut<'_, _> {
-                let (claim, writes, prepare) = (claim.clone(), writes.clone(), prepare.clone());
-                Box::pin(async move {
-                    match run(conn, turn, &claim, &writes, &prepare).await {
-                        // The record released the savepoint.
-                        Ok(ran @ (Ran::Committed(_) | Ran::Refusal(_))) => Ok(ran),
-                        Ok(ran @ Ran::Existing(..)) => {
-                            savepoint(conn, "RELEASE idemflow_phase").await?;
-                            Ok(ran)
-                        }
-                        // The savepoint is gone, so the phase's writes cannot be undone alone:
-                        // an error of the database kind makes the writer roll the whole batch
-                        // back (`writer.rs`, `may_end_transaction`).
-                        Ok(Ran::Fenced) => Err(claim_gone(&claim.id)),
-                        Ok(other) => {
-                            undo(conn).await?;
-                            Ok(other)
-                        }
-                        Err(e) => {
-                            // Nothing of the phase may stay in the batch's transaction (unless
-                            // its own `BEGIN` or `COMMIT` failed: the writer ends it then).
-                            if turn.left_open() {
-                                undo(conn).await?;
+            .call_phase(
+                claim_id.clone(),
+                phase_job(move |conn, turn| -> BoxFut<'_, _> {
+                    let (claim, writes, prepare) = (claim.clone(), writes.clone(), prepare.clone());
+                    Box::pin(async move {
+                        match run(conn, turn, &claim, &writes, &prepare).await {
+                            // The record released the savepoint.
+                            Ok(ran @ (Ran::Committed(_) | Ran::Refusal(_))) => Ok(ran),
+                            Ok(ran @ Ran::Existing(..)) => {
+                                savepoint(conn, "RELEASE idemflow_phase").await?;
+                                Ok(ran)
                             }
-                            Err(e)
+                            // The savepoint is gone, so the phase's writes cannot be undone alone:
+                            // an error of the database kind makes the writer roll the whole batch
+                            // back (`writer.rs`, `may_end_transaction`).
+                            Ok(Ran::Fenced) => Err(claim_gone(&claim.id)),
+                            Ok(other) => {
+                                undo(conn).await?;
+                                Ok(other)
+                            }
+                            Err(e) => {
+                                // Nothing of the phase may stay in the batch's transaction (unless
+                                // its own `BEGIN` or `COMMIT` failed: the writer ends it then).
+                                if turn.left_open() {
+                                    undo(conn).await?;
+                                }
+                                Err(e)
+                            }
                         }
-                    }
-                })
-            }))
+                    })
+                }),
+            )
             .await;
         let ran = match ran {
             Ok(ran) => ran,
@@ -175,15 +188,23 @@ async fn run(
     writes: &Writes,
     prepare: &Prepare,
 ) -> Result<Ran, crate::StoreError> {
-    let read = if turn.begins() {
-        BEGIN_SAVEPOINT_AND_READ.as_str()
-    } else {
-        SAVEPOINT_AND_READ.as_str()
+    let read = match turn.take_ahead() {
+        // The phase before this one in its batch set the savepoint and read the row.
+        Some(Ahead::Read(rows)) => Ok(rows),
+        ahead => {
+            let sql = match ahead {
+                // It set the savepoint only.
+                Some(Ahead::Savepoint) => sql::CLAIM_READ,
+                _ if turn.begins() => BEGIN_SAVEPOINT_AND_READ.as_str(),
+                _ => SAVEPOINT_AND_READ.as_str(),
+            };
+            let query = sqlx::query(sql)
+                .bind(claim.id.scope.as_str())
+                .bind(claim.id.key.as_str());
+            trip(&mut *conn, query).await
+        }
     };
-    let query = sqlx::query(read)
-        .bind(claim.id.scope.as_str())
-        .bind(claim.id.key.as_str());
-    let row = match trip(&mut *conn, query).await {
+    let row = match read {
         Ok(rows) => rows.into_iter().next(),
         Err((0, e)) if turn.begins() => {
             // The `BEGIN IMMEDIATE` itself failed: nothing began.
@@ -218,21 +239,33 @@ async fn run(
         Err(e) => return Ok(Ran::TooLarge(e)),
     };
     let (status, headers, body) = crate::store::response_columns(&answer);
-    // Last in its batch, the phase commits it with its last statement (`writer.rs`, "Trips").
+    // Last in its batch, the phase commits it with its last statement; with a phase after it,
+    // it sets that phase's savepoint and reads its row (`writer.rs`, "Trips").
     let commits = turn.take_commit();
-    let insert = if commits {
-        CLAIM_DONE_RELEASE_AND_COMMIT.as_str()
-    } else {
-        CLAIM_DONE_AND_RELEASE.as_str()
+    let next = turn.next().cloned();
+    let insert = match (&next, commits) {
+        (_, true) => CLAIM_DONE_RELEASE_AND_COMMIT.as_str(),
+        (Some(_), false) => CLAIM_DONE_RELEASE_AND_NEXT.as_str(),
+        (None, false) => CLAIM_DONE_AND_RELEASE.as_str(),
     };
     let query = sql_core::bind_claim(sqlx::query(insert), claim, millis, None)
         .bind(status)
         .bind(headers)
         .bind(body)
         .bind(reason);
+    let query = match &next {
+        Some(next) if !commits => query.bind(next.scope.as_str()).bind(next.key.as_str()),
+        _ => query,
+    };
     match trip(&mut *conn, query).await {
         Ok(_) if commits => turn.committed(),
+        Ok(rows) if next.is_some() => turn.hand(Ahead::Read(rows)),
         Ok(_) => {}
+        // This phase's insert and release went through; the next phase's savepoint (2) or its
+        // read (3) did not: the next phase sets its savepoint (2), or reads (3), on its own. An
+        // error that ended the transaction is the writer's to see (its rollback hook).
+        Err((2, _)) if next.is_some() && !commits => {}
+        Err((3, _)) if next.is_some() && !commits => turn.hand(Ahead::Savepoint),
         // The insert and the release went through, the `COMMIT` did not.
         Err((2, e)) if commits => {
             turn.commit_failed(e);

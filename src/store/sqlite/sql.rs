@@ -35,14 +35,33 @@ pub(super) const GET: &str = concat!(
 );
 
 /// `GET` without the stored request (up to the request cap in size), for the claim's read: a
-/// replay or an in-flight answer never needs it.
-pub(super) const CLAIM_READ: &str = concat!(
-    "SELECT ",
-    key_columns!("key", request: "NULL AS request"),
-    ", ",
-    now!(),
-    " AS db_now FROM idempotency_keys WHERE scope = ?1 AND key = ?2"
-);
+/// replay or an in-flight answer never needs it. The key's scope and key are the parameters
+/// named.
+macro_rules! claim_read {
+    ($scope:literal, $key:literal) => {
+        concat!(
+            "SELECT ",
+            key_columns!("key", request: "NULL AS request"),
+            ", ",
+            now!(),
+            " AS db_now FROM idempotency_keys WHERE scope = ",
+            $scope,
+            " AND key = ",
+            $key
+        )
+    };
+}
+
+/// [`claim_read!`] of `?1`, `?2`.
+pub(super) const CLAIM_READ: &str = claim_read!("?1", "?2");
+
+/// [`claim_read!`] of the 17th and 18th arguments: the next phase's read, sent after
+/// [`CLAIM_DONE`] (whose parameters are `?1` .. `?16`) in one query string (`atomic.rs`).
+/// Spelled `$17`, `$18`: SQLite numbers `$NNN` parameters as names, in order (1, 2), where
+/// `?17` would open sixteen unused slots, which sqlx binds as if they were plain `?`s, in
+/// sequence, from where the statement before stopped, and leaves the rest unbound once that
+/// sequence passes the last argument. sqlx takes a `$NNN` name as the argument's number.
+pub(super) const CLAIM_READ_NEXT: &str = claim_read!("$17", "$18");
 
 /// One history entry (`rows::decode_history_entry`) as an expression over SQL fragments: seq,
 /// from state, from retryable, to state, to retryable, token, actor, reason (`NULL` fields are

@@ -53,8 +53,11 @@
 //! in its batch, it sends the `BEGIN IMMEDIATE` ahead of its first statement, in the same trip;
 //! last in its batch, its last statement ends with the `COMMIT`, once it has checked that no
 //! statement of the application's ended the transaction and turned the guards off (only its own
-//! statements follow). A new key alone is then three trips, as many as it has statements of its
-//! own (the read, the application's, the insert). The job tells the task how those statements
+//! statements follow); followed by another phase job, its last statement ends with that job's
+//! savepoint and read ([`Ahead`]: nothing runs between them, so the row read is the row that job
+//! would have read, its own key written a moment before by this job included). A new key alone is
+//! then three trips, and in a batch of phases two: its read rides with the phase before it. The
+//! job tells the task how those statements
 //! went, and the task answers as if it had sent them itself: a `BEGIN` that failed fails the
 //! batch (nothing ran); a `COMMIT` that failed, or a job cut off once it may have sent one,
 //! rolls the batch back and gives every job of it the batch's error: their callers are told
@@ -72,6 +75,7 @@ use sqlx::{Executor, Sqlite, SqliteConnection, SqlitePool};
 use tokio::sync::{mpsc, oneshot};
 
 use super::BACKEND;
+use crate::KeyId;
 use crate::error::StoreError;
 
 /// At most this many jobs per transaction.
@@ -155,6 +159,9 @@ trait Job: Send {
     fn may_run_again(&mut self) -> bool;
     /// Whether this is a phase job (the application's statements, guarded: module docs).
     fn is_phase(&self) -> bool;
+    /// The key a phase job reads first, which the phase before it in its batch may read for it
+    /// ([`Turn::next`]).
+    fn key(&self) -> Option<&KeyId>;
     /// Replaces the job's result with an error: the writer rolled its work back.
     fn abort(&mut self, why: JobAborted);
 }
@@ -164,7 +171,8 @@ struct Call<T, F> {
     result: Option<Result<T, StoreError>>,
     tx: oneshot::Sender<Result<T, StoreError>>,
     runs: u8,
-    phase: bool,
+    /// A phase job's key (`None`: not a phase job).
+    key: Option<KeyId>,
 }
 
 /// The statements of a job, run on the writer connection: the higher-ranked closure type,
@@ -205,6 +213,22 @@ pub(super) struct Turn {
     /// [`Turn::take_commit`] said yes: a statement ending with `COMMIT` may have been sent.
     commit_taken: bool,
     ended: Ended,
+    /// The key of the phase job next in the batch, for [`Turn::hand`].
+    next: Option<KeyId>,
+    /// What the phase before this job sent for it ([`Turn::take_ahead`]).
+    ahead: Option<Ahead>,
+    /// What this job sent for the next ([`Turn::hand`]).
+    handed: Option<Ahead>,
+}
+
+/// What a phase job sent for the phase job next in its batch, with its own last statement (module
+/// docs, "Trips").
+pub(super) enum Ahead {
+    /// The next phase's savepoint, and its key's row as it was then (no row: the key is not
+    /// there).
+    Read(Vec<sqlx::sqlite::SqliteRow>),
+    /// The next phase's savepoint only: its read failed.
+    Savepoint,
 }
 
 /// What a phase job's own statements did to the batch's transaction.
@@ -227,7 +251,28 @@ impl Turn {
             last: None,
             commit_taken: false,
             ended: Ended::Open,
+            next: None,
+            ahead: None,
+            handed: None,
         }
+    }
+
+    /// The key of the phase job next in the batch, when there is one: the job may end its last
+    /// statement with that phase's savepoint and read (after this job's own savepoint is
+    /// released), and tell so with [`hand`](Self::hand).
+    pub(super) fn next(&self) -> Option<&KeyId> {
+        self.next.as_ref()
+    }
+
+    /// The job sent `ahead` for the next phase job.
+    pub(super) fn hand(&mut self, ahead: Ahead) {
+        self.handed = Some(ahead);
+    }
+
+    /// What the phase before this job sent for it: its savepoint is then set, and, with
+    /// [`Ahead::Read`], its key's row read. Taken once.
+    pub(super) fn take_ahead(&mut self) -> Option<Ahead> {
+        self.ahead.take()
     }
 
     /// Whether the job must send the batch's `BEGIN IMMEDIATE` ahead of its first statement,
@@ -316,7 +361,11 @@ impl<T: Send + 'static, F: PhaseFn<T>> Job for Call<T, F> {
     }
 
     fn is_phase(&self) -> bool {
-        self.phase
+        self.key.is_some()
+    }
+
+    fn key(&self) -> Option<&KeyId> {
+        self.key.as_ref()
     }
 
     fn abort(&mut self, why: JobAborted) {
@@ -444,23 +493,26 @@ impl Writer {
     /// Runs `f` on the writer connection, batched with other callers' jobs; returns its result
     /// once it is committed (durable as `synchronous` says).
     pub(super) async fn call<T: Send + 'static>(&self, f: impl JobFn<T>) -> Result<T, StoreError> {
-        self.send(phase_job(move |conn, _| f(conn)), false).await
+        self.send(phase_job(move |conn, _| f(conn)), None).await
     }
 
     /// Runs `f`, the application's statements with the store's, as a guarded phase job (module
     /// docs): inside a transaction of the task's, cut off after the phase timeout, its panics
     /// caught. An abort is a [`JobAborted`] error; nothing of the job was then written.
+    /// `key` is the key the phase reads first ([`Turn::next`]).
     pub(super) async fn call_phase<T: Send + 'static>(
         &self,
+        key: KeyId,
         f: impl PhaseFn<T>,
     ) -> Result<T, StoreError> {
-        self.send(f, true).await
+        self.send(f, Some(key)).await
     }
 
+    /// Sends `f` as a job; with `Some(key)`, a phase job reading `key` first.
     async fn send<T: Send + 'static>(
         &self,
         f: impl PhaseFn<T>,
-        phase: bool,
+        key: Option<KeyId>,
     ) -> Result<T, StoreError> {
         if WRITER_TASK.try_with(|id| *id == self.id()).unwrap_or(false) {
             return Err(StoreError::database(BACKEND, JobAborted::Reentrant));
@@ -471,7 +523,7 @@ impl Writer {
             result: None,
             tx,
             runs: 0,
-            phase,
+            key,
         });
         self.ensure_started();
         self.counters.queued.fetch_add(1, Ordering::Relaxed);
@@ -605,8 +657,11 @@ async fn run_batch(
     let mut rest = batch.into_iter();
     let mut broken = false;
     let mut first = true;
+    // What the last phase job sent for this one (module docs, "Trips").
+    let mut ahead = None;
     while let Some(mut job) = rest.next() {
         let verdict = if job.is_phase() {
+            let next = rest.as_slice().first().and_then(|j| j.key()).cloned();
             let mut turn = Turn {
                 begins: first,
                 last: if rest.len() == 0 {
@@ -616,8 +671,12 @@ async fn run_batch(
                 },
                 commit_taken: false,
                 ended: Ended::Open,
+                next,
+                ahead: ahead.take(),
+                handed: None,
             };
             let verdict = run_phase(&mut *job, conn, hooks, phase_timeout, &mut turn).await;
+            ahead = turn.handed.take();
             match turn.ended {
                 Ended::Open => verdict,
                 Ended::BeginFailed(e) => {

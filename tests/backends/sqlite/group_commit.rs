@@ -151,6 +151,167 @@ fn acknowledged_writes_survive_a_kill_mid_batch() {
     );
 }
 
+/// The environment variable that makes [`child_runs_phases_and_acknowledges`] write to a given
+/// file.
+const PHASE_CHILD_DB: &str = "IDEMFLOW_GROUP_COMMIT_PHASE_CHILD_DB";
+
+/// The application's table of the one-commit crash test: no unique constraint, so a second row
+/// for a key would show.
+const KILL_ORDERS: &str = "CREATE TABLE IF NOT EXISTS kill_orders (k TEXT NOT NULL)";
+
+/// The child of [`acknowledged_phases_survive_a_kill_mid_batch`]: 64 concurrent callers run
+/// new keys through `execute_atomic` (each phase inserting its key's order row) on the file named
+/// by [`PHASE_CHILD_DB`], every fifth key sent a second time at once (a duplicate, which replays),
+/// and print `done <key>` once a call has returned, until killed. Batched phases hand each other
+/// their savepoints and reads, the first sends the batch's `BEGIN`, the last its `COMMIT`
+/// (`writer.rs`, "Trips"). Run alone (no variable), it writes 20 keys per caller to a temporary
+/// file and checks them itself.
+#[test]
+#[ignore = "the child process of acknowledged_phases_survive_a_kill_mid_batch"]
+fn child_runs_phases_and_acknowledges() {
+    let (path, limit) = match std::env::var(PHASE_CHILD_DB) {
+        Ok(p) => (std::path::PathBuf::from(p), usize::MAX),
+        Err(_) => (tempfile::tempdir().unwrap().keep().join("alone.db"), 20),
+    };
+    let rt = crate::support::child_runtime();
+    let db = path.clone();
+    let acked = rt.block_on(async move {
+        let store = file_store(&db).await;
+        sqlx::query(KILL_ORDERS)
+            .execute(store.writer_pool())
+            .await
+            .unwrap();
+        let idem = Idempotency::new(Arc::new(store.clone()));
+        let run = move |key: String| {
+            let (idem, store) = (idem.clone(), store.clone());
+            async move {
+                let request =
+                    IdempotentRequest::new(scope(), &key, "order", &serde_json::json!({})).unwrap();
+                let order = key.clone();
+                let phase = store.atomic_phase(
+                    move |conn: &mut sqlx::SqliteConnection| -> idemflow::store::phase::WritesFuture<'_> {
+                        let order = order.clone();
+                        Box::pin(async move {
+                            sqlx::query("INSERT INTO kill_orders (k) VALUES (?)")
+                                .bind(&order)
+                                .execute(&mut *conn)
+                                .await?;
+                            Ok(StoredResponse::new(201))
+                        })
+                    },
+                );
+                idem.execute_atomic(request, phase).await.unwrap()
+            }
+        };
+        let mut tasks = Vec::new();
+        for caller in 0..64 {
+            let run = run.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut acked = Vec::new();
+                for i in 0..limit {
+                    let key = format!("p{caller}-{i}");
+                    if i % 5 == 0 {
+                        let (a, b) = tokio::join!(run(key.clone()), run(key.clone()));
+                        assert_eq!(a.response(), b.response(), "{key}: a duplicate's answer");
+                    } else {
+                        run(key.clone()).await;
+                    }
+                    println!("done {key}");
+                    acked.push(key);
+                }
+                acked
+            }));
+        }
+        let mut acked = Vec::new();
+        for t in tasks {
+            acked.extend(t.await.unwrap());
+        }
+        acked
+    });
+    assert_eq!(acked.len(), 64 * 20);
+    rt.block_on(check_phases(&path, acked.iter().cloned().collect()));
+}
+
+/// What a one-commit crash must leave on the file at `path`: every key in `acked` done, and
+/// for every key of the scope, done or not there, exactly as many order rows as key rows (the
+/// key and the application's row commit together or not at all).
+async fn check_phases(path: &Path, acked: BTreeSet<String>) {
+    let store = file_store(path).await;
+    sqlx::query(KILL_ORDERS)
+        .execute(store.writer_pool())
+        .await
+        .unwrap();
+    for k in &acked {
+        let r = store
+            .get(&id(scope(), k))
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("{k}: answered, row missing after the kill"));
+        assert_eq!(r.state, KeyState::Done, "{k}: answered");
+    }
+    let mismatched: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT k, SUM(o), SUM(r) FROM ( \
+           SELECT k, 1 AS o, 0 AS r FROM kill_orders \
+           UNION ALL SELECT key, 0, 1 FROM idempotency_keys WHERE scope = ?1) \
+         GROUP BY k HAVING SUM(o) <> 1 OR SUM(r) <> 1",
+    )
+    .bind(scope())
+    .fetch_all(store.writer_pool())
+    .await
+    .unwrap();
+    assert!(
+        mismatched.is_empty(),
+        "keys whose order rows and key row disagree (key, orders, key rows): {mismatched:?}"
+    );
+}
+
+/// Kills (SIGKILL) a child process running one-commit phases with 64 concurrent callers
+/// ([`child_runs_phases_and_acknowledges`]) once it has answered 600 keys, mid-run (batches of
+/// phases in flight), reopens the database and checks that every answered key is done and that
+/// every key there has exactly one order row, and every order row its key.
+#[test]
+fn acknowledged_phases_survive_a_kill_mid_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("crash.db");
+    let mut child =
+        crate::support::child_test(module_path!(), "child_runs_phases_and_acknowledges")
+            .env(PHASE_CHILD_DB, &path)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut acked = BTreeSet::new();
+    for line in lines.by_ref() {
+        if let Some(k) = line.unwrap().strip_prefix("done ") {
+            acked.insert(k.to_owned());
+        }
+        if acked.len() >= 600 {
+            break;
+        }
+    }
+    assert!(acked.len() >= 600, "the child stopped before 600 keys");
+    child.kill().unwrap();
+    // What the child printed before it died is still in the pipe: answered too.
+    for line in lines {
+        match line {
+            Ok(line) => {
+                if let Some(k) = line.strip_prefix("done ") {
+                    acked.insert(k.to_owned());
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the child was killed, not finished");
+    let n = acked.len();
+    tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(check_phases(&path, acked));
+    println!("{n} one-commit keys answered before the kill, all there, one order row each");
+}
+
 /// Holds the writer task in a job of its own until released, so that the jobs sent meanwhile
 /// make up the next batch.
 pub(crate) async fn hold_writer(store: &SqliteStore) -> (Arc<Notify>, tokio::task::JoinHandle<()>) {
