@@ -620,8 +620,13 @@ mod sqlite {
             .unwrap_err();
         kept_nothing(&store, "k-gone", &err, before).await;
         assert_eq!(db.orders().await, 0, "the phase's order was kept");
-        // The writer goes on.
-        let done = Idempotency::new(store.clone())
+        the_writer_goes_on(&db, 1).await;
+    }
+
+    /// The writer goes on after a failure: a new key's phase commits, its order the
+    /// `orders`th.
+    async fn the_writer_goes_on(db: &Sqlite, orders: i64) {
+        let done = Idempotency::new(db.0.clone())
             .execute_atomic(
                 request("k-next", "c-next"),
                 db.phase("o-next", "c-next", Then::Answer),
@@ -629,7 +634,7 @@ mod sqlite {
             .await
             .unwrap();
         assert!(matches!(done, Execution::Executed(_)), "{done:?}");
-        assert_eq!(db.orders().await, 1);
+        assert_eq!(db.orders().await, orders);
     }
 
     #[tokio::test]
@@ -640,6 +645,34 @@ mod sqlite {
     #[tokio::test]
     async fn a_new_key_written_by_its_own_writes_keeps_nothing() {
         writes_its_own_key_alone(false).await;
+    }
+
+    /// Runs `calls` (key, cart, phase) as one batch of the writer, in this order: the writer is
+    /// held while they queue. Their answers, and the writer's counts before the batch.
+    async fn in_one_batch(
+        store: &Arc<SqliteStore>,
+        calls: Vec<(&'static str, &'static str, Box<dyn AtomicPhase>)>,
+    ) -> (
+        Vec<Result<Execution, Error>>,
+        idemflow::store::sqlite::WriterStats,
+    ) {
+        let (gate, held) = crate::sqlite::group_commit::hold_writer(store).await;
+        let mut running = Vec::new();
+        for (i, (key, cart, phase)) in calls.into_iter().enumerate() {
+            let idem = Idempotency::new(store.clone());
+            running.push(tokio::spawn(async move {
+                idem.execute_atomic(request(key, cart), phase).await
+            }));
+            crate::sqlite::group_commit::wait_queued(store, i + 1).await;
+        }
+        let before = store.writer_stats();
+        gate.notify_one();
+        held.await.unwrap();
+        let mut answers = Vec::new();
+        for call in running {
+            answers.push(call.await.unwrap());
+        }
+        (answers, before)
     }
 
     /// The same inside a batch: the writer is held while three phases queue, so they run in
@@ -660,7 +693,6 @@ mod sqlite {
             .await
             .unwrap()
             .map(|r| r.state);
-        let (gate, held) = crate::sqlite::group_commit::hold_writer(&store).await;
         let mut calls = Vec::new();
         for (i, key) in keys.into_iter().enumerate() {
             let phase: Box<dyn AtomicPhase> = if i == gone_at {
@@ -668,17 +700,10 @@ mod sqlite {
             } else {
                 db.phase(&format!("o-{i}"), &format!("c-{i}"), Then::Answer)
             };
-            let idem = Idempotency::new(store.clone());
-            calls.push(tokio::spawn(async move {
-                idem.execute_atomic(request(key, key), phase).await
-            }));
-            crate::sqlite::group_commit::wait_queued(&store, i + 1).await;
+            calls.push((key, key, phase));
         }
-        let before = store.writer_stats();
-        gate.notify_one();
-        held.await.unwrap();
-        for (i, call) in calls.into_iter().enumerate() {
-            let r = call.await.unwrap();
+        let (answers, before) = in_one_batch(&store, calls).await;
+        for (i, r) in answers.into_iter().enumerate() {
             if i == gone_at {
                 kept_nothing(&store, keys[i], &r.unwrap_err(), before_state).await;
             } else {
@@ -725,29 +750,18 @@ mod sqlite {
         )
         .await
         .unwrap();
-        let (gate, held) = crate::sqlite::group_commit::hold_writer(&store).await;
         let calls = [
-            ("k-1", "o-1"),
-            ("k-1", "o-1-again"),
-            ("k-old", "o-old-again"),
-            ("k-2", "o-2"),
+            ("k-1", "k-1", "o-1"),
+            ("k-1", "k-1", "o-1-again"),
+            ("k-old", "c-old", "o-old-again"),
+            ("k-2", "k-2", "o-2"),
         ];
-        let mut running = Vec::new();
-        for (i, (key, order)) in calls.into_iter().enumerate() {
-            let (idem, phase) = (idem.clone(), db.phase(order, order, Then::Answer));
-            let cart = if key == "k-old" { "c-old" } else { key };
-            running.push(tokio::spawn(async move {
-                idem.execute_atomic(request(key, cart), phase).await
-            }));
-            crate::sqlite::group_commit::wait_queued(&store, i + 1).await;
-        }
-        let before = store.writer_stats();
-        gate.notify_one();
-        held.await.unwrap();
-        let mut answers = Vec::new();
-        for call in running {
-            answers.push(call.await.unwrap().unwrap());
-        }
+        let calls = calls
+            .into_iter()
+            .map(|(key, cart, order)| (key, cart, db.phase(order, order, Then::Answer)))
+            .collect();
+        let (answers, before) = in_one_batch(&store, calls).await;
+        let answers: Vec<Execution> = answers.into_iter().map(Result::unwrap).collect();
         let body = |e: &Execution| String::from_utf8_lossy(e.response().body()).into_owned();
         assert!(matches!(answers[0], Execution::Executed(_)), "{answers:?}");
         assert!(body(&answers[0]).contains("\"o-1\""), "{answers:?}");
@@ -836,15 +850,7 @@ mod sqlite {
             "the batch's error, the commit's: {said}"
         );
         nothing_of(&store, &["k-fk"]).await;
-        let done = idem
-            .execute_atomic(
-                request("k-next", "c-next"),
-                db.phase("o-next", "c-next", Then::Answer),
-            )
-            .await
-            .unwrap();
-        assert!(matches!(done, Execution::Executed(_)), "{done:?}");
-        assert_eq!(db.orders().await, 1);
+        the_writer_goes_on(&db, 1).await;
         nothing_of(&store, &["k-fk"]).await;
     }
 
@@ -857,24 +863,13 @@ mod sqlite {
         let db = Sqlite(store.clone());
         db.exec(ORDERS).await;
         deferred_lines(&db).await;
-        let (gate, held) = crate::sqlite::group_commit::hold_writer(&store).await;
-        let phases: Vec<(&str, Box<dyn AtomicPhase>)> = vec![
-            ("k-a", db.phase("o-a", "c-a", Then::Answer)),
-            ("k-fk", Box::new(breaks_the_commit(&store))),
+        let calls: Vec<(_, _, Box<dyn AtomicPhase>)> = vec![
+            ("k-a", "k-a", db.phase("o-a", "c-a", Then::Answer)),
+            ("k-fk", "k-fk", Box::new(breaks_the_commit(&store))),
         ];
-        let mut calls = Vec::new();
-        for (i, (key, phase)) in phases.into_iter().enumerate() {
-            let idem = Idempotency::new(store.clone());
-            calls.push(tokio::spawn(async move {
-                idem.execute_atomic(request(key, key), phase).await
-            }));
-            crate::sqlite::group_commit::wait_queued(&store, i + 1).await;
-        }
-        let before = store.writer_stats();
-        gate.notify_one();
-        held.await.unwrap();
-        for call in calls {
-            let err = call.await.unwrap().unwrap_err();
+        let (answers, before) = in_one_batch(&store, calls).await;
+        for answer in answers {
+            let err = answer.unwrap_err();
             assert!(matches!(err, Error::Store(_)), "{err:?}");
             let said = chain(&err);
             assert!(

@@ -684,24 +684,14 @@ async fn run_batch(
                     fail_all(std::iter::once(job).chain(rest).collect(), e);
                     return Verdict::Broken;
                 }
+                // Last in its batch: as a `COMMIT` of the writer's own (below).
                 Ended::Committed => {
-                    // Last in its batch: as a `COMMIT` of the writer's own (below).
                     done.push(job);
-                    counters.commits.fetch_add(1, Ordering::Relaxed);
-                    counters
-                        .writes
-                        .fetch_add(done.len() as u64, Ordering::Relaxed);
-                    for job in done {
-                        job.answer(Ok(()));
-                    }
-                    return Verdict::Kept;
+                    return ended(conn, done, Ok(()), counters).await;
                 }
                 Ended::CommitFailed(e) => {
-                    // As a failed `COMMIT` of the writer's own (below).
-                    let _ = conn.execute("ROLLBACK").await;
                     done.push(job);
-                    fail_all(done, e);
-                    return Verdict::Broken;
+                    return ended(conn, done, Err(e), counters).await;
                 }
             }
         } else {
@@ -732,8 +722,21 @@ async fn run_batch(
         }
         return Verdict::Broken;
     }
-    match conn.execute("COMMIT").await {
-        Ok(_) => {
+    let commit = conn.execute("COMMIT").await.map(|_| ());
+    ended(conn, done, commit, counters).await
+}
+
+/// Answers the jobs of a batch whose `COMMIT` (the writer's, or its last phase job's) came to
+/// `commit`: each its own result once committed; every one the error otherwise, the
+/// transaction rolled back (a failed `COMMIT` may leave it open).
+async fn ended(
+    conn: &mut SqliteConnection,
+    done: Vec<Box<dyn Job>>,
+    commit: Result<(), sqlx::Error>,
+    counters: &Counters,
+) -> Verdict {
+    match commit {
+        Ok(()) => {
             counters.commits.fetch_add(1, Ordering::Relaxed);
             counters
                 .writes
@@ -744,7 +747,6 @@ async fn run_batch(
             Verdict::Kept
         }
         Err(e) => {
-            // A failed COMMIT may leave the transaction open: end it.
             let _ = conn.execute("ROLLBACK").await;
             fail_all(done, e);
             Verdict::Broken
