@@ -57,11 +57,10 @@
 //! savepoint and read ([`Ahead`]: nothing runs between them, so the row read is the row that job
 //! would have read, its own key written a moment before by this job included). A new key alone is
 //! then three trips, and in a batch of phases two: its read rides with the phase before it. The
-//! job tells the task how those statements
-//! went, and the task answers as if it had sent them itself: a `BEGIN` that failed fails the
-//! batch (nothing ran); a `COMMIT` that failed, or a job cut off once it may have sent one,
-//! rolls the batch back and gives every job of it the batch's error: their callers are told
-//! they may have committed.
+//! job tells the task how those statements went, and the task answers as if it had sent them
+//! itself: a `BEGIN` that failed fails the batch (nothing ran); a `COMMIT` that failed, or a job
+//! cut off once it may have sent one, rolls the batch back and gives every job of it the batch's
+//! error: their callers are told they may have committed.
 
 use std::collections::VecDeque;
 use std::future::Future;
