@@ -117,7 +117,7 @@ impl AtomicPhase for SqlitePhase {
         prepare: Prepare,
     ) -> Result<OneCommit, PhaseError> {
         let SqlitePhase { store, writes } = *self;
-        let claim_id = claim.id.clone();
+        let claim_id = Arc::new(claim.id.clone());
         let claim = Arc::new(claim.clone());
         let ran = store
             .writer
@@ -242,7 +242,7 @@ async fn run(
     // Last in its batch, the phase commits it with its last statement; with a phase after it,
     // it sets that phase's savepoint and reads its row (`writer.rs`, "Trips").
     let commits = turn.take_commit();
-    let next = turn.next().cloned();
+    let next = turn.take_next();
     let insert = match (&next, commits) {
         (_, true) => CLAIM_DONE_RELEASE_AND_COMMIT.as_str(),
         (Some(_), false) => CLAIM_DONE_RELEASE_AND_NEXT.as_str(),

@@ -159,8 +159,8 @@ trait Job: Send {
     /// Whether this is a phase job (the application's statements, guarded: module docs).
     fn is_phase(&self) -> bool;
     /// The key a phase job reads first, which the phase before it in its batch may read for it
-    /// ([`Turn::next`]).
-    fn key(&self) -> Option<&KeyId>;
+    /// ([`Turn::take_next`]).
+    fn key(&self) -> Option<&Arc<KeyId>>;
     /// Replaces the job's result with an error: the writer rolled its work back.
     fn abort(&mut self, why: JobAborted);
 }
@@ -170,8 +170,9 @@ struct Call<T, F> {
     result: Option<Result<T, StoreError>>,
     tx: oneshot::Sender<Result<T, StoreError>>,
     runs: u8,
-    /// A phase job's key (`None`: not a phase job).
-    key: Option<KeyId>,
+    /// A phase job's key (`None`: not a phase job), shared with the [`Turn`] of the phase job
+    /// before it.
+    key: Option<Arc<KeyId>>,
 }
 
 /// The statements of a job, run on the writer connection: the higher-ranked closure type,
@@ -213,7 +214,7 @@ pub(super) struct Turn {
     commit_taken: bool,
     ended: Ended,
     /// The key of the phase job next in the batch, for [`Turn::hand`].
-    next: Option<KeyId>,
+    next: Option<Arc<KeyId>>,
     /// What the phase before this job sent for it ([`Turn::take_ahead`]).
     ahead: Option<Ahead>,
     /// What this job sent for the next ([`Turn::hand`]).
@@ -258,9 +259,9 @@ impl Turn {
 
     /// The key of the phase job next in the batch, when there is one: the job may end its last
     /// statement with that phase's savepoint and read (after this job's own savepoint is
-    /// released), and tell so with [`hand`](Self::hand).
-    pub(super) fn next(&self) -> Option<&KeyId> {
-        self.next.as_ref()
+    /// released), and tell so with [`hand`](Self::hand). Taken once.
+    pub(super) fn take_next(&mut self) -> Option<Arc<KeyId>> {
+        self.next.take()
     }
 
     /// The job sent `ahead` for the next phase job.
@@ -363,7 +364,7 @@ impl<T: Send + 'static, F: PhaseFn<T>> Job for Call<T, F> {
         self.key.is_some()
     }
 
-    fn key(&self) -> Option<&KeyId> {
+    fn key(&self) -> Option<&Arc<KeyId>> {
         self.key.as_ref()
     }
 
@@ -498,10 +499,10 @@ impl Writer {
     /// Runs `f`, the application's statements with the store's, as a guarded phase job (module
     /// docs): inside a transaction of the task's, cut off after the phase timeout, its panics
     /// caught. An abort is a [`JobAborted`] error; nothing of the job was then written.
-    /// `key` is the key the phase reads first ([`Turn::next`]).
+    /// `key` is the key the phase reads first ([`Turn::take_next`]).
     pub(super) async fn call_phase<T: Send + 'static>(
         &self,
-        key: KeyId,
+        key: Arc<KeyId>,
         f: impl PhaseFn<T>,
     ) -> Result<T, StoreError> {
         self.send(f, Some(key)).await
@@ -511,7 +512,7 @@ impl Writer {
     async fn send<T: Send + 'static>(
         &self,
         f: impl PhaseFn<T>,
-        key: Option<KeyId>,
+        key: Option<Arc<KeyId>>,
     ) -> Result<T, StoreError> {
         if WRITER_TASK.try_with(|id| *id == self.id()).unwrap_or(false) {
             return Err(StoreError::database(BACKEND, JobAborted::Reentrant));
