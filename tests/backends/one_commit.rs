@@ -803,12 +803,18 @@ mod sqlite {
         })
     }
 
-    /// The error and its sources, as one line.
-    fn chain(err: &Error) -> String {
-        std::iter::successors(Some(err as &dyn std::error::Error), |e| e.source())
+    /// Checks that `err` is the writer's batch error (a store error: the caller may not
+    /// assume either way), caused by SQLite's error saying `cause`.
+    fn batch_error(err: &Error, cause: &str) {
+        assert!(matches!(err, Error::Store(_)), "{err:?}");
+        let said = std::iter::successors(Some(err as &dyn std::error::Error), |e| e.source())
             .map(|e| e.to_string())
             .collect::<Vec<_>>()
-            .join(": ")
+            .join(": ");
+        assert!(
+            said.contains("the batch of writes") && said.contains(cause),
+            "the batch's error, from SQLite's {cause:?}: {said}"
+        );
     }
 
     /// Nothing of the failed commit is there: no key in `keys`, no line.
@@ -843,12 +849,7 @@ mod sqlite {
             .execute_atomic(request("k-fk", "c-fk"), breaks_the_commit(&store))
             .await
             .unwrap_err();
-        assert!(matches!(err, Error::Store(_)), "{err:?}");
-        let said = chain(&err);
-        assert!(
-            said.contains("the batch of writes") && said.contains("FOREIGN KEY"),
-            "the batch's error, the commit's: {said}"
-        );
+        batch_error(&err, "FOREIGN KEY");
         nothing_of(&store, &["k-fk"]).await;
         the_writer_goes_on(&db, 1).await;
         nothing_of(&store, &["k-fk"]).await;
@@ -870,12 +871,7 @@ mod sqlite {
         let (answers, before) = in_one_batch(&store, calls).await;
         for answer in answers {
             let err = answer.unwrap_err();
-            assert!(matches!(err, Error::Store(_)), "{err:?}");
-            let said = chain(&err);
-            assert!(
-                said.contains("the batch of writes") && said.contains("FOREIGN KEY"),
-                "the batch's error, the commit's: {said}"
-            );
+            batch_error(&err, "FOREIGN KEY");
         }
         let after = store.writer_stats();
         assert_eq!(
@@ -939,12 +935,7 @@ mod sqlite {
             .execute_atomic(request("k-b", "c-b"), phase(ran.clone()))
             .await
             .unwrap_err();
-        assert!(matches!(err, Error::Store(_)), "{err:?}");
-        let said = chain(&err);
-        assert!(
-            said.contains("the batch of writes") && said.contains("locked"),
-            "the batch's error, SQLite's busy: {said}"
-        );
+        batch_error(&err, "locked");
         assert_eq!(
             ran.load(std::sync::atomic::Ordering::SeqCst),
             0,

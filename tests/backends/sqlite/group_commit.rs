@@ -96,38 +96,20 @@ fn child_writes_and_acknowledges() {
 fn acknowledged_writes_survive_a_kill_mid_batch() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("crash.db");
-    let mut child = crate::support::child_test(module_path!(), "child_writes_and_acknowledges")
-        .env(CHILD_DB, &path)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let (mut claimed, mut finished) = (BTreeSet::new(), BTreeSet::new());
-    let record = |line: &str, claimed: &mut BTreeSet<String>, finished: &mut BTreeSet<String>| {
-        if let Some(k) = line.strip_prefix("claimed ") {
-            claimed.insert(k.to_owned());
-        } else if let Some(k) = line.strip_prefix("done ") {
-            finished.insert(k.to_owned());
-        }
-    };
-    for line in lines.by_ref() {
-        record(&line.unwrap(), &mut claimed, &mut finished);
-        if finished.len() >= 600 {
-            break;
-        }
-    }
-    assert!(finished.len() >= 600, "the child stopped before 600 keys");
-    child.kill().unwrap();
-    // What the child printed before it died is still in the pipe: acknowledged too.
-    for line in lines {
-        match line {
-            Ok(line) => record(&line, &mut claimed, &mut finished),
-            Err(_) => break,
-        }
-    }
-    let status = child.wait().unwrap();
-    assert!(!status.success(), "the child was killed, not finished");
+    kill_after(
+        "child_writes_and_acknowledges",
+        (CHILD_DB, &path),
+        600,
+        |line| {
+            if let Some(k) = line.strip_prefix("claimed ") {
+                claimed.insert(k.to_owned());
+            } else if let Some(k) = line.strip_prefix("done ") {
+                finished.insert(k.to_owned());
+            }
+            finished.len()
+        },
+    );
     let in_flight = claimed.difference(&finished).count();
 
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -273,43 +255,56 @@ async fn check_phases(path: &Path, acked: BTreeSet<String>) {
 fn acknowledged_phases_survive_a_kill_mid_batch() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("crash.db");
-    let mut child =
-        crate::support::child_test(module_path!(), "child_runs_phases_and_acknowledges")
-            .env(PHASE_CHILD_DB, &path)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut acked = BTreeSet::new();
+    kill_after(
+        "child_runs_phases_and_acknowledges",
+        (PHASE_CHILD_DB, &path),
+        600,
+        |line| {
+            if let Some(k) = line.strip_prefix("done ") {
+                acked.insert(k.to_owned());
+            }
+            acked.len()
+        },
+    );
+    let n = acked.len();
+    tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(check_phases(&path, acked));
+    println!("{n} one-commit keys answered before the kill, all there, one order row each");
+}
+
+/// Runs the child test `child` of this module with `env` set, hands each line it prints to
+/// `record` (which answers how many writes it has seen acknowledged), kills it (SIGKILL) once
+/// that reaches `n`, hands on what it printed before it died (still in the pipe: acknowledged
+/// too), and checks that it was killed, not finished.
+fn kill_after(child: &str, env: (&str, &Path), n: usize, mut record: impl FnMut(&str) -> usize) {
+    let mut child = crate::support::child_test(module_path!(), child)
+        .env(env.0, env.1)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = 0;
     for line in lines.by_ref() {
-        if let Some(k) = line.unwrap().strip_prefix("done ") {
-            acked.insert(k.to_owned());
-        }
-        if acked.len() >= 600 {
+        seen = record(&line.unwrap());
+        if seen >= n {
             break;
         }
     }
-    assert!(acked.len() >= 600, "the child stopped before 600 keys");
+    assert!(seen >= n, "the child stopped before {n} writes");
     child.kill().unwrap();
-    // What the child printed before it died is still in the pipe: answered too.
     for line in lines {
         match line {
             Ok(line) => {
-                if let Some(k) = line.strip_prefix("done ") {
-                    acked.insert(k.to_owned());
-                }
+                record(&line);
             }
             Err(_) => break,
         }
     }
     let status = child.wait().unwrap();
     assert!(!status.success(), "the child was killed, not finished");
-    let n = acked.len();
-    tokio::runtime::Runtime::new()
-        .unwrap()
-        .block_on(check_phases(&path, acked));
-    println!("{n} one-commit keys answered before the kill, all there, one order row each");
 }
 
 /// Holds the writer task in a job of its own until released, so that the jobs sent meanwhile
