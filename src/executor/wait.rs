@@ -76,7 +76,10 @@ impl KeySignal {
     }
 }
 
-type WatchMap = HashMap<WatchKey, Arc<KeySignal>>;
+/// Each watched key's signal, with the number of [`Watch`]es on it (changed only under the map's
+/// lock, so the last one to leave removes the entry: a count of `Arc` references would also
+/// count references not yet released by a waiter leaving at the same moment).
+type WatchMap = HashMap<WatchKey, (usize, Arc<KeySignal>)>;
 
 /// The keys duplicates wait on in this process.
 #[derive(Default)]
@@ -101,15 +104,17 @@ struct Watch {
 
 impl Watch {
     fn new(store: &Arc<dyn Store>, id: &KeyId) -> Self {
-        let key = (store_identity(store), id.clone());
+        Self::on((store_identity(store), id.clone()))
+    }
+
+    fn on(key: WatchKey) -> Self {
         let mut map = lock(&WATCHERS.map);
-        let signal = map
-            .entry(key.clone())
-            .or_insert_with(|| {
-                WATCHERS.len.fetch_add(1, Ordering::Relaxed);
-                Arc::new(KeySignal::default())
-            })
-            .clone();
+        let (watches, signal) = map.entry(key.clone()).or_insert_with(|| {
+            WATCHERS.len.fetch_add(1, Ordering::Relaxed);
+            (0, Arc::new(KeySignal::default()))
+        });
+        *watches += 1;
+        let signal = Arc::clone(signal);
         Self { key, signal }
     }
 }
@@ -117,9 +122,13 @@ impl Watch {
 impl Drop for Watch {
     fn drop(&mut self) {
         let mut map = lock(&WATCHERS.map);
-        // The map's own reference and this one: the last waiter on the key is leaving.
-        if Arc::strong_count(&self.signal) == 2 && map.remove(&self.key).is_some() {
-            WATCHERS.len.fetch_sub(1, Ordering::Relaxed);
+        if let Some((watches, _)) = map.get_mut(&self.key) {
+            *watches -= 1;
+            if *watches == 0 {
+                // The last waiter on the key is leaving.
+                map.remove(&self.key);
+                WATCHERS.len.fetch_sub(1, Ordering::Relaxed);
+            }
         }
     }
 }
@@ -131,7 +140,7 @@ pub(crate) fn wake(store: &Arc<dyn Store>, id: &KeyId) {
         return;
     }
     let key = (store_identity(store), id.clone());
-    if let Some(signal) = lock(&WATCHERS.map).get(&key) {
+    if let Some((_, signal)) = lock(&WATCHERS.map).get(&key) {
         signal.signal();
     }
 }
@@ -282,7 +291,9 @@ impl<'a> InFlightWait<'a> {
             self.state = Some(Waiting {
                 _slot: slot,
                 watch,
-                deadline: Instant::now() + bound,
+                // `bound` capped as every duration the crate keeps (`Instant + Duration::MAX`
+                // panics).
+                deadline: Instant::now() + crate::store::kit::capped(bound),
                 backoff: FIRST_BACKOFF,
                 seen,
                 poller: false,
@@ -430,6 +441,40 @@ mod tests {
             );
         }
         assert_eq!(jittered(Duration::ZERO), Duration::ZERO);
+    }
+
+    /// Two waiters of one key leaving at the same moment: the last one out removes the key's
+    /// entry, whichever order their drops interleave in.
+    #[test]
+    fn waiters_leaving_at_once_leave_no_entry_behind() {
+        use std::sync::Barrier;
+        // No store has this identity (an address): the key is this test's alone.
+        let id = KeyId::new(
+            crate::Scope::new("s").unwrap(),
+            crate::IdempotencyKey::new("leaving").unwrap(),
+        );
+        let key: WatchKey = (usize::MAX, id);
+        for _ in 0..2_000 {
+            let watches: Vec<Watch> = (0..4).map(|_| Watch::on(key.clone())).collect();
+            let barrier = Arc::new(Barrier::new(watches.len()));
+            let threads: Vec<_> = watches
+                .into_iter()
+                .map(|w| {
+                    let barrier = Arc::clone(&barrier);
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        drop(w);
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            assert!(
+                !lock(&WATCHERS.map).contains_key(&key),
+                "the key's entry outlived its last waiter"
+            );
+        }
     }
 
     #[test]
