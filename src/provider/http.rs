@@ -52,6 +52,17 @@ pub struct HttpConfig {
     pub user_agent: String,
 }
 
+impl HttpConfig {
+    /// The longest wait between two attempts a client accepts ([`Self::initial_backoff`],
+    /// [`Self::max_backoff`], [`Self::max_retry_after`]): one hour. A longer one is refused
+    /// with [`HttpError::InvalidConfig`].
+    pub const MAX_WAIT: Duration = Duration::from_secs(3600);
+
+    /// The most attempts per call a client accepts ([`Self::max_attempts`]): 100. More are
+    /// refused with [`HttpError::InvalidConfig`]; 0 is taken as 1.
+    pub const MAX_ATTEMPTS: u32 = 100;
+}
+
 impl Default for HttpConfig {
     fn default() -> Self {
         Self {
@@ -99,6 +110,14 @@ pub enum HttpError {
     InvalidApiKey {
         /// What is wrong (the key itself is never shown).
         reason: &'static str,
+    },
+    /// A setting of [`HttpConfig`] is out of range.
+    #[error("invalid HttpConfig::{setting}: {reason}")]
+    InvalidConfig {
+        /// The setting.
+        setting: &'static str,
+        /// What is wrong.
+        reason: String,
     },
     /// A header an adapter was configured to send cannot travel in HTTP.
     #[error("invalid value for the {name} header: {reason}")]
@@ -312,6 +331,32 @@ pub struct HttpClient {
 impl HttpClient {
     /// Builds a client (rustls, no proxy discovery beyond reqwest's defaults).
     pub fn new(config: HttpConfig) -> Result<Self, HttpError> {
+        if config.max_attempts > HttpConfig::MAX_ATTEMPTS {
+            return Err(HttpError::InvalidConfig {
+                setting: "max_attempts",
+                reason: format!(
+                    "{} is more than {} attempts per call",
+                    config.max_attempts,
+                    HttpConfig::MAX_ATTEMPTS
+                ),
+            });
+        }
+        for (setting, value) in [
+            ("initial_backoff", config.initial_backoff),
+            ("max_backoff", config.max_backoff),
+            ("max_retry_after", config.max_retry_after),
+        ] {
+            if value > HttpConfig::MAX_WAIT {
+                return Err(HttpError::InvalidConfig {
+                    setting,
+                    reason: format!(
+                        "{value:?} is longer than {:?}: a call would sleep that long between \
+                         two attempts",
+                        HttpConfig::MAX_WAIT
+                    ),
+                });
+            }
+        }
         let client = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
             .timeout(config.request_timeout)

@@ -281,6 +281,13 @@ pub trait Provider: Debug + Send + Sync + 'static {
     /// `now - ..`, never by the application's clock. Search lag counts from
     /// `attempts.last_attempt_at` (an empty search is authoritative only once it has passed);
     /// the provider's retention and key windows count from `attempts.first_sent_at`.
+    ///
+    /// `request` is `Null` when the key's request was not stored
+    /// ([`Idempotency::store_request`](crate::Idempotency::store_request) off, as for
+    /// [`Context::send`](crate::Context::send)). An adapter whose lookup needs the request to
+    /// prove the effect absent (which payment a refund or a capture named, which account a
+    /// payment was made on) answers [`Lookup::NeedsOperator`] or [`Lookup::Unknown`] then,
+    /// never an authoritative [`Lookup::NotFound`].
     async fn lookup(
         &self,
         provider_key: &str,

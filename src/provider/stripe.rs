@@ -37,6 +37,8 @@
 //! India), so an empty result is only authoritative once [`Stripe::search_lag`] (default 60 s)
 //! has passed since the first send. Within Stripe's 24 h key window a wrong "not found" is
 //! harmless anyway: the retry it allows carries the same key and is replayed, not re-executed.
+//! Without the stored request the search runs on the platform account only, so an empty result
+//! cannot rule out a connected account's PaymentIntent: it answers `Lookup::NeedsOperator`.
 //!
 //! Webhooks: [`Stripe::event_outcome`] reads the same answer from a `payment_intent.*` event,
 //! for the webhook receiver to settle a stuck key without waiting for a search
@@ -580,7 +582,7 @@ impl Provider for Stripe {
             }
         }
         let query = Self::search_query(provider_key);
-        MetadataSearch {
+        let found = MetadataSearch {
             path: "/v1/payment_intents/search",
             query: &[("query", query.as_str()), ("limit", "10")],
             results: "data",
@@ -594,6 +596,19 @@ impl Provider for Stripe {
             now,
             Self::payment_intent_outcome,
         )
-        .await
+        .await;
+        match found {
+            // Without the request, the connected account it may have named is unknown: the
+            // platform's search proves nothing absent there.
+            Lookup::NotFound { .. } if request.is_null() => Lookup::NeedsOperator {
+                reason: format!(
+                    "the request was not stored, so the connected account it may have named \
+                     ({ACCOUNT_FIELD}) is unknown, and the platform account holds no \
+                     PaymentIntent with metadata {METADATA_KEY}={provider_key}; an operator \
+                     must check the connected accounts"
+                ),
+            },
+            found => found,
+        }
     }
 }

@@ -14,6 +14,7 @@ mod support;
 
 // Feature `testkit` is the target's `required-features` (Cargo.toml).
 mod localstripe;
+mod lookup_without_request;
 mod providers_cards;
 #[cfg(feature = "sqlite")]
 mod providers_e2e;

@@ -69,6 +69,7 @@ macro_rules! recovery_tests {
             failed_completion_is_settled_with_one_charge,
             a_connected_accounts_lost_response_is_settled_on_that_account,
             lost_captures_and_refunds_are_settled_with_one_each,
+            lost_captures_and_refunds_sent_without_their_request_need_an_operator,
         );
         #[cfg(feature = "cli")]
         recovery_tests!($factory;
@@ -626,4 +627,80 @@ async fn cli_reconcile_once_settles_captures_and_refunds_by_their_kinds(
         (effects(&fake, "capture"), effects(&fake, "refund")),
         (1, 1)
     );
+}
+
+/// A capture and a refund sent with `Context::send` by an executor that stores no request (as
+/// a queue consumer's does), their answers lost after Stripe acted: without the request the
+/// lookup cannot tell which payment to read, so the sweeper hands each key to an operator. It
+/// never calls the effect "never ran" (`failed{retryable}`), which would let a retry refund or
+/// capture again once Stripe's key window has closed.
+async fn lost_captures_and_refunds_sent_without_their_request_need_an_operator(
+    store: Arc<dyn Store>,
+    _url: String,
+) {
+    let fake = FakeStripe::start().await.unwrap();
+    let (capture, refund) = (
+        stripe_doing(&fake, StripeOperation::Capture),
+        stripe_doing(&fake, StripeOperation::Refund),
+    );
+    let idem = Idempotency::new(store.clone());
+    let pi = authorised(&idem, &fake, "order-unstored").await;
+    let unstored = Idempotency::new(store.clone()).store_request(false);
+    let steps = [
+        (capture.clone(), "capture", json!({"payment_intent": pi})),
+        (
+            refund.clone(),
+            "refund",
+            json!({"payment_intent": pi, "amount": 500}),
+        ),
+    ];
+    for (adapter, kind, body) in steps {
+        let req = IdempotentRequest::new("shop-1", &format!("{kind}-unstored"), kind, &body)
+            .unwrap()
+            .with_provider(adapter.name());
+        let before = effects(&fake, kind);
+        fake.faults().lose_next_response();
+        let sent = adapter.clone();
+        let err = unstored
+            .execute(req.clone(), move |ctx| async move {
+                ctx.send(sent.as_ref(), &body).await
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::OutcomeUnknown { .. }), "{kind}: {err}");
+        assert_eq!(
+            effects(&fake, kind),
+            before + 1,
+            "{kind}: done, the answer lost"
+        );
+        let row = store.get(req.id()).await.unwrap().unwrap();
+        assert!(row.request.is_none(), "{kind}: the request was not stored");
+        // Inside and past Stripe's key window: with no request a lookup is all the sweeper can
+        // do, and the lookup cannot prove the effect absent.
+        for margin in [Duration::from_secs(3600), Duration::from_secs(25 * 3600)] {
+            let report = Sweeper::new(
+                store.clone(),
+                Providers::new().with(capture.clone()).with(refund.clone()),
+            )
+            .redrive_margin(margin)
+            // Take the key again at once (no recheck delay) for the second sweep.
+            .backoff(Duration::ZERO, Duration::ZERO)
+            .operator_recheck(Duration::ZERO)
+            .run_once()
+            .await
+            .unwrap();
+            assert_eq!(report.retryable, 0, "{kind}: {report:?}");
+            assert!(
+                report
+                    .unresolved
+                    .iter()
+                    .any(|u| u.key == req.id().key.as_str()
+                        && u.kind == idemflow::sweeper::Unresolved::NeedsOperator),
+                "{kind}: {report:?}"
+            );
+            let row = store.get(req.id()).await.unwrap().unwrap();
+            assert_eq!(row.state, KeyState::Processing, "{kind}: {row:?}");
+        }
+        assert_eq!(effects(&fake, kind), before + 1, "{kind}: once");
+    }
 }

@@ -15,7 +15,9 @@
 //! request names one): a `manual`-capture PaymentIntent that `succeeded` was captured, and is
 //! replayed as the capture's 200; one still `processing` is unknown; any other (still
 //! `requires_capture`, canceled, not a manual capture, no such PaymentIntent) was not captured,
-//! which is authoritative once the latest attempt is `search_lag` old.
+//! which is authoritative once the latest attempt is `search_lag` old. Without the stored request
+//! (`Null`) the lookup cannot tell which PaymentIntent to read, and answers
+//! [`Lookup::NeedsOperator`].
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -47,6 +49,15 @@ pub(super) async fn lookup(
     attempts: Attempts,
     now: DateTime<Utc>,
 ) -> Lookup {
+    // Without the request the PaymentIntent captured is unknown: nothing proves the capture
+    // absent.
+    if request.is_null() {
+        return Lookup::NeedsOperator {
+            reason: "the request was not stored, so the PaymentIntent it captured is unknown; \
+                     an operator must check it in Stripe's dashboard"
+                .to_owned(),
+        };
+    }
     // A request the adapter refused to send did nothing.
     let Ok(id) = payment_intent(request) else {
         return Lookup::NotFound {

@@ -15,6 +15,8 @@
 //! [`MAX_PAGES`] pages of 100) and picks the one carrying the key: found, it is replayed as
 //! the refund call's 200 with the Refund as Stripe holds it now (a refund that failed later
 //! shows `status: failed`). None is authoritative once the latest attempt is `search_lag` old.
+//! Without the stored request (`Null`) the lookup cannot tell which payment to list, and
+//! answers [`Lookup::NeedsOperator`].
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -61,6 +63,16 @@ pub(super) async fn lookup(
     attempts: Attempts,
     now: DateTime<Utc>,
 ) -> Lookup {
+    // Without the request the payment refunded is unknown, and refunds cannot be searched by
+    // metadata: nothing proves the refund absent.
+    if request.is_null() {
+        return Lookup::NeedsOperator {
+            reason: format!(
+                "the request was not stored, so the payment it refunded is unknown; look for a \
+                 refund with metadata {METADATA_KEY}={provider_key} in Stripe's dashboard"
+            ),
+        };
+    }
     // A request the adapter refused to send did nothing.
     let Ok((by, id)) = payment(request) else {
         return Lookup::NotFound {
