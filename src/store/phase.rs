@@ -236,9 +236,12 @@ pub(crate) type ClaimOn<DB> = for<'c> fn(
 pub(crate) struct PooledOps<DB: sqlx::Database> {
     pub(crate) backend: &'static str,
     pub(crate) id: StoreId,
-    /// A statement run on the connection before `BEGIN` (MariaDB/MySQL: `READ COMMITTED`, so
-    /// the claim's read after a concurrent claim commits sees that claim's row).
-    pub(crate) before_begin: Option<&'static str>,
+    /// The statements that begin a phase's transaction, in one round trip: `BEGIN` with what
+    /// bounds each statement of the phase on the server to [`DEFAULT_PHASE_TIMEOUT`] (a phase
+    /// cut off by its timeout is dropped, but a statement it sent would run on at the server,
+    /// holding its locks); on MariaDB/MySQL also `READ COMMITTED`, so the claim's read after a
+    /// concurrent claim commits sees that claim's row.
+    pub(crate) begin: &'static str,
     pub(crate) claim: ClaimOn<DB>,
     pub(crate) record: RecordStep<DB>,
     /// Whether a claim's error rolled its transaction back whole and may be tried again in a
@@ -297,9 +300,11 @@ where
             // next one commits the claim with the refusal's answer only.
             let mut refused: Option<StoredResponse> = None;
             for attempt in 1..=4 {
-                let mut conn = acquire(&warm, &ops).await?;
+                let mut conn = warm.for_write().await.map_err(failed)?;
                 // A dropped transaction rolls back (also on every early return below).
-                let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(failed)?;
+                let mut tx = sqlx::Connection::begin_with(&mut *conn, ops.begin)
+                    .await
+                    .map_err(failed)?;
                 let lease = match (ops.claim)(&mut *tx, &claim).await {
                     Ok(ClaimOutcome::Claimed(lease)) => lease,
                     // Nothing ran, nothing was written.
@@ -351,29 +356,6 @@ where
         })
         .await
     }
-}
-
-/// A pinged connection for a phase (as for any write: `Warm::for_write`), with the store's
-/// statement before `BEGIN` run on it.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-async fn acquire<DB>(
-    warm: &crate::store::warm::Warm<DB>,
-    ops: &PooledOps<DB>,
-) -> Result<crate::store::warm::WarmConn<DB>, PhaseError>
-where
-    DB: sqlx::Database,
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-{
-    let backend = ops.backend;
-    let failed = move |e: sqlx::Error| PhaseError::Store(StoreError::database(backend, e));
-    let mut conn = warm.for_write().await.map_err(failed)?;
-    if let Some(sql) = ops.before_begin {
-        sqlx::raw_sql(sql)
-            .execute(&mut *conn)
-            .await
-            .map_err(failed)?;
-    }
-    Ok(conn)
 }
 
 /// A phase chosen at run time (`Box<dyn AtomicPhase>`, e.g. by backend) is a phase too.

@@ -954,6 +954,43 @@ mod sqlite {
     }
 }
 
+/// Runs a phase whose statement never ends on its own (`stuck`), through `store`, and waits
+/// until the server no longer runs it (`running`: how many sessions run a statement holding
+/// `marker`): the phase timeout bounds each statement of a phase on the server too, so a
+/// cut-off phase's statement does not hold its connection and locks until it ends by itself.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub async fn stuck_statement_ends<R, F>(
+    store: Arc<dyn Store>,
+    phase: Box<dyn AtomicPhase>,
+    marker: &str,
+    running: R,
+) where
+    R: Fn(String) -> F,
+    F: std::future::Future<Output = i64>,
+{
+    let idem = Idempotency::new(store);
+    let started = std::time::Instant::now();
+    let r = idem
+        .execute_atomic(request("stuck", "c-stuck"), phase)
+        .await;
+    assert!(r.is_err(), "a phase stuck in a statement answered: {r:?}");
+    // The phase's own timeout plus the server's (from the statement's start), with room for a
+    // loaded machine: an hour's statement left running fails this.
+    let deadline = started + Duration::from_secs(40);
+    loop {
+        let n = running(marker.to_owned()).await;
+        if n == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cut-off phase's statement still runs on the server after {:?}",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[cfg(feature = "postgres")]
 mod postgres {
     use super::*;
@@ -1034,6 +1071,44 @@ mod postgres {
         suite(&Pg(store), "postgres").await;
         crate::support::postgres::drop_schema(&url, &schema).await;
     }
+
+    /// A phase stuck in one statement: cut off by its timeout, and its statement cancelled by
+    /// the server (`statement_timeout`) rather than left running for an hour.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cut_off_phase_statement_does_not_run_on() {
+        let Some((url, schema)) = crate::support::postgres::fresh_schema().await else {
+            return;
+        };
+        let store =
+            PostgresStore::from_pool(crate::support::postgres::pool_in(&url, &schema, 4).await);
+        store.migrate().await.unwrap();
+        let marker = format!("idemflow-stuck-{schema}");
+        let sql = format!("SELECT pg_sleep(3600) /* {marker} */");
+        let phase = store.atomic_phase(move |conn| {
+            Box::pin(async move {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(StoredResponse::new(200))
+            })
+        });
+        let pool = store.pool().clone();
+        super::stuck_statement_ends(Arc::new(store), Box::new(phase), &marker, |marker| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM pg_stat_activity WHERE state = 'active' \
+                     AND pid <> pg_backend_pid() AND query LIKE '%' || $1 || '%'",
+                )
+                .bind(marker)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+            }
+        })
+        .await;
+        crate::support::postgres::drop_schema(&url, &schema).await;
+    }
 }
 
 #[cfg(feature = "mysql")]
@@ -1089,6 +1164,44 @@ mod mysql {
         let store = MySqlStore::from_pool(crate::support::mysql::pool_for(&options, 1).await);
         store.migrate().await.unwrap();
         suite(&My(store), "mysql").await;
+        crate::support::mysql::drop_database(&options, &name).await;
+    }
+
+    /// A phase stuck in one statement: cut off by its timeout, and its statement cut off by
+    /// the server (`max_statement_time`) rather than left running for an hour.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cut_off_phase_statement_does_not_run_on() {
+        let Some((options, name)) = crate::support::mysql::fresh_database().await else {
+            return;
+        };
+        let store = MySqlStore::from_pool(crate::support::mysql::pool_for(&options, 4).await);
+        store.migrate().await.unwrap();
+        let marker = format!("idemflow-stuck-{name}");
+        let sql = format!("SELECT SLEEP(3600) /* {marker} */");
+        let phase = store.atomic_phase(move |conn| {
+            Box::pin(async move {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(StoredResponse::new(200))
+            })
+        });
+        let pool = store.pool().clone();
+        super::stuck_statement_ends(Arc::new(store), Box::new(phase), &marker, |marker| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+                     WHERE ID <> CONNECTION_ID() AND COMMAND = 'Query' \
+                     AND INFO LIKE CONCAT('%', ?, '%')",
+                )
+                .bind(marker)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+            }
+        })
+        .await;
         crate::support::mysql::drop_database(&options, &name).await;
     }
 }

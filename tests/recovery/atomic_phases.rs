@@ -812,6 +812,55 @@ mod sqlite_writer {
         assert_eq!(count(d.store.writer_pool(), "orders", "o-hang").await, 0);
     }
 
+    /// A phase stuck in one statement that never ends (a recursive query without a bound): the
+    /// phase timeout interrupts the statement on the connection's thread, so the writer rolls
+    /// the phase back at once and every other write goes on; the statement is not left running
+    /// with the write lock held.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_phase_stuck_in_a_statement_is_interrupted_and_the_store_lives() {
+        let d = db(|c| c.phase_timeout(Duration::from_millis(300))).await;
+        let idem = Idempotency::new(Arc::new(d.store.clone())).lease(LEASE);
+        let p = phase(&d.store, "o-stuck", |conn| {
+            Box::pin(async move {
+                sqlx::query(
+                    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) \
+                     SELECT count(*) FROM n",
+                )
+                .execute(&mut *conn)
+                .await?;
+                Ok(StoredResponse::new(200))
+            })
+        });
+        let first = tokio::time::timeout(Duration::from_secs(60), run_phase(&idem, "o-stuck", p))
+            .await
+            .expect("a phase stuck in a statement held the writer");
+        assert!(
+            matches!(first, Err(Error::FailedRetryable { .. })),
+            "{first:?}"
+        );
+        // Without the interrupt, this write queues behind the statement for good.
+        let later = tokio::time::timeout(Duration::from_secs(30), plain(&idem, "after-stuck"))
+            .await
+            .expect("a write after the cut-off phase waited behind its statement");
+        assert!(later.is_ok(), "{later:?}");
+        assert_eq!(count(d.store.writer_pool(), "orders", "o-stuck").await, 0);
+        // The interrupt was for the cut-off statement only: a long statement of a later phase
+        // (here well inside the timeout) runs to its end.
+        let p = phase(&d.store, "o-long", |conn| {
+            Box::pin(async move {
+                sqlx::query(
+                    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n \
+                     WHERE i < 20000) SELECT count(*) FROM n",
+                )
+                .execute(&mut *conn)
+                .await?;
+                Ok(StoredResponse::new(200))
+            })
+        });
+        let long = run_phase(&idem, "o-long", p).await;
+        assert!(long.is_ok(), "{long:?}");
+    }
+
     /// An atomic step's answer over the executor's response cap: refused, and its writes rolled
     /// back with the step's claim, as `Idempotency::execute_atomic` refuses an oversized answer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,8 +27,7 @@ impl MySqlStore {
             ops: PooledOps {
                 backend: BACKEND,
                 id: self.store_id(),
-                // The claim's read after a concurrent claim commits must see that claim's row.
-                before_begin: Some(sql::READ_COMMITTED),
+                begin: PHASE_BEGIN,
                 claim: |conn, claim| Box::pin(claim_on(conn, claim)),
                 record: record_step,
                 claim_again: is_lock_conflict,
@@ -36,6 +35,15 @@ impl MySqlStore {
         }
     }
 }
+
+/// A phase's `BEGIN`, after `READ COMMITTED` (the claim's read after a concurrent claim commits
+/// must see that claim's row) and `max_statement_time`: each statement of the phase, the
+/// application's included, is cut off by the server after
+/// [`DEFAULT_PHASE_TIMEOUT`](crate::store::phase::DEFAULT_PHASE_TIMEOUT). MariaDB has no
+/// transaction-scoped setting: the connection keeps that bound for the statements it runs after
+/// the phase (the store's own take milliseconds).
+pub(super) const PHASE_BEGIN: &str = "SET SESSION max_statement_time = 5; \
+     SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN";
 
 /// The step's record, fenced by its token ([`sql::ATOMIC_DONE`]).
 fn record_step<'c>(
@@ -58,4 +66,18 @@ fn record_step<'c>(
             .await?;
         Ok(done.rows_affected() == 1)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    /// The server's bound on a phase's statements is the phase timeout.
+    #[test]
+    fn the_begin_bounds_statements_by_the_phase_timeout() {
+        let secs = crate::store::phase::DEFAULT_PHASE_TIMEOUT.as_secs_f64();
+        assert!(
+            super::PHASE_BEGIN.contains(&format!("max_statement_time = {secs};")),
+            "{}",
+            super::PHASE_BEGIN
+        );
+    }
 }

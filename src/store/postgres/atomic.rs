@@ -43,7 +43,7 @@ impl PostgresStore {
             ops: PooledOps {
                 backend: BACKEND,
                 id: self.store_id(),
-                before_begin: None,
+                begin: PHASE_BEGIN,
                 claim: |conn, claim| Box::pin(claim_on(conn, claim)),
                 record: record_step,
                 claim_again: |_| false,
@@ -51,6 +51,11 @@ impl PostgresStore {
         }
     }
 }
+
+/// A phase's `BEGIN`: each statement of it, the application's included, is cancelled by the
+/// server after [`DEFAULT_PHASE_TIMEOUT`](crate::store::phase::DEFAULT_PHASE_TIMEOUT), for the
+/// transaction only (`SET LOCAL`).
+pub(super) const PHASE_BEGIN: &str = "BEGIN; SET LOCAL statement_timeout = 5000";
 
 /// The step's record: the store's own finish statement, fenced by the step's token.
 fn record_step<'c>(
@@ -67,4 +72,18 @@ fn record_step<'c>(
             .await?;
         Ok(row.is_some())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    /// The server's bound on a phase's statements is the phase timeout.
+    #[test]
+    fn the_begin_bounds_statements_by_the_phase_timeout() {
+        let ms = crate::store::phase::DEFAULT_PHASE_TIMEOUT.as_millis();
+        assert!(
+            super::PHASE_BEGIN.ends_with(&format!("statement_timeout = {ms}")),
+            "{}",
+            super::PHASE_BEGIN
+        );
+    }
 }

@@ -43,7 +43,9 @@
 //!   the transaction: a statement that ends the transaction (`RAISE(ROLLBACK)`, `SQLITE_FULL`, an
 //!   explicit `COMMIT`) is seen, and nothing the job writes after it commits on its own;
 //! - a panic in it is caught, and it is cut off after the store's phase timeout; either way the
-//!   batch is rolled back, the job gets [`JobAborted`], and the others run again;
+//!   batch is rolled back, the job gets [`JobAborted`], and the others run again. A statement
+//!   of a cut-off job still running on the connection's thread is interrupted (a progress
+//!   handler, [`PROGRESS_OPS`]), so the rollback and every later write wait for nothing longer;
 //! - a write through the same store from inside it (which would wait for this very task) is
 //!   refused at once with [`JobAborted::Reentrant`].
 //!
@@ -691,7 +693,9 @@ async fn run_batch(
                 }
                 Ended::CommitFailed(e) => {
                     done.push(job);
-                    return ended(conn, done, Err(e), counters).await;
+                    let verdict = ended(conn, done, Err(e), counters).await;
+                    PhaseHooks::disarm(hooks);
+                    return verdict;
                 }
             }
         } else {
@@ -702,6 +706,7 @@ async fn run_batch(
             // Roll back whatever is left of the transaction; this job keeps its own error,
             // the others run again.
             let _ = conn.execute("ROLLBACK").await;
+            PhaseHooks::disarm(hooks);
             counters.rolled_back.fetch_add(1, Ordering::Relaxed);
             job.answer(Ok(()));
             broken = true;
@@ -754,14 +759,21 @@ async fn ended(
     }
 }
 
-/// The commit and rollback hooks that guard phase jobs (module docs), set on the writer's
-/// connection for a batch: while `active`, every commit is refused (turned into a rollback) and
-/// a rollback of the transaction is noted in `ended`; otherwise they do nothing, so they may stay
-/// on the connection after the batch.
+/// How many SQLite virtual machine instructions run between two calls of the phase guards'
+/// progress handler: a statement is interrupted within that many once it is asked to stop.
+const PROGRESS_OPS: i32 = 1_000;
+
+/// The commit, rollback and progress hooks that guard phase jobs (module docs), set on the
+/// writer's connection for a batch: while `active`, every commit is refused (turned into a
+/// rollback) and a rollback of the transaction is noted in `ended`; once `interrupt` is set (a
+/// phase cut off by its timeout), the statement running on the connection is interrupted
+/// (`SQLITE_INTERRUPT`) at its next progress call, and the flag is cleared. Otherwise they do
+/// nothing, so they may stay on the connection after the batch.
 #[derive(Clone)]
 struct PhaseHooks {
     active: Arc<AtomicBool>,
     ended: Arc<AtomicBool>,
+    interrupt: Arc<AtomicBool>,
 }
 
 impl PhaseHooks {
@@ -770,6 +782,7 @@ impl PhaseHooks {
         let hooks = Self {
             active: Arc::new(AtomicBool::new(false)),
             ended: Arc::new(AtomicBool::new(false)),
+            interrupt: Arc::new(AtomicBool::new(false)),
         };
         let mut handle = conn.lock_handle().await.ok()?;
         let (active, ended) = (hooks.active.clone(), hooks.ended.clone());
@@ -783,7 +796,23 @@ impl PhaseHooks {
         // callback): `false` turns a commit into a rollback, so a statement of a phase job run
         // in autocommit mode, after one of its statements ended the transaction, keeps nothing.
         handle.set_commit_hook(move || !active.load(Ordering::SeqCst));
+        // sqlx's handler returns whether to go on: `false` interrupts the statement. A cut-off
+        // phase's statement would otherwise run on, on the connection's thread, after its future
+        // was dropped, and every write of the store would queue behind it.
+        let interrupt = hooks.interrupt.clone();
+        handle.set_progress_handler(PROGRESS_OPS, move || {
+            !interrupt.swap(false, Ordering::SeqCst)
+        });
         Some(hooks)
+    }
+
+    /// Clears a pending interrupt once the cut-off phase's transaction is rolled back: the
+    /// phase may have been between statements when it was cut off, and the next statement on
+    /// the connection is none of its.
+    fn disarm(hooks: Option<&Self>) {
+        if let Some(hooks) = hooks {
+            hooks.interrupt.store(false, Ordering::SeqCst);
+        }
     }
 }
 
@@ -807,6 +836,11 @@ async fn run_phase(
     let ran = tokio::time::timeout(timeout, catch_unwind(job.run(conn, turn))).await;
     hooks.active.store(false, Ordering::SeqCst);
     if turn.commit_taken && !matches!(ran, Ok(Ok(_))) {
+        if ran.is_err() {
+            // Interrupted as below; an interrupted `COMMIT` leaves the transaction open, and
+            // the batch's `ROLLBACK` ends it.
+            hooks.interrupt.store(true, Ordering::SeqCst);
+        }
         // Cut off (or panicked) once its statement with the `COMMIT` may have been sent: whether
         // it committed is not known, as after a failed `COMMIT`.
         turn.commit_failed(sqlx::Error::Protocol(format!(
@@ -816,7 +850,12 @@ async fn run_phase(
         return Verdict::Broken;
     }
     let aborted = match ran {
-        Err(_) => Some(JobAborted::TimedOut(timeout)),
+        Err(_) => {
+            // Its statement may still run on the connection's thread: interrupt it, so the
+            // batch's `ROLLBACK` (queued behind it) runs at once.
+            hooks.interrupt.store(true, Ordering::SeqCst);
+            Some(JobAborted::TimedOut(timeout))
+        }
         Ok(Err(panic)) => Some(JobAborted::Panicked(crate::store::phase::panic_message(
             &*panic,
         ))),
