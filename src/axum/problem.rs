@@ -88,7 +88,10 @@ impl From<&Error> for Problem {
 
 /// `Retry-After` in whole seconds, rounded up, at least 1.
 pub fn retry_after_value(d: Duration) -> HeaderValue {
-    let secs = (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1);
+    let secs = d
+        .as_secs()
+        .saturating_add(u64::from(d.subsec_nanos() > 0))
+        .max(1);
     HeaderValue::from(secs)
 }
 

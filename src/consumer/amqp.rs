@@ -49,6 +49,7 @@ pub async fn consume(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ConsumerError> {
     let broker = |e: lapin::Error| ConsumerError::broker(BROKER, e);
+    // At most `MAX_CONCURRENCY`, which is `u16::MAX`.
     let prefetch = u16::try_from(consumer.concurrency_limit()).unwrap_or(u16::MAX);
     channel
         .basic_qos(prefetch, BasicQosOptions::default())

@@ -57,6 +57,10 @@ pub const OPERATION: &str = "consume";
 /// The default [`Consumer::retry_after`]: 1 s.
 pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// The largest [`Consumer::concurrency`]: 65,535 messages at once, RabbitMQ's largest prefetch
+/// count (a larger value is taken as this).
+pub const MAX_CONCURRENCY: usize = u16::MAX as usize;
+
 /// The default [`Consumer::concurrency`]: 16 messages handled at once.
 pub const DEFAULT_CONCURRENCY: usize = 16;
 
@@ -414,9 +418,9 @@ impl Consumer {
     }
 
     /// How many messages a broker loop handles at once (default [`DEFAULT_CONCURRENCY`]): the
-    /// AMQP prefetch count, the NATS batch size. At least 1.
+    /// AMQP prefetch count, the NATS batch size. At least 1, at most [`MAX_CONCURRENCY`].
     pub fn concurrency(self, n: usize) -> Self {
-        self.set(|c| c.concurrency = n.max(1))
+        self.set(|c| c.concurrency = n.clamp(1, MAX_CONCURRENCY))
     }
 
     /// The delay before a delivery whose handler failed, or whose store failed, is delivered

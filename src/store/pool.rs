@@ -59,11 +59,17 @@ impl PoolOptions {
     /// with more cores may do better with more: raise it with [`PoolOptions::max_connections`].
     pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
 
+    /// The largest [`PoolOptions::max_connections`] a store accepts: 10,000 (a pool sets aside
+    /// room for every connection it may open; PostgreSQL's and MariaDB's own limits are far
+    /// below). A larger one is refused with [`StoreError::Config`].
+    pub const MAX_CONNECTIONS: u32 = 10_000;
+
     /// Default [`PoolOptions::acquire_timeout`].
     pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
     setters! {
-        /// Connections at most (at least 1).
+        /// Connections at most (1 to [`Self::MAX_CONNECTIONS`], checked when the store
+        /// connects).
         max_connections(max_connections: u32);
 
         /// Connections kept open when idle (capped at `max_connections`).
@@ -164,10 +170,12 @@ pub(crate) async fn connect<DB: Database>(
 where
     <DB::Connection as Connection>::Options: FromStr<Err = sqlx::Error>,
 {
-    if options.max_connections == 0 {
-        return Err(StoreError::Config(
-            "PoolOptions::max_connections must be at least 1".into(),
-        ));
+    if options.max_connections == 0 || options.max_connections > PoolOptions::MAX_CONNECTIONS {
+        return Err(StoreError::Config(format!(
+            "PoolOptions::max_connections must be from 1 to {}, not {}",
+            PoolOptions::MAX_CONNECTIONS,
+            options.max_connections
+        )));
     }
     let connect = <DB::Connection as Connection>::Options::from_str(url)
         .map_err(|e| StoreError::Config(format!("bad {database} URL: {e}")))?;

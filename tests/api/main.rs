@@ -19,6 +19,8 @@ mod bad_input;
 mod connect_errors;
 #[cfg(feature = "sqlite")]
 mod executor;
+#[cfg(feature = "sqlite")]
+mod extreme_values;
 mod fuzz_props;
 #[cfg(all(feature = "cli", feature = "sqlite"))]
 mod metrics;

@@ -59,7 +59,8 @@ macro_rules! scenario_tests {
             an_unknown_outcome_is_left_unacked_until_the_sweeper_settles_it,
             a_consumer_killed_mid_message_leaves_one_effect,
             a_consumer_without_a_provider_killed_mid_message_keeps_one_effect,
-            a_keyless_message_is_rejected_and_a_panic_redelivered
+            a_keyless_message_is_rejected_and_a_panic_redelivered,
+            a_consumer_asked_for_any_concurrency_handles_its_messages
         );
     };
     ($broker:ty, $($scenario:ident),+) => {
@@ -498,6 +499,40 @@ pub async fn a_keyless_message_is_rejected_and_a_panic_redelivered(broker: impl 
     let stats = consumer.stats();
     assert_eq!(stats.failed, 1, "{stats:?}");
     assert_eq!(effects.summary().await, (1, 1, 1), "{stats:?}");
+    assert_eq!(broker.unacked().await, 0, "the queue drained");
+    broker.delete().await;
+}
+
+/// A consumer asked for the largest concurrency a `usize` holds: taken as
+/// `consumer::MAX_CONCURRENCY`, its loop handles messages as any other (a broker loop sized by
+/// the value as given would panic or ask the broker for more than it allows).
+pub async fn a_consumer_asked_for_any_concurrency_handles_its_messages(broker: impl Broker) {
+    let files = Files::new();
+    let effects = files.effects().await;
+    let idem = Idempotency::new(files.store().await);
+    let handler = {
+        let effects = effects.clone();
+        move |_message: Message, ctx: Context| {
+            let effects = effects.clone();
+            async move {
+                effects.record(&ctx).await;
+                Outcome::Succeeded(StoredResponse::new(200))
+            }
+        }
+    };
+    let consumer = Consumer::new(idem, scope(&broker), handler).concurrency(usize::MAX);
+    let running = broker.start(consumer.clone()).await;
+    assert!(broker.publish("wide-1", b"{}").await);
+    assert!(broker.publish("wide-2", b"{}").await);
+    until_stats(
+        &consumer,
+        Duration::from_secs(20),
+        "both messages handled",
+        |s| s.ran == 2,
+    )
+    .await;
+    running.stop().await;
+    assert_eq!(effects.summary().await, (2, 2, 1));
     assert_eq!(broker.unacked().await, 0, "the queue drained");
     broker.delete().await;
 }

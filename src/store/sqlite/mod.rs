@@ -108,12 +108,17 @@ impl SqliteConfig {
         busy_timeout(busy_timeout: Duration);
     }
 
-    /// Sets the number of reader connections (at least 1).
+    /// Sets the number of reader connections (at least 1, at most [`MAX_READERS`]: a larger
+    /// number is refused with [`StoreError::Config`] when the store connects).
     pub fn readers(mut self, readers: u32) -> Self {
         self.readers = readers.max(1);
         self
     }
 }
+
+/// The largest [`SqliteConfig::readers`]: each reader is a connection with a thread of its own,
+/// and the pool sets aside room for every one it may open.
+pub const MAX_READERS: u32 = 1_024;
 
 /// A [`Store`] on SQLite.
 ///
@@ -182,6 +187,12 @@ impl SqliteStore {
 
     /// Opens the database with explicit options.
     pub async fn connect_with(config: SqliteConfig) -> Result<Self, StoreError> {
+        if config.readers > MAX_READERS {
+            return Err(StoreError::Config(format!(
+                "SqliteConfig::readers must be at most {MAX_READERS}, not {}",
+                config.readers
+            )));
+        }
         if !config.url.starts_with("sqlite:") {
             return Err(StoreError::Config(format!(
                 "{:?} is not a SQLite URL (expected sqlite://path, sqlite:path or sqlite::memory:)",
