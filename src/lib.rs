@@ -84,8 +84,6 @@ pub mod axum;
 #[cfg(feature = "conformance")]
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
-#[cfg(any(feature = "rabbitmq", feature = "nats"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
 pub mod consumer;
 pub mod error;
 pub mod executor;

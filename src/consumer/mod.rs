@@ -1,13 +1,14 @@
-//! Queue consumers (features `rabbitmq` and `nats`): each message's handler runs under a key
+//! Queue consumers: each message's handler runs under a key
 //! taken from the message, through [`Idempotency::execute`], and the message is acknowledged
 //! only once its key is settled, so that the broker's redeliveries and the publishers' duplicates
 //! converge on one run of the handler per key.
 //!
 //! [`Consumer`] is the broker-neutral part: it reads a message's key ([`KeySource`]), runs the
 //! handler under it in the consumer's scope, and says what to do with the delivery
-//! ([`Disposition`]). The brokers' loops are [`amqp::consume`] (RabbitMQ, through `lapin`) and
-//! [`nats::consume`] (NATS JetStream, through `async-nats`); another broker calls
-//! [`Consumer::handle`] with each of its messages.
+//! ([`Disposition`]); it needs no feature. The brokers' loops are `amqp::consume` (RabbitMQ,
+//! through `lapin`, feature `rabbitmq`) and `nats::consume` (NATS JetStream, through
+//! `async-nats`, feature `nats`); another broker calls [`Consumer::handle`] with each of its
+//! messages.
 //!
 //! | The delivery | The key | Disposition | RabbitMQ | NATS JetStream |
 //! |---|---|---|---|---|
