@@ -15,6 +15,10 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// The most slots a hint holds: 16,777,216 (128 MiB); a larger number asked for is taken as
+/// this (a hint is only a hint: more slots remember more keys, never change an answer).
+pub(crate) const MAX_SLOTS: usize = 1 << 24;
+
 /// Slots the SQL stores use (8 bytes each).
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) const DEFAULT_SLOTS: usize = 65_536;
@@ -58,10 +62,12 @@ impl KnownKeys {
         self.slots.as_ptr() as usize
     }
 
-    /// A hint of `slots` slots (0: a hint that knows nothing).
+    /// A hint of `slots` slots (0: a hint that knows nothing), at most [`MAX_SLOTS`].
     pub(crate) fn new(slots: usize) -> Self {
         Self {
-            slots: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            slots: (0..slots.min(MAX_SLOTS))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
         }
     }
 

@@ -417,3 +417,50 @@ mod provider_settings {
         assert!(Stripe::with_base_url("", "sk_test_x").is_err());
     }
 }
+
+#[cfg(feature = "redis")]
+mod redis_settings {
+    use super::*;
+    use idemflow::store::redis::{RedisConfig, RedisStore};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_settings_at_their_extremes() {
+        let Some(url) = crate::support::backend_url("IDEMFLOW_TEST_REDIS_URL") else {
+            return;
+        };
+        let base =
+            || RedisConfig::new(url.clone()).prefix(idemflow::conformance::unique("extreme"));
+        let mut configs: Vec<(String, RedisConfig)> = Vec::new();
+        for d in DURATIONS {
+            configs.push((format!("history ttl {d:?}"), base().history_ttl(d)));
+            configs.push((format!("expiry grace {d:?}"), base().expiry_grace(Some(d))));
+            configs.push((
+                format!("response timeout {d:?}"),
+                base().response_timeout(d),
+            ));
+            configs.push((format!("wait 0 replicas {d:?}"), base().wait(0, d)));
+        }
+        for n in [0, 1, u32::MAX] {
+            configs.push((format!("buckets {n}"), base().buckets(n)));
+            configs.push((format!("history cap {n}"), base().history_cap(n)));
+        }
+        for n in SIZES {
+            configs.push((format!("known keys {n}"), base().known_keys(n)));
+        }
+        configs.push(("empty prefix".into(), base().prefix("")));
+        for (what, config) in configs {
+            let store = match bounded(&what, RedisStore::connect_with(config)).await {
+                Ok(store) => store,
+                Err(e) => {
+                    println!("{what}: refused: {e}");
+                    continue;
+                }
+            };
+            if let Err(e) = bounded(&what, store.migrate()).await {
+                println!("{what}: migrate refused: {e}");
+                continue;
+            }
+            exercise(&what, &Idempotency::new(Arc::new(store))).await;
+        }
+    }
+}

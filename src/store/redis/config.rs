@@ -350,7 +350,7 @@ pub struct RedisConfig {
     /// script only if it is missing or claimable; any other claim runs the script at once. So a
     /// replay costs one round trip either way (without Lua when known), and claim + finish on a
     /// fresh key stays at two. The hint is never trusted for a decision: a wrong one costs one
-    /// extra round trip.
+    /// extra round trip. At most 16,777,216 slots (128 MiB): a larger number is taken as that.
     pub known_keys: usize,
     /// Timeout of one connection attempt (default 2 s).
     pub connection_timeout: Duration,
