@@ -3,7 +3,12 @@
 //! [`child_dies_inside_its_transaction`]) claims a key in one commit's transaction, inserts the
 //! application's row, says so, and waits before the commit; the test kills it with SIGKILL
 //! there. A retry with the same key must then run the writes (nothing of the child's transaction
-//! is kept, the key included) and leave exactly one application row for the key.
+//! is kept, the key included) and leave exactly one application row for the key. The same with
+//! the child stuck in a statement that never ends on its own when it is killed: on PostgreSQL
+//! and MariaDB the server goes on running a dead client's statement, holding the key's
+//! uncommitted claim, until the phase's bound on each statement (`statement_timeout`,
+//! `max_statement_time`) ends it, so the retry is answered within that bound, not after the
+//! statement's hour.
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -20,34 +25,45 @@ use crate::support::KillOnDrop;
 const CHILD_URL: &str = "IDEMFLOW_ONE_COMMIT_KILL_URL";
 /// The file the child creates once its row is inserted (inside the open transaction).
 const CHILD_MARK: &str = "IDEMFLOW_ONE_COMMIT_KILL_MARK";
+/// Set: the child then runs a statement that never ends on its own, instead of sleeping.
+const CHILD_STUCK: &str = "IDEMFLOW_ONE_COMMIT_KILL_STUCK";
 /// The application's table: no unique constraint, so a second row would show.
 const ORDERS: &str = "CREATE TABLE kill_orders (k VARCHAR(64) NOT NULL, pid INTEGER NOT NULL)";
 const KEY: &str = "order-1";
 
-/// A store and a phase inserting this process's row for [`KEY`], then running `after`.
+/// What the child does once its row is inserted: `None` for the retry (nothing), else the file
+/// to create and whether to run a statement that never ends on its own.
+type Then = Option<(String, bool)>;
+
+/// A store and a phase inserting this process's row for [`KEY`], then doing as [`Then`] says.
 async fn open(
     url: &str,
 ) -> (
     Arc<dyn Store>,
-    Box<dyn Fn(Option<String>) -> Box<dyn AtomicPhase> + Send + Sync>,
+    Box<dyn Fn(Then) -> Box<dyn AtomicPhase> + Send + Sync>,
 ) {
     macro_rules! phase {
-        ($store:expr, $conn:ty, $insert:expr) => {{
+        ($store:expr, $conn:ty, $insert:expr, $stuck:expr) => {{
             let store = $store;
-            let make = move |mark: Option<String>| -> Box<dyn AtomicPhase> {
+            let make = move |then: Then| -> Box<dyn AtomicPhase> {
                 Box::new(store.atomic_phase(move |conn: &mut $conn| -> WritesFuture<'_> {
-                    let mark = mark.clone();
+                    let then = then.clone();
                     Box::pin(async move {
                         sqlx::query($insert)
                             .bind(KEY)
                             .bind(std::process::id() as i64)
                             .execute(&mut *conn)
                             .await?;
-                        if let Some(mark) = mark {
+                        if let Some((mark, stuck)) = then {
                             // The row is in, the transaction open: tell the test, then wait
-                            // for the kill (well inside the phase's 5 s timeout).
+                            // for the kill (well inside the phase's 5 s timeout), stuck in a
+                            // statement or asleep.
                             std::fs::write(&mark, b"inserted")?;
-                            tokio::time::sleep(Duration::from_secs(4)).await;
+                            if stuck {
+                                sqlx::query($stuck).execute(&mut *conn).await?;
+                            } else {
+                                tokio::time::sleep(Duration::from_secs(4)).await;
+                            }
                         }
                         Ok(StoredResponse::json(201, &json!({"order": KEY}))?)
                     })
@@ -63,7 +79,8 @@ async fn open(
         let make = phase!(
             s.clone(),
             sqlx::SqliteConnection,
-            "INSERT INTO kill_orders (k, pid) VALUES (?, ?)"
+            "INSERT INTO kill_orders (k, pid) VALUES (?, ?)",
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT count(*) FROM n"
         );
         (Arc::new(s), Box::new(make))
     } else if url.starts_with("postgres") {
@@ -73,7 +90,8 @@ async fn open(
         let make = phase!(
             s.clone(),
             sqlx::PgConnection,
-            "INSERT INTO kill_orders (k, pid) VALUES ($1, $2)"
+            "INSERT INTO kill_orders (k, pid) VALUES ($1, $2)",
+            "SELECT pg_sleep(3600)"
         );
         (Arc::new(s), Box::new(make))
     } else {
@@ -83,7 +101,8 @@ async fn open(
         let make = phase!(
             s.clone(),
             sqlx::MySqlConnection,
-            "INSERT INTO kill_orders (k, pid) VALUES (?, ?)"
+            "INSERT INTO kill_orders (k, pid) VALUES (?, ?)",
+            "SELECT SLEEP(3600)"
         );
         (Arc::new(s), Box::new(make))
     }
@@ -103,21 +122,28 @@ fn child_dies_inside_its_transaction() {
         return;
     };
     let rt = crate::support::child_runtime();
+    let stuck = std::env::var_os(CHILD_STUCK).is_some();
     rt.block_on(async move {
         let (store, phase) = open(&url).await;
         let done = Idempotency::new(store)
-            .execute_atomic(request(), phase(Some(mark)))
+            .execute_atomic(request(), phase(Some((mark, stuck))))
             .await;
         eprintln!("the child's transaction ended before the kill: {done:?}");
     });
 }
 
-async fn killed_inside_the_transaction(name: &str, url: &str) {
+/// Kills the child inside its transaction (`stuck`: inside a statement that never ends), then
+/// retries the key.
+async fn killed_inside_the_transaction(name: &str, url: &str, stuck: bool) {
     let (store, phase) = open(url).await;
     store.migrate().await.unwrap();
     run_sql(url, ORDERS).await;
     let mark = tempfile::tempdir().unwrap().keep().join("inserted");
-    let child = crate::support::child_test(module_path!(), "child_dies_inside_its_transaction")
+    let mut child = crate::support::child_test(module_path!(), "child_dies_inside_its_transaction");
+    if stuck {
+        child.env(CHILD_STUCK, "1");
+    }
+    let child = child
         .env(CHILD_URL, url)
         .env(CHILD_MARK, &mark)
         .stdout(Stdio::null())
@@ -137,18 +163,34 @@ async fn killed_inside_the_transaction(name: &str, url: &str) {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    if stuck {
+        // Into its statement.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     child.kill().unwrap();
     let status = child.wait().unwrap();
     assert!(!status.success(), "[{name}] the child was killed: {status}");
+    let killed = Instant::now();
 
     // Nothing of the child's transaction is kept: no key, no row.
     assert!(
         store.get(request().id()).await.unwrap().is_none(),
         "[{name}]"
     );
-    // The client's retry runs the writes, once.
+    // The client's retry runs the writes, once: after a stuck child's statement is ended by
+    // the server, within the phase's bound on it (5 s) and a loaded machine's slack.
     let idem = Idempotency::new(store.clone());
-    let retried = idem.execute_atomic(request(), phase(None)).await.unwrap();
+    let retried = tokio::time::timeout(
+        Duration::from_secs(40),
+        idem.execute_atomic(request(), phase(None)),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("[{name}] the retry waited behind the dead child's statement"))
+    .unwrap();
+    println!(
+        "[{name}] the retry was answered {:?} after the kill",
+        killed.elapsed()
+    );
     assert!(
         matches!(retried, Execution::Executed(_)),
         "[{name}] {retried:?}"
@@ -162,7 +204,9 @@ async fn killed_inside_the_transaction(name: &str, url: &str) {
     assert_eq!(rows, 1, "[{name}] exactly one application row for the key");
     let record = store.get(request().id()).await.unwrap().unwrap();
     assert_eq!(record.state, KeyState::Done, "[{name}]");
-    println!("[{name}] killed inside its transaction; the retry wrote the one row");
+    println!(
+        "[{name}] killed inside its transaction (stuck: {stuck}); the retry wrote the one row"
+    );
 }
 
 /// Runs one statement of the application's on the database at `url`.
@@ -196,25 +240,22 @@ async fn count(url: &str) -> i64 {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_file() {
+async fn sqlite_file(stuck: bool) {
     let dir = tempfile::tempdir().unwrap().keep();
     let url = format!("sqlite://{}?mode=rwc", dir.join("kill.db").display());
-    killed_inside_the_transaction("sqlite", &url).await;
+    killed_inside_the_transaction("sqlite", &url, stuck).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres() {
+async fn postgres(stuck: bool) {
     let Some((url, schema)) = crate::support::postgres::fresh_schema().await else {
         return;
     };
     let url_in = crate::support::postgres::url_in(&url, &schema);
-    killed_inside_the_transaction("postgres", &url_in).await;
+    killed_inside_the_transaction("postgres", &url_in, stuck).await;
     crate::support::postgres::drop_schema(&url, &schema).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql() {
+async fn mysql(stuck: bool) {
     let Some((options, name)) = crate::support::mysql::fresh_database().await else {
         return;
     };
@@ -225,6 +266,26 @@ async fn mysql() {
             .rsplit_once('/')
             .map_or(base.as_str(), |(b, _)| b)
     );
-    killed_inside_the_transaction("mysql", &url).await;
+    killed_inside_the_transaction("mysql", &url, stuck).await;
     crate::support::mysql::drop_database(&options, &name).await;
+}
+
+macro_rules! kill_tests {
+    ($($name:ident: $backend:ident, $stuck:expr;)+) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $backend($stuck).await;
+            }
+        )+
+    };
+}
+
+kill_tests! {
+    sqlite_killed_in_its_transaction: sqlite_file, false;
+    sqlite_killed_stuck_in_a_statement: sqlite_file, true;
+    postgres_killed_in_its_transaction: postgres, false;
+    postgres_killed_stuck_in_a_statement: postgres, true;
+    mysql_killed_in_its_transaction: mysql, false;
+    mysql_killed_stuck_in_a_statement: mysql, true;
 }
