@@ -144,6 +144,10 @@ impl Db {
 
 const INJECTED_PANIC: &str = "injected: a bug in the application's phase";
 
+/// How many phases in a thousand without another fault get stuck in a statement
+/// ([`Fault::Stuck`]).
+const STUCK_PER_MILLE: u64 = 150;
+
 /// What happens during one phase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
@@ -174,7 +178,16 @@ pub enum Fault {
     /// transaction open, as a constraint's), its error returned: everything rolled back
     /// (SQLite; on PostgreSQL and MariaDB/MySQL [`Fault::Trigger`] is that already).
     Abort,
+    /// After writing its row, the phase runs a statement that never ends on its own (a
+    /// recursive query without a bound): the store's phase timeout cuts the phase off and
+    /// interrupts the statement, and everything is rolled back while the writer goes on
+    /// (SQLite, [`Mode::StuckStatements`](crate::world::Mode::StuckStatements)).
+    Stuck,
 }
+
+/// [`Fault::Stuck`]'s statement.
+const NEVER_ENDS: &str =
+    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT count(*) FROM n";
 
 /// What a phase's caller was told.
 #[derive(Debug, Clone)]
@@ -198,6 +211,9 @@ pub struct AtomicSim {
     /// Where a batched phase stands in its batch (how many of the others' writes come before
     /// it): a stream of its own too.
     order: Mutex<Rng>,
+    /// The draws of [`Fault::Stuck`], on SQLite in
+    /// [`Mode::StuckStatements`](crate::world::Mode::StuckStatements): a stream of its own.
+    stuck: Option<Mutex<Rng>>,
     pub shared: SharedRef,
     /// Every phase's answer to its caller.
     pub told: Mutex<Vec<Told>>,
@@ -215,14 +231,19 @@ pub struct AtomicSim {
 }
 
 impl AtomicSim {
-    pub fn new(db: Db, rng: Rng, shared: SharedRef) -> Self {
+    /// The phases of a schedule on `db`; `stuck`: some phases' statements never end
+    /// ([`Fault::Stuck`], on SQLite only).
+    pub fn new(db: Db, rng: Rng, shared: SharedRef, stuck: bool) -> Self {
         let more = Rng::new(rng.clone().next_u64() ^ 0x0A7E_5EED);
         let order = Rng::new(rng.clone().next_u64() ^ 0x0BA7_C4ED);
+        let stuck = (stuck && db.sqlite().is_some())
+            .then(|| Mutex::new(Rng::new(rng.clone().next_u64() ^ 0x057C_C4ED)));
         Self {
             db,
             rng: Mutex::new(rng),
             more: Mutex::new(more),
             order: Mutex::new(order),
+            stuck,
             shared,
             told: Mutex::default(),
             notes: Mutex::default(),
@@ -297,6 +318,12 @@ impl AtomicSim {
         let fault = match (fault, self.more.lock().unwrap().range(0, 9)) {
             (Fault::None, 0..=2) => Fault::Refuse,
             (Fault::None, 3 | 4) if sqlite => Fault::Abort,
+            (fault, _) => fault,
+        };
+        let fault = match (fault, &self.stuck) {
+            (Fault::None, Some(stuck)) if stuck.lock().unwrap().chance(STUCK_PER_MILLE) => {
+                Fault::Stuck
+            }
             (fault, _) => fault,
         };
         (fault, batched, read_only)
@@ -483,7 +510,7 @@ macro_rules! writes {
                     .execute(&mut *$conn)
                     .await?;
             }
-            Fault::None | Fault::Panic | Fault::KillLate | Fault::Refuse => {}
+            Fault::None | Fault::Panic | Fault::KillLate | Fault::Refuse | Fault::Stuck => {}
         }
         if w.read_only {
             return Ok(StoredResponse::json(
@@ -498,6 +525,9 @@ macro_rules! writes {
             .await?;
         if w.fault == Fault::Panic {
             std::panic::panic_any(INJECTED_PANIC);
+        }
+        if w.fault == Fault::Stuck {
+            sqlx::query(NEVER_ENDS).execute(&mut *$conn).await?;
         }
         if w.fault == Fault::KillLate {
             let pid: i64 = sqlx::query_scalar(sql.pid).fetch_one(&mut *$conn).await?;

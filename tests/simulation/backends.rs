@@ -77,8 +77,12 @@ async fn sqlite_open(file: bool) -> Result<Slot, String> {
         (None, "sqlite::memory:".to_owned())
     };
     // A short busy timeout: the phases' contention faults wait for it.
+    // A phase timeout of a second, past the busy timeout (the lock faults wait that out) and
+    // short enough that a phase stuck in a statement (`atomic::Fault::Stuck`) is cut off
+    // within the schedule.
     let config = SqliteConfig::new(&url)
         .busy_timeout(std::time::Duration::from_millis(300))
+        .phase_timeout(std::time::Duration::from_secs(1))
         .readers(1);
     // WAL without a sync per commit: a reopened file still holds every commit (a process
     // restart, not a power cut), and the schedules' leases are not starved by fsyncs.

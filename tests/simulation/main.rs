@@ -207,10 +207,12 @@ async fn simulate(backend: Backend, ci_cases: u64, default_parallel: u64) {
         Ok("failover") => Mode::Failover,
         Ok("http") => Mode::Http,
         Ok("queues") => Mode::Queues,
-        Ok("own-effects") | Err(_) => Mode::OwnEffects,
+        Ok("own-effects") => Mode::OwnEffects,
+        Ok("request-lookups") => Mode::RequestLookups,
+        Ok("stuck-statements") | Err(_) => Mode::StuckStatements,
         Ok(other) => {
             panic!(
-                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit, webhooks, waiting, outages, failover, http, queues or own-effects"
+                "IDEMFLOW_SIM_MODE={other:?}: expected classic, workflows, full, one-commit, webhooks, waiting, outages, failover, http, queues, own-effects, request-lookups or stuck-statements"
             )
         }
     };

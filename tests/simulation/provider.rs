@@ -46,6 +46,10 @@ impl Faults {
 #[derive(Debug)]
 pub struct SimProvider {
     pub name: &'static str,
+    /// The lookup needs the key's stored request to find the effect (as a Stripe refund's:
+    /// which payment to list): without it (`Null`), it answers "needs an operator", as the
+    /// adapters do, never an authoritative "not found".
+    pub lookup_needs_request: bool,
     /// `Some(window)`: keys, and a same-key re-send inside the window replays the first result.
     pub window: Option<Duration>,
     pub search_lag: Duration,
@@ -255,11 +259,19 @@ impl Provider for SimProvider {
     async fn lookup(
         &self,
         provider_key: &str,
-        _request: &serde_json::Value,
+        request: &serde_json::Value,
         attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
         park("provider.lookup", "before", provider_key).await;
+        if self.lookup_needs_request && request.is_null() {
+            return Lookup::NeedsOperator {
+                reason: format!(
+                    "{} is searched by the request, which was not stored",
+                    self.name
+                ),
+            };
+        }
         if self.roll(self.faults.lookup_unknown) {
             return Lookup::Unknown {
                 retry_after: Some(Duration::from_millis(5)),

@@ -107,9 +107,19 @@ pub enum Mode {
     /// Also queue messages whose handler's effect is the application's own (a consumer without
     /// a provider): half the queue's messages. The handler records its effect keyed by the
     /// message (all or nothing, as `docs/consumers.md` asks of such an effect); nothing but a
-    /// redelivery after the lease settles a run that crashed. What the simulation runs by
-    /// default.
+    /// redelivery after the lease settles a run that crashed.
     OwnEffects,
+    /// Also, in half the schedules, a keyed provider whose lookup needs the key's stored request
+    /// (as Stripe's refunds and captures: which payment to read), so that a key stored without
+    /// one (a queue's message, sent with `Context::send`; and, in half of those schedules, the
+    /// single calls of an executor with `store_request(false)`) can only be looked up as "needs
+    /// an operator"; at quiescence an operator settles what the sweeper reports so, from the
+    /// provider's records, as on-call would.
+    RequestLookups,
+    /// Also, on SQLite, atomic phases stuck in a statement that never ends
+    /// ([`crate::atomic::Fault::Stuck`]): the store's phase timeout interrupts it and the writer
+    /// goes on. What the simulation runs by default.
+    StuckStatements,
 }
 
 impl Mode {
@@ -161,6 +171,16 @@ impl Mode {
     /// Whether the additions of [`Mode::OwnEffects`] are on.
     pub fn own_effects(self) -> bool {
         self.holds(Mode::OwnEffects)
+    }
+
+    /// Whether the additions of [`Mode::RequestLookups`] are on.
+    pub fn request_lookups(self) -> bool {
+        self.holds(Mode::RequestLookups)
+    }
+
+    /// Whether the additions of [`Mode::StuckStatements`] are on.
+    pub fn stuck_statements(self) -> bool {
+        self.holds(Mode::StuckStatements)
     }
 }
 
@@ -318,6 +338,9 @@ struct World {
     states: std::collections::BTreeMap<String, String>,
     /// (check, label, generation) already reported, so a state is reported once.
     reported: BTreeSet<(Check, String, u32)>,
+    /// At quiescence an operator settles the keys the sweeper reports as needing one
+    /// ([`Mode::RequestLookups`]).
+    operator_settles: bool,
 }
 
 fn key_id(scope: &str, key: &str) -> KeyId {
@@ -1095,8 +1118,31 @@ impl World {
         until: std::time::Instant,
     ) -> Vec<(String, String)> {
         loop {
-            if let Err(e) = sweeper.run_once().await {
-                self.violate(Check::NoStoreErrors, "-", format!("final sweep: {e}"));
+            match sweeper.run_once().await {
+                Ok(report) if self.operator_settles => {
+                    // On-call settles what the sweeper hands over, from the provider's records.
+                    for u in report
+                        .unresolved
+                        .iter()
+                        .filter(|u| u.kind == idemflow::sweeper::Unresolved::NeedsOperator)
+                    {
+                        let Some(key) = self
+                            .keys
+                            .iter()
+                            .find(|k| k.id.scope.as_str() == u.scope && k.id.key.as_str() == u.key)
+                            .cloned()
+                        else {
+                            continue;
+                        };
+                        let label = key.label.clone();
+                        let done = operator(self.gated.clone(), key, self.shared.clone()).await;
+                        self.trace(format!("end: operator settles {label}: {done}"));
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.violate(Check::NoStoreErrors, "-", format!("final sweep: {e}"));
+                }
             }
             self.redeliver_own_effects().await;
             self.check().await;
@@ -1748,8 +1794,15 @@ pub async fn run_case(
             }
         })
     };
+    let mut lookups = Rng::new(seed ^ REQUEST_LOOKUP_STREAM);
+    let (needs_request, unstored) = if mode.request_lookups() {
+        (lookups.chance(500), lookups.chance(500))
+    } else {
+        (false, false)
+    };
     let pay = Arc::new(SimProvider {
         name: "simpay",
+        lookup_needs_request: needs_request,
         window: Some(settings.window),
         search_lag: settings.pay_lag,
         faults: settings.pay_faults,
@@ -1758,6 +1811,7 @@ pub async fn run_case(
     });
     let mail = Arc::new(SimProvider {
         name: "simmail",
+        lookup_needs_request: false,
         window: None,
         search_lag: settings.mail_lag,
         faults: settings.mail_faults,
@@ -1945,6 +1999,7 @@ pub async fn run_case(
                 db.clone(),
                 at_rng.fork(),
                 shared.clone(),
+                mode.stuck_statements(),
             )))
         }
         _ => None,
@@ -2001,7 +2056,10 @@ pub async fn run_case(
     // or through the layer) must never be taken over, since its provider does not dedupe by
     // key (the window is capped at the provider's, none: `Idempotency::call`, and the layer
     // declared with the provider).
-    let executors = [exec(takeover, "worker-pay"), exec(takeover, "worker-mail")];
+    let executors = [
+        exec(takeover, "worker-pay").store_request(!unstored),
+        exec(takeover, "worker-mail"),
+    ];
     let workflow_exec = exec(takeover, "worker-flow").retention(workflow_retention);
     let mut w = World {
         rng,
@@ -2029,6 +2087,7 @@ pub async fn run_case(
         states: std::collections::BTreeMap::new(),
         lost_leases: BTreeSet::new(),
         reported: BTreeSet::new(),
+        operator_settles: mode.request_lookups(),
     };
     w.workflows = (0..w.keys.len())
         .filter(|&k| w.keys[k].role == Role::Workflow)
@@ -2111,6 +2170,10 @@ const QUEUE_PER_MILLE: u64 = 300;
 /// ([`Mode::OwnEffects`]), and how many queue messages in a thousand are.
 const OWN_EFFECT_STREAM: u64 = 0x0E1F_EC75;
 const OWN_EFFECT_PER_MILLE: u64 = 500;
+/// The seed stream of [`Mode::RequestLookups`]: whether the keyed provider's lookup needs the
+/// stored request, and whether the keyed provider's executor stores none (each in half the
+/// schedules).
+const REQUEST_LOOKUP_STREAM: u64 = 0x0E00_57ED;
 
 /// The seed stream of the waiting clients ([`Mode::Waiting`]), and how many clients in a
 /// thousand wait for the first attempt's answer.
