@@ -107,7 +107,7 @@ impl KeySpec {
         match (self.replays_same_key, self.retention) {
             (true, Some(window)) => {
                 let age = (now - first_sent_at).to_std().unwrap_or_default();
-                age + margin < window
+                age.saturating_add(margin) < window
             }
             _ => false,
         }

@@ -177,33 +177,20 @@ where
             options.max_connections
         )));
     }
+    // Capped as every duration the crate keeps (sqlx adds it to an `Instant`).
+    let acquire_timeout = crate::store::kit::capped(options.acquire_timeout);
     let connect = <DB::Connection as Connection>::Options::from_str(url)
         .map_err(|e| StoreError::Config(format!("bad {database} URL: {e}")))?;
-    let first = within(
-        backend,
-        url,
-        options.acquire_timeout,
-        connect.connect(),
-        sqlx_cause,
-    )
-    .await?;
+    let first = within(backend, url, acquire_timeout, connect.connect(), sqlx_cause).await?;
     let _ = first.close().await;
     SqlxPoolOptions::<DB>::new()
         .max_connections(options.max_connections)
         .min_connections(options.min_connections.min(options.max_connections))
-        .acquire_timeout(options.acquire_timeout)
+        .acquire_timeout(acquire_timeout)
         .connect_with(connect)
         .await
         // The pool's first connection: none was open yet.
-        .map_err(|e| {
-            exhausted_or(
-                backend,
-                options.max_connections,
-                0,
-                options.acquire_timeout,
-                e,
-            )
-        })
+        .map_err(|e| exhausted_or(backend, options.max_connections, 0, acquire_timeout, e))
 }
 
 #[cfg(test)]

@@ -151,11 +151,26 @@ async fn requests_with_empty_or_huge_parts_are_refused_by_name() {
         .map(|r| r.with_provider("").with_provider_key(""));
 }
 
-/// A key the sweeper can take: claimed through a provider, its answer lost.
+/// A key the sweeper can take: claimed for `provider`, its worker cut off mid-call, its lease
+/// run out.
 async fn stuck_key(store: &Arc<dyn Store>, provider: &FakeProvider, key: &str) {
+    use idemflow::Provider;
+    use idemflow::conformance::sweeper::{cut_when, hang_after};
     let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(1));
-    provider.lose_next(1);
-    let _ = idem.call(request(key), provider).await;
+    let req = request(key);
+    let pk = provider
+        .key_spec()
+        .derive(&req.id().scope, &req.id().key, req.operation());
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(
+        idem.execute(
+            req.with_provider(provider.name()).with_provider_key(pk),
+            hang_after(at),
+        ),
+        reached,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -191,9 +206,14 @@ async fn sweeper_settings_at_their_extremes() {
     runs.push(("owner empty".into(), sweeper().owner("")));
     for (i, (what, sweeper)) in runs.into_iter().enumerate() {
         stuck_key(&store, &provider, &format!("stuck-{i}")).await;
-        tokio::time::sleep(Duration::from_millis(5)).await;
         let report = bounded(&what, sweeper.run_once()).await;
-        assert!(report.is_ok(), "{what}: {report:?}");
+        let Ok(report) = report else {
+            panic!("{what}: {report:?}");
+        };
+        assert!(
+            report.taken >= 1,
+            "{what}: the stuck key was not taken: {report:?}"
+        );
     }
 }
 
@@ -227,9 +247,9 @@ async fn sqlite_settings_at_their_extremes() {
     for (what, config) in configs {
         let store = match bounded(&what, SqliteStore::connect_with(config)).await {
             Ok(store) => store,
-            // Refused with a typed error: nothing else to use.
+            // Refused by name, before anything else runs: nothing else to use.
             Err(e) => {
-                println!("{what}: refused: {e}");
+                assert!(matches!(e, idemflow::StoreError::Config(_)), "{what}: {e}");
                 continue;
             }
         };
@@ -413,6 +433,63 @@ mod provider_settings {
                 .await;
             }
         }
+        // Every other adapter's durations, through a lookup and a sweep of a key of each.
+        use idemflow::provider::{Adyen, PayPal, Postmark, Resend, Square};
+        for d in DURATIONS {
+            let base = "http://127.0.0.1:1";
+            let adapters: Vec<Arc<dyn Provider>> = vec![
+                Arc::new(Adyen::with_base_url(base, "k").unwrap().redrive_margin(d)),
+                Arc::new(
+                    PayPal::with_base_url(base, "k")
+                        .unwrap()
+                        .retention(d)
+                        .redrive_margin(d),
+                ),
+                Arc::new(
+                    Resend::with_base_url(base, "re_k")
+                        .unwrap()
+                        .redrive_margin(d),
+                ),
+                Arc::new(Postmark::with_base_url(base, "k").unwrap().search_lag(d)),
+                Arc::new(
+                    Square::with_base_url(base, "k")
+                        .unwrap()
+                        .processing_window(d),
+                ),
+                Arc::new(
+                    Stripe::with_base_url(base, "sk_test_x")
+                        .unwrap()
+                        .search_lag(d),
+                ),
+            ];
+            let store = store().await;
+            for adapter in adapters {
+                let what = format!("{} {d:?}", adapter.name());
+                let long_ago = Attempts::once(Utc::now() - chrono::Duration::days(400));
+                for attempts in [Attempts::once(Utc::now()), long_ago] {
+                    let _ = bounded(
+                        &what,
+                        adapter.lookup("k", &json!({"amount": 1}), attempts, Utc::now()),
+                    )
+                    .await;
+                }
+                let _ = adapter.key_spec().derive(
+                    &Scope::new("s").unwrap(),
+                    &idemflow::IdempotencyKey::new("k").unwrap(),
+                    "op",
+                );
+                let req =
+                    request(&format!("adapter-{}", adapter.name())).with_provider(adapter.name());
+                let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(1));
+                let _ = bounded(&what, idem.call(req, adapter.as_ref())).await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                let sweep = Sweeper::new(store.clone(), Providers::new().with(adapter.clone()))
+                    .redrive_margin(d)
+                    .call_timeout(Duration::from_secs(5));
+                let report = bounded(&what, sweep.run_once()).await;
+                assert!(report.is_ok(), "{what}: {report:?}");
+            }
+        }
         assert!(Stripe::with_base_url("http://127.0.0.1:1", "").is_err());
         assert!(Stripe::with_base_url("", "sk_test_x").is_err());
     }
@@ -461,6 +538,45 @@ mod redis_settings {
                 continue;
             }
             exercise(&what, &Idempotency::new(Arc::new(store))).await;
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+mod pool_settings {
+    use super::*;
+    use idemflow::store::PoolOptions;
+    use idemflow::store::postgres::PostgresStore;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pool_settings_at_their_extremes() {
+        let Some(url) = crate::support::backend_url("IDEMFLOW_TEST_POSTGRES_URL") else {
+            return;
+        };
+        for n in [0, u32::MAX] {
+            let refused =
+                PostgresStore::connect_with(&url, PoolOptions::default().max_connections(n)).await;
+            assert!(
+                matches!(refused, Err(idemflow::StoreError::Config(_))),
+                "max_connections {n}: {refused:?}"
+            );
+        }
+        let mut options = Vec::new();
+        for d in DURATIONS {
+            options.push((
+                format!("acquire {d:?}"),
+                PoolOptions::default().acquire_timeout(d),
+            ));
+        }
+        for n in [0, 1, u32::MAX] {
+            options.push((
+                format!("min {n}"),
+                PoolOptions::default().min_connections(n),
+            ));
+        }
+        for (what, options) in options {
+            // Answered, connected or refused by name.
+            let _ = bounded(&what, PostgresStore::connect_with(&url, options)).await;
         }
     }
 }

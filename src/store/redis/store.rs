@@ -303,7 +303,10 @@ impl RedisStore {
                     BACKEND,
                     &config.url,
                     // The lookup is bounded by `connection_timeout`, the connection too.
-                    config.connection_timeout * 2 + Duration::from_secs(1),
+                    config
+                        .connection_timeout
+                        .saturating_mul(2)
+                        .saturating_add(Duration::from_secs(1)),
                     SentinelConnection::connect(
                         sentinel,
                         config.response_timeout,

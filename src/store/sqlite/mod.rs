@@ -104,7 +104,8 @@ impl SqliteConfig {
         /// loss is acceptable).
         synchronous(synchronous: SqliteSynchronous);
 
-        /// Sets the busy timeout.
+        /// Sets the busy timeout (at most `i32::MAX` milliseconds, about 24.8 days: SQLite's
+        /// limit; a longer one is refused with [`StoreError::Config`] when the store connects).
         busy_timeout(busy_timeout: Duration);
     }
 
@@ -187,6 +188,14 @@ impl SqliteStore {
 
     /// Opens the database with explicit options.
     pub async fn connect_with(config: SqliteConfig) -> Result<Self, StoreError> {
+        // SQLite takes the busy timeout in milliseconds as a C int.
+        if config.busy_timeout.as_millis() > i32::MAX as u128 {
+            return Err(StoreError::Config(format!(
+                "SqliteConfig::busy_timeout must be at most {:?}, not {:?}",
+                Duration::from_millis(i32::MAX as u64),
+                config.busy_timeout
+            )));
+        }
         if config.readers > MAX_READERS {
             return Err(StoreError::Config(format!(
                 "SqliteConfig::readers must be at most {MAX_READERS}, not {}",
