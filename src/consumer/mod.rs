@@ -134,6 +134,7 @@ pub enum ConsumerError {
 }
 
 impl ConsumerError {
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
     pub(crate) fn broker(broker: &'static str, source: impl Into<BoxError>) -> Self {
         ConsumerError::Broker {
             broker,
@@ -440,6 +441,7 @@ impl Consumer {
         *self.stats.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
     pub(crate) fn concurrency_limit(&self) -> usize {
         self.inner.concurrency
     }

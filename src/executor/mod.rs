@@ -754,10 +754,9 @@ impl Idempotency {
 /// a provider, the webhook receiver): a later delivery takes a crashed or unknown run over
 /// whenever its lease has run out, however old the key is. No provider's dedup window bounds
 /// such a re-run, and the effect must be keyed by the message anyway (`docs/consumers.md`). The
-/// stores cap it at `store::kit::MAX_DURATION_MS`. (Bounded by the retention before 2026-12-06:
-/// a run that crashed and was delivered again only after the retention was never taken over,
-/// and every later delivery was left for a sweeper that has nobody to ask.)
-#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "axum"))]
+/// stores cap it at `store::kit::MAX_DURATION_MS`. It is not bounded by the retention: a run
+/// that crashed and was delivered again only after the retention would never be taken over, and
+/// every later delivery would be left for a sweeper that has nobody to ask.
 pub(crate) const LOCAL_EFFECT_TAKEOVER: Duration = Duration::MAX;
 
 /// The local instant at which a takeover window closes: `window` counted from the key's first

@@ -8,6 +8,7 @@
 //! started job.) Module `crash`: a process SIGKILLed during phases on all three, with a second
 //! process writing.
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use crate::support;
 
 use std::sync::Arc;
