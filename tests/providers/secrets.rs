@@ -57,6 +57,8 @@ async fn the_client_secret_is_never_stored_nor_printed() {
     let fake = FakeStripe::start().await.unwrap();
     let stripe = stripe(&fake);
     let dir = tempfile::tempdir().unwrap();
+    // `url` is the CLI's (feature `cli`).
+    #[cfg_attr(not(feature = "cli"), allow(unused_variables))]
     let (store, url) = file_store(&dir).await;
     let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(400));
 

@@ -97,6 +97,8 @@ struct Card {
     ledger: Ledger,
     faults: Faults,
     body: Value,
+    /// Read by the reconciler's config (feature `cli`).
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     base_url: String,
     _fake: Box<dyn std::any::Any + Send>,
 }
