@@ -3,7 +3,8 @@
 //! failover under load: the primary killed with SIGKILL, a replica promoted, the store on the
 //! primary the sentinels name without a restart, the acknowledged claims and finishes lost
 //! counted with and without `WAIT`, and a provider that dedupes by key acting once per key all
-//! the same.
+//! the same; and a failover away from a primary that stays up, which the store leaves as soon
+//! as the sentinels name another.
 //!
 //! The failover tests use their own master of the set (`IDEMFLOW_TEST_REDIS_SENTINEL_FAILOVER_URL`,
 //! `idemflow-failover` in `.ci/redis-sentinel`), so they never fail over the primary the conformance
@@ -500,6 +501,113 @@ async fn whole_set(sentinels: &[(String, u16)], master: &str) -> u16 {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A failover away from a primary that stays up (`SENTINEL FAILOVER`; under load the sentinels
+/// also fail over a second time from a freshly promoted node that was slow, not dead): Sentinel
+/// leaves the old node a primary, answering writes, for about ten seconds before it turns it
+/// into a replica and drops its clients, and what is written there meanwhile is lost when it
+/// does. The store leaves it as soon as the sentinels name another primary, while it still
+/// answers as one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_leaves_a_primary_the_sentinels_no_longer_name() {
+    let _one_at_a_time = FAILOVER.lock().await;
+    let Some(url) = backend_url(SENTINEL_FAILOVER_URL_VAR) else {
+        return;
+    };
+    let (sentinel, _) = SentinelConfig::parse_url(&url).unwrap();
+    let master = sentinel.master.clone();
+    let old = whole_set(&sentinel.sentinels, &master).await;
+    let Some(store) = store_at(SENTINEL_FAILOVER_URL_VAR, |c| c).await else {
+        return;
+    };
+    let con = sentinel_of(&store.connection());
+    let scope = unique("leave");
+    let claim = |n: u32| {
+        claim_for(
+            &id(&scope, &format!("k-{n}")),
+            "{}",
+            Duration::from_secs(30),
+        )
+    };
+    assert!(matches!(
+        store.claim(&claim(0)).await.unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+    assert_eq!(con.primary(), format!("127.0.0.1:{old}"));
+
+    // The first sentinel promotes a replica, without asking the others.
+    let (_, first) = &sentinel.sentinels[0];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r: redis::RedisResult<String> = redis::cmd("SENTINEL")
+            .arg("FAILOVER")
+            .arg(&master)
+            .query_async(&mut node(*first).await)
+            .await;
+        match r {
+            Ok(_) => break,
+            // INPROG, NOGOODSLAVE: a failover or a resynchronisation still under way.
+            Err(e) => {
+                assert!(Instant::now() < deadline, "SENTINEL FAILOVER: {e}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    let new = loop {
+        match agreed_primary(&sentinel.sentinels, &master).await {
+            Some(p) if p != old => break p,
+            _ => {
+                assert!(Instant::now() < deadline, "no replica promoted within 30 s");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let switched = Instant::now();
+
+    // The old primary still answers as one for about ten seconds; the store's next writes go to
+    // the new primary well before.
+    let mut n = 0;
+    until(
+        "the store on the primary the sentinels name",
+        Duration::from_secs(6),
+        || {
+            n += 1;
+            let (store, claim) = (store.clone(), claim(n));
+            let con = con.clone();
+            async move {
+                let _ = store.claim(&claim).await;
+                con.primary() == format!("127.0.0.1:{new}")
+            }
+        },
+    )
+    .await;
+    let left_after = switched.elapsed();
+    assert_eq!(
+        info_field(old, "replication", "role").await.as_deref(),
+        Some("master"),
+        "Sentinel turned the old primary into a replica before the store left it ({left_after:?} after the switch): this run shows nothing"
+    );
+    let fresh = id(&scope, "after");
+    assert!(matches!(
+        store
+            .claim(&claim_for(&fresh, "{}", Duration::from_secs(30)))
+            .await
+            .unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+    let on_new: bool = redis::cmd("EXISTS")
+        .arg(store.record_key(&fresh))
+        .query_async(&mut node(new).await)
+        .await
+        .unwrap();
+    assert!(on_new, "a claim after the switch is not on the new primary");
+    eprintln!(
+        "failover away from a live primary: 127.0.0.1:{old} -> 127.0.0.1:{new}; the store left it {left_after:?} after the sentinels agreed"
+    );
+
+    // Sentinel turns the old primary into a replica: the set is whole again for the next test.
+    assert_eq!(whole_set(&sentinel.sentinels, &master).await, new);
 }
 
 /// Kills the primary of the `idemflow-failover` master with SIGKILL under load from three stores

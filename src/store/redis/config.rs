@@ -15,8 +15,9 @@ pub const DEFAULT_SENTINEL_PORT: u16 = 26379;
 /// Where the store finds its primary when it connects through Redis Sentinel
 /// ([`RedisConfig::sentinel`]): the master name the sentinels monitor, the sentinels' addresses,
 /// and the database and credentials of the data nodes. The store asks the sentinels for the
-/// primary when it connects and again whenever its connection to the primary breaks or the node
-/// it reaches is no longer a primary, so a failover needs no restart.
+/// primary when it connects and again whenever its connection to the primary breaks, the node
+/// it reaches is no longer a primary, or the sentinels name another primary (it asks them every
+/// half second), so a failover needs no restart.
 #[derive(Clone, PartialEq, Eq)]
 pub struct SentinelConfig {
     /// The master name the sentinels monitor (`sentinel monitor <name> ...`).

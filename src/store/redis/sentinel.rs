@@ -10,15 +10,25 @@
 //! crate checks the node's `ROLE` before handing it out) and connects to it. The failed command
 //! itself is not sent again here: [`RedisStore`](super::RedisStore) decides what is safe to
 //! repeat.
+//!
+//! A failover away from a primary that is still up (`SENTINEL FAILOVER`, or the sentinels
+//! failing over a second time from a node that was slow rather than dead) breaks nothing at
+//! once: Sentinel leaves the old node a primary, answering every write, until it turns it into a
+//! replica about ten seconds later (four publish periods after it sees it report itself a
+//! primary) and drops its clients; what was written there in between is lost when it
+//! resynchronises. So the connection also asks the sentinels every [`CHECK_INTERVAL`] which
+//! primary they name (a task that ends with the last clone), and marks itself broken as soon as
+//! they name another than the one it reaches.
 
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    AsyncConnectionConfig, Cmd, ConnectionAddr, ErrorKind, Pipeline, RedisError, RedisFuture,
-    RedisResult, ServerErrorKind, Value,
+    AsyncConnectionConfig, Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, Pipeline,
+    RedisConnectionInfo, RedisError, RedisFuture, RedisResult, ServerErrorKind, Value,
 };
 
 use super::config::SentinelConfig;
@@ -26,6 +36,11 @@ use super::config::SentinelConfig;
 /// After a failed lookup, commands within this long fail with its error instead of asking the
 /// sentinels again (a failover takes seconds; many callers must not queue up lookups).
 const LOOKUP_BACKOFF: Duration = Duration::from_millis(100);
+
+/// How often a connection asks the sentinels which primary they name (see the module docs):
+/// the longest a store keeps writing to a primary the sentinels no longer name, while that
+/// primary still answers.
+pub(crate) const CHECK_INTERVAL: Duration = Duration::from_millis(500);
 
 /// A connection to the primary a Redis Sentinel set names, re-resolved after a failover (see
 /// the module docs). Cheap to clone: the clones share one multiplexed connection.
@@ -122,6 +137,8 @@ impl SentinelConnection {
             }),
         };
         con.resolve(0, false).await?;
+        let watch = Watch::new(sentinel, connection_timeout)?;
+        tokio::spawn(watch.run(Arc::downgrade(&con.inner)));
         Ok(con)
     }
 
@@ -243,6 +260,16 @@ impl SentinelConnection {
         }
     }
 
+    /// Marks the connection broken if it reaches another primary than `named` (`host:port`),
+    /// the one the sentinels name: the next command asks them again.
+    fn follow(&self, named: &str) {
+        let mut cur = self.current();
+        if !cur.broken && cur.addr != named {
+            tracing::warn!(master = %self.inner.master, primary = %cur.addr, named = %named, "the sentinels name another Redis primary; asking Sentinel again");
+            cur.broken = true;
+        }
+    }
+
     /// Marks generation `generation` broken after `e`, if `e` says so.
     fn check(&self, generation: u64, e: &RedisError) {
         if breaks(e) {
@@ -253,6 +280,130 @@ impl SentinelConnection {
             }
         }
     }
+}
+
+/// Asks the sentinels, every [`CHECK_INTERVAL`], which primary they name, and has the
+/// connection follow it ([`SentinelConnection::follow`]).
+struct Watch {
+    master: String,
+    /// The sentinels, in the configured order, with their credentials.
+    sentinels: Vec<redis::Client>,
+    /// A connection to each sentinel asked so far, kept while it works.
+    cons: Vec<Option<MultiplexedConnection>>,
+    config: AsyncConnectionConfig,
+    /// Bounds one question to one sentinel.
+    timeout: Duration,
+}
+
+impl Watch {
+    fn new(sentinel: &SentinelConfig, timeout: Duration) -> RedisResult<Self> {
+        let mut auth = RedisConnectionInfo::default();
+        if let Some(u) = &sentinel.sentinel_username {
+            auth = auth.set_username(u);
+        }
+        if let Some(p) = &sentinel.sentinel_password {
+            auth = auth.set_password(p);
+        }
+        let sentinels = sentinel
+            .sentinels
+            .iter()
+            .map(|(h, p)| {
+                let info = ConnectionAddr::Tcp(h.clone(), *p)
+                    .into_connection_info()?
+                    .set_redis_settings(auth.clone());
+                redis::Client::open(info)
+            })
+            .collect::<RedisResult<Vec<_>>>()?;
+        Ok(Self {
+            master: sentinel.master.clone(),
+            cons: vec![None; sentinels.len()],
+            sentinels,
+            config: AsyncConnectionConfig::new()
+                .set_response_timeout(Some(timeout))
+                .set_connection_timeout(Some(timeout)),
+            timeout,
+        })
+    }
+
+    /// Runs until the connection is dropped.
+    async fn run(mut self, con: Weak<Inner>) {
+        let mut tick = tokio::time::interval(CHECK_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The first tick is at once: the connection was just resolved.
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            if con.strong_count() == 0 {
+                return;
+            }
+            let named = self.named().await;
+            let Some(inner) = con.upgrade() else {
+                return;
+            };
+            if let Some(named) = named {
+                SentinelConnection { inner }.follow(&named);
+            }
+        }
+    }
+
+    /// The primary (`host:port`) the first sentinel that answers names, as the crate chooses
+    /// (asked in order; a sentinel that sees the primary down or knows no such master is
+    /// passed over); `None` when no sentinel names one.
+    async fn named(&mut self) -> Option<String> {
+        for i in 0..self.sentinels.len() {
+            let asked = tokio::time::timeout(self.timeout, self.ask(i)).await;
+            match asked {
+                Ok(Ok(Some(addr))) => return Some(addr),
+                Ok(Ok(None)) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(master = %self.master, sentinel = i, error = %e, "a sentinel did not say which primary it names");
+                    self.cons[i] = None;
+                }
+                Err(_) => self.cons[i] = None,
+            }
+        }
+        None
+    }
+
+    /// What sentinel `i` names as the primary, if it sees one up.
+    async fn ask(&mut self, i: usize) -> RedisResult<Option<String>> {
+        let mut con = match &self.cons[i] {
+            Some(con) => con.clone(),
+            None => {
+                let con = self.sentinels[i]
+                    .get_multiplexed_async_connection_with_config(&self.config)
+                    .await?;
+                self.cons[i] = Some(con.clone());
+                con
+            }
+        };
+        let answer: RedisResult<HashMap<String, String>> = redis::cmd("SENTINEL")
+            .arg("MASTER")
+            .arg(&self.master)
+            .query_async(&mut con)
+            .await;
+        match answer {
+            Ok(fields) => Ok(primary_up(&fields)),
+            // "No such master with that name": this sentinel does not monitor it (yet).
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The primary's `host:port` in a sentinel's `SENTINEL MASTER` fields, if the sentinel sees it
+/// up (the crate's test: flagged `master`, neither `s_down` nor `o_down`).
+fn primary_up(fields: &HashMap<String, String>) -> Option<String> {
+    let flags = fields.get("flags")?;
+    if !flags.split(',').any(|f| f == "master")
+        || flags.contains("s_down")
+        || flags.contains("o_down")
+    {
+        return None;
+    }
+    let ip = fields.get("ip")?;
+    let port: u16 = fields.get("port")?.parse().ok()?;
+    Some(format!("{ip}:{port}"))
 }
 
 impl ConnectionLike for SentinelConnection {
@@ -298,5 +449,40 @@ impl ConnectionLike for SentinelConnection {
 
     fn get_db(&self) -> i64 {
         self.inner.db
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(flags: &str) -> HashMap<String, String> {
+        [("ip", "10.0.0.2"), ("port", "6380"), ("flags", flags)]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn only_a_primary_the_sentinel_sees_up_is_named() {
+        assert_eq!(
+            primary_up(&fields("master")).as_deref(),
+            Some("10.0.0.2:6380")
+        );
+        assert_eq!(
+            primary_up(&fields("master,failover_in_progress")).as_deref(),
+            Some("10.0.0.2:6380")
+        );
+        for flags in [
+            "master,s_down",
+            "master,s_down,o_down",
+            "slave",
+            "disconnected",
+        ] {
+            assert_eq!(primary_up(&fields(flags)), None, "{flags}");
+        }
+        let mut no_port = fields("master");
+        no_port.remove("port");
+        assert_eq!(primary_up(&no_port), None);
     }
 }
