@@ -113,8 +113,9 @@ async fn bad_sentinel_urls_and_options_are_typed_errors() {
 }
 
 /// A Sentinel set whose sentinels and data nodes want passwords (`.ci/redis-sentinel-auth`):
-/// with both passwords the store connects, claims and finishes; without the sentinels' it is a
-/// connection error that says so, and with a wrong data password too.
+/// with both passwords the store connects, claims and finishes, and its connection's watch asks
+/// the sentinel which primary it names; without the sentinels' password it is a connection
+/// error that says so, and with a wrong data password too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinels_with_passwords_are_reached_with_theirs() {
     let Some(url) = backend_url(SENTINEL_AUTH_URL_VAR) else {
@@ -138,6 +139,33 @@ async fn sentinels_with_passwords_are_reached_with_theirs() {
         .await
         .unwrap();
     assert!(again.is_replay());
+    // The connection's watch asks the sentinel which primary it names, with its password too.
+    let (parsed, _) = SentinelConfig::parse_url(&url).unwrap();
+    let (_, sentinel_port) = parsed.sentinels[0];
+    let sentinel_pw = parsed.sentinel_password.clone().unwrap();
+    until(
+        "the watch asking the sentinel",
+        Duration::from_secs(5),
+        || {
+            let sentinel_pw = sentinel_pw.clone();
+            async move {
+                let mut con = redis::Client::open(format!(
+                    "redis://:{sentinel_pw}@127.0.0.1:{sentinel_port}/"
+                ))
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+                let clients: String = redis::cmd("CLIENT")
+                    .arg("LIST")
+                    .query_async(&mut con)
+                    .await
+                    .unwrap();
+                clients.contains("cmd=sentinel|master ")
+            }
+        },
+    )
+    .await;
 
     // Without the sentinels' password, the sentinels refuse: a connection error, no hang.
     let (mut no_sentinel_pw, _) = SentinelConfig::parse_url(&url).unwrap();
