@@ -7,8 +7,10 @@ use serde::Deserialize;
 
 use super::Provider;
 
-/// One `[[providers]]` entry of the configuration file.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+/// One `[[providers]]` entry of the configuration file. It holds no key (only the name of the
+/// variable that does); its `Debug` shows the base URL as
+/// [`redact_url`](crate::store::connect_error::redact_url) does.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct ProviderConfig {
     /// The name stored in key rows (defaults to the kind).
@@ -41,6 +43,38 @@ pub struct ProviderConfig {
     /// [`stripe::API_VERSION`](super::stripe::API_VERSION)); give the reconciler the version
     /// your service pins.
     pub api_version: Option<String>,
+}
+
+impl std::fmt::Debug for ProviderConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            name,
+            kind,
+            base_url,
+            api_key_env,
+            search_lag,
+            redrive_margin,
+            retention,
+            processing_window,
+            api_version,
+        } = self;
+        f.debug_struct("ProviderConfig")
+            .field("name", name)
+            .field("kind", kind)
+            .field(
+                "base_url",
+                &base_url
+                    .as_deref()
+                    .map(crate::store::connect_error::RedactedUrl),
+            )
+            .field("api_key_env", api_key_env)
+            .field("search_lag", search_lag)
+            .field("redrive_margin", redrive_margin)
+            .field("retention", retention)
+            .field("processing_window", processing_window)
+            .field("api_version", api_version)
+            .finish()
+    }
 }
 
 mod opt_secs {
@@ -289,6 +323,23 @@ mod tests {
             retention: None,
             processing_window: None,
             api_version: None,
+        }
+    }
+
+    #[test]
+    fn debug_and_errors_never_show_a_base_url_password() {
+        let mut c = cfg("resend");
+        c.base_url = Some("https://user:url-s3cret@proxy.test/?token=query-s3cret".to_owned());
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        #[cfg(feature = "http")]
+        {
+            // A base URL with a query is refused: the error shows it redacted.
+            let Err(e) = build_with_env(&c, env) else {
+                panic!("a base URL with a query was accepted");
+            };
+            let shown = format!("{e} {e:?}");
+            assert!(!shown.contains("s3cret"), "{shown}");
         }
     }
 

@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use crate::StoredResponse;
 use crate::provider::CallReply;
+use crate::store::connect_error::redact_url;
 
 /// Timeouts and retry settings of an [`HttpClient`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,7 +101,7 @@ pub enum HttpError {
     /// The base URL is not an absolute `http` or `https` URL.
     #[error("invalid base URL {url:?}: {reason}")]
     InvalidBaseUrl {
-        /// The URL given.
+        /// The URL given, its secrets masked ([`redact_url`]).
         url: String,
         /// What is wrong.
         reason: String,
@@ -170,18 +171,18 @@ impl fmt::Debug for ApiKey {
 /// Checks and normalises a base URL: absolute, `http` or `https`, no trailing slash.
 pub fn base_url(url: &str) -> Result<String, HttpError> {
     let parsed = reqwest::Url::parse(url).map_err(|e| HttpError::InvalidBaseUrl {
-        url: url.to_owned(),
+        url: redact_url(url),
         reason: e.to_string(),
     })?;
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err(HttpError::InvalidBaseUrl {
-            url: url.to_owned(),
+            url: redact_url(url),
             reason: format!("scheme {:?} is not http or https", parsed.scheme()),
         });
     }
     if parsed.query().is_some() || parsed.fragment().is_some() {
         return Err(HttpError::InvalidBaseUrl {
-            url: url.to_owned(),
+            url: redact_url(url),
             reason: "a base URL takes no query or fragment".to_owned(),
         });
     }

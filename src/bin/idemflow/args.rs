@@ -4,9 +4,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgGroup, Args, Parser, Subcommand};
+use idemflow::store::connect_error::redact_url;
 
 /// Idempotency-key operations: migrate, reconcile stale keys, purge, inspect and decide keys.
-#[derive(Debug, Parser)]
+#[derive(Parser)]
 #[command(name = "idemflow", version, about, long_about = None)]
 pub struct Cli {
     /// Database URL: sqlite://path/to/file.db, postgres://..., mysql://..., redis://..., redis+sentinel://host1,host2/mymaster
@@ -25,6 +26,26 @@ pub struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// The database URL shows as `redact_url` shows it (its password masked).
+impl std::fmt::Debug for Cli {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            database_url,
+            config,
+            json,
+            verbose,
+            command,
+        } = self;
+        f.debug_struct("Cli")
+            .field("database_url", &database_url.as_deref().map(redact_url))
+            .field("config", config)
+            .field("json", json)
+            .field("verbose", verbose)
+            .field("command", command)
+            .finish()
+    }
 }
 
 /// The subcommands.
@@ -127,4 +148,23 @@ pub struct ResolveArgs {
     /// Override a key that is already finished.
     #[arg(long)]
     pub force: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_masks_the_database_password() {
+        let cli = Cli::try_parse_from([
+            "idemflow",
+            "--database-url",
+            "postgres://app:s3cret@db/app?sslpassword=s3cret",
+            "migrate",
+        ])
+        .unwrap();
+        let shown = format!("{cli:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("postgres://app:***@db/app"), "{shown}");
+    }
 }

@@ -185,7 +185,7 @@ fn sqlite_path(url: &str) -> Option<PathBuf> {
 /// `sqlite:` URLs work in every build with the `sqlite` feature. `postgres://`, `mysql://` and
 /// `redis://` (and `redis+sentinel://`) map to the stores behind the features of the same names.
 pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn Store>> {
-    // The library's one masking: the user info's password and any `password=` parameter.
+    // The library's one masking: user info passwords and secret-named query parameters.
     let shown = redact_url(url);
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::error::StoreError;
 use crate::setters::setters;
+use crate::store::connect_error::{RedactedUrl, masked};
 
 /// The scheme of a URL that names a primary through Redis Sentinel (see [`SentinelConfig::parse_url`]).
 pub const SENTINEL_SCHEME: &str = "redis+sentinel";
@@ -37,19 +38,26 @@ pub struct SentinelConfig {
     pub sentinel_password: Option<String>,
 }
 
+/// The passwords (the data nodes' and the sentinels') show as `***`.
 impl fmt::Debug for SentinelConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            master,
+            sentinels,
+            db,
+            username,
+            password,
+            sentinel_username,
+            sentinel_password,
+        } = self;
         f.debug_struct("SentinelConfig")
-            .field("master", &self.master)
-            .field("sentinels", &self.sentinels)
-            .field("db", &self.db)
-            .field("username", &self.username)
-            .field("password", &self.password.as_ref().map(|_| "***"))
-            .field("sentinel_username", &self.sentinel_username)
-            .field(
-                "sentinel_password",
-                &self.sentinel_password.as_ref().map(|_| "***"),
-            )
+            .field("master", master)
+            .field("sentinels", sentinels)
+            .field("db", db)
+            .field("username", username)
+            .field("password", &masked(password))
+            .field("sentinel_username", sentinel_username)
+            .field("sentinel_password", &masked(sentinel_password))
             .finish()
     }
 }
@@ -317,7 +325,11 @@ impl WaitReplicas {
 }
 
 /// Options for [`RedisStore::connect_with`](super::RedisStore::connect_with).
-#[derive(Debug, Clone)]
+///
+/// Its `Debug` masks the passwords: the URL's (user info and `sentinel_password`, see
+/// [`redact_url`](crate::store::connect_error::redact_url)) and those of
+/// [`sentinel`](Self::sentinel).
+#[derive(Clone)]
 pub struct RedisConfig {
     /// `redis://host:port/db` (or `rediss://` when the crate's TLS features are enabled). With
     /// [`cluster`](Self::cluster()): one or more seed nodes of the cluster, separated by commas
@@ -361,6 +373,39 @@ pub struct RedisConfig {
     /// `WAIT` for replicas after every claim and finish (default `None`: no `WAIT`; a URL's
     /// `wait_replicas` / `wait_timeout_ms` parameters set it when this is `None`).
     pub wait: Option<WaitReplicas>,
+}
+
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            url,
+            cluster,
+            prefix,
+            buckets,
+            history_cap,
+            history_ttl,
+            expiry_grace,
+            response_timeout,
+            known_keys,
+            connection_timeout,
+            sentinel,
+            wait,
+        } = self;
+        f.debug_struct("RedisConfig")
+            .field("url", &RedactedUrl(url))
+            .field("cluster", cluster)
+            .field("prefix", prefix)
+            .field("buckets", buckets)
+            .field("history_cap", history_cap)
+            .field("history_ttl", history_ttl)
+            .field("expiry_grace", expiry_grace)
+            .field("response_timeout", response_timeout)
+            .field("known_keys", known_keys)
+            .field("connection_timeout", connection_timeout)
+            .field("sentinel", sentinel)
+            .field("wait", wait)
+            .finish()
+    }
 }
 
 impl RedisConfig {
@@ -478,6 +523,24 @@ mod tests {
                 replicas: 2,
                 timeout: Duration::from_millis(250)
             })
+        );
+    }
+
+    #[test]
+    fn debug_masks_every_password() {
+        let url = "redis+sentinel://app:data-pw@h1,h2/m?sentinel_password=sentinel-pw";
+        let (sentinel, _) = SentinelConfig::parse_url(url).unwrap();
+        let config = RedisConfig::new(url).sentinel(sentinel);
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("data-pw"), "{shown}");
+        assert!(!shown.contains("sentinel-pw"), "{shown}");
+        assert!(shown.contains("app:***@h1,h2"), "{shown}");
+        let cluster =
+            RedisConfig::new("redis://:pw-a@h1:7000/,redis://:pw-b@h2:7000/").cluster(true);
+        let shown = format!("{cluster:?} {cluster:#?}");
+        assert!(
+            !shown.contains("pw-a") && !shown.contains("pw-b"),
+            "{shown}"
         );
     }
 

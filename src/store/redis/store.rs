@@ -1178,4 +1178,37 @@ mod tests {
             assert_eq!(Transition::from_claim_reason(reason), Some(t));
         }
     }
+
+    /// Needs no server: a refused connection and URLs the client refuses, for one server, a
+    /// cluster and Sentinel, never show a password in the error's `Display` or `Debug`.
+    #[tokio::test]
+    async fn connection_errors_never_show_a_password() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        for config in [
+            RedisConfig::new(format!("redis://:s3cret@127.0.0.1:{closed}/")),
+            RedisConfig::new("redis://:s3cret@127.0.0.1:notaport/"),
+            RedisConfig::new("redis://u:s3cret@127.0.0.1:1/?wait_timeout_ms=5"),
+            RedisConfig::new(format!(
+                "redis://:s3cret@127.0.0.1:{closed}/,redis://:s3cret@127.0.0.1:{closed}/"
+            ))
+            .cluster(true),
+            RedisConfig::new("redis://:s3cret@h:notaport/,redis://:s3cret@h2/").cluster(true),
+            RedisConfig::new(format!(
+                "redis+sentinel://:s3cret@127.0.0.1:{closed}/m?sentinel_password=s3cret"
+            )),
+            RedisConfig::new("redis+sentinel://:s3cret@h/?sentinel_password=s3cret"),
+        ] {
+            let shown = format!("{config:?}");
+            let Err(e) = RedisStore::connect_with(config).await else {
+                panic!("{shown} connected");
+            };
+            for text in [e.to_string(), format!("{e:?}"), shown] {
+                assert!(!text.contains("s3cret"), "{text}");
+            }
+        }
+    }
 }

@@ -66,8 +66,9 @@ fn db(e: sqlx::Error) -> StoreError {
 /// another process's writes wait for the lock a phase holds).
 use crate::store::phase::DEFAULT_PHASE_TIMEOUT;
 
-/// Options for [`SqliteStore::connect_with`].
-#[derive(Debug, Clone)]
+/// Options for [`SqliteStore::connect_with`]. Its `Debug` shows the URL as
+/// [`redact_url`](crate::store::connect_error::redact_url) does.
+#[derive(Clone)]
 pub struct SqliteConfig {
     /// `sqlite://path/to/file.db`, `sqlite:file.db` or `sqlite::memory:`.
     pub url: String,
@@ -80,6 +81,25 @@ pub struct SqliteConfig {
     /// How long an atomic phase's writes may run on the writer connection before they are cut
     /// off and rolled back: every other write of the store waits while a phase runs.
     pub phase_timeout: Duration,
+}
+
+impl std::fmt::Debug for SqliteConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            url,
+            synchronous,
+            busy_timeout,
+            readers,
+            phase_timeout,
+        } = self;
+        f.debug_struct("SqliteConfig")
+            .field("url", &crate::store::connect_error::RedactedUrl(url))
+            .field("synchronous", synchronous)
+            .field("busy_timeout", busy_timeout)
+            .field("readers", readers)
+            .field("phase_timeout", phase_timeout)
+            .finish()
+    }
 }
 
 impl SqliteConfig {
@@ -660,3 +680,19 @@ impl SweeperStore for SqliteStore {
 }
 
 sql_operator_store!(SqliteStore);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_shows_the_url_redacted() {
+        let config = SqliteConfig::new("sqlite://app.db?mode=rwc&key=s3cret");
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(
+            shown.contains("sqlite://app.db?mode=rwc&key=***"),
+            "{shown}"
+        );
+    }
+}
