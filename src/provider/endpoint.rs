@@ -7,8 +7,11 @@
 //! [`Endpoint::new`], send the effect with [`Endpoint::send`] and, for a search-based lookup,
 //! use [`MetadataSearch`](super::search::MetadataSearch).
 
+use std::fmt;
+
 use super::CallReply;
 use super::http::{ApiKey, Classified, HttpClient, HttpConfig, HttpError, HttpReply, RetryUnknown};
+use crate::store::connect_error::RedactedUrl;
 
 /// How the credentials travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,8 +23,10 @@ pub enum Auth {
     Header(&'static str),
 }
 
-/// A provider's name, base URL, credentials and HTTP client (the key never shows in `Debug`).
-#[derive(Debug, Clone)]
+/// A provider's name, base URL, credentials and HTTP client. Its `Debug` never shows the key,
+/// shows the base URL as [`redact_url`](crate::store::connect_error::redact_url) does, and names
+/// the headers set at run time without their values.
+#[derive(Clone)]
 pub struct Endpoint {
     name: String,
     base_url: String,
@@ -31,6 +36,51 @@ pub struct Endpoint {
     /// Headers set at run time ([`Endpoint::set_header`]); each replaces a fixed one of its name.
     set: Vec<(&'static str, reqwest::header::HeaderValue)>,
     http: HttpClient,
+}
+
+impl fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            name,
+            base_url,
+            auth,
+            key,
+            headers,
+            set,
+            http,
+        } = self;
+        let set: Vec<&str> = set.iter().map(|(name, _)| *name).collect();
+        f.debug_struct("Endpoint")
+            .field("name", name)
+            .field("base_url", &RedactedUrl(base_url))
+            .field("auth", auth)
+            .field("key", key)
+            .field("headers", headers)
+            .field("set", &set)
+            .field("http", http)
+            .finish()
+    }
+}
+
+/// A call's answer in a log line: its kind and status, never the provider's body or headers,
+/// which may hold a secret the adapter masks only when the answer is stored (Stripe's
+/// `client_secret`, [`Provider::secret_fields`](super::Provider::secret_fields)).
+struct Logged<'a>(&'a CallReply);
+
+impl fmt::Display for Logged<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            CallReply::Succeeded { response, replayed } => write!(
+                f,
+                "succeeded, status {} (replayed: {replayed})",
+                response.status()
+            ),
+            CallReply::Rejected { response } => {
+                write!(f, "rejected, status {}", response.status())
+            }
+            other => write!(f, "{other:?}"),
+        }
+    }
 }
 
 impl Endpoint {
@@ -154,7 +204,7 @@ impl Endpoint {
                 classify,
             )
             .await;
-        tracing::debug!(provider = %self.name, ?outcome, "provider call");
+        tracing::debug!(provider = %self.name, outcome = %Logged(&outcome), "provider call");
         outcome
     }
 }
@@ -233,3 +283,47 @@ macro_rules! http_adapter {
 }
 
 pub(crate) use http_adapter;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_the_key_a_header_value_or_the_base_url_password() {
+        let mut endpoint = Endpoint::new(
+            "acme",
+            "https://user:url-s3cret@api.acme.test",
+            Auth::Bearer,
+            "sk_live_key",
+        )
+        .unwrap();
+        endpoint
+            .set_header("X-Acme-Signature", "header-s3cret")
+            .unwrap();
+        let shown = format!("{endpoint:?} {endpoint:#?}");
+        for secret in ["url-s3cret", "sk_live_key", "header-s3cret"] {
+            assert!(!shown.contains(secret), "{secret}: {shown}");
+        }
+        assert!(shown.contains("X-Acme-Signature"), "{shown}");
+        let e = Endpoint::new(
+            "acme",
+            "https://api.acme.test/?api_key=query-s3cret",
+            Auth::Bearer,
+            "k",
+        )
+        .unwrap_err();
+        let shown = format!("{e} {e:?}");
+        assert!(!shown.contains("query-s3cret"), "{shown}");
+    }
+
+    #[test]
+    fn a_logged_answer_has_no_body() {
+        let response = crate::StoredResponse::new(200).with_body(r#"{"client_secret":"pi_1_secret_x"}"#);
+        let shown = Logged(&CallReply::Succeeded {
+            response,
+            replayed: false,
+        })
+        .to_string();
+        assert_eq!(shown, "succeeded, status 200 (replayed: false)");
+    }
+}

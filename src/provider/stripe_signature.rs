@@ -258,6 +258,14 @@ mod tests {
     // The same payload, `-hmac 'whsec_rotated_new'`.
     const SIG_NEW: &str = "edd1a9facc9971e9298d8dba67d2a3212f16e5c383e44cfab2ecb7548762c661";
 
+    #[test]
+    fn debug_never_shows_a_secret() {
+        let scheme = StripeSignature::new("whsec_old_value").with_secret("whsec_new_value");
+        let shown = format!("{scheme:?}");
+        assert!(!shown.contains("whsec_"), "{shown}");
+        assert!(shown.contains("secrets: 2"), "{shown}");
+    }
+
     fn header(sigs: &[&str]) -> String {
         let sigs: Vec<String> = sigs.iter().map(|s| (*s).to_owned()).collect();
         signature_header(T, &sigs)

@@ -56,12 +56,31 @@ impl Delivered {
 /// let retried = sender.deliver(&event, 5, std::time::Duration::from_millis(100)).await;
 /// # }
 /// ```
-#[derive(Debug, Clone)]
+///
+/// Its `Debug` shows how many signing secrets it holds, not the secrets.
+#[derive(Clone)]
 pub struct WebhookSender {
     url: String,
     secrets: Vec<String>,
     clock_offset: i64,
     client: reqwest::Client,
+}
+
+impl std::fmt::Debug for WebhookSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            url,
+            secrets,
+            clock_offset,
+            client,
+        } = self;
+        f.debug_struct("WebhookSender")
+            .field("url", &crate::store::connect_error::RedactedUrl(url))
+            .field("secrets", &secrets.len())
+            .field("clock_offset", clock_offset)
+            .field("client", client)
+            .finish()
+    }
 }
 
 impl WebhookSender {
@@ -165,5 +184,19 @@ impl WebhookSender {
             }));
         }
         answers
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_a_signing_secret() {
+        let sender = WebhookSender::new("http://127.0.0.1:1/hook", "whsec_first")
+            .with_secret("whsec_second");
+        let shown = format!("{sender:?}");
+        assert!(!shown.contains("whsec_"), "{shown}");
+        assert!(shown.contains("secrets: 2"), "{shown}");
     }
 }
