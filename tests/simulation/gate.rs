@@ -189,6 +189,9 @@ pub struct Shared {
     /// Key label -> its provider's dedup window (`None`: keyless, or a workflow holding a
     /// keyless step), for every key a failover rolled back.
     pub rolled_back: BTreeMap<String, Option<std::time::Duration>>,
+    /// Key label -> its generation when a failover last rolled it back: a purge after that
+    /// starts a new life, whose new provider key is by design.
+    pub rolled_back_in: BTreeMap<String, u32>,
     /// Provider name -> its dedup window (`None`: keyless).
     pub provider_windows: BTreeMap<&'static str, Option<std::time::Duration>>,
     /// Violations on rolled-back keys that the lost writes explain (check, key, detail, why).
@@ -307,6 +310,16 @@ impl Shared {
                 "the record of the attempt that acted was lost: the store no longer knows the \
                  provider may have acted, so no sweep looks it up",
             ),
+            // A key purged since its rollback lives anew, under a provider key of its own by
+            // design: an attempt whose claim the failover lost may still land after that purge.
+            Check::ProviderKeyKeptAcrossLostWrites
+                if self
+                    .rolled_back_in
+                    .get(key)
+                    .is_some_and(|&g| self.generation(key) > g) =>
+            {
+                Some("the key was purged since its rollback: a new life, a provider key of its own")
+            }
             Check::DoneMatchesAnEffect
             | Check::ScopesIsolated
             | Check::NoStoreErrors

@@ -2264,6 +2264,8 @@ async fn toggle_failover(w: &mut World, step: usize) -> Result<(), String> {
                 .then(|| w.providers[key.provider].window)
                 .flatten();
             sh.rolled_back.insert(key.label.clone(), window);
+            let generation = sh.generation(&key.label);
+            sh.rolled_back_in.insert(key.label.clone(), generation);
         }
     }
     for (k, key) in w.keys.iter().enumerate() {
