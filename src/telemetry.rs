@@ -66,6 +66,11 @@ metrics_table! {
     /// `lease_lost`) and its provider calls (`decision`: `redrive`, `lookup`, `resume`).
     SWEEPER_DECISIONS = "idemflow_sweeper_decisions_total", counter,
         "Sweeper decisions and provider calls";
+    /// Counter: messages a queue consumer's broker loop refused for good, by what became of
+    /// them (`outcome`: `dead_lettered`, `dropped` with `Consumer::drop_refused`, and
+    /// `dead_letter_failed`, left for redelivery).
+    CONSUMER_REFUSED = "idemflow_consumer_refused_total", counter,
+        "Messages a queue consumer refused, by what became of them";
     /// Histogram, seconds: one `execute` / `call`, from the claim to the stored outcome.
     OPERATION_SECONDS = "idemflow_operation_duration_seconds", histogram(Seconds),
         "One execute/call, claim to stored outcome";
@@ -123,6 +128,11 @@ pub(crate) fn fingerprint_mismatch(operation: &str) {
 pub(crate) fn outcome(operation: &str, outcome: &'static str) {
     metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome)
         .increment(1);
+}
+
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub(crate) fn consumer_refused(outcome: &'static str) {
+    metrics::counter!(CONSUMER_REFUSED, "outcome" => outcome).increment(1);
 }
 
 pub(crate) fn lease_lost(actor: &'static str) {

@@ -146,6 +146,7 @@ pub async fn taken(
             owner: owner.into(),
             lease,
             limit,
+            scope: None,
         })
         .await
         .expect("take_stale")
@@ -191,6 +192,7 @@ macro_rules! conformance_tests {
             take_stale_respects_next_check_at,
             take_stale_fences_the_old_holder,
             take_stale_skips_live_leases_and_finished_keys,
+            take_stale_in_a_scope_takes_only_its_keys,
             extend_moves_the_lease_and_is_fenced,
             a_released_lease_is_not_renewed,
             purge_deletes_only_expired_finished_keys_and_records_it,

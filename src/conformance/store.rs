@@ -327,6 +327,45 @@ pub async fn take_stale_skips_live_leases_and_finished_keys(store: Arc<dyn Store
     assert!(keys.iter().all(|k| k.starts_with("stale-")));
 }
 
+/// A take limited to a scope (a queue consumer's in-process sweeper) takes that scope's stale
+/// keys and no other: another scope's stale key stays as it was, for the sweeper that knows its
+/// provider.
+pub async fn take_stale_in_a_scope_takes_only_its_keys(store: Arc<dyn Store>) {
+    let (mine, theirs) = (unique("own-scope"), unique("other-scope"));
+    let other = id(&theirs, "stale");
+    let before = claimed(&store, &claim_for(&other, "{}", Duration::ZERO)).await;
+    let own: Vec<crate::KeyId> = (0..3).map(|i| id(&mine, &format!("stale-{i}"))).collect();
+    for k in &own {
+        claimed(&store, &claim_for(k, "{}", Duration::ZERO)).await;
+    }
+    let take = |limit| TakeStale {
+        owner: "scoped".into(),
+        lease: LEASE,
+        limit,
+        scope: Some(mine.clone()),
+    };
+    let first = store.take_stale(&take(2)).await.expect("take_stale");
+    let second = store.take_stale(&take(10)).await.expect("take_stale");
+    assert_eq!(
+        (first.len(), second.len()),
+        (2, 1),
+        "the batch limit holds in a scope"
+    );
+    assert!(
+        first
+            .iter()
+            .chain(&second)
+            .all(|r| r.scope.as_str() == mine),
+        "a key of another scope was taken: {first:?} {second:?}"
+    );
+    let left = store.get(&other).await.unwrap().unwrap();
+    assert_eq!(
+        (left.lease_token, left.attempts),
+        (before.token, 1),
+        "the other scope's stale key was touched: {left:?}"
+    );
+}
+
 pub async fn extend_moves_the_lease_and_is_fenced(store: Arc<dyn Store>) {
     let id = id(&unique("extend"), "k1");
     let l = claimed(&store, &claim_for(&id, "{}", Duration::from_secs(1))).await;
@@ -704,6 +743,7 @@ pub async fn sweepers_take_each_key_once_across(stores: &[Arc<dyn Store>]) {
                         owner: format!("sweeper-{s}"),
                         lease: LEASE,
                         limit: 7,
+                        scope: None,
                     })
                     .await
                     .unwrap();
@@ -882,6 +922,7 @@ pub async fn cancelled_calls_leave_the_store_usable(store: Arc<dyn Store>) {
         owner: "cancel-sweeper".into(),
         lease,
         limit: 5,
+        scope: None,
     };
     let mut ids = Vec::new();
     for i in 0..200u64 {

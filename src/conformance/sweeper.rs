@@ -945,6 +945,7 @@ pub async fn sweeper_renews_its_whole_batch(store: Arc<dyn Store>) {
                 owner: "other-sweeper".into(),
                 lease: Duration::from_secs(60),
                 limit: 10,
+                scope: None,
             })
             .await
             .unwrap()

@@ -1,35 +1,73 @@
-//! Queue consumers: each message's handler runs under a key
-//! taken from the message, through [`Idempotency::execute`], and the message is acknowledged
-//! only once its key is settled, so that the broker's redeliveries and the publishers' duplicates
-//! converge on one run of the handler per key.
+//! Queue consumers: each message's handler runs under a key taken from the message, through
+//! [`Idempotency::execute`], and the message is acknowledged only once its key is settled, so
+//! that the broker's redeliveries and the publishers' duplicates converge on one run of the
+//! handler per key.
 //!
-//! [`Consumer`] is the broker-neutral part: it reads a message's key ([`KeySource`]), runs the
-//! handler under it in the consumer's scope, and says what to do with the delivery
-//! ([`Disposition`]); it needs no feature. The brokers' loops are `amqp::consume` (RabbitMQ,
-//! through `lapin`, feature `rabbitmq`) and `nats::consume` (NATS JetStream, through
-//! `async-nats`, feature `nats`); another broker calls [`Consumer::handle`] with each of its
-//! messages.
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use idemflow::consumer::{Consumer, Disposition, FingerprintSource, KeySource, Message};
+//! use idemflow::{Idempotency, Outcome, Scope, Store, StoredResponse, store::sqlite::SqliteStore};
+//!
+//! let store = SqliteStore::connect("sqlite::memory:").await?;
+//! store.migrate().await?;
+//! let idem = Idempotency::new(Arc::new(store));
+//! let consumer = Consumer::new(idem, Scope::new("queue:orders")?, |message: Message, _ctx| async move {
+//!     // Act on message.body() here: all or nothing, or keyed by the message's key.
+//!     Outcome::Succeeded(StoredResponse::new(200))
+//! })
+//! .key(KeySource::JsonField("/order_id".into()))
+//! .fingerprint(FingerprintSource::JsonPointers(vec!["/order_id".into(), "/email".into()]))
+//! .dead_letter("orders.dead");
+//! let first = consumer.handle(Message::new(r#"{"order_id": 7, "email": "a@example.com"}"#)).await;
+//! // The same message, encoded again by its publisher: the same key and fingerprint.
+//! let again = consumer.handle(Message::new(r#"{ "email":"a@example.com", "order_id":7 }"#)).await;
+//! // Another email under the same order: another message reusing the key, refused.
+//! let other = consumer.handle(Message::new(r#"{"order_id": 7, "email": "b@example.com"}"#)).await;
+//! assert!(matches!(first, Disposition::Ack { ran: true }));
+//! assert!(matches!(again, Disposition::Ack { ran: false }));
+//! assert!(matches!(other, Disposition::Reject(_)));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! [`Consumer`] is the broker-neutral part: it reads a message's key ([`KeySource`]) and
+//! fingerprint ([`FingerprintSource`]), runs the handler under the key in the consumer's scope,
+//! and says what to do with the delivery ([`Disposition`]); it needs no feature. The brokers'
+//! loops are `amqp::consume` (RabbitMQ, through `lapin`, feature `rabbitmq`) and
+//! `nats::consume` (NATS JetStream, through `async-nats`, feature `nats`); another broker's
+//! loop calls [`Consumer::handle`] with each of its messages and runs [`Consumer::sweeper`].
 //!
 //! | The delivery | The key | Disposition | RabbitMQ | NATS JetStream |
 //! |---|---|---|---|---|
-//! | no key where the consumer reads it, or one that cannot be a key | none | [`Disposition::Reject`] | `basic.reject`, no requeue (dead-lettered if the queue has a dead-letter exchange) | `Term` |
 //! | a new key; the handler returns `Succeeded` | `done` | [`Disposition::Ack`] | `basic.ack` | `AckAck` (double ack) |
 //! | a new key; the handler returns `Rejected` (a permanent refusal) | `failed{permanent}` | [`Disposition::Ack`] | `basic.ack` | `AckAck` |
 //! | a key already settled (`done` or `failed{permanent}`) | unchanged | [`Disposition::Ack`], the handler does not run | `basic.ack` | `AckAck` |
 //! | a key being handled by another delivery now | unchanged | [`Disposition::Redeliver`] after the executor's `Retry-After` (at most the lease left) | held, then `basic.nack` with requeue | `Nak` with that delay |
 //! | the handler returns `Retryable`, an error, or panics | `failed{retryable}` | [`Disposition::Redeliver`] after [`Consumer::retry_after`] | held, then `basic.nack` with requeue | `Nak` with that delay |
 //! | the handler returns `Unknown`, or a run crashed and its lease ran out | `processing`, for the sweeper (or a takeover: below) | [`Disposition::Redeliver`] after the executor's `unknown_retry_after` | held, then `basic.nack` with requeue | `Nak` with that delay |
-//! | the same key with another body | unchanged | [`Disposition::Reject`] ([`ConsumerError::KeyReused`]) | `basic.reject`, no requeue | `Term` |
+//! | no key where the consumer reads it, one that cannot be a key, a body the fingerprint or the request cannot be read from | none | [`Disposition::Reject`] | published to the dead-letter exchange with the reason, then `basic.ack` | published to the dead-letter subject with the reason, then `Term` |
+//! | the same key with another fingerprint | unchanged | [`Disposition::Reject`] ([`ConsumerError::KeyReused`]) | as above | as above |
 //! | the store fails, or the run's lease was taken over | as it was | [`Disposition::Redeliver`] after [`Consumer::retry_after`] | held, then `basic.nack` with requeue | `Nak` with that delay |
+//!
+//! **Nothing is dropped in silence.** A broker loop does not start without somewhere to put a
+//! refused message: [`Consumer::dead_letter`] names it (a RabbitMQ exchange, a NATS subject a
+//! stream captures) and the loop checks at start that it exists; [`Consumer::drop_refused`] is
+//! the explicit alternative, and each message it drops is logged at `ERROR` and counted
+//! ([`ConsumerStats::dropped`], metric `idemflow_consumer_refused_total{outcome="dropped"}`).
 //!
 //! Who settles a key whose run crashed or ended `Unknown` depends on [`Consumer::provider`]:
 //! without one (the handler's effect is the application's own), a later delivery takes the key
 //! over once its lease has run out and runs the handler again, as the webhook receiver does;
-//! with one (the handler acts at a provider, forwarding [`Context::provider_key`]), the key is
-//! never taken over by a delivery (unless the executor's own
+//! with one (the handler acts at a provider, forwarding [`Context::provider_key`], or the
+//! consumer sends its request itself: [`Consumer::sending`]), the key is never taken over by a
+//! delivery (unless the executor's own
 //! [`retry_takeover_window`](Idempotency::retry_takeover_window) allows it): the sweeper asks
-//! the provider and settles it, and the deliveries meanwhile are redelivered. See
-//! `docs/consumers.md`, "Queues", for what is promised and its limits.
+//! the provider and settles it, and the deliveries meanwhile are redelivered. The broker loops
+//! run that sweeper in the worker ([`Consumer::sweeper`]), over the consumer's scope, so the
+//! peers of a worker that died settle its keys; [`Consumer::without_sweeper`] leaves it to
+//! `idemflow reconcile`. See `docs/consumers.md`, "Queues", for what is promised and its limits.
 
 use std::fmt;
 use std::future::Future;
@@ -38,12 +76,14 @@ use std::sync::Arc;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 use tracing::{Instrument, info_span};
 
 use crate::error::{BoxError, RequestError};
-use crate::{Context, Error, Execution, Idempotency, IdempotentRequest, Outcome, Scope};
+use crate::fingerprint::{Fingerprint, canonical_json, parse_json};
+use crate::provider::{Provider, Providers};
+use crate::{Context, Error, Execution, Idempotency, IdempotentRequest, Outcome, Scope, Sweeper};
 
 #[cfg(feature = "rabbitmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
@@ -64,6 +104,13 @@ pub const MAX_CONCURRENCY: usize = u16::MAX as usize;
 
 /// The default [`Consumer::concurrency`]: 16 messages handled at once.
 pub const DEFAULT_CONCURRENCY: usize = 16;
+
+/// The default [`Consumer::sweep_every`]: the in-process sweeper looks for stale keys every 5 s.
+pub const DEFAULT_SWEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// The header a dead-lettered message carries its refusal's reason in (RabbitMQ: an entry of
+/// its `headers` table; NATS: a header).
+pub const REFUSED_HEADER: &str = "x-idemflow-refused";
 
 /// Where a message's key is read from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,7 +137,34 @@ impl fmt::Display for KeySource {
     }
 }
 
-/// Why a message was refused for good ([`Disposition::Reject`]), or why a broker's loop stopped.
+/// What a message's fingerprint covers: a delivery of a key whose fingerprint differs from the
+/// first delivery's is another message reusing the key, and is refused
+/// ([`ConsumerError::KeyReused`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FingerprintSource {
+    /// The body's bytes (the default): a broker redelivers the same bytes.
+    Body,
+    /// The values at these places of the body, read as JSON, in canonical JSON (the form the
+    /// HTTP layer fingerprints): a copy its publisher encoded again (members in another order,
+    /// other spacing, `1.0` for `1`) is the same message, and the parts not named (a trace id,
+    /// a send time) may differ. Each place is a JSON pointer (`/order/id`; `""` is the whole
+    /// body) or the name of a top-level member, as in [`KeySource::JsonField`]; a place the
+    /// body lacks counts as absent, which differs from `null`.
+    JsonPointers(Vec<String>),
+}
+
+impl fmt::Display for FingerprintSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FingerprintSource::Body => f.write_str("the body's bytes"),
+            FingerprintSource::JsonPointers(places) => write!(f, "the JSON places {places:?}"),
+        }
+    }
+}
+
+/// Why a message was refused for good ([`Disposition::Reject`]), or why a broker's loop stopped
+/// or did not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConsumerError {
@@ -109,18 +183,45 @@ pub enum ConsumerError {
         /// What was wrong.
         reason: String,
     },
+    /// The body cannot be fingerprinted as the consumer says (it is not JSON, or names a member
+    /// twice).
+    #[error("message fingerprint unreadable from {from}: {reason}")]
+    FingerprintUnreadable {
+        /// What the fingerprint covers.
+        from: FingerprintSource,
+        /// What was wrong.
+        reason: String,
+    },
     /// The key breaks the rules of a key (empty, over 255 bytes, not visible ASCII).
     #[error("message key unusable: {0}")]
     InvalidKey(#[source] RequestError),
-    /// The key was first handled with another body: this message is not a redelivery of that
-    /// one, and is not handled under its key.
-    #[error("message key {key:?} was first handled with another body: {source}")]
+    /// The message cannot be made into the provider's request ([`Consumer::sending`]).
+    #[error("message cannot be sent: {source}")]
+    Unsendable {
+        /// The request builder's error.
+        #[source]
+        source: BoxError,
+    },
+    /// The key was first handled with another fingerprint: this message is not a redelivery of
+    /// that one, and is not handled under its key.
+    #[error("message key {key:?} was first handled with another message: {source}")]
     KeyReused {
         /// The key.
         key: String,
         /// The executor's refusal ([`Error::FingerprintMismatch`]).
         #[source]
         source: Box<Error>,
+    },
+    /// A broker loop would drop refused messages: no dead-letter target is named, or the one
+    /// named does not exist. The loop does not start.
+    #[error("{broker}: refused messages have nowhere to go: {problem}. {how}")]
+    NoDeadLetter {
+        /// `"rabbitmq"` or `"nats"`.
+        broker: &'static str,
+        /// What is missing.
+        problem: String,
+        /// How to give them a place, or to accept losing them.
+        how: &'static str,
     },
     /// The broker failed: connecting, consuming, or acknowledging.
     #[error("{broker}: {source}")]
@@ -194,9 +295,19 @@ impl Message {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The headers, in the order the broker gave them.
+    pub fn headers(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.headers.iter().map(|(n, v)| (n.as_str(), v.as_str()))
+    }
+
     /// The body.
     pub fn body(&self) -> &[u8] {
         &self.body
+    }
+
+    /// The body read as JSON into `T`.
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_slice(&self.body)
     }
 
     /// Whether the broker says it delivered the message before (informative only: the key
@@ -221,7 +332,8 @@ pub enum Redeliver {
     /// the next delivery runs the handler again ([`Error::FailedRetryable`]).
     Failed,
     /// The store failed, or this run's lease was taken over before it finished; nothing this
-    /// delivery did is known to be recorded.
+    /// delivery did is known to be recorded. Also a refused message that could not be
+    /// dead-lettered.
     Error,
 }
 
@@ -266,6 +378,10 @@ pub struct ConsumerStats {
     pub errors: u64,
     /// Refused for good.
     pub rejected: u64,
+    /// Refused messages a broker loop put on the dead-letter target.
+    pub dead_lettered: u64,
+    /// Refused messages a broker loop dropped ([`Consumer::drop_refused`]).
+    pub dropped: u64,
 }
 
 impl ConsumerStats {
@@ -287,31 +403,32 @@ impl ConsumerStats {
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 type HandlerFn = Arc<dyn Fn(Message, Context) -> BoxFuture<Outcome> + Send + Sync>;
+type RequestFn = Arc<dyn Fn(&Message) -> Result<Value, BoxError> + Send + Sync>;
+
+/// What runs under a message's key.
+#[derive(Clone)]
+enum Run {
+    /// The application's handler ([`Consumer::new`]).
+    Handler(HandlerFn),
+    /// The provider's request built from the message, sent through the consumer's provider
+    /// ([`Consumer::sending`]).
+    Send(RequestFn),
+}
+
+/// What a broker loop does with a refused message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Refusals {
+    /// Nothing said: the loop refuses to start.
+    Unset,
+    /// Put it on this target (RabbitMQ: an exchange; NATS: a subject).
+    DeadLetter(String),
+    /// Drop it, logged at `ERROR` and counted.
+    Drop,
+}
 
 /// A queue consumer: runs its handler once per message key, in its scope, and says when a
-/// delivery may be acknowledged. Cheap to clone (one consumer serves every delivery).
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use std::sync::Arc;
-/// use idemflow::consumer::{Consumer, Disposition, Message};
-/// use idemflow::{Idempotency, Outcome, Scope, Store, StoredResponse, store::sqlite::SqliteStore};
-///
-/// let store = SqliteStore::connect("sqlite::memory:").await?;
-/// store.migrate().await?;
-/// let idem = Idempotency::new(Arc::new(store));
-/// let consumer = Consumer::new(idem, Scope::new("queue:orders")?, |message: Message, _ctx| async move {
-///     // Act on message.body() here: all or nothing, or keyed by the message's key.
-///     Outcome::Succeeded(StoredResponse::new(200))
-/// });
-/// let first = consumer.handle(Message::new("{}").with_message_id("m-1")).await;
-/// let again = consumer.handle(Message::new("{}").with_message_id("m-1")).await;
-/// assert!(matches!(first, Disposition::Ack { ran: true }));
-/// assert!(matches!(again, Disposition::Ack { ran: false }));
-/// # Ok(())
-/// # }
-/// ```
+/// delivery may be acknowledged. Cheap to clone (one consumer serves every delivery). See the
+/// [module](self) for an example.
 #[derive(Clone)]
 pub struct Consumer {
     inner: Arc<Inner>,
@@ -323,28 +440,37 @@ struct Inner {
     /// The executor the runs go through: `given`, with an unbounded takeover window
     /// (`LOCAL_EFFECT_TAKEOVER`) until a provider is named.
     idem: Idempotency,
-    /// The executor as given, storing no request (`Consumer::new`).
+    /// The executor as given (storing no request for a handler: [`Consumer::new`]).
     given: Idempotency,
-    scope: String,
+    scope: Scope,
     key: KeySource,
-    /// The provider the handler acts through: its name and key rules ([`Consumer::provider`]).
-    provider: Option<(String, crate::KeySpec)>,
-    handler: HandlerFn,
+    fingerprint: FingerprintSource,
+    /// The provider the handler acts through, or the consumer sends through.
+    provider: Option<Arc<dyn Provider>>,
+    run: Run,
+    refusals: Refusals,
+    /// How often the in-process sweeper sweeps (`None`: it does not run).
+    sweep_every: Option<Duration>,
     concurrency: usize,
     retry_after: Duration,
 }
 
 impl fmt::Debug for Consumer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = &self.inner;
         f.debug_struct("Consumer")
-            .field("scope", &self.inner.scope)
-            .field("key", &self.inner.key)
+            .field("scope", &r.scope)
+            .field("key", &r.key)
+            .field("fingerprint", &r.fingerprint)
             .field(
                 "provider",
-                &self.inner.provider.as_ref().map(|(name, _)| name),
+                &r.provider.as_ref().map(|p| p.name().to_owned()),
             )
-            .field("concurrency", &self.inner.concurrency)
-            .field("retry_after", &self.inner.retry_after)
+            .field("sends", &matches!(r.run, Run::Send(_)))
+            .field("refusals", &r.refusals)
+            .field("sweep_every", &r.sweep_every)
+            .field("concurrency", &r.concurrency)
+            .field("retry_after", &r.retry_after)
             .finish_non_exhaustive()
     }
 }
@@ -363,30 +489,71 @@ impl Consumer {
     /// `idem` is used with its store, lease and retention; until [`provider`](Self::provider)
     /// names a provider, a later delivery takes a crashed run over once its lease has run out,
     /// however old the key (the handler's effect is the application's own), as the webhook
-    /// receiver does. The keys store no request ([`Idempotency::store_request`] off): the
-    /// message's fingerprint still refuses another body under the same key, and the sweeper,
-    /// which would re-send a stored request to the provider, looks a crashed run up by its
-    /// provider key instead.
+    /// receiver does. The keys store no request ([`Idempotency::store_request`] off): what the
+    /// handler sends is its own, so the sweeper looks a crashed run up by its provider key
+    /// rather than re-sending anything. A handler that sends one request to a provider is
+    /// better written with [`sending`](Self::sending), whose keys store that request.
     pub fn new<F, Fut>(idem: Idempotency, scope: Scope, handler: F) -> Self
     where
         F: Fn(Message, Context) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Outcome> + Send + 'static,
     {
         let handler: HandlerFn = Arc::new(move |message, ctx| Box::pin(handler(message, ctx)));
-        // What the key would store as its request is the message's key and digest, not what the
-        // handler sends: stored, the sweeper would re-send it to the provider (a re-drive) as if
-        // it were. Not stored, the sweeper looks the key up instead.
-        let idem = idem.store_request(false);
+        Self::with_run(idem.store_request(false), scope, Run::Handler(handler))
+    }
+
+    /// A consumer that sends one request to `provider` per message key, under the key's
+    /// provider key, as [`Idempotency::call`] does: `request` builds it from the message (an
+    /// `Err` refuses the message for good, [`ConsumerError::Unsendable`]). The key stores that
+    /// request, so the sweeper settles a run that crashed or ended `Unknown` by re-sending it
+    /// inside the provider's dedup window (the provider replays its first answer) and by
+    /// looking it up outside it. The in-process sweeper ([`sweeper`](Self::sweeper)) runs in
+    /// the broker loops.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use idemflow::{Idempotency, Provider, Scope};
+    /// use idemflow::consumer::{Consumer, FingerprintSource, KeySource, Message};
+    /// use serde_json::{Value, json};
+    ///
+    /// # fn example(idem: Idempotency, resend: Arc<dyn Provider>) -> Result<(), Box<dyn std::error::Error>> {
+    /// let consumer = Consumer::sending(idem, Scope::new("queue:receipts")?, resend, |message: &Message| {
+    ///     let receipt: Value = message.json()?;
+    ///     let to = receipt["email"].as_str().ok_or("no email")?;
+    ///     Ok(json!({"from": "shop@example.com", "to": to, "subject": "Your receipt"}))
+    /// })
+    /// .key(KeySource::JsonField("order_id".into()))
+    /// .fingerprint(FingerprintSource::JsonPointers(vec!["/order_id".into(), "/email".into()]))
+    /// .dead_letter("receipts.dead");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn sending<F>(
+        idem: Idempotency,
+        scope: Scope,
+        provider: Arc<dyn Provider>,
+        request: F,
+    ) -> Self
+    where
+        F: Fn(&Message) -> Result<Value, BoxError> + Send + Sync + 'static,
+    {
+        Self::with_run(idem, scope, Run::Send(Arc::new(request))).provider(provider)
+    }
+
+    fn with_run(idem: Idempotency, scope: Scope, run: Run) -> Self {
         Self {
             inner: Arc::new(Inner {
                 idem: idem
                     .clone()
                     .retry_takeover_window(Some(crate::executor::LOCAL_EFFECT_TAKEOVER)),
                 given: idem,
-                scope: scope.as_str().to_owned(),
+                scope,
                 key: KeySource::MessageId,
+                fingerprint: FingerprintSource::Body,
                 provider: None,
-                handler,
+                run,
+                refusals: Refusals::Unset,
+                sweep_every: Some(DEFAULT_SWEEP_EVERY),
                 concurrency: DEFAULT_CONCURRENCY,
                 retry_after: DEFAULT_RETRY_AFTER,
             }),
@@ -404,19 +571,55 @@ impl Consumer {
         self.set(|c| c.key = from)
     }
 
+    /// What each message's fingerprint covers (default [`FingerprintSource::Body`]).
+    pub fn fingerprint(self, from: FingerprintSource) -> Self {
+        self.set(|c| c.fingerprint = from)
+    }
+
     /// Declares the provider the handler acts through (forwarding [`Context::provider_key`] as
     /// its idempotency key), so that the sweeper, with that provider registered, settles a run
-    /// that crashed or ended `Unknown` by asking it. A delivery then never takes such a run over
-    /// beyond the executor's own `retry_takeover_window`, itself capped by the provider's dedup
-    /// window (none for a provider that does not dedupe by key), as with
-    /// [`Idempotency::call`]: it is redelivered until the sweeper has settled the key. The
-    /// provider key is derived within the provider's length limit.
-    pub fn provider(self, provider: &dyn crate::Provider) -> Self {
-        let declared = (provider.name().to_owned(), provider.key_spec());
+    /// that crashed or ended `Unknown` by asking it; the broker loops run such a sweeper
+    /// ([`sweeper`](Self::sweeper)). A delivery then never takes such a run over beyond the
+    /// executor's own `retry_takeover_window`, itself capped by the provider's dedup window
+    /// (none for a provider that does not dedupe by key), as with [`Idempotency::call`]: it is
+    /// redelivered until the sweeper has settled the key. The provider key is derived within
+    /// the provider's length limit.
+    pub fn provider(self, provider: Arc<dyn Provider>) -> Self {
         self.set(|c| {
-            c.provider = Some(declared);
+            c.provider = Some(provider);
             c.idem = c.given.clone();
         })
+    }
+
+    /// Where a broker loop puts a refused message ([`Disposition::Reject`]): a RabbitMQ
+    /// exchange (typically the queue's own dead-letter exchange), or a NATS subject a stream
+    /// captures. The loop publishes the message there, with its headers and the refusal's
+    /// reason in [`REFUSED_HEADER`], and only then acknowledges it; it checks at start that
+    /// the target exists. Without this, or [`drop_refused`](Self::drop_refused), a broker loop
+    /// does not start.
+    pub fn dead_letter(self, target: impl Into<String>) -> Self {
+        let target = target.into();
+        self.set(|c| c.refusals = Refusals::DeadLetter(target))
+    }
+
+    /// Lets a broker loop drop refused messages (RabbitMQ: `basic.reject` without requeue,
+    /// which the queue's own dead-letter exchange, if it has one, still receives; NATS: `Term`).
+    /// Each one is logged at `ERROR` and counted ([`ConsumerStats::dropped`], metric
+    /// `idemflow_consumer_refused_total{outcome="dropped"}`).
+    pub fn drop_refused(self) -> Self {
+        self.set(|c| c.refusals = Refusals::Drop)
+    }
+
+    /// How often the in-process sweeper looks for stale keys (default
+    /// [`DEFAULT_SWEEP_EVERY`]).
+    pub fn sweep_every(self, every: Duration) -> Self {
+        self.set(|c| c.sweep_every = Some(every))
+    }
+
+    /// Runs no sweeper in the worker: the keys of runs that crashed or ended `Unknown` wait
+    /// for `idemflow reconcile` (or another process's sweeper) to settle them.
+    pub fn without_sweeper(self) -> Self {
+        self.set(|c| c.sweep_every = None)
     }
 
     /// How many messages a broker loop handles at once (default [`DEFAULT_CONCURRENCY`]): the
@@ -433,7 +636,7 @@ impl Consumer {
 
     /// The scope of the messages' keys.
     pub fn scope(&self) -> &str {
-        &self.inner.scope
+        self.inner.scope.as_str()
     }
 
     /// The deliveries disposed of so far, by disposition.
@@ -441,9 +644,82 @@ impl Consumer {
         *self.stats.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The in-process sweeper and its interval: over the consumer's store and scope (the keys
+    /// of other scopes in a shared store are left alone), asking the consumer's provider, with
+    /// the same leases and rules as `idemflow reconcile`, so many workers (and the cron job)
+    /// sweep together safely. `None` without a provider, or after
+    /// [`without_sweeper`](Self::without_sweeper). The broker loops run it until they stop;
+    /// another broker's loop runs it with [`Sweeper::run`].
+    pub fn sweeper(&self) -> Option<(Sweeper, Duration)> {
+        let r = &self.inner;
+        let (provider, every) = (r.provider.clone()?, r.sweep_every?);
+        let sweeper = Sweeper::new(r.given.store().clone(), Providers::new().with(provider))
+            .scope(&r.scope)
+            .owner(format!("consumer-sweeper-{}", std::process::id()));
+        Some((sweeper, every))
+    }
+
     #[cfg(any(feature = "rabbitmq", feature = "nats"))]
     pub(crate) fn concurrency_limit(&self) -> usize {
         self.inner.concurrency
+    }
+
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
+    pub(crate) fn retry_delay(&self) -> Duration {
+        self.inner.retry_after
+    }
+
+    /// Where a broker loop puts refused messages: `Some(target)`, `None` to drop them, or the
+    /// error that keeps the loop from starting (`how`: the broker's advice).
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
+    pub(crate) fn refusal_target(
+        &self,
+        broker: &'static str,
+        how: &'static str,
+    ) -> Result<Option<&str>, ConsumerError> {
+        match &self.inner.refusals {
+            Refusals::DeadLetter(target) => Ok(Some(target)),
+            Refusals::Drop => Ok(None),
+            Refusals::Unset => Err(ConsumerError::NoDeadLetter {
+                broker,
+                problem: "no dead-letter target is named".to_owned(),
+                how,
+            }),
+        }
+    }
+
+    /// Counts a refused message the loop dead-lettered (`true`) or dropped (`false`), and logs
+    /// a drop at `ERROR`.
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
+    pub(crate) fn refused(&self, dead_lettered: bool, error: &ConsumerError) {
+        {
+            let mut stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+            if dead_lettered {
+                stats.dead_lettered += 1;
+            } else {
+                stats.dropped += 1;
+            }
+        }
+        if dead_lettered {
+            crate::telemetry::consumer_refused("dead_lettered");
+            tracing::info!(scope = %self.inner.scope, %error, "refused message dead-lettered");
+        } else {
+            crate::telemetry::consumer_refused("dropped");
+            tracing::error!(scope = %self.inner.scope, %error, "refused message dropped (drop_refused)");
+        }
+    }
+
+    /// Counts and logs a refused message that could not be dead-lettered (it is left for
+    /// redelivery).
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
+    pub(crate) fn dead_letter_failed(&self, target: &str, error: &dyn fmt::Display) {
+        crate::telemetry::consumer_refused("dead_letter_failed");
+        tracing::error!(
+            scope = %self.inner.scope,
+            target,
+            %error,
+            "dead-lettering a refused message failed; it is left for redelivery"
+        );
     }
 
     /// Handles one delivery: reads its key, runs the handler under it (unless the key is
@@ -470,7 +746,7 @@ impl Consumer {
             }
             Disposition::Reject(error) => {
                 span.record("disposition", "reject");
-                tracing::warn!(%error, "message rejected");
+                tracing::warn!(%error, "message refused");
             }
         }
         self.stats
@@ -480,6 +756,39 @@ impl Consumer {
         disposition
     }
 
+    /// The request run under `message`'s key `key`: its stored body (the provider's request
+    /// when the consumer sends one; the key and its identity otherwise) and its fingerprint (of
+    /// the key and the message's identity).
+    fn request(&self, message: &Message, key: &str) -> Result<IdempotentRequest, ConsumerError> {
+        let r = &self.inner;
+        let identity = json!({"key": key, "message": identity(message, &r.fingerprint)?});
+        let fingerprint = Fingerprint::compute(OPERATION, &canonical_json(&identity));
+        let stored = match &r.run {
+            Run::Handler(_) => identity,
+            Run::Send(build) => {
+                build(message).map_err(|source| ConsumerError::Unsendable { source })?
+            }
+        };
+        let id = crate::KeyId::new(
+            r.scope.clone(),
+            crate::IdempotencyKey::new(key)
+                .map_err(|e| ConsumerError::InvalidKey(RequestError::InvalidKey(e)))?,
+        );
+        crate::key::check_client_key(&id.key)
+            .map_err(|e| ConsumerError::InvalidKey(RequestError::InvalidKey(e)))?;
+        let request = IdempotentRequest::with_fingerprint(
+            id,
+            OPERATION.to_owned(),
+            canonical_json(&stored),
+            fingerprint,
+        )
+        .map_err(ConsumerError::InvalidKey)?;
+        Ok(match &r.provider {
+            Some(provider) => request.sent_through(provider.name(), &provider.key_spec()),
+            None => request,
+        })
+    }
+
     async fn dispose(&self, message: Message) -> Disposition {
         let r = &self.inner;
         let key = match key_of(&message, &r.key) {
@@ -487,24 +796,22 @@ impl Consumer {
             Err(e) => return Disposition::Reject(e),
         };
         tracing::Span::current().record("key", key.as_str());
-        // The fingerprint covers the body: a redelivery is byte for byte the same message, and
-        // another message reusing the key is refused rather than taken for it. The stored
-        // request is the key and the body's digest, so a body of any size fits the cap.
-        let digest = crate::fingerprint::hex(&Sha256::digest(message.body()));
-        let fingerprinted = json!({"key": key, "body_sha256": digest});
-        let request = match IdempotentRequest::new(&r.scope, &key, OPERATION, &fingerprinted) {
-            Ok(request) => match &r.provider {
-                Some((name, spec)) => request.sent_through(name, spec),
-                None => request,
-            },
-            Err(e) => return Disposition::Reject(ConsumerError::InvalidKey(e)),
+        let request = match self.request(&message, &key) {
+            Ok(request) => request,
+            Err(e) => return Disposition::Reject(e),
         };
         let this = self.clone();
         let run = tokio::spawn(
             async move {
-                let idem = &this.inner.idem;
-                idem.execute(request, |ctx| this.run_handler(message, ctx))
-                    .await
+                let r = &this.inner;
+                match (&r.run, &r.provider) {
+                    (Run::Send(_), Some(provider)) => r.idem.call(request, provider.as_ref()).await,
+                    _ => {
+                        r.idem
+                            .execute(request, |ctx| this.run_handler(message, ctx))
+                            .await
+                    }
+                }
             }
             .instrument(tracing::Span::current()),
         );
@@ -523,7 +830,10 @@ impl Consumer {
     /// The operation run under the message's key: the handler, in a task of its own so that a
     /// panic is caught as a failure.
     async fn run_handler(&self, message: Message, ctx: Context) -> Outcome {
-        match tokio::spawn((self.inner.handler)(message, ctx)).await {
+        let Run::Handler(handler) = &self.inner.run else {
+            return Outcome::retryable("a sending consumer has no handler");
+        };
+        match tokio::spawn(handler(message, ctx)).await {
             Ok(outcome) => outcome,
             Err(e) if e.is_panic() => {
                 let panic = e.into_panic();
@@ -541,6 +851,54 @@ impl Consumer {
     }
 }
 
+/// Runs `consumer`'s in-process sweeper ([`Consumer::sweeper`]) in a task until `stopping`
+/// says so (or its sender is gone); `None` when it has none.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub(crate) fn spawn_sweeper(
+    consumer: &Consumer,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let (sweeper, every) = consumer.sweeper()?;
+    Some(tokio::spawn(async move {
+        let stop = async move {
+            let _ = stopping.wait_for(|stop| *stop).await;
+        };
+        sweeper.run(every, stop).await;
+    }))
+}
+
+/// The value at `place` of `body`: a JSON pointer, or the name of a top-level member.
+fn at<'v>(body: &'v Value, place: &str) -> Option<&'v Value> {
+    if place.is_empty() || place.starts_with('/') {
+        body.pointer(place)
+    } else {
+        body.get(place)
+    }
+}
+
+/// What `message`'s fingerprint covers, as JSON: its body's digest, or the values at the named
+/// places (absent ones left out).
+fn identity(message: &Message, from: &FingerprintSource) -> Result<Value, ConsumerError> {
+    match from {
+        // The digest, not the body: a body of any size fits the request cap.
+        FingerprintSource::Body => Ok(json!({
+            "body_sha256": crate::fingerprint::hex(&Sha256::digest(message.body()))
+        })),
+        FingerprintSource::JsonPointers(places) => {
+            let body =
+                parse_json(message.body()).map_err(|e| ConsumerError::FingerprintUnreadable {
+                    from: from.clone(),
+                    reason: format!("the body is not JSON: {e}"),
+                })?;
+            let parts: Map<String, Value> = places
+                .iter()
+                .filter_map(|p| at(&body, p).map(|v| (p.clone(), v.clone())))
+                .collect();
+            Ok(Value::Object(parts))
+        }
+    }
+}
+
 /// Reads `message`'s key from `from`.
 fn key_of(message: &Message, from: &KeySource) -> Result<String, ConsumerError> {
     let missing = || ConsumerError::NoKey { from: from.clone() };
@@ -554,12 +912,7 @@ fn key_of(message: &Message, from: &KeySource) -> Result<String, ConsumerError> 
             };
             let body: Value = serde_json::from_slice(message.body())
                 .map_err(|e| unreadable(format!("the body is not JSON: {e}")))?;
-            let found = if field.starts_with('/') {
-                body.pointer(field)
-            } else {
-                body.get(field)
-            };
-            match found {
+            match at(&body, field) {
                 None | Some(Value::Null) => Err(missing()),
                 Some(Value::String(s)) => Ok(s.clone()),
                 Some(Value::Number(n)) if n.is_i64() || n.is_u64() => Ok(n.to_string()),
@@ -846,8 +1199,8 @@ mod tests {
                 reason: "unused".to_owned(),
             }
         });
-        let consumer =
-            Consumer::new(idem, Scope::new("queue:mail").unwrap(), handler).provider(&keyless);
+        let consumer = Consumer::new(idem, Scope::new("queue:mail").unwrap(), handler)
+            .provider(Arc::new(keyless));
         let message = || Message::new("{}").with_message_id("m-1");
         let first = consumer.handle(message()).await;
         assert!(left_unknown(&first), "{first:?}");
@@ -897,7 +1250,7 @@ mod tests {
             }
         };
         let consumer = Consumer::new(idem.clone(), Scope::new("queue:pay").unwrap(), handler)
-            .provider(provider.as_ref());
+            .provider(provider.clone());
         let message = || Message::new(r#"{"amount": 5}"#).with_message_id("m-1");
         let first = consumer.handle(message()).await;
         assert!(left_unknown(&first), "{first:?}");
@@ -962,7 +1315,7 @@ mod tests {
             }
         };
         let consumer = Consumer::new(idem, Scope::new("queue:pay").unwrap(), handler)
-            .provider(provider.as_ref());
+            .provider(provider.clone());
         let message = || Message::new(r#"{"amount": 5}"#).with_message_id("m-1");
         let first = consumer.handle(message()).await;
         assert!(left_unknown(&first), "{first:?}");
@@ -1013,5 +1366,145 @@ mod tests {
         let again = consumer.handle(message()).await;
         assert!(matches!(again, Disposition::Ack { ran: true }), "{again:?}");
         assert_eq!(runs.load(Ordering::SeqCst), 2);
+    }
+
+    /// A consumer fingerprinting by JSON places: a copy its publisher encoded again (members
+    /// reordered, other spacing) is the same message, and so is one whose unnamed parts differ;
+    /// another value at a named place is another message reusing the key, refused; a body that
+    /// is not JSON cannot be fingerprinted, and is refused without a record.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn a_pointer_fingerprint_takes_a_re_encoded_copy_for_the_same_message() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let store = memory_store().await;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let handler = counted(runs.clone(), |_| {
+            Outcome::Succeeded(StoredResponse::new(200))
+        });
+        let consumer = Consumer::new(
+            Idempotency::new(store.clone()),
+            Scope::new("queue:receipts").unwrap(),
+            handler,
+        )
+        .key(KeySource::JsonField("order_id".into()))
+        .fingerprint(FingerprintSource::JsonPointers(vec![
+            "/order_id".into(),
+            "email".into(),
+        ]));
+        let handle = |body: &str| consumer.handle(Message::new(body.to_owned()));
+        let first = handle(r#"{"order_id":7,"email":"a@example.com","sent_at":"09:00"}"#).await;
+        assert!(matches!(first, Disposition::Ack { ran: true }), "{first:?}");
+        for same in [
+            r#"{ "email" : "a@example.com" , "order_id" : 7, "sent_at": "09:00" }"#,
+            r#"{"order_id":7,"email":"a@example.com","sent_at":"09:05"}"#,
+        ] {
+            let again = handle(same).await;
+            assert!(
+                matches!(again, Disposition::Ack { ran: false }),
+                "{same}: {again:?}"
+            );
+        }
+        let corrected = handle(r#"{"order_id":7,"email":"b@example.com"}"#).await;
+        assert!(
+            matches!(
+                corrected,
+                Disposition::Reject(ConsumerError::KeyReused { .. })
+            ),
+            "{corrected:?}"
+        );
+        let without_email = handle(r#"{"order_id":7}"#).await;
+        assert!(
+            matches!(
+                without_email,
+                Disposition::Reject(ConsumerError::KeyReused { .. })
+            ),
+            "an absent place is not the value it had: {without_email:?}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        // A key read from a header, a body that is not JSON: refused, nothing recorded.
+        let by_header = consumer.clone().key(KeySource::Header("Order-Id".into()));
+        let not_json = by_header
+            .handle(Message::new("not json").with_header("Order-Id", "8"))
+            .await;
+        assert!(
+            matches!(
+                not_json,
+                Disposition::Reject(ConsumerError::FingerprintUnreadable { .. })
+            ),
+            "{not_json:?}"
+        );
+        let key = KeyId::new(
+            Scope::new("queue:receipts").unwrap(),
+            crate::IdempotencyKey::new("8").unwrap(),
+        );
+        assert!(store.get(&key).await.unwrap().is_none());
+    }
+
+    /// A sending consumer stores the provider's request (built from the message), so its
+    /// sweeper settles a send whose answer was lost by re-sending it inside the provider's
+    /// dedup window; the redelivery is then acknowledged without sending again. A message the
+    /// request cannot be built from is refused, with nothing recorded.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn a_sending_consumers_sweeper_re_sends_its_stored_request() {
+        let store = memory_store().await;
+        let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(200));
+        let provider = Arc::new(Scripted::new(
+            "mailer",
+            Scripted::dedupes(Duration::from_secs(24 * 3600)),
+            |n| match n {
+                0 => crate::CallReply::Unknown {
+                    reason: "sent; the answer was lost".to_owned(),
+                },
+                _ => crate::CallReply::Succeeded {
+                    response: StoredResponse::new(200).with_body(r#"{"id":"email_1"}"#),
+                    replayed: true,
+                },
+            },
+        ));
+        let consumer = Consumer::sending(
+            idem,
+            Scope::new("queue:receipts").unwrap(),
+            provider.clone(),
+            |message: &Message| {
+                let body: Value = message.json()?;
+                let to = body["email"].as_str().ok_or("no email")?;
+                Ok(json!({"to": to, "subject": "Your receipt"}))
+            },
+        )
+        .key(KeySource::JsonField("order_id".into()));
+        let message = || Message::new(r#"{"order_id": 7, "email": "a@example.com"}"#);
+        let first = consumer.handle(message()).await;
+        assert!(left_unknown(&first), "{first:?}");
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let (sweeper, _) = consumer
+            .sweeper()
+            .expect("a sending consumer has a sweeper");
+        let swept = sweeper.run_once().await.unwrap();
+        let email = json!({"to": "a@example.com", "subject": "Your receipt"});
+        assert_eq!(
+            provider.sent(),
+            vec![email.clone(), email],
+            "the sweeper re-sent the stored request ({})",
+            swept.summary()
+        );
+        let again = consumer.handle(message()).await;
+        assert!(
+            matches!(again, Disposition::Ack { ran: false }),
+            "{again:?}"
+        );
+        assert_eq!(provider.sent().len(), 2);
+        let unsendable = consumer.handle(Message::new(r#"{"order_id": 8}"#)).await;
+        assert!(
+            matches!(
+                unsendable,
+                Disposition::Reject(ConsumerError::Unsendable { .. })
+            ),
+            "{unsendable:?}"
+        );
+        assert!(
+            consumer.clone().without_sweeper().sweeper().is_none(),
+            "without_sweeper leaves none"
+        );
     }
 }

@@ -120,8 +120,8 @@ impl IdempotentRequest {
     }
 
     /// A request whose fingerprint was computed by the caller (the HTTP layer fingerprints
-    /// method, path, query and body, and stores a request of its own choosing).
-    #[cfg(feature = "axum")]
+    /// method, path, query and body, and stores a request of its own choosing; a queue
+    /// consumer fingerprints the parts of a message it names).
     pub(crate) fn with_fingerprint(
         id: KeyId,
         operation: String,

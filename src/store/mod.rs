@@ -190,6 +190,10 @@ pub struct TakeStale {
     pub lease: Duration,
     /// At most this many keys.
     pub limit: u32,
+    /// Only keys of this scope (`None`: any). A queue consumer's in-process sweeper takes only
+    /// its own scope's keys, and leaves the rest of a shared store to the sweepers that know
+    /// their providers.
+    pub scope: Option<String>,
 }
 
 /// Counts for `idemflow stats`.

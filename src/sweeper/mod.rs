@@ -105,6 +105,10 @@ pub struct SweeperConfig {
     /// Longest wait for one provider `call` or `lookup`; past it the key is deferred (a
     /// re-drive's outcome is then unknown). Default 2 min.
     pub call_timeout: Duration,
+    /// Only keys of this scope are taken (`None`, the default: every scope). A queue
+    /// consumer's in-process sweeper sweeps its own scope
+    /// ([`Consumer::sweeper`](crate::consumer::Consumer::sweeper)).
+    pub scope: Option<String>,
 }
 
 impl SweeperConfig {
@@ -119,6 +123,7 @@ impl SweeperConfig {
             redrive_margin: crate::provider::DEFAULT_REDRIVE_MARGIN,
             max_keys_per_run: 10_000,
             call_timeout: Duration::from_secs(120),
+            scope: None,
         }
     }
 }
@@ -221,6 +226,13 @@ impl Sweeper {
     pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
         self.config.backoff_base = base;
         self.config.backoff_cap = cap.max(base);
+        self
+    }
+
+    /// Sweeps only the keys of `scope`, leaving the rest of a shared store to other sweepers
+    /// (on Redis, from the earliest 1,000 due keys of each bucket per batch).
+    pub fn scope(mut self, scope: &crate::Scope) -> Self {
+        self.config.scope = Some(scope.as_str().to_owned());
         self
     }
 
@@ -365,6 +377,7 @@ impl Sweeper {
                 owner: cfg.owner.clone(),
                 lease: cfg.lease,
                 limit,
+                scope: cfg.scope.clone(),
             };
             let taking = self.store.take_stale(&take);
             let batch =

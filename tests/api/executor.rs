@@ -156,6 +156,7 @@ async fn completion_after_takeover_is_lease_lost_and_changes_nothing() {
                     owner: "sweeper".into(),
                     lease: Duration::from_secs(60),
                     limit: 10,
+                    scope: None,
                 })
                 .await
                 .unwrap();
@@ -293,6 +294,7 @@ async fn unknown_outcome_is_never_rerun_by_a_retry() {
             owner: "sweeper".into(),
             lease: Duration::from_secs(60),
             limit: 10,
+            scope: None,
         })
         .await
         .unwrap();
@@ -335,6 +337,7 @@ async fn dropping_execute_mid_call_leaves_the_key_processing_under_its_lease() {
             owner: "sweeper".into(),
             lease: Duration::from_secs(60),
             limit: 10,
+            scope: None,
         })
         .await
         .unwrap();
@@ -419,6 +422,7 @@ async fn a_live_operation_longer_than_the_default_lease_is_not_taken_over() {
                     owner: "sweeper".into(),
                     lease: Duration::from_secs(60),
                     limit: 10,
+                    scope: None,
                 })
                 .await
                 .unwrap();
@@ -450,6 +454,7 @@ async fn the_lease_is_renewed_while_the_operation_runs() {
                         owner: "sweeper".into(),
                         lease: Duration::from_secs(60),
                         limit: 10,
+                        scope: None,
                     })
                     .await
                     .unwrap();

@@ -332,6 +332,7 @@ impl SweeperStore for MemoryStore {
             .filter(|r| r.state == KeyState::Processing)
             .filter(|r| r.lease_expires_at.is_some_and(|exp| exp <= now))
             .filter(|r| r.next_check_at.is_none_or(|at| at <= now))
+            .filter(|r| take.scope.as_deref().is_none_or(|s| r.scope.as_str() == s))
             .map(|r| {
                 (
                     r.lease_expires_at,

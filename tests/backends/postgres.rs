@@ -178,6 +178,7 @@ async fn stale_key_query_uses_the_partial_index_on_a_big_table() {
             owner: "sweeper".into(),
             lease: Duration::from_secs(30),
             limit: 1000,
+            scope: None,
         })
         .await
         .unwrap();

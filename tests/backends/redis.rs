@@ -98,6 +98,7 @@ async fn every_write_with_a_superseded_token_is_fenced() {
             owner: "sweeper".into(),
             lease: LEASE,
             limit: 10,
+            scope: None,
         })
         .await
         .unwrap();
@@ -250,6 +251,7 @@ async fn prefixes_are_isolated() {
             owner: "b".into(),
             lease: LEASE,
             limit: 10,
+            scope: None,
         })
         .await
         .unwrap();
@@ -510,6 +512,7 @@ async fn cluster_buckets_spread_over_the_shards_and_all_are_swept() {
             owner: "sweeper".into(),
             lease: LEASE,
             limit: 100,
+            scope: None,
         })
         .await
         .unwrap();

@@ -1,12 +1,15 @@
 //! The scenarios on RabbitMQ (`IDEMFLOW_TEST_AMQP_URL`): a classic queue per test, publisher
-//! confirms on, the message id in the `message-id` property.
+//! confirms on, the message id in the `message-id` property; its dead-letter exchange
+//! (`<queue>.dead`, fanout) and the queue bound to it (`<queue>.dead`).
 
-use idemflow::consumer::{Consumer, amqp};
+use idemflow::consumer::amqp::lapin;
+use idemflow::consumer::{Consumer, REFUSED_HEADER, amqp};
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
 use crate::scenarios::{self, Broker, Running, connect_within};
 use crate::support::fresh_name;
@@ -16,7 +19,7 @@ const VAR: &str = "IDEMFLOW_TEST_AMQP_URL";
 pub struct Amqp {
     url: String,
     queue: String,
-    connection: Connection,
+    connection: std::sync::Arc<Connection>,
     channel: Channel,
 }
 
@@ -33,9 +36,33 @@ impl Amqp {
             durable: true,
             ..QueueDeclareOptions::default()
         };
-        broker
-            .channel
+        let channel = &broker.channel;
+        let dead = broker.dead_letter_target();
+        channel
             .queue_declare(broker.queue.as_str().into(), declare, FieldTable::default())
+            .await
+            .unwrap();
+        channel
+            .exchange_declare(
+                dead.as_str().into(),
+                ExchangeKind::Fanout,
+                ExchangeDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        channel
+            .queue_declare(dead.as_str().into(), declare, FieldTable::default())
+            .await
+            .unwrap();
+        channel
+            .queue_bind(
+                dead.as_str().into(),
+                dead.as_str().into(),
+                "".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
             .await
             .unwrap();
         Some(broker)
@@ -56,7 +83,7 @@ impl Amqp {
         Self {
             url: url.to_owned(),
             queue: queue.to_owned(),
-            connection,
+            connection: std::sync::Arc::new(connection),
             channel,
         }
     }
@@ -83,15 +110,41 @@ impl Broker for Amqp {
         true
     }
 
-    async fn start(&self, consumer: Consumer) -> Running {
-        // A channel per loop: closing it (when the loop ends) requeues what it left unacked.
-        let channel = self.connection.create_channel().await.unwrap();
+    async fn start_as_is(&self, consumer: Consumer) -> Running {
+        // The loop's channel closes when it ends, which requeues what it left unacked.
+        let connection = self.connection.clone();
         let queue = self.queue.clone();
         Running::spawn(move |shutdown| async move {
-            let ended = amqp::consume(&consumer, &channel, &queue, shutdown).await;
-            let _ = channel.close(200, "done".into()).await;
-            ended
+            amqp::consume(&consumer, &connection, &queue, shutdown).await
         })
+    }
+
+    fn dead_letter_target(&self) -> String {
+        format!("{}.dead", self.queue)
+    }
+
+    async fn dead_letters(&self) -> Vec<(String, Vec<u8>)> {
+        let mut out = Vec::new();
+        let queue = self.dead_letter_target();
+        while let Some(message) = self
+            .channel
+            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
+            let reason = message
+                .delivery
+                .properties
+                .headers()
+                .as_ref()
+                .and_then(|h| h.inner().get(REFUSED_HEADER).cloned());
+            let reason = match reason {
+                Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into(),
+                other => format!("no reason header: {other:?}"),
+            };
+            out.push((reason, message.delivery.data.clone()));
+        }
+        out
     }
 
     async fn unacked(&self) -> u64 {
@@ -113,8 +166,15 @@ impl Broker for Amqp {
     }
 
     async fn delete(self) {
+        let dead = self.dead_letter_target();
+        for queue in [self.queue.as_str(), dead.as_str()] {
+            self.channel
+                .queue_delete(queue.into(), QueueDeleteOptions::default())
+                .await
+                .unwrap();
+        }
         self.channel
-            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .exchange_delete(dead.as_str().into(), ExchangeDeleteOptions::default())
             .await
             .unwrap();
         let _ = self.connection.close(200, "done".into()).await;

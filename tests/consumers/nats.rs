@@ -1,14 +1,17 @@
 //! The scenarios on NATS JetStream (`IDEMFLOW_TEST_NATS_URL`): a stream per test (one subject,
 //! the server's shortest duplicate window, [`DUPLICATE_WINDOW`], so that the duplicates the
 //! tests publish later than that reach the consumer), and one durable pull consumer on it
-//! (`ack_wait` 2 s), shared by every loop of the test.
+//! (`ack_wait` 2 s), shared by every loop of the test; a dead-letter stream of its own
+//! (`<stream>_dead`, capturing `<stream>.dead`).
 
 use std::time::Duration;
+
+use idemflow::consumer::nats::async_nats;
+use idemflow::consumer::{Consumer, REFUSED_HEADER, nats};
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::{self, stream};
-use idemflow::consumer::{Consumer, nats};
 
 use crate::scenarios::{self, Broker, Running, connect_within};
 use crate::support::fresh_name;
@@ -51,6 +54,13 @@ impl Nats {
             })
             .await;
         created.unwrap();
+        js.create_stream(stream::Config {
+            name: format!("{name}_dead"),
+            subjects: vec![format!("{name}.dead")],
+            ..stream::Config::default()
+        })
+        .await
+        .unwrap();
         js.create_consumer_on_stream(
             pull::Config {
                 durable_name: Some(DURABLE.to_owned()),
@@ -102,11 +112,36 @@ impl Broker for Nats {
         !ack.duplicate
     }
 
-    async fn start(&self, consumer: Consumer) -> Running {
+    async fn start_as_is(&self, consumer: Consumer) -> Running {
         let pull = self.durable().await;
-        Running::spawn(
-            move |shutdown| async move { nats::consume(&consumer, &pull, shutdown).await },
-        )
+        let js = self.js.clone();
+        Running::spawn(move |shutdown| async move {
+            nats::consume(&consumer, &js, &pull, shutdown).await
+        })
+    }
+
+    fn dead_letter_target(&self) -> String {
+        format!("{}.dead", self.stream)
+    }
+
+    async fn dead_letters(&self) -> Vec<(String, Vec<u8>)> {
+        let dead = self
+            .js
+            .get_stream(format!("{}_dead", self.stream))
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        for seq in 1.. {
+            let Ok(message) = dead.get_raw_message(seq).await else {
+                break;
+            };
+            let reason = message
+                .headers
+                .get(REFUSED_HEADER)
+                .map_or_else(|| "no reason header".to_owned(), |v| v.to_string());
+            out.push((reason, message.payload.to_vec()));
+        }
+        out
     }
 
     async fn unacked(&self) -> u64 {
@@ -121,6 +156,10 @@ impl Broker for Nats {
 
     async fn delete(self) {
         self.js.delete_stream(&self.stream).await.unwrap();
+        self.js
+            .delete_stream(format!("{}_dead", self.stream))
+            .await
+            .unwrap();
     }
 }
 

@@ -8,12 +8,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use idemflow::consumer::{Consumer, ConsumerError, ConsumerStats, Message};
+use idemflow::consumer::{
+    Consumer, ConsumerError, ConsumerStats, FingerprintSource, KeySource, Message,
+};
 use idemflow::provider::{Attempts, CallReply, KeySpec, Lookup};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{
-    Actor, Context, Idempotency, KeyId, KeyState, Outcome, Provider, Providers, Scope, Store,
-    StoredResponse, Sweeper,
+    Actor, Context, Idempotency, KeyId, KeyState, Outcome, Provider, Scope, Store, StoredResponse,
 };
 use sqlx::SqlitePool;
 use tokio::sync::{Notify, oneshot};
@@ -37,8 +38,19 @@ pub trait Broker: Send + Sync + Sized + 'static {
     /// Publishes `body` with the message id `id` (none when `id` is empty); `false` when the
     /// broker dropped it as a duplicate at publish (JetStream's duplicate window).
     fn publish(&self, id: &str, body: &[u8]) -> impl Future<Output = bool> + Send;
-    /// Starts `consumer`'s loop on the queue.
-    fn start(&self, consumer: Consumer) -> impl Future<Output = Running> + Send;
+    /// Starts `consumer`'s loop on the queue, its refused messages dead-lettered to the
+    /// queue's dead-letter target ([`dead_letter_target`](Self::dead_letter_target)).
+    fn start(&self, consumer: Consumer) -> impl Future<Output = Running> + Send {
+        self.start_as_is(consumer.dead_letter(self.dead_letter_target()))
+    }
+    /// Starts `consumer`'s loop on the queue as it is configured.
+    fn start_as_is(&self, consumer: Consumer) -> impl Future<Output = Running> + Send;
+    /// The queue's dead-letter target: a RabbitMQ exchange, a NATS subject another stream
+    /// captures.
+    fn dead_letter_target(&self) -> String;
+    /// The messages dead-lettered so far: each one's refusal reason (its
+    /// `consumer::REFUSED_HEADER`) and body.
+    fn dead_letters(&self) -> impl Future<Output = Vec<(String, Vec<u8>)>> + Send;
     /// Messages on the queue not yet acknowledged (ready or delivered), once every loop has
     /// stopped.
     fn unacked(&self) -> impl Future<Output = u64> + Send;
@@ -60,7 +72,10 @@ macro_rules! scenario_tests {
             a_consumer_killed_mid_message_leaves_one_effect,
             a_consumer_without_a_provider_killed_mid_message_keeps_one_effect,
             a_keyless_message_is_rejected_and_a_panic_redelivered,
-            a_consumer_asked_for_any_concurrency_handles_its_messages
+            a_consumer_asked_for_any_concurrency_handles_its_messages,
+            refused_messages_are_dead_lettered_with_their_reason,
+            a_consumer_with_nowhere_for_refused_messages_does_not_start,
+            drop_refused_drops_with_an_error_log_and_a_count
         );
     };
     ($broker:ty, $($scenario:ident),+) => {
@@ -98,6 +113,14 @@ impl Running {
             stop,
             task: tokio::spawn(run(shutdown)),
         }
+    }
+
+    /// Waits for the loop to end on its own: its result.
+    pub async fn ended(self) -> Result<(), ConsumerError> {
+        let Running { stop, task } = self;
+        let ended = task.await.unwrap();
+        drop(stop);
+        ended
     }
 
     /// Waits for the loop to end on its own (the kill test's child: never).
@@ -537,29 +560,6 @@ pub async fn a_consumer_asked_for_any_concurrency_handles_its_messages(broker: i
     broker.delete().await;
 }
 
-/// The sweeper over `store`, asking the [`Ledger`] of `effects`, every 100 ms until dropped.
-fn sweeping(store: Arc<dyn Store>, effects: &Effects) -> AbortOnDrop {
-    let sweeper = Sweeper::new(
-        store,
-        Providers::new().with(Arc::new(Ledger(effects.clone()))),
-    )
-    .backoff(Duration::from_millis(100), Duration::from_millis(500));
-    AbortOnDrop(tokio::spawn(async move {
-        loop {
-            let _ = sweeper.run_once().await;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }))
-}
-
-struct AbortOnDrop(JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// Checks that the key of `id` is `done`, settled by the sweeper.
 async fn settled_by_the_sweeper(store: &Arc<dyn Store>, scope: &Scope, id: &str) {
     let key = KeyId::new(scope.clone(), idemflow::IdempotencyKey::new(id).unwrap());
@@ -571,8 +571,8 @@ async fn settled_by_the_sweeper(store: &Arc<dyn Store>, scope: &Scope, id: &str)
 }
 
 /// A handler that acted and lost its answer (`Unknown`): the message is left unacknowledged,
-/// the key `processing`, until the sweeper asks the provider (the ledger) and settles it; the
-/// next delivery is then acknowledged without running the handler again.
+/// the key `processing`, until the loop's in-process sweeper asks the provider (the ledger)
+/// and settles it; the next delivery is then acknowledged without running the handler again.
 pub async fn an_unknown_outcome_is_left_unacked_until_the_sweeper_settles_it(broker: impl Broker) {
     let files = Files::new();
     let effects = files.effects().await;
@@ -591,29 +591,23 @@ pub async fn an_unknown_outcome_is_left_unacked_until_the_sweeper_settles_it(bro
         }
     };
     let scope = scope(&broker);
-    let consumer = Consumer::new(idem, scope.clone(), handler).provider(&Ledger(effects.clone()));
+    let consumer = Consumer::new(idem, scope.clone(), handler)
+        .provider(Arc::new(Ledger(effects.clone())))
+        .sweep_every(Duration::from_millis(100));
     let running = broker.start(consumer.clone()).await;
     assert!(broker.publish("lost-1", b"{}").await);
     until_stats(
         &consumer,
         Duration::from_secs(20),
-        "the run's outcome is unknown and redelivered",
-        |s| s.unknown >= 2,
-    )
-    .await;
-    assert_eq!(consumer.stats().ran + consumer.stats().replayed, 0);
-    let sweeper = sweeping(store.clone(), &effects);
-    until_stats(
-        &consumer,
-        Duration::from_secs(20),
-        "acknowledged once the sweeper settled the key",
+        "acknowledged once the in-process sweeper settled the key",
         |s| s.replayed == 1,
     )
     .await;
-    drop(sweeper);
     running.stop().await;
     assert_eq!(effects.of("lost-1").await, 1);
-    assert_eq!(consumer.stats().ran, 0, "{:?}", consumer.stats());
+    let stats = consumer.stats();
+    assert!(stats.unknown >= 1, "{stats:?}");
+    assert_eq!(stats.ran, 0, "{stats:?}");
     settled_by_the_sweeper(&store, &scope, "lost-1").await;
     assert_eq!(broker.unacked().await, 0, "the queue drained");
     broker.delete().await;
@@ -657,7 +651,9 @@ fn kill_consumer(
     if own {
         consumer
     } else {
-        consumer.provider(&ledger)
+        consumer
+            .provider(Arc::new(ledger))
+            .sweep_every(Duration::from_millis(100))
     }
 }
 
@@ -783,8 +779,8 @@ pub async fn a_consumer_killed_mid_message_leaves_one_effect(broker: impl Broker
         .in_flight_retry_after(Duration::from_millis(200))
         .unknown_retry_after(Duration::from_millis(200));
     let scope = scope(&broker);
+    // Its in-process sweeper settles the dead child's key: no other sweeper runs.
     let consumer = kill_consumer(idem, scope.clone(), effects.clone(), false, false).concurrency(4);
-    let _sweeper = sweeping(store.clone(), &effects);
     let stats =
         consume_after_kill(&broker, &consumer, killed_at, |s| s.ran + s.replayed == 3).await;
     assert_eq!(effects.summary().await, (3, 3, 1), "{stats:?}");
@@ -845,6 +841,168 @@ pub async fn a_consumer_without_a_provider_killed_mid_message_keeps_one_effect(
         }
     }
     assert_eq!(taken_over, 1, "the dead child's key was taken over");
+    assert_eq!(broker.unacked().await, 0, "the queue drained");
+    broker.delete().await;
+}
+
+/// The ERROR events logged in this process, as text (a subscriber installed once for the whole
+/// binary: the loops log from tasks on every worker thread).
+fn error_log() -> Arc<std::sync::Mutex<Vec<String>>> {
+    use tracing_subscriber::layer::SubscriberExt;
+    static LOG: std::sync::OnceLock<Arc<std::sync::Mutex<Vec<String>>>> =
+        std::sync::OnceLock::new();
+    LOG.get_or_init(|| {
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let subscriber = tracing_subscriber::registry().with(Errors(log.clone()));
+        tracing::subscriber::set_global_default(subscriber)
+            .expect("no other subscriber in the consumers binary");
+        log
+    })
+    .clone()
+}
+
+struct Errors(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Text(String);
+        impl tracing::field::Visit for Text {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={value:?} ", field.name()));
+            }
+        }
+        if *event.metadata().level() == tracing::Level::ERROR {
+            let mut text = Text(String::new());
+            event.record(&mut text);
+            self.0.lock().unwrap().push(text.0);
+        }
+    }
+}
+
+/// A consumer keyed by the body's `order_id` and fingerprinted by `/order_id` and `/email`: the
+/// same message encoded again is acknowledged as a duplicate; a corrected copy (another email
+/// under the order) and a message without `order_id` are refused, and each lands on the
+/// queue's dead-letter target with its reason; nothing is left on the queue.
+pub async fn refused_messages_are_dead_lettered_with_their_reason(broker: impl Broker) {
+    let files = Files::new();
+    let effects = files.effects().await;
+    let idem = Idempotency::new(files.store().await);
+    let consumer = Consumer::new(idem, scope(&broker), recording(effects.clone()))
+        .key(KeySource::JsonField("order_id".into()))
+        .fingerprint(FingerprintSource::JsonPointers(vec![
+            "/order_id".into(),
+            "/email".into(),
+        ]));
+    let running = broker.start(consumer.clone()).await;
+    let original = br#"{"order_id": 41, "email": "a@example.com"}"#;
+    let corrected = br#"{"order_id": 41, "email": "b@example.com"}"#;
+    let keyless = br#"{"email": "c@example.com"}"#;
+    assert!(broker.publish("", original).await);
+    until_stats(
+        &consumer,
+        Duration::from_secs(20),
+        "the original handled",
+        |s| s.ran == 1,
+    )
+    .await;
+    assert!(
+        broker
+            .publish("", br#"{ "email":"a@example.com",  "order_id":41 }"#)
+            .await
+    );
+    assert!(broker.publish("", corrected).await);
+    assert!(broker.publish("", keyless).await);
+    until_stats(
+        &consumer,
+        Duration::from_secs(20),
+        "the copy acknowledged, the other two dead-lettered",
+        |s| s.replayed == 1 && s.dead_lettered == 2,
+    )
+    .await;
+    running.stop().await;
+    let stats = consumer.stats();
+    assert_eq!((stats.rejected, stats.dropped), (2, 0), "{stats:?}");
+    assert_eq!(effects.summary().await, (1, 1, 1), "{stats:?}");
+    // The dead letters are confirmed before the originals are acknowledged: all are there.
+    let mut dead = broker.dead_letters().await;
+    dead.sort_by(|a, b| a.1.cmp(&b.1));
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    let (missing, reused) = (&dead[0], &dead[1]);
+    assert_eq!(reused.1, corrected, "{dead:?}");
+    assert!(reused.0.contains("another message"), "{}", reused.0);
+    assert_eq!(missing.1, keyless, "{dead:?}");
+    assert!(missing.0.contains("no key"), "{}", missing.0);
+    assert_eq!(broker.unacked().await, 0, "the queue drained");
+    broker.delete().await;
+}
+
+/// A loop with nowhere to put a refused message does not start: without a dead-letter target,
+/// and with one that does not exist, it ends at once with `ConsumerError::NoDeadLetter`, whose
+/// text says how to add one; the message on the queue stays there.
+pub async fn a_consumer_with_nowhere_for_refused_messages_does_not_start(broker: impl Broker) {
+    let files = Files::new();
+    let effects = files.effects().await;
+    let idem = Idempotency::new(files.store().await);
+    let consumer = Consumer::new(idem, scope(&broker), recording(effects.clone()));
+    assert!(broker.publish("waiting-1", b"{}").await);
+    let missing = format!("{}-missing", broker.dead_letter_target());
+    for (consumer, what) in [
+        (consumer.clone(), "no target"),
+        (consumer.clone().dead_letter(missing), "a missing target"),
+    ] {
+        let ended = broker.start_as_is(consumer).await;
+        let ended = tokio::time::timeout(Duration::from_secs(20), ended.ended())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the loop started"));
+        match ended {
+            Err(e @ ConsumerError::NoDeadLetter { .. }) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("Consumer::dead_letter") && text.contains("drop_refused"),
+                    "{what}: {text}"
+                );
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    assert_eq!(consumer.stats(), ConsumerStats::default());
+    assert_eq!(effects.summary().await, (0, 0, 0));
+    assert_eq!(broker.unacked().await, 1, "the message waits on the queue");
+    broker.delete().await;
+}
+
+/// With `drop_refused`, a refused message is dropped: the queue drains, nothing is dead-lettered,
+/// and each drop is counted and logged at ERROR with the refusal.
+pub async fn drop_refused_drops_with_an_error_log_and_a_count(broker: impl Broker) {
+    let log = error_log();
+    let files = Files::new();
+    let effects = files.effects().await;
+    let idem = Idempotency::new(files.store().await);
+    let scope = scope(&broker);
+    let consumer = Consumer::new(idem, scope.clone(), recording(effects.clone())).drop_refused();
+    let running = broker.start_as_is(consumer.clone()).await;
+    assert!(broker.publish("", b"{}").await);
+    assert!(broker.publish("kept-1", b"{}").await);
+    until_stats(
+        &consumer,
+        Duration::from_secs(20),
+        "the keyless message dropped, the other handled",
+        |s| s.dropped == 1 && s.ran == 1,
+    )
+    .await;
+    running.stop().await;
+    assert_eq!(consumer.stats().dead_lettered, 0);
+    assert_eq!(effects.summary().await, (1, 1, 1));
+    assert!(broker.dead_letters().await.is_empty());
+    let logged = log.lock().unwrap().clone();
+    assert!(
+        logged
+            .iter()
+            .any(|line| line.contains("refused message dropped")
+                && line.contains(scope.as_str())
+                && line.contains("no key")),
+        "no ERROR line for the drop: {logged:?}"
+    );
     assert_eq!(broker.unacked().await, 0, "the queue drained");
     broker.delete().await;
 }

@@ -204,7 +204,7 @@ pub async fn client(
         Consumer::new(idem, scope, own).handle(message).await
     } else {
         Consumer::new(idem, scope, handler)
-            .provider(provider.as_ref())
+            .provider(provider.clone())
             .handle(message)
             .await
     };

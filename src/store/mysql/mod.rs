@@ -248,6 +248,7 @@ impl MySqlStore {
     async fn with_picked<T>(
         &self,
         pick: &'static str,
+        scope: Option<&str>,
         limit: u32,
         then: impl AsyncFnOnce(
             &mut sqlx::MySqlConnection,
@@ -258,6 +259,8 @@ impl MySqlStore {
         conn.execute(sql::READ_COMMITTED).await.map_err(db)?;
         let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(db)?;
         let picked: Vec<(Vec<u8>, Vec<u8>)> = sqlx::query_as(pick)
+            .bind(scope)
+            .bind(scope)
             .bind(i64::from(limit.min(MAX_BATCH)))
             .fetch_all(&mut *tx)
             .await
@@ -434,29 +437,34 @@ impl MySqlStore {
     async fn take_stale_once(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         let lease = micros(take.lease);
         let taken = self
-            .with_picked(sql::PICK_STALE, take.limit, async |tx, picked| {
-                let update = with_in_list(sql::TAKE_PICKED, picked.len());
-                let mut update = sqlx::query(update).bind(&take.owner).bind(lease);
-                for (scope, key) in picked {
-                    update = update.bind(scope).bind(key);
-                }
-                update.execute(&mut *tx).await.map_err(db)?;
-                let read = with_in_list(sql::READ_PICKED, picked.len());
-                let mut read = sqlx::query(read);
-                for (scope, key) in picked {
-                    read = read.bind(scope).bind(key);
-                }
-                let rows = read.fetch_all(&mut *tx).await.map_err(db)?;
-                rows.iter()
-                    .map(decode_record)
-                    .collect::<Result<Vec<_>, _>>()
-            })
+            .with_picked(
+                sql::PICK_STALE,
+                take.scope.as_deref(),
+                take.limit,
+                async |tx, picked| {
+                    let update = with_in_list(sql::TAKE_PICKED, picked.len());
+                    let mut update = sqlx::query(update).bind(&take.owner).bind(lease);
+                    for (scope, key) in picked {
+                        update = update.bind(scope).bind(key);
+                    }
+                    update.execute(&mut *tx).await.map_err(db)?;
+                    let read = with_in_list(sql::READ_PICKED, picked.len());
+                    let mut read = sqlx::query(read);
+                    for (scope, key) in picked {
+                        read = read.bind(scope).bind(key);
+                    }
+                    let rows = read.fetch_all(&mut *tx).await.map_err(db)?;
+                    rows.iter()
+                        .map(decode_record)
+                        .collect::<Result<Vec<_>, _>>()
+                },
+            )
             .await?;
         Ok(taken.unwrap_or_default())
     }
     async fn purge_expired_once(&self, batch: u32) -> Result<u64, StoreError> {
         let deleted = self
-            .with_picked(sql::PICK_EXPIRED, batch, async |tx, picked| {
+            .with_picked(sql::PICK_EXPIRED, None, batch, async |tx, picked| {
                 let delete = with_in_list(sql::DELETE_PICKED, picked.len());
                 let mut delete = sqlx::query(delete);
                 for (scope, key) in picked {

@@ -99,7 +99,7 @@ pub(super) const PICK_STALE: &str = concat!(
     now!(),
     " AND (next_check_at IS NULL OR next_check_at <= ",
     now!(),
-    ") ORDER BY lease_expires_at LIMIT ? FOR UPDATE SKIP LOCKED"
+    ") AND (? IS NULL OR scope = ?) ORDER BY lease_expires_at LIMIT ? FOR UPDATE SKIP LOCKED"
 );
 
 /// Followed by `(scope, key) IN (..)`. Parameters: owner, lease µs.
@@ -127,7 +127,7 @@ pub(super) const PICK_EXPIRED: &str = concat!(
     "SELECT scope, `key` FROM idempotency_keys \
      WHERE state <> 'processing' AND expires_at <= ",
     now!(),
-    " ORDER BY expires_at LIMIT ? FOR UPDATE SKIP LOCKED"
+    " AND (? IS NULL OR scope = ?) ORDER BY expires_at LIMIT ? FOR UPDATE SKIP LOCKED"
 );
 
 /// Followed by `(scope, key) IN (..)`.

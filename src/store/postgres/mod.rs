@@ -491,6 +491,7 @@ impl SweeperStore for PostgresStore {
             .bind(&take.owner)
             .bind(ms(take.lease))
             .bind(i64::from(take.limit))
+            .bind(take.scope.as_deref())
             .fetch_all(&mut *conn)
             .await
             .map_err(|e| self.err(e))?;

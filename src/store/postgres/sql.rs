@@ -336,7 +336,8 @@ pub(super) const TAKE_STALE: &str = concat!(
     now!(),
     " AND (next_check_at IS NULL OR next_check_at <= ",
     now!(),
-    ") ORDER BY lease_expires_at LIMIT $3::bigint FOR UPDATE SKIP LOCKED) \
+    ") AND ($4::text IS NULL OR scope = $4::text) \
+       ORDER BY lease_expires_at LIMIT $3::bigint FOR UPDATE SKIP LOCKED) \
      UPDATE idempotency_keys k SET lease_token = k.lease_token + 1, lease_owner = $1::text, \
        last_attempt_at = CASE WHEN k.lease_owner IS NULL THEN k.last_attempt_at \
          ELSE GREATEST(COALESCE(k.last_attempt_at, k.created_at), k.lease_expires_at) END, \

@@ -13,6 +13,14 @@ pub(super) fn member(id: &KeyId) -> String {
     out
 }
 
+/// The escaped `scope:` prefix of every member of `scope`.
+pub(super) fn scope_prefix(scope: &str) -> String {
+    let mut out = String::with_capacity(scope.len() + 4);
+    escape(scope, &mut out);
+    out.push(':');
+    out
+}
+
 fn escape(s: &str, out: &mut String) {
     for c in s.chars() {
         match c {

@@ -18,7 +18,7 @@ use super::config::{SENTINEL_SCHEME, SentinelConfig, WaitReplicas, take_wait_par
 use super::decode::{
     array, history_of, int, maybe_record, member_records, record, record_of, refusal, text,
 };
-use super::layout::{Keys, Layout, fnv1a, member, unmember, validate_prefix};
+use super::layout::{Keys, Layout, fnv1a, member, scope_prefix, unmember, validate_prefix};
 use super::sentinel::SentinelConnection;
 use super::{BACKEND, FORMAT_VERSION, RedisConfig, corrupt, db};
 use crate::KeyId;
@@ -1033,7 +1033,10 @@ impl SweeperStore for RedisStore {
                 break;
             }
             let mut inv = self.per_bucket(&SCRIPTS.take_stale, bucket);
-            inv.arg(&take.owner).arg(ms(take.lease)).arg(left);
+            inv.arg(&take.owner)
+                .arg(ms(take.lease))
+                .arg(left)
+                .arg(take.scope.as_deref().map(scope_prefix).unwrap_or_default());
             out.extend(member_records(self.invoke(&inv).await?, "take_stale")?);
         }
         Ok(out)

@@ -648,12 +648,14 @@ impl SweeperStore for SqliteStore {
     #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
         let (owner, lease, limit) = (take.owner.clone(), millis(take.lease), take.limit);
+        let scope = take.scope.clone();
         self.writer
             .call(job(move |conn| {
                 let q = sqlx::query(sql::TAKE_STALE)
                     .bind(owner.clone())
                     .bind(lease)
-                    .bind(i64::from(limit));
+                    .bind(i64::from(limit))
+                    .bind(scope.clone());
                 Box::pin(async move {
                     let rows = q.fetch_all(&mut *conn).await.map_err(db)?;
                     rows.iter().map(decode_record).collect()

@@ -405,7 +405,7 @@ pub(super) const TAKE_STALE: &str = concat!(
     now!(),
     " AND (next_check_at IS NULL OR next_check_at <= ",
     now!(),
-    ") ORDER BY lease_expires_at LIMIT ?3) \
+    ") AND (?4 IS NULL OR scope = ?4) ORDER BY lease_expires_at LIMIT ?3) \
      RETURNING ",
     cols!()
 );
