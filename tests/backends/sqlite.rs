@@ -48,6 +48,34 @@ async fn waiting_across_two_stores_on_one_file() {
     idemflow::conformance::waiting_across_stores(&stores).await;
 }
 
+/// Workers that start together on one database file (several processes sharing a queue and
+/// its keys) each migrate it: every migration is applied once and every `migrate` succeeds.
+/// (Each store read the migrations applied so far, then ran the first one missing; all but one
+/// failed with "table idempotency_keys already exists" or "duplicate column name".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_migrating_one_file_at_once_all_succeed() {
+    use idemflow::store::sqlite::SqliteStore;
+    for round in 0..5 {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("t.db").display());
+        let mut stores: Vec<Arc<dyn Store>> = Vec::new();
+        for _ in 0..4 {
+            stores.push(Arc::new(SqliteStore::connect(&url).await.unwrap()));
+        }
+        let mut migrating = tokio::task::JoinSet::new();
+        for store in &stores {
+            let store = store.clone();
+            migrating.spawn(async move { store.migrate().await });
+        }
+        while let Some(migrated) = migrating.join_next().await {
+            let migrated = migrated.unwrap();
+            assert!(migrated.is_ok(), "round {round}: {migrated:?}");
+        }
+        let store = stores.pop().unwrap();
+        idemflow::conformance::store::claim_new_key_grants_first_token_and_history(store).await;
+    }
+}
+
 /// Lone writes (one caller: each claim and finish commits on its own, outside a batch) keep the
 /// WAL checkpointed. Each such write is an `.. RETURNING` statement, and SQLite runs the
 /// automatic checkpoint only when a statement that commits steps to its end: read for its first

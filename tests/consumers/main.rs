@@ -23,6 +23,10 @@
 //! The keys and the effects live in SQLite files in a temporary directory (both processes open
 //! them). The target requires features `rabbitmq`, `nats` and `sqlite`.
 //!
+//! `receipts.rs` (with features `http` and `testkit`) runs `examples/receipts_worker.rs`: three
+//! worker processes on one queue, one killed with SIGKILL while the fake Resend holds its
+//! answer; the peers' in-process sweepers settle its key, one email per order.
+//!
 //! `jobs.rs` (with features `postgres` and `testkit`) is the background-job counterpart: an
 //! apalis job queue on PostgreSQL (`IDEMFLOW_TEST_POSTGRES_URL`), its job charging through
 //! idemflow (`examples/background_jobs.rs`): a retry after the charge, a worker killed with
@@ -35,4 +39,6 @@ mod amqp;
 #[cfg(all(feature = "postgres", feature = "testkit"))]
 mod jobs;
 mod nats;
+#[cfg(all(feature = "http", feature = "testkit"))]
+mod receipts;
 mod scenarios;

@@ -526,6 +526,9 @@ impl SqliteStore {
     }
 }
 
+/// How many times [`SqliteStore::migrate`] runs the migrations before it gives up.
+const MIGRATE_ATTEMPTS: u32 = 10;
+
 #[async_trait]
 impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
@@ -537,8 +540,23 @@ impl Store for SqliteStore {
     }
 
     #[instrument(skip(self), err)]
+    /// SQLite has no lock for migrations across connections (sqlx's is a no-op there), so
+    /// stores that migrate one file at once (workers starting together) race: each reads the
+    /// migrations applied so far and runs the first one missing, and all but one fail. Each
+    /// migration runs in a transaction of its own, so a failed one left nothing: the migration
+    /// is run again, up to [`MIGRATE_ATTEMPTS`] times, and skips what the others applied.
     async fn migrate(&self) -> Result<(), StoreError> {
-        sql_core::migrate(BACKEND, &self.writer_pool, migrator()).await
+        let mut attempt = 1;
+        loop {
+            match sql_core::migrate(BACKEND, &self.writer_pool, migrator()).await {
+                Err(e) if attempt < MIGRATE_ATTEMPTS => {
+                    tracing::debug!(error = %e, attempt, "sqlite migration failed; running it again");
+                    tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
+                    attempt += 1;
+                }
+                done => return done,
+            }
+        }
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, StoreError> {
