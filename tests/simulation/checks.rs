@@ -77,6 +77,13 @@ pub enum Check {
     /// A queue message whose effect is the application's own (no provider) is acknowledged,
     /// and its key is `done`, only after a run of its handler recorded the effect.
     AckedAfterItsOwnEffect,
+    /// A queue delivery is refused (and dead-lettered) only as another message reusing its key:
+    /// never a copy of the one message its key was delivered with (another encoding, another
+    /// trace).
+    RefusedOnlyAnotherMessage,
+    /// The deliveries a key's consumer acknowledges are copies of one message: a corrected copy
+    /// (another value at a fingerprinted place) is never acknowledged as its duplicate.
+    AckedOnlyOneMessage,
 }
 
 impl Check {
@@ -103,6 +110,8 @@ impl Check {
             Check::ProviderKeyKeptAcrossLostWrites => "provider_key_kept_across_lost_writes",
             Check::ActsOnTheClientsRequest => "acts_on_the_clients_request",
             Check::AckedAfterItsOwnEffect => "acked_after_its_own_effect",
+            Check::RefusedOnlyAnotherMessage => "refused_only_another_message",
+            Check::AckedOnlyOneMessage => "acked_only_one_message",
         }
     }
 
@@ -136,7 +145,7 @@ impl Check {
         }
     }
 
-    pub const ALL: [Check; 21] = [
+    pub const ALL: [Check; 23] = [
         Check::AtMostOneEffect,
         Check::DoneMatchesAnEffect,
         Check::ReplaysIdentical,
@@ -158,6 +167,8 @@ impl Check {
         Check::ProviderKeyKeptAcrossLostWrites,
         Check::ActsOnTheClientsRequest,
         Check::AckedAfterItsOwnEffect,
+        Check::RefusedOnlyAnotherMessage,
+        Check::AckedOnlyOneMessage,
     ];
 }
 

@@ -207,6 +207,15 @@ pub struct Shared {
     /// whose consumer has no provider): keyed by the message, so the effect is there once
     /// however many runs record it.
     pub own_effects: BTreeMap<String, u32>,
+    /// Key label -> the deliveries of its queue message so far.
+    pub deliveries: BTreeMap<String, u64>,
+    /// Key label -> the notes its deliveries carried (`crate::queue`: a corrected copy's
+    /// differs).
+    pub notes: BTreeMap<String, std::collections::BTreeSet<String>>,
+    /// (key label, generation) -> the notes of its acknowledged deliveries.
+    pub acked_notes: BTreeMap<(String, u32), std::collections::BTreeSet<String>>,
+    /// Key label -> its deliveries refused and dead-lettered.
+    pub dead_lettered: BTreeMap<String, u32>,
     pub violations: Vec<Violation>,
     pub trace: Vec<String>,
 }
@@ -306,6 +315,11 @@ impl Shared {
             | Check::OperatorNeverRetryableAfterEffect
             | Check::ResolveNeverOverwritesADecision
             | Check::AckedWriteSurvivesReopen => Some("the lease and answer history was lost"),
+            Check::AckedOnlyOneMessage => Some(
+                "the lost record held the first message's fingerprint: another message claimed \
+                 the key anew",
+            ),
+            Check::RefusedOnlyAnotherMessage => None,
             Check::EffectSettlesAtQuiescence => Some(
                 "the record of the attempt that acted was lost: the store no longer knows the \
                  provider may have acted, so no sweep looks it up",

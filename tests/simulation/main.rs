@@ -322,8 +322,10 @@ async fn simulate_seeds(
     let mut known: BTreeMap<&'static str, (u64, u64, u8)> = BTreeMap::new();
     let mut consequences: BTreeMap<(&'static str, u8), (u64, u64)> = BTreeMap::new();
     let (mut effects, mut steps, mut starved) = (0usize, 0usize, Vec::new());
+    let mut dead_lettered = 0u32;
     for r in &results {
         effects += r.effects;
+        dead_lettered += r.dead_lettered;
         steps += r.steps;
         if r.starved > 0 {
             starved.push((r.seed, r.excused.len()));
@@ -347,7 +349,7 @@ async fn simulate_seeds(
         }
     }
     eprintln!(
-        "[sim {name}] {} schedules ({steps} steps, {effects} provider effects) in {:.1}s: {:.1} schedules/s (parallel {parallel}; {} stores opened; opening or emptying a store took {:.0} ms per schedule on average)",
+        "[sim {name}] {} schedules ({steps} steps, {effects} provider effects, {dead_lettered} queue deliveries dead-lettered) in {:.1}s: {:.1} schedules/s (parallel {parallel}; {} stores opened; opening or emptying a store took {:.0} ms per schedule on average)",
         results.len(),
         elapsed.as_secs_f64(),
         results.len() as f64 / elapsed.as_secs_f64(),

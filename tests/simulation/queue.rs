@@ -6,6 +6,16 @@
 //! redelivery is tried again, as the broker would, and an acknowledged one counts as told an
 //! answer (its key must be decided).
 //!
+//! Each delivery is a message `{"order": <the key's body>, "note": .., "trace": ..}`, its members
+//! in an order and spacing of its own, fingerprinted by `/order` and `/note` (a
+//! `FingerprintSource::JsonPointers` consumer): every copy is the same message, whatever its
+//! encoding and trace, except a corrected copy (about one delivery in ten), whose note differs.
+//! The handler sends `order`; half the keys' consumers are `Consumer::sending` (the request
+//! built from the message and stored, so the sweeper re-sends it), the rest a handler that
+//! calls `Context::send`. A refused delivery is dead-lettered, never redelivered; it must be a
+//! message reusing the key ([`Check::RefusedOnlyAnotherMessage`]), and a key's acknowledged
+//! deliveries must all be one message ([`Check::AckedOnlyOneMessage`]).
+//!
 //! In [`Mode::OwnEffects`](crate::world::Mode::OwnEffects), half the messages go to a consumer
 //! without a provider instead: its handler records the message's own effect (keyed by the
 //! message, in `Shared::own_effects`) after a point where its actor may crash, and an `Ack`
@@ -22,7 +32,7 @@
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use idemflow::consumer::{Consumer, Disposition, Message};
+use idemflow::consumer::{Consumer, ConsumerError, Disposition, FingerprintSource, Message};
 use idemflow::store::{ClaimOutcome, Finish, NewClaim, Release};
 use idemflow::{
     Context, Idempotency, KeyId, KeyRecord, LeaseToken, Outcome, Scope, Store, StoreError,
@@ -164,8 +174,7 @@ pub async fn client(
             let provider = provider.clone();
             let actor = actor.clone();
             async move {
-                let body: serde_json::Value =
-                    serde_json::from_slice(message.body()).unwrap_or_default();
+                let body = order_of(&message).unwrap_or_default();
                 let send = async move { ctx.send(provider.as_ref(), &body).await };
                 match actor {
                     Some((actor, killed)) => as_actor(&actor, killed, send).await,
@@ -174,11 +183,23 @@ pub async fn client(
             }
         }
     };
-    let body = match serde_json::to_vec(&key.body) {
-        Ok(b) => b,
-        Err(e) => return (format!("bad body: {e}"), false),
+    let delivery = {
+        let mut sh = shared.lock().unwrap();
+        let n = sh.deliveries.entry(key.label.clone()).or_default();
+        *n += 1;
+        *n
     };
-    let message = Message::new(body).with_message_id(key.id.key.as_str());
+    let roll = mix(&key.label, delivery);
+    let note = if roll % 10 == 0 { "corrected" } else { "first" };
+    shared
+        .lock()
+        .unwrap()
+        .notes
+        .entry(key.label.clone())
+        .or_default()
+        .insert(note.to_owned());
+    let message = Message::new(encoded(&key.body, note, roll)).with_message_id(key.id.key.as_str());
+    let sends = mix(&key.label, 0) % 2 == 0;
     let disposition = if key.own_effect {
         // The application's own effect, keyed by the message: recorded by the run as the
         // delivering actor, after a point where the actor may crash.
@@ -201,10 +222,16 @@ pub async fn client(
                 }
             }
         };
-        Consumer::new(idem, scope, own).handle(message).await
+        fingerprinted(Consumer::new(idem, scope, own))
+            .handle(message)
+            .await
+    } else if sends {
+        let provider: Arc<dyn idemflow::Provider> = provider.clone();
+        fingerprinted(Consumer::sending(idem, scope, provider, order_of))
+            .handle(message)
+            .await
     } else {
-        Consumer::new(idem, scope, handler)
-            .provider(provider.clone())
+        fingerprinted(Consumer::new(idem, scope, handler).provider(provider.clone()))
             .handle(message)
             .await
     };
@@ -218,6 +245,16 @@ pub async fn client(
                     format!("acked (ran: {ran}) with no run of its handler recorded"),
                 );
             }
+            let generation = sh.generation(&key.label);
+            let acked = sh
+                .acked_notes
+                .entry((key.label.clone(), generation))
+                .or_default();
+            acked.insert(note.to_owned());
+            if acked.len() > 1 {
+                let detail = format!("acked copies of two messages: {acked:?}");
+                sh.violate(Check::AckedOnlyOneMessage, &key.label, detail);
+            }
             sh.told_settled(&key.label);
             drop(sh);
             let how = if ran { "ran" } else { "settled before" };
@@ -228,13 +265,56 @@ pub async fn client(
             true,
         ),
         Disposition::Reject(e) => {
-            let said = format!("rejected: {e}");
-            shared
-                .lock()
-                .unwrap()
-                .violate(Check::ScopesIsolated, &key.label, said.clone());
+            // Dead-lettered: never delivered again.
+            let said = format!("dead-lettered ({note}): {e}");
+            let mut sh = shared.lock().unwrap();
+            *sh.dead_lettered.entry(key.label.clone()).or_default() += 1;
+            let another = sh.notes.get(&key.label).is_some_and(|n| n.len() > 1);
+            if !matches!(e, ConsumerError::KeyReused { .. }) {
+                sh.violate(Check::ScopesIsolated, &key.label, said.clone());
+            } else if !another {
+                let detail = format!("refused with only one message delivered: {said}");
+                sh.violate(Check::RefusedOnlyAnotherMessage, &key.label, detail);
+            }
             (said, false)
         }
         other => (format!("{other:?}"), false),
     }
+}
+
+/// The consumer's fingerprint: the message's `/order` and `/note`, not its trace or encoding.
+fn fingerprinted(consumer: Consumer) -> Consumer {
+    consumer.fingerprint(FingerprintSource::JsonPointers(vec![
+        "/order".into(),
+        "/note".into(),
+    ]))
+}
+
+/// The provider's request a message carries: its `order`.
+fn order_of(message: &Message) -> Result<serde_json::Value, idemflow::error::BoxError> {
+    let body: serde_json::Value = message.json()?;
+    body.get("order").cloned().ok_or_else(|| "no order".into())
+}
+
+/// A number from `label` and `n` (FNV-1a), the same in every run of a seed.
+fn mix(label: &str, n: u64) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in label.bytes().chain(n.to_le_bytes()) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// The message of `order` with `note`, encoded as `roll` picks: its members in one order or
+/// the other, compact or spaced, with a trace of its own.
+fn encoded(order: &serde_json::Value, note: &str, roll: u64) -> Vec<u8> {
+    let order = serde_json::to_string(order).unwrap_or_default();
+    let note = serde_json::to_string(note).unwrap_or_default();
+    let trace = roll % 1000;
+    let text = match (roll / 10) % 3 {
+        0 => format!(r#"{{"order":{order},"note":{note},"trace":{trace}}}"#),
+        1 => format!(r#"{{ "trace": {trace}, "note": {note}, "order": {order} }}"#),
+        _ => format!("{{\n  \"note\" : {note},\n  \"order\" : {order}\n}}"),
+    };
+    text.into_bytes()
 }

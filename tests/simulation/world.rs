@@ -292,6 +292,8 @@ pub struct CaseResult {
     pub rolled_back: usize,
     /// Violations on rolled-back keys that a lossy failover explains (check, key, detail, why).
     pub lost_writes_excused: Vec<String>,
+    /// Queue deliveries refused and dead-lettered (`crate::queue`).
+    pub dead_lettered: u32,
 }
 
 struct World {
@@ -2144,6 +2146,7 @@ pub async fn run_case(
         trace: std::mem::take(&mut sh.trace),
         effects: sh.ledger.len(),
         steps: settings.steps,
+        dead_lettered: sh.dead_lettered.values().sum(),
     }
 }
 
