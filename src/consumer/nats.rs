@@ -4,7 +4,7 @@
 //! [`Disposition`] says.
 //!
 //! ```no_run
-//! # async fn example(consumer: idemflow::consumer::Consumer) -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn example(consumer: idemflow::consumer::Consumer) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! use idemflow::consumer::nats::{self, async_nats};
 //!
 //! let jetstream = async_nats::jetstream::new(async_nats::connect("nats://127.0.0.1:4222").await?);

@@ -190,7 +190,11 @@ pub async fn client(
         *n
     };
     let roll = mix(&key.label, delivery);
-    let note = if roll % 10 == 0 { "corrected" } else { "first" };
+    let note = if roll.is_multiple_of(10) {
+        "corrected"
+    } else {
+        "first"
+    };
     shared
         .lock()
         .unwrap()
@@ -199,7 +203,7 @@ pub async fn client(
         .or_default()
         .insert(note.to_owned());
     let message = Message::new(encoded(&key.body, note, roll)).with_message_id(key.id.key.as_str());
-    let sends = mix(&key.label, 0) % 2 == 0;
+    let sends = mix(&key.label, 0).is_multiple_of(2);
     let disposition = if key.own_effect {
         // The application's own effect, keyed by the message: recorded by the run as the
         // delivering actor, after a point where the actor may crash.
