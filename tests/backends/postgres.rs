@@ -163,6 +163,7 @@ async fn stale_key_query_uses_the_partial_index_on_a_big_table() {
         .bind("sweeper")
         .bind(30_000i64)
         .bind(100i64)
+        .bind(None::<String>)
         .fetch_all(&pool)
         .await
         .unwrap();
