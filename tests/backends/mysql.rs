@@ -338,7 +338,7 @@ mod pool {
 }
 
 /// The claim procedure's plain `INSERT` meeting a key that another session inserted after the
-/// procedure's read (migration `20261205120001`): the duplicate-key error is caught and the upsert
+/// procedure's read (`migrations/mysql/`): the duplicate-key error is caught and the upsert
 /// of before decides, here that the key is the other session's. The other session holds its row
 /// uncommitted, so the store's read does not see it and its `INSERT` waits on the row's lock;
 /// the other session commits once the store's session is seen at its `INSERT`.

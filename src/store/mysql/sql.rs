@@ -29,7 +29,7 @@ pub(super) const GET: &str = concat!(
 );
 
 /// The claim, one round trip: a call of the `idempotency_keys_claim` procedure (migration
-/// `20261205170001_renewed_key_by_life.sql`, first in `20261130200001`). It reads the
+/// `migrations/mysql/20261208000001_baseline.sql`). It reads the
 /// row and returns it untouched when it is present and not claimable (a replay writes nothing);
 /// otherwise a key it found absent is inserted by a plain `INSERT`, and a key that is there (or
 /// was inserted since the read) goes through the `INSERT .. ON DUPLICATE KEY UPDATE` that
@@ -43,7 +43,7 @@ pub(super) const CLAIM: &str = "CALL idempotency_keys_claim(?, ?, ?, ?, ?, ?, ?,
 /// The claim procedure's source, for the test that checks its reason spellings.
 #[cfg(test)]
 pub(in crate::store) const CLAIM_PROCEDURE: &str =
-    include_str!("../../../migrations/mysql/20261205170001_renewed_key_by_life.sql");
+    include_str!("../../../migrations/mysql/20261208000001_baseline.sql");
 
 /// The finish, one round trip: the fenced `UPDATE` and the read of the row it wrote, in one
 /// transaction inside the `idempotency_keys_finish` procedure. No row: the fence refused it and

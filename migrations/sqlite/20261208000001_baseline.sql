@@ -1,15 +1,13 @@
--- The keys in a rowid table (issue 23, one commit). `idempotency_keys` was a WITHOUT ROWID
--- table: its rows (about 500 bytes with the history in the row) live in an index B-tree, whose
--- interior pages hold whole rows too, so a page held about seven and a new key split pages up
--- a deep tree: a commit carried more pages than its one row. SQLite's own advice is WITHOUT
--- ROWID for rows under about 1/20 of a page. As a rowid table, a new row is appended at the
--- tree's right edge, and the (scope, key) primary key is a small index of its own: fewer pages
--- per new key (`docs/performance.md`). Every statement is unchanged; a read by key goes
--- through the primary key's index.
+-- idemflow on SQLite: the baseline schema. One row per (scope, key), its history in the row,
+-- and a tombstone per purged key. Times are integer milliseconds since the Unix epoch, always
+-- taken from SQLite's own clock.
 --
--- The columns, their checks, the partial indexes and the purge's trigger are as before.
+-- The keys are a rowid table: a new row is appended at the tree's right edge, and the
+-- (scope, key) primary key is a small index of its own, so a commit writes few pages per new
+-- key (a WITHOUT ROWID table, whose ~500-byte rows live in the index B-tree, split pages up a
+-- deep tree; SQLite advises WITHOUT ROWID only for rows under about 1/20 of a page).
 
-CREATE TABLE idempotency_keys_rowid (
+CREATE TABLE idempotency_keys (
     scope            TEXT    NOT NULL,
     key              TEXT    NOT NULL,
     operation        TEXT    NOT NULL,
@@ -35,27 +33,18 @@ CREATE TABLE idempotency_keys_rowid (
     -- The `seq` of the newest entry of `history`: bumped by every statement that is a
     -- transition, which appends that entry in the same statement.
     version          INTEGER NOT NULL,
+    -- When the latest attempt may have sent (a claim, a takeover, a mark before a send), and
+    -- whether any attempt may have acted: the sweeper judges search lag and voids from them.
     last_attempt_at  INTEGER,
     may_have_acted   INTEGER NOT NULL DEFAULT 0 CHECK (may_have_acted IN (0, 1)),
+    -- An entry is `seq|from|from_rt|to|to_rt|token|at_ms|#actor|actor[|reason]` (the Redis
+    -- format; reasons with `\` and line feeds escaped), entries separated by line feeds, oldest
+    -- first; the column keeps its newest ~14 KB (src/store/sqlite/sql.rs, `append!`).
     history          TEXT    NOT NULL DEFAULT '',
     PRIMARY KEY (scope, key),
     CHECK (state <> 'processing' OR lease_expires_at IS NOT NULL),
     CHECK (state = 'processing' OR expires_at IS NOT NULL)
 );
-
-INSERT INTO idempotency_keys_rowid (scope, key, operation, provider, provider_key, state,
-    retryable, fingerprint, request, response_status, response_headers, response_body, error,
-    lease_token, lease_owner, lease_expires_at, attempts, created_at, updated_at, expires_at,
-    next_check_at, retention_ms, version, last_attempt_at, may_have_acted, history)
-SELECT scope, key, operation, provider, provider_key, state,
-    retryable, fingerprint, request, response_status, response_headers, response_body, error,
-    lease_token, lease_owner, lease_expires_at, attempts, created_at, updated_at, expires_at,
-    next_check_at, retention_ms, version, last_attempt_at, may_have_acted, history
-FROM idempotency_keys ORDER BY created_at;
-
--- Dropping the table drops its indexes and its trigger (which must not archive these rows).
-DROP TABLE idempotency_keys;
-ALTER TABLE idempotency_keys_rowid RENAME TO idempotency_keys;
 
 -- The sweeper's query: stale processing keys by lease expiry. Partial, so its size follows the
 -- number of processing keys, not the table.
@@ -65,6 +54,17 @@ CREATE INDEX idempotency_keys_stale ON idempotency_keys (lease_expires_at)
 -- Purge: finished keys by expiry.
 CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at)
     WHERE state <> 'processing';
+
+-- A purged key's history and last seq: `inspect` still shows the history of every life of a
+-- key, a re-created key continues its numbering, and the claim still knows a key was purged
+-- (its provider key rule).
+CREATE TABLE idempotency_key_tombstones (
+    scope    TEXT    NOT NULL,
+    key      TEXT    NOT NULL,
+    last_seq INTEGER NOT NULL,
+    history  TEXT    NOT NULL,
+    PRIMARY KEY (scope, key)
+) WITHOUT ROWID;
 
 -- A purge (the only statement that deletes keys) moves the row's history, with a last entry for
 -- the purge, into its tombstone, inside the DELETE.

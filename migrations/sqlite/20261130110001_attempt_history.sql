@@ -1,9 +1,0 @@
--- Attempt history (issue 11): when the latest attempt may have reached the provider, and whether
--- any attempt may have acted without its outcome being recorded.
-ALTER TABLE idempotency_keys ADD COLUMN last_attempt_at INTEGER;
-ALTER TABLE idempotency_keys ADD COLUMN may_have_acted INTEGER NOT NULL DEFAULT 0
-    CHECK (may_have_acted IN (0, 1));
--- Rows from before: the latest attempt started no later than the last write; a processing key
--- that was taken over before may have acted.
-UPDATE idempotency_keys SET last_attempt_at = updated_at,
-    may_have_acted = CASE WHEN state = 'processing' AND attempts > 1 THEN 1 ELSE 0 END;
