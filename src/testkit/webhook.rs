@@ -1,20 +1,30 @@
 //! Stripe webhook deliveries, signed as Stripe signs them ([`WebhookSender`]), and Stripe
 //! events ([`stripe_event`]).
 
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use serde_json::{Value, json};
 
 use crate::provider::stripe_signature::{SIGNATURE_HEADER, sign, signature_header};
 
-/// A Stripe event of type `kind` around `object` (`data.object`), with a fresh id
-/// (`evt_fake_<n>`, unique in this process) and `created` now.
+/// A Stripe event of type `kind` around `object` (`data.object`), with a fresh id and `created`
+/// now.
+///
+/// The id is `evt_fake_<time>_<pid>_<n>`: the time this process made its first event, in
+/// nanoseconds since the Unix epoch, and its process id, both in base 36, then a count of the
+/// process's events. Ids differ across processes and across runs, also when a later run gets
+/// the same process id, so a database kept from one run to the next never takes a new run's
+/// event for an old one. They are Stripe-shaped: `evt_`, then lowercase letters, digits and
+/// underscores, about 35 bytes.
 pub fn stripe_event(kind: &str, object: Value) -> Value {
     static N: AtomicU64 = AtomicU64::new(0);
+    static RUN: OnceLock<String> = OnceLock::new();
+    let run = RUN.get_or_init(|| run_tag(std::process::id(), SystemTime::now()));
     let n = N.fetch_add(1, Ordering::Relaxed);
     json!({
-        "id": format!("evt_fake_{}_{n:06}", std::process::id()),
+        "id": event_id(run, n),
         "object": "event",
         "api_version": "2025-04-30.basil",
         "created": chrono::Utc::now().timestamp(),
@@ -23,6 +33,35 @@ pub fn stripe_event(kind: &str, object: Value) -> Value {
         "type": kind,
         "data": { "object": object },
     })
+}
+
+/// A run's part of its event ids: `<time>_<pid>`, the time it started (nanoseconds since the
+/// Unix epoch) and its process id, each in base 36. The time tells apart runs that reuse a
+/// process id; the process id tells apart processes started in the same clock tick.
+fn run_tag(pid: u32, started: SystemTime) -> String {
+    let nanos = started
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{}_{}", base36(nanos), base36(u128::from(pid)))
+}
+
+/// The `n`th event id of the run tagged `run`.
+fn event_id(run: &str, n: u64) -> String {
+    format!("evt_fake_{run}_{n:06}")
+}
+
+/// `n` in base 36 (digits and lowercase letters).
+fn base36(mut n: u128) -> String {
+    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut digits = Vec::new();
+    loop {
+        digits.push(char::from(DIGITS[(n % 36) as usize]));
+        n /= 36;
+        if n == 0 {
+            break;
+        }
+    }
+    digits.iter().rev().collect()
 }
 
 /// One delivery's answer.
@@ -190,6 +229,64 @@ impl WebhookSender {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Stripe-shaped: `evt_`, then lowercase letters, digits and underscores, under 255 bytes.
+    fn stripe_shaped(id: &str) -> bool {
+        id.starts_with("evt_")
+            && id.len() < 255
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+    }
+
+    /// Two runs with the same process id and the same count make different ids: the run's
+    /// start time is in them (a process id alone repeats across runs).
+    #[test]
+    fn runs_with_the_same_pid_and_count_make_different_ids() {
+        let started = SystemTime::UNIX_EPOCH + Duration::from_secs(1_780_000_000);
+        let first = event_id(&run_tag(4242, started), 0);
+        let second = event_id(&run_tag(4242, started + Duration::from_nanos(1)), 0);
+        assert_ne!(first, second);
+        // Processes started in the same clock tick differ by their process id.
+        assert_ne!(first, event_id(&run_tag(4243, started), 0));
+        for id in [&first, &second] {
+            assert!(stripe_shaped(id), "{id}");
+        }
+        // The parts are kept apart: no two (time, pid, n) make one id.
+        assert_eq!(
+            event_id(
+                &run_tag(36, SystemTime::UNIX_EPOCH + Duration::from_nanos(35)),
+                7
+            ),
+            "evt_fake_z_10_000007"
+        );
+        let latest = event_id(
+            &run_tag(
+                u32::MAX,
+                SystemTime::UNIX_EPOCH + Duration::from_secs(1 << 40),
+            ),
+            u64::MAX,
+        );
+        assert!(stripe_shaped(&latest), "{latest}");
+    }
+
+    /// This process's events share its run tag and count up.
+    #[test]
+    fn events_of_one_process_carry_its_run_and_differ() {
+        let id = |e: &Value| e["id"].as_str().unwrap().to_owned();
+        let (a, b) = (
+            id(&stripe_event("invoice.paid", json!({}))),
+            id(&stripe_event("invoice.paid", json!({}))),
+        );
+        assert_ne!(a, b);
+        assert!(stripe_shaped(&a) && stripe_shaped(&b), "{a} {b}");
+        let run = |id: &str| id.rsplit_once('_').unwrap().0.to_owned();
+        assert_eq!(run(&a), run(&b));
+        let pid = base36(u128::from(std::process::id()));
+        assert!(run(&a).ends_with(&format!("_{pid}")), "{a}");
+        // More than the pid and the count: evt_fake_<time>_<pid>.
+        assert_eq!(run(&a).split('_').count(), 4, "{a}");
+    }
 
     #[test]
     fn debug_never_shows_a_signing_secret() {

@@ -100,7 +100,7 @@ async fn bad_credentials_and_missing_databases_are_named() {
     }
 }
 
-#[cfg(feature = "cli")]
+#[cfg(all(feature = "cli", feature = "postgres"))]
 #[test]
 fn the_cli_names_a_refused_connection_within_six_seconds() {
     let url = format!("postgres://app:secret@127.0.0.1:{}/x", closed_port());

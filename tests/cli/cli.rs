@@ -489,16 +489,47 @@ async fn database_problems_exit_1_naming_the_problem() {
     let o = db.run(&["stats"]);
     expect(&o, 1);
     assert!(stderr(&o).contains("idemflow migrate"), "{}", stderr(&o));
+}
 
-    #[cfg(not(feature = "postgres"))]
-    {
-        let o = run_with_env(
-            &["stats", "--database-url", "postgres://u:secret@localhost/x"],
-            &[],
-        );
+/// `--features cli` brings the backends named beside it: a URL of one this binary was built
+/// without is refused (exit 1) with the features to install with, and the URL masked; a URL of
+/// one it has is opened (nothing listens on port 1, so the connection is refused).
+#[tokio::test]
+async fn a_backend_left_out_of_the_build_names_its_feature() {
+    let backends = [
+        ("postgres", "PostgreSQL", cfg!(feature = "postgres")),
+        ("mysql", "MariaDB/MySQL", cfg!(feature = "mysql")),
+        ("redis", "Redis", cfg!(feature = "redis")),
+    ];
+    for (url, feature) in [
+        ("postgres://app:hunter2@127.0.0.1:1/x", "postgres"),
+        ("mysql://root:hunter2@127.0.0.1:1/x", "mysql"),
+        ("redis://:hunter2@127.0.0.1:1/", "redis"),
+    ] {
+        let o = run_with_env(&["stats", "--database-url", url], &[]);
         expect(&o, 1);
-        assert!(stderr(&o).contains("--features postgres"), "{}", stderr(&o));
-        assert!(!stderr(&o).contains("secret"));
+        let err = stderr(&o);
+        assert!(!err.contains("hunter2"), "{err}");
+        let (_, name, built_in) = backends.iter().find(|b| b.0 == feature).unwrap();
+        if *built_in {
+            assert!(!err.contains("built without"), "{url}: {err}");
+            assert!(err.contains("cannot connect"), "{url}: {err}");
+        } else {
+            // `cli`, the backends this binary has (SQLite is a default feature) and this one.
+            let mut features = vec!["cli"];
+            features.extend(
+                backends
+                    .iter()
+                    .filter(|b| b.2 || b.0 == feature)
+                    .map(|b| b.0),
+            );
+            let want = format!(
+                "this idemflow was built without {name}: install it with `--features {}`",
+                features.join(",")
+            );
+            assert!(err.contains(&want), "{url}: {err}\nwanted: {want}");
+            assert!(err.contains(":***@127.0.0.1:1"), "{url}: {err}");
+        }
     }
 }
 

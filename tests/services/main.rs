@@ -12,7 +12,9 @@
 //! testkit's signed `WebhookSender` (features `http` and `testkit`; on PostgreSQL too when
 //! `IDEMFLOW_TEST_POSTGRES_URL` is set, feature `postgres`); `webhook_kill` re-runs this binary
 //! as a one-commit receiver (`--exact webhook_kill::child_serves_a_one_commit_receiver`) and
-//! kills it with SIGKILL inside an effect's transaction.
+//! kills it with SIGKILL inside an effect's transaction. `stripe_atomic` drives
+//! `examples/stripe_atomic.rs`, the one-commit receiver, the same way (features `http` and
+//! `testkit`).
 //!
 //! `store_down` takes the store away under the layer (a TCP proxy in front of PostgreSQL, MariaDB
 //! and Redis, stopped and started; a SQLite file's write lock held by another connection) and
@@ -35,6 +37,8 @@ mod context_call;
 mod email_service;
 mod http_layer;
 mod store_down;
+#[cfg(all(feature = "http", feature = "testkit"))]
+mod stripe_atomic;
 #[cfg(all(feature = "http", feature = "testkit"))]
 mod webhook_kill;
 #[cfg(all(feature = "http", feature = "testkit"))]

@@ -179,15 +179,102 @@ fn sqlite_path(url: &str) -> Option<PathBuf> {
     Some(PathBuf::from(rest))
 }
 
+/// A backend this binary may be built with: its name, its cargo feature, its URL schemes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backend {
+    /// The name users know it by.
+    pub name: &'static str,
+    /// Its cargo feature.
+    pub feature: &'static str,
+    schemes: &'static [&'static str],
+    /// Whether this binary was built with it.
+    pub built_in: bool,
+}
+
+/// The backends, in the order the install command names them.
+pub const BACKENDS: [Backend; 4] = [
+    Backend {
+        name: "SQLite",
+        feature: "sqlite",
+        schemes: &["sqlite"],
+        built_in: cfg!(feature = "sqlite"),
+    },
+    Backend {
+        name: "PostgreSQL",
+        feature: "postgres",
+        schemes: &["postgres", "postgresql"],
+        built_in: cfg!(feature = "postgres"),
+    },
+    Backend {
+        name: "MariaDB/MySQL",
+        feature: "mysql",
+        schemes: &["mysql", "mariadb"],
+        built_in: cfg!(feature = "mysql"),
+    },
+    Backend {
+        name: "Redis",
+        feature: "redis",
+        schemes: &["redis", "rediss", "redis+sentinel"],
+        built_in: cfg!(feature = "redis"),
+    },
+];
+
+impl Backend {
+    /// The backend of a URL scheme.
+    pub fn of_scheme(scheme: &str) -> Option<Backend> {
+        BACKENDS.into_iter().find(|b| b.schemes.contains(&scheme))
+    }
+}
+
+/// A database URL names a backend this binary was built without. Its message names the
+/// features to install with: `cli`, the backends this binary has (SQLite comes with the default
+/// features, so it is named only when missing) and the one asked for.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("this idemflow was built without {}: install it with `--features {features}`", backend.name)]
+pub struct BackendMissing {
+    /// The backend the URL names.
+    pub backend: Backend,
+    /// The features to install with, comma-separated (`cli,postgres`).
+    pub features: String,
+}
+
+impl BackendMissing {
+    /// The error for `backend` in a binary built with the backends of `backends` marked
+    /// `built_in`.
+    fn new(backend: Backend, backends: &[Backend]) -> Self {
+        let mut features = vec!["cli"];
+        features.extend(
+            backends
+                .iter()
+                .filter(|b| b.feature == backend.feature || (b.built_in && b.feature != "sqlite"))
+                .map(|b| b.feature),
+        );
+        Self {
+            backend,
+            features: features.join(","),
+        }
+    }
+}
+
+/// Refuses a URL scheme whose backend this binary was built without.
+fn require_backend(scheme: &str) -> Result<(), BackendMissing> {
+    match Backend::of_scheme(scheme) {
+        Some(backend) if !backend.built_in => Err(BackendMissing::new(backend, &BACKENDS)),
+        _ => Ok(()),
+    }
+}
+
 /// Opens the store a URL names. `create` allows creating a new SQLite file (`migrate`);
 /// otherwise a missing file is an error naming it.
 ///
-/// `sqlite:` URLs work in every build with the `sqlite` feature. `postgres://`, `mysql://` and
-/// `redis://` (and `redis+sentinel://`) map to the stores behind the features of the same names.
+/// `sqlite:`, `postgres://`, `mysql://` and `redis://` (and `redis+sentinel://`) map to the
+/// stores behind the features `sqlite`, `postgres`, `mysql` and `redis`; a scheme whose feature
+/// this binary was built without is a [`BackendMissing`].
 pub async fn connect_store(url: &str, create: bool) -> anyhow::Result<Arc<dyn Store>> {
     // The library's one masking: user info passwords and secret-named query parameters.
     let shown = redact_url(url);
     let scheme = url.split(':').next().unwrap_or_default();
+    require_backend(scheme).with_context(|| format!("cannot open database {shown}"))?;
     match scheme {
         "sqlite" => {
             if !create
@@ -227,9 +314,11 @@ async fn connect_sqlite(url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>
     Ok(Arc::new(store))
 }
 
+/// Not reached: `connect_store` refuses `sqlite:` first in a build without SQLite.
 #[cfg(not(feature = "sqlite"))]
-async fn connect_sqlite(_url: &str, _shown: &str) -> anyhow::Result<Arc<dyn Store>> {
-    bail!("this build has no sqlite support; rebuild with --features sqlite")
+async fn connect_sqlite(_url: &str, shown: &str) -> anyhow::Result<Arc<dyn Store>> {
+    require_backend("sqlite").with_context(|| format!("cannot open database {shown}"))?;
+    bail!("cannot open database {shown}: this idemflow was built without SQLite")
 }
 
 #[cfg(test)]
@@ -244,6 +333,67 @@ mod tests {
         );
         assert_eq!(sqlite_path("sqlite:b.db"), Some("b.db".into()));
         assert_eq!(sqlite_path("sqlite::memory:"), None);
+    }
+
+    /// `BACKENDS` as a build with only the backends of `features` has them.
+    fn built_with(features: &[&str]) -> Vec<Backend> {
+        BACKENDS
+            .into_iter()
+            .map(|b| Backend {
+                built_in: features.contains(&b.feature),
+                ..b
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_missing_backend_names_the_features_to_install_with() {
+        let backend = |scheme| Backend::of_scheme(scheme).unwrap();
+        // `--features cli` without the default features: no backend at all.
+        let none = built_with(&[]);
+        assert_eq!(
+            BackendMissing::new(backend("postgresql"), &none).to_string(),
+            "this idemflow was built without PostgreSQL: install it with `--features cli,postgres`"
+        );
+        assert_eq!(
+            BackendMissing::new(backend("sqlite"), &none).features,
+            "cli,sqlite"
+        );
+        // `--features cli,redis` (SQLite by default): the backends it has are kept.
+        let redis = built_with(&["sqlite", "redis"]);
+        assert_eq!(
+            BackendMissing::new(backend("mariadb"), &redis).to_string(),
+            "this idemflow was built without MariaDB/MySQL: install it with `--features cli,mysql,redis`"
+        );
+        assert_eq!(
+            BackendMissing::new(backend("redis+sentinel"), &built_with(&["postgres"])).features,
+            "cli,postgres,redis"
+        );
+        assert_eq!(Backend::of_scheme("oracle"), None);
+    }
+
+    /// This build refuses exactly the schemes of the backends it was built without.
+    #[test]
+    fn only_the_backends_left_out_are_refused() {
+        for scheme in [
+            "sqlite",
+            "postgres",
+            "postgresql",
+            "mysql",
+            "mariadb",
+            "redis",
+            "rediss",
+            "redis+sentinel",
+        ] {
+            let built_in = match Backend::of_scheme(scheme).unwrap().feature {
+                "sqlite" => cfg!(feature = "sqlite"),
+                "postgres" => cfg!(feature = "postgres"),
+                "mysql" => cfg!(feature = "mysql"),
+                _ => cfg!(feature = "redis"),
+            };
+            assert_eq!(require_backend(scheme).is_ok(), built_in, "{scheme}");
+        }
+        assert!(require_backend("oracle").is_ok(), "left to connect_store");
     }
 
     #[cfg(feature = "sqlite")]
