@@ -21,7 +21,7 @@
 //! - **Refused messages** go to the exchange [`Consumer::dead_letter`] names (the queue's own
 //!   `x-dead-letter-exchange`, typically): the loop publishes the message there with its
 //!   properties and headers, its routing key, and the refusal's reason in
-//!   [`REFUSED_HEADER`](super::REFUSED_HEADER) (and the queue's name in `x-idemflow-queue`),
+//!   [`REFUSED_HEADER`] (and the queue's name in `x-idemflow-queue`),
 //!   waits for the broker's confirm, and only then acknowledges it. An exchange that routes it
 //!   nowhere (no queue bound) or a failed publish leaves the message for redelivery, logged at
 //!   `ERROR`: it is never acknowledged without a copy somewhere. At start the loop checks with

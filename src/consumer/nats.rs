@@ -21,7 +21,7 @@
 //! ```
 //!
 //! - A refused message is published to the subject [`Consumer::dead_letter`] names, with its
-//!   headers and the refusal's reason in [`REFUSED_HEADER`](super::REFUSED_HEADER) (and the
+//!   headers and the refusal's reason in [`REFUSED_HEADER`] (and the
 //!   stream's name in `x-idemflow-stream`); once the dead-letter stream has acknowledged the
 //!   publish, the message is terminated (`Term`), never redelivered. A failed publish leaves it
 //!   for redelivery (`Nak`), logged at `ERROR`. At start the loop checks that a stream captures

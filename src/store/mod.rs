@@ -415,6 +415,14 @@ mod tests {
             &[super::postgres::sql::CLAIM, super::postgres::sql::RECLAIM].concat(),
         );
         #[cfg(feature = "mysql")]
-        super::assert_claim_reasons(super::mysql::sql::CLAIM_PROCEDURE);
+        {
+            // The claim procedure alone, out of the baseline schema that creates it.
+            let schema = super::mysql::sql::BASELINE;
+            let start = schema
+                .find("CREATE PROCEDURE idempotency_keys_claim")
+                .expect("the baseline creates the claim procedure");
+            let len = schema[start..].find("\nEND;").expect("the procedure ends");
+            super::assert_claim_reasons(&schema[start..start + len]);
+        }
     }
 }

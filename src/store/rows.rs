@@ -252,45 +252,6 @@ pub(crate) fn decode_history_columns(
         .collect()
 }
 
-/// The key row's columns, listed once for every SQL statement that reads the whole row
-/// ([`decode_record`] reads them by these names). `$t`: a table alias with its dot, or `""`;
-/// `$key`: the `key` column as the dialect spells it (MariaDB reserves the word). The
-/// three-argument form (no alias) puts `$request` in place of the stored request, for reads that
-/// leave it out (`"NULL AS request"`).
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-macro_rules! key_columns {
-    ($t:literal, $key:literal) => {
-        $crate::store::rows::key_columns!(@ $t, $key, [$t, "request"])
-    };
-    ($key:literal, request: $request:literal) => {
-        $crate::store::rows::key_columns!(@ "", $key, [$request])
-    };
-    (@ $t:literal, $key:literal, [$($request:tt)*]) => {
-        concat!(
-            $t, "scope, ", $t, $key, ", ", $t, "operation, ", $t, "provider, ",
-            $t, "provider_key, ", $t, "state, ", $t, "retryable, ", $t, "fingerprint, ",
-            $($request)*, ", ", $t, "response_status, ", $t, "response_headers, ",
-            $t, "response_body, ", $t, "error, ", $t, "lease_token, ", $t, "lease_owner, ",
-            $t, "lease_expires_at, ", $t, "attempts, ", $t, "created_at, ", $t, "updated_at, ",
-            $t, "expires_at, ", $t, "next_check_at, ", $t, "retention_ms, ",
-            $t, "last_attempt_at, ", $t, "may_have_acted"
-        )
-    };
-}
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub(crate) use key_columns;
-
-/// The history row's columns on MariaDB/MySQL, the one SQL backend that keeps history in rows of
-/// their own ([`decode_event`] reads them by these names).
-#[cfg(feature = "mysql")]
-macro_rules! event_columns {
-    () => {
-        "id, from_state, from_retryable, to_state, to_retryable, lease_token, actor, reason, at"
-    };
-}
-#[cfg(feature = "mysql")]
-pub(crate) use event_columns;
-
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) use sql::{Plain, SqlRow, decode_event, decode_lease, decode_record, decode_stats};
 

@@ -131,8 +131,8 @@ pub(crate) struct ReadSql {
 /// How a backend keeps a key's history.
 #[derive(Debug)]
 pub(crate) enum HistorySql {
-    /// One row per event (MariaDB/MySQL), selected with
-    /// [`event_columns!`](super::rows::event_columns) in order.
+    /// One row per event (MariaDB/MySQL): `id, from_state, from_retryable, to_state,
+    /// to_retryable, lease_token, actor, reason, at`, in order.
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     Rows(&'static str),
     /// In the key's row and its tombstone (SQLite, PostgreSQL): one row of two text columns,

@@ -544,7 +544,7 @@ impl Store for SqliteStore {
     /// stores that migrate one file at once (workers starting together) race: each reads the
     /// migrations applied so far and runs the first one missing, and all but one fail. Each
     /// migration runs in a transaction of its own, so a failed one left nothing: the migration
-    /// is run again, up to [`MIGRATE_ATTEMPTS`] times, and skips what the others applied.
+    /// is run again, up to 10 times, and skips what the others applied.
     async fn migrate(&self) -> Result<(), StoreError> {
         let mut attempt = 1;
         loop {

@@ -1,0 +1,4 @@
+DELETE
+FROM idempotency_keys
+WHERE state <> 'processing'
+    AND (scope, `key`) IN

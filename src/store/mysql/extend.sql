@@ -1,0 +1,1 @@
+CALL idempotency_keys_extend(?, ?, ?, ?)

@@ -1,0 +1,1 @@
+SELECT CAST(unixepoch('subsec') * 1000 AS INTEGER)
