@@ -48,6 +48,8 @@ http_modules! {
 
 #[cfg(feature = "http")]
 mod answers;
+#[cfg(feature = "http")]
+mod spans;
 
 #[cfg(feature = "http")]
 pub use adyen::Adyen;

@@ -139,8 +139,9 @@ impl Provider for Postmark {
         }
     }
 
-    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn send(&self, provider_key: &str, request: &Value) -> CallReply {
+        let span = crate::provider::spans::call(self.endpoint.name(), provider_key);
+        tracing::Instrument::instrument(async move {
         let body = match Self::body(provider_key, request) {
             Ok(b) => b,
             Err(detail) => {
@@ -155,9 +156,10 @@ impl Provider for Postmark {
                 Self::classify,
             )
             .await
+    }, span)
+        .await
     }
 
-    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn lookup(
         &self,
         provider_key: &str,
@@ -165,6 +167,8 @@ impl Provider for Postmark {
         attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
+        let span = crate::provider::spans::lookup(self.endpoint.name(), provider_key);
+        tracing::Instrument::instrument(async move {
         let param = format!("metadata_{METADATA_KEY}");
         MetadataSearch {
             path: "/messages/outbound",
@@ -178,6 +182,8 @@ impl Provider for Postmark {
             retention: Some(MESSAGE_RETENTION),
         }
         .run(&self.endpoint, attempts, now, Self::found)
+        .await
+    }, span)
         .await
     }
 }

@@ -134,12 +134,13 @@ macro_rules! same_key_provider {
                 }
             }
 
-            #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
             async fn send(
                 &self,
                 provider_key: &str,
                 request: &serde_json::Value,
             ) -> $crate::provider::CallReply {
+        let span = crate::provider::spans::call(self.endpoint.name(), provider_key);
+        tracing::Instrument::instrument(async move {
                 self.endpoint
                     .send(
                         $crate::provider::http::RetryUnknown::SameKeyReplays,
@@ -148,9 +149,10 @@ macro_rules! same_key_provider {
                         Self::classify,
                     )
                     .await
-            }
+            }, span)
+        .await
+    }
 
-            #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
             async fn lookup(
                 &self,
                 provider_key: &str,
@@ -158,6 +160,8 @@ macro_rules! same_key_provider {
                 attempts: $crate::provider::Attempts,
                 now: chrono::DateTime<chrono::Utc>,
             ) -> $crate::provider::Lookup {
+        let span = crate::provider::spans::lookup(self.endpoint.name(), provider_key);
+        tracing::Instrument::instrument(async move {
                 $crate::provider::replay::ReplayLookup {
                     provider: $label,
                     window: self.key_window(),
@@ -165,7 +169,9 @@ macro_rules! same_key_provider {
                 }
                 .run(request, attempts, now, self.send(provider_key, request))
                 .await
-            }
+            }, span)
+        .await
+    }
         }
     };
 }

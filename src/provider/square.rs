@@ -182,8 +182,9 @@ impl Provider for Square {
         }
     }
 
-    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn send(&self, provider_key: &str, request: &Value) -> CallReply {
+        let span = crate::provider::spans::call(self.endpoint.name(), provider_key);
+        tracing::Instrument::instrument(async move {
         let body = match Self::body(provider_key, request) {
             Ok(b) => b,
             Err(detail) => {
@@ -200,14 +201,17 @@ impl Provider for Square {
                 Self::classify,
             )
             .await
+    }, span)
+        .await
     }
 
     fn processing_window(&self) -> std::time::Duration {
         self.processing_window
     }
 
-    #[tracing::instrument(name = "idemflow.provider.void_by_key", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn void_by_key(&self, provider_key: &str, request: &Value) -> VoidReply {
+        let span = crate::provider::spans::void_by_key(self.endpoint.name(), provider_key);
+        tracing::Instrument::instrument(async move {
         if request.get("autocomplete") == Some(&Value::Bool(false)) {
             // A delayed capture: voiding would destroy the authorisation under a key Square
             // keeps; a same-key re-send finds it instead.
@@ -224,9 +228,10 @@ impl Provider for Square {
                 retry_after: None,
             },
         }
+    }, span)
+        .await
     }
 
-    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn lookup(
         &self,
         provider_key: &str,
@@ -234,11 +239,15 @@ impl Provider for Square {
         _attempts: Attempts,
         _now: DateTime<Utc>,
     ) -> Lookup {
+        let span = crate::provider::spans::lookup(self.endpoint.name(), provider_key);
+        tracing::Instrument::instrument(async move {
         if request.is_null() {
             return Lookup::NeedsOperator {
                 reason: "the request was not stored, so it cannot be re-sent, and Square cannot be searched by our key".to_owned(),
             };
         }
         answer_of_resend("Square", self.send(provider_key, request).await)
+    }, span)
+        .await
     }
 }

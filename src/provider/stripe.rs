@@ -525,8 +525,9 @@ impl Provider for Stripe {
         }
     }
 
-    #[tracing::instrument(name = "idemflow.provider.call", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn send(&self, provider_key: &str, request: &Value) -> CallReply {
+        let span = crate::provider::spans::call(self.endpoint.name(), provider_key);
+        tracing::Instrument::instrument(async move {
         let built = match self.operation {
             StripeOperation::CreatePayment => Self::form_fields(provider_key, request)
                 .map(|fields| ("/v1/payment_intents".to_owned(), fields)),
@@ -556,9 +557,10 @@ impl Provider for Stripe {
                 Self::classify,
             )
             .await
+    }, span)
+        .await
     }
 
-    #[tracing::instrument(name = "idemflow.provider.lookup", skip_all, fields(provider = %self.endpoint.name(), provider_key = %provider_key))]
     async fn lookup(
         &self,
         provider_key: &str,
@@ -566,6 +568,8 @@ impl Provider for Stripe {
         attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
+        let span = crate::provider::spans::lookup(self.endpoint.name(), provider_key);
+        tracing::Instrument::instrument(async move {
         // A request that could not name its account was never sent: nothing to find.
         let Ok(account) = Self::account(request) else {
             return Lookup::NotFound {
@@ -610,5 +614,7 @@ impl Provider for Stripe {
             },
             found => found,
         }
+    }, span)
+        .await
     }
 }

@@ -42,6 +42,13 @@ pub mod phase;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod pool;
 mod rows;
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "redis"
+))]
+mod spans;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod sql_core;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

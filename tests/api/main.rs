@@ -25,3 +25,5 @@ mod fuzz_props;
 #[cfg(all(feature = "cli", feature = "sqlite"))]
 mod metrics;
 mod readme;
+#[cfg(feature = "sqlite")]
+mod spans;

@@ -479,7 +479,6 @@ impl MySqlStore {
 }
 
 impl MySqlStore {
-    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
     /// The three finish writes ([`FinishMode`]) in one statement.
     async fn finish_as(
         &self,
@@ -487,9 +486,15 @@ impl MySqlStore {
         mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        let (id, finish) = (id.clone(), finish.clone());
-        self.detached(move |s| async move { s.finish_now(&id, mode, &finish).await })
-            .await
+        crate::store::spans::traced(
+            crate::store::spans::finish(BACKEND, id, finish),
+            async move {
+                let (id, finish) = (id.clone(), finish.clone());
+                self.detached(move |s| async move { s.finish_now(&id, mode, &finish).await })
+                    .await
+            },
+        )
+        .await
     }
 }
 
@@ -516,31 +521,33 @@ impl Store for MySqlStore {
         Ok(t.and_utc())
     }
 
-    #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
-        // A key seen before is most likely there: a plain read settles a replay or an
-        // in-flight duplicate (the procedure decides everything else, atomically).
-        if self.known.contains(known_keys::of(&claim.id))
-            && let Some((record, now)) = self.read_with_now(&claim.id).await?
-            && !claimable(claim, &record, now)
-        {
-            return Ok(ClaimOutcome::Existing {
-                record: Box::new(record),
-                now,
-            });
-        }
-        self.known.insert(known_keys::of(&claim.id));
-        for _ in 0..3 {
-            let nonce = nonce();
-            let row = self.claim_call(claim, nonce).await?;
-            if let Some(outcome) = claim_outcome(row, nonce)? {
-                return Ok(outcome);
+        crate::store::spans::traced(crate::store::spans::claim(BACKEND, claim), async move {
+            // A key seen before is most likely there: a plain read settles a replay or an
+            // in-flight duplicate (the procedure decides everything else, atomically).
+            if self.known.contains(known_keys::of(&claim.id))
+                && let Some((record, now)) = self.read_with_now(&claim.id).await?
+                && !claimable(claim, &record, now)
+            {
+                return Ok(ClaimOutcome::Existing {
+                    record: Box::new(record),
+                    now,
+                });
             }
-        }
-        Err(corrupt(format!(
-            "claim of {} neither inserted nor found a row",
-            claim.id
-        )))
+            self.known.insert(known_keys::of(&claim.id));
+            for _ in 0..3 {
+                let nonce = nonce();
+                let row = self.claim_call(claim, nonce).await?;
+                if let Some(outcome) = claim_outcome(row, nonce)? {
+                    return Ok(outcome);
+                }
+            }
+            Err(corrupt(format!(
+                "claim of {} neither inserted nor found a row",
+                claim.id
+            )))
+        })
+        .await
     }
 
     async fn finish(
@@ -552,48 +559,57 @@ impl Store for MySqlStore {
         self.finish_as(id, FinishMode::Holder(token), finish).await
     }
 
-    #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]
     async fn release(
         &self,
         id: &KeyId,
         token: LeaseToken,
         release: &Release,
     ) -> Result<(), StoreError> {
-        let done = sqlx::query(sql::RELEASE)
-            .bind(release.recheck_after.map(micros))
-            .bind(release.error.as_deref())
-            .bind(release.actor.as_str())
-            .bind(&release.reason)
-            .bind(release.actor.as_str())
-            .bind(release.actor.as_str())
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(token.0)
-            .execute(&mut *self.write_conn().await?)
-            .await
-            .map_err(|e| self.err(e))?;
-        fenced_write(self, id, token, done.rows_affected()).await
+        crate::store::spans::traced(
+            crate::store::spans::release(BACKEND, id, release),
+            async move {
+                let done = sqlx::query(sql::RELEASE)
+                    .bind(release.recheck_after.map(micros))
+                    .bind(release.error.as_deref())
+                    .bind(release.actor.as_str())
+                    .bind(&release.reason)
+                    .bind(release.actor.as_str())
+                    .bind(release.actor.as_str())
+                    .bind(id.scope.as_str())
+                    .bind(id.key.as_str())
+                    .bind(token.0)
+                    .execute(&mut *self.write_conn().await?)
+                    .await
+                    .map_err(|e| self.err(e))?;
+                fenced_write(self, id, token, done.rows_affected()).await
+            },
+        )
+        .await
     }
 
-    #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
-        let done = sql_core::bind_fence(sqlx::query(sql::MARK_ATTEMPT), id, token)
-            .execute(&mut *self.write_conn().await?)
-            .await
-            .map_err(|e| self.err(e))?;
-        fenced_write(self, id, token, done.rows_affected()).await
+        crate::store::spans::traced(crate::store::spans::mark_attempt(BACKEND, id), async move {
+            let done = sql_core::bind_fence(sqlx::query(sql::MARK_ATTEMPT), id, token)
+                .execute(&mut *self.write_conn().await?)
+                .await
+                .map_err(|e| self.err(e))?;
+            fenced_write(self, id, token, done.rows_affected()).await
+        })
+        .await
     }
 
-    #[instrument(name = "idemflow.extend", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn extend(
         &self,
         id: &KeyId,
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
-        let id = id.clone();
-        self.detached(move |s| async move { s.extend_now(&id, token, lease).await })
-            .await
+        crate::store::spans::traced(crate::store::spans::extend(BACKEND, id), async move {
+            let id = id.clone();
+            self.detached(move |s| async move { s.extend_now(&id, token, lease).await })
+                .await
+        })
+        .await
     }
 
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
@@ -603,20 +619,24 @@ impl Store for MySqlStore {
 
 #[async_trait]
 impl SweeperStore for MySqlStore {
-    #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
-        let take = take.clone();
-        self.detached(
-            move |s| async move { retry_lock_conflicts(|| s.take_stale_once(&take)).await },
-        )
+        crate::store::spans::traced(crate::store::spans::take_stale(BACKEND, take), async move {
+            let take = take.clone();
+            self.detached(move |s| async move {
+                retry_lock_conflicts(|| s.take_stale_once(&take)).await
+            })
+            .await
+        })
         .await
     }
 
-    #[instrument(name = "idemflow.purge", skip(self), fields(backend = BACKEND), err)]
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.detached(
-            move |s| async move { retry_lock_conflicts(|| s.purge_expired_once(batch)).await },
-        )
+        crate::store::spans::traced(crate::store::spans::purge(BACKEND, batch), async move {
+            self.detached(move |s| async move {
+                retry_lock_conflicts(|| s.purge_expired_once(batch)).await
+            })
+            .await
+        })
         .await
     }
 

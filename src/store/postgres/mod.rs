@@ -267,7 +267,6 @@ impl SqlRow for PgRow {
 }
 
 impl PostgresStore {
-    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
     /// The three finish writes ([`FinishMode`]) in one statement.
     async fn finish_as(
         &self,
@@ -275,17 +274,23 @@ impl PostgresStore {
         mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        check_finish(mode, finish.to)?;
-        let mut conn = self.write_conn().await?;
-        let row = finish_query(id, mode, finish)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(|e| self.err(e))?;
-        conn.keep_write();
-        match row {
-            Some(row) => decode_record(&row),
-            None => Err(refused_write(self, id, mode.presented()).await),
-        }
+        crate::store::spans::traced(
+            crate::store::spans::finish(BACKEND, id, finish),
+            async move {
+                check_finish(mode, finish.to)?;
+                let mut conn = self.write_conn().await?;
+                let row = finish_query(id, mode, finish)
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(|e| self.err(e))?;
+                conn.keep_write();
+                match row {
+                    Some(row) => decode_record(&row),
+                    None => Err(refused_write(self, id, mode.presented()).await),
+                }
+            },
+        )
+        .await
     }
 }
 
@@ -311,24 +316,26 @@ impl Store for PostgresStore {
             .map_err(|e| self.err(e))
     }
 
-    #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
-        // A key seen before is most likely there: a plain read settles a replay or an
-        // in-flight duplicate (the claim statements decide everything else, atomically).
-        if self.known.contains(known_keys::of(&claim.id))
-            && let Some((record, now)) = self.read_with_now(&claim.id).await?
-            && !claimable(claim, &record, now)
-        {
-            return Ok(ClaimOutcome::Existing {
-                record: Box::new(record),
-                now,
-            });
-        }
-        self.known.insert(known_keys::of(&claim.id));
-        let mut conn = self.write_conn().await?;
-        let outcome = claim_on(&mut conn, claim).await?;
-        conn.keep_write();
-        Ok(outcome)
+        crate::store::spans::traced(crate::store::spans::claim(BACKEND, claim), async move {
+            // A key seen before is most likely there: a plain read settles a replay or an
+            // in-flight duplicate (the claim statements decide everything else, atomically).
+            if self.known.contains(known_keys::of(&claim.id))
+                && let Some((record, now)) = self.read_with_now(&claim.id).await?
+                && !claimable(claim, &record, now)
+            {
+                return Ok(ClaimOutcome::Existing {
+                    record: Box::new(record),
+                    now,
+                });
+            }
+            self.known.insert(known_keys::of(&claim.id));
+            let mut conn = self.write_conn().await?;
+            let outcome = claim_on(&mut conn, claim).await?;
+            conn.keep_write();
+            Ok(outcome)
+        })
+        .await
     }
 
     async fn finish(
@@ -340,61 +347,70 @@ impl Store for PostgresStore {
         self.finish_as(id, FinishMode::Holder(token), finish).await
     }
 
-    #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]
     async fn release(
         &self,
         id: &KeyId,
         token: LeaseToken,
         release: &Release,
     ) -> Result<(), StoreError> {
-        let mut conn = self.write_conn().await?;
-        let done = sqlx::query(sql::RELEASE)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(token.0)
-            .bind(release.recheck_after.map(ms))
-            .bind(release.error.as_deref())
-            .bind(release.actor.as_str())
-            .bind(&release.reason)
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| self.err(e))?;
-        conn.keep_write();
-        fenced_write(self, id, token, done.rows_affected()).await
+        crate::store::spans::traced(
+            crate::store::spans::release(BACKEND, id, release),
+            async move {
+                let mut conn = self.write_conn().await?;
+                let done = sqlx::query(sql::RELEASE)
+                    .bind(id.scope.as_str())
+                    .bind(id.key.as_str())
+                    .bind(token.0)
+                    .bind(release.recheck_after.map(ms))
+                    .bind(release.error.as_deref())
+                    .bind(release.actor.as_str())
+                    .bind(&release.reason)
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(|e| self.err(e))?;
+                conn.keep_write();
+                fenced_write(self, id, token, done.rows_affected()).await
+            },
+        )
+        .await
     }
 
-    #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
-        let mut conn = self.write_conn().await?;
-        let done = sql_core::bind_fence(sqlx::query(sql::MARK_ATTEMPT), id, token)
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| self.err(e))?;
-        conn.keep_write();
-        fenced_write(self, id, token, done.rows_affected()).await
+        crate::store::spans::traced(crate::store::spans::mark_attempt(BACKEND, id), async move {
+            let mut conn = self.write_conn().await?;
+            let done = sql_core::bind_fence(sqlx::query(sql::MARK_ATTEMPT), id, token)
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| self.err(e))?;
+            conn.keep_write();
+            fenced_write(self, id, token, done.rows_affected()).await
+        })
+        .await
     }
 
-    #[instrument(name = "idemflow.extend", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn extend(
         &self,
         id: &KeyId,
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
-        let mut conn = self.write_conn().await?;
-        let exp: Option<DateTime<Utc>> = sqlx::query_scalar(sql::EXTEND)
-            .bind(id.scope.as_str())
-            .bind(id.key.as_str())
-            .bind(token.0)
-            .bind(ms(lease))
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(|e| self.err(e))?;
-        conn.keep_write();
-        match exp {
-            Some(exp) => Ok(exp),
-            None => Err(refused_write(self, id, Some(token)).await),
-        }
+        crate::store::spans::traced(crate::store::spans::extend(BACKEND, id), async move {
+            let mut conn = self.write_conn().await?;
+            let exp: Option<DateTime<Utc>> = sqlx::query_scalar(sql::EXTEND)
+                .bind(id.scope.as_str())
+                .bind(id.key.as_str())
+                .bind(token.0)
+                .bind(ms(lease))
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(|e| self.err(e))?;
+            conn.keep_write();
+            match exp {
+                Some(exp) => Ok(exp),
+                None => Err(refused_write(self, id, Some(token)).await),
+            }
+        })
+        .await
     }
 
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
@@ -484,31 +500,35 @@ async fn listen(
 
 #[async_trait]
 impl SweeperStore for PostgresStore {
-    #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
-        let mut conn = self.write_conn().await?;
-        let rows = sqlx::query(sql::TAKE_STALE)
-            .bind(&take.owner)
-            .bind(ms(take.lease))
-            .bind(i64::from(take.limit))
-            .bind(take.scope.as_deref())
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(|e| self.err(e))?;
-        conn.keep_write();
-        rows.iter().map(decode_record).collect()
+        crate::store::spans::traced(crate::store::spans::take_stale(BACKEND, take), async move {
+            let mut conn = self.write_conn().await?;
+            let rows = sqlx::query(sql::TAKE_STALE)
+                .bind(&take.owner)
+                .bind(ms(take.lease))
+                .bind(i64::from(take.limit))
+                .bind(take.scope.as_deref())
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(|e| self.err(e))?;
+            conn.keep_write();
+            rows.iter().map(decode_record).collect()
+        })
+        .await
     }
 
-    #[instrument(name = "idemflow.purge", skip(self), fields(backend = BACKEND), err)]
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        let mut conn = self.write_conn().await?;
-        let done = sqlx::query(sql::PURGE)
-            .bind(i64::from(batch))
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| self.err(e))?;
-        conn.keep_write();
-        Ok(done.rows_affected())
+        crate::store::spans::traced(crate::store::spans::purge(BACKEND, batch), async move {
+            let mut conn = self.write_conn().await?;
+            let done = sqlx::query(sql::PURGE)
+                .bind(i64::from(batch))
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| self.err(e))?;
+            conn.keep_write();
+            Ok(done.rows_affected())
+        })
+        .await
     }
 
     async fn count_expired(&self) -> Result<u64, StoreError> {

@@ -657,7 +657,6 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
     /// The three finish writes ([`FinishMode`]) in one statement.
     async fn finish_as(
         &self,
@@ -665,11 +664,17 @@ impl RedisStore {
         mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        let (record, acked) = self.finish_unchecked(id, mode, finish, true).await?;
-        match self.short(id, ReplicatedWrite::Finish, acked) {
-            Some(e) => Err(e),
-            None => Ok(record),
-        }
+        crate::store::spans::traced(
+            crate::store::spans::finish(BACKEND, id, finish),
+            async move {
+                let (record, acked) = self.finish_unchecked(id, mode, finish, true).await?;
+                match self.short(id, ReplicatedWrite::Finish, acked) {
+                    Some(e) => Err(e),
+                    None => Ok(record),
+                }
+            },
+        )
+        .await
     }
 
     /// [`finish_as`](Self::finish_as) without judging the replicas' acknowledgement: the
@@ -791,66 +796,68 @@ impl Store for RedisStore {
         ms_to_time(BACKEND, sec * 1000 + usec / 1000)
     }
 
-    #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
-        let m = member(&claim.id);
-        let k = self.layout.keys(&m);
-        if self.known.contains(fnv1a(&m)) {
-            // The script decides again, atomically; this read only spares it for keys that
-            // exist and are not claimable (replays, in-flight keys, other requests).
-            if let (Some(record), now) = self.snapshot(&claim.id, &k.rec).await?
-                && !claimable(claim, &record, now)
-            {
-                return Ok(ClaimOutcome::Existing {
-                    record: Box::new(record),
-                    now,
-                });
-            }
-        }
-        let window = claim.takeover_window.map(|w| ms(w).to_string());
-        let mut inv = self.per_key(&SCRIPTS.claim, &k);
-        inv.arg(&m)
-            .arg(&claim.operation)
-            .arg(opt(claim.provider.as_deref().map(str::as_bytes)))
-            .arg(&claim.provider_key)
-            .arg(claim.fingerprint.as_str())
-            .arg(opt(claim.request.as_deref().map(str::as_bytes)))
-            .arg(&claim.owner)
-            .arg(ms(claim.lease))
-            .arg(ms(claim.retention))
-            .arg(opt(window.as_deref().map(str::as_bytes)));
-        for t in CLAIMS {
-            inv.arg(t.claim_reason().unwrap_or_default());
-        }
-        inv.arg(opt(claim.renewed_key_base.as_deref().map(str::as_bytes)));
-        let (reply, acked) = self.invoke_waited(&inv).await?;
-        let reply = array(reply)?;
-        self.known.insert(fnv1a(&m));
-        match text(reply.first()).as_deref() {
-            Some("claimed") => {
-                let lease = Self::lease(&reply)?;
-                if let Some(e) = self.short(&claim.id, ReplicatedWrite::Claim, acked) {
-                    self.give_back(&claim.id, &lease, acked.unwrap_or(0)).await;
-                    return Err(e);
+        crate::store::spans::traced(crate::store::spans::claim(BACKEND, claim), async move {
+            let m = member(&claim.id);
+            let k = self.layout.keys(&m);
+            if self.known.contains(fnv1a(&m)) {
+                // The script decides again, atomically; this read only spares it for keys that
+                // exist and are not claimable (replays, in-flight keys, other requests).
+                if let (Some(record), now) = self.snapshot(&claim.id, &k.rec).await?
+                    && !claimable(claim, &record, now)
+                {
+                    return Ok(ClaimOutcome::Existing {
+                        record: Box::new(record),
+                        now,
+                    });
                 }
-                Ok(ClaimOutcome::Claimed(lease))
             }
-            Some("existing") => {
-                let now = ms_to_time(
-                    BACKEND,
-                    int(reply.get(1)).ok_or_else(|| corrupt("claim reply"))?,
-                )?;
-                let hash = reply
-                    .into_iter()
-                    .nth(2)
-                    .ok_or_else(|| corrupt("claim reply"))?;
-                Ok(ClaimOutcome::Existing {
-                    record: Box::new(record(&claim.id, hash)?),
-                    now,
-                })
+            let window = claim.takeover_window.map(|w| ms(w).to_string());
+            let mut inv = self.per_key(&SCRIPTS.claim, &k);
+            inv.arg(&m)
+                .arg(&claim.operation)
+                .arg(opt(claim.provider.as_deref().map(str::as_bytes)))
+                .arg(&claim.provider_key)
+                .arg(claim.fingerprint.as_str())
+                .arg(opt(claim.request.as_deref().map(str::as_bytes)))
+                .arg(&claim.owner)
+                .arg(ms(claim.lease))
+                .arg(ms(claim.retention))
+                .arg(opt(window.as_deref().map(str::as_bytes)));
+            for t in CLAIMS {
+                inv.arg(t.claim_reason().unwrap_or_default());
             }
-            other => Err(corrupt(format!("claim reply {other:?}"))),
-        }
+            inv.arg(opt(claim.renewed_key_base.as_deref().map(str::as_bytes)));
+            let (reply, acked) = self.invoke_waited(&inv).await?;
+            let reply = array(reply)?;
+            self.known.insert(fnv1a(&m));
+            match text(reply.first()).as_deref() {
+                Some("claimed") => {
+                    let lease = Self::lease(&reply)?;
+                    if let Some(e) = self.short(&claim.id, ReplicatedWrite::Claim, acked) {
+                        self.give_back(&claim.id, &lease, acked.unwrap_or(0)).await;
+                        return Err(e);
+                    }
+                    Ok(ClaimOutcome::Claimed(lease))
+                }
+                Some("existing") => {
+                    let now = ms_to_time(
+                        BACKEND,
+                        int(reply.get(1)).ok_or_else(|| corrupt("claim reply"))?,
+                    )?;
+                    let hash = reply
+                        .into_iter()
+                        .nth(2)
+                        .ok_or_else(|| corrupt("claim reply"))?;
+                    Ok(ClaimOutcome::Existing {
+                        record: Box::new(record(&claim.id, hash)?),
+                        now,
+                    })
+                }
+                other => Err(corrupt(format!("claim reply {other:?}"))),
+            }
+        })
+        .await
     }
 
     async fn finish(
@@ -862,60 +869,69 @@ impl Store for RedisStore {
         self.finish_as(id, FinishMode::Holder(token), finish).await
     }
 
-    #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]
     async fn release(
         &self,
         id: &KeyId,
         token: LeaseToken,
         release: &Release,
     ) -> Result<(), StoreError> {
-        let m = member(id);
-        let k = self.layout.keys(&m);
-        let recheck = release.recheck_after.map(|d| ms(d).to_string());
-        let mut inv = self.per_key(&SCRIPTS.release, &k);
-        inv.arg(&m)
-            .arg(token.0)
-            .arg(opt(recheck.as_deref().map(str::as_bytes)))
-            .arg(opt(release.error.as_deref().map(str::as_bytes)))
-            .arg(release.actor.as_str())
-            .arg(&release.reason);
-        let reply = array(self.invoke(&inv).await?)?;
-        if text(reply.first()).as_deref() == Some("ok") {
-            return Ok(());
-        }
-        Err(refusal(id, Some(token), &reply))
+        crate::store::spans::traced(
+            crate::store::spans::release(BACKEND, id, release),
+            async move {
+                let m = member(id);
+                let k = self.layout.keys(&m);
+                let recheck = release.recheck_after.map(|d| ms(d).to_string());
+                let mut inv = self.per_key(&SCRIPTS.release, &k);
+                inv.arg(&m)
+                    .arg(token.0)
+                    .arg(opt(recheck.as_deref().map(str::as_bytes)))
+                    .arg(opt(release.error.as_deref().map(str::as_bytes)))
+                    .arg(release.actor.as_str())
+                    .arg(&release.reason);
+                let reply = array(self.invoke(&inv).await?)?;
+                if text(reply.first()).as_deref() == Some("ok") {
+                    return Ok(());
+                }
+                Err(refusal(id, Some(token), &reply))
+            },
+        )
+        .await
     }
 
-    #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
-        let m = member(id);
-        let k = self.layout.keys(&m);
-        let mut inv = self.per_key(&SCRIPTS.mark_attempt, &k);
-        inv.arg(&m).arg(token.0);
-        let reply = array(self.invoke(&inv).await?)?;
-        if text(reply.first()).as_deref() == Some("ok") {
-            return Ok(());
-        }
-        Err(refusal(id, Some(token), &reply))
+        crate::store::spans::traced(crate::store::spans::mark_attempt(BACKEND, id), async move {
+            let m = member(id);
+            let k = self.layout.keys(&m);
+            let mut inv = self.per_key(&SCRIPTS.mark_attempt, &k);
+            inv.arg(&m).arg(token.0);
+            let reply = array(self.invoke(&inv).await?)?;
+            if text(reply.first()).as_deref() == Some("ok") {
+                return Ok(());
+            }
+            Err(refusal(id, Some(token), &reply))
+        })
+        .await
     }
 
-    #[instrument(name = "idemflow.extend", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn extend(
         &self,
         id: &KeyId,
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
-        let m = member(id);
-        let k = self.layout.keys(&m);
-        let mut inv = self.per_key(&SCRIPTS.extend, &k);
-        inv.arg(&m).arg(token.0).arg(ms(lease));
-        let reply = array(self.invoke(&inv).await?)?;
-        if text(reply.first()).as_deref() == Some("ok") {
-            let at = int(reply.get(1)).ok_or_else(|| corrupt("extend reply"))?;
-            return ms_to_time(BACKEND, at);
-        }
-        Err(refusal(id, Some(token), &reply))
+        crate::store::spans::traced(crate::store::spans::extend(BACKEND, id), async move {
+            let m = member(id);
+            let k = self.layout.keys(&m);
+            let mut inv = self.per_key(&SCRIPTS.extend, &k);
+            inv.arg(&m).arg(token.0).arg(ms(lease));
+            let reply = array(self.invoke(&inv).await?)?;
+            if text(reply.first()).as_deref() == Some("ok") {
+                let at = int(reply.get(1)).ok_or_else(|| corrupt("extend reply"))?;
+                return ms_to_time(BACKEND, at);
+            }
+            Err(refusal(id, Some(token), &reply))
+        })
+        .await
     }
 
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
@@ -1024,38 +1040,43 @@ async fn listen(
 
 #[async_trait]
 impl SweeperStore for RedisStore {
-    #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
-        let mut out = Vec::new();
-        for bucket in self.bucket_order() {
-            let left = take.limit as usize - out.len();
-            if left == 0 {
-                break;
+        crate::store::spans::traced(crate::store::spans::take_stale(BACKEND, take), async move {
+            let mut out = Vec::new();
+            for bucket in self.bucket_order() {
+                let left = take.limit as usize - out.len();
+                if left == 0 {
+                    break;
+                }
+                let mut inv = self.per_bucket(&SCRIPTS.take_stale, bucket);
+                inv.arg(&take.owner)
+                    .arg(ms(take.lease))
+                    .arg(left)
+                    .arg(take.scope.as_deref().map(scope_prefix).unwrap_or_default());
+                out.extend(member_records(self.invoke(&inv).await?, "take_stale")?);
             }
-            let mut inv = self.per_bucket(&SCRIPTS.take_stale, bucket);
-            inv.arg(&take.owner)
-                .arg(ms(take.lease))
-                .arg(left)
-                .arg(take.scope.as_deref().map(scope_prefix).unwrap_or_default());
-            out.extend(member_records(self.invoke(&inv).await?, "take_stale")?);
-        }
-        Ok(out)
+            Ok(out)
+        })
+        .await
     }
 
-    #[instrument(name = "idemflow.purge", skip(self), fields(backend = BACKEND), err)]
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        let mut total = 0u64;
-        for bucket in self.bucket_order() {
-            let left = u64::from(batch) - total;
-            if left == 0 {
-                break;
+        crate::store::spans::traced(crate::store::spans::purge(BACKEND, batch), async move {
+            let mut total = 0u64;
+            for bucket in self.bucket_order() {
+                let left = u64::from(batch) - total;
+                if left == 0 {
+                    break;
+                }
+                let mut inv = self.per_bucket(&SCRIPTS.purge, bucket);
+                inv.arg(left);
+                let n =
+                    int(Some(&self.invoke(&inv).await?)).ok_or_else(|| corrupt("purge reply"))?;
+                total += u64::try_from(n).map_err(|_| corrupt("purge reply"))?;
             }
-            let mut inv = self.per_bucket(&SCRIPTS.purge, bucket);
-            inv.arg(left);
-            let n = int(Some(&self.invoke(&inv).await?)).ok_or_else(|| corrupt("purge reply"))?;
-            total += u64::try_from(n).map_err(|_| corrupt("purge reply"))?;
-        }
-        Ok(total)
+            Ok(total)
+        })
+        .await
     }
 
     async fn count_expired(&self) -> Result<u64, StoreError> {

@@ -490,7 +490,6 @@ impl SqlRow for SqliteRow {
 }
 
 impl SqliteStore {
-    #[instrument(name = "idemflow.finish", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, to = %finish.to, actor = finish.actor.as_str()), err)]
     /// The three finish writes ([`FinishMode`]) in one statement.
     async fn finish_as(
         &self,
@@ -498,31 +497,37 @@ impl SqliteStore {
         mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        check_finish(mode, finish.to)?;
-        let (key, finish_data) = (id.clone(), Arc::new(finish.clone()));
-        let row = self
-            .writer
-            .call(job(move |conn| {
-                let (id, finish) = (key.clone(), finish_data.clone());
-                Box::pin(async move {
-                    write_returning(
-                        sql_core::bind_finish(sqlx::query(sql::FINISH), &id, mode, &finish),
-                        conn,
-                    )
-                    .await?
-                    .as_ref()
-                    .map(decode_record)
-                    .transpose()
-                })
-            }))
-            .await?;
-        match row {
-            Some(record) => {
-                self.seen.insert(known_keys::of(id));
-                Ok(record)
-            }
-            None => Err(refused_write(self, id, mode.presented()).await),
-        }
+        crate::store::spans::traced(
+            crate::store::spans::finish(BACKEND, id, finish),
+            async move {
+                check_finish(mode, finish.to)?;
+                let (key, finish_data) = (id.clone(), Arc::new(finish.clone()));
+                let row = self
+                    .writer
+                    .call(job(move |conn| {
+                        let (id, finish) = (key.clone(), finish_data.clone());
+                        Box::pin(async move {
+                            write_returning(
+                                sql_core::bind_finish(sqlx::query(sql::FINISH), &id, mode, &finish),
+                                conn,
+                            )
+                            .await?
+                            .as_ref()
+                            .map(decode_record)
+                            .transpose()
+                        })
+                    }))
+                    .await?;
+                match row {
+                    Some(record) => {
+                        self.seen.insert(known_keys::of(id));
+                        Ok(record)
+                    }
+                    None => Err(refused_write(self, id, mode.presented()).await),
+                }
+            },
+        )
+        .await
     }
 }
 
@@ -567,22 +572,24 @@ impl Store for SqliteStore {
         ms_to_time(BACKEND, ms)
     }
 
-    #[instrument(name = "idemflow.claim", skip_all, fields(backend = BACKEND, scope = %claim.id.scope, key = %claim.id.key, operation = %claim.operation), err)]
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
-        // A key seen before is most likely there: read first, on a reader, so replays and
-        // in-flight duplicates never queue behind the writer. Any other key: write first.
-        if self.seen.contains(known_keys::of(&claim.id))
-            && let Some((record, now)) = self.read_with_now(sql::CLAIM_READ, &claim.id).await?
-            && !claimable(claim, &record, now)
-        {
-            return Ok(ClaimOutcome::Existing {
-                record: Box::new(record),
-                now,
-            });
-        }
-        let outcome = self.claim_write(claim).await?;
-        self.seen.insert(known_keys::of(&claim.id));
-        Ok(outcome)
+        crate::store::spans::traced(crate::store::spans::claim(BACKEND, claim), async move {
+            // A key seen before is most likely there: read first, on a reader, so replays and
+            // in-flight duplicates never queue behind the writer. Any other key: write first.
+            if self.seen.contains(known_keys::of(&claim.id))
+                && let Some((record, now)) = self.read_with_now(sql::CLAIM_READ, &claim.id).await?
+                && !claimable(claim, &record, now)
+            {
+                return Ok(ClaimOutcome::Existing {
+                    record: Box::new(record),
+                    now,
+                });
+            }
+            let outcome = self.claim_write(claim).await?;
+            self.seen.insert(known_keys::of(&claim.id));
+            Ok(outcome)
+        })
+        .await
     }
 
     async fn finish(
@@ -594,66 +601,75 @@ impl Store for SqliteStore {
         self.finish_as(id, FinishMode::Holder(token), finish).await
     }
 
-    #[instrument(name = "idemflow.release", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key, actor = release.actor.as_str()), err)]
     async fn release(
         &self,
         id: &KeyId,
         token: LeaseToken,
         release: &Release,
     ) -> Result<(), StoreError> {
-        let done = self
-            .write_execute(
-                sql::RELEASE,
-                id,
-                token,
-                vec![
-                    Bind::Int(release.recheck_after.map(millis)),
-                    Bind::Text(release.error.clone()),
-                    Bind::Text(Some(release.actor.as_str().to_owned())),
-                    Bind::Text(Some(release.reason.clone())),
-                ],
-            )
-            .await?;
-        fenced_write(self, id, token, done).await
+        crate::store::spans::traced(
+            crate::store::spans::release(BACKEND, id, release),
+            async move {
+                let done = self
+                    .write_execute(
+                        sql::RELEASE,
+                        id,
+                        token,
+                        vec![
+                            Bind::Int(release.recheck_after.map(millis)),
+                            Bind::Text(release.error.clone()),
+                            Bind::Text(Some(release.actor.as_str().to_owned())),
+                            Bind::Text(Some(release.reason.clone())),
+                        ],
+                    )
+                    .await?;
+                fenced_write(self, id, token, done).await
+            },
+        )
+        .await
     }
 
-    #[instrument(name = "idemflow.mark_attempt", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
-        let done = self
-            .write_execute(sql::MARK_ATTEMPT, id, token, Vec::new())
-            .await?;
-        fenced_write(self, id, token, done).await
+        crate::store::spans::traced(crate::store::spans::mark_attempt(BACKEND, id), async move {
+            let done = self
+                .write_execute(sql::MARK_ATTEMPT, id, token, Vec::new())
+                .await?;
+            fenced_write(self, id, token, done).await
+        })
+        .await
     }
 
-    #[instrument(name = "idemflow.extend", skip_all, fields(backend = BACKEND, scope = %id.scope, key = %id.key), err)]
     async fn extend(
         &self,
         id: &KeyId,
         token: LeaseToken,
         lease: Duration,
     ) -> Result<DateTime<Utc>, StoreError> {
-        let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
-        let lease_ms = millis(lease);
-        let expires = self
-            .writer
-            .call(job(move |conn| {
-                let q = sqlx::query(sql::EXTEND)
-                    .bind(scope.clone())
-                    .bind(key.clone())
-                    .bind(token.0)
-                    .bind(lease_ms);
-                Box::pin(async move {
-                    write_returning(q, conn)
-                        .await?
-                        .map(|row| row.time_at("lease_expires_at"))
-                        .transpose()
-                })
-            }))
-            .await?;
-        match expires {
-            Some(at) => Ok(at),
-            None => Err(refused_write(self, id, Some(token)).await),
-        }
+        crate::store::spans::traced(crate::store::spans::extend(BACKEND, id), async move {
+            let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
+            let lease_ms = millis(lease);
+            let expires = self
+                .writer
+                .call(job(move |conn| {
+                    let q = sqlx::query(sql::EXTEND)
+                        .bind(scope.clone())
+                        .bind(key.clone())
+                        .bind(token.0)
+                        .bind(lease_ms);
+                    Box::pin(async move {
+                        write_returning(q, conn)
+                            .await?
+                            .map(|row| row.time_at("lease_expires_at"))
+                            .transpose()
+                    })
+                }))
+                .await?;
+            match expires {
+                Some(at) => Ok(at),
+                None => Err(refused_write(self, id, Some(token)).await),
+            }
+        })
+        .await
     }
 
     async fn get(&self, id: &KeyId) -> Result<Option<KeyRecord>, StoreError> {
@@ -663,35 +679,39 @@ impl Store for SqliteStore {
 
 #[async_trait]
 impl SweeperStore for SqliteStore {
-    #[instrument(name = "idemflow.take_stale", skip_all, fields(backend = BACKEND, owner = %take.owner, limit = take.limit), err)]
     async fn take_stale(&self, take: &TakeStale) -> Result<Vec<KeyRecord>, StoreError> {
-        let (owner, lease, limit) = (take.owner.clone(), millis(take.lease), take.limit);
-        let scope = take.scope.clone();
-        self.writer
-            .call(job(move |conn| {
-                let q = sqlx::query(sql::TAKE_STALE)
-                    .bind(owner.clone())
-                    .bind(lease)
-                    .bind(i64::from(limit))
-                    .bind(scope.clone());
-                Box::pin(async move {
-                    let rows = q.fetch_all(&mut *conn).await.map_err(db)?;
-                    rows.iter().map(decode_record).collect()
-                })
-            }))
-            .await
+        crate::store::spans::traced(crate::store::spans::take_stale(BACKEND, take), async move {
+            let (owner, lease, limit) = (take.owner.clone(), millis(take.lease), take.limit);
+            let scope = take.scope.clone();
+            self.writer
+                .call(job(move |conn| {
+                    let q = sqlx::query(sql::TAKE_STALE)
+                        .bind(owner.clone())
+                        .bind(lease)
+                        .bind(i64::from(limit))
+                        .bind(scope.clone());
+                    Box::pin(async move {
+                        let rows = q.fetch_all(&mut *conn).await.map_err(db)?;
+                        rows.iter().map(decode_record).collect()
+                    })
+                }))
+                .await
+        })
+        .await
     }
 
-    #[instrument(name = "idemflow.purge", skip(self), fields(backend = BACKEND), err)]
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.writer
-            .call(job(move |conn| {
-                let q = sqlx::query(sql::PURGE).bind(i64::from(batch));
-                Box::pin(
-                    async move { Ok(q.execute(&mut *conn).await.map_err(db)?.rows_affected()) },
-                )
-            }))
-            .await
+        crate::store::spans::traced(crate::store::spans::purge(BACKEND, batch), async move {
+            self.writer
+                .call(job(move |conn| {
+                    let q = sqlx::query(sql::PURGE).bind(i64::from(batch));
+                    Box::pin(
+                        async move { Ok(q.execute(&mut *conn).await.map_err(db)?.rows_affected()) },
+                    )
+                }))
+                .await
+        })
+        .await
     }
 
     async fn count_expired(&self) -> Result<u64, StoreError> {
