@@ -1,12 +1,4 @@
-SELECT id,
-    from_state,
-    from_retryable,
-    to_state,
-    to_retryable,
-    lease_token,
-    actor,
-    reason,
-    at
+SELECT id, from_state, from_retryable, to_state, to_retryable, lease_token, actor, reason, at
 FROM idempotency_key_events
 WHERE scope = ?
     AND `key` = ?

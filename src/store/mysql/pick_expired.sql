@@ -1,5 +1,4 @@
-SELECT scope,
-    `key`
+SELECT scope, `key`
 FROM idempotency_keys
 WHERE state <> 'processing'
     AND expires_at <= UTC_TIMESTAMP(6)

@@ -1,5 +1,4 @@
-SELECT scope,
-    `key`
+SELECT scope, `key`
 FROM idempotency_keys
 WHERE state = 'processing'
     AND lease_expires_at <= UTC_TIMESTAMP(6)

@@ -1,6 +1,5 @@
 UPDATE idempotency_keys
-SET last_attempt_at = statement_timestamp(),
-    may_have_acted = true,
+SET last_attempt_at = statement_timestamp(), may_have_acted = true,
     updated_at = statement_timestamp()
 WHERE scope = $1::text
     AND key = $2::text
