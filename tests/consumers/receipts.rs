@@ -4,7 +4,8 @@
 //! held by the fake (it sends the email and never answers), the worker that sent it is killed
 //! with SIGKILL, and the rest of the messages are published: a re-encoded copy, a message
 //! without `order_id`. The peers' in-process sweepers settle the dead worker's key; no cron
-//! job runs.
+//! job runs. Once the survivors drain, a last worker takes what they put back (a delivery held
+//! for redelivery when they stopped): every key is settled, so it acknowledges without sending.
 
 #[path = "../../examples/receipts_worker.rs"]
 mod receipts_worker;
@@ -224,15 +225,49 @@ async fn three_workers_one_killed_mid_send_send_one_email_per_order() {
         assert!(status.success(), "a worker did not drain: {status}\n{log}");
         logs.push(log);
     }
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
+    // A survivor stopped while it held a delivery for redelivery (the dead worker's message, or
+    // a copy of a key in flight) puts it back on the queue: a fresh worker takes what is left,
+    // every key of which is settled, and acknowledges it without sending.
+    let ready = || {
+        let (channel, queue) = (channel.clone(), queue.clone());
+        async move {
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            };
+            channel
+                .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+                .await
+                .unwrap()
+                .message_count()
+        }
     };
-    let left = channel
-        .queue_declare(queue.as_str().into(), passive, FieldTable::default())
-        .await
-        .unwrap();
-    assert_eq!(left.message_count(), 0, "messages left on the queue");
+    let config = receipts_worker::Config {
+        amqp_url: url.clone(),
+        dead_letter_exchange: format!("{queue}.dead"),
+        queue: queue.clone(),
+        resend_api_base: fake.base_url().to_owned(),
+        resend_api_key: FakeResend::API_KEY.to_owned(),
+        from: "receipts@example.com".to_owned(),
+        database_url: database.clone(),
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let last = tokio::spawn(receipts_worker::run(config, async move {
+        let _ = stopped.await;
+    }));
+    eventually(Duration::from_secs(30), "the queue drained", || async {
+        ready().await == 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let _ = stop.send(());
+    let drained = last.await.unwrap().unwrap();
+    assert_eq!(
+        (drained.ran, drained.rejected),
+        (0, 0),
+        "the last worker found only settled keys: {drained:?}"
+    );
+    assert_eq!(ready().await, 0, "messages left on the queue");
 
     let emails = fake.ledger().entries();
     for order in 1..=ORDERS {
