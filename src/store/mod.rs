@@ -423,13 +423,9 @@ mod tests {
         );
         #[cfg(feature = "mysql")]
         {
-            // The claim procedure alone, out of the baseline schema that creates it.
-            let schema = super::mysql::sql::BASELINE;
-            let start = schema
-                .find("CREATE PROCEDURE idempotency_keys_claim")
-                .expect("the baseline creates the claim procedure");
-            let len = schema[start..].find("\nEND;").expect("the procedure ends");
-            super::assert_claim_reasons(&schema[start..start + len]);
+            // The procedure from its `CREATE`: the comments above it are prose.
+            let claim = super::mysql::procedures::CLAIM;
+            super::assert_claim_reasons(&claim[claim.find("CREATE PROCEDURE").unwrap()..]);
         }
     }
 }

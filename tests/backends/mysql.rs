@@ -369,7 +369,7 @@ mod claim_race {
         let mut other = db.session().await;
         other.execute("START TRANSACTION").await.unwrap();
         sqlx::query(
-            "CALL idempotency_keys_claim(?, ?, 'payments.create', 'fake', 'pk-other', \
+            "CALL idempotency_keys_claim_v1(?, ?, 'payments.create', 'fake', 'pk-other', \
              'fp-other', NULL, 'other-worker', 30000000, 3600000, NULL, 7, NULL)",
         )
         .bind(key.scope.as_str())

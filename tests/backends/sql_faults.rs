@@ -65,7 +65,8 @@ macro_rules! sql_fault_tests {
             reads_go_on_while_the_server_kills_their_kept_connection,
             a_pool_user_gets_a_connection_while_reads_keep_the_store_busy,
             closing_the_pool_does_not_wait_for_kept_connections,
-            app_migrations_and_idemflow_migrations_share_a_database
+            app_migrations_and_idemflow_migrations_share_a_database,
+            instances_migrating_one_database_at_once_all_succeed
         );
         $crate::sql_faults::sql_fault_tests!(@current_thread $db;
             a_write_does_not_run_on_a_kept_connection_that_died,
@@ -458,5 +459,37 @@ pub async fn app_migrations_and_idemflow_migrations_share_a_database<D: SqlDatab
         &claim_for(&id("app", "k"), "{}", Duration::from_secs(5)),
     )
     .await;
+    db.drop().await;
+}
+
+/// Instances starting together each run `migrate()` (MariaDB's also creates its procedures): all
+/// succeed, a later run is a no-op, and the schema they leave serves a claim and its finish.
+pub async fn instances_migrating_one_database_at_once_all_succeed<D: SqlDatabase>() {
+    let Some(db) = D::fresh().await else {
+        return;
+    };
+    let mut stores = Vec::new();
+    for _ in 0..6 {
+        stores.push(db.store(2).await);
+    }
+    let runs: Vec<_> = stores
+        .iter()
+        .map(|s| {
+            let s = s.clone();
+            tokio::spawn(async move { s.migrate().await })
+        })
+        .collect();
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    stores[0].migrate().await.unwrap();
+    let s: Arc<dyn Store> = Arc::new(stores.pop().unwrap());
+    let k = id("migrate", "k");
+    let lease = claimed(&s, &claim_for(&k, "{}", Duration::from_secs(5))).await;
+    let record = s
+        .finish(&k, lease.token, &done(StoredResponse::new(200)))
+        .await
+        .unwrap();
+    assert_eq!(record.state, KeyState::Done);
     db.drop().await;
 }

@@ -1,1 +1,1 @@
-CALL idempotency_keys_extend(?, ?, ?, ?)
+CALL idempotency_keys_extend_v1(?, ?, ?, ?)

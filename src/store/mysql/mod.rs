@@ -3,7 +3,7 @@
 //! `FOR UPDATE SKIP LOCKED` (MariaDB >= 10.6, tested on 10.11; written to MySQL 8's syntax as
 //! well, but not tested on it: `docs/backends.md`, "Versions").
 //!
-//! - A claim is one round trip, a call of the `idempotency_keys_claim` procedure: a replay is a
+//! - A claim is one round trip, a call of the claim procedure (`procedures/`): a replay is a
 //!   primary-key read inside it (no lock, no write); a new key runs one `INSERT .. ON DUPLICATE
 //!   KEY UPDATE` that decides atomically, then the read-back (there is no `RETURNING` on MySQL;
 //!   a random `claim_nonce` written by the winning claim tells the claimer it won).
@@ -14,7 +14,8 @@
 //! - History rows are written by triggers keyed on the row's `version`, inside the statement
 //!   that makes the transition.
 //! - idemflow's migrations are recorded in [`MIGRATIONS_TABLE`], never in the host app's
-//!   `_sqlx_migrations`.
+//!   `_sqlx_migrations`. `Store::migrate` then creates the procedures under versioned names
+//!   (`idempotency_keys_claim_v1`, ...): a database that [`migrator`] alone migrated has none.
 
 use std::future::Future;
 use std::hash::BuildHasher;
@@ -40,6 +41,8 @@ use crate::record::{KeyRecord, LeaseToken};
 use crate::store::known_keys::{self, KnownKeys};
 
 mod atomic;
+mod migrate;
+pub(super) mod procedures;
 pub(super) mod sql;
 
 const BACKEND: &str = "mysql";
@@ -60,7 +63,9 @@ fn micros(d: Duration) -> i64 {
     millis(d) * 1000
 }
 
-/// idemflow's MariaDB / MySQL migrations, recorded in [`MIGRATIONS_TABLE`].
+/// idemflow's MariaDB / MySQL migrations (the tables and triggers), recorded in
+/// [`MIGRATIONS_TABLE`]. The claim, finish and extend procedures are not among them:
+/// [`Store::migrate`] runs these migrations and then creates the procedures.
 pub fn migrator() -> Migrator {
     let mut m = sqlx::migrate!("./migrations/mysql");
     m.dangerous_set_table_name(MIGRATIONS_TABLE);
@@ -510,7 +515,7 @@ impl Store for MySqlStore {
 
     #[instrument(skip(self), err)]
     async fn migrate(&self) -> Result<(), StoreError> {
-        sql_core::migrate(BACKEND, &self.pool, migrator()).await
+        migrate::run(&self.pool).await
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, StoreError> {

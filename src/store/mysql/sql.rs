@@ -9,38 +9,31 @@ pub(super) const NOW: &str = include_str!("now.sql");
 
 pub(super) const GET: &str = include_str!("get.sql");
 
-/// The claim, one round trip: a call of the `idempotency_keys_claim` procedure (migration
-/// `migrations/mysql/20261208000001_baseline.sql`). It reads the
-/// row and returns it untouched when it is present and not claimable (a replay writes nothing);
-/// otherwise a key it found absent is inserted by a plain `INSERT`, and a key that is there (or
-/// was inserted since the read) goes through the `INSERT .. ON DUPLICATE KEY UPDATE` that
-/// decides atomically; the row is read back.
+/// The claim, one round trip: a call of the claim procedure (`procedures/claim.sql`). It reads
+/// the row and returns it untouched when it is present and not claimable (a replay writes
+/// nothing); otherwise a key it found absent is inserted by a plain `INSERT`, and a key that is
+/// there (or was inserted since the read) goes through the `INSERT .. ON DUPLICATE KEY UPDATE`
+/// that decides atomically; the row is read back.
 /// The claimer won when the returned `claim_nonce` is its own nonce. No row: purged between the
 /// write and the read-back. Parameters: scope, key, operation, provider, provider key,
 /// fingerprint, request, owner, lease µs, retention ms, takeover window µs or NULL, nonce, the
 /// base of a re-created key's provider key or NULL.
 pub(super) const CLAIM: &str = include_str!("claim.sql");
 
-/// The baseline schema, which creates the claim procedure: for the test that checks its reason
-/// spellings.
-#[cfg(test)]
-pub(in crate::store) const BASELINE: &str =
-    include_str!("../../../migrations/mysql/20261208000001_baseline.sql");
-
 /// The finish, one round trip: the fenced `UPDATE` and the read of the row it wrote, in one
-/// transaction inside the `idempotency_keys_finish` procedure. No row: the fence refused it and
-/// nothing was written. Parameters: scope, key, state, retryable, status, headers, body, error,
-/// token or NULL, actor, reason, expected token or NULL.
+/// transaction inside the finish procedure (`procedures/finish.sql`). No row: the fence refused
+/// it and nothing was written. Parameters: scope, key, state, retryable, status, headers, body,
+/// error, token or NULL, actor, reason, expected token or NULL.
 pub(super) const FINISH: &str = include_str!("finish.sql");
 
-/// The lease renewal, one round trip (`idempotency_keys_extend`): the new expiry, or no row when
-/// the fence refused it. Parameters: scope, key, token, lease µs.
 /// An atomic phase's record of its step (`store::phase::AtomicPhase`): the fenced finish into `done`
-/// as `idempotency_keys_finish` does it, as a plain statement inside the application's
+/// as the finish procedure does it, as a plain statement inside the application's
 /// transaction (the procedure has a transaction of its own); the update trigger writes the
 /// history row. No column reads another the statement assigns, so assignment order is moot.
 pub(super) const ATOMIC_DONE: &str = include_str!("atomic_done.sql");
 
+/// The lease renewal, one round trip (`procedures/extend.sql`): the new expiry, or no row when
+/// the fence refused it. Parameters: scope, key, token, lease µs.
 pub(super) const EXTEND: &str = include_str!("extend.sql");
 
 /// Parameters: recheck µs or NULL, error, actor, reason, actor, actor, scope, key, token.

@@ -1,0 +1,1 @@
+SELECT GET_LOCK(CONCAT('idemflow.migrate.', SHA1(DATABASE())), ?)

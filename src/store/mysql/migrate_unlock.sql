@@ -1,0 +1,1 @@
+SELECT RELEASE_LOCK(CONCAT('idemflow.migrate.', SHA1(DATABASE())))
