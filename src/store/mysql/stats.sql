@@ -1,5 +1,6 @@
 SELECT COUNT(CASE WHEN state = 'processing' THEN 1 END) AS processing,
-    COUNT(CASE WHEN state = 'processing' AND lease_expires_at <= UTC_TIMESTAMP(6) THEN 1 END) AS stale,
+    COUNT(CASE WHEN state = 'processing' AND lease_expires_at <= UTC_TIMESTAMP(6)
+        THEN 1 END) AS stale,
     COUNT(CASE WHEN state = 'done' THEN 1 END) AS done,
     COUNT(CASE WHEN state = 'failed' AND retryable THEN 1 END) AS failed_retryable,
     COUNT(CASE WHEN state = 'failed' AND NOT retryable THEN 1 END) AS failed_permanent,

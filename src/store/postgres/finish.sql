@@ -7,7 +7,13 @@ SET state = $3::text, retryable = $4::boolean, response_status = $5::integer,
     updated_at = statement_timestamp(),
     expires_at = statement_timestamp() + retention_ms * interval '1 millisecond',
     next_check_at = NULL, version = version + 1,
-    history = CASE WHEN length(history) <= 14336 THEN history ELSE substr(right(history, 14336), strpos(right(history, 14336), E'\n') + 1) END || E'\n' || concat(version + 1, '|', state, '|', CASE WHEN retryable THEN '1' ELSE '0' END, '|', $3::text, '|', CASE WHEN $4::boolean THEN '1' ELSE '0' END, '|', CASE WHEN $9::bigint IS NULL THEN lease_token + 1 ELSE lease_token END, '|', floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint, '|', length($10::text), '|', $10::text, '|' || replace(replace(left($11::text, 512), '\', '\\'), E'\n', '\n'))
+    history = CASE WHEN length(history) <= 14336 THEN history ELSE substr(right(history, 14336),
+        strpos(right(history, 14336), E'\n') + 1) END || E'\n' || concat(version + 1, '|', state,
+        '|', CASE WHEN retryable THEN '1' ELSE '0' END, '|', $3::text, '|',
+        CASE WHEN $4::boolean THEN '1' ELSE '0' END, '|',
+        CASE WHEN $9::bigint IS NULL THEN lease_token + 1 ELSE lease_token END, '|',
+        floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint, '|', length($10::text),
+        '|', $10::text, '|' || replace(replace(left($11::text, 512), '\', '\\'), E'\n', '\n'))
 WHERE scope = $1::text
     AND key = $2::text
     AND ($9::bigint IS NULL OR (state = 'processing' AND lease_token = $9::bigint))

@@ -46,8 +46,10 @@ BEGIN
         UTC_TIMESTAMP(6) AS db_now
     FROM idempotency_keys
     WHERE scope = p_scope AND `key` = p_key
-      AND NOT IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted))
-          OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6)
+      AND NOT IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable
+          AND (provider <=> p_provider OR NOT may_have_acted))
+          OR (state = 'processing' AND provider <=> p_provider
+              AND lease_expires_at <= UTC_TIMESTAMP(6)
               AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE);
     IF FOUND_ROWS() = 0 THEN
         -- The life number, read only for a derived key (an explicit one is stored as given),
@@ -65,7 +67,8 @@ BEGIN
         BEGIN
             DECLARE CONTINUE HANDLER FOR 1062 SET v_duplicate = TRUE;
             INSERT INTO idempotency_keys (scope, `key`, operation, provider, provider_key, state,
-                retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts,
+                retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at,
+                    attempts,
                 created_at, updated_at, retention_ms, version, last_actor, last_reason, claim_nonce,
                 last_attempt_at, may_have_acted)
             VALUES (p_scope, p_key, p_operation, p_provider,
@@ -86,7 +89,8 @@ BEGIN
                     WHERE scope = p_scope AND `key` = p_key) + 1;
             END IF;
             INSERT INTO idempotency_keys (scope, `key`, operation, provider, provider_key, state,
-                retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at, attempts,
+                retryable, fingerprint, request, lease_token, lease_owner, lease_expires_at,
+                    attempts,
                 created_at, updated_at, retention_ms, version, last_actor, last_reason, claim_nonce,
                 last_attempt_at, may_have_acted)
             VALUES (p_scope, p_key, p_operation, p_provider,
@@ -98,57 +102,141 @@ BEGIN
                 UTC_TIMESTAMP(6), p_retention_ms, 1, 'worker', 'claimed', p_nonce, UTC_TIMESTAMP(6),
                 FALSE)
             ON DUPLICATE KEY UPDATE
-                claim_nonce = IF(IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted))
-                    OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6)
-                        AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                claim_nonce = IF(IFNULL(fingerprint = p_fingerprint AND ((state = 'failed'
+                    AND retryable AND (provider <=> p_provider OR NOT may_have_acted))
+                    OR (state = 'processing' AND provider <=> p_provider
+                        AND lease_expires_at <= UTC_TIMESTAMP(6)
+                        AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)),
+                            FALSE),
                     p_nonce, claim_nonce),
-                provider_key = IF(claim_nonce <=> p_nonce AND state = 'failed' AND NOT (provider <=> p_provider),
+                provider_key = IF(claim_nonce <=> p_nonce AND state = 'failed'
+                    AND NOT (provider <=> p_provider),
                     IF(p_renewed_key_base IS NULL, p_provider_key,
                         IF(CHAR_LENGTH(provider_key) <= CHAR_LENGTH(p_provider_key), provider_key,
                             CONCAT(p_renewed_key_base,
                                 LPAD(LOWER(HEX(v_life & 4294967295)), 8, '0')))),
                     provider_key),
                 provider = IF(claim_nonce <=> p_nonce AND state = 'failed', p_provider, provider),
-                last_reason = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                last_reason = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     IF(state = 'failed', 'reclaimed after a retryable failure',
                         'retry took over an expired lease'), last_reason),
-                request = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                request = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     COALESCE(p_request, request), request),
-                lease_token = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                lease_token = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     lease_token + 1, lease_token),
-                lease_owner = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                lease_owner = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     p_owner, lease_owner),
-                attempts = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                attempts = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     attempts + 1, attempts),
-                updated_at = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                updated_at = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     UTC_TIMESTAMP(6), updated_at),
-                expires_at = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                expires_at = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     NULL, expires_at),
-                next_check_at = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                next_check_at = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     NULL, next_check_at),
-                error = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                error = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     NULL, error),
-                response_status = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                response_status = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     NULL, response_status),
-                response_headers = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                response_headers = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     NULL, response_headers),
-                response_body = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                response_body = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     NULL, response_body),
-                retention_ms = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                retention_ms = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     p_retention_ms, retention_ms),
-                last_actor = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                last_actor = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     'worker', last_actor),
-                version = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                version = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     version + 1, version),
-                may_have_acted = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                may_have_acted = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     IF(state = 'failed', may_have_acted, TRUE), may_have_acted),
-                last_attempt_at = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                last_attempt_at = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     UTC_TIMESTAMP(6), last_attempt_at),
-                lease_expires_at = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                lease_expires_at = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     UTC_TIMESTAMP(6) + INTERVAL p_lease_us MICROSECOND, lease_expires_at),
-                retryable = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                retryable = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     FALSE, retryable),
-                state = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint AND ((state = 'failed' AND retryable AND (provider <=> p_provider OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider AND lease_expires_at <= UTC_TIMESTAMP(6) AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
+                state = IF(claim_nonce <=> p_nonce OR IFNULL(fingerprint = p_fingerprint
+                    AND ((state = 'failed' AND retryable AND (provider <=> p_provider
+                    OR NOT may_have_acted)) OR (state = 'processing' AND provider <=> p_provider
+                    AND lease_expires_at <= UTC_TIMESTAMP(6)
+                    AND created_at > UTC_TIMESTAMP(6) - INTERVAL p_window_us MICROSECOND)), FALSE),
                     'processing', state);
         END IF;
         SELECT scope, `key`, operation, provider, provider_key, state, retryable, fingerprint,

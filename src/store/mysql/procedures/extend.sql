@@ -15,7 +15,8 @@ BEGIN
         RESIGNAL;
     END;
     START TRANSACTION;
-    UPDATE idempotency_keys SET lease_expires_at = UTC_TIMESTAMP(6) + INTERVAL p_lease_us MICROSECOND
+    UPDATE idempotency_keys
+        SET lease_expires_at = UTC_TIMESTAMP(6) + INTERVAL p_lease_us MICROSECOND
     WHERE scope = p_scope AND `key` = p_key AND state = 'processing' AND lease_token = p_token
       AND lease_owner IS NOT NULL;
     IF ROW_COUNT() = 1 THEN
