@@ -1,13 +1,12 @@
 //! Row decoding, once for every backend: each backend reads its columns into [`RawRecord`] /
 //! [`RawEvent`], and the checks that turn them into typed values live here. The SQL backends
-//! also share the column lists their statements select ([`key_columns!`], [`event_columns!`])
-//! and the decoders that read them (`decode_record`, `decode_event`, `decode_lease`,
-//! `decode_stats`), written once over [`SqlRow`]; each SQL backend only says how it reads its
-//! time columns and its text.
+//! also share the decoders of the columns their statements select, by name (`decode_record`,
+//! `decode_event`, `decode_lease`, `decode_stats`), written once over [`SqlRow`]; each SQL
+//! backend only says how it reads its time columns and its text.
 //!
 //! A new nullable column on the key row is: a migration per backend, a field of
-//! [`KeyRecord`], and here a field of [`RawRecord`], its line in `into_record`, its name in
-//! [`key_columns!`] and its line in `decode_record`.
+//! [`KeyRecord`], and here a field of [`RawRecord`], its line in `into_record` and its line in
+//! `decode_record`; then each statement file that reads or writes the key row names it.
 
 use chrono::{DateTime, Utc};
 
@@ -304,7 +303,7 @@ mod sql {
             .map_err(|e| StoreError::database(R::BACKEND, e))
     }
 
-    /// Decodes a key row selected with [`key_columns!`](super::key_columns).
+    /// Decodes a key row: the columns of `idempotency_keys` each backend's `get.sql` selects.
     pub(crate) fn decode_record<R>(row: &R) -> Result<KeyRecord, StoreError>
     where
         R: SqlRow,
@@ -344,7 +343,7 @@ mod sql {
         .into_record(R::BACKEND)
     }
 
-    /// Decodes a history row selected with [`event_columns!`](super::event_columns).
+    /// Decodes a history row of MariaDB's events table (`mysql/history.sql`).
     pub(crate) fn decode_event<R>(row: &R) -> Result<KeyEvent, StoreError>
     where
         R: SqlRow,
