@@ -38,29 +38,15 @@ pub struct Endpoint {
     http: HttpClient,
 }
 
-impl fmt::Debug for Endpoint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let Self {
-            name,
-            base_url,
-            auth,
-            key,
-            headers,
-            set,
-            http,
-        } = self;
-        let set: Vec<&str> = set.iter().map(|(name, _)| *name).collect();
-        f.debug_struct("Endpoint")
-            .field("name", name)
-            .field("base_url", &RedactedUrl(base_url))
-            .field("auth", auth)
-            .field("key", key)
-            .field("headers", headers)
-            .field("set", &set)
-            .field("http", http)
-            .finish()
-    }
-}
+crate::debug_fields::debug_fields!(Endpoint {
+    name,
+    base_url => RedactedUrl(base_url),
+    auth,
+    key,
+    headers,
+    set => set.iter().map(|(name, _)| *name).collect::<Vec<&str>>(),
+    http,
+});
 
 /// A call's answer in a log line: its kind and status, never the provider's body or headers,
 /// which may hold a secret the adapter masks only when the answer is stored (Stripe's
