@@ -8,8 +8,10 @@
 //! use [`MetadataSearch`](super::search::MetadataSearch).
 
 use std::fmt;
+use std::future::Future;
 
 use super::CallReply;
+use super::spans;
 use super::http::{ApiKey, Classified, HttpClient, HttpConfig, HttpError, HttpReply, RetryUnknown};
 use crate::store::connect_error::RedactedUrl;
 
@@ -70,6 +72,17 @@ impl fmt::Display for Logged<'_> {
 }
 
 impl Endpoint {
+    /// Runs `work`, the adapter's `method` for `provider_key`, inside the method's span under
+    /// this endpoint's name ([`spans`](super::spans)).
+    pub(crate) async fn traced<T>(
+        &self,
+        method: spans::Method,
+        provider_key: &str,
+        work: impl Future<Output = T>,
+    ) -> T {
+        spans::traced(method, &self.name, provider_key, work).await
+    }
+
     /// An endpoint named `name` at `base_url` (checked and normalised by
     /// [`base_url`](super::http::base_url)), with the key `key` sent as `auth` says and the
     /// default [`HttpConfig`].
