@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::sweeper::Unresolved;
+use crate::sweeper::{SweepReport, Unresolved};
 use crate::workflow::step_key;
 use crate::{
     Error, Execution, IdempotentRequest, KeyError, KeyState, Outcome, Providers, RequestError,
@@ -21,6 +21,27 @@ use super::sweeper::{LEASE, cut_when, live_worker, row, wait_stale, worker};
 use super::unique;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// Runs `sweeper` every 50 ms until `done` holds after a run, failing after 30 s; `done` sees
+/// each run's report.
+async fn sweep_until(
+    sweeper: &Sweeper,
+    what: &str,
+    mut done: impl AsyncFnMut(&SweepReport) -> bool,
+) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let report = sweeper.run_once().await.unwrap();
+        if done(&report).await {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never {what}: {report:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
 
 fn checkout(scope: &str, key: &str) -> IdempotentRequest {
     IdempotentRequest::new(
@@ -465,23 +486,14 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     );
     // Until it is reported (a key re-leased by a late renewal is simply waited for).
     let mut waiting = 0;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let report = cli.run_once().await.unwrap();
+    sweep_until(&cli, "reported waiting", async |report| {
         waiting += report.waiting_for_resumer;
-        if report
+        report
             .unresolved
             .iter()
             .any(|u| u.kind == Unresolved::WaitingForResumer)
-        {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never reported waiting: {report:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
     assert_eq!(waiting, 1, "the workflow is reported waiting for a resumer");
     assert!(is_waiting_for_resumer(&store, &id).await, "and counted so");
     assert_eq!(row(&store, &step_key(&id, 0)).await.state, KeyState::Done);
@@ -500,19 +512,11 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     )
     .resumer("checkout", live_worker(&slow), op.clone());
     let mut resumed = 0;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let report = app.run_once().await.unwrap();
+    sweep_until(&app, "finished", async |report| {
         resumed += report.resumed;
-        if row(&store, &id).await.state == KeyState::Done {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never finished (resumed {resumed} times): {report:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        row(&store, &id).await.state == KeyState::Done
+    })
+    .await;
     assert_eq!(resumed, 1, "the workflow is resumed once");
     let r = row(&store, &id).await;
     assert_eq!(r.state, KeyState::Done);
