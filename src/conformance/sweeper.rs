@@ -137,6 +137,24 @@ pub fn hang_after(
     }
 }
 
+/// Crash point (a): `idem` claims `req`'s key and is cut off before its call reaches the
+/// provider.
+async fn cut_before_call(idem: &Idempotency, req: &IdempotentRequest) {
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
+}
+
+/// Asserts that `req`'s key is left `processing` for the sweeper, its error naming `why`.
+async fn left_processing(store: &Arc<dyn Store>, req: &IdempotentRequest, why: &str) {
+    let r = row(store, req.id()).await;
+    assert_eq!(r.state, KeyState::Processing, "left for the sweeper");
+    assert!(
+        r.error.as_deref().is_some_and(|e| e.contains(why)),
+        "{:?}",
+        r.error
+    );
+}
+
 fn last_event(h: &[KeyEvent]) -> &KeyEvent {
     h.last().expect("history")
 }
@@ -148,8 +166,7 @@ pub async fn crash_after_claim_before_call_is_redriven_once(store: Arc<dyn Store
     let scope = unique("crash-a");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 500), &cards);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&idem, &req).await;
     assert!(cards.effects().is_empty());
     wait_stale().await;
 
@@ -184,8 +201,7 @@ pub async fn crash_after_claim_before_call_without_keys_turns_retryable(store: A
     let scope = unique("crash-a-nokeys");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 700), &mail);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&idem, &req).await;
     wait_stale().await;
 
     let report = sweeper(&store, &mail).run_once().await.unwrap();
@@ -468,8 +484,7 @@ pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
     let scope = unique("lag");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 100), &mail);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&idem, &req).await;
     wait_stale().await;
     let sw = sweeper(&store, &mail).backoff(Duration::from_millis(10), Duration::from_millis(10));
     let first = sw.run_once().await.unwrap();
@@ -1003,8 +1018,7 @@ pub async fn takeover_answered_after_its_window_sends_nothing(store: Arc<dyn Sto
     let scope = unique("late-takeover");
     let window = Duration::from_millis(2000);
     let req = as_call(pay(&scope, "k1", 500), &cards);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&worker(&store), &req).await;
     wait_stale().await;
     // The takeover is granted inside the window, and answered after it.
     let slow: Arc<dyn Store> = Arc::new(FaultyStore::new(store.clone()).answer_claims_late(window));
@@ -1029,15 +1043,7 @@ pub async fn takeover_answered_after_its_window_sends_nothing(store: Arc<dyn Sto
             .is_some_and(|r| r.contains("retry took over"))),
         "the takeover was granted: {history:?}"
     );
-    let r = row(&store, req.id()).await;
-    assert_eq!(r.state, KeyState::Processing, "left for the sweeper");
-    assert!(
-        r.error
-            .as_deref()
-            .is_some_and(|e| e.contains("window closed")),
-        "{:?}",
-        r.error
-    );
+    left_processing(&store, &req, "window closed").await;
 }
 
 /// A provider that notes, at each call, whether the key's lease was unexpired on the database
@@ -1084,8 +1090,7 @@ pub async fn sweeper_paused_past_its_lease_renews_before_redriving(store: Arc<dy
     let cards = FakeProvider::keyed("cards", DAY);
     let scope = unique("paused-sweeper");
     let req = as_call(pay(&scope, "k1", 500), &cards);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&worker(&store), &req).await;
     wait_stale().await;
     // The renewed lease must outlast the witness's two reads on a loaded machine (a 300 ms one
     // did not); the batch still arrives after the first lease ran out.
@@ -1122,8 +1127,7 @@ pub async fn redrive_window_closing_before_the_send_sends_nothing(store: Arc<dyn
     let cards = FakeProvider::keyed("cards", Duration::from_millis(2200));
     let scope = unique("late-redrive");
     let req = as_call(pay(&scope, "k1", 500), &cards);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&worker(&store), &req).await;
     wait_stale().await;
     let slow: Arc<dyn Store> = Arc::new(
         FaultyStore::new(store.clone()).answer_mark_attempts_late(Duration::from_millis(2000)),
@@ -1136,13 +1140,5 @@ pub async fn redrive_window_closing_before_the_send_sends_nothing(store: Arc<dyn
     assert_eq!(report.redrives, 1, "planned as a re-drive: {report:?}");
     assert_eq!(report.deferred, 1, "{report:?}");
     assert_eq!(cards.calls(), 0, "nothing sent past the window");
-    let r = row(&store, req.id()).await;
-    assert_eq!(r.state, KeyState::Processing);
-    assert!(
-        r.error
-            .as_deref()
-            .is_some_and(|e| e.contains("closed before the re-drive")),
-        "{:?}",
-        r.error
-    );
+    left_processing(&store, &req, "closed before the re-drive").await;
 }
