@@ -11,8 +11,8 @@ use std::time::Duration;
 use crate::sweeper::{SweepReport, Unresolved};
 use crate::workflow::step_key;
 use crate::{
-    Error, Execution, IdempotentRequest, KeyError, KeyState, Outcome, Providers, RequestError,
-    Step, Store, StoredResponse, Sweeper,
+    Error, Execution, Idempotency, IdempotentRequest, KeyError, KeyState, Outcome, Providers,
+    RequestError, Step, Store, StoredResponse, Sweeper,
 };
 
 use super::FaultyStore;
@@ -21,6 +21,25 @@ use super::sweeper::{LEASE, cut_when, live_worker, row, wait_stale, worker};
 use super::unique;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// Runs the checkout `o1` in `scope` again with `op`: it is replayed with `earlier`'s answer.
+async fn replays<F, Fut>(idem: &Idempotency, scope: &str, op: F, earlier: &Execution)
+where
+    F: FnOnce(crate::Context) -> Fut,
+    Fut: std::future::Future<Output = Outcome>,
+{
+    let again = idem.execute(checkout(scope, "o1"), op).await.unwrap();
+    assert!(again.is_replay());
+    assert_eq!(again.response(), earlier.response());
+}
+
+/// How many times the charge step and the email step have run.
+fn counts(charges: &AtomicU32, emails: &AtomicU32) -> (u32, u32) {
+    (
+        charges.load(Ordering::SeqCst),
+        emails.load(Ordering::SeqCst),
+    )
+}
 
 /// Runs `sweeper` every 50 ms until `done` holds after a run, failing after 30 s; `done` sees
 /// each run's report.
@@ -125,23 +144,14 @@ pub async fn finished_steps_never_run_again(store: Arc<dyn Store>) {
         .execute(checkout(&scope, "o1"), run(charges.clone(), emails.clone()))
         .await;
     expect_match!(first, Err(Error::FailedRetryable { .. }));
-    assert_eq!(
-        (
-            charges.load(Ordering::SeqCst),
-            emails.load(Ordering::SeqCst)
-        ),
-        (1, 1)
-    );
+    assert_eq!(counts(&charges, &emails), (1, 1));
     let second = idem
         .execute(checkout(&scope, "o1"), run(charges.clone(), emails.clone()))
         .await
         .unwrap();
     assert!(!second.is_replay());
     assert_eq!(
-        (
-            charges.load(Ordering::SeqCst),
-            emails.load(Ordering::SeqCst)
-        ),
+        counts(&charges, &emails),
         (1, 2),
         "the finished charge step replayed; the email step ran again"
     );
@@ -150,19 +160,8 @@ pub async fn finished_steps_never_run_again(store: Arc<dyn Store>) {
         body,
         serde_json::json!({"charge": {"charge": 1}, "email": {"email": 2}})
     );
-    let third = idem
-        .execute(checkout(&scope, "o1"), run(charges.clone(), emails.clone()))
-        .await
-        .unwrap();
-    assert!(third.is_replay());
-    assert_eq!(third.response(), second.response());
-    assert_eq!(
-        (
-            charges.load(Ordering::SeqCst),
-            emails.load(Ordering::SeqCst)
-        ),
-        (1, 2)
-    );
+    replays(&idem, &scope, run(charges.clone(), emails.clone()), &second).await;
+    assert_eq!(counts(&charges, &emails), (1, 2));
 }
 
 /// Each step has its own provider key: the same on every attempt of the step, distinct from
@@ -304,19 +303,11 @@ pub async fn a_crash_after_a_step_resumes_from_the_next(store: Arc<dyn Store>) {
         .unwrap();
     assert!(matches!(retry, Execution::Executed(_)));
     assert_eq!(
-        (
-            charges.load(Ordering::SeqCst),
-            emails.load(Ordering::SeqCst)
-        ),
+        counts(&charges, &emails),
         (1, 1),
         "the charge ran once, the email once"
     );
-    let again = idem
-        .execute(checkout(&scope, "o1"), run(charges.clone(), emails.clone()))
-        .await
-        .unwrap();
-    assert!(again.is_replay());
-    assert_eq!(again.response(), retry.response());
+    replays(&idem, &scope, run(charges.clone(), emails.clone()), &retry).await;
 }
 
 /// A renamed or removed step is a typed error naming the workflow and the step; the renamed
