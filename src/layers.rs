@@ -17,6 +17,7 @@ pub(super) const LAYERS: &[(&str, &[&str])] = &[
             "provider_key",
             "error",
             "setters",
+            "debug_fields",
         ],
     ),
     ("stores and providers", &["store", "provider"]),

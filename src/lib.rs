@@ -85,6 +85,7 @@ pub mod axum;
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
 pub mod consumer;
+mod debug_fields;
 pub mod error;
 pub mod executor;
 pub mod fingerprint;

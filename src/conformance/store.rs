@@ -16,9 +16,19 @@ use std::time::Duration;
 use super::{claim_for, claimed, done, fail, id, taken, unique};
 use crate::state::Transition;
 use crate::store::{ClaimOutcome, Finish, Release, TakeStale};
-use crate::{Actor, Fingerprint, KeyState, LeaseToken, Store, StoreError, StoredResponse};
+use crate::{
+    Actor, Fingerprint, KeyId, KeyRecord, KeyState, LeaseToken, Store, StoreError, StoredResponse,
+};
 
 const LEASE: Duration = Duration::from_secs(30);
+
+/// Finishes `id` under `token` as `done` with a 201 (panics on a store error).
+async fn finished(store: &Arc<dyn Store>, id: &KeyId, token: LeaseToken) -> KeyRecord {
+    store
+        .finish(id, token, &done(StoredResponse::new(201)))
+        .await
+        .unwrap()
+}
 
 pub async fn claim_new_key_grants_first_token_and_history(store: Arc<dyn Store>) {
     let id = id(&unique("claim"), "k1");
@@ -140,10 +150,7 @@ pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>
     assert_eq!(before, after, "a fenced write must change nothing");
     assert_eq!(store.history(&id).await.unwrap().len(), 2);
     // The new holder can finish.
-    store
-        .finish(&id, second, &done(StoredResponse::new(201)))
-        .await
-        .unwrap();
+    finished(&store, &id, second).await;
 }
 
 pub async fn scopes_are_isolated(store: Arc<dyn Store>) {
@@ -438,18 +445,12 @@ pub async fn purge_deletes_only_expired_finished_keys_and_records_it(store: Arc<
         let mut c = claim_for(&id, "{}", LEASE);
         c.retention = Duration::ZERO;
         let l = claimed(&store, &c).await;
-        store
-            .finish(&id, l.token, &done(StoredResponse::new(201)))
-            .await
-            .unwrap();
+        finished(&store, &id, l.token).await;
         expired.push(id);
     }
     let kept = id(&scope, "fresh");
     let l = claimed(&store, &claim_for(&kept, "{}", LEASE)).await;
-    store
-        .finish(&kept, l.token, &done(StoredResponse::new(201)))
-        .await
-        .unwrap();
+    finished(&store, &kept, l.token).await;
     let running = id(&scope, "running");
     let mut c = claim_for(&running, "{}", Duration::ZERO);
     c.retention = Duration::ZERO;
@@ -792,10 +793,7 @@ pub async fn huge_durations_are_capped_and_read_back_sane(store: Arc<dyn Store>)
     assert_eq!(r.lease_expires_at, Some(l.expires_at));
     let extended = store.extend(&id, l.token, Duration::MAX).await.unwrap();
     assert!(extended >= l.expires_at && extended < far, "{extended}");
-    let rec = store
-        .finish(&id, l.token, &done(StoredResponse::new(201)))
-        .await
-        .unwrap();
+    let rec = finished(&store, &id, l.token).await;
     let exp = rec.expires_at.expect("expires_at");
     assert!(
         exp > now + chrono::Duration::days(365 * 99) && exp < far,
@@ -815,10 +813,7 @@ pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dy
     let read = store.get(&id).await.unwrap().unwrap();
     assert_eq!(read.lease_token, l.token);
     // The worker finishes between the operator's read and write.
-    store
-        .finish(&id, l.token, &done(StoredResponse::new(201)))
-        .await
-        .unwrap();
+    finished(&store, &id, l.token).await;
     let decision = Finish {
         to: KeyState::Failed { retryable: true },
         response: None,
@@ -878,10 +873,7 @@ pub async fn tokens_only_grow_across_purge(store: Arc<dyn Store>) {
     retry.takeover_window = Some(Duration::from_secs(3600));
     let second = claimed(&store, &retry).await;
     assert_eq!(second.token, LeaseToken(first.token.0 + 1));
-    store
-        .finish(&id, second.token, &done(StoredResponse::new(201)))
-        .await
-        .unwrap();
+    finished(&store, &id, second.token).await;
     tokio::time::sleep(Duration::from_millis(5)).await;
     while store.purge_expired(100).await.unwrap() > 0 {}
     assert!(store.get(&id).await.unwrap().is_none(), "purged");
@@ -1058,10 +1050,7 @@ pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
         (Transition::Reclaim, "pk-k1"),
         "a provider change keeps the key of the life"
     );
-    store
-        .finish(&id, l.token, &done(StoredResponse::new(201)))
-        .await
-        .unwrap();
+    finished(&store, &id, l.token).await;
     tokio::time::sleep(Duration::from_millis(5)).await;
     while store.get(&id).await.unwrap().is_some() {
         assert!(

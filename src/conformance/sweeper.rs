@@ -68,6 +68,21 @@ pub fn pay(scope: &str, key: &str, amount: u64) -> IdempotentRequest {
     .unwrap()
 }
 
+/// Calls `provider` through a live worker with `pay(scope, "k1", amount)`, its answer lost: the
+/// provider acted, the caller got an error, and the worker released the key, stale at once.
+/// Returns the worker.
+async fn lost_call(
+    store: &Arc<dyn Store>,
+    provider: &FakeProvider,
+    scope: &str,
+    amount: u64,
+) -> Idempotency {
+    provider.lose_next(1);
+    let idem = live_worker(store);
+    assert!(idem.call(pay(scope, "k1", amount), provider).await.is_err());
+    idem
+}
+
 /// The request as `Idempotency::call` would send it (provider recorded, provider key derived).
 pub fn as_call(req: IdempotentRequest, p: &FakeProvider) -> IdempotentRequest {
     use crate::Provider;
@@ -122,6 +137,24 @@ pub fn hang_after(
     }
 }
 
+/// Crash point (a): `idem` claims `req`'s key and is cut off before its call reaches the
+/// provider.
+async fn cut_before_call(idem: &Idempotency, req: &IdempotentRequest) {
+    let (at, reached) = tokio::sync::oneshot::channel();
+    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
+}
+
+/// Asserts that `req`'s key is left `processing` for the sweeper, its error naming `why`.
+async fn left_processing(store: &Arc<dyn Store>, req: &IdempotentRequest, why: &str) {
+    let r = row(store, req.id()).await;
+    assert_eq!(r.state, KeyState::Processing, "left for the sweeper");
+    assert!(
+        r.error.as_deref().is_some_and(|e| e.contains(why)),
+        "{:?}",
+        r.error
+    );
+}
+
 fn last_event(h: &[KeyEvent]) -> &KeyEvent {
     h.last().expect("history")
 }
@@ -133,8 +166,7 @@ pub async fn crash_after_claim_before_call_is_redriven_once(store: Arc<dyn Store
     let scope = unique("crash-a");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 500), &cards);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&idem, &req).await;
     assert!(cards.effects().is_empty());
     wait_stale().await;
 
@@ -169,8 +201,7 @@ pub async fn crash_after_claim_before_call_without_keys_turns_retryable(store: A
     let scope = unique("crash-a-nokeys");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 700), &mail);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&idem, &req).await;
     wait_stale().await;
 
     let report = sweeper(&store, &mail).run_once().await.unwrap();
@@ -233,12 +264,10 @@ pub async fn lost_response_is_redriven_to_the_same_charge(store: Arc<dyn Store>)
 /// Crash point (b) without keys: the lookup finds the charge.
 pub async fn lost_response_without_keys_is_found_by_lookup(store: Arc<dyn Store>) {
     let mail = FakeProvider::no_keys("mail");
-    mail.lose_next(1);
     let scope = unique("crash-b-nokeys");
     // The first call must reach the provider: a live lease (it releases the key when its
     // answer is lost, so the key is stale at once).
-    let idem = live_worker(&store);
-    assert!(idem.call(pay(&scope, "k1", 300), &*mail).await.is_err());
+    let idem = lost_call(&store, &mail, &scope, 300).await;
 
     let report = sweeper(&store, &mail).run_once().await.unwrap();
     assert_eq!((report.done, report.lookups, report.redrives), (1, 1, 0));
@@ -393,10 +422,8 @@ pub async fn zombie_worker_gets_lease_lost_and_changes_nothing(store: Arc<dyn St
 /// Past the provider's retention window the sweeper never re-drives; it looks up.
 pub async fn never_redrives_past_the_retention_window(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", Duration::from_millis(300));
-    cards.lose_next(1);
     let scope = unique("window");
-    let idem = live_worker(&store);
-    assert!(idem.call(pay(&scope, "k1", 500), &*cards).await.is_err());
+    let idem = lost_call(&store, &cards, &scope, 500).await;
     assert_eq!(cards.calls(), 1);
     tokio::time::sleep(Duration::from_millis(400)).await;
 
@@ -435,10 +462,8 @@ pub async fn never_redrives_past_the_retention_window(store: Arc<dyn Store>) {
 /// A re-drive that meets a permanent refusal replays it as `failed{permanent}`.
 pub async fn declined_charge_settles_as_permanent_failure(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", DAY);
-    cards.lose_next(1);
     let scope = unique("declined");
-    let idem = live_worker(&store);
-    assert!(idem.call(pay(&scope, "k1", 0), &*cards).await.is_err());
+    let idem = lost_call(&store, &cards, &scope, 0).await;
     let report = sweeper(&store, &cards).run_once().await.unwrap();
     assert_eq!(report.failed_permanent, 1, "{report:?}");
     let id = pay(&scope, "k1", 0).id().clone();
@@ -459,8 +484,7 @@ pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
     let scope = unique("lag");
     let idem = worker(&store);
     let req = as_call(pay(&scope, "k1", 100), &mail);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(idem.execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&idem, &req).await;
     wait_stale().await;
     let sw = sweeper(&store, &mail).backoff(Duration::from_millis(10), Duration::from_millis(10));
     let first = sw.run_once().await.unwrap();
@@ -625,11 +649,9 @@ pub async fn retryable_after_attempts_that_did_nothing_stays_retryable(store: Ar
 /// `Lookup::Unknown { retry_after }` backs off at least that long (and exponentially).
 pub async fn unknown_lookup_backs_off_honouring_retry_after(store: Arc<dyn Store>) {
     let mail = FakeProvider::no_keys("mail");
-    mail.lose_next(1);
     mail.lookup_unknown(Some(Duration::from_secs(7200)));
     let scope = unique("unknown");
-    let idem = live_worker(&store);
-    assert!(idem.call(pay(&scope, "k1", 100), &*mail).await.is_err());
+    lost_call(&store, &mail, &scope, 100).await;
     let report = sweeper(&store, &mail).run_once().await.unwrap();
     assert_eq!(report.deferred, 1);
     assert_eq!(report.unresolved[0].recheck_after_ms, Some(7_200_000));
@@ -735,11 +757,9 @@ pub async fn missing_request_is_only_looked_up(store: Arc<dyn Store>) {
 /// The loop sweeps on its interval and stops on shutdown.
 pub async fn run_loop_sweeps_until_shutdown(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", DAY);
-    cards.lose_next(1);
     let scope = unique("loop");
     // Both calls must reach the provider (each releases its key when the answer is lost).
-    let idem = live_worker(&store);
-    assert!(idem.call(pay(&scope, "k1", 100), &*cards).await.is_err());
+    let idem = lost_call(&store, &cards, &scope, 100).await;
     let sw = sweeper(&store, &cards);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let looping = {
@@ -885,10 +905,8 @@ pub async fn stuck_keys_and_expired_counts_for_operators(store: Arc<dyn Store>) 
 /// A provider that never answers does not hold the sweeper: the key is deferred.
 pub async fn hanging_provider_is_deferred_after_the_call_timeout(store: Arc<dyn Store>) {
     let cards = FakeProvider::keyed("cards", DAY);
-    cards.lose_next(1);
     let scope = unique("hang");
-    let idem = live_worker(&store);
-    assert!(idem.call(pay(&scope, "k1", 100), &*cards).await.is_err());
+    lost_call(&store, &cards, &scope, 100).await;
     cards.hang(true);
     let report = tokio::time::timeout(
         Duration::from_secs(5),
@@ -1000,8 +1018,7 @@ pub async fn takeover_answered_after_its_window_sends_nothing(store: Arc<dyn Sto
     let scope = unique("late-takeover");
     let window = Duration::from_millis(2000);
     let req = as_call(pay(&scope, "k1", 500), &cards);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&worker(&store), &req).await;
     wait_stale().await;
     // The takeover is granted inside the window, and answered after it.
     let slow: Arc<dyn Store> = Arc::new(FaultyStore::new(store.clone()).answer_claims_late(window));
@@ -1026,15 +1043,7 @@ pub async fn takeover_answered_after_its_window_sends_nothing(store: Arc<dyn Sto
             .is_some_and(|r| r.contains("retry took over"))),
         "the takeover was granted: {history:?}"
     );
-    let r = row(&store, req.id()).await;
-    assert_eq!(r.state, KeyState::Processing, "left for the sweeper");
-    assert!(
-        r.error
-            .as_deref()
-            .is_some_and(|e| e.contains("window closed")),
-        "{:?}",
-        r.error
-    );
+    left_processing(&store, &req, "window closed").await;
 }
 
 /// A provider that notes, at each call, whether the key's lease was unexpired on the database
@@ -1081,8 +1090,7 @@ pub async fn sweeper_paused_past_its_lease_renews_before_redriving(store: Arc<dy
     let cards = FakeProvider::keyed("cards", DAY);
     let scope = unique("paused-sweeper");
     let req = as_call(pay(&scope, "k1", 500), &cards);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&worker(&store), &req).await;
     wait_stale().await;
     // The renewed lease must outlast the witness's two reads on a loaded machine (a 300 ms one
     // did not); the batch still arrives after the first lease ran out.
@@ -1119,8 +1127,7 @@ pub async fn redrive_window_closing_before_the_send_sends_nothing(store: Arc<dyn
     let cards = FakeProvider::keyed("cards", Duration::from_millis(2200));
     let scope = unique("late-redrive");
     let req = as_call(pay(&scope, "k1", 500), &cards);
-    let (at, reached) = tokio::sync::oneshot::channel();
-    cut_when(worker(&store).execute(req.clone(), hang_after(at)), reached).await;
+    cut_before_call(&worker(&store), &req).await;
     wait_stale().await;
     let slow: Arc<dyn Store> = Arc::new(
         FaultyStore::new(store.clone()).answer_mark_attempts_late(Duration::from_millis(2000)),
@@ -1133,13 +1140,5 @@ pub async fn redrive_window_closing_before_the_send_sends_nothing(store: Arc<dyn
     assert_eq!(report.redrives, 1, "planned as a re-drive: {report:?}");
     assert_eq!(report.deferred, 1, "{report:?}");
     assert_eq!(cards.calls(), 0, "nothing sent past the window");
-    let r = row(&store, req.id()).await;
-    assert_eq!(r.state, KeyState::Processing);
-    assert!(
-        r.error
-            .as_deref()
-            .is_some_and(|e| e.contains("closed before the re-drive")),
-        "{:?}",
-        r.error
-    );
+    left_processing(&store, &req, "closed before the re-drive").await;
 }

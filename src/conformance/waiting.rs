@@ -44,6 +44,21 @@ struct Gated {
     open: oneshot::Sender<Outcome>,
 }
 
+impl Gated {
+    /// Lets the first request succeed with [`answer`]; its execution.
+    async fn succeed(self) -> Execution {
+        self.open.send(Outcome::Succeeded(answer())).unwrap();
+        self.first.await.unwrap().unwrap()
+    }
+}
+
+/// An executor whose duplicates wait for the first answer (up to [`BOUND`]), a new scope
+/// `unique(name)` and the count of request bodies run.
+fn waiting(store: Arc<dyn Store>, name: &str) -> (Idempotency, String, Arc<AtomicUsize>) {
+    let idem = Idempotency::new(store).wait_in_flight(Some(BOUND));
+    (idem, unique(name), Arc::new(AtomicUsize::new(0)))
+}
+
 async fn gated_first(idem: &Idempotency, scope: &str, runs: &Arc<AtomicUsize>) -> Gated {
     let (open, gate) = oneshot::channel::<Outcome>();
     let (started_tx, started) = oneshot::channel();
@@ -92,14 +107,12 @@ fn replayed(result: Result<Execution, Error>) -> StoredResponse {
 }
 
 pub async fn duplicates_wait_for_the_first_answer(store: Arc<dyn Store>) {
-    let idem = Idempotency::new(store).wait_in_flight(Some(BOUND));
-    let (scope, runs) = (unique("wait"), Arc::new(AtomicUsize::new(0)));
+    let (idem, scope, runs) = waiting(store, "wait");
     let gated = gated_first(&idem, &scope, &runs).await;
     let dups: Vec<_> = (0..20).map(|_| duplicate(&idem, &scope, &runs)).collect();
     until("20 duplicates waiting", || idem.in_flight_waiters() == 20).await;
-    gated.open.send(Outcome::Succeeded(answer())).unwrap();
-    let first = match gated.first.await.unwrap() {
-        Ok(Execution::Executed(r)) => r,
+    let first = match gated.succeed().await {
+        Execution::Executed(r) => r,
         other => panic!("the first request ran: {other:?}"),
     };
     for d in dups {
@@ -114,8 +127,7 @@ pub async fn duplicates_wait_for_the_first_answer(store: Arc<dyn Store>) {
 }
 
 pub async fn a_waiter_runs_the_request_when_the_first_did_nothing(store: Arc<dyn Store>) {
-    let idem = Idempotency::new(store).wait_in_flight(Some(BOUND));
-    let (scope, runs) = (unique("wait-retry"), Arc::new(AtomicUsize::new(0)));
+    let (idem, scope, runs) = waiting(store, "wait-retry");
     let gated = gated_first(&idem, &scope, &runs).await;
     let dup = duplicate(&idem, &scope, &runs);
     until("the duplicate waiting", || idem.in_flight_waiters() == 1).await;
@@ -138,8 +150,7 @@ pub async fn a_waiter_runs_the_request_when_the_first_did_nothing(store: Arc<dyn
 }
 
 pub async fn waiting_ends_at_its_bound_with_in_flight(store: Arc<dyn Store>) {
-    let idem = Idempotency::new(store).wait_in_flight(Some(BOUND));
-    let (scope, runs) = (unique("wait-bound"), Arc::new(AtomicUsize::new(0)));
+    let (idem, scope, runs) = waiting(store, "wait-bound");
     let gated = gated_first(&idem, &scope, &runs).await;
     let short = idem
         .clone()
@@ -156,17 +167,14 @@ pub async fn waiting_ends_at_its_bound_with_in_flight(store: Arc<dyn Store>) {
     let off = idem.clone().wait_in_flight(None);
     let dup = duplicate(&off, &scope, &runs).await.unwrap();
     assert!(matches!(dup, Err(Error::InFlight { .. })), "{dup:?}");
-    gated.open.send(Outcome::Succeeded(answer())).unwrap();
-    assert!(gated.first.await.unwrap().is_ok());
+    gated.succeed().await;
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(idem.in_flight_waiters(), 0);
 }
 
 pub async fn waiters_over_the_limit_are_refused_at_once(store: Arc<dyn Store>) {
-    let idem = Idempotency::new(store)
-        .wait_in_flight(Some(BOUND))
-        .max_in_flight_waiters(3);
-    let (scope, runs) = (unique("wait-limit"), Arc::new(AtomicUsize::new(0)));
+    let (idem, scope, runs) = waiting(store, "wait-limit");
+    let idem = idem.max_in_flight_waiters(3);
     let gated = gated_first(&idem, &scope, &runs).await;
     let dups: Vec<_> = (0..3).map(|_| duplicate(&idem, &scope, &runs)).collect();
     until("3 duplicates waiting", || idem.in_flight_waiters() == 3).await;
@@ -176,8 +184,7 @@ pub async fn waiters_over_the_limit_are_refused_at_once(store: Arc<dyn Store>) {
         .expect("the fourth is answered without waiting")
         .unwrap();
     assert!(matches!(fourth, Err(Error::InFlight { .. })), "{fourth:?}");
-    gated.open.send(Outcome::Succeeded(answer())).unwrap();
-    gated.first.await.unwrap().unwrap();
+    gated.succeed().await;
     for d in dups {
         replayed(d.await.unwrap());
     }
@@ -185,10 +192,8 @@ pub async fn waiters_over_the_limit_are_refused_at_once(store: Arc<dyn Store>) {
 }
 
 pub async fn a_waiter_whose_caller_leaves_frees_its_place(store: Arc<dyn Store>) {
-    let idem = Idempotency::new(store)
-        .wait_in_flight(Some(BOUND))
-        .max_in_flight_waiters(1);
-    let (scope, runs) = (unique("wait-leave"), Arc::new(AtomicUsize::new(0)));
+    let (idem, scope, runs) = waiting(store, "wait-leave");
+    let idem = idem.max_in_flight_waiters(1);
     let gated = gated_first(&idem, &scope, &runs).await;
     let leaving = duplicate(&idem, &scope, &runs);
     until("the duplicate waiting", || idem.in_flight_waiters() == 1).await;
@@ -202,17 +207,14 @@ pub async fn a_waiter_whose_caller_leaves_frees_its_place(store: Arc<dyn Store>)
         idem.in_flight_waiters() == 1
     })
     .await;
-    gated.open.send(Outcome::Succeeded(answer())).unwrap();
-    gated.first.await.unwrap().unwrap();
+    gated.succeed().await;
     replayed(next.await.unwrap());
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 pub async fn thousand_waiting_duplicates_run_the_body_once(store: Arc<dyn Store>) {
-    let idem = Idempotency::new(store)
-        .wait_in_flight(Some(BOUND))
-        .max_in_flight_waiters(2000);
-    let (scope, runs) = (unique("wait-1000"), Arc::new(AtomicUsize::new(0)));
+    let (idem, scope, runs) = waiting(store, "wait-1000");
+    let idem = idem.max_in_flight_waiters(2000);
     let all: Vec<_> = (0..1000)
         .map(|_| {
             let (idem, req, runs) = (idem.clone(), request(&scope), runs.clone());

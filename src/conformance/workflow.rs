@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::sweeper::Unresolved;
+use crate::sweeper::{SweepReport, Unresolved};
 use crate::workflow::step_key;
 use crate::{
-    Error, Execution, IdempotentRequest, KeyError, KeyState, Outcome, Providers, RequestError,
-    Step, Store, StoredResponse, Sweeper,
+    Error, Execution, Idempotency, IdempotentRequest, KeyError, KeyState, Outcome, Providers,
+    RequestError, Step, Store, StoredResponse, Sweeper,
 };
 
 use super::FaultyStore;
@@ -21,6 +21,46 @@ use super::sweeper::{LEASE, cut_when, live_worker, row, wait_stale, worker};
 use super::unique;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// Runs the checkout `o1` in `scope` again with `op`: it is replayed with `earlier`'s answer.
+async fn replays<F, Fut>(idem: &Idempotency, scope: &str, op: F, earlier: &Execution)
+where
+    F: FnOnce(crate::Context) -> Fut,
+    Fut: std::future::Future<Output = Outcome>,
+{
+    let again = idem.execute(checkout(scope, "o1"), op).await.unwrap();
+    assert!(again.is_replay());
+    assert_eq!(again.response(), earlier.response());
+}
+
+/// How many times the charge step and the email step have run.
+fn counts(charges: &AtomicU32, emails: &AtomicU32) -> (u32, u32) {
+    (
+        charges.load(Ordering::SeqCst),
+        emails.load(Ordering::SeqCst),
+    )
+}
+
+/// Runs `sweeper` every 50 ms until `done` holds after a run, failing after 30 s; `done` sees
+/// each run's report.
+async fn sweep_until(
+    sweeper: &Sweeper,
+    what: &str,
+    mut done: impl AsyncFnMut(&SweepReport) -> bool,
+) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let report = sweeper.run_once().await.unwrap();
+        if done(&report).await {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never {what}: {report:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
 
 fn checkout(scope: &str, key: &str) -> IdempotentRequest {
     IdempotentRequest::new(
@@ -104,23 +144,14 @@ pub async fn finished_steps_never_run_again(store: Arc<dyn Store>) {
         .execute(checkout(&scope, "o1"), run(charges.clone(), emails.clone()))
         .await;
     expect_match!(first, Err(Error::FailedRetryable { .. }));
-    assert_eq!(
-        (
-            charges.load(Ordering::SeqCst),
-            emails.load(Ordering::SeqCst)
-        ),
-        (1, 1)
-    );
+    assert_eq!(counts(&charges, &emails), (1, 1));
     let second = idem
         .execute(checkout(&scope, "o1"), run(charges.clone(), emails.clone()))
         .await
         .unwrap();
     assert!(!second.is_replay());
     assert_eq!(
-        (
-            charges.load(Ordering::SeqCst),
-            emails.load(Ordering::SeqCst)
-        ),
+        counts(&charges, &emails),
         (1, 2),
         "the finished charge step replayed; the email step ran again"
     );
@@ -129,19 +160,8 @@ pub async fn finished_steps_never_run_again(store: Arc<dyn Store>) {
         body,
         serde_json::json!({"charge": {"charge": 1}, "email": {"email": 2}})
     );
-    let third = idem
-        .execute(checkout(&scope, "o1"), run(charges.clone(), emails.clone()))
-        .await
-        .unwrap();
-    assert!(third.is_replay());
-    assert_eq!(third.response(), second.response());
-    assert_eq!(
-        (
-            charges.load(Ordering::SeqCst),
-            emails.load(Ordering::SeqCst)
-        ),
-        (1, 2)
-    );
+    replays(&idem, &scope, run(charges.clone(), emails.clone()), &second).await;
+    assert_eq!(counts(&charges, &emails), (1, 2));
 }
 
 /// Each step has its own provider key: the same on every attempt of the step, distinct from
@@ -283,19 +303,11 @@ pub async fn a_crash_after_a_step_resumes_from_the_next(store: Arc<dyn Store>) {
         .unwrap();
     assert!(matches!(retry, Execution::Executed(_)));
     assert_eq!(
-        (
-            charges.load(Ordering::SeqCst),
-            emails.load(Ordering::SeqCst)
-        ),
+        counts(&charges, &emails),
         (1, 1),
         "the charge ran once, the email once"
     );
-    let again = idem
-        .execute(checkout(&scope, "o1"), run(charges.clone(), emails.clone()))
-        .await
-        .unwrap();
-    assert!(again.is_replay());
-    assert_eq!(again.response(), retry.response());
+    replays(&idem, &scope, run(charges.clone(), emails.clone()), &retry).await;
 }
 
 /// A renamed or removed step is a typed error naming the workflow and the step; the renamed
@@ -465,23 +477,14 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     );
     // Until it is reported (a key re-leased by a late renewal is simply waited for).
     let mut waiting = 0;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let report = cli.run_once().await.unwrap();
+    sweep_until(&cli, "reported waiting", async |report| {
         waiting += report.waiting_for_resumer;
-        if report
+        report
             .unresolved
             .iter()
             .any(|u| u.kind == Unresolved::WaitingForResumer)
-        {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never reported waiting: {report:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
     assert_eq!(waiting, 1, "the workflow is reported waiting for a resumer");
     assert!(is_waiting_for_resumer(&store, &id).await, "and counted so");
     assert_eq!(row(&store, &step_key(&id, 0)).await.state, KeyState::Done);
@@ -500,19 +503,11 @@ pub async fn sweeper_settles_steps_then_resumes_the_workflow(store: Arc<dyn Stor
     )
     .resumer("checkout", live_worker(&slow), op.clone());
     let mut resumed = 0;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let report = app.run_once().await.unwrap();
+    sweep_until(&app, "finished", async |report| {
         resumed += report.resumed;
-        if row(&store, &id).await.state == KeyState::Done {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never finished (resumed {resumed} times): {report:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        row(&store, &id).await.state == KeyState::Done
+    })
+    .await;
     assert_eq!(resumed, 1, "the workflow is resumed once");
     let r = row(&store, &id).await;
     assert_eq!(r.state, KeyState::Done);

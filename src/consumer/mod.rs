@@ -1178,6 +1178,25 @@ mod tests {
         Arc::new(store)
     }
 
+    /// An executor on a [`memory_store`] with a 200 ms lease, whose retries may take over an
+    /// expired lease within `window`.
+    #[cfg(feature = "sqlite")]
+    async fn short_lease(window: Duration) -> Idempotency {
+        Idempotency::new(memory_store().await)
+            .lease(Duration::from_millis(200))
+            .retry_takeover_window(Some(window))
+    }
+
+    /// Handles `message` once (its outcome left unknown), then again once the 200 ms lease has
+    /// run out, as the broker redelivers it; the redelivery's disposition.
+    #[cfg(feature = "sqlite")]
+    async fn redelivered(consumer: &Consumer, message: impl Fn() -> Message) -> Disposition {
+        let first = consumer.handle(message()).await;
+        assert!(left_unknown(&first), "{first:?}");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        consumer.handle(message()).await
+    }
+
     #[cfg(feature = "sqlite")]
     #[tokio::test]
     async fn a_redelivery_never_takes_over_a_run_whose_provider_does_not_dedupe() {
@@ -1185,9 +1204,7 @@ mod tests {
         // An executor that lets a retry take over an expired lease within an hour (set for
         // another provider, say): the consumer's provider does not dedupe, so its rules cap
         // that at none, as `Idempotency::call` does.
-        let idem = Idempotency::new(memory_store().await)
-            .lease(Duration::from_millis(200))
-            .retry_takeover_window(Some(Duration::from_secs(3600)));
+        let idem = short_lease(Duration::from_secs(3600)).await;
         let runs = Arc::new(AtomicUsize::new(0));
         let handler = counted(runs.clone(), |_| {
             Outcome::unknown("the email went out; its answer was lost")
@@ -1201,12 +1218,7 @@ mod tests {
         });
         let consumer = Consumer::new(idem, Scope::new("queue:mail").unwrap(), handler)
             .provider(Arc::new(keyless));
-        let message = || Message::new("{}").with_message_id("m-1");
-        let first = consumer.handle(message()).await;
-        assert!(left_unknown(&first), "{first:?}");
-        // The lease runs out; the broker redelivers.
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        let again = consumer.handle(message()).await;
+        let again = redelivered(&consumer, || Message::new("{}").with_message_id("m-1")).await;
         assert_eq!(
             runs.load(Ordering::SeqCst),
             1,
@@ -1221,9 +1233,7 @@ mod tests {
     #[cfg(feature = "sqlite")]
     #[tokio::test]
     async fn a_refused_resend_after_a_takeover_is_not_the_messages_answer() {
-        let idem = Idempotency::new(memory_store().await)
-            .lease(Duration::from_millis(200))
-            .retry_takeover_window(Some(Duration::from_secs(600)));
+        let idem = short_lease(Duration::from_secs(600)).await;
         // It dedupes by key for an hour: the first send acts and its answer is lost; a re-send
         // of the same key is refused without saying anything of the first (a fraud rule
         // declining what looks like a duplicate charge).
@@ -1251,13 +1261,10 @@ mod tests {
         };
         let consumer = Consumer::new(idem.clone(), Scope::new("queue:pay").unwrap(), handler)
             .provider(provider.clone());
+        // The redelivery takes the key over inside the provider's window and sends again,
+        // which the provider refuses.
         let message = || Message::new(r#"{"amount": 5}"#).with_message_id("m-1");
-        let first = consumer.handle(message()).await;
-        assert!(left_unknown(&first), "{first:?}");
-        // The lease runs out; the redelivery takes the key over inside the provider's window
-        // and sends again, which the provider refuses.
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        let again = consumer.handle(message()).await;
+        let again = redelivered(&consumer, message).await;
         assert_eq!(
             provider.sent().len(),
             2,

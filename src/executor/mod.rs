@@ -4,7 +4,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tracing::{Instrument, info_span};
+use tracing::Instrument;
 
 use crate::error::{Error, RequestError, StoreError};
 use crate::provider_key;
@@ -30,6 +30,21 @@ pub use request::IdempotentRequest;
 pub(crate) use request::StepOf;
 pub(crate) use request::validate_operation;
 use settle::{Settle, settle};
+
+/// The span of one key's run, named `$name`: the key's scope and key (from the `KeyId` `$id`),
+/// its operation under the field `$field`, and the outcome, recorded when known.
+macro_rules! key_span {
+    ($name:literal, $id:expr, $field:ident = $operation:expr) => {
+        tracing::info_span!(
+            $name,
+            scope = %$id.scope,
+            key = %$id.key,
+            $field = %$operation,
+            outcome = tracing::field::Empty,
+        )
+    };
+}
+pub(crate) use key_span;
 
 /// The settings of an [`Idempotency`] executor, as read back with [`Idempotency::config`].
 ///
@@ -330,16 +345,13 @@ impl Idempotency {
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Outcome>,
     {
-        let span = info_span!(
+        let span = key_span!(
             "idemflow.execute",
-            scope = %request.id.scope,
-            key = %request.id.key,
-            operation = %request.operation,
-            outcome = tracing::field::Empty,
+            request.id,
+            operation = request.operation
         );
         let operation = request.operation.clone();
-        let started = std::time::Instant::now();
-        let result = async {
+        measured(&operation, span, async {
             let cfg = &*self.config;
             if request.canonical.len() > cfg.max_request_bytes {
                 return Err(RequestError::RequestTooLarge {
@@ -391,11 +403,8 @@ impl Idempotency {
             crate::telemetry::claim(&request.operation, lease.transition);
             let (_, stored) = self.run_claimed(request, lease, asked, op).await?;
             Ok(Execution::Executed(stored))
-        }
-        .instrument(span)
-        .await;
-        record_result(&operation, &result, started.elapsed());
-        result
+        })
+        .await
     }
 
     pub(crate) fn new_claim(&self, request: &IdempotentRequest) -> NewClaim {
@@ -470,114 +479,102 @@ impl Idempotency {
         Fut: Future<Output = Outcome>,
     {
         let id = request.id.clone();
-        let result = self.run_and_store(request, lease, asked, op).await;
+        let result = async {
+            let cfg = &*self.config;
+            let request_operation = request.operation.clone();
+            let window = self.takeover_window(&request);
+            let held_until = heartbeat::held_from(asked, cfg.lease);
+            let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
+            // A workflow key runs with the state the workflow layer keeps for it (`hook.rs`).
+            let run = if request.is_workflow() {
+                Some(
+                    crate::WORKFLOW_RUNS
+                        .begin(hook::RunStart {
+                            executor: self,
+                            id: &id,
+                            lease: &lease,
+                            asked,
+                            window,
+                        })
+                        .await?,
+                )
+            } else {
+                None
+            };
+            let ctx = Context {
+                id: id.clone(),
+                provider_key: lease.provider_key.clone(),
+                token: lease.token,
+                attempt: lease.attempts,
+                may_have_acted: lease.may_have_acted,
+                lease: watch,
+                send_by: if lease.transition == crate::state::Transition::Takeover {
+                    window_closes(&lease, cfg.lease, window, asked)
+                } else {
+                    None
+                },
+                request: request.canonical,
+                run: run.clone(),
+            };
+            // The lease is renewed while the operation runs (same task, stops with it).
+            let renew = heartbeat::renew(&*self.store, &id, lease.token, cfg.lease, &held);
+            let outcome = heartbeat::alongside(op(ctx), renew).await;
+            if let Some(run) = &run
+                && let Some(e) = run.after(self, &id, &outcome).await?
+            {
+                tracing::Span::current().record("outcome", "workflow_changed");
+                let release = Release {
+                    actor: Actor::Worker,
+                    reason: "the workflow's code changed; left for an operator".to_owned(),
+                    error: Some(e.to_string()),
+                    recheck_after: None,
+                };
+                self.store.release(&id, lease.token, &release).await?;
+                return Err(e);
+            }
+            crate::telemetry::outcome(
+                &request_operation,
+                match &outcome {
+                    Outcome::Succeeded(_) => "succeeded",
+                    Outcome::Rejected(_) => "rejected",
+                    Outcome::Retryable { .. } => "retryable",
+                    Outcome::Unknown { .. } => "unknown",
+                },
+            );
+            let (to, resp) = match settle(outcome, lease.may_have_acted) {
+                Settle::Store { to, response } => (to, response),
+                Settle::Retryable { error } => {
+                    tracing::Span::current().record("outcome", "retryable");
+                    let why = "the provider surely did nothing; a retry runs it again";
+                    return Err(fail_retryable(&*self.store, &id, lease.token, error, why).await);
+                }
+                Settle::Release {
+                    reason,
+                    error,
+                    told,
+                } => {
+                    tracing::Span::current().record("outcome", "unknown");
+                    let release = Release {
+                        actor: Actor::Worker,
+                        reason: reason.to_owned(),
+                        error: Some(error),
+                        recheck_after: None,
+                    };
+                    self.store.release(&id, lease.token, &release).await?;
+                    return Err(Error::OutcomeUnknown {
+                        key: id.clone(),
+                        reason: told,
+                        retry_after: cfg.unknown_retry_after,
+                    });
+                }
+            };
+            self.store_answer(&id, lease.token, to, resp).await
+        }
+        .await;
         // Whatever was written (an answer, a failure, a release), this process's duplicates
         // waiting on the key read it now.
         wait::wake(&self.store, &id);
         result
-    }
-
-    async fn run_and_store<F, Fut>(
-        &self,
-        request: IdempotentRequest,
-        lease: Lease,
-        asked: tokio::time::Instant,
-        op: F,
-    ) -> Result<(KeyState, StoredResponse), Error>
-    where
-        F: FnOnce(Context) -> Fut,
-        Fut: Future<Output = Outcome>,
-    {
-        let cfg = &*self.config;
-        let id = request.id.clone();
-        let request_operation = request.operation.clone();
-        let window = self.takeover_window(&request);
-        let held_until = heartbeat::held_from(asked, cfg.lease);
-        let (held, watch) = heartbeat::LeaseWatch::new(lease.expires_at, held_until);
-        // A workflow key runs with the state the workflow layer keeps for it (`hook.rs`).
-        let run = if request.is_workflow() {
-            Some(
-                crate::WORKFLOW_RUNS
-                    .begin(hook::RunStart {
-                        executor: self,
-                        id: &id,
-                        lease: &lease,
-                        asked,
-                        window,
-                    })
-                    .await?,
-            )
-        } else {
-            None
-        };
-        let ctx = Context {
-            id: id.clone(),
-            provider_key: lease.provider_key.clone(),
-            token: lease.token,
-            attempt: lease.attempts,
-            may_have_acted: lease.may_have_acted,
-            lease: watch,
-            send_by: if lease.transition == crate::state::Transition::Takeover {
-                window_closes(&lease, cfg.lease, window, asked)
-            } else {
-                None
-            },
-            request: request.canonical,
-            run: run.clone(),
-        };
-        // The lease is renewed while the operation runs (same task, stops with it).
-        let renew = heartbeat::renew(&*self.store, &id, lease.token, cfg.lease, &held);
-        let outcome = heartbeat::alongside(op(ctx), renew).await;
-        if let Some(run) = &run
-            && let Some(e) = run.after(self, &id, &outcome).await?
-        {
-            tracing::Span::current().record("outcome", "workflow_changed");
-            let release = Release {
-                actor: Actor::Worker,
-                reason: "the workflow's code changed; left for an operator".to_owned(),
-                error: Some(e.to_string()),
-                recheck_after: None,
-            };
-            self.store.release(&id, lease.token, &release).await?;
-            return Err(e);
-        }
-        crate::telemetry::outcome(
-            &request_operation,
-            match &outcome {
-                Outcome::Succeeded(_) => "succeeded",
-                Outcome::Rejected(_) => "rejected",
-                Outcome::Retryable { .. } => "retryable",
-                Outcome::Unknown { .. } => "unknown",
-            },
-        );
-        let (to, resp) = match settle(outcome, lease.may_have_acted) {
-            Settle::Store { to, response } => (to, response),
-            Settle::Retryable { error } => {
-                tracing::Span::current().record("outcome", "retryable");
-                let why = "the provider surely did nothing; a retry runs it again";
-                return Err(fail_retryable(&*self.store, &id, lease.token, error, why).await);
-            }
-            Settle::Release {
-                reason,
-                error,
-                told,
-            } => {
-                tracing::Span::current().record("outcome", "unknown");
-                let release = Release {
-                    actor: Actor::Worker,
-                    reason: reason.to_owned(),
-                    error: Some(error),
-                    recheck_after: None,
-                };
-                self.store.release(&id, lease.token, &release).await?;
-                return Err(Error::OutcomeUnknown {
-                    key: id.clone(),
-                    reason: told,
-                    retry_after: cfg.unknown_retry_after,
-                });
-            }
-        };
-        self.store_answer(&id, lease.token, to, resp).await
     }
 
     /// Stores an operation's answer (`done` or `failed{permanent}`) after the header filter,
@@ -780,6 +777,19 @@ pub(crate) fn window_closes(
 }
 
 /// The counters of one `execute` (`crate::telemetry`): what the caller was told.
+/// Runs one request's `work` in `span`, and records its result and how long it took under
+/// `operation` ([`record_result`]).
+pub(crate) async fn measured(
+    operation: &str,
+    span: tracing::Span,
+    work: impl Future<Output = Result<Execution, Error>>,
+) -> Result<Execution, Error> {
+    let started = std::time::Instant::now();
+    let result = work.instrument(span).await;
+    record_result(operation, &result, started.elapsed());
+    result
+}
+
 pub(crate) fn record_result(operation: &str, result: &Result<Execution, Error>, took: Duration) {
     use crate::telemetry as t;
     match result {

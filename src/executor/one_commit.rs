@@ -2,9 +2,7 @@
 //! `Context::atomic_step` (a workflow step's key) claim the key, run the application's writes and
 //! store their answer in one database transaction (`docs/one-commit.md`).
 
-use tracing::{Instrument, info_span};
-
-use super::{Idempotency, IdempotentRequest, record_result};
+use super::{Idempotency, IdempotentRequest, key_span, measured};
 use crate::error::{Error, RequestError};
 use crate::executor::Execution;
 use crate::store::phase::{AtomicPhase, OneCommit, PhaseError, Prepare};
@@ -63,21 +61,13 @@ impl Idempotency {
         request: IdempotentRequest,
         phase: impl AtomicPhase + 'static,
     ) -> Result<Execution, Error> {
-        let span = info_span!(
+        let span = key_span!(
             "idemflow.execute_atomic",
-            scope = %request.id.scope,
-            key = %request.id.key,
-            operation = %request.operation,
-            outcome = tracing::field::Empty,
+            request.id,
+            operation = request.operation
         );
         let operation = request.operation.clone();
-        let started = std::time::Instant::now();
-        let result = self
-            .one_commit(request, Box::new(phase))
-            .instrument(span)
-            .await;
-        record_result(&operation, &result, started.elapsed());
-        result
+        measured(&operation, span, self.one_commit(request, Box::new(phase))).await
     }
 
     async fn one_commit(

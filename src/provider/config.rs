@@ -45,37 +45,17 @@ pub struct ProviderConfig {
     pub api_version: Option<String>,
 }
 
-impl std::fmt::Debug for ProviderConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let Self {
-            name,
-            kind,
-            base_url,
-            api_key_env,
-            search_lag,
-            redrive_margin,
-            retention,
-            processing_window,
-            api_version,
-        } = self;
-        f.debug_struct("ProviderConfig")
-            .field("name", name)
-            .field("kind", kind)
-            .field(
-                "base_url",
-                &base_url
-                    .as_deref()
-                    .map(crate::store::connect_error::RedactedUrl),
-            )
-            .field("api_key_env", api_key_env)
-            .field("search_lag", search_lag)
-            .field("redrive_margin", redrive_margin)
-            .field("retention", retention)
-            .field("processing_window", processing_window)
-            .field("api_version", api_version)
-            .finish()
-    }
-}
+crate::debug_fields::debug_fields!(ProviderConfig {
+    name,
+    kind,
+    base_url => base_url.as_deref().map(crate::store::connect_error::RedactedUrl),
+    api_key_env,
+    search_lag,
+    redrive_margin,
+    retention,
+    processing_window,
+    api_version,
+});
 
 mod opt_secs {
     use std::time::Duration;

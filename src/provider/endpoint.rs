@@ -8,8 +8,10 @@
 //! use [`MetadataSearch`](super::search::MetadataSearch).
 
 use std::fmt;
+use std::future::Future;
 
 use super::CallReply;
+use super::spans;
 use super::http::{ApiKey, Classified, HttpClient, HttpConfig, HttpError, HttpReply, RetryUnknown};
 use crate::store::connect_error::RedactedUrl;
 
@@ -38,29 +40,15 @@ pub struct Endpoint {
     http: HttpClient,
 }
 
-impl fmt::Debug for Endpoint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let Self {
-            name,
-            base_url,
-            auth,
-            key,
-            headers,
-            set,
-            http,
-        } = self;
-        let set: Vec<&str> = set.iter().map(|(name, _)| *name).collect();
-        f.debug_struct("Endpoint")
-            .field("name", name)
-            .field("base_url", &RedactedUrl(base_url))
-            .field("auth", auth)
-            .field("key", key)
-            .field("headers", headers)
-            .field("set", &set)
-            .field("http", http)
-            .finish()
-    }
-}
+crate::debug_fields::debug_fields!(Endpoint {
+    name,
+    base_url => RedactedUrl(base_url),
+    auth,
+    key,
+    headers,
+    set => set.iter().map(|(name, _)| *name).collect::<Vec<&str>>(),
+    http,
+});
 
 /// A call's answer in a log line: its kind and status, never the provider's body or headers,
 /// which may hold a secret the adapter masks only when the answer is stored (Stripe's
@@ -84,6 +72,17 @@ impl fmt::Display for Logged<'_> {
 }
 
 impl Endpoint {
+    /// Runs `work`, the adapter's `method` for `provider_key`, inside the method's span under
+    /// this endpoint's name ([`spans`](super::spans)).
+    pub(crate) async fn traced<T>(
+        &self,
+        method: spans::Method,
+        provider_key: &str,
+        work: impl Future<Output = T>,
+    ) -> T {
+        spans::traced(method, &self.name, provider_key, work).await
+    }
+
     /// An endpoint named `name` at `base_url` (checked and normalised by
     /// [`base_url`](super::http::base_url)), with the key `key` sent as `auth` says and the
     /// default [`HttpConfig`].

@@ -30,6 +30,7 @@ use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::answers::{Answers, refused_unsent};
 use super::http::{Classified, HttpReply, RetryUnknown};
 use super::search::MetadataSearch;
+use super::spans::Method;
 use super::{Attempts, CallReply, KeySpec, Lookup, Provider};
 use crate::{Outcome, StoredResponse};
 
@@ -140,23 +141,22 @@ impl Provider for Postmark {
     }
 
     async fn send(&self, provider_key: &str, request: &Value) -> CallReply {
-        let span = crate::provider::spans::call(self.endpoint.name(), provider_key);
-        tracing::Instrument::instrument(async move {
-        let body = match Self::body(provider_key, request) {
-            Ok(b) => b,
-            Err(detail) => {
-                return refused_unsent(422, &json!({"ErrorCode": 300, "Message": detail}));
-            }
-        };
-        self.endpoint
-            .send(
-                RetryUnknown::Never,
-                "/email",
-                |req| req.json(&body),
-                Self::classify,
-            )
-            .await
-    }, span)
+        self.endpoint.traced(Method::Call, provider_key, async move {
+            let body = match Self::body(provider_key, request) {
+                Ok(b) => b,
+                Err(detail) => {
+                    return refused_unsent(422, &json!({"ErrorCode": 300, "Message": detail}));
+                }
+            };
+            self.endpoint
+                .send(
+                    RetryUnknown::Never,
+                    "/email",
+                    |req| req.json(&body),
+                    Self::classify,
+                )
+                .await
+        })
         .await
     }
 
@@ -167,23 +167,22 @@ impl Provider for Postmark {
         attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
-        let span = crate::provider::spans::lookup(self.endpoint.name(), provider_key);
-        tracing::Instrument::instrument(async move {
-        let param = format!("metadata_{METADATA_KEY}");
-        MetadataSearch {
-            path: "/messages/outbound",
-            query: &[
-                ("count", "10"),
-                ("offset", "0"),
-                (param.as_str(), provider_key),
-            ],
-            results: "Messages",
-            search_lag: self.search_lag,
-            retention: Some(MESSAGE_RETENTION),
-        }
-        .run(&self.endpoint, attempts, now, Self::found)
-        .await
-    }, span)
+        self.endpoint.traced(Method::Lookup, provider_key, async move {
+            let param = format!("metadata_{METADATA_KEY}");
+            MetadataSearch {
+                path: "/messages/outbound",
+                query: &[
+                    ("count", "10"),
+                    ("offset", "0"),
+                    (param.as_str(), provider_key),
+                ],
+                results: "Messages",
+                search_lag: self.search_lag,
+                retention: Some(MESSAGE_RETENTION),
+            }
+            .run(&self.endpoint, attempts, now, Self::found)
+            .await
+        })
         .await
     }
 }

@@ -139,19 +139,18 @@ macro_rules! same_key_provider {
                 provider_key: &str,
                 request: &serde_json::Value,
             ) -> $crate::provider::CallReply {
-        let span = crate::provider::spans::call(self.endpoint.name(), provider_key);
-        tracing::Instrument::instrument(async move {
-                self.endpoint
-                    .send(
-                        $crate::provider::http::RetryUnknown::SameKeyReplays,
-                        $path,
-                        |req| req.header($key_header, provider_key).json(request),
-                        Self::classify,
-                    )
-                    .await
-            }, span)
-        .await
-    }
+                self.endpoint.traced($crate::provider::spans::Method::Call, provider_key, async move {
+                    self.endpoint
+                        .send(
+                            $crate::provider::http::RetryUnknown::SameKeyReplays,
+                            $path,
+                            |req| req.header($key_header, provider_key).json(request),
+                            Self::classify,
+                        )
+                        .await
+                })
+                .await
+            }
 
             async fn lookup(
                 &self,
@@ -160,18 +159,17 @@ macro_rules! same_key_provider {
                 attempts: $crate::provider::Attempts,
                 now: chrono::DateTime<chrono::Utc>,
             ) -> $crate::provider::Lookup {
-        let span = crate::provider::spans::lookup(self.endpoint.name(), provider_key);
-        tracing::Instrument::instrument(async move {
-                $crate::provider::replay::ReplayLookup {
-                    provider: $label,
-                    window: self.key_window(),
-                    margin: self.redrive_margin,
-                }
-                .run(request, attempts, now, self.send(provider_key, request))
+                self.endpoint.traced($crate::provider::spans::Method::Lookup, provider_key, async move {
+                    $crate::provider::replay::ReplayLookup {
+                        provider: $label,
+                        window: self.key_window(),
+                        margin: self.redrive_margin,
+                    }
+                    .run(request, attempts, now, self.send(provider_key, request))
+                    .await
+                })
                 .await
-            }, span)
-        .await
-    }
+            }
         }
     };
 }

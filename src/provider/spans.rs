@@ -1,15 +1,30 @@
 //! The spans of the provider adapters' calls: one name and one set of fields each.
 
-use tracing::{Span, info_span};
+use std::future::Future;
 
-pub(crate) fn call(provider: &str, provider_key: &str) -> Span {
-    info_span!("idemflow.provider.call", provider, provider_key)
+use tracing::{Instrument, info_span};
+
+/// The adapter method a span is of.
+#[derive(Clone, Copy)]
+pub(crate) enum Method {
+    Call,
+    Lookup,
+    VoidByKey,
 }
 
-pub(crate) fn lookup(provider: &str, provider_key: &str) -> Span {
-    info_span!("idemflow.provider.lookup", provider, provider_key)
-}
-
-pub(crate) fn void_by_key(provider: &str, provider_key: &str) -> Span {
-    info_span!("idemflow.provider.void_by_key", provider, provider_key)
+/// Runs `work` (the adapter's `method` for `provider_key`) inside the method's span.
+pub(crate) async fn traced<T>(
+    method: Method,
+    provider: &str,
+    provider_key: &str,
+    work: impl Future<Output = T>,
+) -> T {
+    let span = match method {
+        Method::Call => info_span!("idemflow.provider.call", provider, provider_key),
+        Method::Lookup => info_span!("idemflow.provider.lookup", provider, provider_key),
+        Method::VoidByKey => {
+            info_span!("idemflow.provider.void_by_key", provider, provider_key)
+        }
+    };
+    work.instrument(span).await
 }

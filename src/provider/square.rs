@@ -51,6 +51,7 @@ use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::answers::{Answers, refused_unsent};
 use super::http::{Classified, HttpReply, RetryUnknown};
 use super::replay::answer_of_resend;
+use super::spans::Method;
 use super::{Attempts, CallReply, KeySpec, Lookup, Provider, VoidReply};
 
 /// Square's API base (production; the sandbox is `https://connect.squareupsandbox.com`).
@@ -183,25 +184,24 @@ impl Provider for Square {
     }
 
     async fn send(&self, provider_key: &str, request: &Value) -> CallReply {
-        let span = crate::provider::spans::call(self.endpoint.name(), provider_key);
-        tracing::Instrument::instrument(async move {
-        let body = match Self::body(provider_key, request) {
-            Ok(b) => b,
-            Err(detail) => {
-                let error = json!({"category": "INVALID_REQUEST_ERROR",
-                                   "code": "BAD_REQUEST", "detail": detail});
-                return refused_unsent(400, &json!({ "errors": [error] }));
-            }
-        };
-        self.endpoint
-            .send(
-                RetryUnknown::SameKeyReplays,
-                PAYMENTS_PATH,
-                |req| req.json(&body),
-                Self::classify,
-            )
-            .await
-    }, span)
+        self.endpoint.traced(Method::Call, provider_key, async move {
+            let body = match Self::body(provider_key, request) {
+                Ok(b) => b,
+                Err(detail) => {
+                    let error = json!({"category": "INVALID_REQUEST_ERROR",
+                                       "code": "BAD_REQUEST", "detail": detail});
+                    return refused_unsent(400, &json!({ "errors": [error] }));
+                }
+            };
+            self.endpoint
+                .send(
+                    RetryUnknown::SameKeyReplays,
+                    PAYMENTS_PATH,
+                    |req| req.json(&body),
+                    Self::classify,
+                )
+                .await
+        })
         .await
     }
 
@@ -210,25 +210,24 @@ impl Provider for Square {
     }
 
     async fn void_by_key(&self, provider_key: &str, request: &Value) -> VoidReply {
-        let span = crate::provider::spans::void_by_key(self.endpoint.name(), provider_key);
-        tracing::Instrument::instrument(async move {
-        if request.get("autocomplete") == Some(&Value::Bool(false)) {
-            // A delayed capture: voiding would destroy the authorisation under a key Square
-            // keeps; a same-key re-send finds it instead.
-            return VoidReply::Unsupported;
-        }
-        let req = self
-            .endpoint
-            .request(reqwest::Method::POST, CANCEL_BY_KEY_PATH)
-            .json(&json!({ "idempotency_key": provider_key }));
-        match self.endpoint.http().send_once(req).await {
-            Ok(reply) => Self::classify_void(&reply),
-            Err(outcome) => VoidReply::Unknown {
-                reason: format!("the void did not get an answer: {outcome:?}"),
-                retry_after: None,
-            },
-        }
-    }, span)
+        self.endpoint.traced(Method::VoidByKey, provider_key, async move {
+            if request.get("autocomplete") == Some(&Value::Bool(false)) {
+                // A delayed capture: voiding would destroy the authorisation under a key Square
+                // keeps; a same-key re-send finds it instead.
+                return VoidReply::Unsupported;
+            }
+            let req = self
+                .endpoint
+                .request(reqwest::Method::POST, CANCEL_BY_KEY_PATH)
+                .json(&json!({ "idempotency_key": provider_key }));
+            match self.endpoint.http().send_once(req).await {
+                Ok(reply) => Self::classify_void(&reply),
+                Err(outcome) => VoidReply::Unknown {
+                    reason: format!("the void did not get an answer: {outcome:?}"),
+                    retry_after: None,
+                },
+            }
+        })
         .await
     }
 
@@ -239,15 +238,14 @@ impl Provider for Square {
         _attempts: Attempts,
         _now: DateTime<Utc>,
     ) -> Lookup {
-        let span = crate::provider::spans::lookup(self.endpoint.name(), provider_key);
-        tracing::Instrument::instrument(async move {
-        if request.is_null() {
-            return Lookup::NeedsOperator {
-                reason: "the request was not stored, so it cannot be re-sent, and Square cannot be searched by our key".to_owned(),
-            };
-        }
-        answer_of_resend("Square", self.send(provider_key, request).await)
-    }, span)
+        self.endpoint.traced(Method::Lookup, provider_key, async move {
+            if request.is_null() {
+                return Lookup::NeedsOperator {
+                    reason: "the request was not stored, so it cannot be re-sent, and Square cannot be searched by our key".to_owned(),
+                };
+            }
+            answer_of_resend("Square", self.send(provider_key, request).await)
+        })
         .await
     }
 }

@@ -59,6 +59,7 @@ use super::endpoint::{Auth, Endpoint, http_adapter};
 use super::answers::{Answers, refused_unsent};
 use super::http::{Classified, HttpReply, RetryUnknown, classify_status};
 use super::search::MetadataSearch;
+use super::spans::Method;
 use super::{Attempts, CallReply, KeySpec, Lookup, Provider};
 use crate::{Outcome, StoredResponse};
 
@@ -526,38 +527,37 @@ impl Provider for Stripe {
     }
 
     async fn send(&self, provider_key: &str, request: &Value) -> CallReply {
-        let span = crate::provider::spans::call(self.endpoint.name(), provider_key);
-        tracing::Instrument::instrument(async move {
-        let built = match self.operation {
-            StripeOperation::CreatePayment => Self::form_fields(provider_key, request)
-                .map(|fields| ("/v1/payment_intents".to_owned(), fields)),
-            StripeOperation::Capture => capture::form(request),
-            StripeOperation::Refund => refund::form(provider_key, request),
-        };
-        let (path, fields) = match built {
-            Ok(f) => f,
-            Err(detail) => {
-                let error = json!({"type": "idemflow_invalid_request", "message": detail});
-                return refused_unsent(400, &json!({ "error": error }));
-            }
-        };
-        // Checked by `form_fields` above.
-        let account = Self::account(request).ok().flatten();
-        self.endpoint
-            .send(
-                RetryUnknown::SameKeyReplays,
-                &path,
-                |req| {
-                    let req = req.header("Idempotency-Key", provider_key).form(&fields);
-                    match account {
-                        Some(acct) => req.header("Stripe-Account", acct),
-                        None => req,
-                    }
-                },
-                Self::classify,
-            )
-            .await
-    }, span)
+        self.endpoint.traced(Method::Call, provider_key, async move {
+            let built = match self.operation {
+                StripeOperation::CreatePayment => Self::form_fields(provider_key, request)
+                    .map(|fields| ("/v1/payment_intents".to_owned(), fields)),
+                StripeOperation::Capture => capture::form(request),
+                StripeOperation::Refund => refund::form(provider_key, request),
+            };
+            let (path, fields) = match built {
+                Ok(f) => f,
+                Err(detail) => {
+                    let error = json!({"type": "idemflow_invalid_request", "message": detail});
+                    return refused_unsent(400, &json!({ "error": error }));
+                }
+            };
+            // Checked by `form_fields` above.
+            let account = Self::account(request).ok().flatten();
+            self.endpoint
+                .send(
+                    RetryUnknown::SameKeyReplays,
+                    &path,
+                    |req| {
+                        let req = req.header("Idempotency-Key", provider_key).form(&fields);
+                        match account {
+                            Some(acct) => req.header("Stripe-Account", acct),
+                            None => req,
+                        }
+                    },
+                    Self::classify,
+                )
+                .await
+        })
         .await
     }
 
@@ -568,53 +568,52 @@ impl Provider for Stripe {
         attempts: Attempts,
         now: DateTime<Utc>,
     ) -> Lookup {
-        let span = crate::provider::spans::lookup(self.endpoint.name(), provider_key);
-        tracing::Instrument::instrument(async move {
-        // A request that could not name its account was never sent: nothing to find.
-        let Ok(account) = Self::account(request) else {
-            return Lookup::NotFound {
-                authoritative: true,
+        self.endpoint.traced(Method::Lookup, provider_key, async move {
+            // A request that could not name its account was never sent: nothing to find.
+            let Ok(account) = Self::account(request) else {
+                return Lookup::NotFound {
+                    authoritative: true,
+                };
             };
-        };
-        match self.operation {
-            StripeOperation::CreatePayment => {}
-            StripeOperation::Capture => {
-                return capture::lookup(self, request, account, attempts, now).await;
+            match self.operation {
+                StripeOperation::CreatePayment => {}
+                StripeOperation::Capture => {
+                    return capture::lookup(self, request, account, attempts, now).await;
+                }
+                StripeOperation::Refund => {
+                    return refund::lookup(self, provider_key, request, account, attempts, now).await;
+                }
             }
-            StripeOperation::Refund => {
-                return refund::lookup(self, provider_key, request, account, attempts, now).await;
+            let query = Self::search_query(provider_key);
+            let found = MetadataSearch {
+                path: "/v1/payment_intents/search",
+                query: &[("query", query.as_str()), ("limit", "10")],
+                results: "data",
+                search_lag: self.search_lag,
+                retention: None,
             }
-        }
-        let query = Self::search_query(provider_key);
-        let found = MetadataSearch {
-            path: "/v1/payment_intents/search",
-            query: &[("query", query.as_str()), ("limit", "10")],
-            results: "data",
-            search_lag: self.search_lag,
-            retention: None,
-        }
-        .run_as(
-            &self.endpoint,
-            account.map(|acct| ("Stripe-Account", acct)),
-            attempts,
-            now,
-            Self::payment_intent_outcome,
-        )
-        .await;
-        match found {
-            // Without the request, the connected account it may have named is unknown: the
-            // platform's search proves nothing absent there.
-            Lookup::NotFound { .. } if request.is_null() => Lookup::NeedsOperator {
-                reason: format!(
-                    "the request was not stored, so the connected account it may have named \
-                     ({ACCOUNT_FIELD}) is unknown, and the platform account holds no \
-                     PaymentIntent with metadata {METADATA_KEY}={provider_key}; an operator \
-                     must check the connected accounts"
-                ),
-            },
-            found => found,
-        }
-    }, span)
+            .run_as(
+                &self.endpoint,
+                account.map(|acct| ("Stripe-Account", acct)),
+                attempts,
+                now,
+                Self::payment_intent_outcome,
+            )
+            .await;
+            match found {
+                // Without the request, the connected account it may have named is unknown: the
+                // platform's search proves nothing absent there.
+                Lookup::NotFound { .. } if request.is_null() => Lookup::NeedsOperator {
+                    reason: format!(
+                        "the request was not stored, so the connected account it may have named \
+                         ({ACCOUNT_FIELD}) is unknown, and the platform account holds no \
+                         PaymentIntent with metadata {METADATA_KEY}={provider_key}; an operator \
+                         must check the connected accounts"
+                    ),
+                },
+                found => found,
+            }
+        })
         .await
     }
 }

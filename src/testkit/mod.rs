@@ -618,6 +618,13 @@ impl Delivery {
     }
 }
 
+/// A metadata member as [`Effect::metadata_key`] holds it: its text, when it is a string.
+fn metadata_text(member: Option<&serde_json::Value>) -> Option<String> {
+    member
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_owned)
+}
+
 /// The request body as a JSON object, if it is one.
 fn json_object(body: &[u8]) -> Option<serde_json::Value> {
     serde_json::from_slice(body)

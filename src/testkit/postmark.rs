@@ -11,8 +11,10 @@ use serde_json::{Value, json};
 
 use super::server::{EffectRequest, FakeApi, Received, Shared, fake_handle};
 use super::{
-    Effect, Searchable, header_value, json_object, json_response, query_pairs, raw_response,
+    Effect, Searchable, header_value, json_object, json_response, metadata_text, query_pairs,
+    raw_response,
 };
+use crate::provider::postmark::METADATA_KEY;
 
 fake_handle! {
     /// An in-process Postmark look-alike (see the [module docs](super)). It has no idempotency:
@@ -82,10 +84,7 @@ async fn send(State(s): State<Arc<Shared<PostmarkState>>>, request: EffectReques
             id: id.clone(),
             kind: "email",
             idempotency_key: None,
-            metadata_key: metadata
-                .get(crate::provider::postmark::METADATA_KEY)
-                .and_then(Value::as_str)
-                .map(str::to_owned),
+            metadata_key: metadata_text(metadata.get(METADATA_KEY)),
             status: "sent".to_owned(),
             request: email.clone(),
         });

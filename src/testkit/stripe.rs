@@ -200,6 +200,51 @@ async fn posted(s: &Shared<StripeState>, request: EffectRequest) -> Result<Poste
     })
 }
 
+/// What a POST's work reads: its form fields, the key it came with and its connected account.
+struct Form {
+    fields: Vec<(String, String)>,
+    key: Option<String>,
+    account: Option<String>,
+}
+
+impl Posted {
+    /// Refuses the POST before anything is saved under its key (validation, as at Stripe).
+    fn refuse(self, s: &Shared<StripeState>, refusal: Response) -> Response {
+        s.keys.refuse(self.keyed.slot.as_deref(), refusal)
+    }
+
+    /// Runs the POST's `work` (which answers a status and a JSON body), saves the answer under
+    /// the key and delivers it as the queued fault says.
+    async fn run(
+        self,
+        s: &Arc<Shared<StripeState>>,
+        work: impl FnOnce(&Shared<StripeState>, u64, Form) -> (u16, Value) + Send + 'static,
+    ) -> Response {
+        let Posted {
+            fields,
+            params,
+            keyed: Keyed { key, slot, account },
+            delivery,
+        } = self;
+        let form = Form {
+            fields,
+            key,
+            account,
+        };
+        let exec = s.execute(move |s, n| {
+            let (code, body) = work(s, n, form);
+            let bytes = serde_json::to_vec(&body).unwrap_or_default();
+            s.keys.save(slot, params, code, &bytes);
+            (code, bytes, n)
+        });
+        let Some((code, bytes, n)) = exec.await else {
+            return stripe_error(500, json!({"type": "api_error", "message": "fake failed"}));
+        };
+        let r = raw_response(code, bytes, &[("request-id", format!("req_fake_{n:06}"))]);
+        delivery.deliver(r).await
+    }
+}
+
 /// `item` as the fake holds it: with the connected account it was made on, if any.
 fn with_account(mut item: Value, account: Option<&str>) -> Value {
     if let (Some(acct), Value::Object(m)) = (account, &mut item) {
@@ -226,27 +271,22 @@ fn on_account(item: &Value, account: Option<&str>) -> bool {
 }
 
 async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectRequest) -> Response {
-    let Posted {
-        fields,
-        params,
-        keyed: Keyed { key, slot, account },
-        delivery,
-    } = match posted(&s, request).await {
+    let post = match posted(&s, request).await {
         Ok(p) => p,
         Err(r) => return r,
     };
 
     // Validation: not saved, as at Stripe.
-    if let Some(param) = missing_param(&fields) {
+    if let Some(param) = missing_param(&post.fields) {
         let refusal = stripe_error(
             400,
             json!({"type": "invalid_request_error", "code": "parameter_missing", "param": param,
                    "message": format!("Missing or invalid required param: {param}.")}),
         );
-        return s.keys.refuse(slot.as_deref(), refusal);
+        return post.refuse(&s, refusal);
     }
 
-    run_keyed(&s, slot, params, delivery, move |s, n| {
+    post.run(&s, move |s, n, Form { fields, key, account }| {
         let get = |name: &str| field(&fields, name);
         let (metadata, request) = metadata_and_request(&fields, account.as_deref());
         let declined = get("payment_method").as_deref() == Some(FakeStripe::DECLINED_CARD);
@@ -289,10 +329,7 @@ async fn create(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
             id: id.clone(),
             kind: "payment_intent",
             idempotency_key: key,
-            metadata_key: metadata
-                .get(crate::provider::stripe::METADATA_KEY)
-                .and_then(Value::as_str)
-                .map(str::to_owned),
+            metadata_key: super::metadata_text(metadata.get(crate::provider::stripe::METADATA_KEY)),
             status: status.to_owned(),
             request: Value::Object(request),
         });
@@ -402,43 +439,16 @@ fn no_such(kind: &str, id: &str) -> (u16, Value) {
     )
 }
 
-/// Runs a keyed effect request's `work` (which answers a status and a JSON body), saves the
-/// answer under the key and delivers it as the queued fault says.
-async fn run_keyed(
-    s: &Arc<Shared<StripeState>>,
-    slot: Option<String>,
-    params: String,
-    delivery: super::Delivery,
-    work: impl FnOnce(&Shared<StripeState>, u64) -> (u16, Value) + Send + 'static,
-) -> Response {
-    let exec = s.execute(move |s, n| {
-        let (code, body) = work(s, n);
-        let bytes = serde_json::to_vec(&body).unwrap_or_default();
-        s.keys.save(slot, params, code, &bytes);
-        (code, bytes, n)
-    });
-    let Some((code, bytes, n)) = exec.await else {
-        return stripe_error(500, json!({"type": "api_error", "message": "fake failed"}));
-    };
-    let r = raw_response(code, bytes, &[("request-id", format!("req_fake_{n:06}"))]);
-    delivery.deliver(r).await
-}
-
 async fn capture(
     State(s): State<Arc<Shared<StripeState>>>,
     Path(id): Path<String>,
     request: EffectRequest,
 ) -> Response {
-    let Posted {
-        fields,
-        params,
-        keyed: Keyed { key, slot, account },
-        delivery,
-    } = match posted(&s, request).await {
+    let post = match posted(&s, request).await {
         Ok(p) => p,
         Err(r) => return r,
     };
-    run_keyed(&s, slot, params, delivery, move |s, _| {
+    post.run(&s, move |s, _, Form { fields, key, account }| {
         let (_, request) = metadata_and_request(&fields, account.as_deref());
         let wanted = field(&fields, "amount_to_capture").map(|a| a.parse::<u64>());
         let captured = s.intents.update(
@@ -521,25 +531,20 @@ fn refunded_payment(pairs: &[(String, String)]) -> Option<(&'static str, String)
 }
 
 async fn refund(State(s): State<Arc<Shared<StripeState>>>, request: EffectRequest) -> Response {
-    let Posted {
-        fields,
-        params,
-        keyed: Keyed { key, slot, account },
-        delivery,
-    } = match posted(&s, request).await {
+    let post = match posted(&s, request).await {
         Ok(p) => p,
         Err(r) => return r,
     };
     // Validation: not saved, as at Stripe.
-    let Some((by, payment)) = refunded_payment(&fields) else {
+    let Some((by, payment)) = refunded_payment(&post.fields) else {
         let refusal = stripe_error(
             400,
             json!({"type": "invalid_request_error", "code": "parameter_missing",
                    "message": "One of the following params should be provided for this request: payment_intent or charge."}),
         );
-        return s.keys.refuse(slot.as_deref(), refusal);
+        return post.refuse(&s, refusal);
     };
-    run_keyed(&s, slot, params, delivery, move |s, n| {
+    post.run(&s, move |s, n, Form { fields, key, account }| {
         let (metadata, request) = metadata_and_request(&fields, account.as_deref());
         let Some(pi) = held_payment(s, by, &payment, account.as_deref()) else {
             return no_such(by, &payment);
@@ -592,10 +597,7 @@ async fn refund(State(s): State<Arc<Shared<StripeState>>>, request: EffectReques
             id,
             kind: "refund",
             idempotency_key: key,
-            metadata_key: metadata
-                .get(crate::provider::stripe::METADATA_KEY)
-                .and_then(Value::as_str)
-                .map(str::to_owned),
+            metadata_key: super::metadata_text(metadata.get(crate::provider::stripe::METADATA_KEY)),
             status: "succeeded".to_owned(),
             request: Value::Object(request),
         });

@@ -105,22 +105,12 @@ pub struct WebhookSender {
     client: reqwest::Client,
 }
 
-impl std::fmt::Debug for WebhookSender {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let Self {
-            url,
-            secrets,
-            clock_offset,
-            client,
-        } = self;
-        f.debug_struct("WebhookSender")
-            .field("url", &crate::store::connect_error::RedactedUrl(url))
-            .field("secrets", &secrets.len())
-            .field("clock_offset", clock_offset)
-            .field("client", client)
-            .finish()
-    }
-}
+crate::debug_fields::debug_fields!(WebhookSender {
+    url => crate::store::connect_error::RedactedUrl(url),
+    secrets => secrets.len(),
+    clock_offset,
+    client,
+});
 
 impl WebhookSender {
     /// A sender to `url` signing with `secret`.

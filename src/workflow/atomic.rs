@@ -22,10 +22,8 @@
 //! by earlier versions, which claimed the step in a transaction of its own, are made
 //! `failed{retryable}` by the sweeper once their lease ran out.)
 
-use tracing::{Instrument, info_span};
-
 use crate::error::Error;
-use crate::executor::{Context, Execution};
+use crate::executor::{Context, Execution, key_span, measured};
 use crate::store::phase::AtomicPhase;
 
 use super::Step;
@@ -49,20 +47,9 @@ impl Context {
         let (wf, of) = self.workflow_for_step(&step, None)?;
         let executor = wf.executor.clone();
         let request = Self::step_request(step, of);
-        let span = info_span!(
-            "idemflow.atomic_step",
-            scope = %request.id.scope,
-            key = %request.id.key,
-            step = %request.operation,
-            outcome = tracing::field::Empty,
-        );
+        let span = key_span!("idemflow.atomic_step", request.id, step = request.operation);
         let operation = request.operation.clone();
-        let started = std::time::Instant::now();
-        let result = executor
-            .commit_once(request, Box::new(phase))
-            .instrument(span)
-            .await;
-        crate::executor::record_result(&operation, &result, started.elapsed());
-        wf.note(result)
+        let work = executor.commit_once(request, Box::new(phase));
+        wf.note(measured(&operation, span, work).await)
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::time::Instant;
-use tracing::{Instrument, info_span};
+use tracing::Instrument;
 
 use super::{Resume, Workflow, step_key, stored_step_window};
 use crate::error::Error;
@@ -106,13 +106,7 @@ pub(crate) async fn resume(
         .store()
         .extend(&id, record.lease_token, executor.config().lease)
         .await?;
-    let span = info_span!(
-        "idemflow.resume",
-        scope = %id.scope,
-        key = %id.key,
-        operation = %record.operation,
-        outcome = tracing::field::Empty,
-    );
+    let span = crate::executor::key_span!("idemflow.resume", id, operation = record.operation);
     let Some(canonical) = record.request.clone() else {
         return Err(Error::NoStoredResponse {
             key: id.clone(),

@@ -17,7 +17,7 @@ use idemflow::{IdempotencyKey, KeyId, KeyState, Scope, StoreError, StoredRespons
 use serde_json::{Value, json};
 
 use crate::args::{Cli, Command, PurgeArgs, ReconcileArgs, ResolveArgs, StatsArgs};
-use crate::config::{self, connect_store};
+use crate::config::{self, SweeperSection, connect_store};
 
 /// How a successful command ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,16 +127,14 @@ async fn reconcile(cli: &Cli, url: &str, args: &ReconcileArgs) -> anyhow::Result
         serve_metrics(addr)?;
     }
     let store = connect_store(url, false).await?;
-    let mut sweeper = file.sweeper.apply(Sweeper::new(store.clone(), providers));
-    if let Some(b) = args.batch {
-        sweeper = sweeper.batch_size(b);
-    }
-    if let Some(m) = args.max_keys {
-        sweeper = sweeper.max_keys_per_run(m);
-    }
-    if let Some(o) = &args.owner {
-        sweeper = sweeper.owner(o.clone());
-    }
+    // The flags override the file's [sweeper] section.
+    let section = SweeperSection {
+        batch_size: args.batch.or(file.sweeper.batch_size),
+        max_keys_per_run: args.max_keys.or(file.sweeper.max_keys_per_run),
+        owner: args.owner.clone().or(file.sweeper.owner),
+        ..file.sweeper
+    };
+    let sweeper = section.apply(Sweeper::new(store.clone(), providers));
     match args.every {
         None => {
             let started = Instant::now();
