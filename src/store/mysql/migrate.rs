@@ -44,7 +44,10 @@ pub(super) async fn run(pool: &MySqlPool) -> Result<(), StoreError> {
             .map_err(failed)?;
         // Each unless it is there (`IF NOT EXISTS`); they name the tables, so they come after.
         for text in procedures::PROCEDURES {
-            sqlx::raw_sql(text).execute(&mut *conn).await.map_err(failed)?;
+            sqlx::raw_sql(text)
+                .execute(&mut *conn)
+                .await
+                .map_err(failed)?;
         }
         Ok(())
     }

@@ -28,7 +28,9 @@ mod tests {
     /// The name a procedure file creates, and the name a `CALL` file calls.
     fn name_after<'a>(text: &'a str, prefix: &str) -> &'a str {
         let start = text.find(prefix).expect("the prefix is in the text") + prefix.len();
-        let len = text[start..].find('(').expect("a parameter list follows the name");
+        let len = text[start..]
+            .find('(')
+            .expect("a parameter list follows the name");
         &text[start..start + len]
     }
 
@@ -42,7 +44,11 @@ mod tests {
 
     #[test]
     fn each_call_names_the_procedure_its_file_creates_with_as_many_parameters() {
-        let calls = [super::super::sql::CLAIM, super::super::sql::FINISH, super::super::sql::EXTEND];
+        let calls = [
+            super::super::sql::CLAIM,
+            super::super::sql::FINISH,
+            super::super::sql::EXTEND,
+        ];
         for (call, text) in calls.into_iter().zip(PROCEDURES) {
             assert_eq!(name_after(call, "CALL "), name_after(text, CREATE));
             let declared = text.matches("\n    IN p_").count();
