@@ -9,7 +9,6 @@
 
 use std::time::Duration;
 
-use sqlx::migrate::Migrator;
 use sqlx::{ColumnIndex, Database, Encode, Executor, FromRow, IntoArguments, Pool, Type};
 
 use super::kit::FinishMode;
@@ -283,11 +282,13 @@ macro_rules! sql_operator_store {
 pub(crate) use sql_operator_store;
 
 /// Runs a SQL backend's migrations on `pool` (SQLite: the writer's, as the readers are
-/// read-only), recorded in the backend's own migrations table.
+/// read-only), recorded in the backend's own migrations table. MariaDB's `migrate` is its own
+/// (`store::mysql::migrate`: a lock sqlx's does not give there, and the procedures).
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) async fn migrate<DB>(
     backend: &'static str,
     pool: &Pool<DB>,
-    migrator: Migrator,
+    migrator: sqlx::migrate::Migrator,
 ) -> Result<(), StoreError>
 where
     DB: Database,
