@@ -776,7 +776,6 @@ pub(crate) fn window_closes(
     asked.checked_add(left)
 }
 
-/// The counters of one `execute` (`crate::telemetry`): what the caller was told.
 /// Runs one request's `work` in `span`, and records its result and how long it took under
 /// `operation` ([`record_result`]).
 pub(crate) async fn measured(
@@ -790,6 +789,7 @@ pub(crate) async fn measured(
     result
 }
 
+/// The counters of one `execute` (`crate::telemetry`): what the caller was told.
 pub(crate) fn record_result(operation: &str, result: &Result<Execution, Error>, took: Duration) {
     use crate::telemetry as t;
     match result {
