@@ -44,6 +44,7 @@
 //!
 //! [`FaultyStore`]: super::FaultyStore
 
+use crate::store::FinishMode;
 use std::fmt::Debug;
 use std::time::Duration;
 
@@ -81,13 +82,13 @@ pub trait Delegate: Debug + Send + Sync + 'static {
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         self.inner().claim(claim).await
     }
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
+        mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        self.inner().finish(id, token, finish).await
+        self.inner().finish_as(id, mode, finish).await
     }
     async fn release(&self, id: &KeyId, token: LeaseToken, r: &Release) -> Result<(), StoreError> {
         self.inner().release(id, token, r).await
@@ -130,17 +131,6 @@ pub trait Delegate: Debug + Send + Sync + 'static {
     async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
         self.inner().stuck(older_than, limit).await
     }
-    async fn override_finish(&self, id: &KeyId, f: &Finish) -> Result<KeyRecord, StoreError> {
-        self.inner().override_finish(id, f).await
-    }
-    async fn override_finish_if(
-        &self,
-        id: &KeyId,
-        expected: LeaseToken,
-        f: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        self.inner().override_finish_if(id, expected, f).await
-    }
 }
 
 #[async_trait]
@@ -160,13 +150,13 @@ impl<D: Delegate> Store for D {
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError> {
         Delegate::claim(self, claim).await
     }
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
+        mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        Delegate::finish(self, id, token, finish).await
+        Delegate::finish_as(self, id, mode, finish).await
     }
     async fn release(&self, id: &KeyId, token: LeaseToken, r: &Release) -> Result<(), StoreError> {
         Delegate::release(self, id, token, r).await
@@ -216,16 +206,5 @@ impl<D: Delegate> OperatorStore for D {
     }
     async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError> {
         Delegate::stuck(self, older_than, limit).await
-    }
-    async fn override_finish(&self, id: &KeyId, f: &Finish) -> Result<KeyRecord, StoreError> {
-        Delegate::override_finish(self, id, f).await
-    }
-    async fn override_finish_if(
-        &self,
-        id: &KeyId,
-        expected: LeaseToken,
-        f: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        Delegate::override_finish_if(self, id, expected, f).await
     }
 }

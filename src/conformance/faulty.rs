@@ -1,6 +1,7 @@
 //! [`FaultyStore`]: a store with injected faults, for the sweeper suite and for tests of a
 //! store's recovery.
 
+use crate::store::FinishMode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -86,10 +87,10 @@ impl Delegate for FaultyStore {
         tokio::time::sleep(self.late_claims).await;
         r
     }
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
+        mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
         if finish.actor == Actor::Worker
@@ -103,7 +104,7 @@ impl Delegate for FaultyStore {
                 "injected: connection lost while completing",
             ));
         }
-        self.inner.finish(id, token, finish).await
+        self.inner.finish_as(id, mode, finish).await
     }
     async fn mark_attempt(&self, id: &KeyId, token: LeaseToken) -> Result<(), StoreError> {
         let r = self.inner.mark_attempt(id, token).await;

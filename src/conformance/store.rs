@@ -9,6 +9,7 @@
 // Each suite function's name is the promise it checks.
 #![allow(missing_docs)]
 
+use crate::store::FinishMode;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -492,7 +493,10 @@ pub async fn operator_override_fences_running_workers(store: Arc<dyn Store>) {
         actor: Actor::Operator,
         reason: "checked the dashboard".into(),
     };
-    let r = store.override_finish(&id, &decision).await.unwrap();
+    let r = store
+        .finish_as(&id, FinishMode::Override, &decision)
+        .await
+        .unwrap();
     assert_eq!(r.state, KeyState::Failed { retryable: true });
     assert!(r.lease_token > l.token);
     assert!(matches!(
@@ -509,7 +513,9 @@ pub async fn operator_override_fences_running_workers(store: Arc<dyn Store>) {
     );
     let missing = crate::conformance::id(&unique("override"), "none");
     assert!(matches!(
-        store.override_finish(&missing, &decision).await,
+        store
+            .finish_as(&missing, FinishMode::Override, &decision)
+            .await,
         Err(StoreError::NotFound { .. })
     ));
 }
@@ -805,8 +811,8 @@ pub async fn huge_durations_are_capped_and_read_back_sane(store: Arc<dyn Store>)
 }
 
 /// An operator's conditional write (`idemflow resolve` without `--force`): it reads the key,
-/// then writes with [`OperatorStore::override_finish_if`](crate::store::OperatorStore::override_finish_if) on the token it read. A worker that finished in between keeps
-/// its result: the write is `LeaseLost` and changes nothing. A takeover in between too.
+/// then writes with [`FinishMode::OverrideIf`] on the token it read. A worker that finished in
+/// between keeps its result: the write is `LeaseLost` and changes nothing. A takeover in between too.
 pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dyn Store>) {
     let id = id(&unique("cas"), "k1");
     let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
@@ -822,7 +828,7 @@ pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dy
         reason: "checked the dashboard".into(),
     };
     let err = store
-        .override_finish_if(&id, read.lease_token, &decision)
+        .finish_as(&id, FinishMode::OverrideIf(read.lease_token), &decision)
         .await
         .unwrap_err();
     assert!(
@@ -848,12 +854,14 @@ pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dy
     let taken = claimed(&store, &retry).await;
     assert!(taken.token > l2.token);
     assert!(matches!(
-        store.override_finish_if(&id2, l2.token, &decision).await,
+        store
+            .finish_as(&id2, FinishMode::OverrideIf(l2.token), &decision)
+            .await,
         Err(StoreError::LeaseLost { .. })
     ));
     // With the token still current, the operator's write goes through and fences the worker.
     let r = store
-        .override_finish_if(&id2, taken.token, &decision)
+        .finish_as(&id2, FinishMode::OverrideIf(taken.token), &decision)
         .await
         .unwrap();
     assert_eq!(r.state, KeyState::Failed { retryable: true });

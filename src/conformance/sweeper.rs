@@ -8,6 +8,7 @@
 // Each suite function's name is the promise it checks.
 #![allow(missing_docs)]
 
+use crate::store::FinishMode;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -702,8 +703,9 @@ pub async fn unregistered_or_missing_provider_needs_an_operator(store: Arc<dyn S
 
     // An operator decides by hand; the decision is recorded.
     let decided = store
-        .override_finish(
+        .finish_as(
             ghost.id(),
+            FinishMode::Override,
             &Finish {
                 to: KeyState::Failed { retryable: true },
                 response: None,

@@ -2,13 +2,13 @@
 //! [`Store`], [`SweeperStore`] and [`OperatorStore`] the same way. A store of your own can use
 //! them too (`docs/writing-a-store.md`); nothing here is needed to *use* a store.
 //!
-//! - [`FinishMode`]: which of the three finish writes is asked for, with [`check_finish`] to
-//!   check it against the state machine;
+//! - [`check_finish`]: a [`FinishMode`] checked against the state machine;
 //! - [`fenced_write`] and [`refused_write`]: the error for a write that changed nothing;
 //! - [`claimable`]: whether a claim may change an existing row;
 //! - [`millis`] and [`capped`]: the one cap on every duration a store keeps;
 //! - [`RawRecord`] and [`RawEvent`]: rows as plain column values, checked into typed records.
 //!
+//! [`FinishMode`]: super::FinishMode
 //! [`SweeperStore`]: super::SweeperStore
 //! [`OperatorStore`]: super::OperatorStore
 
@@ -16,56 +16,13 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use super::{NewClaim, Store};
+use super::{FinishMode, NewClaim, Store};
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyRecord, LeaseToken};
 use crate::state::{KeyState, Transition};
 
 pub use super::rows::{RawEvent, RawRecord};
-
-/// Which finish write is asked for: the lease holder's ([`Store::finish`]) or an operator's
-/// ([`OperatorStore::override_finish`], [`OperatorStore::override_finish_if`]). A backend
-/// usually writes one statement for all three, with [`holder`](Self::holder) and
-/// [`expected`](Self::expected) as its two token parameters.
-///
-/// [`OperatorStore::override_finish`]: super::OperatorStore::override_finish
-/// [`OperatorStore::override_finish_if`]: super::OperatorStore::override_finish_if
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishMode {
-    /// The lease holder finishes: only while the key is processing under this token.
-    Holder(LeaseToken),
-    /// An operator's override from any state; it also moves the token on, fencing out any
-    /// worker still running.
-    Override,
-    /// An operator's override that holds only while the key is still processing under this
-    /// token (the lease the operator read): a compare-and-set.
-    OverrideIf(LeaseToken),
-}
-
-impl FinishMode {
-    /// The holder's token (the fence of a holder's write), if this is one.
-    pub fn holder(self) -> Option<LeaseToken> {
-        match self {
-            Self::Holder(t) => Some(t),
-            Self::Override | Self::OverrideIf(_) => None,
-        }
-    }
-
-    /// The token a compare-and-set override expects, if this is one.
-    pub fn expected(self) -> Option<LeaseToken> {
-        match self {
-            Self::OverrideIf(t) => Some(t),
-            Self::Holder(_) | Self::Override => None,
-        }
-    }
-
-    /// The token the write presented, for [`refused_write`]: `None` for an unconditional
-    /// override.
-    pub fn presented(self) -> Option<LeaseToken> {
-        self.holder().or(self.expected())
-    }
-}
 
 /// The result of a fenced write that should have changed exactly one row: `Ok` when it did,
 /// else the [`refused_write`] error for the row as it is now.

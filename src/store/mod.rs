@@ -144,8 +144,7 @@ pub enum ClaimOutcome {
     },
 }
 
-/// A final write by the lease holder ([`Store::finish`]) or an operator
-/// ([`OperatorStore::override_finish`]).
+/// A final write by the lease holder or an operator ([`Store::finish_as`]).
 #[derive(Debug, Clone)]
 pub struct Finish {
     /// `Done` or `Failed { .. }`.
@@ -173,6 +172,46 @@ impl Finish {
 /// A response as the columns that store it: status, headers (a JSON array of pairs), body.
 pub(crate) fn response_columns(r: &StoredResponse) -> (i32, String, &[u8]) {
     (i32::from(r.status()), r.headers_json(), r.body())
+}
+
+/// Which finish write [`Store::finish_as`] is asked for: the lease holder's, or one of an
+/// operator's two overrides. A backend usually writes one statement for all three, with
+/// [`holder`](Self::holder) and [`expected`](Self::expected) as its two token parameters
+/// (`kit::check_finish` checks the mode against the state machine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishMode {
+    /// The lease holder finishes: only while the key is processing under this token.
+    Holder(LeaseToken),
+    /// An operator's override from any state; it also moves the token on, fencing out any
+    /// worker still running.
+    Override,
+    /// An operator's override that holds only while the key is still processing under this
+    /// token (the lease the operator read): a compare-and-set.
+    OverrideIf(LeaseToken),
+}
+
+impl FinishMode {
+    /// The holder's token (the fence of a holder's write), if this is one.
+    pub fn holder(self) -> Option<LeaseToken> {
+        match self {
+            Self::Holder(t) => Some(t),
+            Self::Override | Self::OverrideIf(_) => None,
+        }
+    }
+
+    /// The token a compare-and-set override expects, if this is one.
+    pub fn expected(self) -> Option<LeaseToken> {
+        match self {
+            Self::OverrideIf(t) => Some(t),
+            Self::Holder(_) | Self::Override => None,
+        }
+    }
+
+    /// The token the write presented, for [`refused_write`]: `None` for an unconditional
+    /// override.
+    pub fn presented(self) -> Option<LeaseToken> {
+        self.holder().or(self.expected())
+    }
 }
 
 /// Giving a lease back while the key stays processing (outcome unknown, or a deferred check).
@@ -263,14 +302,32 @@ pub trait Store: SweeperStore + OperatorStore + Debug + Send + Sync + 'static {
     /// expired processing key with the same fingerprint; otherwise returns the row as it is.
     async fn claim(&self, claim: &NewClaim) -> Result<ClaimOutcome, StoreError>;
 
-    /// Finishes a key held under `token`: only while the key is processing under that token,
-    /// else [`StoreError::LeaseLost`] (or [`StoreError::NotFound`]) and nothing changes.
+    /// Finishes a key, as `mode` allows ([`FinishMode`]): the lease holder's finish, only while
+    /// the key is processing under its token; an operator's override from any state, which moves
+    /// the token on so that any worker still running is fenced out; or an operator's
+    /// compare-and-set, only while the key is still processing under the token the operator read.
+    /// A refused write changes nothing: [`StoreError::LeaseLost`] (or [`StoreError::NotFound`]
+    /// when the key is gone). A worker that finished before an operator's compare-and-set keeps
+    /// its answer.
+    ///
+    /// This is the one finish a store writes; [`finish`](Store::finish) is the holder's case.
+    async fn finish_as(
+        &self,
+        id: &KeyId,
+        mode: FinishMode,
+        finish: &Finish,
+    ) -> Result<KeyRecord, StoreError>;
+
+    /// The lease holder's finish: [`finish_as`](Store::finish_as) with
+    /// [`FinishMode::Holder`]`(token)`.
     async fn finish(
         &self,
         id: &KeyId,
         token: LeaseToken,
         finish: &Finish,
-    ) -> Result<KeyRecord, StoreError>;
+    ) -> Result<KeyRecord, StoreError> {
+        self.finish_as(id, FinishMode::Holder(token), finish).await
+    }
 
     /// Gives the lease back early; the key stays processing for the sweeper. A release by a
     /// worker ([`Actor::Worker`]: the outcome of its attempt is unknown) also sets
@@ -340,7 +397,7 @@ pub trait SweeperStore: Send + Sync {
 }
 
 /// The operator's part of the store contract ([`Store`]): reads for `idemflow` commands and
-/// alerts, and the overrides of `idemflow resolve`.
+/// alerts (`idemflow resolve` writes through [`Store::finish_as`]).
 #[async_trait]
 pub trait OperatorStore: Send + Sync {
     /// The key's history, oldest first (kept after the key is purged).
@@ -352,23 +409,6 @@ pub trait OperatorStore: Send + Sync {
     /// Processing keys first claimed at least `older_than` ago (database clock): their count and
     /// the oldest `limit` of them, oldest first, for operators' alerts.
     async fn stuck(&self, older_than: Duration, limit: u32) -> Result<Stuck, StoreError>;
-
-    /// An operator's override: finishes the key from any state (`--force`), and moves its token
-    /// on so that any worker still running is fenced out. [`StoreError::NotFound`] when the key
-    /// is gone.
-    async fn override_finish(&self, id: &KeyId, finish: &Finish) -> Result<KeyRecord, StoreError>;
-
-    /// An operator's compare-and-set override: as
-    /// [`override_finish`](OperatorStore::override_finish), but only while the key is still
-    /// processing under `expected` (the lease the operator read), else
-    /// [`StoreError::LeaseLost`] and nothing changes. A worker that finished in between keeps
-    /// its answer.
-    async fn override_finish_if(
-        &self,
-        id: &KeyId,
-        expected: LeaseToken,
-        finish: &Finish,
-    ) -> Result<KeyRecord, StoreError>;
 }
 
 /// Checks that a claim statement spells exactly the reasons of [`Transition::CLAIM_REASONS`]:

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use sqlx::{ColumnIndex, Database, Encode, Executor, FromRow, IntoArguments, Pool, Type};
 
-use super::kit::FinishMode;
+use super::FinishMode;
 use super::rows::{
     Plain, SqlRow, decode_event, decode_history_columns, decode_record, decode_stats,
 };
@@ -233,8 +233,7 @@ where
 }
 
 /// The [`OperatorStore`](crate::store::OperatorStore) impl of a SQL store, written once: the
-/// reads go through the store's `fn core(&self) -> SqlCore<'_, DB>`, the two overrides through
-/// its `async fn finish_as(&self, &KeyId, FinishMode, &Finish)`.
+/// reads go through the store's `fn core(&self) -> SqlCore<'_, DB>`.
 macro_rules! sql_operator_store {
     ($store:ty) => {
         #[async_trait::async_trait]
@@ -256,25 +255,6 @@ macro_rules! sql_operator_store {
                 limit: u32,
             ) -> Result<$crate::store::Stuck, $crate::StoreError> {
                 self.core().stuck(older_than, limit).await
-            }
-
-            async fn override_finish(
-                &self,
-                id: &$crate::KeyId,
-                finish: &$crate::store::Finish,
-            ) -> Result<$crate::record::KeyRecord, $crate::StoreError> {
-                self.finish_as(id, $crate::store::kit::FinishMode::Override, finish)
-                    .await
-            }
-
-            async fn override_finish_if(
-                &self,
-                id: &$crate::KeyId,
-                expected: $crate::record::LeaseToken,
-                finish: &$crate::store::Finish,
-            ) -> Result<$crate::record::KeyRecord, $crate::StoreError> {
-                let mode = $crate::store::kit::FinishMode::OverrideIf(expected);
-                self.finish_as(id, mode, finish).await
             }
         }
     };

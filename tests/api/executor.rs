@@ -1,5 +1,6 @@
 //! The executor's promises, end to end on SQLite.
 
+use idemflow::store::FinishMode;
 use idemflow::store::{OperatorStore, SweeperStore};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -485,7 +486,9 @@ async fn a_lost_lease_is_visible_to_the_operation_and_its_result_is_not_stored()
                 actor: Actor::Operator,
                 reason: "operator settled it".to_owned(),
             };
-            s.override_finish(&oid, &finish).await.unwrap();
+            s.finish_as(&oid, FinishMode::Override, &finish)
+                .await
+                .unwrap();
             tokio::time::timeout(Duration::from_secs(5), ctx.lost())
                 .await
                 .expect("the lost lease is signalled");

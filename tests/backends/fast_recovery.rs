@@ -52,6 +52,7 @@
 #[path = "../../examples/card_service.rs"]
 mod card_service;
 
+use idemflow::store::FinishMode;
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -214,10 +215,10 @@ impl Delegate for CrashPoints {
         }
         r
     }
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
+        mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
         let key = id.key.as_str();
@@ -225,7 +226,7 @@ impl Delegate for CrashPoints {
             let _ = self.events.send(Reached::Finishing(key.to_owned()));
             std::future::pending::<()>().await;
         }
-        self.inner.finish(id, token, finish).await
+        self.inner.finish_as(id, mode, finish).await
     }
     async fn extend(
         &self,

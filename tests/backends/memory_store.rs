@@ -6,6 +6,7 @@
 //! is one atomic transition; the lock is never held across an `.await`, so a dropped call
 //! changes all or nothing. Not durable, one process only: a test double, not a backend.
 
+use idemflow::store::FinishMode;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,8 +14,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use idemflow::state::Transition;
 use idemflow::store::kit::{
-    FinishMode, check_finish, claimable, millis, provider_key_on_change, provider_key_on_insert,
-    refused_write,
+    check_finish, claimable, millis, provider_key_on_change, provider_key_on_insert, refused_write,
 };
 use idemflow::store::{
     ClaimOutcome, Finish, Lease, NewClaim, OperatorStore, Release, Stats, Store, Stuck,
@@ -137,31 +137,6 @@ impl MemoryStore {
             None => Err(refused_write(self, id, presented).await),
         }
     }
-
-    /// The three finish writes: the holder's, an override, a compare-and-set override.
-    async fn finish_as(
-        &self,
-        id: &KeyId,
-        mode: FinishMode,
-        f: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        check_finish(mode, f.to)?;
-        let log = Some((f.actor, f.reason.as_str()));
-        self.fenced(id, mode.presented(), log, |r, now| {
-            if mode.holder().is_none() {
-                r.lease_token.0 += 1; // an operator's write fences out every running worker
-            }
-            r.state = f.to;
-            r.response = f.response.clone();
-            r.error = f.error.clone();
-            (r.lease_owner, r.lease_expires_at, r.next_check_at) = (None, None, None);
-            r.may_have_acted &= !f.to.is_retryable();
-            r.updated_at = now;
-            r.expires_at = Some(after(now, r.retention_ms));
-            r.clone()
-        })
-        .await
-    }
 }
 
 #[async_trait]
@@ -260,13 +235,28 @@ impl Store for MemoryStore {
         }))
     }
 
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
+        mode: FinishMode,
         f: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::Holder(token), f).await
+        check_finish(mode, f.to)?;
+        let log = Some((f.actor, f.reason.as_str()));
+        self.fenced(id, mode.presented(), log, |r, now| {
+            if mode.holder().is_none() {
+                r.lease_token.0 += 1; // an operator's write fences out every running worker
+            }
+            r.state = f.to;
+            r.response = f.response.clone();
+            r.error = f.error.clone();
+            (r.lease_owner, r.lease_expires_at, r.next_check_at) = (None, None, None);
+            r.may_have_acted &= !f.to.is_retryable();
+            r.updated_at = now;
+            r.expires_at = Some(after(now, r.retention_ms));
+            r.clone()
+        })
+        .await
     }
 
     async fn release(
@@ -432,20 +422,6 @@ impl OperatorStore for MemoryStore {
         let count = oldest.len() as i64;
         oldest.truncate(limit as usize);
         Ok(Stuck { count, oldest })
-    }
-
-    async fn override_finish(&self, id: &KeyId, f: &Finish) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::Override, f).await
-    }
-
-    async fn override_finish_if(
-        &self,
-        id: &KeyId,
-        expected: LeaseToken,
-        f: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::OverrideIf(expected), f)
-            .await
     }
 }
 

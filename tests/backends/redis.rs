@@ -3,6 +3,7 @@
 //! sweepers, the server clock, prefix isolation, history retention and the native expiry
 //! backstop.
 
+use idemflow::store::FinishMode;
 use idemflow::store::{OperatorStore, SweeperStore};
 use std::sync::Arc;
 use std::time::Duration;
@@ -136,8 +137,9 @@ async fn every_write_with_a_superseded_token_is_fenced() {
     assert_eq!(store.get(&id).await.unwrap().unwrap(), before);
     // An operator override moves the token on again: the sweeper is fenced out too.
     let r = store
-        .override_finish(
+        .finish_as(
             &id,
+            FinishMode::Override,
             &Finish {
                 to: KeyState::Done,
                 response: Some(StoredResponse::new(200)),

@@ -10,6 +10,7 @@
 //! `idemflow-failover` in `.ci/redis-sentinel`), so they never fail over the primary the conformance
 //! suites (`IDEMFLOW_TEST_REDIS_SENTINEL_URL`, `idemflow-ci`) are using at the same time.
 
+use idemflow::store::FinishMode;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,8 +25,8 @@ use idemflow::store::redis::{
 use idemflow::store::{ClaimOutcome, Finish, NewClaim};
 use idemflow::testkit::FakeResend;
 use idemflow::{
-    Error, Execution, Idempotency, IdempotentRequest, KeyId, KeyRecord, KeyState, LeaseToken,
-    Outcome, Providers, ReplicatedWrite, Store, StoreError, StoredResponse, Sweeper, async_trait,
+    Error, Execution, Idempotency, IdempotentRequest, KeyId, KeyRecord, KeyState, Outcome,
+    Providers, ReplicatedWrite, Store, StoreError, StoredResponse, Sweeper, async_trait,
 };
 use serde_json::json;
 use tokio::time::Instant;
@@ -295,13 +296,13 @@ impl Delegate for Acknowledged {
         r
     }
 
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
+        mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        let r = self.inner.finish(id, token, finish).await;
+        let r = self.inner.finish_as(id, mode, finish).await;
         if r.is_ok() {
             self.finishes.lock().unwrap().insert(id.clone());
         }

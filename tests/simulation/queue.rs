@@ -29,6 +29,7 @@
 //! client's) and no call of those runs returns or starts again, as a killed consumer process
 //! makes no more calls, its lease renewals included.
 
+use idemflow::store::FinishMode;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -95,13 +96,13 @@ impl Delegate for AsActor {
         self.run(self.inner.claim(claim)).await
     }
 
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
+        mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        self.run(self.inner.finish(id, token, finish)).await
+        self.run(self.inner.finish_as(id, mode, finish)).await
     }
 
     async fn release(&self, id: &KeyId, token: LeaseToken, r: &Release) -> Result<(), StoreError> {

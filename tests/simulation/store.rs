@@ -2,6 +2,7 @@
 //! records every lease it sees granted, and drops the store connection under some calls (a fault
 //! drawn per schedule).
 
+use idemflow::store::FinishMode;
 use std::future::Future;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -226,28 +227,14 @@ impl Delegate for GatedStore {
         r
     }
 
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
-        finish: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        self.finish_gated(id, false, || self.inner.finish(id, token, finish))
-            .await
-    }
-
-    async fn override_finish(&self, id: &KeyId, f: &Finish) -> Result<KeyRecord, StoreError> {
-        self.finish_gated(id, true, || self.inner.override_finish(id, f))
-            .await
-    }
-
-    async fn override_finish_if(
-        &self,
-        id: &KeyId,
-        expected: LeaseToken,
+        mode: FinishMode,
         f: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        self.finish_gated(id, true, || self.inner.override_finish_if(id, expected, f))
+        let operator = mode.holder().is_none();
+        self.finish_gated(id, operator, || self.inner.finish_as(id, mode, f))
             .await
     }
 

@@ -2,6 +2,7 @@
 //! purge) and the scheduler that runs it one await point at a time, checking the invariants
 //! after every step and at quiescence.
 
+use idemflow::store::FinishMode;
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -1678,7 +1679,11 @@ async fn operator(store: Arc<dyn Store>, key: KeyDef, shared: SharedRef) -> Stri
     park("operator.resolve", "decided", &key.label).await;
     // As `idemflow resolve` does: only while the key is still as read.
     match store
-        .override_finish_if(&key.id, current.lease_token, &finish)
+        .finish_as(
+            &key.id,
+            FinishMode::OverrideIf(current.lease_token),
+            &finish,
+        )
         .await
     {
         Ok(rec) => {

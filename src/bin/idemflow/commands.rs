@@ -3,6 +3,7 @@
 //! Exit codes: 0 all good; 3 some stale keys remain unresolved (or, for `stats`, keys are stuck
 //! past the alert age); 1 an error; 2 bad usage (from clap).
 
+use idemflow::store::FinishMode;
 use std::io::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -603,10 +604,10 @@ async fn resolve(cli: &Cli, store: &Arc<dyn Store>, args: &ResolveArgs) -> anyho
         reason: format!("operator: {}", args.reason),
     };
     let written = if args.force {
-        store.override_finish(&id, &finish).await
+        store.finish_as(&id, FinishMode::Override, &finish).await
     } else {
         store
-            .override_finish_if(&id, current.lease_token, &finish)
+            .finish_as(&id, FinishMode::OverrideIf(current.lease_token), &finish)
             .await
     };
     let record = written.map_err(store_err)?;

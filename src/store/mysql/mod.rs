@@ -29,12 +29,12 @@ use sqlx::mysql::{MySqlPool, MySqlRow};
 use sqlx::{AssertSqlSafe, Executor, Row};
 use tracing::{Instrument, instrument};
 
-use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refused_write};
+use super::kit::{check_finish, claimable, fenced_write, millis, refused_write};
 use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_lease, decode_record};
 use super::sql_core::{self, SqlCore, sql_operator_store};
 use super::warm::{Warm, WarmConn};
-use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeStale};
+use super::{ClaimOutcome, Finish, FinishMode, NewClaim, Release, Store, SweeperStore, TakeStale};
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyRecord, LeaseToken};
@@ -483,26 +483,6 @@ impl MySqlStore {
     }
 }
 
-impl MySqlStore {
-    /// The three finish writes ([`FinishMode`]) in one statement.
-    async fn finish_as(
-        &self,
-        id: &KeyId,
-        mode: FinishMode,
-        finish: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        crate::store::spans::traced(
-            crate::store::spans::finish(BACKEND, id, finish),
-            async move {
-                let (id, finish) = (id.clone(), finish.clone());
-                self.detached(move |s| async move { s.finish_now(&id, mode, &finish).await })
-                    .await
-            },
-        )
-        .await
-    }
-}
-
 #[async_trait]
 impl Store for MySqlStore {
     fn backend(&self) -> &'static str {
@@ -555,13 +535,21 @@ impl Store for MySqlStore {
         .await
     }
 
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
+        mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::Holder(token), finish).await
+        crate::store::spans::traced(
+            crate::store::spans::finish(BACKEND, id, finish),
+            async move {
+                let (id, finish) = (id.clone(), finish.clone());
+                self.detached(move |s| async move { s.finish_now(&id, mode, &finish).await })
+                    .await
+            },
+        )
+        .await
     }
 
     async fn release(

@@ -9,7 +9,7 @@ use sqlx::PgConnection;
 
 use super::{BACKEND, PostgresStore, claim_on, finish_query};
 use crate::record::LeaseToken;
-use crate::store::kit::FinishMode;
+use crate::store::FinishMode;
 use crate::store::phase::{AtomicPhase, PooledOps, PooledPhase, WritesFuture, step_record};
 use crate::{KeyId, StoredResponse};
 

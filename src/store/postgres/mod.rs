@@ -28,12 +28,12 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnection, PgPool, PgRow};
 use tracing::instrument;
 
-use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refused_write};
+use super::kit::{check_finish, claimable, fenced_write, millis, refused_write};
 use super::pool::PoolOptions;
 use super::rows::{SqlRow, decode_lease, decode_record};
 use super::sql_core::{self, SqlCore, sql_operator_store};
 use super::warm::{Warm, WarmConn};
-use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeStale};
+use super::{ClaimOutcome, Finish, FinishMode, NewClaim, Release, Store, SweeperStore, TakeStale};
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyRecord, LeaseToken};
@@ -266,34 +266,6 @@ impl SqlRow for PgRow {
     }
 }
 
-impl PostgresStore {
-    /// The three finish writes ([`FinishMode`]) in one statement.
-    async fn finish_as(
-        &self,
-        id: &KeyId,
-        mode: FinishMode,
-        finish: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        crate::store::spans::traced(
-            crate::store::spans::finish(BACKEND, id, finish),
-            async move {
-                check_finish(mode, finish.to)?;
-                let mut conn = self.write_conn().await?;
-                let row = finish_query(id, mode, finish)
-                    .fetch_optional(&mut *conn)
-                    .await
-                    .map_err(|e| self.err(e))?;
-                conn.keep_write();
-                match row {
-                    Some(row) => decode_record(&row),
-                    None => Err(refused_write(self, id, mode.presented()).await),
-                }
-            },
-        )
-        .await
-    }
-}
-
 #[async_trait]
 impl Store for PostgresStore {
     fn backend(&self) -> &'static str {
@@ -338,13 +310,29 @@ impl Store for PostgresStore {
         .await
     }
 
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
+        mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::Holder(token), finish).await
+        crate::store::spans::traced(
+            crate::store::spans::finish(BACKEND, id, finish),
+            async move {
+                check_finish(mode, finish.to)?;
+                let mut conn = self.write_conn().await?;
+                let row = finish_query(id, mode, finish)
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(|e| self.err(e))?;
+                conn.keep_write();
+                match row {
+                    Some(row) => decode_record(&row),
+                    None => Err(refused_write(self, id, mode.presented()).await),
+                }
+            },
+        )
+        .await
     }
 
     async fn release(

@@ -26,8 +26,9 @@ use crate::error::{ReplicatedWrite, StoreError};
 use crate::record::{KeyEvent, KeyRecord, LeaseToken};
 use crate::state::KeyState;
 use crate::state::Transition;
+use crate::store::FinishMode;
 use crate::store::connect_error::{redis_cause, within};
-use crate::store::kit::{FinishMode, check_finish, claimable, millis};
+use crate::store::kit::{check_finish, claimable, millis};
 use crate::store::known_keys::KnownKeys;
 use crate::store::rows::ms_to_time;
 use crate::store::{
@@ -657,27 +658,7 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// The three finish writes ([`FinishMode`]) in one statement.
-    async fn finish_as(
-        &self,
-        id: &KeyId,
-        mode: FinishMode,
-        finish: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        crate::store::spans::traced(
-            crate::store::spans::finish(BACKEND, id, finish),
-            async move {
-                let (record, acked) = self.finish_unchecked(id, mode, finish, true).await?;
-                match self.short(id, ReplicatedWrite::Finish, acked) {
-                    Some(e) => Err(e),
-                    None => Ok(record),
-                }
-            },
-        )
-        .await
-    }
-
-    /// [`finish_as`](Self::finish_as) without judging the replicas' acknowledgement: the
+    /// [`Store::finish_as`] without judging the replicas' acknowledgement: the
     /// record, and how many replicas acknowledged (with `WAIT`, and `wait`).
     async fn finish_unchecked(
         &self,
@@ -860,13 +841,23 @@ impl Store for RedisStore {
         .await
     }
 
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
+        mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::Holder(token), finish).await
+        crate::store::spans::traced(
+            crate::store::spans::finish(BACKEND, id, finish),
+            async move {
+                let (record, acked) = self.finish_unchecked(id, mode, finish, true).await?;
+                match self.short(id, ReplicatedWrite::Finish, acked) {
+                    Some(e) => Err(e),
+                    None => Ok(record),
+                }
+            },
+        )
+        .await
     }
 
     async fn release(
@@ -1173,20 +1164,6 @@ impl OperatorStore for RedisStore {
             ))
         });
         Ok(Stuck { count, oldest })
-    }
-
-    async fn override_finish(&self, id: &KeyId, finish: &Finish) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::Override, finish).await
-    }
-
-    async fn override_finish_if(
-        &self,
-        id: &KeyId,
-        expected: LeaseToken,
-        finish: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::OverrideIf(expected), finish)
-            .await
     }
 }
 

@@ -19,7 +19,8 @@ use sqlx::SqliteConnection;
 use super::writer::{Ahead, BoxFut, JobAborted, Turn, phase_job};
 use super::{SqliteStore, claim_on, db, decode_with_now, sql};
 use crate::record::{KeyRecord, LeaseToken};
-use crate::store::kit::{FinishMode, claimable, millis};
+use crate::store::FinishMode;
+use crate::store::kit::{claimable, millis};
 use crate::store::phase::{
     AtomicPhase, ONE_COMMIT_REASON, OneCommit, PhaseError, Prepare, REFUSED_REASON, StoreId,
     WritesError, WritesFuture, own_claim_gone_detail, refusal, step_record,

@@ -28,10 +28,10 @@ use sqlx::sqlite::{
 use sqlx::{ConnectOptions, Row};
 use tracing::instrument;
 
-use super::kit::{FinishMode, check_finish, claimable, fenced_write, millis, refused_write};
+use super::kit::{check_finish, claimable, fenced_write, millis, refused_write};
 use super::rows::{SqlRow, decode_lease, decode_record, ms_to_time};
 use super::sql_core::{self, SqlCore, sql_operator_store};
-use super::{ClaimOutcome, Finish, NewClaim, Release, Store, SweeperStore, TakeStale};
+use super::{ClaimOutcome, Finish, FinishMode, NewClaim, Release, Store, SweeperStore, TakeStale};
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyRecord, LeaseToken};
@@ -489,48 +489,6 @@ impl SqlRow for SqliteRow {
     }
 }
 
-impl SqliteStore {
-    /// The three finish writes ([`FinishMode`]) in one statement.
-    async fn finish_as(
-        &self,
-        id: &KeyId,
-        mode: FinishMode,
-        finish: &Finish,
-    ) -> Result<KeyRecord, StoreError> {
-        crate::store::spans::traced(
-            crate::store::spans::finish(BACKEND, id, finish),
-            async move {
-                check_finish(mode, finish.to)?;
-                let (key, finish_data) = (id.clone(), Arc::new(finish.clone()));
-                let row = self
-                    .writer
-                    .call(job(move |conn| {
-                        let (id, finish) = (key.clone(), finish_data.clone());
-                        Box::pin(async move {
-                            write_returning(
-                                sql_core::bind_finish(sqlx::query(sql::FINISH), &id, mode, &finish),
-                                conn,
-                            )
-                            .await?
-                            .as_ref()
-                            .map(decode_record)
-                            .transpose()
-                        })
-                    }))
-                    .await?;
-                match row {
-                    Some(record) => {
-                        self.seen.insert(known_keys::of(id));
-                        Ok(record)
-                    }
-                    None => Err(refused_write(self, id, mode.presented()).await),
-                }
-            },
-        )
-        .await
-    }
-}
-
 /// How many times [`SqliteStore::migrate`] runs the migrations before it gives up.
 const MIGRATE_ATTEMPTS: u32 = 10;
 
@@ -592,13 +550,43 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn finish(
+    async fn finish_as(
         &self,
         id: &KeyId,
-        token: LeaseToken,
+        mode: FinishMode,
         finish: &Finish,
     ) -> Result<KeyRecord, StoreError> {
-        self.finish_as(id, FinishMode::Holder(token), finish).await
+        crate::store::spans::traced(
+            crate::store::spans::finish(BACKEND, id, finish),
+            async move {
+                check_finish(mode, finish.to)?;
+                let (key, finish_data) = (id.clone(), Arc::new(finish.clone()));
+                let row = self
+                    .writer
+                    .call(job(move |conn| {
+                        let (id, finish) = (key.clone(), finish_data.clone());
+                        Box::pin(async move {
+                            write_returning(
+                                sql_core::bind_finish(sqlx::query(sql::FINISH), &id, mode, &finish),
+                                conn,
+                            )
+                            .await?
+                            .as_ref()
+                            .map(decode_record)
+                            .transpose()
+                        })
+                    }))
+                    .await?;
+                match row {
+                    Some(record) => {
+                        self.seen.insert(known_keys::of(id));
+                        Ok(record)
+                    }
+                    None => Err(refused_write(self, id, mode.presented()).await),
+                }
+            },
+        )
+        .await
     }
 
     async fn release(
