@@ -56,7 +56,7 @@ pub const RENEWED_DIGITS: usize = 8;
 /// is one no earlier life sent. And it is a function of the store's state before the claim,
 /// not drawn at random: a re-creation that a failover loses (a Redis replica promoted before
 /// it copied the claim) is made again with the same key, which the provider deduplicates
-/// (finding 11, `docs/reliability.md`).
+/// (`docs/reliability.md`).
 ///
 /// ```
 /// use idemflow::{provider_key::{derive, renewed, renewed_base}, IdempotencyKey, Scope};

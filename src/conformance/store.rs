@@ -1034,7 +1034,7 @@ pub async fn provider_changes_only_while_no_attempt_may_have_acted(store: Arc<dy
 /// `renewed_key_base` and its life number, the position of the claim's event in the key's
 /// history (`provider_key::renewed`; the provider may still hold the earlier row's key); a
 /// first row stores `provider_key`, and every later claim of a row keeps the key the row
-/// stored, a provider change included (finding 11 of the simulation: a change that stored a key
+/// stored, a provider change included (the simulation found each case: a change that stored a key
 /// drawn by its own claim was sent again under another when a failover lost it; a change in a
 /// re-created life that stored the plain key sent the first life's key; a re-creation lost in a
 /// failover drew another key when made again, where a key read from the history is the same).

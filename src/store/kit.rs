@@ -115,10 +115,10 @@ pub fn check_finish(mode: FinishMode, to: KeyState) -> Result<Transition, StoreE
 /// key the row stored and `life`, the position the reclaim's history event takes (1-based,
 /// across purges): an explicit key (`renewed_key_base` unset) as the claim gives it; otherwise
 /// the row's own key, which nothing may have acted on anywhere and no earlier life of the key
-/// sent, so a change that a failover loses sends the same key again (finding 11,
-/// `docs/reliability.md`); unless it is longer than the claim's `provider_key` (the new
-/// provider's limit is tighter): then the renewed key of `life`. Every backend's claim applies
-/// this rule (SQL `RECLAIM`, the MariaDB procedure, `claim.lua`).
+/// sent, so a change that a failover loses sends the same key again (`docs/reliability.md`);
+/// unless it is longer than the claim's `provider_key` (the new provider's limit is tighter):
+/// then the renewed key of `life`. Every backend's claim applies this rule (SQL `RECLAIM`, the
+/// MariaDB procedure, `claim.lua`).
 pub fn provider_key_on_change(claim: &NewClaim, stored: &str, life: u64) -> String {
     match &claim.renewed_key_base {
         None => claim.provider_key.clone(),
