@@ -28,7 +28,7 @@ use axum::body::Bytes;
 use axum::http::StatusCode;
 use axum::routing::post;
 use idemflow::axum::{IdempotencyLayer, ScopeSource};
-use idemflow::{Idempotency, IdempotentRequest, Outcome, Scope, Store, StoredResponse};
+use idemflow::{Idempotency, IdempotentRequest, Outcome, Store, StoredResponse, key::Scope};
 
 mod support;
 

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::store::{ClaimOutcome, Finish, NewClaim};
 use idemflow::{
-    Actor, Fingerprint, Idempotency, IdempotencyKey, IdempotentRequest, KeyId, KeyState, Outcome,
-    Scope, Store, StoredResponse,
+    Idempotency, IdempotentRequest, KeyId, KeyState, Outcome, Store, StoredResponse,
+    fingerprint::Fingerprint, key::IdempotencyKey, key::Scope, record::Actor,
 };
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 

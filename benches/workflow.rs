@@ -18,7 +18,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idemflow::{Idempotency, IdempotentRequest, Outcome, Step, Store, StoredResponse};
+use idemflow::{Idempotency, IdempotentRequest, Outcome, Store, StoredResponse, workflow::Step};
 
 fn ok() -> Outcome {
     Outcome::Succeeded(StoredResponse::json(201, &serde_json::json!({"ok": true})).unwrap())

@@ -76,7 +76,7 @@ impl ChargeJob {
     /// The idempotent request of the charge: scope the account, key the charge id, and the
     /// PaymentIntent parameters as the body (stored with the key, and what the sweeper would
     /// re-send or look up).
-    pub fn request(&self) -> Result<IdempotentRequest, idemflow::RequestError> {
+    pub fn request(&self) -> Result<IdempotentRequest, idemflow::error::RequestError> {
         let params = json!({
             "amount": self.amount,
             "currency": self.currency,

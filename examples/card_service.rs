@@ -23,7 +23,7 @@
 //!   the first request with its key is charging waits for that charge's answer (then answered
 //!   as a replay) instead of getting 409 at once ([`Idempotency::wait_in_flight`]).
 //!
-//! [`ExecutorConfig::lease`]: idemflow::ExecutorConfig::lease
+//! [`ExecutorConfig::lease`]: idemflow::executor::ExecutorConfig::lease
 //! [`Idempotency::wait_in_flight`]: idemflow::Idempotency::wait_in_flight
 //!
 //! Answers: 201 `{"payment_id", "provider_id", "status", "amount", "currency"}`; 402 with the
@@ -64,7 +64,7 @@ pub struct Settings {
     pub stripe_base: String,
     /// The Stripe secret key.
     pub stripe_key: String,
-    /// The key lease (`None`: the library's default, [`idemflow::ExecutorConfig::lease`]).
+    /// The key lease (`None`: the library's default, [`idemflow::executor::ExecutorConfig::lease`]).
     pub lease: Option<Duration>,
     /// How long a duplicate waits for the first request's answer (`None`: 409 at once).
     pub wait_in_flight: Option<Duration>,

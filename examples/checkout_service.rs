@@ -39,7 +39,7 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use idemflow::axum::{IdempotencyContext, IdempotencyLayer, NothingHappened, Problem, ScopeSource};
 use idemflow::provider::{Resend, Stripe};
-use idemflow::{Context, Idempotency, Outcome, Providers, Step, StoredResponse, Sweeper};
+use idemflow::{Context, Idempotency, Outcome, Providers, StoredResponse, Sweeper, workflow::Step};
 use serde_json::{Value, json};
 
 /// The service's settings, from the environment.

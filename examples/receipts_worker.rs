@@ -46,7 +46,7 @@ use idemflow::consumer::amqp::{self, lapin};
 use idemflow::consumer::{Consumer, ConsumerStats, FingerprintSource, KeySource, Message};
 use idemflow::error::BoxError;
 use idemflow::provider::Resend;
-use idemflow::{Idempotency, Provider, Scope};
+use idemflow::{Idempotency, Provider, key::Scope};
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Connection, ConnectionProperties, ExchangeKind};

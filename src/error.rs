@@ -86,9 +86,8 @@ pub enum StoreError {
     #[error("store configuration: {0}")]
     Config(String),
     /// The write was applied on the primary, but fewer replicas than asked for acknowledged it
-    /// within the timeout (Redis `WAIT`, see
-    /// [`RedisConfig::wait`](crate::store::redis::RedisConfig::wait)): a failover now could lose
-    /// it. A claim that was not acknowledged is given back unused (`failed{retryable}`) when no
+    /// within the timeout (Redis `WAIT`, see `store::redis::RedisConfig::wait`): a failover now
+    /// could lose it. A claim that was not acknowledged is given back unused (`failed{retryable}`) when no
     /// earlier attempt may have acted, so its caller must not send anything and may retry with
     /// the same key; a finish that was not acknowledged stands on the primary and may be lost
     /// with it, in which case the sweeper settles the key again from the provider, or a retry
@@ -158,12 +157,12 @@ impl StoreError {
 
 /// A request that breaks a rule, found before anything touches the store: its key, scope or
 /// operation name or its body (when the [`IdempotentRequest`](crate::IdempotentRequest) or
-/// [`Step`](crate::Step) is built), or its size (when the executor checks it against its cap).
+/// [`Step`](crate::workflow::Step) is built), or its size (when the executor checks it against its cap).
 /// Nothing was run and no row was written. Inside an [`Error`] it is [`Error::Request`]; its
 /// HTTP answer is [`RequestError::http_answer`] (400, or 413 for a request too large).
 ///
 /// ```
-/// use idemflow::{Error, IdempotentRequest, RequestError};
+/// use idemflow::{Error, IdempotentRequest, error::RequestError};
 ///
 /// let e = IdempotentRequest::new("acct", "", "charge", &1).unwrap_err();
 /// assert!(matches!(e, RequestError::InvalidKey(_)));
@@ -393,7 +392,7 @@ impl From<StoreError> for Error {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idemflow::{Error, IdempotencyKey, KeyId, Scope};
+/// use idemflow::{Error, key::IdempotencyKey, KeyId, key::Scope};
 ///
 /// let key = KeyId::new(Scope::new("acct").unwrap(), IdempotencyKey::new("k1").unwrap());
 /// let e = Error::InFlight { key, retry_after: Duration::from_secs(2) };

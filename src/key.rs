@@ -149,7 +149,7 @@ validated_string!(
     /// A client-chosen idempotency key, e.g. the value of an `Idempotency-Key` header.
     ///
     /// ```
-    /// use idemflow::IdempotencyKey;
+    /// use idemflow::key::IdempotencyKey;
     /// assert!(IdempotencyKey::new("8e03978e-40d5-43e8-bc93-6894a57f9324").is_ok());
     /// assert!(IdempotencyKey::new("has space").is_err());
     /// ```
@@ -162,7 +162,7 @@ validated_string!(
     /// so one scope never sees, blocks or replays another scope's key.
     ///
     /// ```
-    /// use idemflow::Scope;
+    /// use idemflow::key::Scope;
     /// let scope = Scope::new("acct_42").unwrap();
     /// assert_eq!(scope.as_str(), "acct_42");
     /// assert!(Scope::new("").is_err());

@@ -76,6 +76,7 @@
 //! (`idemflow.execute`, `idemflow.claim`, `idemflow.finish`, `idemflow.sweep_key`, ...).
 
 #![forbid(unsafe_code)]
+#![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(feature = "axum")]
@@ -175,15 +176,12 @@ pub struct DocsWorkflowsDoctests;
 pub struct DocsWritingAStoreDoctests;
 
 pub use async_trait::async_trait;
-pub use error::{Error, HttpAnswer, ReplicatedWrite, RequestError, StoreError};
-pub use executor::{Context, Execution, ExecutorConfig, Idempotency, IdempotentRequest};
-pub use fingerprint::Fingerprint;
-pub use key::{IdempotencyKey, KeyError, KeyId, Scope};
+pub use error::{Error, StoreError};
+pub use executor::{Context, Execution, Idempotency, IdempotentRequest};
+pub use key::KeyId;
 pub use outcome::Outcome;
-pub use provider::{Attempts, CallReply, KeySpec, Lookup, Provider, Providers};
-pub use record::{Actor, KeyEvent, KeyRecord, LeaseToken};
+pub use provider::{Provider, Providers};
 pub use response::StoredResponse;
 pub use state::KeyState;
 pub use store::Store;
-pub use sweeper::{SweepError, SweepReport, Sweeper, SweeperConfig};
-pub use workflow::Step;
+pub use sweeper::Sweeper;

@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 use crate::fingerprint::hex;
 
 /// The length limit used when no provider names one (a provider's own limit is
-/// [`KeySpec::max_len`](crate::KeySpec::max_len)): the full 44-character default key.
+/// [`KeySpec::max_len`](crate::provider::KeySpec::max_len)): the full 44-character default key.
 pub const DEFAULT_LEN: usize = 44;
 
 /// The prefix of derived provider keys.
@@ -22,7 +22,7 @@ pub const PREFIX: &str = "idf_";
 /// `[a-z0-9_]`, which fits every provider limit we know of from 45 characters up.
 ///
 /// ```
-/// use idemflow::{provider_key::derive, IdempotencyKey, Scope};
+/// use idemflow::{provider_key::derive, key::IdempotencyKey, key::Scope};
 /// let s = Scope::new("acct_1").unwrap();
 /// let k = IdempotencyKey::new("order-7").unwrap();
 /// let a = derive(&s, &k, "payments.create", 44);
@@ -31,8 +31,8 @@ pub const PREFIX: &str = "idf_";
 /// assert!(a.starts_with("idf_"));
 /// ```
 pub fn derive(
-    scope: &crate::Scope,
-    key: &crate::IdempotencyKey,
+    scope: &crate::key::Scope,
+    key: &crate::key::IdempotencyKey,
     operation: &str,
     max_len: usize,
 ) -> String {
@@ -59,7 +59,7 @@ pub const RENEWED_DIGITS: usize = 8;
 /// (`docs/reliability.md`).
 ///
 /// ```
-/// use idemflow::{provider_key::{derive, renewed, renewed_base}, IdempotencyKey, Scope};
+/// use idemflow::{provider_key::{derive, renewed, renewed_base}, key::IdempotencyKey, key::Scope};
 /// let s = Scope::new("acct_1").unwrap();
 /// let k = IdempotencyKey::new("order-7").unwrap();
 /// let base = renewed_base(&s, &k, "payments.create", 44);
@@ -71,8 +71,8 @@ pub const RENEWED_DIGITS: usize = 8;
 /// assert_ne!(second_life, renewed(&base, 9));
 /// ```
 pub fn renewed_base(
-    scope: &crate::Scope,
-    key: &crate::IdempotencyKey,
+    scope: &crate::key::Scope,
+    key: &crate::key::IdempotencyKey,
     operation: &str,
     max_len: usize,
 ) -> String {
@@ -126,7 +126,7 @@ fn shaped(parts: &[&str], max_len: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{IdempotencyKey, Scope};
+    use crate::{key::IdempotencyKey, key::Scope};
 
     #[test]
     fn a_renewed_key_fits_the_limit_its_base_was_derived_for() {

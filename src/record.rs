@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::{Fingerprint, IdempotencyKey, KeyState, Scope, StoredResponse};
+use crate::{KeyState, StoredResponse, fingerprint::Fingerprint, key::IdempotencyKey, key::Scope};
 
 /// A fencing token: every claim and takeover gets a new, larger one. Writes with an older token
 /// fail with `LeaseLost`.

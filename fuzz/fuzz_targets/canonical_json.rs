@@ -2,7 +2,7 @@
 //! (no duplicate members) and canonicalises to itself, so its fingerprint is stable.
 #![no_main]
 
-use idemflow::Fingerprint;
+use idemflow::fingerprint::Fingerprint;
 use idemflow::fingerprint::{canonical_json, parse_json};
 use libfuzzer_sys::fuzz_target;
 

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use super::Problem;
 use crate::record::LeaseToken;
-use crate::{Error, IdempotencyKey, KeyId, Outcome, Scope, StoredResponse};
+use crate::{Error, KeyId, Outcome, StoredResponse, key::IdempotencyKey, key::Scope};
 
 /// The claimed key, as the handler sees it: the provider key to forward, the stored request and
 /// the attempt. Inserted into the request extensions by the layer when it runs the handler; take
@@ -34,7 +34,7 @@ pub struct IdempotencyContext {
     ///
     /// [`IdempotencyLayer::provider`]: super::IdempotencyLayer::provider
     pub(crate) provider: Option<String>,
-    /// The executor's [`unknown_retry_after`](crate::ExecutorConfig::unknown_retry_after).
+    /// The executor's [`unknown_retry_after`](crate::executor::ExecutorConfig::unknown_retry_after).
     pub(crate) unknown_retry_after: std::time::Duration,
 }
 
@@ -101,7 +101,7 @@ impl IdempotencyContext {
     /// [`IdempotencyLayer::workflow`](super::IdempotencyLayer::workflow)).
     pub async fn step<F, Fut>(
         &self,
-        step: crate::Step,
+        step: crate::workflow::Step,
         op: F,
     ) -> Result<crate::Execution, crate::Error>
     where
@@ -115,7 +115,7 @@ impl IdempotencyContext {
     /// [`crate::Context::call_step`]).
     pub async fn call_step(
         &self,
-        step: crate::Step,
+        step: crate::workflow::Step,
         provider: &dyn crate::Provider,
     ) -> Result<crate::Execution, crate::Error> {
         self.attempt_ctx.call_step(step, provider).await

@@ -124,8 +124,8 @@ mod tests {
 
     fn test_id() -> crate::KeyId {
         crate::KeyId::new(
-            crate::Scope::new("a").unwrap(),
-            crate::IdempotencyKey::new("k").unwrap(),
+            crate::key::Scope::new("a").unwrap(),
+            crate::key::IdempotencyKey::new("k").unwrap(),
         )
     }
 

@@ -8,7 +8,7 @@ use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use super::{Problem, ScopeFn};
-use crate::Scope;
+use crate::key::Scope;
 
 /// Where [`IdempotencyLayer`](super::IdempotencyLayer) takes each request's scope from: the
 /// tenant, account or API client the request acts for. Keys live per scope, so one scope never
@@ -17,7 +17,7 @@ use crate::Scope;
 ///
 /// ```
 /// use axum::http::{HeaderName, StatusCode, request::Parts};
-/// use idemflow::Scope;
+/// use idemflow::key::Scope;
 /// use idemflow::axum::ScopeSource;
 ///
 /// /// What your authentication layer puts in the request extensions.

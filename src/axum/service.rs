@@ -21,7 +21,9 @@ use super::context::{IdempotencyContext, NothingHappened};
 use super::problem::{Problem, retry_after_value};
 use super::{REPLAYED_HEADER, Settings, StoreDown, UNPROTECTED_HEADER, parse_key_header};
 use crate::fingerprint::{Fingerprint, JsonError, canonical_json, hex, parse_json};
-use crate::{Error, Execution, IdempotentRequest, KeyId, Outcome, RequestError, StoredResponse};
+use crate::{
+    Error, Execution, IdempotentRequest, KeyId, Outcome, StoredResponse, error::RequestError,
+};
 
 /// The service [`IdempotencyLayer`](super::IdempotencyLayer) wraps around an inner service.
 pub struct IdempotencyService<S> {

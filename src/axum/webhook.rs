@@ -71,7 +71,7 @@ use super::{Problem, REPLAYED_HEADER};
 use crate::error::RequestError;
 use crate::provider::stripe_signature::{SIGNATURE_HEADER, SignatureError, StripeSignature};
 use crate::store::phase::AtomicPhase;
-use crate::{Execution, Idempotency, IdempotentRequest, Outcome, Scope, StoredResponse};
+use crate::{Execution, Idempotency, IdempotentRequest, Outcome, StoredResponse, key::Scope};
 
 /// The scope of a Stripe receiver's keys unless [`WebhookReceiver::scope`] sets another.
 pub const STRIPE_SCOPE: &str = "webhook:stripe";

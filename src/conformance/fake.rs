@@ -5,7 +5,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::{Attempts, CallReply, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait};
+use crate::{
+    Outcome, Provider, StoredResponse, async_trait, provider::Attempts, provider::CallReply,
+    provider::KeySpec, provider::Lookup,
+};
 use chrono::{DateTime, Utc};
 
 /// One thing the provider did (a charge, or a declined attempt).

@@ -74,7 +74,8 @@ pub use waiting::waiting_across_stores;
 
 use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, TakeStale};
 use crate::{
-    Actor, Fingerprint, IdempotencyKey, KeyId, KeyRecord, KeyState, Scope, Store, StoredResponse,
+    KeyId, KeyState, Store, StoredResponse, fingerprint::Fingerprint, key::IdempotencyKey,
+    key::Scope, record::Actor, record::KeyRecord,
 };
 
 /// Runs one suite test to completion on a fresh two-worker multi-thread runtime, as the macros

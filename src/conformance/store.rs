@@ -18,7 +18,8 @@ use super::{claim_for, claimed, done, fail, id, taken, unique};
 use crate::state::Transition;
 use crate::store::{ClaimOutcome, Finish, Release, TakeStale};
 use crate::{
-    Actor, Fingerprint, KeyId, KeyRecord, KeyState, LeaseToken, Store, StoreError, StoredResponse,
+    KeyId, KeyState, Store, StoreError, StoredResponse, fingerprint::Fingerprint, record::Actor,
+    record::KeyRecord, record::LeaseToken,
 };
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -1041,7 +1042,7 @@ pub async fn provider_changes_only_while_no_attempt_may_have_acted(store: Arc<dy
 pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
     use crate::provider_key::renewed;
     let id = id(&unique("reborn"), "k1");
-    let life = |history: Vec<crate::KeyEvent>| history.len() as u64;
+    let life = |history: Vec<crate::record::KeyEvent>| history.len() as u64;
     let mut first = claim_for(&id, "{}", LEASE);
     first.retention = Duration::ZERO;
     first.renewed_key_base = Some("pk-renewed-".into());

@@ -15,8 +15,9 @@ use std::time::Duration;
 use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, TakeStale};
 use crate::sweeper::Unresolved;
 use crate::{
-    Actor, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotentRequest, KeyEvent, KeyId,
-    KeyRecord, KeyState, Outcome, Providers, Scope, Store, StoreError, Sweeper, async_trait,
+    Error, Idempotency, IdempotentRequest, KeyId, KeyState, Outcome, Providers, Store, StoreError,
+    Sweeper, async_trait, fingerprint::Fingerprint, key::IdempotencyKey, key::Scope, record::Actor,
+    record::KeyEvent, record::KeyRecord,
 };
 use chrono::{DateTime, Utc};
 
@@ -1077,7 +1078,7 @@ impl crate::Provider for LeaseWitness {
         &self,
         pk: &str,
         request: &serde_json::Value,
-        attempts: crate::Attempts,
+        attempts: crate::provider::Attempts,
         now: DateTime<Utc>,
     ) -> crate::provider::Lookup {
         self.inner.lookup(pk, request, attempts, now).await

@@ -11,8 +11,8 @@ use std::time::Duration;
 use crate::sweeper::{SweepReport, Unresolved};
 use crate::workflow::step_key;
 use crate::{
-    Error, Execution, Idempotency, IdempotentRequest, KeyError, KeyState, Outcome, Providers,
-    RequestError, Step, Store, StoredResponse, Sweeper,
+    Error, Execution, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Store,
+    StoredResponse, Sweeper, error::RequestError, key::KeyError, workflow::Step,
 };
 
 use super::FaultyStore;

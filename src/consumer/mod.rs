@@ -8,7 +8,7 @@
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
 //! use idemflow::consumer::{Consumer, Disposition, FingerprintSource, KeySource, Message};
-//! use idemflow::{Idempotency, Outcome, Scope, Store, StoredResponse, store::sqlite::SqliteStore};
+//! use idemflow::{Idempotency, Outcome, key::Scope, Store, StoredResponse, store::sqlite::SqliteStore};
 //!
 //! let store = SqliteStore::connect("sqlite::memory:").await?;
 //! store.migrate().await?;
@@ -83,7 +83,9 @@ use tracing::{Instrument, info_span};
 use crate::error::{BoxError, RequestError};
 use crate::fingerprint::{Fingerprint, canonical_json, parse_json};
 use crate::provider::{Provider, Providers};
-use crate::{Context, Error, Execution, Idempotency, IdempotentRequest, Outcome, Scope, Sweeper};
+use crate::{
+    Context, Error, Execution, Idempotency, IdempotentRequest, Outcome, Sweeper, key::Scope,
+};
 
 #[cfg(feature = "rabbitmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
@@ -512,7 +514,7 @@ impl Consumer {
     ///
     /// ```
     /// # use std::sync::Arc;
-    /// # use idemflow::{Idempotency, Provider, Scope};
+    /// # use idemflow::{Idempotency, Provider, key::Scope};
     /// use idemflow::consumer::{Consumer, FingerprintSource, KeySource, Message};
     /// use serde_json::{Value, json};
     ///
@@ -771,7 +773,7 @@ impl Consumer {
         };
         let id = crate::KeyId::new(
             r.scope.clone(),
-            crate::IdempotencyKey::new(key)
+            crate::key::IdempotencyKey::new(key)
                 .map_err(|e| ConsumerError::InvalidKey(RequestError::InvalidKey(e)))?,
         );
         crate::key::check_client_key(&id.key)
@@ -1074,8 +1076,8 @@ mod tests {
     #[derive(Debug)]
     struct Scripted {
         name: &'static str,
-        spec: crate::KeySpec,
-        reply: fn(usize) -> crate::CallReply,
+        spec: crate::provider::KeySpec,
+        reply: fn(usize) -> crate::provider::CallReply,
         lookup_authoritative: bool,
         sent: std::sync::Mutex<Vec<Value>>,
     }
@@ -1084,8 +1086,8 @@ mod tests {
     impl Scripted {
         fn new(
             name: &'static str,
-            spec: crate::KeySpec,
-            reply: fn(usize) -> crate::CallReply,
+            spec: crate::provider::KeySpec,
+            reply: fn(usize) -> crate::provider::CallReply,
         ) -> Self {
             Self {
                 name,
@@ -1097,8 +1099,8 @@ mod tests {
         }
 
         /// Dedupes by key for `window`.
-        fn dedupes(window: Duration) -> crate::KeySpec {
-            crate::KeySpec {
+        fn dedupes(window: Duration) -> crate::provider::KeySpec {
+            crate::provider::KeySpec {
                 max_len: 255,
                 retention: Some(window),
                 replays_same_key: true,
@@ -1117,11 +1119,11 @@ mod tests {
             self.name
         }
 
-        fn key_spec(&self) -> crate::KeySpec {
+        fn key_spec(&self) -> crate::provider::KeySpec {
             self.spec.clone()
         }
 
-        async fn send(&self, _provider_key: &str, request: &Value) -> crate::CallReply {
+        async fn send(&self, _provider_key: &str, request: &Value) -> crate::provider::CallReply {
             let n = {
                 let mut sent = self.sent.lock().unwrap();
                 sent.push(request.clone());
@@ -1134,10 +1136,10 @@ mod tests {
             &self,
             _provider_key: &str,
             _request: &Value,
-            _attempts: crate::Attempts,
+            _attempts: crate::provider::Attempts,
             _now: chrono::DateTime<chrono::Utc>,
-        ) -> crate::Lookup {
-            crate::Lookup::NotFound {
+        ) -> crate::provider::Lookup {
+            crate::provider::Lookup::NotFound {
                 authoritative: self.lookup_authoritative,
             }
         }
@@ -1211,8 +1213,8 @@ mod tests {
         });
         // A provider without idempotency keys (every send acts), which the sweeper cannot
         // settle.
-        let keyless = Scripted::new("keyless", crate::KeySpec::no_keys(), |_| {
-            crate::CallReply::Unknown {
+        let keyless = Scripted::new("keyless", crate::provider::KeySpec::no_keys(), |_| {
+            crate::provider::CallReply::Unknown {
                 reason: "unused".to_owned(),
             }
         });
@@ -1241,10 +1243,10 @@ mod tests {
             "refuses-resends",
             Scripted::dedupes(Duration::from_secs(3600)),
             |n| match n {
-                0 => crate::CallReply::Unknown {
+                0 => crate::provider::CallReply::Unknown {
                     reason: "charged; the answer was lost".to_owned(),
                 },
-                _ => crate::CallReply::Rejected {
+                _ => crate::provider::CallReply::Rejected {
                     response: StoredResponse::new(402).with_body("declined: duplicate"),
                 },
             },
@@ -1298,7 +1300,7 @@ mod tests {
             ..Scripted::new(
                 "recording",
                 Scripted::dedupes(Duration::from_secs(24 * 3600)),
-                |_| crate::CallReply::Succeeded {
+                |_| crate::provider::CallReply::Succeeded {
                     response: StoredResponse::new(201),
                     replayed: false,
                 },
@@ -1442,7 +1444,7 @@ mod tests {
         );
         let key = KeyId::new(
             Scope::new("queue:receipts").unwrap(),
-            crate::IdempotencyKey::new("8").unwrap(),
+            crate::key::IdempotencyKey::new("8").unwrap(),
         );
         assert!(store.get(&key).await.unwrap().is_none());
     }
@@ -1460,10 +1462,10 @@ mod tests {
             "mailer",
             Scripted::dedupes(Duration::from_secs(24 * 3600)),
             |n| match n {
-                0 => crate::CallReply::Unknown {
+                0 => crate::provider::CallReply::Unknown {
                     reason: "sent; the answer was lost".to_owned(),
                 },
-                _ => crate::CallReply::Succeeded {
+                _ => crate::provider::CallReply::Succeeded {
                     response: StoredResponse::new(200).with_body(r#"{"id":"email_1"}"#),
                     replayed: true,
                 },

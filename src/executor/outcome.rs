@@ -88,7 +88,7 @@ impl Context {
     /// provider re-drive margin and the adapters' search lag are sized for that
     /// (`docs/reliability.md`, "What the guarantee assumes").
     ///
-    /// [`ExecutorConfig::retry_takeover_window`]: crate::ExecutorConfig::retry_takeover_window
+    /// [`ExecutorConfig::retry_takeover_window`]: crate::executor::ExecutorConfig::retry_takeover_window
     /// [`Idempotency::call`]: crate::Idempotency::call
     pub fn may_send(&self) -> bool {
         self.send_refusal().is_none()

@@ -450,8 +450,8 @@ mod tests {
         use std::sync::Barrier;
         // No store has this identity (an address): the key is this test's alone.
         let id = KeyId::new(
-            crate::Scope::new("s").unwrap(),
-            crate::IdempotencyKey::new("leaving").unwrap(),
+            crate::key::Scope::new("s").unwrap(),
+            crate::key::IdempotencyKey::new("leaving").unwrap(),
         );
         let key: WatchKey = (usize::MAX, id);
         for _ in 0..2_000 {

@@ -36,11 +36,11 @@ pub struct ProviderConfig {
     pub retention: Option<Duration>,
     /// For square: how long after a CreatePayment was sent Square may still make the payment,
     /// in seconds (default 300): a void by key confirmed sooner after the key's latest attempt
-    /// leaves the key for a later check ([`Square::processing_window`](super::Square::processing_window)).
+    /// leaves the key for a later check (`provider::Square::processing_window`, feature `http`).
     #[serde(default, with = "opt_secs")]
     pub processing_window: Option<Duration>,
     /// For stripe: the `Stripe-Version` sent on every request (default
-    /// [`stripe::API_VERSION`](super::stripe::API_VERSION)); give the reconciler the version
+    /// `provider::stripe::API_VERSION`, feature `http`); give the reconciler the version
     /// your service pins.
     pub api_version: Option<String>,
 }
@@ -440,8 +440,8 @@ mod tests {
             );
         }
         // Keys within each provider's limit.
-        let scope = crate::Scope::new("shop").unwrap();
-        let key = crate::IdempotencyKey::new("order-1").unwrap();
+        let scope = crate::key::Scope::new("shop").unwrap();
+        let key = crate::key::IdempotencyKey::new("order-1").unwrap();
         for (kind, max) in [("square", 45), ("adyen", 64), ("paypal", 108)] {
             let spec = build_with_env(&cfg(kind), env).unwrap().key_spec();
             assert_eq!(spec.max_len, max);

@@ -13,7 +13,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
-use crate::{IdempotencyKey, Outcome, Scope, StoredResponse, provider_key};
+use crate::{Outcome, StoredResponse, key::IdempotencyKey, key::Scope, provider_key};
 
 pub mod config;
 pub mod secrets;

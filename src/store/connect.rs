@@ -19,7 +19,7 @@ macro_rules! open {
 /// Opens the store a URL names: `sqlite:` (feature `sqlite`), `postgres://` / `postgresql://`
 /// (feature `postgres`), `mysql://` / `mariadb://` (feature `mysql`), `redis://` / `rediss://`
 /// and `redis+sentinel://` (feature `redis`; the last finds the primary through Redis Sentinel,
-/// see [`SentinelConfig::parse_url`](crate::store::redis::SentinelConfig::parse_url)). It does
+/// see `store::redis::SentinelConfig::parse_url`). It does
 /// not migrate: call [`Store::migrate`] when you own the schema.
 ///
 /// A scheme this build was compiled without is a [`StoreError::Config`] that names the feature

@@ -110,8 +110,8 @@ pub(crate) fn parse(payload: &str) -> Option<KeyId> {
     }
     let (scope, key) = rest.split_at(len);
     Some(KeyId::new(
-        crate::Scope::new(scope).ok()?,
-        crate::IdempotencyKey::new(key).ok()?,
+        crate::key::Scope::new(scope).ok()?,
+        crate::key::IdempotencyKey::new(key).ok()?,
     ))
 }
 
@@ -123,8 +123,8 @@ mod tests {
     fn payloads_name_their_key_and_nothing_else_parses() {
         for (scope, key) in [("shop", "k1"), ("a:b", "c:d"), ("7:x", "12:y")] {
             let id = KeyId::new(
-                crate::Scope::new(scope).unwrap(),
-                crate::IdempotencyKey::new(key).unwrap(),
+                crate::key::Scope::new(scope).unwrap(),
+                crate::key::IdempotencyKey::new(key).unwrap(),
             );
             assert_eq!(parse(&payload(&id)), Some(id));
         }

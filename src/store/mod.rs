@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::error::StoreError;
 use crate::record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 use crate::state::{KeyState, Transition};
-use crate::{Fingerprint, KeyId, StoredResponse};
+use crate::{KeyId, StoredResponse, fingerprint::Fingerprint};
 
 #[cfg(feature = "mysql")]
 pub mod mysql;
@@ -207,7 +207,7 @@ impl FinishMode {
         }
     }
 
-    /// The token the write presented, for [`refused_write`]: `None` for an unconditional
+    /// The token the write presented, for [`refused_write`](kit::refused_write): `None` for an unconditional
     /// override.
     pub fn presented(self) -> Option<LeaseToken> {
         self.holder().or(self.expected())

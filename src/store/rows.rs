@@ -13,7 +13,7 @@ use chrono::{DateTime, Utc};
 use crate::error::StoreError;
 use crate::record::{Actor, KeyEvent, KeyRecord, LeaseToken};
 use crate::state::KeyState;
-use crate::{Fingerprint, IdempotencyKey, Scope, StoredResponse};
+use crate::{StoredResponse, fingerprint::Fingerprint, key::IdempotencyKey, key::Scope};
 
 /// A key row as plain column values.
 #[derive(Debug, Clone)]

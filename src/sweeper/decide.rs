@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 
 use crate::provider::{CallReply, KeySpec, Lookup, VoidReply};
 use crate::state::{RetryEvidence, may_become_retryable};
-use crate::{KeyRecord, KeyState, Outcome, StoredResponse};
+use crate::{KeyState, Outcome, StoredResponse, record::KeyRecord};
 
 /// The sweeper's plan for a stale key, before it asks the provider anything.
 #[derive(Debug, Clone, PartialEq)]
@@ -338,7 +338,7 @@ pub(crate) fn backoff(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Fingerprint, IdempotencyKey, LeaseToken, Scope};
+    use crate::{fingerprint::Fingerprint, key::IdempotencyKey, key::Scope, record::LeaseToken};
 
     fn record(provider: Option<&str>, request: Option<&str>, age_s: i64) -> KeyRecord {
         let now = Utc::now();

@@ -20,7 +20,7 @@ use tracing::{Instrument, info_span};
 use super::{KeyResult, Sweeper, decide, masked};
 use crate::error::StoreError;
 use crate::provider::Lookup;
-use crate::{KeyId, KeyRecord, KeyState, Outcome};
+use crate::{KeyId, KeyState, Outcome, record::KeyRecord};
 
 /// What a provider's event says about one request idemflow sent through it.
 #[derive(Debug, Clone, PartialEq, Eq)]

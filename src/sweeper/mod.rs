@@ -129,7 +129,7 @@ impl SweeperConfig {
 }
 
 /// The default [`SweeperConfig::lease`]: the executor's default lease
-/// ([`ExecutorConfig::lease`](crate::ExecutorConfig::lease)).
+/// ([`ExecutorConfig::lease`](crate::executor::ExecutorConfig::lease)).
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(6);
 
 /// Why a sweep stopped.
@@ -231,7 +231,7 @@ impl Sweeper {
 
     /// Sweeps only the keys of `scope`, leaving the rest of a shared store to other sweepers
     /// (on Redis, from the earliest 1,000 due keys of each bucket per batch).
-    pub fn scope(mut self, scope: &crate::Scope) -> Self {
+    pub fn scope(mut self, scope: &crate::key::Scope) -> Self {
         self.config.scope = Some(scope.as_str().to_owned());
         self
     }

@@ -68,7 +68,7 @@ pub fn step_key(parent: &KeyId, position: u32) -> KeyId {
 pub async fn steps(
     store: &dyn crate::Store,
     id: &KeyId,
-) -> Result<Vec<crate::KeyRecord>, crate::StoreError> {
+) -> Result<Vec<crate::record::KeyRecord>, crate::StoreError> {
     let mut steps = Vec::new();
     for position in 0..MAX_STEPS {
         match store.get(&step_key(id, position)).await? {
@@ -82,7 +82,7 @@ pub async fn steps(
 /// The recovery point of a workflow whose step rows are `steps` (as [`steps`] returns them):
 /// the position and name of the last step of the finished prefix, `None` before any step
 /// finished. Steps after it are still running, unknown, or retryable.
-pub fn recovery_point(steps: &[crate::KeyRecord]) -> Option<(u32, &str)> {
+pub fn recovery_point(steps: &[crate::record::KeyRecord]) -> Option<(u32, &str)> {
     let finished = steps
         .iter()
         .take_while(|s| {
@@ -109,8 +109,8 @@ pub fn recovery_point(steps: &[crate::KeyRecord]) -> Option<(u32, &str)> {
 /// See `docs/workflows.md`, "Takeover and retention".
 pub(crate) async fn step_window(
     store: &dyn crate::Store,
-    workflow: &crate::KeyRecord,
-    steps: &[crate::KeyRecord],
+    workflow: &crate::record::KeyRecord,
+    steps: &[crate::record::KeyRecord],
     lease: std::time::Duration,
 ) -> Result<std::time::Duration, crate::StoreError> {
     let id = KeyId::new(workflow.scope.clone(), workflow.key.clone());
@@ -127,7 +127,7 @@ pub(crate) async fn step_window(
 }
 
 /// The retention stored with `record` (by its latest claim).
-pub(crate) fn stored_retention(record: &crate::KeyRecord) -> std::time::Duration {
+pub(crate) fn stored_retention(record: &crate::record::KeyRecord) -> std::time::Duration {
     std::time::Duration::from_millis(u64::try_from(record.retention_ms).unwrap_or(0))
 }
 
@@ -148,7 +148,9 @@ pub(crate) async fn stored_step_window(
 /// The first step of `steps` (as [`steps`] returns them) still `processing`, with its
 /// position: while there is one, the workflow waits for it to be settled (by its worker, or by
 /// the sweeper from its provider) before anything may continue it.
-pub fn unsettled_step(steps: &[crate::KeyRecord]) -> Option<(u32, &crate::KeyRecord)> {
+pub fn unsettled_step(
+    steps: &[crate::record::KeyRecord],
+) -> Option<(u32, &crate::record::KeyRecord)> {
     steps
         .iter()
         .enumerate()
@@ -195,7 +197,7 @@ pub fn unsettled_step(steps: &[crate::KeyRecord]) -> Option<(u32, &crate::KeyRec
 /// ```
 pub async fn waiting_for_resumer(
     store: &dyn crate::Store,
-) -> Result<Vec<crate::KeyRecord>, crate::StoreError> {
+) -> Result<Vec<crate::record::KeyRecord>, crate::StoreError> {
     let now = store.now().await?;
     let processing = store.stuck(std::time::Duration::ZERO, u32::MAX).await?;
     let mut waiting = Vec::new();
@@ -352,7 +354,7 @@ impl Context {
     pub(crate) fn workflow_for_step(
         &self,
         step: &Step,
-        provider: Option<&crate::KeySpec>,
+        provider: Option<&crate::provider::KeySpec>,
     ) -> Result<(&Workflow, StepOf), Error> {
         let wf = self
             .run

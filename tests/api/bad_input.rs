@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::support::sqlite::memory;
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{
-    Error, Idempotency, IdempotentRequest, KeyError, KeyState, Outcome, RequestError, Store,
-    StoredResponse,
+    Error, Idempotency, IdempotentRequest, KeyState, Outcome, Store, StoredResponse,
+    error::RequestError, key::KeyError,
 };
 
 async fn rows(store: &SqliteStore) -> (i64, i64) {

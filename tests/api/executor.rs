@@ -10,8 +10,8 @@ use crate::support::charger::{Charger, body};
 use crate::support::sqlite::{file, memory};
 use idemflow::store::TakeStale;
 use idemflow::{
-    Actor, Error, Execution, Idempotency, IdempotentRequest, KeyState, Outcome, Store,
-    StoredResponse,
+    Error, Execution, Idempotency, IdempotentRequest, KeyState, Outcome, Store, StoredResponse,
+    record::Actor,
 };
 
 fn req(scope: &str, key: &str, amount: u64) -> IdempotentRequest {
@@ -550,12 +550,12 @@ impl idemflow::Provider for RateLimited {
         self.0
     }
 
-    fn key_spec(&self) -> idemflow::KeySpec {
-        idemflow::KeySpec::no_keys()
+    fn key_spec(&self) -> idemflow::provider::KeySpec {
+        idemflow::provider::KeySpec::no_keys()
     }
 
-    async fn send(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallReply {
-        idemflow::CallReply::Retryable {
+    async fn send(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::provider::CallReply {
+        idemflow::provider::CallReply::Retryable {
             reason: "429".into(),
             retry_after: None,
         }
@@ -565,11 +565,11 @@ impl idemflow::Provider for RateLimited {
         &self,
         _pk: &str,
         _request: &serde_json::Value,
-        _attempts: idemflow::Attempts,
+        _attempts: idemflow::provider::Attempts,
         _now: chrono::DateTime<chrono::Utc>,
-    ) -> idemflow::Lookup {
+    ) -> idemflow::provider::Lookup {
         // Never sent anything: an authoritative "not found", as a consistent search would say.
-        idemflow::Lookup::NotFound {
+        idemflow::provider::Lookup::NotFound {
             authoritative: true,
         }
     }
@@ -641,21 +641,21 @@ impl idemflow::Provider for SlowThenRefuses {
         "slow_cards"
     }
 
-    fn key_spec(&self) -> idemflow::KeySpec {
-        idemflow::KeySpec {
+    fn key_spec(&self) -> idemflow::provider::KeySpec {
+        idemflow::provider::KeySpec {
             max_len: 64,
             retention: Some(Duration::from_secs(3600)),
             replays_same_key: true,
         }
     }
 
-    async fn send(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::CallReply {
+    async fn send(&self, _pk: &str, _request: &serde_json::Value) -> idemflow::provider::CallReply {
         if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
-            idemflow::CallReply::Unknown {
+            idemflow::provider::CallReply::Unknown {
                 reason: "timed out after sending".into(),
             }
         } else {
-            idemflow::CallReply::Rejected {
+            idemflow::provider::CallReply::Rejected {
                 response: StoredResponse::json(422, &serde_json::json!({"name": "UNPROCESSABLE"}))
                     .unwrap(),
             }
@@ -666,10 +666,10 @@ impl idemflow::Provider for SlowThenRefuses {
         &self,
         _pk: &str,
         _request: &serde_json::Value,
-        _attempts: idemflow::Attempts,
+        _attempts: idemflow::provider::Attempts,
         _now: chrono::DateTime<chrono::Utc>,
-    ) -> idemflow::Lookup {
-        idemflow::Lookup::Unknown { retry_after: None }
+    ) -> idemflow::provider::Lookup {
+        idemflow::provider::Lookup::Unknown { retry_after: None }
     }
 }
 

@@ -11,8 +11,8 @@ use idemflow::conformance::fake::FakeProvider;
 use idemflow::consumer::{Consumer, Disposition, Message};
 use idemflow::store::sqlite::{SqliteConfig, SqliteStore};
 use idemflow::{
-    Error, Idempotency, IdempotentRequest, Outcome, Providers, Scope, Store, StoredResponse,
-    Sweeper,
+    Error, Idempotency, IdempotentRequest, Outcome, Providers, Store, StoredResponse, Sweeper,
+    key::Scope,
 };
 use serde_json::json;
 
@@ -475,7 +475,7 @@ mod provider_settings {
                 }
                 let _ = adapter.key_spec().derive(
                     &Scope::new("s").unwrap(),
-                    &idemflow::IdempotencyKey::new("k").unwrap(),
+                    &idemflow::key::IdempotencyKey::new("k").unwrap(),
                     "op",
                 );
                 let req =

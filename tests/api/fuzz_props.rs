@@ -3,7 +3,7 @@
 //! TOML config and the Redis decoders never panic, and their stated properties hold.
 //! `IDEMFLOW_FUZZ_CASES=N` runs more cases (default 2,000 per property).
 
-use idemflow::Fingerprint;
+use idemflow::fingerprint::Fingerprint;
 use idemflow::fingerprint::{canonical_json, parse_json};
 
 /// xorshift64*: deterministic, no dependency.

@@ -67,8 +67,8 @@ use idemflow::provider::config::{ProviderConfig, build_with_env};
 use idemflow::store::{ClaimOutcome, Finish, NewClaim};
 use idemflow::testkit::FakeStripe;
 use idemflow::{
-    Actor, Idempotency, KeyId, KeyRecord, KeyState, LeaseToken, Providers, Store, StoreError,
-    Sweeper, async_trait,
+    Idempotency, KeyId, KeyState, Providers, Store, StoreError, Sweeper, async_trait,
+    record::Actor, record::KeyRecord, record::LeaseToken,
 };
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};

@@ -20,7 +20,10 @@ use idemflow::store::{
     ClaimOutcome, Finish, Lease, NewClaim, OperatorStore, Release, Stats, Store, Stuck,
     SweeperStore, TakeStale,
 };
-use idemflow::{Actor, KeyEvent, KeyId, KeyRecord, KeyState, LeaseToken, StoreError, async_trait};
+use idemflow::{
+    KeyId, KeyState, StoreError, async_trait, record::Actor, record::KeyEvent, record::KeyRecord,
+    record::LeaseToken,
+};
 
 /// The in-memory store.
 #[derive(Debug, Default)]

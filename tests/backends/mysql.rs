@@ -135,7 +135,7 @@ mod simultaneous_assignment {
 
     use idemflow::conformance::{self, claim_for, claimed, done, id, unique};
     use idemflow::store::mysql::MySqlStore;
-    use idemflow::{LeaseToken, Store, StoreError, StoredResponse};
+    use idemflow::{Store, StoreError, StoredResponse, record::LeaseToken};
     use sqlx::Executor;
     use sqlx::mysql::MySqlPoolOptions;
 

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use idemflow::store::phase::{AtomicPhase, Refusal, WritesError, WritesFuture};
 use idemflow::{
-    Actor, Error, Execution, Idempotency, IdempotencyKey, IdempotentRequest, KeyId, KeyState,
-    Outcome, Scope, Store, StoredResponse, async_trait,
+    Error, Execution, Idempotency, IdempotentRequest, KeyId, KeyState, Outcome, Store,
+    StoredResponse, async_trait, key::IdempotencyKey, key::Scope, record::Actor,
 };
 use serde_json::json;
 
@@ -107,7 +107,7 @@ fn workflow(key: &str) -> IdempotentRequest {
 
 /// A workflow's body: one atomic step running `phase`, its answer the workflow's.
 async fn one_atomic_step(ctx: idemflow::Context, phase: Box<dyn AtomicPhase>) -> idemflow::Outcome {
-    let step = idemflow::Step::new("create_order", &json!({})).unwrap();
+    let step = idemflow::workflow::Step::new("create_order", &json!({})).unwrap();
     match ctx.atomic_step(step, phase).await {
         Ok(done) => idemflow::Outcome::Succeeded(done.into_response()),
         Err(e) => idemflow::Outcome::from_step_error(&e),
@@ -516,7 +516,7 @@ mod sqlite {
         let phase = Sqlite(b.clone()).phase("o", "c", Then::Answer);
         let r = idem
             .execute(workflow("wf"), |ctx| async move {
-                let step = idemflow::Step::new("create_order", &json!({})).unwrap();
+                let step = idemflow::workflow::Step::new("create_order", &json!({})).unwrap();
                 let e = ctx.atomic_step(step, phase).await.unwrap_err();
                 let outcome = idemflow::Outcome::from_step_error(&e);
                 *seen.lock().unwrap() = Some(e);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use idemflow::store::postgres::{PostgresStore, TAKE_STALE_SQL};
 use idemflow::store::{PoolExhausted, PoolOptions, TakeStale};
-use idemflow::{KeyId, LeaseToken, Store, async_trait};
+use idemflow::{KeyId, Store, async_trait, record::LeaseToken};
 use sqlx::migrate::Migrator;
 use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Executor, Row};

@@ -12,7 +12,7 @@ use idemflow::conformance::{self, claim_for, done, id, unique};
 use idemflow::state::Transition;
 use idemflow::store::redis::{RedisConfig, RedisStore};
 use idemflow::store::{ClaimOutcome, Finish, Release, TakeStale};
-use idemflow::{Actor, KeyState, LeaseToken, Store, StoreError, StoredResponse};
+use idemflow::{KeyState, Store, StoreError, StoredResponse, record::Actor, record::LeaseToken};
 
 use crate::support::backend_url;
 use crate::support::redis::{
@@ -713,13 +713,13 @@ async fn wait_for_replicas_that_do_not_exist_fails_claims_and_finishes() {
     .await
     .unwrap();
     for (waiting, passing) in [(by_url, none), (cluster, cluster_none)] {
-        let short = |e: &StoreError, write: idemflow::ReplicatedWrite| matches!(e, StoreError::NotReplicated { write: w, acknowledged: 0, wanted: 1, .. } if *w == write);
+        let short = |e: &StoreError, write: idemflow::error::ReplicatedWrite| matches!(e, StoreError::NotReplicated { write: w, acknowledged: 0, wanted: 1, .. } if *w == write);
         let a = id(&unique("wait"), "a");
         let e = waiting
             .claim(&claim_for(&a, "{}", LEASE))
             .await
             .unwrap_err();
-        assert!(short(&e, idemflow::ReplicatedWrite::Claim), "{e}");
+        assert!(short(&e, idemflow::error::ReplicatedWrite::Claim), "{e}");
         // Given back: nothing may have acted.
         assert_eq!(
             passing.get(&a).await.unwrap().unwrap().state,
@@ -731,7 +731,7 @@ async fn wait_for_replicas_that_do_not_exist_fails_claims_and_finishes() {
             .finish(&a, lease.token, &done(StoredResponse::new(200)))
             .await
             .unwrap_err();
-        assert!(short(&e, idemflow::ReplicatedWrite::Finish), "{e}");
+        assert!(short(&e, idemflow::error::ReplicatedWrite::Finish), "{e}");
         assert_eq!(
             passing.get(&a).await.unwrap().unwrap().state,
             KeyState::Done

@@ -25,8 +25,8 @@ use idemflow::store::redis::{
 use idemflow::store::{ClaimOutcome, Finish, NewClaim};
 use idemflow::testkit::FakeResend;
 use idemflow::{
-    Error, Execution, Idempotency, IdempotentRequest, KeyId, KeyRecord, KeyState, Outcome,
-    Providers, ReplicatedWrite, Store, StoreError, StoredResponse, Sweeper, async_trait,
+    Error, Execution, Idempotency, IdempotentRequest, KeyId, KeyState, Outcome, Providers, Store,
+    StoreError, StoredResponse, Sweeper, async_trait, error::ReplicatedWrite, record::KeyRecord,
 };
 use serde_json::json;
 use tokio::time::Instant;

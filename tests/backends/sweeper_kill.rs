@@ -16,8 +16,8 @@ use std::time::Duration;
 use idemflow::provider::Stripe;
 use idemflow::testkit::FakeStripe;
 use idemflow::{
-    Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Step, Store,
-    StoredResponse, Sweeper,
+    Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Store,
+    StoredResponse, Sweeper, workflow::Step,
 };
 use serde_json::json;
 use tokio::time::Instant;

@@ -701,7 +701,8 @@ async fn reconcile_reports_waiting_workflows_and_inspect_shows_their_steps() {
     .workflow();
     let err = Idempotency::new(store.clone())
         .execute(req, |ctx| async move {
-            let charge = idemflow::Step::new("charge", &serde_json::json!({"amount": 5})).unwrap();
+            let charge =
+                idemflow::workflow::Step::new("charge", &serde_json::json!({"amount": 5})).unwrap();
             let paid = ctx
                 .step(charge, |_| async {
                     Outcome::Succeeded(
@@ -710,7 +711,8 @@ async fn reconcile_reports_waiting_workflows_and_inspect_shows_their_steps() {
                 })
                 .await;
             assert!(paid.is_ok(), "{paid:?}");
-            let email = idemflow::Step::new("email", &serde_json::json!({"to": "a@b.c"})).unwrap();
+            let email = idemflow::workflow::Step::new("email", &serde_json::json!({"to": "a@b.c"}))
+                .unwrap();
             match ctx
                 .step(email, |_| async {
                     Outcome::unknown("connection reset after sending")

@@ -24,8 +24,8 @@ use chrono::{DateTime, Utc};
 use idemflow::provider::{Attempts, CallReply, KeySpec, Lookup};
 use idemflow::store::postgres::PostgresStore;
 use idemflow::{
-    Actor, Idempotency, IdempotencyKey, KeyId, KeyState, Outcome, Provider, Providers, Scope,
-    Store, StoredResponse, Sweeper,
+    Idempotency, KeyId, KeyState, Outcome, Provider, Providers, Store, StoredResponse, Sweeper,
+    key::IdempotencyKey, key::Scope, record::Actor,
 };
 use serde_json::json;
 use sqlx::PgPool;

@@ -18,7 +18,7 @@ use std::time::Duration;
 use idemflow::consumer::REFUSED_HEADER;
 use idemflow::consumer::amqp::lapin;
 use idemflow::testkit::FakeResend;
-use idemflow::{Actor, IdempotencyKey, KeyId, KeyState, Scope};
+use idemflow::{KeyId, KeyState, key::IdempotencyKey, key::Scope, record::Actor};
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
     QueueDeclareOptions, QueueDeleteOptions,

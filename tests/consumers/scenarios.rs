@@ -14,7 +14,8 @@ use idemflow::consumer::{
 use idemflow::provider::{Attempts, CallReply, KeySpec, Lookup};
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::{
-    Actor, Context, Idempotency, KeyId, KeyState, Outcome, Provider, Scope, Store, StoredResponse,
+    Context, Idempotency, KeyId, KeyState, Outcome, Provider, Store, StoredResponse, key::Scope,
+    record::Actor,
 };
 use sqlx::SqlitePool;
 use tokio::sync::{Notify, oneshot};
@@ -562,7 +563,10 @@ pub async fn a_consumer_asked_for_any_concurrency_handles_its_messages(broker: i
 
 /// Checks that the key of `id` is `done`, settled by the sweeper.
 async fn settled_by_the_sweeper(store: &Arc<dyn Store>, scope: &Scope, id: &str) {
-    let key = KeyId::new(scope.clone(), idemflow::IdempotencyKey::new(id).unwrap());
+    let key = KeyId::new(
+        scope.clone(),
+        idemflow::key::IdempotencyKey::new(id).unwrap(),
+    );
     let record = store.get(&key).await.unwrap().unwrap();
     assert_eq!(record.state, KeyState::Done);
     let history = store.history(&key).await.unwrap();
@@ -788,7 +792,10 @@ pub async fn a_consumer_killed_mid_message_leaves_one_effect(broker: impl Broker
     let died_on = ["kill-1", "kill-2", "kill-3"];
     let mut settled = 0;
     for id in died_on {
-        let key = KeyId::new(scope.clone(), idemflow::IdempotencyKey::new(id).unwrap());
+        let key = KeyId::new(
+            scope.clone(),
+            idemflow::key::IdempotencyKey::new(id).unwrap(),
+        );
         let history = store.history(&key).await.unwrap();
         if history.iter().any(|e| e.actor == Actor::Sweeper) {
             settled_by_the_sweeper(&store, &scope, id).await;
@@ -828,7 +835,10 @@ pub async fn a_consumer_without_a_provider_killed_mid_message_keeps_one_effect(
     assert_eq!(effects.summary().await, (4, 3, 2), "{stats:?}");
     let mut taken_over = 0;
     for id in ["kill-1", "kill-2", "kill-3"] {
-        let key = KeyId::new(scope.clone(), idemflow::IdempotencyKey::new(id).unwrap());
+        let key = KeyId::new(
+            scope.clone(),
+            idemflow::key::IdempotencyKey::new(id).unwrap(),
+        );
         let record = store.get(&key).await.unwrap().unwrap();
         assert_eq!(record.state, KeyState::Done, "{id}");
         let history = store.history(&key).await.unwrap();

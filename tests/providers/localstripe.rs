@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use idemflow::provider::stripe::StripeOperation;
 use idemflow::provider::{Attempts, Provider, Stripe};
-use idemflow::{CallReply, Lookup, Outcome};
+use idemflow::{Outcome, provider::CallReply, provider::Lookup};
 use serde_json::{Value, json};
 
 use crate::support::KillOnDrop;

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use chrono::Utc;
-use idemflow::Lookup;
+use idemflow::provider::Lookup;
 use idemflow::provider::stripe::StripeOperation;
 use idemflow::provider::{Adyen, Attempts, PayPal, Postmark, Provider, Resend, Square, Stripe};
 use idemflow::testkit::{FakeAdyen, FakePayPal, FakePostmark, FakeResend, FakeSquare, FakeStripe};
@@ -104,7 +104,7 @@ async fn postmark_is_searched_by_the_key_alone() {
                                    "Subject": "Receipt", "TextBody": "Paid."});
     let sent = adapter.send("idf_sent", &email).await;
     assert!(
-        matches!(sent, idemflow::CallReply::Succeeded { .. }),
+        matches!(sent, idemflow::provider::CallReply::Succeeded { .. }),
         "{sent:?}"
     );
     let found = adapter

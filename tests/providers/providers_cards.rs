@@ -10,7 +10,10 @@ use chrono::Utc;
 use idemflow::provider::http::HttpConfig;
 use idemflow::provider::{Adyen, PayPal, Provider, Square, VoidReply};
 use idemflow::testkit::{FakeAdyen, FakePayPal, FakeSquare};
-use idemflow::{Attempts, CallReply, IdempotencyKey, Lookup, Outcome, Scope};
+use idemflow::{
+    Outcome, key::IdempotencyKey, key::Scope, provider::Attempts, provider::CallReply,
+    provider::Lookup,
+};
 use serde_json::{Value, json};
 use wiremock::matchers::{header, method, path};
 use wiremock::{Mock, MockServer, ResponseTemplate};

@@ -9,7 +9,7 @@ use idemflow::store::sqlite::SqliteStore;
 use idemflow::sweeper::{Sweeper, Unresolved};
 use idemflow::testkit::{FakePostmark, FakeResend, FakeStripe};
 use idemflow::{
-    Error, Execution, Idempotency, IdempotentRequest, KeyState, Lookup, Outcome, Store,
+    Error, Execution, Idempotency, IdempotentRequest, KeyState, Outcome, Store, provider::Lookup,
 };
 use serde_json::{Value, json};
 
@@ -179,7 +179,7 @@ async fn postmark_unknown_is_left_for_the_sweeper_and_lookup_settles_it() {
         .lookup(
             &row.provider_key,
             &stored,
-            idemflow::Attempts::new(row.created_at, row.last_attempt_at),
+            idemflow::provider::Attempts::new(row.created_at, row.last_attempt_at),
             chrono::Utc::now(),
         )
         .await;

@@ -6,7 +6,10 @@ use chrono::Utc;
 use idemflow::provider::http::HttpConfig;
 use idemflow::provider::{Postmark, Provider, Resend};
 use idemflow::testkit::{FakePostmark, FakeResend};
-use idemflow::{CallReply, IdempotencyKey, KeySpec, Lookup, Outcome, Scope};
+use idemflow::{
+    Outcome, key::IdempotencyKey, key::Scope, provider::CallReply, provider::KeySpec,
+    provider::Lookup,
+};
 use serde_json::{Value, json};
 use wiremock::matchers::{header, method, path, query_param};
 use wiremock::{Mock, MockServer, ResponseTemplate};
@@ -173,7 +176,7 @@ async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
         .lookup(
             "idf_l",
             &email(),
-            idemflow::Attempts::once(Utc::now()),
+            idemflow::provider::Attempts::once(Utc::now()),
             Utc::now(),
         )
         .await
@@ -192,7 +195,7 @@ async fn resend_lookup_is_a_same_key_resend_inside_the_window() {
         .lookup(
             "idf_l",
             &email(),
-            idemflow::Attempts::once(old),
+            idemflow::provider::Attempts::once(old),
             chrono::Utc::now(),
         )
         .await;
@@ -208,7 +211,7 @@ async fn resend_lookup_judges_the_window_from_the_first_send_not_the_latest_atte
     let fake = FakeResend::start().await.unwrap();
     let r = resend(fake.base_url(), 1);
     let now = Utc::now();
-    let attempts = idemflow::Attempts::new(
+    let attempts = idemflow::provider::Attempts::new(
         now - chrono::Duration::hours(25),
         now - chrono::Duration::minutes(10),
     );
@@ -229,7 +232,7 @@ async fn resend_lookup_keeps_the_sweepers_redrive_margin() {
         .lookup(
             "idf_m",
             &email(),
-            idemflow::Attempts::once(sent_at),
+            idemflow::provider::Attempts::once(sent_at),
             Utc::now(),
         )
         .await;
@@ -245,7 +248,7 @@ async fn resend_lookup_keeps_the_sweepers_redrive_margin() {
         .lookup(
             "idf_m",
             &email(),
-            idemflow::Attempts::once(sent_at),
+            idemflow::provider::Attempts::once(sent_at),
             Utc::now(),
         )
         .await;
@@ -267,7 +270,7 @@ async fn resend_lookup_of_a_key_held_for_another_payload_needs_an_operator() {
         .lookup(
             "idf_c",
             &other,
-            idemflow::Attempts::once(Utc::now()),
+            idemflow::provider::Attempts::once(Utc::now()),
             Utc::now(),
         )
         .await;
@@ -285,7 +288,7 @@ async fn resend_lookup_without_the_stored_request_sends_nothing() {
         .lookup(
             "idf_n",
             &Value::Null,
-            idemflow::Attempts::once(Utc::now()),
+            idemflow::provider::Attempts::once(Utc::now()),
             Utc::now(),
         )
         .await;
@@ -332,7 +335,7 @@ async fn postmark_puts_our_key_in_metadata_and_searches_by_it() {
         .lookup(
             "idf_p1",
             &pm_email(),
-            idemflow::Attempts::once(Utc::now()),
+            idemflow::provider::Attempts::once(Utc::now()),
             Utc::now(),
         )
         .await;
@@ -361,7 +364,7 @@ async fn postmark_lost_response_is_never_resent_and_lookup_finds_it() {
         .lookup(
             "idf_pl",
             &pm_email(),
-            idemflow::Attempts::once(sent_at),
+            idemflow::provider::Attempts::once(sent_at),
             chrono::Utc::now(),
         )
         .await
@@ -441,7 +444,7 @@ async fn postmark_search_lag_and_authority() {
         p.lookup(
             "idf_s",
             &pm_email(),
-            idemflow::Attempts::once(now),
+            idemflow::provider::Attempts::once(now),
             chrono::Utc::now()
         )
         .await,
@@ -454,7 +457,7 @@ async fn postmark_search_lag_and_authority() {
         p.lookup(
             "idf_s",
             &pm_email(),
-            idemflow::Attempts::once(now),
+            idemflow::provider::Attempts::once(now),
             chrono::Utc::now()
         )
         .await,
@@ -465,7 +468,7 @@ async fn postmark_search_lag_and_authority() {
         p.lookup(
             "idf_none",
             &pm_email(),
-            idemflow::Attempts::once(old),
+            idemflow::provider::Attempts::once(old),
             chrono::Utc::now()
         )
         .await,
@@ -479,7 +482,7 @@ async fn postmark_search_lag_and_authority() {
         p.lookup(
             "idf_none",
             &pm_email(),
-            idemflow::Attempts::once(ancient),
+            idemflow::provider::Attempts::once(ancient),
             chrono::Utc::now()
         )
         .await,

@@ -6,7 +6,7 @@ use chrono::Utc;
 use idemflow::provider::http::HttpConfig;
 use idemflow::provider::{Provider, Stripe};
 use idemflow::testkit::FakeStripe;
-use idemflow::{CallReply, IdempotencyKey, Lookup, Outcome, Scope};
+use idemflow::{Outcome, key::IdempotencyKey, key::Scope, provider::CallReply, provider::Lookup};
 use serde_json::{Value, json};
 use wiremock::matchers::{header, method, path};
 use wiremock::{Mock, MockServer, ResponseTemplate};
@@ -505,7 +505,7 @@ async fn stripe_lookup_respects_search_lag() {
         s.lookup(
             "idf_look",
             &charge(),
-            idemflow::Attempts::once(sent_at),
+            idemflow::provider::Attempts::once(sent_at),
             chrono::Utc::now()
         )
         .await,
@@ -518,7 +518,7 @@ async fn stripe_lookup_respects_search_lag() {
         .lookup(
             "idf_look",
             &charge(),
-            idemflow::Attempts::once(sent_at),
+            idemflow::provider::Attempts::once(sent_at),
             chrono::Utc::now(),
         )
         .await
@@ -533,7 +533,7 @@ async fn stripe_lookup_respects_search_lag() {
         s.lookup(
             "idf_never",
             &charge(),
-            idemflow::Attempts::once(long_ago),
+            idemflow::provider::Attempts::once(long_ago),
             chrono::Utc::now()
         )
         .await,
@@ -550,7 +550,7 @@ async fn stripe_lookup_respects_search_lag() {
         .lookup(
             "idf_look_d",
             &declined,
-            idemflow::Attempts::once(sent_at),
+            idemflow::provider::Attempts::once(sent_at),
             chrono::Utc::now(),
         )
         .await;
@@ -568,7 +568,7 @@ async fn stripe_lookup_respects_search_lag() {
         down.lookup(
             "idf_look",
             &charge(),
-            idemflow::Attempts::once(long_ago),
+            idemflow::provider::Attempts::once(long_ago),
             chrono::Utc::now()
         )
         .await,
@@ -659,7 +659,7 @@ async fn stripe_lookup_replays_a_decline_only_when_stripe_recorded_one() {
             .lookup(
                 key,
                 &charge(),
-                idemflow::Attempts::once(long_ago),
+                idemflow::provider::Attempts::once(long_ago),
                 Utc::now(),
             )
             .await;
@@ -673,7 +673,7 @@ async fn stripe_lookup_replays_a_decline_only_when_stripe_recorded_one() {
         .lookup(
             "idf_declined",
             &charge(),
-            idemflow::Attempts::once(long_ago),
+            idemflow::provider::Attempts::once(long_ago),
             Utc::now(),
         )
         .await;
@@ -737,7 +737,7 @@ async fn stripe_version_is_pinned_on_every_request() {
             .lookup(
                 &format!("idf_v_{expected}"),
                 &charge(),
-                idemflow::Attempts::once(long_ago),
+                idemflow::provider::Attempts::once(long_ago),
                 Utc::now(),
             )
             .await;

@@ -9,7 +9,7 @@ use chrono::Utc;
 use idemflow::provider::stripe::StripeOperation;
 use idemflow::provider::{Attempts, Provider, Stripe};
 use idemflow::testkit::FakeStripe;
-use idemflow::{CallReply, Lookup, Outcome};
+use idemflow::{Outcome, provider::CallReply, provider::Lookup};
 use serde_json::{Value, json};
 
 fn adapter(fake: &FakeStripe, operation: StripeOperation) -> Stripe {

@@ -211,8 +211,8 @@ mod layer {
     use axum::response::{IntoResponse, Response};
     use axum::routing::post;
     use http_body_util::BodyExt;
-    use idemflow::CallReply;
     use idemflow::axum::{IdempotencyContext, IdempotencyLayer, ScopeSource};
+    use idemflow::provider::CallReply;
     use idemflow::provider::Provider;
     use tower::ServiceExt;
 

@@ -19,8 +19,8 @@ use idemflow::conformance::sweeper::cut_when;
 use idemflow::store::phase::AtomicPhase;
 use idemflow::workflow::step_key;
 use idemflow::{
-    Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Step, Store,
-    StoredResponse, Sweeper,
+    Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Store,
+    StoredResponse, Sweeper, workflow::Step,
 };
 use serde_json::json;
 
@@ -413,8 +413,8 @@ mod mysql {
         store.migrate().await.unwrap();
         for i in 0..160u64 {
             let id = idemflow::KeyId::new(
-                idemflow::Scope::new("shop").unwrap(),
-                idemflow::IdempotencyKey::new(format!("cut-{i}")).unwrap(),
+                idemflow::key::Scope::new("shop").unwrap(),
+                idemflow::key::IdempotencyKey::new(format!("cut-{i}")).unwrap(),
             );
             let claim = NewClaim {
                 id: id.clone(),
@@ -424,7 +424,7 @@ mod mysql {
                     .map(Into::into),
                 provider_key: format!("pk-cut-{i}"),
                 renewed_key_base: None,
-                fingerprint: idemflow::Fingerprint::compute("create_order", "{}"),
+                fingerprint: idemflow::fingerprint::Fingerprint::compute("create_order", "{}"),
                 request: None,
                 owner: "test".into(),
                 lease: Duration::from_secs(60),
@@ -527,7 +527,7 @@ mod sqlite_writer {
     use idemflow::store::NewClaim;
     use idemflow::store::phase::Prepare;
     use idemflow::store::sqlite::{SqliteConfig, SqliteStore};
-    use idemflow::{Fingerprint, KeyId};
+    use idemflow::{KeyId, fingerprint::Fingerprint};
     use sqlx::SqliteConnection;
     use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
     use std::str::FromStr;
@@ -652,8 +652,8 @@ mod sqlite_writer {
         let reopened = SqliteStore::connect(url).await.unwrap();
         reopened
             .get(&KeyId::new(
-                idemflow::Scope::new("shop").unwrap(),
-                idemflow::IdempotencyKey::new(key).unwrap(),
+                idemflow::key::Scope::new("shop").unwrap(),
+                idemflow::key::IdempotencyKey::new(key).unwrap(),
             ))
             .await
             .unwrap()
@@ -899,8 +899,8 @@ mod sqlite_writer {
     /// The claim of a step-like key, for driving `AtomicPhase::claim_and_commit` by hand.
     fn claim_of(key: &str) -> NewClaim {
         let id = KeyId::new(
-            idemflow::Scope::new("shop").unwrap(),
-            idemflow::IdempotencyKey::new(key).unwrap(),
+            idemflow::key::Scope::new("shop").unwrap(),
+            idemflow::key::IdempotencyKey::new(key).unwrap(),
         );
         NewClaim {
             id,

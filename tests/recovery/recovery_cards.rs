@@ -206,7 +206,7 @@ impl Card {
                 let body: Value = serde_json::from_str(ctx.request()).unwrap();
                 let answer = p.send(ctx.provider_key(), &body).await;
                 assert!(
-                    matches!(answer, idemflow::CallReply::Succeeded { .. }),
+                    matches!(answer, idemflow::provider::CallReply::Succeeded { .. }),
                     "{answer:?}"
                 );
                 let _ = at.send(());
@@ -250,7 +250,10 @@ impl Card {
         assert_eq!(Some(retry.response()), row.response.as_ref());
         assert_eq!(self.ledger.len(), 1, "one payment, never two");
         let history = store.history(self.request(key).id()).await.unwrap();
-        assert_eq!(history.last().unwrap().actor, idemflow::Actor::Sweeper);
+        assert_eq!(
+            history.last().unwrap().actor,
+            idemflow::record::Actor::Sweeper
+        );
         retry.response().body_json().unwrap()
     }
 }

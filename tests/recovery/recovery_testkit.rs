@@ -243,7 +243,10 @@ async fn lost_response_is_settled_by_the_sweeper_with_one_charge(
     assert_eq!(retry.response(), row.response.as_ref().unwrap());
     assert_eq!(fake.ledger().len(), 1);
     let history = store.history(charge("lost-1").id()).await.unwrap();
-    assert_eq!(history.last().unwrap().actor, idemflow::Actor::Sweeper);
+    assert_eq!(
+        history.last().unwrap().actor,
+        idemflow::record::Actor::Sweeper
+    );
 }
 
 async fn process_died_after_the_provider_answered_is_settled_with_one_charge(
@@ -260,7 +263,10 @@ async fn process_died_after_the_provider_answered_is_settled_with_one_charge(
     let died = idem.execute(charge("died-1").with_provider("stripe"), |ctx| async move {
         let body: Value = serde_json::from_str(ctx.request()).unwrap();
         let answer = s.send(ctx.provider_key(), &body).await;
-        assert!(matches!(answer, idemflow::CallReply::Succeeded { .. }));
+        assert!(matches!(
+            answer,
+            idemflow::provider::CallReply::Succeeded { .. }
+        ));
         let _ = at.send(());
         std::future::pending::<Outcome>().await
     });

@@ -22,8 +22,8 @@ use idemflow::store::phase::AtomicPhase;
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::testkit::{FakePostmark, FakeResend, FakeStripe};
 use idemflow::{
-    Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Step, Store,
-    StoredResponse, Sweeper,
+    Context, Error, Idempotency, IdempotentRequest, KeyState, Outcome, Providers, Store,
+    StoredResponse, Sweeper, workflow::Step,
 };
 use serde_json::json;
 

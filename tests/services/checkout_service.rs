@@ -117,8 +117,8 @@ async fn a_lost_receipt_answer_is_settled_and_the_order_resumed() {
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     let sweeper = example::sweeper(&s.idem, s.shop.clone()).backoff(Duration::ZERO, Duration::ZERO);
     let id = idemflow::KeyId::new(
-        idemflow::Scope::new("acct_1").unwrap(),
-        idemflow::IdempotencyKey::new("order-3").unwrap(),
+        idemflow::key::Scope::new("acct_1").unwrap(),
+        idemflow::key::IdempotencyKey::new("order-3").unwrap(),
     );
     for _ in 0..5 {
         sweeper.run_once().await.unwrap();

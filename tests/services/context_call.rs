@@ -18,7 +18,7 @@ use idemflow::provider::http::HttpConfig;
 use idemflow::store::OperatorStore;
 use idemflow::store::sqlite::SqliteStore;
 use idemflow::testkit::FakeStripe;
-use idemflow::{Idempotency, KeyId, KeyState, Scope, Store};
+use idemflow::{Idempotency, KeyId, KeyState, Store, key::Scope};
 
 use crate::http_layer::{Answer, send};
 
@@ -190,11 +190,11 @@ impl idemflow::Provider for ShortKeys {
         "short-keys"
     }
 
-    fn key_spec(&self) -> idemflow::KeySpec {
+    fn key_spec(&self) -> idemflow::provider::KeySpec {
         if self.keyless {
-            idemflow::KeySpec::no_keys()
+            idemflow::provider::KeySpec::no_keys()
         } else {
-            idemflow::KeySpec {
+            idemflow::provider::KeySpec {
                 max_len: 36,
                 retention: Some(Duration::from_secs(24 * 3600)),
                 replays_same_key: true,

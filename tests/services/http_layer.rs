@@ -463,8 +463,8 @@ async fn json_body_with_duplicate_member_names_is_400() {
     assert_eq!(c.runs.load(Ordering::SeqCst), 0);
     // Nothing was claimed; the last-wins reading of the body is not a replay of it either.
     let id = idemflow::KeyId::new(
-        idemflow::Scope::new("acct_1").unwrap(),
-        idemflow::IdempotencyKey::new("k-dup").unwrap(),
+        idemflow::key::Scope::new("acct_1").unwrap(),
+        idemflow::key::IdempotencyKey::new("k-dup").unwrap(),
     );
     assert!(store.get(&id).await.unwrap().is_none());
     let ok = send(&app, post_req("/payments", Some("k-dup"), "acct_1", BODY)).await;
@@ -735,8 +735,8 @@ async fn a_claim_answered_after_its_lease_runs_no_handler() {
     assert!(a.status.is_server_error(), "{:?} {:?}", a.status, a.body);
     assert_eq!(c.runs.load(Ordering::SeqCst), 0, "the handler must not run");
     let id = idemflow::KeyId::new(
-        idemflow::Scope::new("acct_1").unwrap(),
-        idemflow::IdempotencyKey::new("k-paused").unwrap(),
+        idemflow::key::Scope::new("acct_1").unwrap(),
+        idemflow::key::IdempotencyKey::new("k-paused").unwrap(),
     );
     let row = inner.get(&id).await.unwrap().expect("key row");
     assert_eq!(row.state, KeyState::Failed { retryable: true });

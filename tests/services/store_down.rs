@@ -22,7 +22,7 @@ use http_body_util::BodyExt;
 use idemflow::axum::{
     IdempotencyContext, IdempotencyLayer, ScopeSource, StoreDown, UNPROTECTED_HEADER,
 };
-use idemflow::{Idempotency, Scope, Store};
+use idemflow::{Idempotency, Store, key::Scope};
 use serde_json::Value;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;

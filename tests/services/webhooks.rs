@@ -19,7 +19,8 @@ use idemflow::provider::http::HttpConfig;
 use idemflow::provider::stripe_signature::StripeSignature;
 use idemflow::testkit::{Delivered, FakeStripe, WebhookSender, stripe_event};
 use idemflow::{
-    Actor, Error, Idempotency, IdempotentRequest, KeyId, KeyState, Providers, Store, Sweeper,
+    Error, Idempotency, IdempotentRequest, KeyId, KeyState, Providers, Store, Sweeper,
+    record::Actor,
 };
 use serde_json::{Value, json};
 

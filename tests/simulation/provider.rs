@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use idemflow::{
-    Attempts, CallReply, KeySpec, Lookup, Outcome, Provider, StoredResponse, async_trait,
+    Outcome, Provider, StoredResponse, async_trait, provider::Attempts, provider::CallReply,
+    provider::KeySpec, provider::Lookup,
 };
 
 use crate::checks::Check;

@@ -36,8 +36,8 @@ use chrono::{DateTime, Utc};
 use idemflow::consumer::{Consumer, ConsumerError, Disposition, FingerprintSource, Message};
 use idemflow::store::{ClaimOutcome, Finish, NewClaim, Release};
 use idemflow::{
-    Context, Idempotency, KeyId, KeyRecord, LeaseToken, Outcome, Scope, Store, StoreError,
-    StoredResponse, async_trait, conformance::Delegate,
+    Context, Idempotency, KeyId, Outcome, Store, StoreError, StoredResponse, async_trait,
+    conformance::Delegate, key::Scope, record::KeyRecord, record::LeaseToken,
 };
 
 use tokio::sync::watch;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use idemflow::conformance::Delegate;
 use idemflow::store::{ClaimOutcome, Finish, NewClaim, Release, TakeStale};
-use idemflow::{KeyId, KeyRecord, LeaseToken, Store, StoreError, async_trait};
+use idemflow::{KeyId, Store, StoreError, async_trait, record::KeyRecord, record::LeaseToken};
 
 use crate::gate::{SharedRef, park};
 use crate::rng::Rng;

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use idemflow::store::Finish;
 use idemflow::{
-    Actor, Error, Idempotency, IdempotencyKey, IdempotentRequest, KeyId, KeyState, Outcome,
-    Provider, Providers, Scope, Store, StoreError, Sweeper,
+    Error, Idempotency, IdempotentRequest, KeyId, KeyState, Outcome, Provider, Providers, Store,
+    StoreError, Sweeper, key::IdempotencyKey, key::Scope, record::Actor,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -540,7 +540,7 @@ impl World {
                 Box::pin(async move {
                     match sweeper.run_once().await {
                         Ok(r) => format!("sweep: {}", r.summary()),
-                        Err(idemflow::SweepError::Store { source, .. })
+                        Err(idemflow::sweeper::SweepError::Store { source, .. })
                             if crate::store::injected(&source) =>
                         {
                             format!("sweep stopped: {source}")
@@ -711,7 +711,7 @@ impl World {
             };
             let r = self
                 .inner
-                .extend(&key.id, idemflow::LeaseToken(token), lease)
+                .extend(&key.id, idemflow::record::LeaseToken(token), lease)
                 .await;
             // A failed renewal keeps the holding as it was: if the actor's provider call still
             // acts, `no_effect_outside_lease` names the lost lease.
@@ -1073,8 +1073,9 @@ impl World {
                 },
                 None => None,
             };
-            let seen =
-                |r: &Option<idemflow::KeyRecord>| r.as_ref().map(|r| (r.state, r.lease_token.0));
+            let seen = |r: &Option<idemflow::record::KeyRecord>| {
+                r.as_ref().map(|r| (r.state, r.lease_token.0))
+            };
             if let Some(after) = &after
                 && seen(after) != seen(&now)
             {
@@ -1554,7 +1555,7 @@ async fn run_workflow(
 ) -> Outcome {
     let mut answers = Vec::new();
     for s in &steps {
-        let step = match idemflow::Step::new(s.operation, &s.body) {
+        let step = match idemflow::workflow::Step::new(s.operation, &s.body) {
             Ok(step) => step,
             Err(e) => return Outcome::unknown(format!("bad step: {e}")),
         };

@@ -14,7 +14,7 @@ use idemflow::record::{Actor, KeyEvent, KeyRecord};
 use idemflow::store::connect_error::redact_url;
 use idemflow::store::{Finish, Store};
 use idemflow::sweeper::{SweepError, SweepReport, Sweeper};
-use idemflow::{IdempotencyKey, KeyId, KeyState, Scope, StoreError, StoredResponse};
+use idemflow::{KeyId, KeyState, StoreError, StoredResponse, key::IdempotencyKey, key::Scope};
 use serde_json::{Value, json};
 
 use crate::args::{Cli, Command, PurgeArgs, ReconcileArgs, ResolveArgs, StatsArgs};

@@ -423,7 +423,7 @@ mod tests {
     #[cfg(feature = "testkit")]
     #[tokio::test]
     async fn resend_gets_the_sweepers_redrive_margin() {
-        use idemflow::Lookup;
+        use idemflow::provider::Lookup;
         use idemflow::testkit::FakeResend;
 
         let fake = FakeResend::start().await.unwrap();
@@ -439,13 +439,23 @@ mod tests {
         let sent_at = now - chrono::Duration::minutes(22 * 60 + 30);
         let email = serde_json::json!({"from": "a@x.test", "to": ["b@y.test"], "subject": "s", "text": "t"});
         let found = resend
-            .lookup("idf_cli", &email, idemflow::Attempts::once(sent_at), now)
+            .lookup(
+                "idf_cli",
+                &email,
+                idemflow::provider::Attempts::once(sent_at),
+                now,
+            )
             .await;
         assert_eq!(fake.requests().len(), 0, "{found:?}");
         assert!(matches!(found, Lookup::NeedsOperator { .. }), "{found:?}");
         // Younger keys are still looked up by a same-key re-send.
         let found = resend
-            .lookup("idf_cli", &email, idemflow::Attempts::once(now), now)
+            .lookup(
+                "idf_cli",
+                &email,
+                idemflow::provider::Attempts::once(now),
+                now,
+            )
             .await;
         assert!(matches!(found, Lookup::Found(_)), "{found:?}");
         // A resend margin smaller than the sweeper's is refused.

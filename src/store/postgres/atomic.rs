@@ -21,7 +21,7 @@ impl PostgresStore {
     ///
     /// ```no_run
     /// # async fn f(ctx: idemflow::Context, pg: idemflow::store::postgres::PostgresStore) -> Result<(), idemflow::Error> {
-    /// use idemflow::{Step, StoredResponse};
+    /// use idemflow::{workflow::Step, StoredResponse};
     /// let order = ctx.atomic_step(
     ///     Step::new("create_order", &serde_json::json!({"order": "o-1"}))?,
     ///     pg.atomic_phase(|tx| Box::pin(async move {

@@ -367,14 +367,14 @@ mod tests {
         assert_eq!(e.from, None);
         assert_eq!(e.to, Some(KeyState::Processing));
         assert_eq!(e.lease_token, Some(LeaseToken(1)));
-        assert_eq!(e.actor, crate::Actor::Worker);
+        assert_eq!(e.actor, crate::record::Actor::Worker);
         assert_eq!(e.reason.as_deref(), Some("claimed"));
         assert_eq!(e.at.timestamp_millis(), 1_700_000_000_000);
         // A reason may hold the separator; an empty reason differs from none.
         let e = event("3|processing|0|failed|1|2|5|8|operator|a|b|c").unwrap();
         assert_eq!(e.from, Some(KeyState::Processing));
         assert_eq!(e.to, Some(KeyState::Failed { retryable: true }));
-        assert_eq!(e.actor, crate::Actor::Operator);
+        assert_eq!(e.actor, crate::record::Actor::Operator);
         assert_eq!(e.reason.as_deref(), Some("a|b|c"));
         assert_eq!(
             event("4|done|0|||2|5|5|purge|").unwrap().reason.as_deref(),
@@ -519,8 +519,8 @@ mod tests {
             Err(StoreError::Corrupt { .. })
         ));
         let id = KeyId::new(
-            crate::Scope::new("s").unwrap(),
-            crate::IdempotencyKey::new("k").unwrap(),
+            crate::key::Scope::new("s").unwrap(),
+            crate::key::IdempotencyKey::new("k").unwrap(),
         );
         let lost = [bulk("lost"), Value::Int(3), bulk("failed"), bulk("1")];
         assert!(matches!(

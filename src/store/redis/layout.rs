@@ -153,8 +153,8 @@ mod tests {
             ("}{%", ":::"),
         ] {
             let id = KeyId::new(
-                crate::Scope::new(s).unwrap(),
-                crate::IdempotencyKey::new(k).unwrap(),
+                crate::key::Scope::new(s).unwrap(),
+                crate::key::IdempotencyKey::new(k).unwrap(),
             );
             let m = member(&id);
             assert!(!m.contains(['{', '}']));

@@ -721,7 +721,7 @@ impl RedisStore {
             to: KeyState::Failed { retryable: true },
             response: None,
             error: Some(why.clone()),
-            actor: crate::Actor::Worker,
+            actor: crate::record::Actor::Worker,
             reason: why,
         };
         if let Err(e) = self
