@@ -16,7 +16,6 @@ pub(super) const LAYERS: &[(&str, &[&str])] = &[
             "record",
             "provider_key",
             "error",
-            "setters",
             "debug_fields",
         ],
     ),

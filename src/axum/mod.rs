@@ -219,40 +219,40 @@ impl IdempotencyLayer {
         }
     }
 
-    fn set(mut self, f: impl FnOnce(&mut Settings)) -> Self {
-        f(Arc::make_mut(&mut self.settings));
+    /// The methods protected; others pass through untouched. Default POST and PATCH.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        Arc::make_mut(&mut self.settings).methods = methods;
         self
     }
 
-    /// The methods protected; others pass through untouched. Default POST and PATCH.
-    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
-        let methods = methods.into_iter().collect();
-        self.set(|s| s.methods = methods)
-    }
-
     /// The header carrying the key. Default `Idempotency-Key`.
-    pub fn header_name(self, name: HeaderName) -> Self {
-        self.set(|s| s.header = name)
+    pub fn header_name(mut self, name: HeaderName) -> Self {
+        Arc::make_mut(&mut self.settings).header = name;
+        self
     }
 
     /// Whether a protected request without a key is refused (400, the default) or passed
     /// through unprotected.
-    pub fn key_required(self, required: bool) -> Self {
-        self.set(|s| s.required = required)
+    pub fn key_required(mut self, required: bool) -> Self {
+        Arc::make_mut(&mut self.settings).required = required;
+        self
     }
 
     /// The response headers stored and replayed with the status and body (case-insensitive).
     /// Default: those of the [`Idempotency`] config, `content-type` and `location`.
     /// [`REPLAYED_HEADER`] is never stored: it marks idemflow's replays only.
-    pub fn stored_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+    pub fn stored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         let headers = headers.into_iter().map(|h| h.as_str().to_owned()).collect();
-        self.set(|s| s.stored_headers = headers)
+        Arc::make_mut(&mut self.settings).stored_headers = headers;
+        self
     }
 
     /// The largest request body accepted on protected requests (413 above). Default: the
     /// executor's request cap (64 KiB).
-    pub fn max_body_bytes(self, limit: usize) -> Self {
-        self.set(|s| s.max_body_bytes = limit)
+    pub fn max_body_bytes(mut self, limit: usize) -> Self {
+        Arc::make_mut(&mut self.settings).max_body_bytes = limit;
+        self
     }
 
     /// One fixed operation name for every protected request (part of the fingerprint and of the
@@ -264,11 +264,12 @@ impl IdempotencyLayer {
 
     /// Names the operation of each request. Default `METHOD:/matched/path` (the route's
     /// template when axum matched one, else the path), e.g. `POST:/payments`.
-    pub fn operation_with<F>(self, f: F) -> Self
+    pub fn operation_with<F>(mut self, f: F) -> Self
     where
         F: Fn(&Parts) -> String + Send + Sync + 'static,
     {
-        self.set(|s| s.operation = Some(Arc::new(f)))
+        Arc::make_mut(&mut self.settings).operation = Some(Arc::new(f));
+        self
     }
 
     /// Declares every covered request a **workflow** (see
@@ -277,12 +278,12 @@ impl IdempotencyLayer {
     /// retry continues a crashed request from its first unfinished step, and the sweeper waits
     /// for the steps, then resumes it with a resumer or reports it waiting. Replaces
     /// [`provider`](Self::provider): a workflow's providers are its steps'.
-    pub fn workflow(self) -> Self {
-        self.set(|s| {
-            s.provider = Some(crate::record::WORKFLOW_MARKER.to_owned());
-            s.key_spec = None;
-            s.secret_fields.clear();
-        })
+    pub fn workflow(mut self) -> Self {
+        let s = Arc::make_mut(&mut self.settings);
+        s.provider = Some(crate::record::WORKFLOW_MARKER.to_owned());
+        s.key_spec = None;
+        s.secret_fields.clear();
+        self
     }
 
     /// Records `provider`'s name as the provider of every key, so the sweeper (and `idemflow
@@ -297,7 +298,7 @@ impl IdempotencyLayer {
     /// crashed request's key (the executor's
     /// [`retry_takeover_window`](Idempotency::retry_takeover_window)) only inside the
     /// provider's dedup window, never for a provider that does not dedupe by key.
-    pub fn provider(self, provider: &dyn Provider) -> Self {
+    pub fn provider(mut self, provider: &dyn Provider) -> Self {
         let name = provider.name().to_owned();
         let spec = provider.key_spec();
         let secrets = provider
@@ -305,11 +306,11 @@ impl IdempotencyLayer {
             .iter()
             .map(|f| (*f).to_owned())
             .collect();
-        self.set(|s| {
-            s.provider = Some(name);
-            s.key_spec = Some(spec);
-            s.secret_fields = secrets;
-        })
+        let s = Arc::make_mut(&mut self.settings);
+        s.provider = Some(name);
+        s.key_spec = Some(spec);
+        s.secret_fields = secrets;
+        self
     }
 
     /// How long a duplicate waits for the running first request's answer before it gets 409
@@ -318,15 +319,18 @@ impl IdempotencyLayer {
     /// Default: the executor's [`wait_in_flight`](Idempotency::wait_in_flight) (off unless set
     /// there); this sets it for this layer's routes only. See `docs/http.md`, "Waiting for the
     /// first answer".
-    pub fn wait_in_flight(self, bound: Option<Duration>) -> Self {
-        self.set(|s| s.idem = s.idem.clone().wait_in_flight(bound))
+    pub fn wait_in_flight(mut self, bound: Option<Duration>) -> Self {
+        let s = Arc::make_mut(&mut self.settings);
+        s.idem = s.idem.clone().wait_in_flight(bound);
+        self
     }
 
     /// What to do when the store cannot be reached before the handler runs. Default
     /// [`StoreDown::Refuse`] (503); [`StoreDown::RunUnprotected`] runs the handler without
     /// protection, loudly. Set it per route by layering routes separately.
-    pub fn when_store_down(self, policy: StoreDown) -> Self {
-        self.set(|s| s.store_down = policy)
+    pub fn when_store_down(mut self, policy: StoreDown) -> Self {
+        Arc::make_mut(&mut self.settings).store_down = policy;
+        self
     }
 
     /// Builds the request stored with the key (and given to the handler as
@@ -336,26 +340,27 @@ impl IdempotencyLayer {
     /// It runs before the key is claimed, so it is also the place to validate: an `Err`
     /// response is sent as is and nothing is stored, so the client may fix the request and
     /// retry with the same key.
-    pub fn stored_request<F, E>(self, f: F) -> Self
+    pub fn stored_request<F, E>(mut self, f: F) -> Self
     where
         F: Fn(&Parts, &Bytes) -> Result<Value, E> + Send + Sync + 'static,
         E: IntoResponse,
     {
-        self.set(|s| {
-            s.stored_request = Some(Arc::new(move |p, b| {
-                f(p, b).map_err(IntoResponse::into_response)
-            }))
-        })
+        let s = Arc::make_mut(&mut self.settings);
+        s.stored_request = Some(Arc::new(move |p, b| {
+            f(p, b).map_err(IntoResponse::into_response)
+        }));
+        self
     }
 
     /// Rewrites a stored answer before it is replayed (the `Idempotent-Replayed` header is added
     /// after). Answers written by the handler are replayed as stored, so this is the place to
     /// render the ones the sweeper settled from the provider's own answer.
-    pub fn replay_with<F>(self, f: F) -> Self
+    pub fn replay_with<F>(mut self, f: F) -> Self
     where
         F: Fn(&Parts, StoredResponse) -> StoredResponse + Send + Sync + 'static,
     {
-        self.set(|s| s.replay = Some(Arc::new(f)))
+        Arc::make_mut(&mut self.settings).replay = Some(Arc::new(f));
+        self
     }
 
     /// The executor in use.

@@ -418,20 +418,16 @@ impl WebhookReceiver {
         Self::new_atomic(idem, stripe_scope(), signature, stripe_event, phase)
     }
 
-    fn set(&mut self, f: impl FnOnce(&mut Receiver)) {
-        f(Arc::make_mut(&mut self.inner));
-    }
-
     /// The scope of the events' keys: one per endpoint (two endpoints receiving the same
     /// events, each with its own handler, need two scopes).
     pub fn scope(mut self, scope: Scope) -> Self {
-        self.set(|r| r.scope = scope.as_str().to_owned());
+        Arc::make_mut(&mut self.inner).scope = scope.as_str().to_owned();
         self
     }
 
     /// The largest body accepted (413 above). Default [`DEFAULT_MAX_BODY_BYTES`].
     pub fn max_body_bytes(mut self, limit: usize) -> Self {
-        self.set(|r| r.max_body_bytes = limit);
+        Arc::make_mut(&mut self.inner).max_body_bytes = limit;
         self
     }
 
@@ -696,7 +692,7 @@ mod settle {
         /// [`SettleKeys`]), before the handler runs, under the event's key: a store error
         /// while settling fails the run (503), so the event is delivered again.
         pub fn settle_keys(mut self, settle: SettleKeys) -> Self {
-            self.set(|r| r.settle = Some(settle));
+            Arc::make_mut(&mut self.inner).settle = Some(settle);
             self
         }
     }

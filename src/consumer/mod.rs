@@ -563,19 +563,16 @@ impl Consumer {
         }
     }
 
-    fn set(mut self, f: impl FnOnce(&mut Inner)) -> Self {
-        f(Arc::make_mut(&mut self.inner));
+    /// Where each message's key is read from (default [`KeySource::MessageId`]).
+    pub fn key(mut self, from: KeySource) -> Self {
+        Arc::make_mut(&mut self.inner).key = from;
         self
     }
 
-    /// Where each message's key is read from (default [`KeySource::MessageId`]).
-    pub fn key(self, from: KeySource) -> Self {
-        self.set(|c| c.key = from)
-    }
-
     /// What each message's fingerprint covers (default [`FingerprintSource::Body`]).
-    pub fn fingerprint(self, from: FingerprintSource) -> Self {
-        self.set(|c| c.fingerprint = from)
+    pub fn fingerprint(mut self, from: FingerprintSource) -> Self {
+        Arc::make_mut(&mut self.inner).fingerprint = from;
+        self
     }
 
     /// Declares the provider the handler acts through (forwarding [`Context::provider_key`] as
@@ -586,11 +583,11 @@ impl Consumer {
     /// (none for a provider that does not dedupe by key), as with [`Idempotency::call`]: it is
     /// redelivered until the sweeper has settled the key. The provider key is derived within
     /// the provider's length limit.
-    pub fn provider(self, provider: Arc<dyn Provider>) -> Self {
-        self.set(|c| {
-            c.provider = Some(provider);
-            c.idem = c.given.clone();
-        })
+    pub fn provider(mut self, provider: Arc<dyn Provider>) -> Self {
+        let c = Arc::make_mut(&mut self.inner);
+        c.provider = Some(provider);
+        c.idem = c.given.clone();
+        self
     }
 
     /// Where a broker loop puts a refused message ([`Disposition::Reject`]): a RabbitMQ
@@ -599,41 +596,47 @@ impl Consumer {
     /// reason in [`REFUSED_HEADER`], and only then acknowledges it; it checks at start that
     /// the target exists. Without this, or [`drop_refused`](Self::drop_refused), a broker loop
     /// does not start.
-    pub fn dead_letter(self, target: impl Into<String>) -> Self {
+    pub fn dead_letter(mut self, target: impl Into<String>) -> Self {
         let target = target.into();
-        self.set(|c| c.refusals = Refusals::DeadLetter(target))
+        Arc::make_mut(&mut self.inner).refusals = Refusals::DeadLetter(target);
+        self
     }
 
     /// Lets a broker loop drop refused messages (RabbitMQ: `basic.reject` without requeue,
     /// which the queue's own dead-letter exchange, if it has one, still receives; NATS: `Term`).
     /// Each one is logged at `ERROR` and counted ([`ConsumerStats::dropped`], metric
     /// `idemflow_consumer_refused_total{outcome="dropped"}`).
-    pub fn drop_refused(self) -> Self {
-        self.set(|c| c.refusals = Refusals::Drop)
+    pub fn drop_refused(mut self) -> Self {
+        Arc::make_mut(&mut self.inner).refusals = Refusals::Drop;
+        self
     }
 
     /// How often the in-process sweeper looks for stale keys (default
     /// [`DEFAULT_SWEEP_EVERY`]).
-    pub fn sweep_every(self, every: Duration) -> Self {
-        self.set(|c| c.sweep_every = Some(every))
+    pub fn sweep_every(mut self, every: Duration) -> Self {
+        Arc::make_mut(&mut self.inner).sweep_every = Some(every);
+        self
     }
 
     /// Runs no sweeper in the worker: the keys of runs that crashed or ended `Unknown` wait
     /// for `idemflow reconcile` (or another process's sweeper) to settle them.
-    pub fn without_sweeper(self) -> Self {
-        self.set(|c| c.sweep_every = None)
+    pub fn without_sweeper(mut self) -> Self {
+        Arc::make_mut(&mut self.inner).sweep_every = None;
+        self
     }
 
     /// How many messages a broker loop handles at once (default [`DEFAULT_CONCURRENCY`]): the
     /// AMQP prefetch count, the NATS batch size. At least 1, at most [`MAX_CONCURRENCY`].
-    pub fn concurrency(self, n: usize) -> Self {
-        self.set(|c| c.concurrency = n.clamp(1, MAX_CONCURRENCY))
+    pub fn concurrency(mut self, n: usize) -> Self {
+        Arc::make_mut(&mut self.inner).concurrency = n.clamp(1, MAX_CONCURRENCY);
+        self
     }
 
     /// The delay before a delivery whose handler failed, or whose store failed, is delivered
     /// again (default [`DEFAULT_RETRY_AFTER`]).
-    pub fn retry_after(self, after: Duration) -> Self {
-        self.set(|c| c.retry_after = after)
+    pub fn retry_after(mut self, after: Duration) -> Self {
+        Arc::make_mut(&mut self.inner).retry_after = after;
+        self
     }
 
     /// The scope of the messages' keys.

@@ -204,58 +204,62 @@ impl Idempotency {
         }
     }
 
-    fn set(mut self, f: impl FnOnce(&mut ExecutorConfig)) -> Self {
-        f(Arc::make_mut(&mut self.config));
+    /// Sets the lease length ([`ExecutorConfig::lease`]).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        Arc::make_mut(&mut self.config).lease = lease;
         self
     }
 
-    /// Sets the lease length ([`ExecutorConfig::lease`]).
-    pub fn lease(self, lease: Duration) -> Self {
-        self.set(|c| c.lease = lease)
-    }
-
     /// Sets the retention of finished keys ([`ExecutorConfig::retention`]).
-    pub fn retention(self, retention: Duration) -> Self {
-        self.set(|c| c.retention = retention)
+    pub fn retention(mut self, retention: Duration) -> Self {
+        Arc::make_mut(&mut self.config).retention = retention;
+        self
     }
 
     /// Sets the lease owner name ([`ExecutorConfig::owner`]).
-    pub fn owner(self, owner: impl Into<String>) -> Self {
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
         let owner = owner.into();
-        self.set(|c| c.owner = owner)
+        Arc::make_mut(&mut self.config).owner = owner;
+        self
     }
 
     /// Whether the canonical request is stored ([`ExecutorConfig::store_request`]).
-    pub fn store_request(self, store: bool) -> Self {
-        self.set(|c| c.store_request = store)
+    pub fn store_request(mut self, store: bool) -> Self {
+        Arc::make_mut(&mut self.config).store_request = store;
+        self
     }
 
     /// Sets the request cap in bytes ([`ExecutorConfig::max_request_bytes`]).
-    pub fn max_request_bytes(self, limit: usize) -> Self {
-        self.set(|c| c.max_request_bytes = limit)
+    pub fn max_request_bytes(mut self, limit: usize) -> Self {
+        Arc::make_mut(&mut self.config).max_request_bytes = limit;
+        self
     }
 
     /// Sets the stored response cap in bytes ([`ExecutorConfig::max_response_bytes`]).
-    pub fn max_response_bytes(self, limit: usize) -> Self {
-        self.set(|c| c.max_response_bytes = limit)
+    pub fn max_response_bytes(mut self, limit: usize) -> Self {
+        Arc::make_mut(&mut self.config).max_response_bytes = limit;
+        self
     }
 
     /// Sets the headers kept for replay, compared case-insensitively (`None`: all)
     /// ([`ExecutorConfig::stored_headers`]).
-    pub fn stored_headers(self, headers: Option<Vec<String>>) -> Self {
-        self.set(|c| c.stored_headers = headers)
+    pub fn stored_headers(mut self, headers: Option<Vec<String>>) -> Self {
+        Arc::make_mut(&mut self.config).stored_headers = headers;
+        self
     }
 
     /// Lets a retry take over an expired lease within `window` of the first claim
     /// ([`ExecutorConfig::retry_takeover_window`]).
-    pub fn retry_takeover_window(self, window: Option<Duration>) -> Self {
-        self.set(|c| c.retry_takeover_window = window)
+    pub fn retry_takeover_window(mut self, window: Option<Duration>) -> Self {
+        Arc::make_mut(&mut self.config).retry_takeover_window = window;
+        self
     }
 
     /// Sets the `Retry-After` given to a duplicate of a running request
     /// ([`ExecutorConfig::in_flight_retry_after`]).
-    pub fn in_flight_retry_after(self, after: Duration) -> Self {
-        self.set(|c| c.in_flight_retry_after = after)
+    pub fn in_flight_retry_after(mut self, after: Duration) -> Self {
+        Arc::make_mut(&mut self.config).in_flight_retry_after = after;
+        self
     }
 
     /// Lets a duplicate whose first request is still running wait up to `bound` for that
@@ -269,13 +273,15 @@ impl Idempotency {
     /// let idem = idemflow::Idempotency::new(store()).wait_in_flight(Some(Duration::from_secs(2)));
     /// # }
     /// ```
-    pub fn wait_in_flight(self, bound: Option<Duration>) -> Self {
-        self.set(|c| c.wait_in_flight = bound)
+    pub fn wait_in_flight(mut self, bound: Option<Duration>) -> Self {
+        Arc::make_mut(&mut self.config).wait_in_flight = bound;
+        self
     }
 
     /// Sets how many duplicates may wait at once ([`ExecutorConfig::max_in_flight_waiters`]).
-    pub fn max_in_flight_waiters(self, max: usize) -> Self {
-        self.set(|c| c.max_in_flight_waiters = max)
+    pub fn max_in_flight_waiters(mut self, max: usize) -> Self {
+        Arc::make_mut(&mut self.config).max_in_flight_waiters = max;
+        self
     }
 
     /// Duplicates waiting for an in-flight answer now, in this executor and its clones.
@@ -285,8 +291,9 @@ impl Idempotency {
 
     /// Sets the `Retry-After` given while an outcome is unknown
     /// ([`ExecutorConfig::unknown_retry_after`]).
-    pub fn unknown_retry_after(self, after: Duration) -> Self {
-        self.set(|c| c.unknown_retry_after = after)
+    pub fn unknown_retry_after(mut self, after: Duration) -> Self {
+        Arc::make_mut(&mut self.config).unknown_retry_after = after;
+        self
     }
 
     /// Masks the application's own secrets in every response before it is stored
@@ -304,11 +311,12 @@ impl Idempotency {
     ///
     /// [`provider::secrets::mask_fields`]: crate::provider::secrets::mask_fields
     pub fn redact_with(
-        self,
+        mut self,
         redact: impl Fn(StoredResponse) -> StoredResponse + Send + Sync + 'static,
     ) -> Self {
         let redact = Redactor(std::sync::Arc::new(redact));
-        self.set(|c| c.redact = Some(redact))
+        Arc::make_mut(&mut self.config).redact = Some(redact);
+        self
     }
 
     /// The settings.
