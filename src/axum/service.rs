@@ -406,7 +406,7 @@ async fn parse(settings: &Settings, req: Request) -> Result<Parsed, NotRun> {
     };
     request = match (&settings.provider, &settings.key_spec) {
         (Some(p), Some(spec)) => request.sent_through(p, spec),
-        (Some(p), None) => request.with_provider(p.clone()),
+        (Some(p), None) => request.provider(p.clone()),
         (None, _) => request,
     };
     Ok(Parsed {

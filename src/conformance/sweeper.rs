@@ -91,7 +91,7 @@ pub fn as_call(req: IdempotentRequest, p: &FakeProvider) -> IdempotentRequest {
     let pk = p
         .key_spec()
         .derive(&req.id().scope, &req.id().key, req.operation());
-    req.with_provider(p.name()).with_provider_key(pk)
+    req.provider(p.name()).provider_key(pk)
 }
 
 pub fn provider_key(req: &IdempotentRequest, p: &FakeProvider) -> String {
@@ -672,7 +672,7 @@ pub async fn unknown_lookup_backs_off_honouring_retry_after(store: Arc<dyn Store
 pub async fn unregistered_or_missing_provider_needs_an_operator(store: Arc<dyn Store>) {
     let scope = unique("operator");
     let idem = worker(&store);
-    let ghost = pay(&scope, "ghost", 100).with_provider("ghost-pay");
+    let ghost = pay(&scope, "ghost", 100).provider("ghost-pay");
     let anon = pay(&scope, "anon", 100);
     for req in [ghost.clone(), anon.clone()] {
         let err = idem

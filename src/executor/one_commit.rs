@@ -130,7 +130,7 @@ impl Idempotency {
             }
             Some(_) => {}
         }
-        let request = request.with_provider(crate::record::ATOMIC_STEP_MARKER);
+        let request = request.provider(crate::record::ATOMIC_STEP_MARKER);
         let mut claim = self.new_claim(&request);
         // The key is never seen `processing` by anyone else: it commits finished or not at all.
         claim.takeover_window = None;

@@ -143,7 +143,7 @@ impl IdempotentRequest {
     }
 
     /// Names the provider this operation calls, so the sweeper knows whom to ask.
-    pub fn with_provider(mut self, provider: impl Into<String>) -> Self {
+    pub fn provider(mut self, provider: impl Into<String>) -> Self {
         self.provider = Some(provider.into());
         self
     }
@@ -168,7 +168,7 @@ impl IdempotentRequest {
     /// knows it), and a retry may take it over whenever its lease has run out,
     /// within its retention: the steps it already ran replay (`docs/workflows.md`).
     pub fn workflow(self) -> Self {
-        self.with_provider(crate::record::WORKFLOW_MARKER)
+        self.provider(crate::record::WORKFLOW_MARKER)
     }
 
     /// Whether the request was declared a workflow ([`workflow`](Self::workflow)).
@@ -179,7 +179,7 @@ impl IdempotentRequest {
     /// Sets the provider key explicitly instead of the default derivation
     /// ([`provider_key::derive`](crate::provider_key::derive)). It is stored at claim and reused
     /// on every attempt.
-    pub fn with_provider_key(mut self, provider_key: impl Into<String>) -> Self {
+    pub fn provider_key(mut self, provider_key: impl Into<String>) -> Self {
         self.provider_key = Some(provider_key.into());
         self
     }

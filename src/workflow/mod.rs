@@ -220,7 +220,7 @@ pub async fn waiting_for_resumer(
 /// ```
 /// use idemflow::workflow::Step;
 /// let charge = Step::new("charge", &serde_json::json!({"amount": 500})).unwrap()
-///     .with_provider("stripe");
+///     .provider("stripe");
 /// assert_eq!(charge.name(), "charge");
 /// assert!(Step::new("", &1).is_err());
 /// ```
@@ -251,7 +251,7 @@ impl Step {
 
     /// Names the provider the step calls, so the sweeper knows whom to ask
     /// ([`Context::call_step`] sets it).
-    pub fn with_provider(mut self, provider: impl Into<String>) -> Self {
+    pub fn provider(mut self, provider: impl Into<String>) -> Self {
         self.provider = Some(provider.into());
         self
     }

@@ -147,8 +147,7 @@ async fn requests_with_empty_or_huge_parts_are_refused_by_name() {
     assert!(IdempotentRequest::new("s", &"k".repeat(100_000), "op", &body).is_err());
     // An empty operation or provider name is a name like any other.
     let _ = IdempotentRequest::new("s", "k", "", &body);
-    let _ = IdempotentRequest::new("s", "k", "op", &body)
-        .map(|r| r.with_provider("").with_provider_key(""));
+    let _ = IdempotentRequest::new("s", "k", "op", &body).map(|r| r.provider("").provider_key(""));
 }
 
 /// A key the sweeper can take: claimed for `provider`, its worker cut off mid-call, its lease
@@ -164,7 +163,7 @@ async fn stuck_key(store: &Arc<dyn Store>, provider: &FakeProvider, key: &str) {
     let (at, reached) = tokio::sync::oneshot::channel();
     cut_when(
         idem.execute(
-            req.with_provider(provider.name()).with_provider_key(pk),
+            req.provider(provider.name()).provider_key(pk),
             hang_after(at),
         ),
         reached,
@@ -478,8 +477,7 @@ mod provider_settings {
                     &idemflow::key::IdempotencyKey::new("k").unwrap(),
                     "op",
                 );
-                let req =
-                    request(&format!("adapter-{}", adapter.name())).with_provider(adapter.name());
+                let req = request(&format!("adapter-{}", adapter.name())).provider(adapter.name());
                 let idem = Idempotency::new(store.clone()).lease(Duration::from_millis(1));
                 let _ = bounded(&what, idem.call(req, adapter.as_ref())).await;
                 tokio::time::sleep(Duration::from_millis(5)).await;

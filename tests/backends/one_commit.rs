@@ -293,7 +293,7 @@ pub async fn suite(db: &dyn Db, tag: &str) {
     // Refused before anything runs: a request that names a provider.
     let err = idem
         .execute_atomic(
-            request("prov", "c-p").with_provider("stripe"),
+            request("prov", "c-p").provider("stripe"),
             db.phase("o-p", "c-p", Then::Answer),
         )
         .await

@@ -73,7 +73,7 @@ fn payment(scope: &str, i: u64) -> IdempotentRequest {
         &json!({"amount": 1000 + i, "currency": "usd", "payment_method": "pm_card_visa"}),
     )
     .unwrap()
-    .with_provider("stripe")
+    .provider("stripe")
 }
 
 /// A checkout workflow: the charge (through Stripe), then the receipt (local). `die` makes it

@@ -104,7 +104,7 @@ async fn stuck_key(store: &Arc<dyn Store>, scope: &str, key: &str, provider: Opt
     )
     .unwrap();
     if let Some(p) = provider {
-        req = req.with_provider(p);
+        req = req.provider(p);
     }
     let err = Idempotency::new(store.clone())
         .execute(req, |_ctx| async {
@@ -204,7 +204,7 @@ async fn reconcile_exits_3_for_an_unregistered_provider_then_0_once_resolved() {
                 &serde_json::json!({"amount": 5}),
             )
             .unwrap()
-            .with_provider("ghost-pay"),
+            .provider("ghost-pay"),
             |_ctx| async { panic!("must not run again") },
         )
         .await

@@ -186,8 +186,7 @@ impl Card {
         let (at, reached) = tokio::sync::oneshot::channel();
         cut_when(
             idem.execute(
-                req.with_provider(self.provider.name())
-                    .with_provider_key(pk.clone()),
+                req.provider(self.provider.name()).provider_key(pk.clone()),
                 hang_after(at),
             ),
             reached,
@@ -201,7 +200,7 @@ impl Card {
         let p = self.provider.clone();
         let (at, reached) = tokio::sync::oneshot::channel();
         let died = idem.execute(
-            self.request(key).with_provider(self.provider.name()),
+            self.request(key).provider(self.provider.name()),
             |ctx| async move {
                 let body: Value = serde_json::from_str(ctx.request()).unwrap();
                 let answer = p.send(ctx.provider_key(), &body).await;

@@ -125,10 +125,7 @@ async fn crash_after_claim_before_the_call_is_redriven_to_one_charge(
         .derive(&req.id().scope, &req.id().key, req.operation());
     let (at, reached) = tokio::sync::oneshot::channel();
     cut_when(
-        idem.execute(
-            req.with_provider("stripe").with_provider_key(pk),
-            hang_after(at),
-        ),
+        idem.execute(req.provider("stripe").provider_key(pk), hang_after(at)),
         reached,
     )
     .await;
@@ -260,7 +257,7 @@ async fn process_died_after_the_provider_answered_is_settled_with_one_charge(
     // The worker sends the charge, gets the answer, and dies before storing it.
     let s = stripe.clone();
     let (at, reached) = tokio::sync::oneshot::channel();
-    let died = idem.execute(charge("died-1").with_provider("stripe"), |ctx| async move {
+    let died = idem.execute(charge("died-1").provider("stripe"), |ctx| async move {
         let body: Value = serde_json::from_str(ctx.request()).unwrap();
         let answer = s.send(ctx.provider_key(), &body).await;
         assert!(matches!(
@@ -306,7 +303,7 @@ async fn crash_before_the_call_to_a_keyless_provider_turns_retryable_and_sends_o
     // Claimed, then the worker dies before sending anything.
     let (at, reached) = tokio::sync::oneshot::channel();
     cut_when(
-        idem.execute(req().with_provider(postmark.name()), hang_after(at)),
+        idem.execute(req().provider(postmark.name()), hang_after(at)),
         reached,
     )
     .await;
@@ -663,7 +660,7 @@ async fn lost_captures_and_refunds_sent_without_their_request_need_an_operator(
     for (adapter, kind, body) in steps {
         let req = IdempotentRequest::new("shop-1", &format!("{kind}-unstored"), kind, &body)
             .unwrap()
-            .with_provider(adapter.name());
+            .provider(adapter.name());
         let before = effects(&fake, kind);
         fake.faults().lose_next_response();
         let sent = adapter.clone();

@@ -455,7 +455,7 @@ async fn events_for_running_or_unknown_keys_change_nothing() {
     let idem = Idempotency::new(store.clone()).lease(Duration::from_secs(30));
     let request = IdempotentRequest::new("shop", "k-live", "payments.create", &json!({}))
         .unwrap()
-        .with_provider("stripe");
+        .provider("stripe");
     let held = tokio::time::timeout(
         Duration::from_millis(50),
         idem.execute(request.clone(), |_| {
