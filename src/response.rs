@@ -31,6 +31,18 @@ impl StoredResponse {
 
     /// A JSON response: the value serialised as compact JSON, with
     /// `content-type: application/json`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idemflow::StoredResponse;
+    ///
+    /// let answer = StoredResponse::json(201, &serde_json::json!({"id": "ch_1"}))?;
+    /// assert_eq!(answer.status(), 201);
+    /// assert_eq!(answer.header("Content-Type"), Some("application/json"));
+    /// assert_eq!(answer.body(), br#"{"id":"ch_1"}"#);
+    /// # Ok::<(), serde_json::Error>(())
+    /// ```
     pub fn json<T: Serialize + ?Sized>(status: u16, value: &T) -> Result<Self, serde_json::Error> {
         Ok(Self::new(status)
             .with_header("content-type", "application/json")

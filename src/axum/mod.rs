@@ -187,6 +187,27 @@ impl IdempotencyLayer {
     /// reads `Idempotency-Key` (required), stores the headers `idem` is configured to keep (by
     /// default `content-type` and `location`), caps bodies at `idem`'s request cap, and names
     /// operations `METHOD:/matched/path`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use axum::{Router, routing::post};
+    /// use idemflow::axum::{IdempotencyLayer, ScopeSource};
+    /// use idemflow::{Idempotency, Store, key::Scope, store::sqlite::SqliteStore};
+    ///
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// let idem = Idempotency::new(Arc::new(store));
+    /// // One scope for a single caller; a service with tenants reads it from the request.
+    /// let scope = ScopeSource::fixed(Scope::new("backoffice")?);
+    /// let app: Router = Router::new()
+    ///     .route("/payments", post(|| async { "charged" }))
+    ///     .layer(IdempotencyLayer::new(idem, scope));
+    /// # drop(app);
+    /// # Ok(()) }
+    /// ```
     pub fn new(idem: Idempotency, scope: ScopeSource) -> Self {
         let stored_headers = idem
             .config()

@@ -327,6 +327,34 @@ impl WebhookReceiver {
     /// `idem` is used with its store, lease and retention; a retry takes a crashed run over
     /// once its lease has run out, however old the key (the handler's effect is the
     /// application's own, not a provider's).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use axum::Router;
+    /// use idemflow::axum::webhook::{WebhookEvent, WebhookReceiver, stripe_event};
+    /// use idemflow::provider::stripe_signature::StripeSignature;
+    /// use idemflow::{Idempotency, Store, key::Scope, store::sqlite::SqliteStore};
+    ///
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// let idem = Idempotency::new(Arc::new(store));
+    /// let receiver = WebhookReceiver::new(
+    ///     idem,
+    ///     Scope::new("stripe-events")?,
+    ///     StripeSignature::new("whsec_..."),
+    ///     stripe_event,
+    ///     |event: WebhookEvent| async move {
+    ///         // Act on `event.kind()` once per event id.
+    ///         Ok::<(), std::convert::Infallible>(())
+    ///     },
+    /// );
+    /// let app: Router = Router::new().route_service("/webhooks/stripe", receiver);
+    /// # drop(app);
+    /// # Ok(()) }
+    /// ```
     pub fn new<V, X, F, Fut, E>(
         idem: Idempotency,
         scope: Scope,

@@ -495,6 +495,29 @@ impl Consumer {
     /// handler sends is its own, so the sweeper looks a crashed run up by its provider key
     /// rather than re-sending anything. A handler that sends one request to a provider is
     /// better written with [`sending`](Self::sending), whose keys store that request.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use idemflow::consumer::{Consumer, Disposition, Message};
+    /// use idemflow::{Context, Idempotency, Outcome, Store, StoredResponse, key::Scope};
+    /// use idemflow::store::sqlite::SqliteStore;
+    ///
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// let idem = Idempotency::new(Arc::new(store));
+    /// let consumer = Consumer::new(idem, Scope::new("receipts")?, |message: Message, _: Context| async move {
+    ///     // Send the receipt for `message.body()` here.
+    ///     Outcome::Succeeded(StoredResponse::new(200))
+    /// });
+    /// let delivery = Message::new(r#"{"order": 42}"#).with_message_id("order-42");
+    /// assert!(matches!(consumer.handle(delivery.clone()).await, Disposition::Ack { .. }));
+    /// // A redelivery of the same message is acknowledged without running the handler again.
+    /// assert!(matches!(consumer.handle(delivery.redelivered(true)).await, Disposition::Ack { .. }));
+    /// # Ok(()) }
+    /// ```
     pub fn new<F, Fut>(idem: Idempotency, scope: Scope, handler: F) -> Self
     where
         F: Fn(Message, Context) -> Fut + Send + Sync + 'static,

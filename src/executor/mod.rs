@@ -196,6 +196,20 @@ pub struct Idempotency {
 impl Idempotency {
     /// An executor over `store` with default settings; change them with the builder methods
     /// below.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::{sync::Arc, time::Duration};
+    /// use idemflow::{Idempotency, Store, store::sqlite::SqliteStore};
+    ///
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// let idem = Idempotency::new(Arc::new(store)).lease(Duration::from_secs(30));
+    /// assert_eq!(idem.config().lease, Duration::from_secs(30));
+    /// # Ok(()) }
+    /// ```
     pub fn new(store: Arc<dyn Store>) -> Self {
         Self {
             store,
@@ -344,6 +358,27 @@ impl Idempotency {
     /// Cancel-safe: if this future is dropped while `op` runs, renewal stops with it, the key
     /// stays `processing` until its lease runs out (at most one lease), and the sweeper (or,
     /// within the takeover window, a retry) settles it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use idemflow::{Context, Idempotency, IdempotentRequest, Outcome, Store, StoredResponse};
+    /// use idemflow::store::sqlite::SqliteStore;
+    ///
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// let idem = Idempotency::new(Arc::new(store));
+    /// let body = serde_json::json!({"amount": 500});
+    /// let charge = |_: Context| async { Outcome::Succeeded(StoredResponse::new(201)) };
+    ///
+    /// let first = idem.execute(IdempotentRequest::new("acct_1", "k1", "charge", &body)?, charge).await?;
+    /// let again = idem.execute(IdempotentRequest::new("acct_1", "k1", "charge", &body)?, charge).await?;
+    /// assert!(!first.is_replay() && again.is_replay());
+    /// assert_eq!(first.response(), again.response());
+    /// # Ok(()) }
+    /// ```
     pub async fn execute<F, Fut>(
         &self,
         request: IdempotentRequest,

@@ -30,6 +30,8 @@ impl Idempotency {
     /// request, a store without transactions to share (Redis) and a phase of another store than
     /// this executor's are refused with [`Error::NoSharedTransaction`], before anything runs.
     ///
+    /// # Examples
+    ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use std::sync::Arc;

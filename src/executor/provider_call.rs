@@ -10,6 +10,54 @@ impl Idempotency {
     /// (so the sweeper knows whom to ask), derives the provider key within the provider's limits
     /// unless the request sets one, sends the canonical request with it, and stores the
     /// classified answer. The stored response is the provider's answer.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use idemflow::provider::{Attempts, CallReply, KeySpec, Lookup};
+    /// use idemflow::store::sqlite::SqliteStore;
+    /// use idemflow::{Idempotency, IdempotentRequest, Provider, Store, StoredResponse, async_trait};
+    ///
+    /// /// A provider without idempotency keys that answers every request with 201.
+    /// #[derive(Debug)]
+    /// struct Ledger;
+    ///
+    /// #[async_trait]
+    /// impl Provider for Ledger {
+    ///     fn name(&self) -> &str {
+    ///         "ledger"
+    ///     }
+    ///     fn key_spec(&self) -> KeySpec {
+    ///         KeySpec::no_keys()
+    ///     }
+    ///     async fn send(&self, provider_key: &str, _request: &serde_json::Value) -> CallReply {
+    ///         let body = serde_json::json!({"entry": provider_key});
+    ///         let response = StoredResponse::json(201, &body).expect("JSON");
+    ///         CallReply::Succeeded { response, replayed: false }
+    ///     }
+    ///     // What the sweeper asks about a key whose outcome is unknown.
+    ///     async fn lookup(
+    ///         &self,
+    ///         _provider_key: &str,
+    ///         _request: &serde_json::Value,
+    ///         _attempts: Attempts,
+    ///         _now: chrono::DateTime<chrono::Utc>,
+    ///     ) -> Lookup {
+    ///         Lookup::Unknown { retry_after: None }
+    ///     }
+    /// }
+    ///
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// let idem = Idempotency::new(Arc::new(store));
+    /// let body = serde_json::json!({"amount": 500});
+    /// let request = IdempotentRequest::new("acct_1", "k1", "entries.create", &body)?;
+    /// let done = idem.call(request, &Ledger).await?;
+    /// assert_eq!(done.response().status(), 201);
+    /// # Ok(()) }
+    /// ```
     pub async fn call(
         &self,
         request: IdempotentRequest,

@@ -69,6 +69,19 @@ pub(crate) fn validate_operation(operation: &str) -> Result<(), RequestError> {
 impl IdempotentRequest {
     /// Builds a request from any serialisable body. A body that serialises an object member
     /// twice (e.g. through `#[serde(flatten)]`) is [`RequestError::DuplicateJsonKey`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idemflow::IdempotentRequest;
+    ///
+    /// let body = serde_json::json!({"amount": 500, "currency": "eur"});
+    /// let request = IdempotentRequest::new("acct_1", "order-42", "charge", &body)?;
+    /// assert_eq!(request.operation(), "charge");
+    /// // The key is checked: an empty one is refused.
+    /// assert!(IdempotentRequest::new("acct_1", "", "charge", &body).is_err());
+    /// # Ok::<(), idemflow::error::RequestError>(())
+    /// ```
     pub fn new<B: Serialize + ?Sized>(
         scope: &str,
         key: &str,

@@ -19,11 +19,13 @@ macro_rules! open {
 /// Opens the store a URL names: `sqlite:` (feature `sqlite`), `postgres://` / `postgresql://`
 /// (feature `postgres`), `mysql://` / `mariadb://` (feature `mysql`), `redis://` / `rediss://`
 /// and `redis+sentinel://` (feature `redis`; the last finds the primary through Redis Sentinel,
-/// see `store::redis::SentinelConfig::parse_url`). It does
-/// not migrate: call [`Store::migrate`] when you own the schema.
+/// see `store::redis::SentinelConfig::parse_url`). It does not migrate: call
+/// [`Store::migrate`] when you own the schema.
 ///
 /// A scheme this build was compiled without is a [`StoreError::Config`] that names the feature
 /// to enable.
+///
+/// # Examples
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]

@@ -179,6 +179,22 @@ enum KeyResult {
 impl Sweeper {
     /// A sweeper over `store` asking `providers`, with default settings; change them with the
     /// builder methods below.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::{sync::Arc, time::Duration};
+    /// use idemflow::{Providers, Store, Sweeper, store::sqlite::SqliteStore};
+    ///
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// // Register the providers your keys were sent through (`Providers::new().with(..)`).
+    /// let sweeper = Sweeper::new(Arc::new(store), Providers::new()).lease(Duration::from_secs(60));
+    /// let report = sweeper.run_once().await?;
+    /// assert_eq!(report.taken, 0); // nothing was stuck
+    /// # Ok(()) }
+    /// ```
     pub fn new(store: Arc<dyn Store>, providers: Providers) -> Self {
         Self {
             store,
@@ -278,6 +294,22 @@ impl Sweeper {
     }
 
     /// Takes and settles stale keys until none is due (or the per-run limit is reached).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use idemflow::{Providers, Store, Sweeper, store::sqlite::SqliteStore};
+    ///
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// let sweeper = Sweeper::new(Arc::new(store), Providers::new());
+    /// // A cron job runs one pass and reports; a service calls this on a timer.
+    /// let report = sweeper.run_once().await?;
+    /// println!("taken {}, done {}, needs an operator {}", report.taken, report.done, report.needs_operator);
+    /// # Ok(()) }
+    /// ```
     pub async fn run_once(&self) -> Result<SweepReport, SweepError> {
         self.run_once_with(|_| {}).await
     }
