@@ -1,5 +1,5 @@
-//! One commit for local work (`Idempotency::execute_atomic`, issue 23) beside its floor, the
-//! seed article's own design on raw sqlx: `BEGIN`, insert the key, insert the application's
+//! One commit for local work (`Idempotency::execute_atomic`) beside its floor, the textbook
+//! design on raw sqlx: `BEGIN`, insert the key, insert the application's
 //! row, store the answer, `COMMIT`, on a lean key table, one connection (a hand-written SQLite
 //! implementation's). SQLite on a WAL file with `synchronous = FULL` (the store's default), at
 //! 1 and 64 callers; each new key writes one order row. Run with

@@ -10,8 +10,7 @@
 //! ```
 //!
 //! `IDEMFLOW_BENCH_N`: keys per measurement (default 3,000); `IDEMFLOW_BENCH_ROUNDS`: rounds
-//! (default 2). Results and their reading: `docs/performance.md`, "SQLite's new key, layer by
-//! layer".
+//! (default 2). What the layers cost and why: `docs/performance.md`, "Why the gaps", "SQLite".
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

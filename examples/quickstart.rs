@@ -1,6 +1,6 @@
-//! From zero to a protected endpoint (README.md): `POST /payments` charges through Stripe once
+//! From zero to a protected endpoint (docs/http.md): `POST /payments` charges through Stripe once
 //! per `Idempotency-Key`, the store from `DATABASE_URL`, Prometheus metrics on `/metrics`, and a
-//! test that a retry charges once. README.md shows this file as a new crate's `src/main.rs`.
+//! test that a retry charges once. docs/http.md shows this file as a new crate's `src/main.rs`.
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,8 +43,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
     // The processing and stale gauges, for a service whose reconciler runs elsewhere.
     let _gauges = idemflow::telemetry::report_key_gauges(store.clone(), Duration::from_secs(15));
-    let key =
-        std::env::var("STRIPE_SECRET_KEY").map_err(|_| "set STRIPE_SECRET_KEY (sk_test_...)")?;
+    let key = std::env::var("STRIPE_API_KEY").map_err(|_| "set STRIPE_API_KEY (sk_test_...)")?;
     let stripe = Arc::new(Stripe::new(key)?);
     let app = app(Idempotency::new(store), stripe).route(
         "/metrics",

@@ -513,7 +513,7 @@ pub async fn lagging_search_defers_then_settles(store: Arc<dyn Store>) {
 }
 
 /// A double send a review found (Postmark-like: no keys, a lagging search; `docs/providers.md`,
-/// the Postmark row: an empty search is trusted only after `search_lag`). Claimed, 429 ->
+/// "Postmark": an empty search is trusted only after `search_lag`). Claimed, 429 ->
 /// `failed{retryable}`; retried well after the search lag, the email is sent but the response is
 /// lost -> unknown; the sweeper looks it up at once: the search has not caught up with the second
 /// send, so the empty result must not be trusted (search lag counts from the latest attempt, not

@@ -17,7 +17,7 @@
 //! it [`Classified::definitive`]: a refusal of the re-send (a 400 or 422 while the first attempt
 //! is still running at the provider, which Square and PayPal do not document, or PayPal's "might
 //! fail the second") says nothing about what the first attempt did (`docs/providers.md`,
-//! "Error → outcome (cards)").
+//! "Error → outcome", "Cards").
 //!
 //! Adapters for other providers can reuse [`HttpClient`]: build each attempt's request with
 //! [`HttpClient::send`] and classify the [`HttpReply`], or hold an

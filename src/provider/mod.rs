@@ -244,7 +244,7 @@ pub trait Provider: Debug + Send + Sync + 'static {
 
     /// Whether a refusal (`CallReply::Rejected`) answering a re-send of the key is the
     /// provider's answer about the key's own request, so it ends the key even after an earlier
-    /// attempt that may have acted (`docs/providers.md`, "Error → outcome (cards)"). Default: a
+    /// attempt that may have acted (`docs/providers.md`, "Error → outcome", "Cards"). Default: a
     /// 2xx reporting the key's payment refused or failed (Adyen, Square); any other refusal may
     /// answer the re-send alone while the first attempt still runs.
     fn definitive_refusal(&self, response: &StoredResponse) -> bool {

@@ -4,7 +4,7 @@
 //! capture ([`StripeOperation::Capture`], `stripe/capture.rs`) and a refund
 //! ([`StripeOperation::Refund`], `stripe/refund.rs`) are adapters of their own, stored under
 //! their own provider names, sharing the answers table, `Stripe-Version` and `Stripe-Account`
-//! (`docs/providers.md`, "Stripe: captures and refunds").
+//! (`docs/providers.md`, "Stripe", "Captures and refunds").
 //!
 //! `send` sends `POST /v1/payment_intents`, form-encoded, with `Idempotency-Key: <provider key>`
 //! and `metadata[idemflow_key]=<provider key>` (so a lost result can be found by search after
@@ -493,7 +493,7 @@ fn flatten(prefix: String, v: &Value, out: &mut Vec<(String, String)>) {
 
 /// Whether a reply of `status` with error type `err_type` is a card decline: Stripe ran the
 /// key's request and saved the decline as the key's answer (`docs/providers.md`, "Error ->
-/// outcome (cards)").
+/// outcome", "Cards").
 fn declined(status: u16, err_type: &str) -> bool {
     status == 402 && err_type == "card_error"
 }

@@ -9,8 +9,8 @@
 //! bucket that is full drops its oldest hash. (It was direct-mapped: two keys of one slot pushed
 //! each other out, so 5,000 keys in 65,536 slots lost about 7 % of them, and each lost key's
 //! replay went the write path: the claim statement, after waiting for a connection; 2.5 ms
-//! against 0.1 ms for the read in the benchmark; `docs/performance.md`, "The known-keys hint
-//! lost 7 % of its keys".)
+//! against 0.1 ms for the read in the benchmark; `docs/performance.md`, "Connections and
+//! pings".)
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -54,7 +54,7 @@ impl PoolOptions {
     /// Default [`PoolOptions::max_connections`]: 16 (was 32). On the 2-core benchmark machine,
     /// 64 concurrent callers on PostgreSQL got the same throughput from 16 connections as from
     /// 24 and 32, with a lower p99, and MariaDB's did no worse than with 32; 8 lost throughput
-    /// (`docs/performance.md`, "PostgreSQL with 64 callers: where the time goes"). A server
+    /// (`docs/performance.md`, "Why the gaps", "PostgreSQL"). A server
     /// with more cores may do better with more: raise it with [`PoolOptions::max_connections`].
     pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
 

@@ -17,8 +17,7 @@
 //! on a pinged connection ([`Warm::for_write`]): a kept one pinged first, as sqlx pings the
 //! connections its pool hands out, or one from the pool. A PostgreSQL write that ran to its end
 //! keeps its connection too; MariaDB's give theirs back ([`Warm::new`]; `docs/performance.md`,
-//! "Reverted: a stale connection that ran a handler twice", "Kept connections for reads", "The
-//! known-keys hint lost 7 % of its keys" and "Writes keep their connection").
+//! "Connections and pings").
 //!
 //! Kept connections go back to the pool after [`HOLD_IDLE`] without a call, and a connection
 //! goes back after [`HOLD_MAX`] out of the pool however busy the store is, so that callers
@@ -188,13 +187,13 @@ impl<DB: Database> Warm<DB> {
     /// the pool. A kept one that fails its ping goes back to the pool, which closes it, and the
     /// write takes the pool's next. Without this, a write that found the pool empty while a
     /// read kept a connection waited until the connection went back after [`HOLD_IDLE`]: 2.1-2.4
-    /// ms with a one-connection pool (`docs/performance.md`, "The known-keys hint lost 7 % of
-    /// its keys"). The ping is bounded by the pool's acquire timeout, as the pool's own ping is.
+    /// ms with a one-connection pool (`docs/performance.md`, "Connections and pings"). The ping
+    /// is bounded by the pool's acquire timeout, as the pool's own ping is.
     ///
     /// A PostgreSQL write that ran to its end keeps its connection ([`WarmConn::keep_write`]) for
     /// the next call, as a read does, which saves the ping sqlx makes on every connection given
-    /// back to its pool; the next write pings it again here (`docs/performance.md`, "Writes keep their
-    /// connection"). While it waits in the pool it counts as waiting, so no connection is kept
+    /// back to its pool; the next write pings it again here (`docs/performance.md`, "Connections
+    /// and pings"). While it waits in the pool it counts as waiting, so no connection is kept
     /// idle beside it.
     pub(crate) async fn for_write(&self) -> Result<WarmConn<DB>, sqlx::Error> {
         if self.inner.waiting.load(Ordering::SeqCst) == 0

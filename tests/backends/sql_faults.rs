@@ -189,8 +189,8 @@ pub async fn killed_connection_mid_transaction_leaves_old_state_and_retry_succee
 }
 
 /// A pool connection that the server dropped while it sat idle is replaced before a call gets
-/// it: the pool pings a connection before handing it over (`docs/performance.md`, "The ping
-/// before each call", and "Reverted: a stale connection that ran a handler twice").
+/// it: the pool pings a connection before handing it over (`docs/performance.md`, "Connections
+/// and pings").
 pub async fn connection_killed_while_idle_is_replaced_before_a_call_gets_it<D: SqlDatabase>() {
     let Some(db) = D::fresh().await else {
         return;

@@ -6,7 +6,7 @@
 //! (retrieve, refund list). It does not cover what localstripe does not implement: idempotency
 //! keys (a same-key re-send acts again there), the search (the create's lookup), `Stripe-Account`
 //! and `Stripe-Version` (both ignored). Those are covered against the testkit's `FakeStripe`
-//! (`docs/providers.md`, "Stripe: what localstripe checks").
+//! (`docs/providers.md`, "Stripe", "What localstripe checks").
 //!
 //! Skips, saying why, when `localstripe` is not on `PATH` (or `IDEMFLOW_LOCALSTRIPE` does not
 //! name it); `.ci/run` installs it and sets `IDEMFLOW_TEST_LOCALSTRIPE=required`, which turns a

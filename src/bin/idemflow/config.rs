@@ -19,7 +19,7 @@ use idemflow::sweeper::Sweeper;
 /// [[providers]]
 /// name = "stripe"
 /// kind = "stripe"
-/// api_key_env = "STRIPE_SECRET_KEY"
+/// api_key_env = "STRIPE_API_KEY"
 ///
 /// [sweeper]
 /// batch_size = 100

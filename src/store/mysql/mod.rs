@@ -185,7 +185,7 @@ impl MySqlStore {
 
     /// A pinged connection for one write (`store::warm`, `Warm::for_write`), dropped at the end
     /// of the write's statement: back to the pool before any read that follows. MariaDB's writes
-    /// do not keep theirs (`docs/performance.md`, "Writes keep their connection": no gain
+    /// do not keep theirs (`docs/performance.md`, "Connections and pings": no gain
     /// measured, and a CI run under load failed a `take_stale` with `BeginFailed` while they
     /// did).
     async fn write_conn(&self) -> Result<WarmConn<sqlx::MySql>, StoreError> {

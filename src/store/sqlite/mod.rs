@@ -408,8 +408,8 @@ impl Bind {
 /// its reset, and a commit made there skips the WAL hook, which is what runs the automatic
 /// checkpoint. With every lone write made that way, the WAL was never checkpointed while the
 /// store was open: it grew by ~30 KB per key without bound, and each commit's `fsync` appended
-/// to it instead of rewriting its start (`docs/performance.md`, "The WAL that never
-/// checkpointed"). Stepping the statement to its end commits where the hook runs.
+/// to it instead of rewriting its start (`docs/performance.md`, "Why the gaps", "SQLite").
+/// Stepping the statement to its end commits where the hook runs.
 async fn write_returning<'q>(
     q: sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>,
     conn: &mut SqliteConnection,

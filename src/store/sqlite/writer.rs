@@ -28,7 +28,7 @@
 //! gets its turn: the pool serves its waiters in order), and after any error that may have left
 //! it unusable. Every connection given back to a sqlx pool is pinged first (a round trip to its
 //! thread, which the next acquire waits for); kept, a lone caller's two writes per key pay no
-//! such trip (`docs/performance.md`, "The writer keeps its connection").
+//! such trip (`docs/performance.md`, "Why the gaps", "SQLite").
 //!
 //! **Phase jobs** ([`Writer::call_phase`]) run the application's statements (atomic phases).
 //! Nothing they do may leave the connection in a state that loses or refuses later writes, or
