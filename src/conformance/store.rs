@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use super::{claim_for, claimed, done, fail, id, taken, unique};
 use crate::state::Transition;
-use crate::store::{ClaimOutcome, Finish, Release, TakeStale};
+use crate::store::{ClaimOutcome, Finish, Lease, Release, TakeStale};
 use crate::{
     KeyId, KeyState, Store, StoreError, StoredResponse, fingerprint::Fingerprint, record::Actor,
     record::KeyRecord, record::LeaseToken,
@@ -30,6 +30,46 @@ async fn finished(store: &Arc<dyn Store>, id: &KeyId, token: LeaseToken) -> KeyR
         .finish(id, token, &done(StoredResponse::new(201)))
         .await
         .unwrap()
+}
+
+/// An operator's finish into retryable `failed`: the provider shows no charge.
+fn no_charge_found() -> Finish {
+    Finish {
+        to: KeyState::Failed { retryable: true },
+        response: None,
+        error: Some("operator: provider shows no charge".into()),
+        actor: Actor::Operator,
+        reason: "checked the dashboard".into(),
+    }
+}
+
+/// A worker's release for `reason`, with no error and no time set for the next check.
+fn worker_release(reason: &str) -> Release {
+    Release {
+        actor: Actor::Worker,
+        reason: reason.into(),
+        error: None,
+        recheck_after: None,
+    }
+}
+
+/// Asserts that `write` was refused with `LeaseLost` because the key is `done`.
+fn refused_as_done(write: Result<KeyRecord, StoreError>) {
+    expect_match!(
+        write,
+        Err(StoreError::LeaseLost {
+            state: KeyState::Done,
+            ..
+        })
+    );
+}
+
+/// Claims key `k1` in a new scope named after `prefix`, with an empty body and `lease` (panics
+/// unless the claim wins).
+async fn claimed_key(store: &Arc<dyn Store>, prefix: &str, lease: Duration) -> (KeyId, Lease) {
+    let id = id(&unique(prefix), "k1");
+    let lease = claimed(store, &claim_for(&id, "{}", lease)).await;
+    (id, lease)
 }
 
 pub async fn claim_new_key_grants_first_token_and_history(store: Arc<dyn Store>) {
@@ -55,8 +95,7 @@ pub async fn claim_new_key_grants_first_token_and_history(store: Arc<dyn Store>)
 }
 
 pub async fn second_claim_sees_the_key_in_flight(store: Arc<dyn Store>) {
-    let id = id(&unique("inflight"), "k1");
-    let first = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let (id, first) = claimed_key(&store, "inflight", LEASE).await;
     match store.claim(&claim_for(&id, "{}", LEASE)).await.unwrap() {
         ClaimOutcome::Existing { record, now } => {
             assert_eq!(record.state, KeyState::Processing);
@@ -69,8 +108,7 @@ pub async fn second_claim_sees_the_key_in_flight(store: Arc<dyn Store>) {
 }
 
 pub async fn finish_stores_the_response_and_get_returns_it_exactly(store: Arc<dyn Store>) {
-    let id = id(&unique("finish"), "k1");
-    let lease = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let (id, lease) = claimed_key(&store, "finish", LEASE).await;
     let body: Vec<u8> = (0..=255u8)
         .chain(b"\r\n{\"a\":1}".iter().copied())
         .collect();
@@ -95,19 +133,10 @@ pub async fn finish_stores_the_response_and_get_returns_it_exactly(store: Arc<dy
         (Some(KeyState::Processing), Some(KeyState::Done))
     );
     // A second finish with the same token is refused: the key is no longer processing.
-    let err = store
-        .finish(&id, lease.token, &done(StoredResponse::new(200)))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            StoreError::LeaseLost {
-                state: KeyState::Done,
-                ..
-            }
-        ),
-        "{err}"
+    refused_as_done(
+        store
+            .finish(&id, lease.token, &done(StoredResponse::new(200)))
+            .await,
     );
     assert_eq!(
         store
@@ -123,8 +152,7 @@ pub async fn finish_stores_the_response_and_get_returns_it_exactly(store: Arc<dy
 }
 
 pub async fn stale_token_is_lease_lost_and_changes_nothing(store: Arc<dyn Store>) {
-    let id = id(&unique("fence"), "k1");
-    let first = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    let (id, first) = claimed_key(&store, "fence", Duration::ZERO).await;
     let swept = taken(&store, "sweeper-1", LEASE, 10).await;
     assert_eq!(swept.len(), 1);
     let second = LeaseToken(first.token.0 + 1);
@@ -203,8 +231,7 @@ pub async fn other_fingerprint_never_reclaims(store: Arc<dyn Store>) {
 }
 
 pub async fn retryable_failure_is_reclaimed_by_the_same_request(store: Arc<dyn Store>) {
-    let id = id(&unique("reclaim"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let (id, l) = claimed_key(&store, "reclaim", LEASE).await;
     store.finish(&id, l.token, &fail(true)).await.unwrap();
     let mut again = claim_for(&id, "{}", LEASE);
     again.provider_key = "something-else".into();
@@ -222,8 +249,7 @@ pub async fn retryable_failure_is_reclaimed_by_the_same_request(store: Arc<dyn S
 }
 
 pub async fn permanent_failure_is_never_reclaimed(store: Arc<dyn Store>) {
-    let id = id(&unique("perm"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let (id, l) = claimed_key(&store, "perm", LEASE).await;
     store.finish(&id, l.token, &fail(false)).await.unwrap();
     match store.claim(&claim_for(&id, "{}", LEASE)).await.unwrap() {
         ClaimOutcome::Existing { record, .. } => {
@@ -235,8 +261,7 @@ pub async fn permanent_failure_is_never_reclaimed(store: Arc<dyn Store>) {
 }
 
 pub async fn release_leaves_processing_for_the_sweeper(store: Arc<dyn Store>) {
-    let id = id(&unique("release"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let (id, l) = claimed_key(&store, "release", LEASE).await;
     let rel = Release {
         actor: Actor::Worker,
         reason: "timeout after send".into(),
@@ -262,8 +287,7 @@ pub async fn release_leaves_processing_for_the_sweeper(store: Arc<dyn Store>) {
 }
 
 pub async fn take_stale_respects_next_check_at(store: Arc<dyn Store>) {
-    let id = id(&unique("defer"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    let (id, l) = claimed_key(&store, "defer", Duration::ZERO).await;
     let swept = taken(&store, "s", Duration::ZERO, 10).await;
     assert_eq!(swept.len(), 1);
     let token = swept[0].lease_token;
@@ -288,8 +312,7 @@ pub async fn take_stale_respects_next_check_at(store: Arc<dyn Store>) {
 }
 
 pub async fn take_stale_fences_the_old_holder(store: Arc<dyn Store>) {
-    let id = id(&unique("zombie"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    let (id, l) = claimed_key(&store, "zombie", Duration::ZERO).await;
     let swept = taken(&store, "s", LEASE, 10).await;
     assert_eq!(swept.len(), 1);
     assert!(matches!(
@@ -376,8 +399,7 @@ pub async fn take_stale_in_a_scope_takes_only_its_keys(store: Arc<dyn Store>) {
 }
 
 pub async fn extend_moves_the_lease_and_is_fenced(store: Arc<dyn Store>) {
-    let id = id(&unique("extend"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", Duration::from_secs(1))).await;
+    let (id, l) = claimed_key(&store, "extend", Duration::from_secs(1)).await;
     let new_exp = store
         .extend(&id, l.token, Duration::from_secs(600))
         .await
@@ -407,14 +429,8 @@ pub async fn extend_moves_the_lease_and_is_fenced(store: Arc<dyn Store>) {
 /// release (the sweeper renews its batch beside the key in hand; a renewal sent while the release
 /// was on the wire) must not hold the released key for another lease, away from every sweeper.
 pub async fn a_released_lease_is_not_renewed(store: Arc<dyn Store>) {
-    let id = id(&unique("released"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
-    let rel = Release {
-        actor: Actor::Worker,
-        reason: "outcome unknown".into(),
-        error: None,
-        recheck_after: None,
-    };
+    let (id, l) = claimed_key(&store, "released", LEASE).await;
+    let rel = worker_release("outcome unknown");
     store.release(&id, l.token, &rel).await.unwrap();
     assert!(
         matches!(
@@ -485,15 +501,8 @@ pub async fn purge_deletes_only_expired_finished_keys_and_records_it(store: Arc<
 }
 
 pub async fn operator_override_fences_running_workers(store: Arc<dyn Store>) {
-    let id = id(&unique("override"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
-    let decision = Finish {
-        to: KeyState::Failed { retryable: true },
-        response: None,
-        error: Some("operator: provider shows no charge".into()),
-        actor: Actor::Operator,
-        reason: "checked the dashboard".into(),
-    };
+    let (id, l) = claimed_key(&store, "override", LEASE).await;
+    let decision = no_charge_found();
     let r = store
         .finish_as(&id, FinishMode::Override, &decision)
         .await
@@ -522,8 +531,7 @@ pub async fn operator_override_fences_running_workers(store: Arc<dyn Store>) {
 }
 
 pub async fn finishing_into_processing_is_refused(store: Arc<dyn Store>) {
-    let id = id(&unique("invalid"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let (id, l) = claimed_key(&store, "invalid", LEASE).await;
     let bad = Finish {
         to: KeyState::Processing,
         response: None,
@@ -585,8 +593,7 @@ pub async fn limits_round_trip_exactly(store: Arc<dyn Store>) {
 }
 
 pub async fn retry_takeover_only_inside_the_window(store: Arc<dyn Store>) {
-    let id = id(&unique("takeover"), "k1");
-    let first = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    let (id, first) = claimed_key(&store, "takeover", Duration::ZERO).await;
     // Without a window: the retry sees the key, it does not take it.
     assert!(matches!(
         store.claim(&claim_for(&id, "{}", LEASE)).await.unwrap(),
@@ -623,8 +630,7 @@ pub async fn retry_takeover_only_inside_the_window(store: Arc<dyn Store>) {
 }
 
 pub async fn leases_use_the_database_clock(store: Arc<dyn Store>) {
-    let id = id(&unique("clock"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", Duration::from_secs(30))).await;
+    let (id, l) = claimed_key(&store, "clock", Duration::from_secs(30)).await;
     let r = store.get(&id).await.unwrap().unwrap();
     assert_eq!(l.expires_at - r.created_at, chrono::Duration::seconds(30));
     let now = store.now().await.unwrap();
@@ -660,19 +666,9 @@ pub async fn stats_count_every_state(store: Arc<dyn Store>) {
 }
 
 pub async fn history_survives_purge_and_is_ordered(store: Arc<dyn Store>) {
-    let id = id(&unique("hist"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", Duration::ZERO)).await;
+    let (id, l) = claimed_key(&store, "hist", Duration::ZERO).await;
     store
-        .release(
-            &id,
-            l.token,
-            &Release {
-                actor: Actor::Worker,
-                reason: "unknown".into(),
-                error: None,
-                recheck_after: None,
-            },
-        )
+        .release(&id, l.token, &worker_release("unknown"))
         .await
         .unwrap();
     let swept = taken(&store, "s", LEASE, 100).await;
@@ -815,32 +811,16 @@ pub async fn huge_durations_are_capped_and_read_back_sane(store: Arc<dyn Store>)
 /// then writes with [`FinishMode::OverrideIf`] on the token it read. A worker that finished in
 /// between keeps its result: the write is `LeaseLost` and changes nothing. A takeover in between too.
 pub async fn operator_write_is_a_compare_and_set_on_the_token_read(store: Arc<dyn Store>) {
-    let id = id(&unique("cas"), "k1");
-    let l = claimed(&store, &claim_for(&id, "{}", LEASE)).await;
+    let (id, l) = claimed_key(&store, "cas", LEASE).await;
     let read = store.get(&id).await.unwrap().unwrap();
     assert_eq!(read.lease_token, l.token);
     // The worker finishes between the operator's read and write.
     finished(&store, &id, l.token).await;
-    let decision = Finish {
-        to: KeyState::Failed { retryable: true },
-        response: None,
-        error: Some("operator: provider shows no charge".into()),
-        actor: Actor::Operator,
-        reason: "checked the dashboard".into(),
-    };
-    let err = store
-        .finish_as(&id, FinishMode::OverrideIf(read.lease_token), &decision)
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            StoreError::LeaseLost {
-                state: KeyState::Done,
-                ..
-            }
-        ),
-        "{err}"
+    let decision = no_charge_found();
+    refused_as_done(
+        store
+            .finish_as(&id, FinishMode::OverrideIf(read.lease_token), &decision)
+            .await,
     );
     let after = store.get(&id).await.unwrap().unwrap();
     assert_eq!(after.state, KeyState::Done);
@@ -989,12 +969,7 @@ pub async fn provider_changes_only_while_no_attempt_may_have_acted(store: Arc<dy
         "the sweeper must ask the provider that may act"
     );
     // mail_b may have acted (timeout after sending); its lease has run out.
-    let rel = Release {
-        actor: Actor::Worker,
-        reason: "timeout after send".into(),
-        error: None,
-        recheck_after: None,
-    };
+    let rel = worker_release("timeout after send");
     store.release(&id, l.token, &rel).await.unwrap();
     let mut back_to_a = via_b.clone();
     back_to_a.provider = Some("mail_a".into());
@@ -1131,8 +1106,7 @@ pub async fn a_re_created_key_gets_its_own_provider_key(store: Arc<dyn Store>) {
 /// a re-drive, a finish into `failed{retryable}` (then nothing may have acted), and the reclaim
 /// after it, which also takes the claim's retention.
 pub async fn attempt_history_follows_every_write(store: Arc<dyn Store>) {
-    let id = id(&unique("attempts"), "k1");
-    let first = claimed(&store, &claim_for(&id, "{}", Duration::from_millis(50))).await;
+    let (id, first) = claimed_key(&store, "attempts", Duration::from_millis(50)).await;
     assert!(!first.may_have_acted);
     tokio::time::sleep(Duration::from_millis(100)).await;
     // The holder crashed; the sweeper takes the key over.

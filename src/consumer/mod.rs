@@ -1014,31 +1014,42 @@ mod tests {
             d(Err(Error::ResponseTooLarge { size: 2, limit: 1 })),
             Disposition::Ack { ran: true }
         ));
-        let in_flight = Error::InFlight {
-            key: id(),
-            retry_after: Duration::from_millis(300),
-        };
-        assert!(matches!(
-            d(Err(in_flight)),
-            Disposition::Redeliver { after, reason: Redeliver::InFlight } if after == Duration::from_millis(300)
-        ));
-        let unknown = Error::OutcomeUnknown {
-            key: id(),
-            reason: "timeout".to_owned(),
-            retry_after: Duration::from_secs(5),
-        };
-        assert!(matches!(
-            d(Err(unknown)),
-            Disposition::Redeliver { after, reason: Redeliver::OutcomeUnknown } if after == Duration::from_secs(5)
-        ));
-        let failed = Error::FailedRetryable {
-            key: id(),
-            reason: "boom".to_owned(),
-        };
-        assert!(matches!(
-            d(Err(failed)),
-            Disposition::Redeliver { after, reason: Redeliver::Failed } if after == second
-        ));
+        // Each error left for redelivery, with the wait and the reason it is redelivered with.
+        let redelivered = [
+            (
+                Error::InFlight {
+                    key: id(),
+                    retry_after: Duration::from_millis(300),
+                },
+                Duration::from_millis(300),
+                Redeliver::InFlight,
+            ),
+            (
+                Error::OutcomeUnknown {
+                    key: id(),
+                    reason: "timeout".to_owned(),
+                    retry_after: Duration::from_secs(5),
+                },
+                Duration::from_secs(5),
+                Redeliver::OutcomeUnknown,
+            ),
+            (
+                Error::FailedRetryable {
+                    key: id(),
+                    reason: "boom".to_owned(),
+                },
+                second,
+                Redeliver::Failed,
+            ),
+        ];
+        for (error, wait, why) in redelivered {
+            match d(Err(error)) {
+                Disposition::Redeliver { after, reason } => {
+                    assert_eq!((after, reason), (wait, why))
+                }
+                other => panic!("{why:?} is redelivered, not {other:?}"),
+            }
+        }
         let reused = Error::FingerprintMismatch {
             key: id(),
             stored: "a".to_owned(),

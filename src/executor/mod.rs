@@ -405,14 +405,8 @@ impl Idempotency {
             }
             let claim = self.new_claim(&request);
             let id = request.id.clone();
-            let mut wait = wait::InFlightWait::new(
-                &self.store,
-                &id,
-                &operation,
-                cfg.wait_in_flight,
-                cfg.max_in_flight_waiters,
-                &self.waiters,
-            );
+            let mut wait =
+                wait::InFlightWait::new(&self.store, &id, &operation, cfg, &self.waiters);
             // A duplicate of a running request reads the key again after each wait until it
             // gets an answer, runs the request itself, or is refused (`wait.rs`).
             let (lease, asked) = loop {

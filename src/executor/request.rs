@@ -116,20 +116,14 @@ impl IdempotentRequest {
         let scope = Scope::new(scope).map_err(RequestError::InvalidScope)?;
         let key = IdempotencyKey::new(key).map_err(RequestError::InvalidKey)?;
         crate::key::check_client_key(&key).map_err(RequestError::InvalidKey)?;
-        validate_operation(operation)?;
         let canonical = canonical_json(body);
         let fingerprint = Fingerprint::compute(operation, &canonical);
-        Ok(Self {
-            id: KeyId::new(scope, key),
-            operation: operation.to_owned(),
+        Self::with_fingerprint(
+            KeyId::new(scope, key),
+            operation.to_owned(),
             canonical,
             fingerprint,
-            provider: None,
-            provider_key: None,
-            key_max_len: crate::provider_key::DEFAULT_LEN,
-            dedup_window: None,
-            step: None,
-        })
+        )
     }
 
     /// A request whose fingerprint was computed by the caller (the HTTP layer fingerprints

@@ -35,6 +35,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::ExecutorConfig;
 use crate::KeyId;
 use crate::error::Error;
 use crate::store::{KeyEnd, Store};
@@ -211,8 +212,9 @@ pub(crate) struct InFlightWait<'a> {
     store: &'a Arc<dyn Store>,
     id: &'a KeyId,
     operation: &'a str,
-    bound: Option<Duration>,
-    max_waiters: usize,
+    /// The executor's settings: `wait_in_flight` bounds the wait, `max_in_flight_waiters` the
+    /// waiters.
+    config: &'a ExecutorConfig,
     count: &'a WaiterCount,
     /// Set once waiting has begun.
     state: Option<Waiting<'a>>,
@@ -254,16 +256,14 @@ impl<'a> InFlightWait<'a> {
         store: &'a Arc<dyn Store>,
         id: &'a KeyId,
         operation: &'a str,
-        bound: Option<Duration>,
-        max_waiters: usize,
+        config: &'a ExecutorConfig,
         count: &'a WaiterCount,
     ) -> Self {
         Self {
             store,
             id,
             operation,
-            bound,
-            max_waiters,
+            config,
             count,
             state: None,
         }
@@ -274,11 +274,11 @@ impl<'a> InFlightWait<'a> {
     /// `Err(in_flight)` to give the caller the 409 now (waiting off, too many waiters, or the
     /// bound passed).
     pub(crate) async fn again(&mut self, in_flight: Error) -> Result<(), Error> {
-        let Some(bound) = self.bound.filter(|b| !b.is_zero()) else {
+        let Some(bound) = self.config.wait_in_flight.filter(|b| !b.is_zero()) else {
             return Err(in_flight);
         };
         if self.state.is_none() {
-            let Some(slot) = self.count.try_take(self.max_waiters) else {
+            let Some(slot) = self.count.try_take(self.config.max_in_flight_waiters) else {
                 crate::telemetry::in_flight_wait(self.operation, WaitEnd::Refused.label());
                 return Err(in_flight);
             };

@@ -455,10 +455,30 @@ impl Stripe {
         }
     }
 
+}
+
+/// One key's lookup, as an operation that reads its object back (a capture, a refund) is given
+/// it: the adapter, the key's provider key, its stored request (`Null` when not stored), the
+/// connected account the request names, and the key's attempts as of `now`.
+struct KeyLookup<'a> {
+    stripe: &'a Stripe,
+    provider_key: &'a str,
+    request: &'a Value,
+    account: Option<&'a str>,
+    attempts: Attempts,
+    now: DateTime<Utc>,
+}
+
+impl KeyLookup<'_> {
     /// Whether a lookup that found no effect of the key's request may say so for certain: the
     /// latest attempt is at least `search_lag` old, so Stripe is no longer running it.
-    fn absence_is_authoritative(&self, attempts: Attempts, now: DateTime<Utc>) -> bool {
-        super::search::empty_result_is_authoritative(attempts, now, self.search_lag, None)
+    fn absence_is_authoritative(&self) -> bool {
+        super::search::empty_result_is_authoritative(
+            self.attempts,
+            self.now,
+            self.stripe.search_lag,
+            None,
+        )
     }
 }
 
@@ -575,14 +595,18 @@ impl Provider for Stripe {
                     authoritative: true,
                 };
             };
+            let key = KeyLookup {
+                stripe: self,
+                provider_key,
+                request,
+                account,
+                attempts,
+                now,
+            };
             match self.operation {
                 StripeOperation::CreatePayment => {}
-                StripeOperation::Capture => {
-                    return capture::lookup(self, request, account, attempts, now).await;
-                }
-                StripeOperation::Refund => {
-                    return refund::lookup(self, provider_key, request, account, attempts, now).await;
-                }
+                StripeOperation::Capture => return capture::lookup(&key).await,
+                StripeOperation::Refund => return refund::lookup(&key).await,
             }
             let query = Self::search_query(provider_key);
             let found = MetadataSearch {

@@ -19,11 +19,10 @@
 //! (`Null`) the lookup cannot tell which PaymentIntent to read, and answers
 //! [`Lookup::NeedsOperator`].
 
-use chrono::{DateTime, Utc};
 use serde_json::Value;
 
-use super::{Stripe, form_without, object_id, ok_json};
-use crate::provider::{Attempts, Lookup};
+use super::{KeyLookup, form_without, object_id, ok_json};
+use crate::provider::Lookup;
 
 /// The request's member naming the PaymentIntent to capture.
 const PAYMENT_INTENT: &str = "payment_intent";
@@ -42,13 +41,8 @@ fn payment_intent(request: &Value) -> Result<&str, String> {
     })
 }
 
-pub(super) async fn lookup(
-    stripe: &Stripe,
-    request: &Value,
-    account: Option<&str>,
-    attempts: Attempts,
-    now: DateTime<Utc>,
-) -> Lookup {
+pub(super) async fn lookup(key: &KeyLookup<'_>) -> Lookup {
+    let request = key.request;
     // Without the request the PaymentIntent captured is unknown: nothing proves the capture
     // absent.
     if request.is_null() {
@@ -64,8 +58,9 @@ pub(super) async fn lookup(
             authoritative: true,
         };
     };
-    let pi = match stripe
-        .retrieve(&format!("/v1/payment_intents/{id}"), &[], account)
+    let pi = match key
+        .stripe
+        .retrieve(&format!("/v1/payment_intents/{id}"), &[], key.account)
         .await
     {
         Ok(pi) => pi,
@@ -77,7 +72,7 @@ pub(super) async fn lookup(
         "succeeded" if manual => Lookup::Found(ok_json(&pi)),
         "processing" => Lookup::Unknown { retry_after: None },
         _ => Lookup::NotFound {
-            authoritative: stripe.absence_is_authoritative(attempts, now),
+            authoritative: key.absence_is_authoritative(),
         },
     }
 }

@@ -18,11 +18,10 @@
 //! Without the stored request (`Null`) the lookup cannot tell which payment to list, and
 //! answers [`Lookup::NeedsOperator`].
 
-use chrono::{DateTime, Utc};
 use serde_json::Value;
 
-use super::{METADATA_KEY, Stripe, flatten, form_without, object_id, ok_json};
-use crate::provider::{Attempts, Lookup};
+use super::{KeyLookup, METADATA_KEY, flatten, form_without, object_id, ok_json};
+use crate::provider::Lookup;
 
 /// How many pages of refunds a lookup reads before it hands the key to an operator.
 pub(super) const MAX_PAGES: usize = 20;
@@ -55,14 +54,8 @@ fn payment(request: &Value) -> Result<(&'static str, &str), String> {
     }
 }
 
-pub(super) async fn lookup(
-    stripe: &Stripe,
-    provider_key: &str,
-    request: &Value,
-    account: Option<&str>,
-    attempts: Attempts,
-    now: DateTime<Utc>,
-) -> Lookup {
+pub(super) async fn lookup(key: &KeyLookup<'_>) -> Lookup {
+    let (request, provider_key) = (key.request, key.provider_key);
     // Without the request the payment refunded is unknown, and refunds cannot be searched by
     // metadata: nothing proves the refund absent.
     if request.is_null() {
@@ -85,7 +78,7 @@ pub(super) async fn lookup(
         if let Some(last) = &after {
             query.push(("starting_after", last.as_str()));
         }
-        let page = match stripe.retrieve("/v1/refunds", &query, account).await {
+        let page = match key.stripe.retrieve("/v1/refunds", &query, key.account).await {
             Ok(page) => page,
             Err(Lookup::NotFound { .. }) => {
                 // No such payment: nothing could be refunded under the key.
@@ -111,7 +104,7 @@ pub(super) async fn lookup(
             Some(last) if more => after = Some(last.to_owned()),
             _ => {
                 return Lookup::NotFound {
-                    authoritative: stripe.absence_is_authoritative(attempts, now),
+                    authoritative: key.absence_is_authoritative(),
                 };
             }
         }
