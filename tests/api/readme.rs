@@ -1,18 +1,18 @@
-//! The docs' code is checked. README.md's "From zero to a protected endpoint" shows
+//! The docs' code is checked. docs/http.md's "From zero to a protected endpoint" shows
 //! `examples/quickstart.rs` as a new crate's `src/main.rs`; CI builds that example and runs its
-//! test, so the README's code is checked only while the two are the same. Every other Rust block
+//! test, so the page's code is checked only while the two are the same. Every other Rust block
 //! of README.md and docs/ is a doctest (`src/lib.rs` includes the pages), or a checked excerpt of
 //! a source file; every shell block says whether CI runs it.
 
 #[test]
-fn the_readme_quickstart_is_the_example_ci_runs() {
+fn the_http_guide_quickstart_is_the_example_ci_runs() {
     let root = env!("CARGO_MANIFEST_DIR");
-    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    let readme = std::fs::read_to_string(format!("{root}/docs/http.md")).unwrap();
     let example = std::fs::read_to_string(format!("{root}/examples/quickstart.rs")).unwrap();
     let after = readme
         .split_once(QUICKSTART_MARKER)
         .map(|(_, rest)| rest)
-        .expect("README.md marks its quickstart block");
+        .expect("docs/http.md marks its quickstart block");
     let block = after
         .split_once("```rust,ignore\n")
         .and_then(|(_, rest)| rest.split_once("\n```\n"))
@@ -21,13 +21,15 @@ fn the_readme_quickstart_is_the_example_ci_runs() {
     assert_eq!(
         block.trim_end(),
         example.trim_end(),
-        "README.md's quickstart and examples/quickstart.rs differ: copy the example into the README"
+        "docs/http.md's quickstart and examples/quickstart.rs differ: copy the example into the page"
     );
 }
 
-/// Every shell block (```` ```sh ````) in README.md and docs/ says whether CI runs it: its first
-/// line is `# run by .ci/run` (and then each of its commands is in `.ci/run`, word for word) or
-/// `# not run in CI[ as written, alone, ...]: <why>`.
+/// Every shell block (```` ```sh ````) in README.md and docs/ says whether CI runs it, on the
+/// line before the block (`<!-- run by .ci/run -->`, the README's form, which keeps the block
+/// itself clean for a reader) or as the block's first line (`# run by .ci/run`): run by CI (and
+/// then each of its commands is in `.ci/run`, word for word) or `not run in CI[ as written,
+/// alone, ...]: <why>`.
 #[test]
 fn every_shell_block_in_the_docs_says_whether_ci_runs_it() {
     let root = env!("CARGO_MANIFEST_DIR");
@@ -45,8 +47,10 @@ fn every_shell_block_in_the_docs_says_whether_ci_runs_it() {
     for file in &files {
         let text = std::fs::read_to_string(file).unwrap();
         let mut lines = text.lines().enumerate();
+        let mut before = "";
         while let Some((n, line)) = lines.next() {
             if line.trim_end() != "```sh" {
+                before = line;
                 continue;
             }
             blocks += 1;
@@ -56,23 +60,34 @@ fn every_shell_block_in_the_docs_says_whether_ci_runs_it() {
                 .take_while(|l| !l.starts_with("```"))
                 .collect();
             let at = format!("{}:{}", file.trim_start_matches(root), n + 1);
-            let first = body.first().copied().unwrap_or_default();
-            let not_run = first
-                .strip_prefix("# not run in CI")
+            // The note on the line before the block, else the block's first line.
+            let (note, commands_from) = match before
+                .trim()
+                .strip_prefix("<!-- ")
+                .and_then(|c| c.strip_suffix(" -->"))
+            {
+                Some(note) => (note, 0),
+                None => {
+                    let first = body.first().copied().unwrap_or_default();
+                    (first.strip_prefix("# ").unwrap_or_default(), 1)
+                }
+            };
+            let not_run = note
+                .strip_prefix("not run in CI")
                 .and_then(|rest| rest.split_once(": "));
             if let Some((_, why)) = not_run {
                 if why.trim().len() < 10 {
                     problems.push(format!("{at}: say why it is not run in CI"));
                 }
-            } else if first.starts_with("# run by .ci/run") {
-                for command in commands(&body[1..]) {
+            } else if note.starts_with("run by .ci/run") {
+                for command in commands(&body[commands_from.min(body.len())..]) {
                     if !ci.contains(&command) {
                         problems.push(format!("{at}: `{command}` is not in .ci/run"));
                     }
                 }
             } else {
                 problems.push(format!(
-                    "{at}: the first line must be `# run by .ci/run` or `# not run in CI: <why>`"
+                    "{at}: say `run by .ci/run` or `not run in CI: <why>`, before the block or first in it"
                 ));
             }
         }
