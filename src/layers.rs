@@ -16,6 +16,7 @@ pub(super) const LAYERS: &[(&str, &[&str])] = &[
             "record",
             "provider_key",
             "error",
+            "setters",
             "debug_fields",
         ],
     ),

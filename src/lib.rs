@@ -98,6 +98,7 @@ pub mod provider;
 pub mod provider_key;
 pub mod record;
 pub mod response;
+mod setters;
 pub mod state;
 pub mod store;
 pub mod sweeper;

@@ -63,6 +63,7 @@
 // builders take any `IntoResponse` error, so callers' closures stay small.
 #![allow(clippy::result_large_err)]
 
+use crate::setters::setters;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -247,17 +248,13 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The header carrying the key. Default `Idempotency-Key`.
-    pub fn header_name(mut self, name: HeaderName) -> Self {
-        Arc::make_mut(&mut self.settings).header = name;
-        self
-    }
+    setters! { shared settings;
+        /// The header carrying the key. Default `Idempotency-Key`.
+        header_name(header: HeaderName);
 
-    /// Whether a protected request without a key is refused (400, the default) or passed
-    /// through unprotected.
-    pub fn key_required(mut self, required: bool) -> Self {
-        Arc::make_mut(&mut self.settings).required = required;
-        self
+        /// Whether a protected request without a key is refused (400, the default) or passed
+        /// through unprotected.
+        key_required(required: bool);
     }
 
     /// The response headers stored and replayed with the status and body (case-insensitive).
@@ -269,11 +266,10 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The largest request body accepted on protected requests (413 above). Default: the
-    /// executor's request cap (64 KiB).
-    pub fn max_body_bytes(mut self, limit: usize) -> Self {
-        Arc::make_mut(&mut self.settings).max_body_bytes = limit;
-        self
+    setters! { shared settings;
+        /// The largest request body accepted on protected requests (413 above). Default: the
+        /// executor's request cap (64 KiB).
+        max_body_bytes(max_body_bytes: usize);
     }
 
     /// One fixed operation name for every protected request (part of the fingerprint and of the
@@ -346,12 +342,11 @@ impl IdempotencyLayer {
         self
     }
 
-    /// What to do when the store cannot be reached before the handler runs. Default
-    /// [`StoreDown::Refuse`] (503); [`StoreDown::RunUnprotected`] runs the handler without
-    /// protection, loudly. Set it per route by layering routes separately.
-    pub fn when_store_down(mut self, policy: StoreDown) -> Self {
-        Arc::make_mut(&mut self.settings).store_down = policy;
-        self
+    setters! { shared settings;
+        /// What to do when the store cannot be reached before the handler runs. Default
+        /// [`StoreDown::Refuse`] (503); [`StoreDown::RunUnprotected`] runs the handler without
+        /// protection, loudly. Set it per route by layering routes separately.
+        when_store_down(store_down: StoreDown);
     }
 
     /// Builds the request stored with the key (and given to the handler as

@@ -52,6 +52,7 @@
 //! With feature `http`, [`WebhookReceiver::settle_keys`] also settles idemflow keys still
 //! `processing` from the `payment_intent.*` events that report them (see [`SettleKeys`]).
 
+use crate::setters::setters;
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
@@ -453,10 +454,9 @@ impl WebhookReceiver {
         self
     }
 
-    /// The largest body accepted (413 above). Default [`DEFAULT_MAX_BODY_BYTES`].
-    pub fn max_body_bytes(mut self, limit: usize) -> Self {
-        Arc::make_mut(&mut self.inner).max_body_bytes = limit;
-        self
+    setters! { shared inner;
+        /// The largest body accepted (413 above). Default [`DEFAULT_MAX_BODY_BYTES`].
+        max_body_bytes(max_body_bytes: usize);
     }
 
     async fn receive(self, req: Request) -> Response {

@@ -13,6 +13,7 @@ use super::Delegate;
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{Actor, KeyRecord, LeaseToken};
+use crate::setters::setters;
 use crate::store::{ClaimOutcome, Finish, NewClaim, Store, TakeStale};
 
 /// A store with injected faults: failed worker finishes (crash point (d): during completion),
@@ -56,29 +57,19 @@ impl FaultyStore {
         self
     }
 
-    /// Answers every claim `late_claims` after the database granted it.
-    pub fn answer_claims_late(mut self, late_claims: Duration) -> Self {
-        self.late_claims = late_claims;
-        self
-    }
+    setters! {
+        /// Answers every claim `late_claims` after the database granted it.
+        answer_claims_late(late_claims: Duration);
 
-    /// Answers every `take_stale` `late_take_stale` after the database granted it.
-    pub fn answer_take_stale_late(mut self, late_take_stale: Duration) -> Self {
-        self.late_take_stale = late_take_stale;
-        self
-    }
+        /// Answers every `take_stale` `late_take_stale` after the database granted it.
+        answer_take_stale_late(late_take_stale: Duration);
 
-    /// Answers every `mark_attempt` `late_mark_attempts` after the database recorded it.
-    pub fn answer_mark_attempts_late(mut self, late_mark_attempts: Duration) -> Self {
-        self.late_mark_attempts = late_mark_attempts;
-        self
-    }
+        /// Answers every `mark_attempt` `late_mark_attempts` after the database recorded it.
+        answer_mark_attempts_late(late_mark_attempts: Duration);
 
-    /// Reads the database clock (`now`) `late_clock` after it was asked for, as a loaded database
-    /// that runs the query late does: the answer is the database's time when it ran.
-    pub fn read_clock_late(mut self, late_clock: Duration) -> Self {
-        self.late_clock = late_clock;
-        self
+        /// Reads the database clock (`now`) `late_clock` after it was asked for, as a loaded database
+        /// that runs the query late does: the answer is the database's time when it ran.
+        read_clock_late(late_clock: Duration);
     }
 }
 

@@ -69,6 +69,7 @@
 //! peers of a worker that died settle its keys; [`Consumer::without_sweeper`] leaves it to
 //! `idemflow reconcile`. See `docs/consumers.md`, "Queues", for what is promised and its limits.
 
+use crate::setters::setters;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -586,16 +587,12 @@ impl Consumer {
         }
     }
 
-    /// Where each message's key is read from (default [`KeySource::MessageId`]).
-    pub fn key(mut self, from: KeySource) -> Self {
-        Arc::make_mut(&mut self.inner).key = from;
-        self
-    }
+    setters! { shared inner;
+        /// Where each message's key is read from (default [`KeySource::MessageId`]).
+        key(key: KeySource);
 
-    /// What each message's fingerprint covers (default [`FingerprintSource::Body`]).
-    pub fn fingerprint(mut self, from: FingerprintSource) -> Self {
-        Arc::make_mut(&mut self.inner).fingerprint = from;
-        self
+        /// What each message's fingerprint covers (default [`FingerprintSource::Body`]).
+        fingerprint(fingerprint: FingerprintSource);
     }
 
     /// Declares the provider the handler acts through (forwarding [`Context::provider_key`] as
@@ -655,11 +652,10 @@ impl Consumer {
         self
     }
 
-    /// The delay before a delivery whose handler failed, or whose store failed, is delivered
-    /// again (default [`DEFAULT_RETRY_AFTER`]).
-    pub fn retry_after(mut self, after: Duration) -> Self {
-        Arc::make_mut(&mut self.inner).retry_after = after;
-        self
+    setters! { shared inner;
+        /// The delay before a delivery whose handler failed, or whose store failed, is delivered
+        /// again (default [`DEFAULT_RETRY_AFTER`]).
+        retry_after(retry_after: Duration);
     }
 
     /// The scope of the messages' keys.

@@ -1,5 +1,6 @@
 //! The public entry point: [`Idempotency::execute`].
 
+use crate::setters::setters;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -218,16 +219,12 @@ impl Idempotency {
         }
     }
 
-    /// Sets the lease length ([`ExecutorConfig::lease`]).
-    pub fn lease(mut self, lease: Duration) -> Self {
-        Arc::make_mut(&mut self.config).lease = lease;
-        self
-    }
+    setters! { shared config;
+        /// Sets the lease length ([`ExecutorConfig::lease`]).
+        lease(lease: Duration);
 
-    /// Sets the retention of finished keys ([`ExecutorConfig::retention`]).
-    pub fn retention(mut self, retention: Duration) -> Self {
-        Arc::make_mut(&mut self.config).retention = retention;
-        self
+        /// Sets the retention of finished keys ([`ExecutorConfig::retention`]).
+        retention(retention: Duration);
     }
 
     /// Sets the lease owner name ([`ExecutorConfig::owner`]).
@@ -237,29 +234,19 @@ impl Idempotency {
         self
     }
 
-    /// Whether the canonical request is stored ([`ExecutorConfig::store_request`]).
-    pub fn store_request(mut self, store: bool) -> Self {
-        Arc::make_mut(&mut self.config).store_request = store;
-        self
-    }
+    setters! { shared config;
+        /// Whether the canonical request is stored ([`ExecutorConfig::store_request`]).
+        store_request(store_request: bool);
 
-    /// Sets the request cap in bytes ([`ExecutorConfig::max_request_bytes`]).
-    pub fn max_request_bytes(mut self, limit: usize) -> Self {
-        Arc::make_mut(&mut self.config).max_request_bytes = limit;
-        self
-    }
+        /// Sets the request cap in bytes ([`ExecutorConfig::max_request_bytes`]).
+        max_request_bytes(max_request_bytes: usize);
 
-    /// Sets the stored response cap in bytes ([`ExecutorConfig::max_response_bytes`]).
-    pub fn max_response_bytes(mut self, limit: usize) -> Self {
-        Arc::make_mut(&mut self.config).max_response_bytes = limit;
-        self
-    }
+        /// Sets the stored response cap in bytes ([`ExecutorConfig::max_response_bytes`]).
+        max_response_bytes(max_response_bytes: usize);
 
-    /// Sets the headers kept for replay, compared case-insensitively (`None`: all)
-    /// ([`ExecutorConfig::stored_headers`]).
-    pub fn stored_headers(mut self, headers: Option<Vec<String>>) -> Self {
-        Arc::make_mut(&mut self.config).stored_headers = headers;
-        self
+        /// Sets the headers kept for replay, compared case-insensitively (`None`: all)
+        /// ([`ExecutorConfig::stored_headers`]).
+        stored_headers(stored_headers: Option<Vec<String>>);
     }
 
     /// Lets a retry take over an expired lease within `window` of the first claim
@@ -269,11 +256,10 @@ impl Idempotency {
         self
     }
 
-    /// Sets the `Retry-After` given to a duplicate of a running request
-    /// ([`ExecutorConfig::in_flight_retry_after`]).
-    pub fn in_flight_retry_after(mut self, after: Duration) -> Self {
-        Arc::make_mut(&mut self.config).in_flight_retry_after = after;
-        self
+    setters! { shared config;
+        /// Sets the `Retry-After` given to a duplicate of a running request
+        /// ([`ExecutorConfig::in_flight_retry_after`]).
+        in_flight_retry_after(in_flight_retry_after: Duration);
     }
 
     /// Lets a duplicate whose first request is still running wait up to `bound` for that
@@ -292,10 +278,9 @@ impl Idempotency {
         self
     }
 
-    /// Sets how many duplicates may wait at once ([`ExecutorConfig::max_in_flight_waiters`]).
-    pub fn max_in_flight_waiters(mut self, max: usize) -> Self {
-        Arc::make_mut(&mut self.config).max_in_flight_waiters = max;
-        self
+    setters! { shared config;
+        /// Sets how many duplicates may wait at once ([`ExecutorConfig::max_in_flight_waiters`]).
+        max_in_flight_waiters(max_in_flight_waiters: usize);
     }
 
     /// Duplicates waiting for an in-flight answer now, in this executor and its clones.
@@ -303,11 +288,10 @@ impl Idempotency {
         self.waiters.now()
     }
 
-    /// Sets the `Retry-After` given while an outcome is unknown
-    /// ([`ExecutorConfig::unknown_retry_after`]).
-    pub fn unknown_retry_after(mut self, after: Duration) -> Self {
-        Arc::make_mut(&mut self.config).unknown_retry_after = after;
-        self
+    setters! { shared config;
+        /// Sets the `Retry-After` given while an outcome is unknown
+        /// ([`ExecutorConfig::unknown_retry_after`]).
+        unknown_retry_after(unknown_retry_after: Duration);
     }
 
     /// Masks the application's own secrets in every response before it is stored

@@ -10,6 +10,7 @@ use sqlx::{ConnectOptions, Connection, Database, Pool};
 
 use super::connect_error::{sqlx_cause, within};
 use crate::error::StoreError;
+use crate::setters::setters;
 
 /// How `PostgresStore::connect_with` and `MySqlStore::connect_with` size their pool.
 ///
@@ -66,23 +67,16 @@ impl PoolOptions {
     /// Default [`PoolOptions::acquire_timeout`].
     pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
-    /// Connections at most (1 to [`Self::MAX_CONNECTIONS`], checked when the store
-    /// connects).
-    pub fn max_connections(mut self, max_connections: u32) -> Self {
-        self.max_connections = max_connections;
-        self
-    }
+    setters! {
+        /// Connections at most (1 to [`Self::MAX_CONNECTIONS`], checked when the store
+        /// connects).
+        max_connections(max_connections: u32);
 
-    /// Connections kept open when idle (capped at `max_connections`).
-    pub fn min_connections(mut self, min_connections: u32) -> Self {
-        self.min_connections = min_connections;
-        self
-    }
+        /// Connections kept open when idle (capped at `max_connections`).
+        min_connections(min_connections: u32);
 
-    /// How long a call waits for a free connection before failing.
-    pub fn acquire_timeout(mut self, acquire_timeout: Duration) -> Self {
-        self.acquire_timeout = acquire_timeout;
-        self
+        /// How long a call waits for a free connection before failing.
+        acquire_timeout(acquire_timeout: Duration);
     }
 }
 

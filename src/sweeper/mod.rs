@@ -46,6 +46,7 @@ use tracing::{Instrument, info_span};
 use crate::error::StoreError;
 use crate::provider::{Attempts, CallReply, Lookup, Providers};
 use crate::record::{Actor, KeyKind, KeyRecord};
+use crate::setters::setters;
 use crate::store::{Finish, Release, Store, TakeStale};
 use crate::{KeyId, KeyState};
 
@@ -257,30 +258,20 @@ impl Sweeper {
         self
     }
 
-    /// Sets the lease of taken keys ([`SweeperConfig::lease`]): how long the keys of a
-    /// sweeper that died stay held. Keep it short; the heartbeat renews it while the
-    /// sweeper works.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.config.lease = lease;
-        self
-    }
+    setters! { in config;
+        /// Sets the lease of taken keys ([`SweeperConfig::lease`]): how long the keys of a
+        /// sweeper that died stay held. Keep it short; the heartbeat renews it while the
+        /// sweeper works.
+        lease(lease: Duration);
 
-    /// Sets the recheck delay of keys that need an operator.
-    pub fn operator_recheck(mut self, operator_recheck: Duration) -> Self {
-        self.config.operator_recheck = operator_recheck;
-        self
-    }
+        /// Sets the recheck delay of keys that need an operator.
+        operator_recheck(operator_recheck: Duration);
 
-    /// Sets the safety margin kept before the end of a provider's dedup window.
-    pub fn redrive_margin(mut self, redrive_margin: Duration) -> Self {
-        self.config.redrive_margin = redrive_margin;
-        self
-    }
+        /// Sets the safety margin kept before the end of a provider's dedup window.
+        redrive_margin(redrive_margin: Duration);
 
-    /// Sets the longest wait for one provider call or lookup.
-    pub fn call_timeout(mut self, call_timeout: Duration) -> Self {
-        self.config.call_timeout = call_timeout;
-        self
+        /// Sets the longest wait for one provider call or lookup.
+        call_timeout(call_timeout: Duration);
     }
 
     /// The settings.

@@ -4,6 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::error::StoreError;
+use crate::setters::setters;
 use crate::store::connect_error::{RedactedUrl, masked};
 
 /// The scheme of a URL that names a primary through Redis Sentinel (see [`SentinelConfig::parse_url`]).
@@ -80,34 +81,21 @@ impl SentinelConfig {
         }
     }
 
-    /// Sets the database number on the data nodes.
-    pub fn db(mut self, db: i64) -> Self {
-        self.db = db;
-        self
-    }
+    setters! {
+        /// Sets the database number on the data nodes.
+        db(db: i64);
 
-    /// Sets the user name on the data nodes.
-    pub fn username(mut self, username: Option<String>) -> Self {
-        self.username = username;
-        self
-    }
+        /// Sets the user name on the data nodes.
+        username(username: Option<String>);
 
-    /// Sets the password on the data nodes.
-    pub fn password(mut self, password: Option<String>) -> Self {
-        self.password = password;
-        self
-    }
+        /// Sets the password on the data nodes.
+        password(password: Option<String>);
 
-    /// Sets the user name on the sentinels.
-    pub fn sentinel_username(mut self, sentinel_username: Option<String>) -> Self {
-        self.sentinel_username = sentinel_username;
-        self
-    }
+        /// Sets the user name on the sentinels.
+        sentinel_username(sentinel_username: Option<String>);
 
-    /// Sets the password on the sentinels (a sentinel with `requirepass`).
-    pub fn sentinel_password(mut self, sentinel_password: Option<String>) -> Self {
-        self.sentinel_password = sentinel_password;
-        self
+        /// Sets the password on the sentinels (a sentinel with `requirepass`).
+        sentinel_password(sentinel_password: Option<String>);
     }
 
     /// Parses a Sentinel URL, the form of the Python `redis-sentinel-url` package (also
@@ -485,35 +473,22 @@ impl RedisConfig {
         self
     }
 
-    /// Sets the history cap per key (0: unlimited).
-    pub fn history_cap(mut self, history_cap: u32) -> Self {
-        self.history_cap = history_cap;
-        self
-    }
+    setters! {
+        /// Sets the history cap per key (0: unlimited).
+        history_cap(history_cap: u32);
 
-    /// Sets how long history outlives a key's `expires_at`.
-    pub fn history_ttl(mut self, history_ttl: Duration) -> Self {
-        self.history_ttl = history_ttl;
-        self
-    }
+        /// Sets how long history outlives a key's `expires_at`.
+        history_ttl(history_ttl: Duration);
 
-    /// Sets the native-expiry backstop (`None`: keys are deleted by purge only).
-    pub fn expiry_grace(mut self, expiry_grace: Option<Duration>) -> Self {
-        self.expiry_grace = expiry_grace;
-        self
-    }
+        /// Sets the native-expiry backstop (`None`: keys are deleted by purge only).
+        expiry_grace(expiry_grace: Option<Duration>);
 
-    /// Sets the number of slots of the known-keys hint (0: no hint, every claim runs the
-    /// claim script).
-    pub fn known_keys(mut self, known_keys: usize) -> Self {
-        self.known_keys = known_keys;
-        self
-    }
+        /// Sets the number of slots of the known-keys hint (0: no hint, every claim runs the
+        /// claim script).
+        known_keys(known_keys: usize);
 
-    /// Sets the command timeout.
-    pub fn response_timeout(mut self, response_timeout: Duration) -> Self {
-        self.response_timeout = response_timeout;
-        self
+        /// Sets the command timeout.
+        response_timeout(response_timeout: Duration);
     }
 }
 

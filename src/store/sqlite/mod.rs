@@ -35,6 +35,7 @@ use super::{ClaimOutcome, Finish, FinishMode, NewClaim, Release, Store, SweeperS
 use crate::KeyId;
 use crate::error::StoreError;
 use crate::record::{KeyRecord, LeaseToken};
+use crate::setters::setters;
 use crate::store::known_keys::{self, KnownKeys};
 
 mod atomic;
@@ -114,25 +115,18 @@ impl SqliteConfig {
         }
     }
 
-    /// Sets how long an atomic phase's writes may hold the writer
-    /// ([`SqliteConfig::phase_timeout`]).
-    pub fn phase_timeout(mut self, phase_timeout: Duration) -> Self {
-        self.phase_timeout = phase_timeout;
-        self
-    }
+    setters! {
+        /// Sets how long an atomic phase's writes may hold the writer
+        /// ([`SqliteConfig::phase_timeout`]).
+        phase_timeout(phase_timeout: Duration);
 
-    /// Sets the `synchronous` pragma (for example `Normal` when losing the last commits on power
-    /// loss is acceptable).
-    pub fn synchronous(mut self, synchronous: SqliteSynchronous) -> Self {
-        self.synchronous = synchronous;
-        self
-    }
+        /// Sets the `synchronous` pragma (for example `Normal` when losing the last commits on power
+        /// loss is acceptable).
+        synchronous(synchronous: SqliteSynchronous);
 
-    /// Sets the busy timeout (at most `i32::MAX` milliseconds, about 24.8 days: SQLite's
-    /// limit; a longer one is refused with [`StoreError::Config`] when the store connects).
-    pub fn busy_timeout(mut self, busy_timeout: Duration) -> Self {
-        self.busy_timeout = busy_timeout;
-        self
+        /// Sets the busy timeout (at most `i32::MAX` milliseconds, about 24.8 days: SQLite's
+        /// limit; a longer one is refused with [`StoreError::Config`] when the store connects).
+        busy_timeout(busy_timeout: Duration);
     }
 
     /// Sets the number of reader connections (at least 1, at most [`MAX_READERS`]: a larger
