@@ -953,3 +953,24 @@ fn the_operations_docs_name_every_provider_kind() {
         );
     }
 }
+
+/// The help names each environment variable a flag reads, and never a value: not the value of
+/// a variable that is set (a database URL may hold a password), nor an empty `NAME=` for one
+/// that is not.
+#[test]
+fn help_names_the_environment_variables_without_values() {
+    let help = stdout(&run_with_env(
+        &["--help"],
+        &[("DATABASE_URL", "postgres://app:s3cret@db/app")],
+    ));
+    // As one line: clap may wrap a long help line anywhere.
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    for var in ["DATABASE_URL", "IDEMFLOW_CONFIG"] {
+        assert!(help.contains(&format!("[env: {var}]")), "{var} in:\n{help}");
+        assert!(
+            !help.contains(&format!("{var}=")),
+            "{var}'s value in:\n{help}"
+        );
+    }
+    assert!(!help.contains("s3cret"), "{help}");
+}

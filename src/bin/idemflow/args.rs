@@ -15,7 +15,7 @@ pub struct Cli {
     pub database_url: Option<String>,
     /// Configuration file (TOML) naming the providers ([[providers]]) and sweeper settings
     /// ([sweeper]).
-    #[arg(long, env = "IDEMFLOW_CONFIG", global = true)]
+    #[arg(long, env = "IDEMFLOW_CONFIG", global = true, hide_env_values = true)]
     pub config: Option<PathBuf>,
     /// Print machine-readable JSON on stdout.
     #[arg(long, global = true)]

@@ -1,12 +1,13 @@
-//! What an operation is given ([`Context`]) and what `execute` returns ([`Execution`]); what it
-//! returns is the domain's [`Outcome`](crate::outcome::Outcome).
+//! What an operation is given: [`Context`], its key, provider key and lease. What the operation
+//! returns is the domain's [`Outcome`](crate::outcome::Outcome); what `execute` gives back is
+//! [`Execution`](super::Execution).
 
 use chrono::{DateTime, Utc};
 use tokio::time::Instant;
 
 use super::heartbeat::LeaseWatch;
+use crate::KeyId;
 use crate::record::LeaseToken;
-use crate::{KeyId, StoredResponse};
 
 /// What the operation is given: the key to forward to the provider and its lease.
 #[derive(Debug, Clone)]
@@ -112,36 +113,5 @@ impl Context {
     /// The canonical JSON request.
     pub fn request(&self) -> &str {
         &self.request
-    }
-}
-
-/// What [`Idempotency::execute`](crate::Idempotency::execute) gives back: the operation was
-/// executed now, or its stored answer was replayed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Execution {
-    /// The operation ran now; this is its response (success or permanent refusal).
-    Executed(StoredResponse),
-    /// The operation had already run; this is the stored response, byte for byte.
-    Replayed(StoredResponse),
-}
-
-impl Execution {
-    /// The response, executed or replayed.
-    pub fn response(&self) -> &StoredResponse {
-        match self {
-            Execution::Executed(r) | Execution::Replayed(r) => r,
-        }
-    }
-
-    /// Takes the response.
-    pub fn into_response(self) -> StoredResponse {
-        match self {
-            Execution::Executed(r) | Execution::Replayed(r) => r,
-        }
-    }
-
-    /// Whether this is a replay.
-    pub fn is_replay(&self) -> bool {
-        matches!(self, Execution::Replayed(_))
     }
 }
