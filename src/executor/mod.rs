@@ -16,25 +16,25 @@ use crate::{KeyId, StoredResponse};
 
 mod config;
 mod context;
+mod decide;
 mod execution;
 pub(crate) mod heartbeat;
 pub(crate) mod hook;
 mod one_commit;
 mod provider_call;
 mod request;
-mod settle;
 mod wait;
 
 use crate::Outcome;
 pub use config::{ExecutorConfig, Redactor};
 pub use context::Context;
+use decide::{WorkerDecision, decide};
 pub use execution::Execution;
 #[cfg(feature = "axum")]
 pub(crate) use provider_call::send as send_to_provider;
 pub use request::IdempotentRequest;
 pub(crate) use request::StepOf;
 pub(crate) use request::validate_operation;
-use settle::{Settle, settle};
 
 /// The span of one key's run, named `$name`: the key's scope and key (from the `KeyId` `$id`),
 /// its operation under the field `$field`, and the outcome, recorded when known.
@@ -452,14 +452,14 @@ impl Idempotency {
                     Outcome::Unknown { .. } => "unknown",
                 },
             );
-            let (to, resp) = match settle(outcome, lease.may_have_acted) {
-                Settle::Store { to, response } => (to, response),
-                Settle::Retryable { error } => {
+            let (to, resp) = match decide(outcome, lease.may_have_acted) {
+                WorkerDecision::Store { to, response } => (to, response),
+                WorkerDecision::Retryable { error } => {
                     tracing::Span::current().record("outcome", "retryable");
                     let why = "the provider surely did nothing; a retry runs it again";
                     return Err(fail_retryable(&*self.store, &id, lease.token, error, why).await);
                 }
-                Settle::Release {
+                WorkerDecision::Release {
                     reason,
                     error,
                     told,

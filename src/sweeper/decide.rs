@@ -18,7 +18,7 @@ use crate::{KeyState, Outcome, StoredResponse, record::KeyRecord};
 
 /// The sweeper's plan for a stale key, before it asks the provider anything.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum RecoveryPlan {
+pub(crate) enum SweeperPlan {
     /// No provider can settle it: an operator must decide.
     NeedsOperator {
         /// Why.
@@ -41,7 +41,7 @@ pub(crate) enum RecoveryPlan {
 
 /// The sweeper's decision for a key, once it has heard from the provider.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum RecoveryDecision {
+pub(crate) enum SweeperDecision {
     /// Finish the key (`done`, `failed{permanent}` or `failed{retryable}`).
     Finish {
         /// The final state.
@@ -74,9 +74,9 @@ pub(crate) fn plan(
     provider: Option<(&str, &KeySpec)>,
     now: DateTime<Utc>,
     margin: Duration,
-) -> RecoveryPlan {
+) -> SweeperPlan {
     let Some(name) = record.provider.as_deref() else {
-        return RecoveryPlan::NeedsOperator {
+        return SweeperPlan::NeedsOperator {
             reason: format!(
                 "operation {:?} recorded no provider, so nothing can tell whether it ran; an operator must decide (idemflow resolve)",
                 record.operation
@@ -84,7 +84,7 @@ pub(crate) fn plan(
         };
     };
     let Some((_, spec)) = provider else {
-        return RecoveryPlan::NeedsOperator {
+        return SweeperPlan::NeedsOperator {
             reason: format!(
                 "provider {name:?} is not registered with this sweeper; an operator must configure it or decide the key (idemflow resolve)"
             ),
@@ -97,19 +97,19 @@ pub(crate) fn plan(
     let request_missing = stored.is_none();
     let request = stored.unwrap_or(serde_json::Value::Null);
     if request_missing {
-        return RecoveryPlan::Lookup {
+        return SweeperPlan::Lookup {
             request,
             why: "the request was not stored, so it can only be looked up".to_owned(),
         };
     }
     if !spec.replays_same_key {
-        return RecoveryPlan::Lookup {
+        return SweeperPlan::Lookup {
             request,
             why: format!("{name} does not dedupe by key, so it is never re-driven"),
         };
     }
     if spec.retention.is_none() {
-        return RecoveryPlan::Lookup {
+        return SweeperPlan::Lookup {
             request,
             why: format!(
                 "{name} documents no key window, so a re-send is never known to be deduped; it is never re-driven"
@@ -117,9 +117,9 @@ pub(crate) fn plan(
         };
     }
     if spec.may_redrive(record.created_at, now, margin) {
-        RecoveryPlan::Redrive { request }
+        SweeperPlan::Redrive { request }
     } else {
-        RecoveryPlan::Lookup {
+        SweeperPlan::Lookup {
             request,
             why: format!(
                 "first sent at {} which is past {name}'s dedup window less a margin of {margin:?}; re-driving could act twice",
@@ -133,7 +133,7 @@ pub(crate) fn plan(
 /// `Retryable` answer to the *re-send* says nothing about the first send (a 429 comes before the
 /// provider's key lookup), so the key is kept and re-driven later, or looked up once the window
 /// closes.
-pub(crate) fn after_call(provider: &str, reply: CallReply) -> RecoveryDecision {
+pub(crate) fn after_call(provider: &str, reply: CallReply) -> SweeperDecision {
     match reply {
         CallReply::Succeeded { response, replayed } => {
             let reason = format!(
@@ -157,21 +157,21 @@ pub(crate) fn after_call(provider: &str, reply: CallReply) -> RecoveryDecision {
         CallReply::Retryable {
             reason,
             retry_after,
-        } => RecoveryDecision::Defer {
+        } => SweeperDecision::Defer {
             reason: format!(
                 "re-drive to {provider} answered retryable ({reason}); that says nothing about the first send, trying again later"
             ),
             retry_after,
         },
-        CallReply::InFlight { retry_after } => RecoveryDecision::Defer {
+        CallReply::InFlight { retry_after } => SweeperDecision::Defer {
             reason: format!("{provider} reports a request with this key still in flight"),
             retry_after,
         },
-        CallReply::Unknown { reason } => RecoveryDecision::Defer {
+        CallReply::Unknown { reason } => SweeperDecision::Defer {
             reason: format!("re-drive to {provider} has an unknown outcome: {reason}"),
             retry_after: None,
         },
-        CallReply::KeyConflict { detail } => RecoveryDecision::NeedsOperator {
+        CallReply::KeyConflict { detail } => SweeperDecision::NeedsOperator {
             reason: format!(
                 "{provider} holds this provider key for another request ({detail}); an operator must decide"
             ),
@@ -186,14 +186,14 @@ fn settled(
     response: StoredResponse,
     refused: bool,
     reason: String,
-) -> RecoveryDecision {
+) -> SweeperDecision {
     let (to, error) = if refused {
         let error = format!("{provider} refused the request");
         (KeyState::Failed { retryable: false }, Some(error))
     } else {
         (KeyState::Done, None)
     };
-    RecoveryDecision::Finish {
+    SweeperDecision::Finish {
         to,
         response: Some(response),
         error,
@@ -202,7 +202,7 @@ fn settled(
 }
 
 /// What a lookup's answer means. Only an authoritative absence turns a key retryable.
-pub(crate) fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> RecoveryDecision {
+pub(crate) fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> SweeperDecision {
     match lookup {
         Lookup::Found(Outcome::Succeeded(response)) => {
             let reason = format!(
@@ -219,7 +219,7 @@ pub(crate) fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Recover
             settled(provider, response, true, reason)
         }
         Lookup::Found(Outcome::Retryable { reason } | Outcome::Unknown { reason }) => {
-            RecoveryDecision::Defer {
+            SweeperDecision::Defer {
                 reason: format!(
                     "lookup at {provider} found the request but not a final answer: {reason}"
                 ),
@@ -232,7 +232,7 @@ pub(crate) fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Recover
         Lookup::NotFound {
             authoritative: true,
         } if may_become_retryable(true, RetryEvidence::AuthoritativeNotFound) => {
-            RecoveryDecision::Finish {
+            SweeperDecision::Finish {
                 to: KeyState::Failed { retryable: true },
                 response: None,
                 error: Some(format!("{provider} has no record of this request")),
@@ -241,17 +241,17 @@ pub(crate) fn after_lookup(provider: &str, why: &str, lookup: Lookup) -> Recover
                 ),
             }
         }
-        Lookup::NotFound { .. } => RecoveryDecision::Defer {
+        Lookup::NotFound { .. } => SweeperDecision::Defer {
             reason: format!(
                 "lookup at {provider} found nothing yet, but its search may lag; looking again later"
             ),
             retry_after: None,
         },
-        Lookup::Unknown { retry_after } => RecoveryDecision::Defer {
+        Lookup::Unknown { retry_after } => SweeperDecision::Defer {
             reason: format!("{provider} could not say what happened"),
             retry_after,
         },
-        Lookup::NeedsOperator { reason } => RecoveryDecision::NeedsOperator {
+        Lookup::NeedsOperator { reason } => SweeperDecision::NeedsOperator {
             reason: format!(
                 "{provider} cannot settle the key ({why}): {reason}; an operator must decide (idemflow resolve)"
             ),
@@ -273,11 +273,11 @@ pub(crate) fn after_void(
     void: VoidReply,
     since_last_attempt: Duration,
     processing_window: Duration,
-) -> Option<RecoveryDecision> {
+) -> Option<SweeperDecision> {
     match void {
         VoidReply::Voided { detail } if since_last_attempt < processing_window => {
             let left = processing_window - since_last_attempt;
-            Some(RecoveryDecision::Defer {
+            Some(SweeperDecision::Defer {
                 reason: format!(
                     "{provider} confirmed the void by key ({detail}), but the latest attempt was \
                      sent {}ms ago, inside {provider}'s processing window of {}ms: a payment \
@@ -291,7 +291,7 @@ pub(crate) fn after_void(
         VoidReply::Voided { detail }
             if may_become_retryable(true, RetryEvidence::ConfirmedVoid) =>
         {
-            Some(RecoveryDecision::Finish {
+            Some(SweeperDecision::Finish {
                 to: KeyState::Failed { retryable: true },
                 response: None,
                 error: Some(format!(
@@ -307,7 +307,7 @@ pub(crate) fn after_void(
         VoidReply::Unknown {
             reason,
             retry_after,
-        } => Some(RecoveryDecision::Defer {
+        } => Some(SweeperDecision::Defer {
             reason: format!("void by key at {provider} has an unknown outcome: {reason}"),
             retry_after,
         }),
@@ -384,27 +384,27 @@ mod tests {
         let r = record(None, Some("{}"), 10);
         assert!(matches!(
             plan(&r, None, now, M),
-            RecoveryPlan::NeedsOperator { .. }
+            SweeperPlan::NeedsOperator { .. }
         ));
         let r = record(Some("p"), Some("{}"), 10);
         assert!(matches!(
             plan(&r, None, now, M),
-            RecoveryPlan::NeedsOperator { .. }
+            SweeperPlan::NeedsOperator { .. }
         ));
         assert!(matches!(
             plan(&r, Some(("p", &spec)), now, M),
-            RecoveryPlan::Redrive { .. }
+            SweeperPlan::Redrive { .. }
         ));
         // Past the window less the margin: lookup.
         let old = record(Some("p"), Some("{}"), 3600 - 30);
         assert!(matches!(
             plan(&old, Some(("p", &spec)), now, M),
-            RecoveryPlan::Lookup { .. }
+            SweeperPlan::Lookup { .. }
         ));
         // No keys: lookup, however young.
         assert!(matches!(
             plan(&r, Some(("p", &KeySpec::no_keys())), now, M),
-            RecoveryPlan::Lookup { .. }
+            SweeperPlan::Lookup { .. }
         ));
         // Keys but no replay: lookup.
         let no_replay = KeySpec {
@@ -413,13 +413,13 @@ mod tests {
         };
         assert!(matches!(
             plan(&r, Some(("p", &no_replay)), now, M),
-            RecoveryPlan::Lookup { .. }
+            SweeperPlan::Lookup { .. }
         ));
         // Request missing: lookup with Null.
         let missing = record(Some("p"), None, 10);
         assert_eq!(
             plan(&missing, Some(("p", &spec)), now, M),
-            RecoveryPlan::Lookup {
+            SweeperPlan::Lookup {
                 request: serde_json::Value::Null,
                 why: "the request was not stored, so it can only be looked up".into()
             }
@@ -437,7 +437,7 @@ mod tests {
                     replayed: true
                 }
             ),
-            RecoveryDecision::Finish {
+            SweeperDecision::Finish {
                 to: KeyState::Done,
                 ..
             }
@@ -449,7 +449,7 @@ mod tests {
                     response: ok.clone()
                 }
             ),
-            RecoveryDecision::Finish {
+            SweeperDecision::Finish {
                 to: KeyState::Failed { retryable: false },
                 ..
             }
@@ -464,22 +464,22 @@ mod tests {
                 reason: "timeout".into(),
             },
         ] {
-            assert!(matches!(after_call("p", o), RecoveryDecision::Defer { .. }));
+            assert!(matches!(after_call("p", o), SweeperDecision::Defer { .. }));
         }
         assert!(matches!(
             after_call("p", CallReply::KeyConflict { detail: "x".into() }),
-            RecoveryDecision::NeedsOperator { .. }
+            SweeperDecision::NeedsOperator { .. }
         ));
         assert!(matches!(
             after_lookup("p", "", Lookup::Found(Outcome::Succeeded(ok.clone()))),
-            RecoveryDecision::Finish {
+            SweeperDecision::Finish {
                 to: KeyState::Done,
                 ..
             }
         ));
         assert!(matches!(
             after_lookup("p", "", Lookup::Found(Outcome::Rejected(ok))),
-            RecoveryDecision::Finish {
+            SweeperDecision::Finish {
                 to: KeyState::Failed { retryable: false },
                 ..
             }
@@ -492,7 +492,7 @@ mod tests {
                     authoritative: true
                 }
             ),
-            RecoveryDecision::Finish {
+            SweeperDecision::Finish {
                 to: KeyState::Failed { retryable: true },
                 response: None,
                 ..
@@ -506,7 +506,7 @@ mod tests {
                     authoritative: false
                 }
             ),
-            RecoveryDecision::Defer { .. }
+            SweeperDecision::Defer { .. }
         ));
         assert_eq!(
             after_lookup(
@@ -516,13 +516,13 @@ mod tests {
                     retry_after: Some(Duration::from_secs(9))
                 }
             ),
-            RecoveryDecision::Defer {
+            SweeperDecision::Defer {
                 reason: "p could not say what happened".into(),
                 retry_after: Some(Duration::from_secs(9))
             }
         );
         // A provider that cannot be asked (window closing, no stored request): an operator.
-        let RecoveryDecision::NeedsOperator { reason } = after_lookup(
+        let SweeperDecision::NeedsOperator { reason } = after_lookup(
             "p",
             "why",
             Lookup::NeedsOperator {
@@ -550,7 +550,7 @@ mod tests {
                 past,
                 window
             ),
-            Some(RecoveryDecision::Finish {
+            Some(SweeperDecision::Finish {
                 to: KeyState::Failed { retryable: true },
                 response: None,
                 ..
@@ -566,7 +566,7 @@ mod tests {
                 past,
                 window
             ),
-            Some(RecoveryDecision::Defer {
+            Some(SweeperDecision::Defer {
                 retry_after: Some(_),
                 ..
             })
@@ -594,7 +594,7 @@ mod tests {
                 window
             )
             .map(|d| match d {
-                RecoveryDecision::Defer { retry_after, .. } => retry_after,
+                SweeperDecision::Defer { retry_after, .. } => retry_after,
                 other => panic!("{other:?}"),
             }),
             Some(Some(Duration::from_secs(290)))

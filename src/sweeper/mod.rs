@@ -61,7 +61,7 @@ pub use event::{EventSettlement, EventTarget, ProviderEvent};
 pub use report::{LostKey, RunSummary, SweepReport, Unresolved, UnresolvedKey};
 
 use clock::BatchClock;
-use decide::{RecoveryDecision, RecoveryPlan};
+use decide::{SweeperDecision, SweeperPlan};
 use report::ms;
 
 /// A key about to be re-driven, and through whom (`Sweeper::redrive`).
@@ -553,11 +553,11 @@ impl Sweeper {
             self.config.redrive_margin,
         );
         let decision = match (plan, provider.clone()) {
-            (RecoveryPlan::NeedsOperator { reason }, _) => {
+            (SweeperPlan::NeedsOperator { reason }, _) => {
                 tracing::Span::current().record("decision", "needs_operator");
-                RecoveryDecision::NeedsOperator { reason }
+                SweeperDecision::NeedsOperator { reason }
             }
-            (RecoveryPlan::Redrive { request }, Some(p)) => {
+            (SweeperPlan::Redrive { request }, Some(p)) => {
                 report.redrives += 1;
                 crate::telemetry::sweeper("redrive");
                 tracing::Span::current().record("decision", "redrive");
@@ -573,7 +573,7 @@ impl Sweeper {
                     Err(e) => return lost_or(e, &record),
                 }
             }
-            (RecoveryPlan::Lookup { request, why }, Some(p)) => {
+            (SweeperPlan::Lookup { request, why }, Some(p)) => {
                 report.lookups += 1;
                 crate::telemetry::sweeper("lookup");
                 tracing::Span::current().record("decision", "lookup");
@@ -581,7 +581,7 @@ impl Sweeper {
                     .await
             }
             // plan() only re-drives or looks up with a registered provider.
-            (_, None) => RecoveryDecision::NeedsOperator {
+            (_, None) => SweeperDecision::NeedsOperator {
                 reason: format!("provider {name:?} is not registered with this sweeper"),
             },
         };
@@ -601,7 +601,7 @@ impl Sweeper {
         // An atomic phase's record commits with its writes: still processing with its
         // lease run out, its transaction never committed, so it surely did nothing.
         tracing::Span::current().record("decision", "local_rolled_back");
-        let decision = RecoveryDecision::Finish {
+        let decision = SweeperDecision::Finish {
             to: KeyState::Failed { retryable: true },
             response: None,
             error: Some("the atomic phase's transaction never committed".to_owned()),
@@ -612,7 +612,7 @@ impl Sweeper {
         self.apply(id, record, decision).await
     }
 
-    /// Re-drives a taken key inside its provider's window (`RecoveryPlan::Redrive`): what the answer
+    /// Re-drives a taken key inside its provider's window (`SweeperPlan::Redrive`): what the answer
     /// means for the key. A store error (the lease lost) ends the key's handling.
     async fn redrive(
         &self,
@@ -625,7 +625,7 @@ impl Sweeper {
         }: Redrive<'_>,
         request: &serde_json::Value,
         clock: BatchClock,
-    ) -> Result<RecoveryDecision, StoreError> {
+    ) -> Result<SweeperDecision, StoreError> {
         // The re-drive may act: hold the key for a full lease from here (the batch
         // lease may have run out while this process was paused, and a fenced write
         // alone does not renew it), then record the attempt before sending, so a later
@@ -653,7 +653,7 @@ impl Sweeper {
             None
         };
         if let Some(why) = refusal {
-            return Ok(RecoveryDecision::Defer {
+            return Ok(SweeperDecision::Defer {
                 reason: format!("{why}; nothing sent, the key is checked again later"),
                 retry_after: None,
             });
@@ -668,14 +668,14 @@ impl Sweeper {
                 ),
             });
         let decision = decide::after_call(name, outcome);
-        if !matches!(decision, RecoveryDecision::Finish { .. }) {
+        if !matches!(decision, SweeperDecision::Finish { .. }) {
             // Not settled: the re-drive may have reached the provider until its answer.
             self.store.mark_attempt(id, record.lease_token).await?;
         }
         Ok(decision)
     }
 
-    /// Asks the provider what happened to a taken key (`RecoveryPlan::Lookup`): a void by key first
+    /// Asks the provider what happened to a taken key (`SweeperPlan::Lookup`): a void by key first
     /// where the provider has one, then a lookup.
     async fn look_up(
         &self,
@@ -685,7 +685,7 @@ impl Sweeper {
         request: &serde_json::Value,
         why: &str,
         clock: BatchClock,
-    ) -> RecoveryDecision {
+    ) -> SweeperDecision {
         // A provider that voids by key turns "unknown" into "surely not charged"
         // before anything is looked up (Square's CancelPaymentByIdempotencyKey).
         // The void is sent no earlier than this (the database's time at the earliest).
@@ -734,11 +734,11 @@ impl Sweeper {
         &self,
         id: &KeyId,
         record: &KeyRecord,
-        decision: RecoveryDecision,
+        decision: SweeperDecision,
     ) -> Result<KeyResult, StoreError> {
         let cfg = &self.config;
         let (kind, reason, recheck) = match decision {
-            RecoveryDecision::Finish {
+            SweeperDecision::Finish {
                 to,
                 response,
                 error,
@@ -757,7 +757,7 @@ impl Sweeper {
                     Err(e) => lost_or(e, record),
                 };
             }
-            RecoveryDecision::Defer {
+            SweeperDecision::Defer {
                 reason,
                 retry_after,
             } => {
@@ -769,7 +769,7 @@ impl Sweeper {
                 );
                 (Unresolved::Deferred, reason, after)
             }
-            RecoveryDecision::NeedsOperator { reason } => {
+            SweeperDecision::NeedsOperator { reason } => {
                 (Unresolved::NeedsOperator, reason, cfg.operator_recheck)
             }
         };
@@ -829,19 +829,19 @@ impl Sweeper {
 /// `decision` with the provider's secret fields masked in the answer it stores: the provider's
 /// secrets never reach the store, whoever settles the key.
 fn masked(
-    decision: RecoveryDecision,
+    decision: SweeperDecision,
     provider: Option<&dyn crate::provider::Provider>,
-) -> RecoveryDecision {
+) -> SweeperDecision {
     match (decision, provider) {
         (
-            RecoveryDecision::Finish {
+            SweeperDecision::Finish {
                 to,
                 response: Some(r),
                 error,
                 reason,
             },
             Some(p),
-        ) => RecoveryDecision::Finish {
+        ) => SweeperDecision::Finish {
             to,
             response: Some(crate::provider::secrets::mask_fields(r, p.secret_fields())),
             error,

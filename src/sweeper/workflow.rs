@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use super::decide::{self, RecoveryDecision};
+use super::decide::{self, SweeperDecision};
 use super::report::{SweepReport, Unresolved};
 use super::{KeyResult, Sweeper, lost_or};
 use crate::error::{Error, StoreError};
@@ -81,7 +81,7 @@ impl Sweeper {
                 key: id.clone(),
                 retention: crate::workflow::stored_retention(&record),
             };
-            let decision = RecoveryDecision::NeedsOperator {
+            let decision = SweeperDecision::NeedsOperator {
                 reason: e.to_string(),
             };
             return self.apply(id, &record, decision).await;
@@ -97,7 +97,7 @@ impl Sweeper {
             Err(Error::LeaseLost(e)) => lost_or(e, &record),
             Err(Error::Store(e)) => Err(e),
             Err(e @ (Error::StepChanged { .. } | Error::WorkflowExpired { .. })) => {
-                let decision = RecoveryDecision::NeedsOperator {
+                let decision = SweeperDecision::NeedsOperator {
                     reason: e.to_string(),
                 };
                 self.apply(id, &record, decision).await
@@ -105,7 +105,7 @@ impl Sweeper {
             // The workflow did not finish (a step's outcome is unknown, a step is in flight):
             // the executor released it; look again after the usual backoff.
             Err(e) => {
-                let decision = RecoveryDecision::Defer {
+                let decision = SweeperDecision::Defer {
                     reason: format!("resumed workflow did not finish: {e}"),
                     retry_after: None,
                 };

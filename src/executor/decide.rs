@@ -1,4 +1,4 @@
-//! What an operation's outcome does to its key ([`settle`]): a pure decision, apart from the
+//! What an operation's outcome does to its key ([`decide`]): a pure decision, apart from the
 //! store writes that carry it out (`Idempotency::run_claimed`), as the sweeper's decisions are
 //! apart in `sweeper/decide.rs`.
 
@@ -8,7 +8,7 @@ use crate::state::{KeyState, RetryEvidence, may_become_retryable};
 
 /// The transition an outcome asks for, and what the caller is then told.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Settle {
+pub(crate) enum WorkerDecision {
     /// Store the answer: the key becomes `to` (`done` or `failed{permanent}`) and the answer
     /// is replayed from then on.
     Store {
@@ -29,13 +29,13 @@ pub(crate) enum Settle {
 
 /// What `outcome` does to a key held by an attempt for which `may_have_acted` says whether an
 /// earlier attempt may have acted (`docs/design.md`, *States*).
-pub(crate) fn settle(outcome: Outcome, may_have_acted: bool) -> Settle {
+pub(crate) fn decide(outcome: Outcome, may_have_acted: bool) -> WorkerDecision {
     match outcome {
-        Outcome::Succeeded(response) => Settle::Store {
+        Outcome::Succeeded(response) => WorkerDecision::Store {
             to: KeyState::Done,
             response,
         },
-        Outcome::Rejected(response) => Settle::Store {
+        Outcome::Rejected(response) => WorkerDecision::Store {
             to: KeyState::Failed { retryable: false },
             response,
         },
@@ -44,15 +44,15 @@ pub(crate) fn settle(outcome: Outcome, may_have_acted: bool) -> Settle {
         Outcome::Retryable { reason }
             if !may_become_retryable(may_have_acted, RetryEvidence::ThisAttemptDidNothing) =>
         {
-            Settle::Release {
+            WorkerDecision::Release {
                 reason: "retryable answer after an earlier attempt that may have acted; outcome \
                          unknown, left for the sweeper",
                 told: format!("an earlier attempt may have acted; this one: {reason}"),
                 error: reason,
             }
         }
-        Outcome::Retryable { reason } => Settle::Retryable { error: reason },
-        Outcome::Unknown { reason } => Settle::Release {
+        Outcome::Retryable { reason } => WorkerDecision::Retryable { error: reason },
+        Outcome::Unknown { reason } => WorkerDecision::Release {
             reason: "outcome unknown; left for the sweeper",
             told: reason.clone(),
             error: reason,
@@ -68,7 +68,7 @@ mod tests {
     fn every_outcome_settles_as_the_table_says() {
         let ok = StoredResponse::new(201);
         let no = StoredResponse::new(402);
-        let unknown = |reason: &str, told: &str| Settle::Release {
+        let unknown = |reason: &str, told: &str| WorkerDecision::Release {
             reason: "outcome unknown; left for the sweeper",
             error: reason.to_owned(),
             told: told.to_owned(),
@@ -78,7 +78,7 @@ mod tests {
             (
                 Outcome::Succeeded(ok.clone()),
                 false,
-                Settle::Store {
+                WorkerDecision::Store {
                     to: KeyState::Done,
                     response: ok.clone(),
                 },
@@ -86,7 +86,7 @@ mod tests {
             (
                 Outcome::Succeeded(ok.clone()),
                 true,
-                Settle::Store {
+                WorkerDecision::Store {
                     to: KeyState::Done,
                     response: ok.clone(),
                 },
@@ -94,7 +94,7 @@ mod tests {
             (
                 Outcome::Rejected(no.clone()),
                 true,
-                Settle::Store {
+                WorkerDecision::Store {
                     to: KeyState::Failed { retryable: false },
                     response: no.clone(),
                 },
@@ -102,14 +102,14 @@ mod tests {
             (
                 Outcome::retryable("429"),
                 false,
-                Settle::Retryable {
+                WorkerDecision::Retryable {
                     error: "429".to_owned(),
                 },
             ),
             (
                 Outcome::retryable("429"),
                 true,
-                Settle::Release {
+                WorkerDecision::Release {
                     reason: "retryable answer after an earlier attempt that may have acted; \
                              outcome unknown, left for the sweeper",
                     error: "429".to_owned(),
@@ -129,7 +129,7 @@ mod tests {
         ];
         for (outcome, acted, want) in table {
             assert_eq!(
-                settle(outcome.clone(), acted),
+                decide(outcome.clone(), acted),
                 want,
                 "{outcome:?}, acted {acted}"
             );
