@@ -29,12 +29,13 @@
 //!   `idemflow_bench_floor`, so that `pg_stat_activity` can be grouped by side.
 //!
 //! Per backend: `Idempotency::execute` on new, distinct keys with 1, 8 and 64 concurrent callers
-//! (tokio `current_thread` for 1 caller, `multi_thread` for 8 and 64), replays (1 caller) and
+//! (tokio `current_thread` for 1 caller, `multi_thread` for 8 and 64), replays (1 caller: from
+//! the executor's replay cache, then with the cache off, from the store) and
 //! 1,000 concurrent duplicates of one key (the body must run once), each beside its raw floor
 //! measured in the same run: the statements a hand-written implementation issues on a lean table
 //! (claim insert ignoring duplicates + update to done; a primary-key read; Redis `SET NX` + `SET`
 //! and `GET`) at the same concurrency. Then bytes written per new key (SQLite WAL growth,
-//! PostgreSQL WAL from `pg_current_wal_lsn()`, Redis `used_memory`) and the issue-12 targets.
+//! PostgreSQL WAL from `pg_current_wal_lsn()`, Redis `used_memory`) and the targets.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -351,6 +352,28 @@ where
                     &format!("{name}: replays, 1 caller"),
                     rt_name,
                     &ours,
+                    &floor,
+                    "raw floor: primary-key read",
+                );
+                // The same replays with the replay cache off: each one reads the store.
+                let idem = p.idem.clone().replay_cache_bytes(0);
+                let stored = measure(n, 1, move |i| {
+                    let idem = idem.clone();
+                    Box::pin(async move {
+                        let r = idem
+                            .execute(request(&format!("c1-{i}")), |_ctx| async {
+                                unreachable!("replay only")
+                            })
+                            .await
+                            .unwrap();
+                        assert!(r.is_replay());
+                    })
+                })
+                .await;
+                pair(
+                    &format!("{name}: replays from the store (cache off), 1 caller"),
+                    rt_name,
+                    &stored,
                     &floor,
                     "raw floor: primary-key read",
                 );

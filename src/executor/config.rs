@@ -61,6 +61,14 @@ pub struct ExecutorConfig {
     ///
     /// [`Provider::secret_fields`]: crate::Provider::secret_fields
     pub redact: Option<Redactor>,
+    /// The bytes of finished keys' answers this executor keeps in memory, so that a replay
+    /// needs no store round trip (`executor::replay_cache`). Default 16 MiB; zero turns the
+    /// cache off. An entry lives until its key expires, and at most
+    /// [`replay_cache_max_age`](Self::replay_cache_max_age).
+    pub replay_cache_bytes: usize,
+    /// How long a cached answer is given back at most. It bounds how long an operator's forced
+    /// resolve of a finished key, made by another process, goes unseen by this one. Default 60 s.
+    pub replay_cache_max_age: Duration,
 }
 
 /// A function that masks secrets in a response before it is stored
@@ -118,6 +126,8 @@ impl ExecutorConfig {
             max_in_flight_waiters: 1000,
             unknown_retry_after: Duration::from_secs(5),
             redact: None,
+            replay_cache_bytes: 16 << 20,
+            replay_cache_max_age: Duration::from_secs(60),
         }
     }
 }

@@ -22,6 +22,7 @@ pub(crate) mod heartbeat;
 pub(crate) mod hook;
 mod one_commit;
 mod provider_call;
+mod replay_cache;
 mod request;
 mod wait;
 
@@ -82,6 +83,8 @@ pub struct Idempotency {
     config: Arc<ExecutorConfig>,
     /// Duplicates waiting for an in-flight answer, shared by the clones.
     waiters: Arc<wait::WaiterCount>,
+    /// Finished keys' answers, shared by the clones (`replay_cache`).
+    replays: Arc<replay_cache::ReplayCache>,
 }
 
 impl Idempotency {
@@ -106,6 +109,7 @@ impl Idempotency {
             store,
             config: Arc::new(ExecutorConfig::defaults()),
             waiters: Arc::default(),
+            replays: Arc::default(),
         }
     }
 
@@ -115,6 +119,16 @@ impl Idempotency {
 
         /// Sets the retention of finished keys ([`ExecutorConfig::retention`]).
         retention(retention: Duration);
+    }
+
+    setters! { shared config;
+        /// Sets the bytes of answers kept for replays in memory; zero turns the cache off
+        /// ([`ExecutorConfig::replay_cache_bytes`]).
+        replay_cache_bytes(replay_cache_bytes: usize);
+
+        /// Sets how long a cached answer is given back at most
+        /// ([`ExecutorConfig::replay_cache_max_age`]).
+        replay_cache_max_age(replay_cache_max_age: Duration);
     }
 
     /// Sets the lease owner name ([`ExecutorConfig::owner`]).
@@ -277,6 +291,14 @@ impl Idempotency {
                 }
                 .into());
             }
+            if cfg.replay_cache_bytes > 0
+                && let Some(response) =
+                    self.replays
+                        .get(&request.id, &request.fingerprint, &request.operation)
+            {
+                tracing::Span::current().record("outcome", "replayed");
+                return Ok(Execution::Replayed(response));
+            }
             let claim = self.new_claim(&request);
             let id = request.id.clone();
             let mut wait =
@@ -299,6 +321,7 @@ impl Idempotency {
                         break (lease, asked);
                     }
                     Ok(ClaimOutcome::Existing { record, now }) => {
+                        self.keep_answer(&record, asked, now);
                         self.existing(&request, *record, now)
                     }
                     Err(e) => Err(e.into()),
@@ -521,12 +544,14 @@ impl Idempotency {
                 "operation refused permanently".to_owned()
             },
         };
+        let sent = tokio::time::Instant::now();
         let record = crate::telemetry::timed(
             self.store.backend(),
             "finish",
             self.store.finish(id, token, &finish),
         )
         .await?;
+        self.keep_answer(&record, sent, record.updated_at);
         let stored = record.response.or(finish.response).ok_or_else(|| {
             Error::Store(StoreError::Corrupt {
                 backend: self.store.backend(),
@@ -558,6 +583,24 @@ impl Idempotency {
             Ok(_) => Error::ResponseTooLarge { size, limit },
             Err(e) => Error::Store(e),
         }
+    }
+
+    /// Keeps `record`'s answer in the replay cache when it is final: `since` is a point on
+    /// this host's clock before the store wrote or read it, `now` the database's time then.
+    fn keep_answer(
+        &self,
+        record: &KeyRecord,
+        since: tokio::time::Instant,
+        now: chrono::DateTime<chrono::Utc>,
+    ) {
+        let cfg = &*self.config;
+        self.replays.keep(
+            record,
+            since,
+            now,
+            cfg.replay_cache_max_age,
+            cfg.replay_cache_bytes,
+        );
     }
 
     pub(crate) fn existing(

@@ -26,4 +26,6 @@ mod fuzz_props;
 mod metrics;
 mod readme;
 #[cfg(feature = "sqlite")]
+mod replay_cache;
+#[cfg(feature = "sqlite")]
 mod spans;
