@@ -144,11 +144,6 @@ pub struct DocsBackendsDoctests;
 #[doc = include_str!("../docs/consumers.md")]
 pub struct DocsConsumersDoctests;
 
-/// `docs/http.md`'s code blocks, compiled as doctests.
-#[cfg(all(doctest, feature = "sqlite", feature = "axum", feature = "http"))]
-#[doc = include_str!("../docs/http.md")]
-pub struct DocsHttpDoctests;
-
 /// `docs/one-commit.md`'s code blocks, compiled as doctests.
 #[cfg(all(doctest, feature = "sqlite"))]
 #[doc = include_str!("../docs/one-commit.md")]
