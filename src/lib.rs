@@ -133,17 +133,6 @@ pub struct ReadmeDoctests;
 #[doc = include_str!("../docs/backends.md")]
 pub struct DocsBackendsDoctests;
 
-/// `docs/consumers.md`'s code blocks, compiled as doctests.
-#[cfg(all(
-    doctest,
-    feature = "sqlite",
-    feature = "axum",
-    feature = "rabbitmq",
-    feature = "nats"
-))]
-#[doc = include_str!("../docs/consumers.md")]
-pub struct DocsConsumersDoctests;
-
 /// `docs/one-commit.md`'s code blocks, compiled as doctests.
 #[cfg(all(doctest, feature = "sqlite"))]
 #[doc = include_str!("../docs/one-commit.md")]
