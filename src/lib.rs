@@ -144,16 +144,6 @@ pub struct DocsOneCommitDoctests;
 #[doc = include_str!("../docs/providers.md")]
 pub struct DocsProvidersDoctests;
 
-/// `docs/workflows.md`'s code blocks, compiled as doctests.
-#[cfg(all(
-    doctest,
-    feature = "sqlite",
-    feature = "postgres",
-    feature = "conformance"
-))]
-#[doc = include_str!("../docs/workflows.md")]
-pub struct DocsWorkflowsDoctests;
-
 /// `docs/writing-a-store.md`'s code blocks, compiled as doctests.
 #[cfg(all(doctest, feature = "conformance"))]
 #[doc = include_str!("../docs/writing-a-store.md")]
