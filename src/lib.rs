@@ -133,11 +133,6 @@ pub struct ReadmeDoctests;
 #[doc = include_str!("../docs/backends.md")]
 pub struct DocsBackendsDoctests;
 
-/// `docs/one-commit.md`'s code blocks, compiled as doctests.
-#[cfg(all(doctest, feature = "sqlite"))]
-#[doc = include_str!("../docs/one-commit.md")]
-pub struct DocsOneCommitDoctests;
-
 /// `docs/providers.md`'s code blocks, compiled as doctests (its one Rust block is a checked
 /// excerpt of `src/provider/mod.rs`, see `tests/api/readme.rs`).
 #[cfg(doctest)]
