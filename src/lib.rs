@@ -122,17 +122,6 @@ pub struct ReadmeDoctests;
 // runs them all; a plain `cargo test` runs those of the default features).
 // `tests/api/readme.rs` checks that every such page is included here.
 
-/// `docs/backends.md`'s code blocks, compiled as doctests.
-#[cfg(all(
-    doctest,
-    feature = "sqlite",
-    feature = "postgres",
-    feature = "mysql",
-    feature = "redis"
-))]
-#[doc = include_str!("../docs/backends.md")]
-pub struct DocsBackendsDoctests;
-
 /// `docs/providers.md`'s code blocks, compiled as doctests (its one Rust block is a checked
 /// excerpt of `src/provider/mod.rs`, see `tests/api/readme.rs`).
 #[cfg(doctest)]
