@@ -128,11 +128,6 @@ pub struct ReadmeDoctests;
 #[doc = include_str!("../docs/providers.md")]
 pub struct DocsProvidersDoctests;
 
-/// `docs/writing-a-store.md`'s code blocks, compiled as doctests.
-#[cfg(all(doctest, feature = "conformance"))]
-#[doc = include_str!("../docs/writing-a-store.md")]
-pub struct DocsWritingAStoreDoctests;
-
 pub use async_trait::async_trait;
 pub use error::{Error, StoreError};
 pub use executor::{Context, Execution, Idempotency, IdempotentRequest};
