@@ -122,12 +122,6 @@ pub struct ReadmeDoctests;
 // runs them all; a plain `cargo test` runs those of the default features).
 // `tests/api/readme.rs` checks that every such page is included here.
 
-/// `docs/providers.md`'s code blocks, compiled as doctests (its one Rust block is a checked
-/// excerpt of `src/provider/mod.rs`, see `tests/api/readme.rs`).
-#[cfg(doctest)]
-#[doc = include_str!("../docs/providers.md")]
-pub struct DocsProvidersDoctests;
-
 pub use async_trait::async_trait;
 pub use error::{Error, StoreError};
 pub use executor::{Context, Execution, Idempotency, IdempotentRequest};
