@@ -117,10 +117,10 @@ pub(crate) static WORKFLOW_RUNS: &dyn executor::hook::RunHook = &workflow::Runs;
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-// The Rust blocks of each page of `docs/` that has any, compiled as doctests the same way: one
-// item per page, gated on the features its blocks use (`.ci/run`'s `cargo test --all-features`
-// runs them all; a plain `cargo test` runs those of the default features).
-// `tests/api/readme.rs` checks that every such page is included here.
+// Each guide of `docs/` with Rust blocks is its module's rustdoc (`#![doc = include_str!(..)]`
+// in the module, gated on the features its blocks use), so its blocks are doctests of that
+// module: `.ci/run`'s `cargo test --all-features` runs them all. `tests/api/readme.rs` checks
+// that every such page is included by a file of `src/`.
 
 pub use async_trait::async_trait;
 pub use error::{Error, StoreError};
