@@ -117,63 +117,10 @@ pub(crate) static WORKFLOW_RUNS: &dyn executor::hook::RunHook = &workflow::Runs;
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-// The Rust blocks of each page of `docs/` that has any, compiled as doctests the same way: one
-// item per page, gated on the features its blocks use (`.ci/run`'s `cargo test --all-features`
-// runs them all; a plain `cargo test` runs those of the default features).
-// `tests/api/readme.rs` checks that every such page is included here.
-
-/// `docs/backends.md`'s code blocks, compiled as doctests.
-#[cfg(all(
-    doctest,
-    feature = "sqlite",
-    feature = "postgres",
-    feature = "mysql",
-    feature = "redis"
-))]
-#[doc = include_str!("../docs/backends.md")]
-pub struct DocsBackendsDoctests;
-
-/// `docs/consumers.md`'s code blocks, compiled as doctests.
-#[cfg(all(
-    doctest,
-    feature = "sqlite",
-    feature = "axum",
-    feature = "rabbitmq",
-    feature = "nats"
-))]
-#[doc = include_str!("../docs/consumers.md")]
-pub struct DocsConsumersDoctests;
-
-/// `docs/http.md`'s code blocks, compiled as doctests.
-#[cfg(all(doctest, feature = "sqlite", feature = "axum", feature = "http"))]
-#[doc = include_str!("../docs/http.md")]
-pub struct DocsHttpDoctests;
-
-/// `docs/one-commit.md`'s code blocks, compiled as doctests.
-#[cfg(all(doctest, feature = "sqlite"))]
-#[doc = include_str!("../docs/one-commit.md")]
-pub struct DocsOneCommitDoctests;
-
-/// `docs/providers.md`'s code blocks, compiled as doctests (its one Rust block is a checked
-/// excerpt of `src/provider/mod.rs`, see `tests/api/readme.rs`).
-#[cfg(doctest)]
-#[doc = include_str!("../docs/providers.md")]
-pub struct DocsProvidersDoctests;
-
-/// `docs/workflows.md`'s code blocks, compiled as doctests.
-#[cfg(all(
-    doctest,
-    feature = "sqlite",
-    feature = "postgres",
-    feature = "conformance"
-))]
-#[doc = include_str!("../docs/workflows.md")]
-pub struct DocsWorkflowsDoctests;
-
-/// `docs/writing-a-store.md`'s code blocks, compiled as doctests.
-#[cfg(all(doctest, feature = "conformance"))]
-#[doc = include_str!("../docs/writing-a-store.md")]
-pub struct DocsWritingAStoreDoctests;
+// Each guide of `docs/` with Rust blocks is its module's rustdoc (`#![doc = include_str!(..)]`
+// in the module, gated on the features its blocks use), so its blocks are doctests of that
+// module: `.ci/run`'s `cargo test --all-features` runs them all. `tests/api/readme.rs` checks
+// that every such page is included by a file of `src/`.
 
 pub use async_trait::async_trait;
 pub use error::{Error, StoreError};

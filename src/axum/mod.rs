@@ -1,64 +1,13 @@
-//! An axum / tower layer giving any handler `Idempotency-Key` semantics
-//! (draft-ietf-httpapi-idempotency-key-header), on top of [`Idempotency`] (feature `axum`).
-//!
-//! ```
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use std::sync::Arc;
-//! use axum::{Router, routing::post, http::{HeaderName, StatusCode}};
-//! use idemflow::{Idempotency, Store, store::sqlite::SqliteStore};
-//! use idemflow::axum::{IdempotencyContext, IdempotencyLayer, ScopeSource};
-//!
-//! let store = SqliteStore::connect("sqlite::memory:").await?;
-//! store.migrate().await?;
-//! let idem = Idempotency::new(Arc::new(store));
-//!
-//! async fn create(ctx: IdempotencyContext, body: String) -> (StatusCode, String) {
-//!     // Forward ctx.provider_key() to the provider as its idempotency key.
-//!     (StatusCode::CREATED, format!("created {}", ctx.key()))
-//! }
-//! let app: Router = Router::new()
-//!     .route("/payments", post(create))
-//!     .layer(IdempotencyLayer::new(idem, ScopeSource::header(HeaderName::from_static("x-account-id"))));
-//! # Ok(())
-//! # }
-//! ```
-//!
-//! | Situation                                              | Answer                                   |
-//! |--------------------------------------------------------|------------------------------------------|
-//! | method not protected (default: only POST and PATCH)    | passed through                           |
-//! | key missing, required (default)                        | 400 `key-missing`                        |
-//! | key missing, optional                                  | passed through, nothing stored           |
-//! | key malformed, or sent twice                           | 400 `key-malformed`, with the reason     |
-//! | scope cannot be derived                                | whatever the [`ScopeSource`] answers (header: 400 `scope-missing`; sent twice: 400 `scope-invalid`) |
-//! | body larger than the cap                               | 413 `body-too-large`                     |
-//! | same key, other method / path / query / body           | 422 `key-reused`                         |
-//! | first request with the key still running               | 409 `request-in-flight` + `Retry-After`; with [`IdempotencyLayer::wait_in_flight`], its stored answer once it is done (a replay), 409 past the bound |
-//! | handler answers 1xx-4xx                                | that answer, stored (2xx/3xx `done`, 4xx `failed{permanent}`) |
-//! | handler answers 5xx                                    | that answer (+ `Retry-After`), not stored; key left `processing` for the sweeper |
-//! | handler marks its answer [`NothingHappened`]                 | that answer, not stored; key `failed{retryable}`, the next retry runs it |
-//! | retry after a stored answer                            | the stored status, headers, body + `Idempotent-Replayed: true` |
-//! | retry while the outcome is unknown                     | 503 `outcome-unknown` + `Retry-After`    |
-//! | the store cannot be reached                            | 503 `store-unavailable` + `Retry-After` (or, with [`StoreDown::RunUnprotected`], the handler's answer + `Idempotency-Unprotected`) |
-//! | Redis with `WAIT`: too few replicas acknowledged       | 503 `store-not-replicated` + `Retry-After` (never passed through) |
-//! | the store fails otherwise                              | 500 `store-error`                        |
-//!
-//! Every answer the layer makes itself is `application/problem+json` ([`Problem`]). The inner
-//! service's own errors pass through unchanged (`Error = S::Error`); the key is then left for
-//! the sweeper, like a 5xx.
-//!
-//! The fingerprint covers the method, the path and query, and the body (JSON bodies compared as
-//! canonical JSON, other bodies by their bytes' SHA-256). The request *stored* with the key, which
-//! the sweeper re-sends to the provider named by [`IdempotencyLayer::provider`], is by default
-//! the JSON body; [`IdempotencyLayer::stored_request`] chooses another. See `docs/http.md`.
-//!
-//! The first caller gets the answer as stored (the provider's secret fields and
-//! [`Idempotency::redact_with`] applied, the stored headers as stored) plus the handler's
-//! headers that are not stored, so a replay is the first answer byte for byte.
-//!
-//! Webhook receivers (Stripe's, or any provider's) are in [`webhook`]: a tower service that
-//! verifies each delivery and runs its handler once per event id.
-
+#![cfg_attr(
+    all(feature = "sqlite", feature = "http"),
+    doc = include_str!("../../docs/http.md")
+)]
+#![cfg_attr(
+    not(all(feature = "sqlite", feature = "http")),
+    doc = "An axum / tower layer giving any handler `Idempotency-Key` semantics, on top of \
+           [`Idempotency`] (feature `axum`). Its guide, `docs/http.md`, is rendered here when \
+           the features `sqlite` and `http` are on too, as on docs.rs."
+)]
 // The stored closures answer with a `Response` (as axum's extractor rejections do); the public
 // builders take any `IntoResponse` error, so callers' closures stay small.
 #![allow(clippy::result_large_err)]

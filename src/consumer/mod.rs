@@ -1,73 +1,24 @@
-//! Queue consumers: each message's handler runs under a key taken from the message, through
-//! [`Idempotency::execute`], and the message is acknowledged only once its key is settled, so
-//! that the broker's redeliveries and the publishers' duplicates converge on one run of the
-//! handler per key.
-//!
-//! ```
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use std::sync::Arc;
-//! use idemflow::consumer::{Consumer, Disposition, FingerprintSource, KeySource, Message};
-//! use idemflow::{Idempotency, Outcome, key::Scope, Store, StoredResponse, store::sqlite::SqliteStore};
-//!
-//! let store = SqliteStore::connect("sqlite::memory:").await?;
-//! store.migrate().await?;
-//! let idem = Idempotency::new(Arc::new(store));
-//! let consumer = Consumer::new(idem, Scope::new("queue:orders")?, |message: Message, _ctx| async move {
-//!     // Act on message.body() here: all or nothing, or keyed by the message's key.
-//!     Outcome::Succeeded(StoredResponse::new(200))
-//! })
-//! .key(KeySource::JsonField("/order_id".into()))
-//! .fingerprint(FingerprintSource::JsonPointers(vec!["/order_id".into(), "/email".into()]))
-//! .dead_letter("orders.dead");
-//! let first = consumer.handle(Message::new(r#"{"order_id": 7, "email": "a@example.com"}"#)).await;
-//! // The same message, encoded again by its publisher: the same key and fingerprint.
-//! let again = consumer.handle(Message::new(r#"{ "email":"a@example.com", "order_id":7 }"#)).await;
-//! // Another email under the same order: another message reusing the key, refused.
-//! let other = consumer.handle(Message::new(r#"{"order_id": 7, "email": "b@example.com"}"#)).await;
-//! assert!(matches!(first, Disposition::Ack { ran: true }));
-//! assert!(matches!(again, Disposition::Ack { ran: false }));
-//! assert!(matches!(other, Disposition::Reject(_)));
-//! # Ok(())
-//! # }
-//! ```
-//!
-//! [`Consumer`] is the broker-neutral part: it reads a message's key ([`KeySource`]) and
-//! fingerprint ([`FingerprintSource`]), runs the handler under the key in the consumer's scope,
-//! and says what to do with the delivery ([`Disposition`]); it needs no feature. The brokers'
-//! loops are `amqp::consume` (RabbitMQ, through `lapin`, feature `rabbitmq`) and
-//! `nats::consume` (NATS JetStream, through `async-nats`, feature `nats`); another broker's
-//! loop calls [`Consumer::handle`] with each of its messages and runs [`Consumer::sweeper`].
-//!
-//! | The delivery | The key | Disposition | RabbitMQ | NATS JetStream |
-//! |---|---|---|---|---|
-//! | a new key; the handler returns `Succeeded` | `done` | [`Disposition::Ack`] | `basic.ack` | `AckAck` (double ack) |
-//! | a new key; the handler returns `Rejected` (a permanent refusal) | `failed{permanent}` | [`Disposition::Ack`] | `basic.ack` | `AckAck` |
-//! | a key already settled (`done` or `failed{permanent}`) | unchanged | [`Disposition::Ack`], the handler does not run | `basic.ack` | `AckAck` |
-//! | a key being handled by another delivery now | unchanged | [`Disposition::Redeliver`] after the executor's `Retry-After` (at most the lease left) | held, then `basic.nack` with requeue | `Nak` with that delay |
-//! | the handler returns `Retryable`, an error, or panics | `failed{retryable}` | [`Disposition::Redeliver`] after [`Consumer::retry_after`] | held, then `basic.nack` with requeue | `Nak` with that delay |
-//! | the handler returns `Unknown`, or a run crashed and its lease ran out | `processing`, for the sweeper (or a takeover: below) | [`Disposition::Redeliver`] after the executor's `unknown_retry_after` | held, then `basic.nack` with requeue | `Nak` with that delay |
-//! | no key where the consumer reads it, one that cannot be a key, a body the fingerprint or the request cannot be read from | none | [`Disposition::Reject`] | published to the dead-letter exchange with the reason, then `basic.ack` | published to the dead-letter subject with the reason, then `Term` |
-//! | the same key with another fingerprint | unchanged | [`Disposition::Reject`] ([`ConsumerError::KeyReused`]) | as above | as above |
-//! | the store fails, or the run's lease was taken over | as it was | [`Disposition::Redeliver`] after [`Consumer::retry_after`] | held, then `basic.nack` with requeue | `Nak` with that delay |
-//!
-//! **Nothing is dropped in silence.** A broker loop does not start without somewhere to put a
-//! refused message: [`Consumer::dead_letter`] names it (a RabbitMQ exchange, a NATS subject a
-//! stream captures) and the loop checks at start that it exists; [`Consumer::drop_refused`] is
-//! the explicit alternative, and each message it drops is logged at `ERROR` and counted
-//! ([`ConsumerStats::dropped`], metric `idemflow_consumer_refused_total{outcome="dropped"}`).
-//!
-//! Who settles a key whose run crashed or ended `Unknown` depends on [`Consumer::provider`]:
-//! without one (the handler's effect is the application's own), a later delivery takes the key
-//! over once its lease has run out and runs the handler again, as the webhook receiver does;
-//! with one (the handler acts at a provider, forwarding [`Context::provider_key`], or the
-//! consumer sends its request itself: [`Consumer::sending`]), the key is never taken over by a
-//! delivery (unless the executor's own
-//! [`retry_takeover_window`](Idempotency::retry_takeover_window) allows it): the sweeper asks
-//! the provider and settles it, and the deliveries meanwhile are redelivered. The broker loops
-//! run that sweeper in the worker ([`Consumer::sweeper`]), over the consumer's scope, so the
-//! peers of a worker that died settle its keys; [`Consumer::without_sweeper`] leaves it to
-//! `idemflow reconcile`. See `docs/consumers.md`, "Queues", for what is promised and its limits.
+#![cfg_attr(
+    all(
+        feature = "sqlite",
+        feature = "axum",
+        feature = "rabbitmq",
+        feature = "nats"
+    ),
+    doc = include_str!("../../docs/consumers.md")
+)]
+#![cfg_attr(
+    not(all(
+        feature = "sqlite",
+        feature = "axum",
+        feature = "rabbitmq",
+        feature = "nats"
+    )),
+    doc = "Queue consumers: each message's handler runs under a key taken from the message, and \
+           the message is acknowledged only once its key is settled. Its guide, \
+           `docs/consumers.md`, is rendered here when the features `sqlite`, `axum`, `rabbitmq` \
+           and `nats` are on, as on docs.rs."
+)]
 
 use crate::setters::setters;
 use std::fmt;

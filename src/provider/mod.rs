@@ -1,9 +1,4 @@
-//! Providers: the external services idemflow makes safe to retry (card processors, email
-//! services), described as data ([`KeySpec`]) plus two calls: [`Provider::send`] and
-//! [`Provider::lookup`].
-//!
-//! The request a provider receives is the canonical JSON stored in the key row, so the sweeper can
-//! send exactly what was sent the first time, with exactly the same provider key.
+#![doc = include_str!("../../docs/providers.md")]
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;

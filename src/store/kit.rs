@@ -1,16 +1,14 @@
-//! Helpers for writing a store: what every backend in this crate uses to keep the contract of
-//! [`Store`], [`SweeperStore`] and [`OperatorStore`] the same way. A store of your own can use
-//! them too (`docs/writing-a-store.md`); nothing here is needed to *use* a store.
-//!
-//! - [`check_finish`]: a [`FinishMode`] checked against the state machine;
-//! - [`fenced_write`] and [`refused_write`]: the error for a write that changed nothing;
-//! - [`claimable`]: whether a claim may change an existing row;
-//! - [`millis`] and [`capped`]: the one cap on every duration a store keeps;
-//! - [`RawRecord`] and [`RawEvent`]: rows as plain column values, checked into typed records.
-//!
-//! [`FinishMode`]: super::FinishMode
-//! [`SweeperStore`]: super::SweeperStore
-//! [`OperatorStore`]: super::OperatorStore
+#![cfg_attr(
+    feature = "conformance",
+    doc = include_str!("../../docs/writing-a-store.md")
+)]
+#![cfg_attr(
+    not(feature = "conformance"),
+    doc = "Helpers for writing a store: what every backend in this crate uses to keep the \
+           contract of [`Store`] the same way; nothing here is needed to *use* a \
+           store. Its guide, `docs/writing-a-store.md`, is rendered here when the feature \
+           `conformance` is on, as on docs.rs."
+)]
 
 use std::time::Duration;
 

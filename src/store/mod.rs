@@ -1,10 +1,23 @@
-//! The [`Store`] trait and the types its methods exchange. One implementation per backend, each
-//! behind a cargo feature.
-//!
-//! Every method that changes a key is one atomic transition: the key row and its history row
-//! commit together or not at all. Writes on a processing key carry its fencing token; a stale
-//! token gets [`StoreError::LeaseLost`] and changes nothing. Every time (lease expiry, retention,
-//! "stale") is judged by the database's clock.
+#![cfg_attr(
+    all(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "redis"
+    ),
+    doc = include_str!("../../docs/backends.md")
+)]
+#![cfg_attr(
+    not(all(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "redis"
+    )),
+    doc = "The [`Store`] trait, the types its methods exchange, and one module per backend, each \
+           behind a cargo feature. Its guide, `docs/backends.md`, is rendered here when the \
+           features `sqlite`, `postgres`, `mysql` and `redis` are on, as on docs.rs."
+)]
 
 use std::fmt::Debug;
 use std::time::Duration;

@@ -1,11 +1,11 @@
-//! The contract between a SQL store and an atomic phase: a key's claim, the application's writes
-//! and the key's answer committed in one database transaction (`docs/one-commit.md`).
-//!
-//! A SQL store hands out an [`AtomicPhase`] for the application's writes
-//! (`SqliteStore::atomic_phase`, `PostgresStore::atomic_phase`, `MySqlStore::atomic_phase`);
-//! `Idempotency::execute_atomic` (a request's key) and the workflow's `Context::atomic_step` (a
-//! step's key) call [`AtomicPhase::claim_and_commit`]. It lives on the store side so that the
-//! stores depend on nothing above them (`ARCHITECTURE.md`).
+#![cfg_attr(feature = "sqlite", doc = include_str!("../../docs/one-commit.md"))]
+#![cfg_attr(
+    not(feature = "sqlite"),
+    doc = "Atomic phases: a key's claim, the application's writes and the key's answer \
+           committed in one database transaction of a SQL store ([`AtomicPhase`]). Its guide, \
+           `docs/one-commit.md`, is rendered here when the feature `sqlite` is on, as on \
+           docs.rs."
+)]
 
 use async_trait::async_trait;
 

@@ -1,40 +1,11 @@
-//! The recovery sweeper: settles keys left `processing` by a worker that crashed, timed out or
-//! lost the provider's answer, from the provider's own records.
-//!
-//! Each [`Sweeper::run_once`] takes stale keys (lease expired, next check due) in batches with a
-//! fenced takeover ([`SweeperStore::take_stale`](crate::store::SweeperStore::take_stale)), and
-//! for each key, with the key's provider (the full decision table is the sweeper's own, in
-//! `src/sweeper/decide.rs`):
-//!
-//! * no provider recorded, or not registered here: nothing is guessed; the key is released with a
-//!   long recheck and reported as needing an operator;
-//! * inside the provider's dedup window, when a same-key re-send replays the first result: the
-//!   stored request is re-driven with the stored provider key;
-//! * otherwise it is voided by key where the provider offers that (a void confirmed once the
-//!   provider's processing window has passed -> `failed{retryable}`), else looked up: found ->
-//!   `done` / `failed{permanent}` with the provider's answer; authoritatively not found ->
-//!   `failed{retryable}`; anything uncertain -> backed off (`next_check_at`, exponential by
-//!   attempts, capped) and reported.
-//!
-//! Every decision is one store transition with actor [`Actor::Sweeper`] and its reason, so the
-//! key's history tells the story. A write that gets `LeaseLost` (someone else decided first) is
-//! reported, not an error. Many sweepers may run at once: `take_stale` never hands the same key
-//! to two of them.
-//!
-//! ```
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use std::sync::Arc;
-//! use idemflow::{Providers, Store, Sweeper, store::sqlite::SqliteStore};
-//!
-//! let store = SqliteStore::connect("sqlite::memory:").await?;
-//! store.migrate().await?;
-//! let sweeper = Sweeper::new(Arc::new(store), Providers::new()).batch_size(50);
-//! let report = sweeper.run_once().await?;
-//! assert!(report.is_clean());
-//! # Ok(())
-//! # }
-//! ```
+#![cfg_attr(feature = "sqlite", doc = include_str!("../../docs/operations.md"))]
+#![cfg_attr(
+    not(feature = "sqlite"),
+    doc = "The recovery sweeper: settles keys left `processing` by a worker that crashed, timed \
+           out or lost the provider's answer, from the provider's own records. Its guide, \
+           `docs/operations.md`, is rendered here when the feature `sqlite` is on, as on \
+           docs.rs."
+)]
 
 use std::future::Future;
 use std::sync::Arc;

@@ -1,24 +1,14 @@
-//! Multi-step workflows: named steps inside one key (`docs/workflows.md`).
-//!
-//! A request declared with [`IdempotentRequest::workflow`] runs an operation that may call
-//! [`Context::step`] / [`Context::call_step`] one after the other. Each step is **its own key**
-//! in the store, derived from the workflow's key and the step's position
-//! (`<key>#step:<position>`), with the step's name as its operation: it is claimed, leased,
-//! fenced, finished, replayed and settled by the sweeper exactly like a single call. So:
-//!
-//! * a step that finished is replayed, never run again, when the workflow runs again (a client
-//!   retry, a takeover, a resumer);
-//! * each step has its own provider key, stable on every attempt and distinct per step;
-//! * a step whose outcome is unknown stays `processing` until the sweeper settles it from its
-//!   provider (re-drive inside the window, lookup outside it); the workflow waits for it;
-//! * the **recovery point** (how far the workflow got) is the set of its finished step rows: it
-//!   is written by the very statement that finishes the step, so the two cannot disagree.
-//!
-//! A workflow key is marked [`KeyKind::Workflow`]. Everything it does to
-//! the outside world goes through steps, so a retry may take over a workflow whose lease ran out
-//! at any time within its retention: the steps it already ran replay. The sweeper waits for the
-//! steps of a stale workflow to be settled, then runs the resumer registered for its operation
-//! ([`Sweeper::resumer`](crate::Sweeper::resumer)), or reports it as waiting for one.
+#![cfg_attr(
+    all(feature = "sqlite", feature = "postgres", feature = "conformance"),
+    doc = include_str!("../../docs/workflows.md")
+)]
+#![cfg_attr(
+    not(all(feature = "sqlite", feature = "postgres", feature = "conformance")),
+    doc = "Multi-step workflows: named steps inside one key, each step a key of its own, so a \
+           finished step replays when the workflow runs again. Its guide, `docs/workflows.md`, \
+           is rendered here when the features `sqlite`, `postgres` and `conformance` are on, as \
+           on docs.rs."
+)]
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,8 +1,8 @@
 //! The docs' code is checked. docs/http.md's "From zero to a protected endpoint" shows
 //! `examples/quickstart.rs` as a new crate's `src/main.rs`; CI builds that example and runs its
 //! test, so the page's code is checked only while the two are the same. Every other Rust block
-//! of README.md and docs/ is a doctest (`src/lib.rs` includes the pages), or a checked excerpt of
-//! a source file; every shell block says whether CI runs it.
+//! of README.md and docs/ is a doctest (a guide is its module's rustdoc, `src/lib.rs` includes
+//! README.md), or a checked excerpt of a source file; every shell block says whether CI runs it.
 
 #[test]
 fn the_http_guide_quickstart_is_the_example_ci_runs() {
@@ -156,21 +156,26 @@ fn doc_pages(root: &str) -> Vec<String> {
     pages
 }
 
-/// Every Rust block of README.md and docs/ is compiled: the page is included as doctests in
-/// `src/lib.rs` (`include_str!`), and no block is fenced `ignore` except the quickstart (checked
-/// above) and checked excerpts, marked `<!-- excerpt: <file> -->` on the line before the fence,
-/// whose visible lines must appear in that file (any marked block, compiled or not, is checked
-/// so). A fence with no language is refused too: rustdoc would compile it as Rust.
+/// Every Rust block of README.md and docs/ is compiled: a file of `src/` includes the page as
+/// docs (`include_str!`: a guide is its module's rustdoc, README.md is in `src/lib.rs`), and no
+/// block is fenced `ignore` except the quickstart (checked above) and checked excerpts, marked
+/// `<!-- excerpt: <file> -->` on the line before the fence, whose visible lines must appear in
+/// that file (any marked block, compiled or not, is checked so). A fence with no language is
+/// refused too: rustdoc would compile it as Rust.
 #[test]
 fn every_rust_block_in_the_docs_is_compiled_or_a_checked_excerpt() {
     let root = env!("CARGO_MANIFEST_DIR");
-    let lib = std::fs::read_to_string(format!("{root}/src/lib.rs")).unwrap();
+    let sources = rust_sources(root, "src");
+    assert!(
+        sources.iter().any(|(path, _)| path == "src/lib.rs"),
+        "the scan of src/ is broken"
+    );
     let read = |path: &str| std::fs::read_to_string(format!("{root}/{path}")).ok();
     let mut problems = Vec::new();
     let mut rust_blocks = 0;
     for page in doc_pages(root) {
         let text = std::fs::read_to_string(format!("{root}/{page}")).unwrap();
-        let (n, found) = rust_block_problems(&page, &text, &lib, &read);
+        let (n, found) = rust_block_problems(&page, &text, &sources, &read);
         rust_blocks += n;
         problems.extend(found);
     }
@@ -253,13 +258,42 @@ fn fenced_blocks(text: &str) -> Vec<Fenced> {
     out
 }
 
+/// The `.rs` files under `dir` (a path from the crate root), at any depth, as (path from the
+/// crate root, text).
+fn rust_sources(root: &str, dir: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(format!("{root}/{dir}")).unwrap() {
+        let entry = entry.unwrap();
+        let path = format!("{dir}/{}", entry.file_name().to_string_lossy());
+        if entry.file_type().unwrap().is_dir() {
+            out.extend(rust_sources(root, &path));
+        } else if path.ends_with(".rs") {
+            let text = std::fs::read_to_string(format!("{root}/{path}")).unwrap();
+            out.push((path, text));
+        }
+    }
+    out
+}
+
+/// Whether one of `sources` (path from the crate root, text) includes `page` (a path from the
+/// crate root) with `include_str!`, by the path from that file's folder: `"../docs/x.md"` from
+/// `src/lib.rs`, `"../../docs/x.md"` from `src/m/mod.rs`.
+fn included_by(page: &str, sources: &[(String, String)]) -> bool {
+    sources.iter().any(|(path, text)| {
+        let depth = path.matches('/').count();
+        let include = format!("include_str!(\"{}{page}\")", "../".repeat(depth));
+        text.contains(&include)
+    })
+}
+
 /// The problems of one page's Rust blocks (and their number): see
 /// [`every_rust_block_in_the_docs_is_compiled_or_a_checked_excerpt`]. `page` is the path from
-/// the crate root, `lib` the text of `src/lib.rs`, `read` reads an excerpt's source file.
+/// the crate root, `sources` the files of `src/` (path, text), `read` reads an excerpt's source
+/// file.
 fn rust_block_problems(
     page: &str,
     text: &str,
-    lib: &str,
+    sources: &[(String, String)],
     read: &dyn Fn(&str) -> Option<String>,
 ) -> (usize, Vec<String>) {
     let mut problems = Vec::new();
@@ -326,11 +360,11 @@ fn rust_block_problems(
             }
         }
     }
-    let include = format!("include_str!(\"../{page}\")");
-    if rust_blocks > 0 && !lib.contains(&include) {
+    if rust_blocks > 0 && !included_by(page, sources) {
         problems.push(format!(
-            "{page}: has Rust blocks but src/lib.rs does not compile them: add \
-             `#[cfg(all(doctest, <its features>))] #[doc = {include}]` on an item"
+            "{page}: has Rust blocks but no file of src/ compiles them: make the page its \
+             module's docs (`#![doc = include_str!(\"../../{page}\")]`, in a `cfg_attr` on the \
+             features its blocks use)"
         ));
     }
     (rust_blocks, problems)
@@ -434,8 +468,9 @@ echo not rust
 ";
     let read =
         |path: &str| (path == "src/f.rs").then(|| "/// F.\nfn f() -> u8 {\n    1\n}\n".to_owned());
-    let included = "#[doc = include_str!(\"../docs/x.md\")]";
-    let (n, problems) = rust_block_problems("docs/x.md", page, included, &read);
+    let module = |text: &str| vec![("src/m/mod.rs".to_owned(), text.to_owned())];
+    let included = module("#![doc = include_str!(\"../../docs/x.md\")]");
+    let (n, problems) = rust_block_problems("docs/x.md", page, &included, &read);
     assert_eq!(n, 4, "{problems:?}");
     let lines: Vec<&str> = problems
         .iter()
@@ -450,16 +485,26 @@ echo not rust
     assert!(problems[1].contains("not an excerpt of src/f.rs"));
     assert!(problems[2].contains("without a language"));
 
-    let (_, problems) = rust_block_problems("docs/x.md", page, "", &read);
-    assert!(
-        problems
-            .last()
-            .unwrap()
-            .contains("src/lib.rs does not compile them"),
-        "{problems:#?}"
-    );
+    // Not included, or included by a path that is not the page's from that file: refused.
+    for sources in [
+        module(""),
+        module("#![doc = include_str!(\"../docs/x.md\")]"),
+        module("#![doc = include_str!(\"../../docs/y.md\")]"),
+    ] {
+        let (_, problems) = rust_block_problems("docs/x.md", page, &sources, &read);
+        assert!(
+            problems
+                .last()
+                .unwrap()
+                .contains("no file of src/ compiles them"),
+            "{sources:?}: {problems:#?}"
+        );
+    }
     let quickstart = format!("{QUICKSTART_MARKER}\n```rust,ignore\nfn main() {{}}\n```\n");
-    let readme = "include_str!(\"../README.md\")";
+    let readme = &[(
+        "src/lib.rs".to_owned(),
+        "#[doc = include_str!(\"../README.md\")]".to_owned(),
+    )];
     assert_eq!(
         rust_block_problems("README.md", &quickstart, readme, &read),
         (1, vec![])
