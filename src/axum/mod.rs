@@ -12,7 +12,6 @@
 // builders take any `IntoResponse` error, so callers' closures stay small.
 #![allow(clippy::result_large_err)]
 
-use crate::setters::setters;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,6 +22,7 @@ use axum::http::{HeaderName, Method};
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 
+use crate::setters::setters;
 use crate::{Idempotency, Provider, StoredResponse};
 
 mod context;

@@ -52,7 +52,6 @@
 //! With feature `http`, [`WebhookReceiver::settle_keys`] also settles idemflow keys still
 //! `processing` from the `payment_intent.*` events that report them (see [`SettleKeys`]).
 
-use crate::setters::setters;
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
@@ -71,6 +70,7 @@ use tracing::{Instrument, info_span};
 use super::{Problem, REPLAYED_HEADER};
 use crate::error::RequestError;
 use crate::provider::stripe_signature::{SIGNATURE_HEADER, SignatureError, StripeSignature};
+use crate::setters::setters;
 use crate::store::phase::AtomicPhase;
 use crate::{Execution, Idempotency, IdempotentRequest, Outcome, StoredResponse, key::Scope};
 

@@ -20,7 +20,6 @@
            and `nats` are on, as on docs.rs."
 )]
 
-use crate::setters::setters;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -35,6 +34,7 @@ use tracing::{Instrument, info_span};
 use crate::error::{BoxError, RequestError};
 use crate::fingerprint::{Fingerprint, canonical_json, parse_json};
 use crate::provider::{Provider, Providers};
+use crate::setters::setters;
 use crate::{
     Context, Error, Execution, Idempotency, IdempotentRequest, Outcome, Sweeper, key::Scope,
 };

@@ -1,6 +1,5 @@
 //! The public entry point: [`Idempotency::execute`].
 
-use crate::setters::setters;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,6 +9,7 @@ use tracing::Instrument;
 use crate::error::{Error, RequestError, StoreError};
 use crate::provider_key;
 use crate::record::{Actor, KeyRecord, LeaseToken};
+use crate::setters::setters;
 use crate::state::KeyState;
 use crate::store::{ClaimOutcome, Finish, Lease, NewClaim, Release, Store};
 use crate::{KeyId, StoredResponse};
