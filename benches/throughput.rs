@@ -334,20 +334,22 @@ where
                     Box::pin(async move { assert!(f.await, "raw read: key missing") })
                 })
                 .await;
-                let idem = p.idem.clone();
-                let ours = measure(n, 1, move |i| {
-                    let idem = idem.clone();
-                    Box::pin(async move {
-                        let r = idem
-                            .execute(request(&format!("c1-{i}")), |_ctx| async {
-                                unreachable!("replay only")
-                            })
-                            .await
-                            .unwrap();
-                        assert!(r.is_replay());
+                // Replays of the keys just written, 1 caller, through `idem`.
+                let replays = |idem: Idempotency| {
+                    measure(n, 1, move |i| {
+                        let idem = idem.clone();
+                        Box::pin(async move {
+                            let r = idem
+                                .execute(request(&format!("c1-{i}")), |_ctx| async {
+                                    unreachable!("replay only")
+                                })
+                                .await
+                                .unwrap();
+                            assert!(r.is_replay());
+                        })
                     })
-                })
-                .await;
+                };
+                let ours = replays(p.idem.clone()).await;
                 replay = pair(
                     &format!("{name}: replays, 1 caller"),
                     rt_name,
@@ -356,20 +358,7 @@ where
                     "raw floor: primary-key read",
                 );
                 // The same replays with the replay cache off: each one reads the store.
-                let idem = p.idem.clone().replay_cache_bytes(0);
-                let stored = measure(n, 1, move |i| {
-                    let idem = idem.clone();
-                    Box::pin(async move {
-                        let r = idem
-                            .execute(request(&format!("c1-{i}")), |_ctx| async {
-                                unreachable!("replay only")
-                            })
-                            .await
-                            .unwrap();
-                        assert!(r.is_replay());
-                    })
-                })
-                .await;
+                let stored = replays(p.idem.clone().replay_cache_bytes(0)).await;
                 pair(
                     &format!("{name}: replays from the store (cache off), 1 caller"),
                     rt_name,
