@@ -220,8 +220,8 @@ impl FinishMode {
         }
     }
 
-    /// The token the write presented, for [`refused_write`](kit::refused_write): `None` for an unconditional
-    /// override.
+    /// The token the write presented, for [`refused_write`](kit::refused_write): `None` for an
+    /// unconditional override.
     pub fn presented(self) -> Option<LeaseToken> {
         self.holder().or(self.expected())
     }
