@@ -670,7 +670,12 @@ async fn failover(lag: Option<Duration>) {
             claims: Mutex::new(HashSet::new()),
             finishes: Mutex::new(HashSet::new()),
         });
-        let idem = Idempotency::new(recorded.clone()).lease(Duration::from_secs(3));
+        // The replay cache off: a retry must reach the store, so that a record the failover
+        // lost is seen lost and run again (a process that cached the answer gives it back
+        // instead, `docs/design.md`, "Replays from memory").
+        let idem = Idempotency::new(recorded.clone())
+            .lease(Duration::from_secs(3))
+            .replay_cache_bytes(0);
         lanes.push(Arc::new(Lane {
             name,
             redis,
